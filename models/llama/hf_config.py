@@ -1,0 +1,181 @@
+"""Hugging Face `config.json` <-> LlamaArgs, for both dialects found in the wild.
+
+Published Llama 3.x checkpoints say `rope_theta` and `rope_scaling` (with `rope_type`, or `type`
+in older files); transformers 5 writes `rope_parameters` with `rope_theta` inside. Both are read
+here with transformers' defaults for absent keys, so a file means the same model to pipekit as to
+transformers. We write the published dialect, which every transformers version reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.llama.args import LlamaArgs, RopeScaling
+from pipekit.checkpoint.safetensors_io import CheckpointError
+
+__all__ = ["CONFIG_FILE", "args_to_hf_config", "hf_config_to_args", "read_hf_llama_args"]
+
+CONFIG_FILE = "config.json"
+
+_REQUIRED_INTS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+)
+# transformers' LlamaConfig defaults, used when a key is absent.
+_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_RMS_NORM_EPS = 1e-6
+_DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
+_UNSCALED_ROPE_TYPES = (None, "default")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+def read_hf_llama_args(directory: str | os.PathLike[str]) -> LlamaArgs:
+    """LlamaArgs described by `directory/config.json`, with errors that name the file."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} does not exist; a Hugging Face checkpoint directory needs its {CONFIG_FILE}"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot read {path}: {error}") from error
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    return hf_config_to_args(config, source=str(path))
+
+
+def hf_config_to_args(config: Mapping[str, Any], *, source: str = CONFIG_FILE) -> LlamaArgs:
+    """Parse a Llama config.json (either dialect); reject what pipekit's Llama cannot compute."""
+    problems = _unsupported_features(config)
+    missing = [key for key in _REQUIRED_INTS if key not in config]
+    if missing:
+        problems.append(f"missing keys {missing}")
+    problems += [
+        f"{key}={config[key]!r} must be an integer"
+        for key in (*_REQUIRED_INTS, "num_key_value_heads", "head_dim")
+        if config.get(key) is not None and not _is_int(config[key])
+    ]
+    rope_theta, rope_scaling = _rope(config, problems)
+    if problems:
+        raise CheckpointError(
+            f"{source} describes a model pipekit's Llama cannot load: {'; '.join(problems)}"
+        )
+    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim")
+    if head_dim is not None and n_heads > 0 and dim % n_heads == 0 and head_dim == dim // n_heads:
+        head_dim = None  # the default, spelled out (transformers 5 always writes it)
+    try:
+        return LlamaArgs(
+            dim=dim,
+            n_layers=config["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            vocab_size=config["vocab_size"],
+            ffn_dim=config["intermediate_size"],
+            norm_eps=float(config.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_seq_len=_max_position_embeddings(config),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+    except ValueError as error:
+        raise CheckpointError(f"{source}: {error}") from error
+
+
+def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The published-dialect config.json of a model with `args` whose weights are `dtype`."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    scaling = args.rope_scaling
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.per_head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None if scaling is None else {
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        },
+        "tie_word_embeddings": args.tie_embeddings,
+        "vocab_size": args.vocab_size,
+        "torch_dtype": dtype_name,  # transformers 4 reads this key,
+        "dtype": dtype_name,  # transformers 5 this one.
+    }
+
+
+def _unsupported_features(config: Mapping[str, Any]) -> list[str]:
+    problems = []
+    if config.get("model_type") != "llama":
+        problems.append(f"model_type={config.get('model_type')!r} (need 'llama')")
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={config['hidden_act']!r} (pipekit's Llama uses SwiGLU, 'silu')")
+    problems += [
+        f"{key}=true (pipekit's Llama has no biases)"
+        for key in ("attention_bias", "mlp_bias") if config.get(key)
+    ]
+    if config.get("partial_rotary_factor") not in (None, 1.0):
+        problems.append(f"partial_rotary_factor={config['partial_rotary_factor']} (need 1.0)")
+    if config.get("quantization_config") is not None:
+        problems.append("quantization_config is set (load an unquantized checkpoint)")
+    return problems
+
+
+def _rope(config: Mapping[str, Any], problems: list[str]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) from either dialect; unsupported kinds go to `problems`."""
+    # transformers gives a non-null legacy `rope_scaling` priority over `rope_parameters`.
+    parameters = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(parameters, Mapping):
+        problems.append(f"rope_scaling/rope_parameters={parameters!r} must be an object or null")
+        return _DEFAULT_ROPE_THETA, None
+    rope_theta = float(
+        parameters.get("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA))
+    )
+    rope_type = parameters.get("rope_type", parameters.get("type"))
+    if rope_type in _UNSCALED_ROPE_TYPES:
+        return rope_theta, None
+    if rope_type != "llama3":
+        problems.append(
+            f"rope type {rope_type!r} (pipekit's Llama supports 'default' and 'llama3'; "
+            "convert or fine-tune the checkpoint to one of those)"
+        )
+        return rope_theta, None
+    missing = [key for key in _LLAMA3_KEYS if parameters.get(key) is None]
+    if missing:
+        problems.append(f"llama3 rope scaling lacks {missing}")
+        return rope_theta, None
+    return rope_theta, RopeScaling(
+        factor=float(parameters["factor"]),
+        low_freq_factor=float(parameters["low_freq_factor"]),
+        high_freq_factor=float(parameters["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            parameters.get("original_max_position_embeddings") or _max_position_embeddings(config)
+        ),
+    )
+
+
+def _max_position_embeddings(config: Mapping[str, Any]) -> int:
+    return int(config.get("max_position_embeddings", _DEFAULT_MAX_POSITION_EMBEDDINGS))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,344 @@
+"""Hugging Face LlamaForCausalLM checkpoints <-> pipekit's Llama: names, RoPE row order, load, save.
+
+pipekit (like Meta's reference code) rotates the interleaved pairs (x[2i], x[2i+1]) of each head;
+Hugging Face rotates (x[i], x[i + head_dim/2]) ("rotate_half"). Both compute the same model once
+the rows of every head of wq and wk are reordered: pipekit row 2i+c of a head is Hugging Face row
+c*head_dim/2 + i. The reorder stays inside a head, so a row range of whole heads is the same row
+range in both layouts, and a tensor-parallel rank can read just its heads.
+
+Shape legend: R rows (output features), D model dim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import fields
+
+import torch
+from torch import nn
+
+from models.llama.args import LlamaArgs
+from models.llama.hf_config import CONFIG_FILE, args_to_hf_config, read_hf_llama_args
+from pipekit.checkpoint.safetensors_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    CheckpointError,
+    SafetensorsCheckpoint,
+    save_safetensors,
+)
+
+__all__ = [
+    "build_llama_from_hf",
+    "from_hf_name",
+    "from_hf_state_dict",
+    "llama_param_shapes",
+    "load_hf_llama",
+    "permute_from_hf",
+    "permute_to_hf",
+    "read_hf_tensor",
+    "save_hf_llama",
+    "to_hf_name",
+    "to_hf_state_dict",
+]
+
+_TOP_LEVEL_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+_ROPE_PERMUTED = ("attention.wq.weight", "attention.wk.weight")
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Buffers some transformers versions saved; they are recomputed from config.json.
+_IGNORED_HF_SUFFIX = "rotary_emb.inv_freq"
+_TIED_HEAD = "lm_head.weight"
+_LISTED_NAMES = 20
+
+
+def to_hf_name(name: str) -> str:
+    """Hugging Face name of a pipekit Llama parameter."""
+    if name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[name]
+    match = _LAYER.fullmatch(name)
+    if match and match[2] in _LAYER_NAMES:
+        return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}"
+    raise ValueError(f"{name!r} is not a pipekit Llama parameter name")
+
+
+def from_hf_name(hf_name: str) -> str:
+    """pipekit name of a Hugging Face LlamaForCausalLM tensor."""
+    for name, candidate in _TOP_LEVEL_NAMES.items():
+        if candidate == hf_name:
+            return name
+    match = _HF_LAYER.fullmatch(hf_name)
+    for name, hf_suffix in _LAYER_NAMES.items():
+        if match and match[2] == hf_suffix:
+            return f"layers.{match[1]}.{name}"
+    raise ValueError(f"{hf_name!r} is not a Hugging Face Llama weight name")
+
+
+def permute_to_hf(w_RD: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorder each head's rows from interleaved RoPE pairs to rotate_half halves."""
+    heads = _whole_heads(w_RD, head_dim)
+    return w_RD.reshape(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w_RD.shape)
+
+
+def permute_from_hf(w_RD: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of permute_to_hf: rotate_half halves back to interleaved pairs."""
+    heads = _whole_heads(w_RD, head_dim)
+    return w_RD.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w_RD.shape)
+
+
+def llama_param_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of a pipekit Llama (`output.weight` even when tied)."""
+    dim, head_dim = args.dim, args.per_head_dim
+    q_rows, kv_rows = args.n_heads * head_dim, args.num_kv_heads * head_dim
+    per_layer = {
+        "attention_norm.weight": (dim,),
+        "ffn_norm.weight": (dim,),
+        "attention.wq.weight": (q_rows, dim),
+        "attention.wk.weight": (kv_rows, dim),
+        "attention.wv.weight": (kv_rows, dim),
+        "attention.wo.weight": (dim, q_rows),
+        "feed_forward.w1.weight": (args.ffn_dim, dim),
+        "feed_forward.w2.weight": (dim, args.ffn_dim),
+        "feed_forward.w3.weight": (args.ffn_dim, dim),
+    }
+    shapes = {"tok_embeddings.weight": (args.vocab_size, dim)}
+    for layer in range(args.n_layers):
+        shapes |= {f"layers.{layer}.{name}": shape for name, shape in per_layer.items()}
+    return shapes | {"norm.weight": (dim,), "output.weight": (args.vocab_size, dim)}
+
+
+def to_hf_state_dict(
+    state_dict: Mapping[str, torch.Tensor], args: LlamaArgs
+) -> dict[str, torch.Tensor]:
+    """Hugging Face names and row order; a tied `output.weight` is dropped, as transformers does."""
+    hf_state_dict = {}
+    for name, tensor in state_dict.items():
+        if args.tie_embeddings and name == "output.weight":
+            continue
+        permuted = name.endswith(_ROPE_PERMUTED)
+        hf_state_dict[to_hf_name(name)] = (
+            permute_to_hf(tensor, args.per_head_dim) if permuted else tensor
+        )
+    return hf_state_dict
+
+
+def from_hf_state_dict(
+    hf_state_dict: Mapping[str, torch.Tensor], args: LlamaArgs
+) -> dict[str, torch.Tensor]:
+    """pipekit names and row order; with tied embeddings `output.weight` is the embedding."""
+    state_dict = {}
+    for hf_name, tensor in hf_state_dict.items():
+        if hf_name.endswith(_IGNORED_HF_SUFFIX) or (
+            args.tie_embeddings and hf_name == _TIED_HEAD
+        ):
+            continue
+        name = from_hf_name(hf_name)
+        permuted = name.endswith(_ROPE_PERMUTED)
+        state_dict[name] = permute_from_hf(tensor, args.per_head_dim) if permuted else tensor
+    if args.tie_embeddings and "tok_embeddings.weight" in state_dict:
+        state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
+    return state_dict
+
+
+def read_hf_tensor(
+    checkpoint: SafetensorsCheckpoint, name: str, args: LlamaArgs, rows: slice | None = None
+) -> torch.Tensor:
+    """pipekit parameter `name` (or its rows `rows`) read from a Hugging Face checkpoint.
+
+    For wq and wk, `rows` must cover whole heads (multiples of head_dim), because the RoPE
+    reorder mixes the rows inside a head.
+    """
+    permuted = name.endswith(_ROPE_PERMUTED)
+    head_dim = args.per_head_dim
+    if permuted and rows is not None:
+        bounds = [bound for bound in (rows.start, rows.stop) if bound is not None]
+        if any(bound % head_dim for bound in bounds):
+            raise ValueError(
+                f"rows {rows.start}:{rows.stop} of {name} do not cover whole heads; with "
+                f"head_dim={head_dim} start and stop must be multiples of {head_dim}"
+            )
+    tensor = checkpoint.read(_hf_source(name, args), rows)
+    return permute_from_hf(tensor, head_dim) if permuted else tensor
+
+
+def load_hf_llama(directory: str | os.PathLike[str], model: nn.Module, args: LlamaArgs) -> None:
+    """Copy a Hugging Face Llama checkpoint into `model` (laid out as `args`), in its dtype.
+
+    config.json must describe `args` (`max_seq_len` may differ: it is a training choice, not a
+    property of the weights). Everything is checked before the first parameter is written, so a
+    failed load leaves the model untouched.
+    """
+    differences = _config_differences(read_hf_llama_args(directory), args)
+    if differences:
+        raise CheckpointError(
+            f"{os.path.join(directory, CONFIG_FILE)} does not match the model's LlamaArgs: "
+            f"{'; '.join(differences)}; build the model from read_hf_llama_args(directory) "
+            "or load a checkpoint of this shape"
+        )
+    params = _parameters_matching(model, args)
+    if any(param.is_meta for param in params.values()):
+        raise ValueError(
+            "the model's parameters are on the meta device; call model.to_empty(device=...) "
+            "before loading"
+        )
+    with SafetensorsCheckpoint(directory) as checkpoint:
+        _check_checkpoint_tensors(checkpoint, args)
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(read_hf_tensor(checkpoint, name, args))
+
+
+def save_hf_llama(
+    model: nn.Module,
+    args: LlamaArgs,
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> None:
+    """Write `model` as a Hugging Face checkpoint (config.json + safetensors), atomically.
+
+    Tensors keep the model's dtype, so load -> save -> load is bit-exact.
+    """
+    params = {name: param.detach() for name, param in _parameters_matching(model, args).items()}
+    embedding, output = params["tok_embeddings.weight"], params["output.weight"]
+    if args.tie_embeddings and not (output is embedding or torch.equal(output, embedding)):
+        raise ValueError(
+            "args.tie_embeddings=True but the model's output.weight differs from "
+            "tok_embeddings.weight; saving would drop it. Tie them or set tie_embeddings=False"
+        )
+    config = args_to_hf_config(args, dtype=embedding.dtype)
+    save_safetensors(
+        to_hf_state_dict(params, args),
+        directory,
+        max_shard_bytes=max_shard_bytes,
+        extra_files={CONFIG_FILE: json.dumps(config, indent=2) + "\n"},
+        overwrite=overwrite,
+    )
+
+
+def build_llama_from_hf(
+    directory: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[nn.Module, LlamaArgs]:
+    """A pipekit Llama built from a Hugging Face checkpoint: (model, its LlamaArgs)."""
+    from models.llama.model import Llama
+
+    args = read_hf_llama_args(directory)
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device=device)
+    model.init_weights()  # also fills buffers (RoPE tables) that to_empty leaves uninitialised
+    model.to(dtype)
+    load_hf_llama(directory, model, args)
+    return model, args
+
+
+def _whole_heads(w_RD: torch.Tensor, head_dim: int) -> int:
+    if w_RD.shape[0] % head_dim:
+        raise ValueError(
+            f"{w_RD.shape[0]} rows are not whole heads of head_dim={head_dim}; "
+            "pass rows that are multiples of head_dim"
+        )
+    return w_RD.shape[0] // head_dim
+
+
+def _hf_source(name: str, args: LlamaArgs) -> str:
+    """Checkpoint tensor that holds parameter `name` (tied output reads the embedding)."""
+    if args.tie_embeddings and name == "output.weight":
+        return _TOP_LEVEL_NAMES["tok_embeddings.weight"]
+    return to_hf_name(name)
+
+
+def _config_differences(checkpoint_args: LlamaArgs, model_args: LlamaArgs) -> list[str]:
+    checkpoint_fields, model_fields = _comparable(checkpoint_args), _comparable(model_args)
+    return [
+        f"{key}: checkpoint {checkpoint_fields[key]!r}, model {model_fields[key]!r}"
+        for key in checkpoint_fields if checkpoint_fields[key] != model_fields[key]
+    ]
+
+
+def _comparable(args: LlamaArgs) -> dict[str, object]:
+    """Fields that change what the weights compute, with their defaults resolved."""
+    values = {field.name: getattr(args, field.name) for field in fields(args)}
+    del values["max_seq_len"]
+    return values | {"n_kv_heads": args.num_kv_heads, "head_dim": args.per_head_dim}
+
+
+def _parameters_matching(model: nn.Module, args: LlamaArgs) -> dict[str, nn.Parameter]:
+    """The model's parameters (tied ones under both names), checked against `args`."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = llama_param_shapes(args)
+    problems = _name_and_shape_problems(
+        {name: tuple(param.shape) for name, param in params.items()}, expected
+    )
+    if problems:
+        raise ValueError(f"the model does not have the parameters its LlamaArgs imply: {problems}")
+    return params
+
+
+def _check_checkpoint_tensors(checkpoint: SafetensorsCheckpoint, args: LlamaArgs) -> None:
+    expected = {
+        to_hf_name(name): shape for name, shape in llama_param_shapes(args).items()
+        if not (args.tie_embeddings and name == "output.weight")
+    }
+    present = {name for name in checkpoint.names if not name.endswith(_IGNORED_HF_SUFFIX)}
+    tied_head = args.tie_embeddings and _TIED_HEAD in present
+    if tied_head:
+        expected[_TIED_HEAD] = expected[_TOP_LEVEL_NAMES["tok_embeddings.weight"]]
+    found = {name: checkpoint.info(name).shape for name in present}
+    problems = _name_and_shape_problems(found, expected)
+    if problems:
+        raise CheckpointError(f"{checkpoint.directory} does not fit the model: {problems}")
+    if tied_head and not torch.equal(
+        checkpoint.read(_TIED_HEAD), checkpoint.read(_TOP_LEVEL_NAMES["tok_embeddings.weight"])
+    ):
+        raise CheckpointError(
+            f"{checkpoint.directory}: config.json says tie_word_embeddings=true but lm_head.weight "
+            "differs from model.embed_tokens.weight; set tie_word_embeddings=false in config.json "
+            "if the checkpoint really has a separate output layer"
+        )
+
+
+def _name_and_shape_problems(
+    found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]
+) -> str:
+    """'' when `found` has exactly the expected names and shapes, else what is wrong."""
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
+    mismatched = [
+        f"{name} expected {list(expected[name])}, got {list(found[name])}"
+        for name in sorted(expected.keys() & found.keys()) if found[name] != expected[name]
+    ]
+    parts = [
+        f"{label} ({len(items)}): {_listing(items)}"
+        for label, items in (
+            ("missing tensors", missing),
+            ("unexpected tensors", unexpected),
+            ("shape mismatches", mismatched),
+        ) if items
+    ]
+    return "; ".join(parts)
+
+
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(items[:_LISTED_NAMES])
+    return shown if len(items) <= _LISTED_NAMES else f"{shown}, ... ({len(items) - _LISTED_NAMES} more)"

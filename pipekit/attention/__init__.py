@@ -1,0 +1,41 @@
+"""Attention that returns (out, lse): masks, kernels, exact LSE merge, attention contexts."""
+
+from pipekit.attention.backends import (
+    AttentionBackend,
+    RingBackend,
+    available_backends,
+    get_backend,
+    select_backend,
+    use_backend,
+)
+from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
+from pipekit.attention.masks import (
+    MaskMod,
+    and_masks,
+    causal_mask,
+    document_mask,
+    offset_causal_mask,
+    or_masks,
+    sliding_window_mask,
+)
+from pipekit.attention.merge import merge_attention
+
+__all__ = [
+    "AttentionBackend",
+    "KVChunk",
+    "MaskMod",
+    "RingBackend",
+    "and_masks",
+    "attention",
+    "attention_over_chunks",
+    "available_backends",
+    "causal_mask",
+    "document_mask",
+    "get_backend",
+    "merge_attention",
+    "offset_causal_mask",
+    "or_masks",
+    "select_backend",
+    "sliding_window_mask",
+    "use_backend",
+]

@@ -1,0 +1,103 @@
+"""Attention backends: what a kernel must provide, the registry, and the automatic choice.
+
+Every backend computes one query block against one KV chunk with the signature
+`forward_chunk(q_BHSD, k_BGKD, v_BGKD, mask, scale) -> (out_BHSD, lse_BHS)` and is differentiable
+in one of two ways, declared by `lse_has_grad`:
+- True: both outputs carry gradients; chunks are merged by autograd (`flex` on CUDA).
+- False: lse has no gradient; the backend also provides `backward_chunk`, and attention over
+  chunks is one autograd function that calls it with the merged out and lse (`cpu`).
+
+`"auto"` picks `flex` on CUDA, `cpu` on CPU when a gradient is needed, and `flex` for CPU
+inference. `use_backend(name)` overrides the automatic choice for a region of code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from pipekit.attention.cpu_flash import CpuFlashBackend
+from pipekit.attention.flex import FlexBackend
+from pipekit.attention.masks import MaskMod
+
+__all__ = [
+    "AttentionBackend",
+    "RingBackend",
+    "available_backends",
+    "get_backend",
+    "select_backend",
+    "use_backend",
+]
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """A kernel for one (query block, KV chunk) pair."""
+
+    name: str
+    lse_has_grad: bool
+
+    def forward_chunk(
+        self, q_BHSD: Tensor, k_BGKD: Tensor, v_BGKD: Tensor, mask: MaskMod | None, scale: float
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+@runtime_checkable
+class RingBackend(AttentionBackend, Protocol):
+    """A backend whose lse has no gradient: it differentiates each chunk given merged results."""
+
+    def backward_chunk(
+        self,
+        grad_out_BHSD: Tensor,
+        q_BHSD: Tensor,
+        k_BGKD: Tensor,
+        v_BGKD: Tensor,
+        out_BHSD: Tensor,
+        lse_BHS: Tensor,
+        mask: MaskMod | None,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+_BACKENDS: dict[str, AttentionBackend] = {"cpu": CpuFlashBackend(), "flex": FlexBackend()}
+_forced_backend: str | None = None
+
+
+def available_backends() -> list[str]:
+    """Backend names accepted by `get_backend`, plus "auto"."""
+    return [*sorted(_BACKENDS), "auto"]
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """A backend by name (not "auto"), with an error listing the valid names."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {available_backends()}")
+    return _BACKENDS[name]
+
+
+def select_backend(name: str, *tensors: Tensor) -> AttentionBackend:
+    """Resolve `name` ("auto" included) for attention over these tensors."""
+    if name != "auto":
+        return get_backend(name)
+    if _forced_backend is not None:
+        return get_backend(_forced_backend)
+    if tensors[0].device.type == "cuda":
+        return _BACKENDS["flex"]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return _BACKENDS["cpu"] if needs_grad else _BACKENDS["flex"]
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Make "auto" resolve to `name` inside the block (e.g. avoid compiling flex in a CPU tool)."""
+    global _forced_backend
+    get_backend(name)
+    previous, _forced_backend = _forced_backend, name
+    try:
+        yield
+    finally:
+        _forced_backend = previous

@@ -1,0 +1,140 @@
+"""CPU training kernel: the CPU flash-attention op of ATen, run tile by tile.
+
+Why this kernel: `aten._scaled_dot_product_flash_attention_for_cpu` is the op that
+`scaled_dot_product_attention` itself uses on CPU; it is blocked (no score matrix), returns the
+log-sum-exp, and has a backward op that accepts an arbitrary `(out, lse)`. That last property is
+what multi-chunk attention needs (the ring-attention identity: every chunk's backward runs with
+the *merged* output and lse). FlexAttention has no CPU backward in torch 2.13, and a blocked
+kernel written in Python ops would be several times slower.
+
+Differentiability: the op's lse carries no gradient, so this backend is used through one
+autograd function over all KV chunks (see `pipekit.attention.chunked`). Masks: the op only knows
+dense additive masks and top-left causal, so masks are evaluated per tile (`_tiles`); fully masked
+tiles are skipped. GQA: each KV tile is expanded to the query heads just before its call.
+
+Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pipekit.attention._tiles import Tile, iter_tiles
+from pipekit.attention.masks import MaskMod
+from pipekit.attention.merge import merge_attention
+
+__all__ = ["CpuFlashBackend"]
+
+_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _expand_kv_heads(kv_BGKD: Tensor, query_heads: int) -> Tensor:
+    """Repeat each KV head for the query heads that share it (GQA)."""
+    batch, kv_heads, length, head_dim = kv_BGKD.shape
+    if kv_heads == query_heads:
+        return kv_BGKD
+    group = query_heads // kv_heads
+    return (
+        kv_BGKD.unsqueeze(2)
+        .expand(batch, kv_heads, group, length, head_dim)
+        .reshape(batch, query_heads, length, head_dim)
+    )
+
+
+def _reduce_kv_heads(grad_BHKD: Tensor, kv_heads: int) -> Tensor:
+    """Sum the gradients of the query heads that share one KV head (inverse of the expansion)."""
+    batch, query_heads, length, head_dim = grad_BHKD.shape
+    if kv_heads == query_heads:
+        return grad_BHKD
+    return grad_BHKD.view(batch, kv_heads, query_heads // kv_heads, length, head_dim).sum(2)
+
+
+class CpuFlashBackend:
+    """Tiled ATen CPU flash attention; `q_block` x `kv_block` bounds every tile and mask."""
+
+    name = "cpu"
+    lse_has_grad = False
+
+    def __init__(self, q_block: int = 2048, kv_block: int = 2048) -> None:
+        self.q_block = q_block
+        self.kv_block = kv_block
+
+    def _tiles(self, q_BHSD: Tensor, k_BGKD: Tensor, mask: MaskMod | None) -> list[list[Tile]]:
+        """Tiles grouped by query block (each group's partials are merged)."""
+        batch, heads, q_len, _ = q_BHSD.shape
+        groups: dict[int, list[Tile]] = {}
+        for tile in iter_tiles(
+            mask, batch, heads, q_len, k_BGKD.shape[2], self.q_block, self.kv_block, q_BHSD.device
+        ):
+            groups.setdefault(tile.q_rows.start, []).append(tile)
+        return list(groups.values())
+
+    def forward_chunk(
+        self, q_BHSD: Tensor, k_BGKD: Tensor, v_BGKD: Tensor, mask: MaskMod | None, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Attention of the queries over one KV chunk: `(out_BHSD, lse_BHS)`, no autograd."""
+        heads = q_BHSD.shape[1]
+        out_BHSD = q_BHSD.new_zeros(q_BHSD.shape)
+        stat_dtype = torch.promote_types(q_BHSD.dtype, torch.float32)
+        lse_BHS = torch.full(q_BHSD.shape[:3], float("-inf"), dtype=stat_dtype, device=q_BHSD.device)
+        for row_tiles in self._tiles(q_BHSD, k_BGKD, mask):
+            q_rows = row_tiles[0].q_rows
+            partials = []
+            for tile in row_tiles:
+                out_t, lse_t = _flash_forward(
+                    q_BHSD[:, :, q_rows],
+                    _expand_kv_heads(k_BGKD[:, :, tile.kv_cols], heads),
+                    _expand_kv_heads(v_BGKD[:, :, tile.kv_cols], heads),
+                    is_causal=tile.is_causal,
+                    attn_mask=tile.additive_mask(q_BHSD.dtype),
+                    scale=scale,
+                )
+                empty_rows = tile.empty_rows()
+                if empty_rows is not None:  # the op reports lse = 0 for rows with no key
+                    lse_t = lse_t.masked_fill(empty_rows, float("-inf"))
+                partials.append((out_t, lse_t))
+            out_t, lse_t = merge_attention(partials)
+            out_BHSD[:, :, q_rows] = out_t
+            lse_BHS[:, :, q_rows] = lse_t
+        return out_BHSD, lse_BHS
+
+    def backward_chunk(
+        self,
+        grad_out_BHSD: Tensor,
+        q_BHSD: Tensor,
+        k_BGKD: Tensor,
+        v_BGKD: Tensor,
+        out_BHSD: Tensor,
+        lse_BHS: Tensor,
+        mask: MaskMod | None,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients of one chunk given the *merged* `out` and `lse` (ring-attention identity)."""
+        heads, kv_heads = q_BHSD.shape[1], k_BGKD.shape[1]
+        # Rows with no key anywhere have lse = -inf; +inf makes their probabilities exp(-inf) = 0.
+        stat_dtype = torch.promote_types(q_BHSD.dtype, torch.float32)
+        lse_BHS = lse_BHS.masked_fill(torch.isneginf(lse_BHS), float("inf")).to(stat_dtype)
+        grad_q_BHSD = torch.zeros_like(q_BHSD)
+        grad_k_BGKD = torch.zeros_like(k_BGKD)
+        grad_v_BGKD = torch.zeros_like(v_BGKD)
+        for row_tiles in self._tiles(q_BHSD, k_BGKD, mask):
+            q_rows = row_tiles[0].q_rows
+            for tile in row_tiles:
+                grad_q_t, grad_k_t, grad_v_t = _flash_backward(
+                    grad_out_BHSD[:, :, q_rows].contiguous(),
+                    q_BHSD[:, :, q_rows],
+                    _expand_kv_heads(k_BGKD[:, :, tile.kv_cols], heads),
+                    _expand_kv_heads(v_BGKD[:, :, tile.kv_cols], heads),
+                    out_BHSD[:, :, q_rows].contiguous(),
+                    lse_BHS[:, :, q_rows].contiguous(),
+                    0.0,
+                    tile.is_causal,
+                    attn_mask=tile.additive_mask(q_BHSD.dtype),
+                    scale=scale,
+                )
+                grad_q_BHSD[:, :, q_rows] += grad_q_t
+                grad_k_BGKD[:, :, tile.kv_cols] += _reduce_kv_heads(grad_k_t, kv_heads)
+                grad_v_BGKD[:, :, tile.kv_cols] += _reduce_kv_heads(grad_v_t, kv_heads)
+        return grad_q_BHSD, grad_k_BGKD, grad_v_BGKD

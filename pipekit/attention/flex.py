@@ -1,0 +1,124 @@
+"""FlexAttention backend: the training kernel on CUDA, an inference kernel on CPU.
+
+`flex_attention` and `create_block_mask` are each wrapped by `torch.compile` once per process
+(`_compiled_flex`, `_compiled_block_mask`); every call and every module instance shares them, so a
+model compiles per distinct shape, not per layer or per call.
+
+Differentiability: on CUDA both outputs carry gradients (FlexAttention's backward accepts a
+gradient for the log-sum-exp), so partial results over KV chunks are merged by plain autograd.
+CPU limits in torch 2.13, designed around here: compiled FlexAttention on CPU runs inference
+only, has no backward at all, and cannot return the lse. On CPU this backend therefore refuses
+inputs that require grad (use the "cpu" backend to train) and computes the lse with a separate
+tiled log-sum-exp pass over the same mask (exact; it costs one extra QK^T, never a full-sequence
+score matrix). Eager FlexAttention could return the lse but materialises the scores.
+
+Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import (
+    AuxRequest,
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
+
+from pipekit.attention._tiles import iter_tiles, mask_dependence
+from pipekit.attention.masks import MaskMod
+
+__all__ = ["FlexBackend", "tiled_logsumexp"]
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., object]:
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.cache
+def _compiled_block_mask() -> Callable[..., BlockMask]:
+    return torch.compile(create_block_mask, dynamic=False)
+
+
+def tiled_logsumexp(
+    q_BHSD: Tensor, k_BGKD: Tensor, mask: MaskMod | None, scale: float, block: int = 1024
+) -> Tensor:
+    """`logsumexp_k(scale * q.k)` over allowed keys, `[B, H, S]`, one tile of scores at a time."""
+    batch, heads, q_len, head_dim = q_BHSD.shape
+    kv_heads = k_BGKD.shape[1]
+    stat_dtype = torch.promote_types(q_BHSD.dtype, torch.float32)
+    lse_BHS = torch.full((batch, heads, q_len), float("-inf"), dtype=stat_dtype, device=q_BHSD.device)
+    q_BGhSD = q_BHSD.view(batch, kv_heads, heads // kv_heads, q_len, head_dim).to(stat_dtype)
+    for tile in iter_tiles(
+        mask, batch, heads, q_len, k_BGKD.shape[2], block, block, q_BHSD.device
+    ):
+        k_BG1KD = k_BGKD[:, :, None, tile.kv_cols].to(stat_dtype)
+        scores = (q_BGhSD[:, :, :, tile.q_rows] @ k_BG1KD.transpose(-1, -2)) * scale
+        scores_BHSK = scores.flatten(1, 2)
+        if tile.is_causal:
+            scores_BHSK = scores_BHSK.masked_fill(
+                ~torch.ones(
+                    scores_BHSK.shape[-2:], dtype=torch.bool, device=scores_BHSK.device
+                ).tril(), float("-inf")
+            )
+        elif tile.allowed is not None:
+            scores_BHSK = scores_BHSK.masked_fill(~tile.allowed, float("-inf"))
+        rows = lse_BHS[:, :, tile.q_rows]
+        lse_BHS[:, :, tile.q_rows] = torch.logaddexp(rows, scores_BHSK.logsumexp(dim=-1))
+    return lse_BHS
+
+
+class FlexBackend:
+    """Compiled FlexAttention with a BlockMask built from the mask_mod (cached for one mask)."""
+
+    name = "flex"
+    lse_has_grad = True
+
+    def __init__(self) -> None:
+        self._last_block_mask: tuple[tuple[object, ...], MaskMod, BlockMask] | None = None
+
+    def block_mask(self, mask: MaskMod, q_BHSD: Tensor, k_BGKD: Tensor) -> BlockMask:
+        """The BlockMask of `mask` for these shapes; the last one is reused, since every layer
+        of a model asks for the same mask in turn."""
+        batch, heads, q_len, _ = q_BHSD.shape
+        key = (id(mask), batch, heads, q_len, k_BGKD.shape[2], q_BHSD.device)
+        if self._last_block_mask is not None and self._last_block_mask[0] == key:
+            return self._last_block_mask[2]
+        per_batch, per_head = mask_dependence(mask, batch, heads, q_BHSD.device)
+        block_mask = _compiled_block_mask()(
+            mask,
+            batch if per_batch else None,
+            heads if per_head else None,
+            q_len,
+            k_BGKD.shape[2],
+            device=q_BHSD.device,
+        )
+        self._last_block_mask = (key, mask, block_mask)  # holding `mask` keeps its id unique
+        return block_mask
+
+    def forward_chunk(
+        self, q_BHSD: Tensor, k_BGKD: Tensor, v_BGKD: Tensor, mask: MaskMod | None, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """`(out_BHSD, lse_BHS)`; differentiable in both on CUDA, inference only on CPU."""
+        block_mask = None if mask is None else self.block_mask(mask, q_BHSD, k_BGKD)
+        enable_gqa = q_BHSD.shape[1] != k_BGKD.shape[1]
+        if q_BHSD.device.type != "cpu":
+            out_BHSD, aux = _compiled_flex()(
+                q_BHSD, k_BGKD, v_BGKD, block_mask=block_mask, scale=scale,
+                enable_gqa=enable_gqa, return_aux=AuxRequest(lse=True),
+            )
+            return out_BHSD, aux.lse
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHSD, k_BGKD, v_BGKD)):
+            raise RuntimeError(
+                "attention backend 'flex' has no backward on CPU (torch 2.13 FlexAttention is "
+                "inference-only there); train on CPU with backend='cpu' or 'auto'"
+            )
+        out_BHSD = _compiled_flex()(
+            q_BHSD, k_BGKD, v_BGKD, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+        )
+        return out_BHSD, tiled_logsumexp(q_BHSD, k_BGKD, mask, scale)

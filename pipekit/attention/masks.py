@@ -1,0 +1,119 @@
+"""Attention masks as FlexAttention `mask_mod` functions.
+
+A mask_mod maps index tensors `(b, h, q_idx, kv_idx)` to a bool tensor: True where the query may
+attend to the key. Indices are *local* to the query block and the KV chunk; masks that need global
+positions (causal across slices) carry the blocks' offsets. Every mask here is written with
+elementwise ops and advanced indexing only, so the same function works under FlexAttention's vmap
+and when evaluated on broadcast index grids (how the CPU kernel builds a tile's mask).
+
+Offsets are stored as 0-dim tensors, not Python ints: a compiled FlexAttention kernel guards on
+Python constants it closes over, so int offsets would recompile once per slice.
+
+Legend: B batch, S query length, K key length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import reduce
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "MaskMod",
+    "and_masks",
+    "causal_mask",
+    "document_mask",
+    "offset_causal_mask",
+    "or_masks",
+    "sliding_window_mask",
+]
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""`(b, h, q_idx, kv_idx) -> bool`: True where attention is allowed."""
+
+
+def causal_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Causal attention when the query block and the KV chunk start at the same position."""
+    return q_idx >= kv_idx
+
+
+def _position_delta(
+    q_offset: int | Tensor, kv_offset: int | Tensor, device: torch.device | str | None
+) -> Tensor:
+    """q_offset - kv_offset as a 0-dim int64 tensor (see the module docstring for why)."""
+    delta = torch.as_tensor(q_offset, dtype=torch.int64) - torch.as_tensor(
+        kv_offset, dtype=torch.int64
+    )
+    return delta.to(device) if device is not None else delta
+
+
+def offset_causal_mask(
+    q_offset: int | Tensor, kv_offset: int | Tensor, device: torch.device | str | None = None
+) -> MaskMod:
+    """Causal mask for queries at positions `[q_offset, q_offset+S)` and keys at
+    `[kv_offset, kv_offset+K)`: query position >= key position."""
+    delta = _position_delta(q_offset, kv_offset, device)
+
+    def offset_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return q_idx + delta >= kv_idx
+
+    return offset_causal
+
+
+def sliding_window_mask(
+    window_size: int,
+    q_offset: int | Tensor = 0,
+    kv_offset: int | Tensor = 0,
+    device: torch.device | str | None = None,
+) -> MaskMod:
+    """Keys within `window_size` positions of the query (either side); `and` it with a causal
+    mask for causal sliding-window attention."""
+    if window_size <= 0:
+        raise ValueError(f"sliding_window_mask: window_size={window_size} must be positive")
+    delta = _position_delta(q_offset, kv_offset, device)
+
+    def sliding_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx + delta - kv_idx).abs() < window_size
+
+    return sliding_window
+
+
+def document_mask(q_document_ids_BS: Tensor, kv_document_ids_BK: Tensor) -> MaskMod:
+    """Packed sequences: a query attends only to keys of its own document.
+
+    The id tensors cover exactly the query block and the KV chunk (slice them with the blocks).
+    """
+    if q_document_ids_BS.dim() != 2 or kv_document_ids_BK.dim() != 2:
+        raise ValueError(
+            "document_mask expects [batch, length] document-id tensors, got shapes "
+            f"{tuple(q_document_ids_BS.shape)} and {tuple(kv_document_ids_BK.shape)}"
+        )
+
+    def same_document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return q_document_ids_BS[b, q_idx] == kv_document_ids_BK[b, kv_idx]
+
+    return same_document
+
+
+def and_masks(*masks: MaskMod) -> MaskMod:
+    """Attention allowed where every mask allows it."""
+    if not masks:
+        raise ValueError("and_masks needs at least one mask")
+
+    def all_of(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return reduce(torch.logical_and, (mask(b, h, q_idx, kv_idx) for mask in masks))
+
+    return all_of
+
+
+def or_masks(*masks: MaskMod) -> MaskMod:
+    """Attention allowed where any mask allows it."""
+    if not masks:
+        raise ValueError("or_masks needs at least one mask")
+
+    def any_of(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return reduce(torch.logical_or, (mask(b, h, q_idx, kv_idx) for mask in masks))
+
+    return any_of

@@ -1,0 +1,25 @@
+"""Checkpoint I/O: safetensors directories in Hugging Face layout (model-agnostic).
+
+Model-specific name mappings live with each model (e.g. `models/llama/state_dict_adapter.py`);
+`python -m pipekit.checkpoint.inspect DIR` lists a checkpoint and can run it.
+"""
+
+from pipekit.checkpoint.safetensors_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    SafetensorsCheckpoint,
+    TensorInfo,
+    save_safetensors,
+)
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "CheckpointError",
+    "SafetensorsCheckpoint",
+    "TensorInfo",
+    "save_safetensors",
+]

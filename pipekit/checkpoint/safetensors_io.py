@@ -1,0 +1,323 @@
+"""Lazy reading and atomic writing of safetensors checkpoint directories (Hugging Face layout).
+
+A checkpoint directory holds either one `model.safetensors`, or shards `model-0000i-of-0000n
+.safetensors` plus `model.safetensors.index.json` mapping each tensor name to its shard. The
+reader lists names, shapes and dtypes from the files' headers only, and opens a shard the first
+time one of its tensors is asked for, so a rank that owns a few tensors (or a few rows of them)
+reads only those bytes. The writer never pickles, and publishes a directory only once it is
+complete, so a crash never leaves something that loads as a valid checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "CheckpointError",
+    "SafetensorsCheckpoint",
+    "TensorInfo",
+    "save_safetensors",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
+"""Hugging Face's default shard size ("5GB")."""
+
+# The dtype codes of the safetensors header format.
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is missing, malformed, or does not fit what it is loaded into."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a file's header says about one tensor; reading it costs no tensor data."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+class SafetensorsCheckpoint:
+    """Read-only, lazy view of a safetensors checkpoint directory.
+
+    Usable as a context manager; `close()` drops the memory maps of the files opened so far.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            what = "is not a directory" if self.directory.exists() else "does not exist"
+            raise CheckpointError(f"checkpoint directory {self.directory} {what}")
+        self._handles: dict[Path, safe_open] = {}
+        self._weight_map: dict[str, Path] | None = None
+        index_path = self.directory / INDEX_FILE
+        if index_path.is_file():
+            self._weight_map = self._read_index(index_path)
+            self._files = sorted(set(self._weight_map.values()))
+        else:
+            self._files = sorted(self.directory.glob("*.safetensors"))
+            if not self._files:
+                raise CheckpointError(
+                    f"no *.safetensors files in {self.directory}; expected {SINGLE_FILE}, or "
+                    f"model-*.safetensors shards with {INDEX_FILE}"
+                )
+
+    @property
+    def files(self) -> list[Path]:
+        """The safetensors files this checkpoint consists of."""
+        return list(self._files)
+
+    @property
+    def names(self) -> list[str]:
+        """Sorted tensor names (from the index alone when there is one)."""
+        return sorted(self._tensor_files())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensor_files()
+
+    def info(self, name: str) -> TensorInfo:
+        """Dtype and shape of one tensor, from its file's header."""
+        path = self._file_of(name)
+        tensor_slice = self._slice(path, name)
+        code = tensor_slice.get_dtype()
+        if code not in _DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has dtype {code}, which pipekit does not read; "
+                f"supported: {sorted(_DTYPES)}"
+            )
+        return TensorInfo(name, _DTYPES[code], tuple(tensor_slice.get_shape()), path)
+
+    def infos(self) -> dict[str, TensorInfo]:
+        """TensorInfo of every tensor, by name (opens every file's header)."""
+        return {name: self.info(name) for name in self.names}
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """One tensor, or rows `rows.start:rows.stop` of its first dimension, on CPU.
+
+        Only the bytes of those rows are read from disk.
+        """
+        path = self._file_of(name)
+        tensor_slice = self._slice(path, name)
+        if rows is None:
+            return self._open(path).get_tensor(name)
+        shape = tensor_slice.get_shape()
+        if not shape or rows.step not in (None, 1):
+            raise CheckpointError(f"cannot take rows {rows} of {name!r} with shape {shape}")
+        start, stop = rows.start or 0, shape[0] if rows.stop is None else rows.stop
+        if not 0 <= start < stop <= shape[0]:
+            raise CheckpointError(
+                f"rows {start}:{stop} are out of range for {name!r} with {shape[0]} rows"
+            )
+        return tensor_slice[start:stop]
+
+    def close(self) -> None:
+        """Drop the open file handles (the memory maps go with them)."""
+        self._handles.clear()
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _read_index(self, index_path: Path) -> dict[str, Path]:
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(
+                f"cannot read {index_path}: {error!r}; it must be JSON with a 'weight_map' object "
+                "from tensor name to shard file name"
+            ) from error
+        files = {file_name: self.directory / file_name for file_name in set(weight_map.values())}
+        missing = sorted(name for name, path in files.items() if not path.is_file())
+        if missing:
+            raise CheckpointError(
+                f"{index_path} names shard files that are not in {self.directory}: {missing}; "
+                "the download or copy is incomplete"
+            )
+        return {name: files[file_name] for name, file_name in weight_map.items()}
+
+    def _tensor_files(self) -> dict[str, Path]:
+        if self._weight_map is None:
+            weight_map: dict[str, Path] = {}
+            for path in self._files:
+                for name in self._open(path).keys():  # noqa: SIM118 (safe_open is not iterable)
+                    if name in weight_map:
+                        raise CheckpointError(
+                            f"tensor {name!r} is in both {weight_map[name]} and {path}; "
+                            f"remove the stray file or add a {INDEX_FILE}"
+                        )
+                    weight_map[name] = path
+            self._weight_map = weight_map
+        return self._weight_map
+
+    def _file_of(self, name: str) -> Path:
+        tensor_files = self._tensor_files()
+        if name not in tensor_files:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint {self.directory}")
+        return tensor_files[name]
+
+    def _open(self, path: Path) -> safe_open:
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as error:
+                raise CheckpointError(
+                    f"cannot read {path}: {error}; the file is corrupt or truncated, "
+                    "download or save it again"
+                ) from error
+        return self._handles[path]
+
+    def _slice(self, path: Path, name: str):  # -> safetensors' PySafeSlice (no public type)
+        try:
+            return self._open(path).get_slice(name)
+        except SafetensorError as error:
+            raise CheckpointError(
+                f"{INDEX_FILE} of {self.directory} puts {name!r} in {path.name}, "
+                "but that file does not contain it"
+            ) from error
+
+
+def save_safetensors(
+    state_dict: Mapping[str, torch.Tensor],
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    extra_files: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Write `state_dict` as a safetensors checkpoint directory; returns the tensor files.
+
+    One `model.safetensors` when everything fits in `max_shard_bytes`, otherwise shards filled in
+    the order of `state_dict` plus an index (a tensor larger than the limit gets a shard alone).
+    `extra_files` (name -> text, e.g. config.json) go into the same directory. Everything is
+    written into a hidden sibling directory that is renamed into place once complete.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
+    tensors = {name: _host_tensor(name, tensor) for name, tensor in state_dict.items()}
+    shards = _split_into_shards(tensors, max_shard_bytes)
+    count = len(shards)
+    file_names = (
+        [SINGLE_FILE] if count == 1
+        else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
+    with _atomic_directory(Path(directory), overwrite) as staging:
+        for file_name, shard in zip(file_names, shards, strict=True):
+            save_file(shard, str(staging / file_name), metadata={"format": "pt"})
+        if count > 1:
+            index = {
+                "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
+                "weight_map": {
+                    name: file_name
+                    for file_name, shard in zip(file_names, shards, strict=True) for name in shard
+                },
+            }
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        for file_name, text in (extra_files or {}).items():
+            (staging / file_name).write_text(text)
+    return [Path(directory) / file_name for file_name in file_names]
+
+
+def _host_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"cannot save {name!r}: it is a {type(tensor).__name__}, not a tensor")
+    if tensor.is_meta:
+        raise ValueError(f"cannot save {name!r}: it is on the meta device; materialise it first")
+    return tensor.detach().to("cpu").contiguous()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _split_into_shards(
+    tensors: dict[str, torch.Tensor], max_shard_bytes: int
+) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        size = _nbytes(tensor)
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += size
+    return shards
+
+
+@contextmanager
+def _atomic_directory(target: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield an empty staging directory next to `target`; rename it to `target` on success."""
+    if target.exists() and not overwrite:
+        raise CheckpointError(
+            f"{target} already exists; pass overwrite=True or choose a new directory"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+        for path in staging.iterdir():
+            _fsync(path)
+        _fsync(staging)
+        if target.exists():
+            # Move the old copy aside first: a crash between the two renames leaves no target
+            # (and the old copy intact under a hidden name), never a half-written one.
+            retired = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+            target.rename(retired)
+            staging.rename(target)
+            shutil.rmtree(retired)
+        else:
+            staging.rename(target)
+        _fsync(target.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
