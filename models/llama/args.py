@@ -8,21 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-__all__ = ["LLAMA_FLAVORS", "LlamaArgs", "RopeScaling", "llama_flavor"]
+from pipekit.layers.rope import RopeScaling
 
-
-@dataclass(kw_only=True, frozen=True)
-class RopeScaling:
-    """Llama 3.1's piecewise rescaling of RoPE frequencies (Hugging Face `rope_type="llama3"`)."""
-
-    factor: float = 8.0
-    """How much longer the target context is than the pre-training context."""
-    low_freq_factor: float = 1.0
-    """Wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
-    high_freq_factor: float = 4.0
-    """Wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
-    original_max_position_embeddings: int = 8192
-    """Context length the unscaled model was pre-trained with."""
+__all__ = ["LLAMA_FLAVORS", "LlamaArgs", "RopeScaling", "llama_flavor"]  # RopeScaling re-exported
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -92,23 +80,49 @@ _LLAMA32_SCALING = RopeScaling(factor=32.0)
 LLAMA_FLAVORS: dict[str, LlamaArgs] = {
     # Small enough that a CPU training step takes milliseconds; vocab = 256 bytes + BOS + EOS.
     "debug": LlamaArgs(
-        dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=258, ffn_dim=384,
-        rope_theta=10000.0, rope_scaling=None, max_seq_len=8192, tie_embeddings=False,
+        dim=128,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=258,
+        ffn_dim=384,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_seq_len=8192,
+        tie_embeddings=False,
     ),
     "1B": LlamaArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-        rope_scaling=_LLAMA32_SCALING, tie_embeddings=True,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        rope_scaling=_LLAMA32_SCALING,
+        tie_embeddings=True,
     ),
     "3B": LlamaArgs(
-        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192,
-        rope_scaling=_LLAMA32_SCALING, tie_embeddings=True,
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        rope_scaling=_LLAMA32_SCALING,
+        tie_embeddings=True,
     ),
     "8B": LlamaArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
         rope_scaling=_LLAMA31_SCALING,
     ),
     "70B": LlamaArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
         rope_scaling=_LLAMA31_SCALING,
     ),
 }

@@ -72,7 +72,9 @@ def evaluate_mask(
     return allowed.expand(tile_shape)
 
 
-def mask_dependence(mask: MaskMod, batch: int, heads: int, device: torch.device) -> tuple[bool, bool]:
+def mask_dependence(
+    mask: MaskMod, batch: int, heads: int, device: torch.device
+) -> tuple[bool, bool]:
     """Whether the mask varies with the batch index and with the head index."""
     allowed = evaluate_mask(mask, batch, heads, slice(0, 1), slice(0, 1), device)
     return allowed.shape[0] > 1, allowed.shape[1] > 1

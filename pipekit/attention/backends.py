@@ -75,7 +75,9 @@ def available_backends() -> list[str]:
 def get_backend(name: str) -> AttentionBackend:
     """A backend by name (not "auto"), with an error listing the valid names."""
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {available_backends()}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {available_backends()}"
+        )
     return _BACKENDS[name]
 
 

@@ -38,7 +38,9 @@ class KVChunk:
 
 def _check_shapes(q_BHSD: Tensor, chunks: Sequence[KVChunk]) -> None:
     if q_BHSD.dim() != 4:
-        raise ValueError(f"attention: q must be [batch, heads, seq, head_dim], got {tuple(q_BHSD.shape)}")
+        raise ValueError(
+            f"attention: q must be [batch, heads, seq, head_dim], got {tuple(q_BHSD.shape)}"
+        )
     if not chunks:
         raise ValueError("attention_over_chunks needs at least one KV chunk")
     batch, heads, _, head_dim = q_BHSD.shape
@@ -51,8 +53,9 @@ def _check_shapes(q_BHSD: Tensor, chunks: Sequence[KVChunk]) -> None:
             )
         if k.shape[0] != batch or k.shape[3] != head_dim or heads % k.shape[1]:
             raise ValueError(
-                f"attention: chunk {index} k {tuple(k.shape)} does not fit q {tuple(q_BHSD.shape)}: "
-                "batch and head_dim must match and query heads must be a multiple of kv heads"
+                f"attention: chunk {index} k {tuple(k.shape)} does not fit "
+                f"q {tuple(q_BHSD.shape)}: batch and head_dim must match and query heads must "
+                "be a multiple of kv heads"
             )
         if k.dtype != q_BHSD.dtype or v.dtype != q_BHSD.dtype:
             raise ValueError(

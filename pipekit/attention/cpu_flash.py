@@ -45,10 +45,10 @@ def _expand_kv_heads(kv_BGKD: Tensor, query_heads: int) -> Tensor:
 
 def _reduce_kv_heads(grad_BHKD: Tensor, kv_heads: int) -> Tensor:
     """Sum the gradients of the query heads that share one KV head (inverse of the expansion)."""
-    batch, query_heads, length, head_dim = grad_BHKD.shape
+    query_heads = grad_BHKD.shape[1]
     if kv_heads == query_heads:
         return grad_BHKD
-    return grad_BHKD.view(batch, kv_heads, query_heads // kv_heads, length, head_dim).sum(2)
+    return grad_BHKD.unflatten(1, (kv_heads, query_heads // kv_heads)).sum(2)
 
 
 class CpuFlashBackend:
@@ -78,7 +78,9 @@ class CpuFlashBackend:
         heads = q_BHSD.shape[1]
         out_BHSD = q_BHSD.new_zeros(q_BHSD.shape)
         stat_dtype = torch.promote_types(q_BHSD.dtype, torch.float32)
-        lse_BHS = torch.full(q_BHSD.shape[:3], float("-inf"), dtype=stat_dtype, device=q_BHSD.device)
+        lse_BHS = torch.full(
+            q_BHSD.shape[:3], float("-inf"), dtype=stat_dtype, device=q_BHSD.device
+        )
         for row_tiles in self._tiles(q_BHSD, k_BGKD, mask):
             q_rows = row_tiles[0].q_rows
             partials = []

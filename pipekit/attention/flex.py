@@ -49,14 +49,14 @@ def tiled_logsumexp(
     q_BHSD: Tensor, k_BGKD: Tensor, mask: MaskMod | None, scale: float, block: int = 1024
 ) -> Tensor:
     """`logsumexp_k(scale * q.k)` over allowed keys, `[B, H, S]`, one tile of scores at a time."""
-    batch, heads, q_len, head_dim = q_BHSD.shape
+    batch, heads, q_len, _ = q_BHSD.shape
     kv_heads = k_BGKD.shape[1]
     stat_dtype = torch.promote_types(q_BHSD.dtype, torch.float32)
-    lse_BHS = torch.full((batch, heads, q_len), float("-inf"), dtype=stat_dtype, device=q_BHSD.device)
-    q_BGhSD = q_BHSD.view(batch, kv_heads, heads // kv_heads, q_len, head_dim).to(stat_dtype)
-    for tile in iter_tiles(
-        mask, batch, heads, q_len, k_BGKD.shape[2], block, block, q_BHSD.device
-    ):
+    lse_BHS = torch.full(
+        (batch, heads, q_len), float("-inf"), dtype=stat_dtype, device=q_BHSD.device
+    )
+    q_BGhSD = q_BHSD.unflatten(1, (kv_heads, heads // kv_heads)).to(stat_dtype)
+    for tile in iter_tiles(mask, batch, heads, q_len, k_BGKD.shape[2], block, block, q_BHSD.device):
         k_BG1KD = k_BGKD[:, :, None, tile.kv_cols].to(stat_dtype)
         scores = (q_BGhSD[:, :, :, tile.q_rows] @ k_BG1KD.transpose(-1, -2)) * scale
         scores_BHSK = scores.flatten(1, 2)
@@ -64,7 +64,8 @@ def tiled_logsumexp(
             scores_BHSK = scores_BHSK.masked_fill(
                 ~torch.ones(
                     scores_BHSK.shape[-2:], dtype=torch.bool, device=scores_BHSK.device
-                ).tril(), float("-inf")
+                ).tril(),
+                float("-inf"),
             )
         elif tile.allowed is not None:
             scores_BHSK = scores_BHSK.masked_fill(~tile.allowed, float("-inf"))
@@ -109,8 +110,13 @@ class FlexBackend:
         enable_gqa = q_BHSD.shape[1] != k_BGKD.shape[1]
         if q_BHSD.device.type != "cpu":
             out_BHSD, aux = _compiled_flex()(
-                q_BHSD, k_BGKD, v_BGKD, block_mask=block_mask, scale=scale,
-                enable_gqa=enable_gqa, return_aux=AuxRequest(lse=True),
+                q_BHSD,
+                k_BGKD,
+                v_BGKD,
+                block_mask=block_mask,
+                scale=scale,
+                enable_gqa=enable_gqa,
+                return_aux=AuxRequest(lse=True),
             )
             return out_BHSD, aux.lse
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHSD, k_BGKD, v_BGKD)):

@@ -1,0 +1,1 @@
+"""Model definitions. Each model is one folder; pipekit itself never imports them."""

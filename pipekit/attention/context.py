@@ -1,0 +1,116 @@
+"""Attention contexts: who decides what a layer's queries attend to.
+
+Models are parallelism-agnostic: an attention layer projects q, k, v and hands them to the
+context it was given (`None` means plain causal attention over what it is given). Contexts
+supply everything outside one layer's view: document boundaries of packed sequences, the KV cache
+of earlier slices, later the exchange plan of context exchange. The same model therefore runs
+unsliced, sliced or pipelined without change.
+
+Legend: B batch, H query heads, G kv heads, S slice length, K cached keys, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
+from pipekit.attention.masks import MaskMod, and_masks, causal_mask, document_mask
+
+__all__ = ["AttentionContext", "CausalAttention", "SlicedKVCache", "attend"]
+
+
+@runtime_checkable
+class AttentionContext(Protocol):
+    """Computes a layer's attention output from its projected, rotated q, k, v."""
+
+    def attend(
+        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+    ) -> Tensor: ...
+
+
+def _causal_within_documents(document_ids_BS: Tensor | None) -> MaskMod:
+    if document_ids_BS is None:
+        return causal_mask
+    return and_masks(causal_mask, document_mask(document_ids_BS, document_ids_BS))
+
+
+@dataclass
+class CausalAttention:
+    """Causal attention over the given sequence, optionally confined to packed documents."""
+
+    document_ids_BS: Tensor | None = None
+    backend: str | AttentionBackend = "auto"
+
+    def attend(
+        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+    ) -> Tensor:
+        mask = _causal_within_documents(self.document_ids_BS)
+        return attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, self.backend)[0]
+
+
+@dataclass
+class SlicedKVCache:
+    """Consecutive slices of one batch of sequences, attending to a chunked KV cache.
+
+    Each call for a layer is the next slice: its queries attend causally to its own keys and fully
+    to every earlier slice's keys (within documents, if ids are given), merged by LSE. The chunks
+    are kept as separate tensors (never concatenated) and keep their autograd history, so a
+    backward through the last slice reaches the earlier slices' projections.
+    `document_ids_BS` covers the whole sequence, all slices.
+    """
+
+    document_ids_BS: Tensor | None = None
+    backend: str | AttentionBackend = "auto"
+    chunks: dict[str, list[tuple[int, Tensor, Tensor]]] = field(default_factory=dict)
+
+    def cached_length(self, layer_id: str) -> int:
+        """Number of key positions cached for a layer (= the next slice's start)."""
+        return sum(k.shape[2] for _, k, _ in self.chunks.get(layer_id, []))
+
+    def _documents(self, start: int, length: int) -> Tensor | None:
+        if self.document_ids_BS is None:
+            return None
+        return self.document_ids_BS[:, start : start + length]
+
+    def attend(
+        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+    ) -> Tensor:
+        q_start, slice_len = self.cached_length(layer_id), q_BHSD.shape[2]
+        if self.document_ids_BS is not None and q_start + slice_len > self.document_ids_BS.shape[1]:
+            raise ValueError(
+                f"SlicedKVCache: slice ends at {q_start + slice_len}, beyond the "
+                f"{self.document_ids_BS.shape[1]} positions that document_ids_BS covers"
+            )
+        q_documents = self._documents(q_start, slice_len)
+        past = self.chunks.setdefault(layer_id, [])
+        kv_chunks = [
+            KVChunk(
+                k_BGKD,
+                v_BGKD,
+                None
+                if q_documents is None
+                else document_mask(q_documents, self._documents(kv_start, k_BGKD.shape[2])),
+            )
+            for kv_start, k_BGKD, v_BGKD in past
+        ]
+        kv_chunks.append(KVChunk(k_BGSD, v_BGSD, _causal_within_documents(q_documents)))
+        past.append((q_start, k_BGSD, v_BGSD))
+        return attention_over_chunks(q_BHSD, kv_chunks, scale, self.backend)[0]
+
+
+def attend(
+    context: AttentionContext | None,
+    layer_id: str,
+    q_BHSD: Tensor,
+    k_BGSD: Tensor,
+    v_BGSD: Tensor,
+    scale: float,
+) -> Tensor:
+    """A layer's attention under `context` (None = causal over the given tokens)."""
+    if context is None:
+        return attention(q_BHSD, k_BGSD, v_BGSD, causal_mask, scale)[0]
+    return context.attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale)

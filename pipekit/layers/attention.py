@@ -1,0 +1,51 @@
+"""Grouped-query self-attention layer: projections, RoPE, and a call into the attention context.
+
+The layer owns weights only; what the queries attend to (causal, packed documents, a KV cache,
+chunks on other ranks) is the context's business (`pipekit.attention.context`).
+
+Legend: B batch, S sequence, D model dim, H query heads, G kv heads, K head dim, F = K/2.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from pipekit.attention.context import AttentionContext, attend
+from pipekit.layers.rope import apply_rotary
+
+__all__ = ["GroupedQueryAttention"]
+
+
+class GroupedQueryAttention(nn.Module):
+    """`wo(attention(rope(wq x), rope(wk x), wv x))` with `n_kv_heads` dividing `n_heads`."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def reset_parameters(self, init_std: float, output_std: float) -> None:
+        """Truncated-normal init; `output_std` for wo lets deep models scale it down."""
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
+        nn.init.trunc_normal_(self.wo.weight, std=output_std, a=-3 * output_std, b=3 * output_std)
+
+    def forward(
+        self,
+        x_BSD: Tensor,
+        rope_cos_sin: tuple[Tensor, Tensor],
+        layer_id: str,
+        context: AttentionContext | None = None,
+    ) -> Tensor:
+        batch, seq_len, _ = x_BSD.shape
+        q_BHSK = self.wq(x_BSD).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k_BGSK = self.wk(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v_BGSK = self.wv(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos_BSF, sin_BSF = rope_cos_sin
+        q_BHSK = apply_rotary(q_BHSK, cos_BSF, sin_BSF)
+        k_BGSK = apply_rotary(k_BGSK, cos_BSF, sin_BSF)
+        out_BHSK = attend(context, layer_id, q_BHSK, k_BGSK, v_BGSK, self.head_dim**-0.5)
+        return self.wo(out_BHSK.transpose(1, 2).reshape(batch, seq_len, -1))
