@@ -24,7 +24,11 @@ __all__ = ["CONFIG_FILE", "args_to_hf_config", "hf_config_to_args", "read_hf_lla
 CONFIG_FILE = "config.json"
 
 _REQUIRED_INTS = (
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
 )
 # transformers' LlamaConfig defaults, used when a key is absent.
 _DEFAULT_ROPE_THETA = 10000.0
@@ -109,7 +113,9 @@ def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype = torch.float32) -> di
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_scaling": None if scaling is None else {
+        "rope_scaling": None
+        if scaling is None
+        else {
             "rope_type": "llama3",
             "factor": scaling.factor,
             "low_freq_factor": scaling.low_freq_factor,
@@ -128,10 +134,11 @@ def _unsupported_features(config: Mapping[str, Any]) -> list[str]:
     if config.get("model_type") != "llama":
         problems.append(f"model_type={config.get('model_type')!r} (need 'llama')")
     if config.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={config['hidden_act']!r} (pipekit's Llama uses SwiGLU, 'silu')")
+        problems.append(f"hidden_act={config['hidden_act']!r} (pipekit's Llama uses 'silu')")
     problems += [
         f"{key}=true (pipekit's Llama has no biases)"
-        for key in ("attention_bias", "mlp_bias") if config.get(key)
+        for key in ("attention_bias", "mlp_bias")
+        if config.get(key)
     ]
     if config.get("partial_rotary_factor") not in (None, 1.0):
         problems.append(f"partial_rotary_factor={config['partial_rotary_factor']} (need 1.0)")
@@ -147,9 +154,7 @@ def _rope(config: Mapping[str, Any], problems: list[str]) -> tuple[float, RopeSc
     if not isinstance(parameters, Mapping):
         problems.append(f"rope_scaling/rope_parameters={parameters!r} must be an object or null")
         return _DEFAULT_ROPE_THETA, None
-    rope_theta = float(
-        parameters.get("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA))
-    )
+    rope_theta = float(parameters.get("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA)))
     rope_type = parameters.get("rope_type", parameters.get("type"))
     if rope_type in _UNSCALED_ROPE_TYPES:
         return rope_theta, None

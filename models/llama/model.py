@@ -79,7 +79,7 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Initialise every parameter and buffer in place (after `to_empty`)."""
+        """Initialise every parameter in place (after `to_empty`); the model has no buffers."""
         generator_state = torch.random.get_rng_state()
         if seed is not None:
             torch.manual_seed(seed)
@@ -88,7 +88,6 @@ class Llama(nn.Module):
             nn.init.normal_(
                 self.tok_embeddings.weight, std=1.0 if not self.args.tie_embeddings else 0.02
             )
-            self.rope.reset_parameters()
             for block in self.layers.values():
                 block.reset_parameters()
             self.norm.reset_parameters()

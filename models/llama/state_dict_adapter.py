@@ -22,6 +22,7 @@ from torch import nn
 
 from models.llama.args import LlamaArgs
 from models.llama.hf_config import CONFIG_FILE, args_to_hf_config, read_hf_llama_args
+from models.llama.model import Llama
 from pipekit.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     CheckpointError,
@@ -144,9 +145,7 @@ def from_hf_state_dict(
     """pipekit names and row order; with tied embeddings `output.weight` is the embedding."""
     state_dict = {}
     for hf_name, tensor in hf_state_dict.items():
-        if hf_name.endswith(_IGNORED_HF_SUFFIX) or (
-            args.tie_embeddings and hf_name == _TIED_HEAD
-        ):
+        if hf_name.endswith(_IGNORED_HF_SUFFIX) or (args.tie_embeddings and hf_name == _TIED_HEAD):
             continue
         name = from_hf_name(hf_name)
         permuted = name.endswith(_ROPE_PERMUTED)
@@ -199,9 +198,12 @@ def load_hf_llama(directory: str | os.PathLike[str], model: nn.Module, args: Lla
         )
     with SafetensorsCheckpoint(directory) as checkpoint:
         _check_checkpoint_tensors(checkpoint, args)
+        copied: set[int] = set()
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(read_hf_tensor(checkpoint, name, args))
+                if id(param) not in copied:  # a tied weight is read once
+                    param.copy_(read_hf_tensor(checkpoint, name, args))
+                    copied.add(id(param))
 
 
 def save_hf_llama(
@@ -216,7 +218,7 @@ def save_hf_llama(
 
     Tensors keep the model's dtype, so load -> save -> load is bit-exact.
     """
-    params = {name: param.detach() for name, param in _parameters_matching(model, args).items()}
+    params = _parameters_matching(model, args)
     embedding, output = params["tok_embeddings.weight"], params["output.weight"]
     if args.tie_embeddings and not (output is embedding or torch.equal(output, embedding)):
         raise ValueError(
@@ -225,7 +227,7 @@ def save_hf_llama(
         )
     config = args_to_hf_config(args, dtype=embedding.dtype)
     save_safetensors(
-        to_hf_state_dict(params, args),
+        to_hf_state_dict({name: param.detach() for name, param in params.items()}, args),
         directory,
         max_shard_bytes=max_shard_bytes,
         extra_files={CONFIG_FILE: json.dumps(config, indent=2) + "\n"},
@@ -234,20 +236,14 @@ def save_hf_llama(
 
 
 def build_llama_from_hf(
-    directory: str | os.PathLike[str],
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-) -> tuple[nn.Module, LlamaArgs]:
-    """A pipekit Llama built from a Hugging Face checkpoint: (model, its LlamaArgs)."""
-    from models.llama.model import Llama
-
+    directory: str | os.PathLike[str], *, device: torch.device | str = "cpu"
+) -> tuple[Llama, LlamaArgs]:
+    """A float32 pipekit Llama holding a Hugging Face checkpoint: (model, its LlamaArgs)."""
     args = read_hf_llama_args(directory)
     with torch.device("meta"):
         model = Llama(args)
     model.to_empty(device=device)
-    model.init_weights()  # also fills buffers (RoPE tables) that to_empty leaves uninitialised
-    model.to(dtype)
+    model.tie_weights()  # to_empty gives tied modules separate tensors
     load_hf_llama(directory, model, args)
     return model, args
 
@@ -272,7 +268,8 @@ def _config_differences(checkpoint_args: LlamaArgs, model_args: LlamaArgs) -> li
     checkpoint_fields, model_fields = _comparable(checkpoint_args), _comparable(model_args)
     return [
         f"{key}: checkpoint {checkpoint_fields[key]!r}, model {model_fields[key]!r}"
-        for key in checkpoint_fields if checkpoint_fields[key] != model_fields[key]
+        for key in checkpoint_fields
+        if checkpoint_fields[key] != model_fields[key]
     ]
 
 
@@ -297,7 +294,8 @@ def _parameters_matching(model: nn.Module, args: LlamaArgs) -> dict[str, nn.Para
 
 def _check_checkpoint_tensors(checkpoint: SafetensorsCheckpoint, args: LlamaArgs) -> None:
     expected = {
-        to_hf_name(name): shape for name, shape in llama_param_shapes(args).items()
+        to_hf_name(name): shape
+        for name, shape in llama_param_shapes(args).items()
         if not (args.tie_embeddings and name == "output.weight")
     }
     present = {name for name in checkpoint.names if not name.endswith(_IGNORED_HF_SUFFIX)}
@@ -326,7 +324,8 @@ def _name_and_shape_problems(
     unexpected = sorted(found.keys() - expected.keys())
     mismatched = [
         f"{name} expected {list(expected[name])}, got {list(found[name])}"
-        for name in sorted(expected.keys() & found.keys()) if found[name] != expected[name]
+        for name in sorted(expected.keys() & found.keys())
+        if found[name] != expected[name]
     ]
     parts = [
         f"{label} ({len(items)}): {_listing(items)}"
@@ -334,11 +333,13 @@ def _name_and_shape_problems(
             ("missing tensors", missing),
             ("unexpected tensors", unexpected),
             ("shape mismatches", mismatched),
-        ) if items
+        )
+        if items
     ]
     return "; ".join(parts)
 
 
 def _listing(items: list[str]) -> str:
     shown = ", ".join(items[:_LISTED_NAMES])
-    return shown if len(items) <= _LISTED_NAMES else f"{shown}, ... ({len(items) - _LISTED_NAMES} more)"
+    hidden = len(items) - _LISTED_NAMES
+    return f"{shown}, ... ({hidden} more)" if hidden > 0 else shown

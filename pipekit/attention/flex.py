@@ -8,9 +8,10 @@ Differentiability: on CUDA both outputs carry gradients (FlexAttention's backwar
 gradient for the log-sum-exp), so partial results over KV chunks are merged by plain autograd.
 CPU limits in torch 2.13, designed around here: compiled FlexAttention on CPU runs inference
 only, has no backward at all, and cannot return the lse. On CPU this backend therefore refuses
-inputs that require grad (use the "cpu" backend to train) and computes the lse with a separate
-tiled log-sum-exp pass over the same mask (exact; it costs one extra QK^T, never a full-sequence
-score matrix). Eager FlexAttention could return the lse but materialises the scores.
+inputs that require grad (use the "cpu" backend to train) and takes the lse from the tiled CPU
+flash kernel on the same mask: exact and never a full-sequence score matrix, but it is a second
+attention pass, so flex on CPU is a path for checking the CUDA kernel's numbers and for
+inference, not a fast one. Eager FlexAttention could return the lse but materialises the scores.
 
 Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
 """
@@ -29,10 +30,11 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
-from pipekit.attention._tiles import iter_tiles, mask_dependence
+from pipekit.attention._tiles import mask_dependence
+from pipekit.attention.cpu_flash import CpuFlashBackend
 from pipekit.attention.masks import MaskMod
 
-__all__ = ["FlexBackend", "tiled_logsumexp"]
+__all__ = ["FlexBackend"]
 
 
 @functools.cache
@@ -45,35 +47,6 @@ def _compiled_block_mask() -> Callable[..., BlockMask]:
     return torch.compile(create_block_mask, dynamic=False)
 
 
-def tiled_logsumexp(
-    q_BHSD: Tensor, k_BGKD: Tensor, mask: MaskMod | None, scale: float, block: int = 1024
-) -> Tensor:
-    """`logsumexp_k(scale * q.k)` over allowed keys, `[B, H, S]`, one tile of scores at a time."""
-    batch, heads, q_len, _ = q_BHSD.shape
-    kv_heads = k_BGKD.shape[1]
-    stat_dtype = torch.promote_types(q_BHSD.dtype, torch.float32)
-    lse_BHS = torch.full(
-        (batch, heads, q_len), float("-inf"), dtype=stat_dtype, device=q_BHSD.device
-    )
-    q_BGhSD = q_BHSD.unflatten(1, (kv_heads, heads // kv_heads)).to(stat_dtype)
-    for tile in iter_tiles(mask, batch, heads, q_len, k_BGKD.shape[2], block, block, q_BHSD.device):
-        k_BG1KD = k_BGKD[:, :, None, tile.kv_cols].to(stat_dtype)
-        scores = (q_BGhSD[:, :, :, tile.q_rows] @ k_BG1KD.transpose(-1, -2)) * scale
-        scores_BHSK = scores.flatten(1, 2)
-        if tile.is_causal:
-            scores_BHSK = scores_BHSK.masked_fill(
-                ~torch.ones(
-                    scores_BHSK.shape[-2:], dtype=torch.bool, device=scores_BHSK.device
-                ).tril(),
-                float("-inf"),
-            )
-        elif tile.allowed is not None:
-            scores_BHSK = scores_BHSK.masked_fill(~tile.allowed, float("-inf"))
-        rows = lse_BHS[:, :, tile.q_rows]
-        lse_BHS[:, :, tile.q_rows] = torch.logaddexp(rows, scores_BHSK.logsumexp(dim=-1))
-    return lse_BHS
-
-
 class FlexBackend:
     """Compiled FlexAttention with a BlockMask built from the mask_mod (cached for one mask)."""
 
@@ -82,6 +55,7 @@ class FlexBackend:
 
     def __init__(self) -> None:
         self._last_block_mask: tuple[tuple[object, ...], MaskMod, BlockMask] | None = None
+        self._cpu_lse = CpuFlashBackend()
 
     def block_mask(self, mask: MaskMod, q_BHSD: Tensor, k_BGKD: Tensor) -> BlockMask:
         """The BlockMask of `mask` for these shapes; the last one is reused, since every layer
@@ -127,4 +101,4 @@ class FlexBackend:
         out_BHSD = _compiled_flex()(
             q_BHSD, k_BGKD, v_BGKD, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
         )
-        return out_BHSD, tiled_logsumexp(q_BHSD, k_BGKD, mask, scale)
+        return out_BHSD, self._cpu_lse.forward_chunk(q_BHSD, k_BGKD, v_BGKD, mask, scale)[1]

@@ -9,6 +9,7 @@ implementation's. Bad input prints one error line and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -16,6 +17,7 @@ from typing import NoReturn
 import torch
 from safetensors.torch import save_file
 
+from pipekit.attention.backends import use_backend
 from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint
 
 __all__ = ["main"]
@@ -36,13 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", type=Path, help="checkpoint directory")
     parser.add_argument("--tokens", type=_token_ids, help="comma-separated token ids to run")
     parser.add_argument("--out", type=Path, help="safetensors file for the logits [1, S, vocab]")
+    parser.add_argument(
+        "--attention-backend",
+        choices=("cpu", "flex"),
+        default="cpu",
+        help="kernel for --tokens: the CPU flash kernel (default) or compiled FlexAttention",
+    )
     options = parser.parse_args(argv)
     if (options.tokens is None) != (options.out is None):
         parser.error("--tokens and --out go together")
     try:
         _describe(options.directory, running=options.tokens is not None)
         if options.tokens is not None:
-            _write_logits(options.directory, options.tokens, options.out)
+            _write_logits(options.directory, options.tokens, options.out, options.attention_backend)
     except (ValueError, OSError) as error:  # CheckpointError is a ValueError
         print(f"{_PROGRAM}: error: {error}", file=sys.stderr)
         return 2
@@ -62,18 +70,18 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _describe(directory: Path, *, running: bool) -> None:
-    from models.llama.hf_config import read_hf_llama_args
+    from models.llama.hf_config import read_hf_llama_args  # lazy: pipekit needs no model to import
 
     with SafetensorsCheckpoint(directory) as checkpoint:
         infos = checkpoint.infos()
         file_count = len(checkpoint.files)
     width = max((len(name) for name in infos), default=0)
-    for info in infos.values():
+    for info in sorted(infos.values(), key=lambda info: _natural_order(info.name)):
         dtype = str(info.dtype).removeprefix("torch.")
         print(f"{info.name:<{width}}  {dtype:<8}  {list(info.shape)}")
     total_bytes = sum(info.nbytes for info in infos.values())
     print(
-        f"{len(infos)} tensors in {file_count} file(s): {total_bytes} bytes "
+        f"{len(infos)} tensors in {file_count} file(s): {total_bytes:,} bytes "
         f"({total_bytes / 2**30:.3f} GiB)"
     )
     try:
@@ -84,7 +92,12 @@ def _describe(directory: Path, *, running: bool) -> None:
         print(f"not a loadable Llama checkpoint: {error}")
 
 
-def _write_logits(directory: Path, tokens: list[int], out: Path) -> None:
+def _natural_order(name: str) -> list[str | int]:
+    """Sort key that puts layers.2 before layers.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _write_logits(directory: Path, tokens: list[int], out: Path, attention_backend: str) -> None:
     from models.llama.hf_config import read_hf_llama_args
     from models.llama.state_dict_adapter import build_llama_from_hf
 
@@ -96,7 +109,7 @@ def _write_logits(directory: Path, tokens: list[int], out: Path) -> None:
     model.eval()
     tokens_BS = torch.tensor([tokens], dtype=torch.long)
     positions_BS = torch.arange(len(tokens)).unsqueeze(0)
-    with torch.no_grad():
+    with torch.no_grad(), use_backend(attention_backend):
         logits_BSV = model(tokens_BS, positions=positions_BS)
     save_file({"logits": logits_BSV.float().contiguous()}, str(out))
     print(f"wrote logits {list(logits_BSV.shape)} to {out}")

@@ -11,6 +11,7 @@ complete, so a crash never leaves something that loads as a valid checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import uuid
@@ -41,10 +42,18 @@ DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 
 # The dtype codes of the safetensors header format.
 _DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -64,10 +73,7 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes."""
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class SafetensorsCheckpoint:
@@ -104,9 +110,6 @@ class SafetensorsCheckpoint:
     def names(self) -> list[str]:
         """Sorted tensor names (from the index alone when there is one)."""
         return sorted(self._tensor_files())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._tensor_files()
 
     def info(self, name: str) -> TensorInfo:
         """Dtype and shape of one tensor, from its file's header."""
@@ -151,7 +154,9 @@ class SafetensorsCheckpoint:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
         self.close()
@@ -238,7 +243,8 @@ def save_safetensors(
     shards = _split_into_shards(tensors, max_shard_bytes)
     count = len(shards)
     file_names = (
-        [SINGLE_FILE] if count == 1
+        [SINGLE_FILE]
+        if count == 1
         else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     )
     with _atomic_directory(Path(directory), overwrite) as staging:
@@ -249,7 +255,8 @@ def save_safetensors(
                 "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
                 "weight_map": {
                     name: file_name
-                    for file_name, shard in zip(file_names, shards, strict=True) for name in shard
+                    for file_name, shard in zip(file_names, shards, strict=True)
+                    for name in shard
                 },
             }
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

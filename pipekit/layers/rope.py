@@ -58,20 +58,20 @@ def rope_inverse_frequencies(
 
 
 class RotaryEmbedding(nn.Module):
-    """Maps positions to the (cos, sin) of every pair's rotation angle."""
+    """Maps positions to the (cos, sin) of every pair's rotation angle.
+
+    It holds no buffer: the D/2 frequencies are recomputed per call (negligible next to one
+    layer), so casting the model to bfloat16 cannot degrade them and there is nothing to init.
+    """
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.register_buffer("inv_freq_F", torch.empty(head_dim // 2), persistent=False)
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            self.inv_freq_F.copy_(rope_inverse_frequencies(self.head_dim, self.theta, self.scaling))
 
     def forward(self, positions_BS: Tensor) -> tuple[Tensor, Tensor]:
         """`(cos_BSF, sin_BSF)` in float32 for integer positions `[B, S]` (or `[S]`)."""
-        angles_BSF = positions_BS.float().unsqueeze(-1) * self.inv_freq_F.float()
+        inv_freq_F = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
+        angles_BSF = positions_BS.float().unsqueeze(-1) * inv_freq_F.to(positions_BS.device)
         return angles_BSF.cos(), angles_BSF.sin()
 
 

@@ -1,0 +1,26 @@
+"""`python -m pipekit.bench <name> [options]`: run one benchmark; `--help` lists them."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+_BENCHMARKS = {
+    "attention": ("pipekit.bench.attention", "attention kernels vs torch SDPA (time, error)"),
+}
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in _BENCHMARKS:
+        listing = "\n".join(f"  {name:12s} {doc}" for name, (_, doc) in _BENCHMARKS.items())
+        print(f"usage: python -m pipekit.bench <name> [options]\nbenchmarks:\n{listing}")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: unknown benchmark {argv[0]!r}", file=sys.stderr)
+            raise SystemExit(2)
+        return
+    module_name, _ = _BENCHMARKS[argv[0]]
+    importlib.import_module(module_name).main(argv[1:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,37 @@
+"""Shared pieces of every benchmark: timing, a plain-text table, the final RESULT line."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+__all__ = ["print_result", "print_table", "time_call"]
+
+
+def time_call(fn: Callable[[], object], warmup: int = 2, repeats: int = 5) -> float:
+    """Median wall-clock seconds of `fn()` after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Left-aligned columns, floats in 4 significant digits."""
+    cells = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def print_result(**figures: object) -> None:
+    """The last line of every benchmark: `RESULT key=value ...`."""
+    parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items()]
+    print("RESULT " + " ".join(parts), flush=True)
