@@ -20,14 +20,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pipekit._torch_private import cpu_flash_attention_backward, cpu_flash_attention_forward
 from pipekit.attention._tiles import Tile, iter_tiles
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.merge import merge_attention
 
 __all__ = ["CpuFlashBackend"]
 
-_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_flash_forward = cpu_flash_attention_forward
+_flash_backward = cpu_flash_attention_backward
 
 
 def _expand_kv_heads(kv_BGKD: Tensor, query_heads: int) -> Tensor:

@@ -30,6 +30,7 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
+from pipekit._torch_private import more_recompiles
 from pipekit.attention._tiles import mask_dependence
 from pipekit.attention.cpu_flash import CpuFlashBackend
 from pipekit.attention.masks import MaskMod
@@ -37,14 +38,29 @@ from pipekit.attention.masks import MaskMod
 __all__ = ["FlexBackend"]
 
 
+# Each distinct mask_mod and shape is one compiled variant; a real job has a handful, a test
+# suite or a tool that sees many sequence lengths has more than dynamo's default of 8. Shapes
+# are static: with automatic dynamic shapes, torch 2.13 generates CPU flex code that fails to build.
+_RECOMPILE_LIMIT = 64
+
+
 @functools.cache
+def _compiled(fn: Callable[..., object]) -> Callable[..., object]:
+    compiled = torch.compile(fn, dynamic=False)
+
+    def call_compiled(*args: object, **kwargs: object) -> object:
+        with more_recompiles(_RECOMPILE_LIMIT):
+            return compiled(*args, **kwargs)
+
+    return call_compiled
+
+
 def _compiled_flex() -> Callable[..., object]:
-    return torch.compile(flex_attention, dynamic=False)
+    return _compiled(flex_attention)
 
 
-@functools.cache
 def _compiled_block_mask() -> Callable[..., BlockMask]:
-    return torch.compile(create_block_mask, dynamic=False)
+    return _compiled(create_block_mask)
 
 
 class FlexBackend:
