@@ -460,8 +460,8 @@ def test_permuted_projection_rotates_like_rotate_half() -> None:
     rope = RotaryEmbedding(head_dim, theta=10000.0)
     cos_SF, sin_SF = rope(torch.arange(seq_len))
     ours_HSK = apply_rotary(
-        (x_SD @ wq_RD.T).view(seq_len, heads, head_dim).transpose(0, 1), cos_SF, sin_SF
-    )
+        (x_SD @ wq_RD.T).view(seq_len, heads, head_dim), cos_SF, sin_SF
+    ).transpose(0, 1)
     theirs_HSK = (x_SD @ permute_to_hf(wq_RD, head_dim).T).view(seq_len, heads, head_dim)
     theirs_HSK = theirs_HSK.transpose(0, 1)
     cos_SK, sin_SK = torch.cat([cos_SF, cos_SF], -1), torch.cat([sin_SF, sin_SF], -1)

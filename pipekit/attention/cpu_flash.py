@@ -82,38 +82,77 @@ class CpuFlashBackend:
         self._last_plan = (key, mask, plan)  # holding `mask` keeps its id unique
         return plan
 
+    def _tile_forward(
+        self, tile: Tile, q_BHSD: Tensor, k_BGKD: Tensor, v_BGKD: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        heads = q_BHSD.shape[1]
+        out_t, lse_t = _flash_forward(
+            q_BHSD[:, :, tile.q_rows],
+            _expand_kv_heads(k_BGKD[:, :, tile.kv_cols], heads),
+            _expand_kv_heads(v_BGKD[:, :, tile.kv_cols], heads),
+            is_causal=tile.is_causal,
+            attn_mask=tile.additive_mask(q_BHSD.dtype),
+            scale=scale,
+        )
+        empty_rows = tile.empty_rows()
+        if empty_rows is not None:  # the op reports lse = 0 for rows with no key
+            lse_t = lse_t.masked_fill(empty_rows, float("-inf"))
+        return out_t, lse_t
+
+    def _tile_backward(
+        self,
+        tile: Tile,
+        grad_out_BHSD: Tensor,
+        q_BHSD: Tensor,
+        k_BGKD: Tensor,
+        v_BGKD: Tensor,
+        out_BHSD: Tensor,
+        lse_BHS: Tensor,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        heads, kv_heads, rows = q_BHSD.shape[1], k_BGKD.shape[1], tile.q_rows
+        grad_q_t, grad_k_t, grad_v_t = _flash_backward(
+            grad_out_BHSD[:, :, rows].contiguous(),
+            q_BHSD[:, :, rows],
+            _expand_kv_heads(k_BGKD[:, :, tile.kv_cols], heads),
+            _expand_kv_heads(v_BGKD[:, :, tile.kv_cols], heads),
+            out_BHSD[:, :, rows].contiguous(),
+            lse_BHS[:, :, rows].contiguous(),
+            0.0,
+            tile.is_causal,
+            attn_mask=tile.additive_mask(q_BHSD.dtype),
+            scale=scale,
+        )
+        return grad_q_t, _reduce_kv_heads(grad_k_t, kv_heads), _reduce_kv_heads(grad_v_t, kv_heads)
+
+    @staticmethod
+    def _single_tile(plan: list[list[Tile]], q_len: int, kv_len: int) -> Tile | None:
+        """The plan's only tile if it covers the whole problem (then no buffers are needed)."""
+        if len(plan) == 1 and len(plan[0]) == 1:
+            tile = plan[0][0]
+            if tile.q_rows == slice(0, q_len) and tile.kv_cols == slice(0, kv_len):
+                return tile
+        return None
+
     def forward_chunk(
         self, q_BHSD: Tensor, k_BGKD: Tensor, v_BGKD: Tensor, mask: MaskMod | None, scale: float
     ) -> tuple[Tensor, Tensor]:
         """Attention of the queries over one KV chunk: `(out_BHSD, lse_BHS)`, no autograd."""
-        heads = q_BHSD.shape[1]
         plan = self._tiles(q_BHSD, k_BGKD, mask)
+        single = self._single_tile(plan, q_BHSD.shape[2], k_BGKD.shape[2])
+        if single is not None:
+            return self._tile_forward(single, q_BHSD, k_BGKD, v_BGKD, scale)
         out_BHSD = q_BHSD.new_zeros(q_BHSD.shape)
         stat_dtype = torch.promote_types(q_BHSD.dtype, torch.float32)
         lse_BHS = torch.full(
             q_BHSD.shape[:3], float("-inf"), dtype=stat_dtype, device=q_BHSD.device
         )
         for row_tiles in plan:
-            q_rows = row_tiles[0].q_rows
-            partials = []
-            for tile in row_tiles:
-                out_t, lse_t = _flash_forward(
-                    q_BHSD[:, :, q_rows],
-                    _expand_kv_heads(k_BGKD[:, :, tile.kv_cols], heads),
-                    _expand_kv_heads(v_BGKD[:, :, tile.kv_cols], heads),
-                    is_causal=tile.is_causal,
-                    attn_mask=tile.additive_mask(q_BHSD.dtype),
-                    scale=scale,
-                )
-                empty_rows = tile.empty_rows()
-                if empty_rows is not None:  # the op reports lse = 0 for rows with no key
-                    lse_t = lse_t.masked_fill(empty_rows, float("-inf"))
-                partials.append((out_t, lse_t))
-            out_t, lse_t = merge_attention(partials)
-            if len(plan) == 1 and q_rows == slice(0, q_BHSD.shape[2]):
-                return out_t, lse_t  # one query block: no copy into the full-size buffers
-            out_BHSD[:, :, q_rows] = out_t
-            lse_BHS[:, :, q_rows] = lse_t
+            out_t, lse_t = merge_attention(
+                [self._tile_forward(tile, q_BHSD, k_BGKD, v_BGKD, scale) for tile in row_tiles]
+            )
+            out_BHSD[:, :, row_tiles[0].q_rows] = out_t
+            lse_BHS[:, :, row_tiles[0].q_rows] = lse_t
         return out_BHSD, lse_BHS
 
     def backward_chunk(
@@ -128,29 +167,20 @@ class CpuFlashBackend:
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of one chunk given the *merged* `out` and `lse` (ring-attention identity)."""
-        heads, kv_heads = q_BHSD.shape[1], k_BGKD.shape[1]
-        # Rows with no key anywhere have lse = -inf; +inf makes their probabilities exp(-inf) = 0.
         stat_dtype = torch.promote_types(q_BHSD.dtype, torch.float32)
+        # Rows with no key anywhere have lse = -inf; +inf makes their probabilities exp(-inf) = 0.
         lse_BHS = lse_BHS.masked_fill(torch.isneginf(lse_BHS), float("inf")).to(stat_dtype)
+        tensors = (grad_out_BHSD, q_BHSD, k_BGKD, v_BGKD, out_BHSD, lse_BHS)
+        plan = self._tiles(q_BHSD, k_BGKD, mask)
+        single = self._single_tile(plan, q_BHSD.shape[2], k_BGKD.shape[2])
+        if single is not None:
+            return self._tile_backward(single, *tensors, scale)
         grad_q_BHSD = torch.zeros_like(q_BHSD)
         grad_k_BGKD = torch.zeros_like(k_BGKD)
         grad_v_BGKD = torch.zeros_like(v_BGKD)
-        for row_tiles in self._tiles(q_BHSD, k_BGKD, mask):
-            q_rows = row_tiles[0].q_rows
-            for tile in row_tiles:
-                grad_q_t, grad_k_t, grad_v_t = _flash_backward(
-                    grad_out_BHSD[:, :, q_rows].contiguous(),
-                    q_BHSD[:, :, q_rows],
-                    _expand_kv_heads(k_BGKD[:, :, tile.kv_cols], heads),
-                    _expand_kv_heads(v_BGKD[:, :, tile.kv_cols], heads),
-                    out_BHSD[:, :, q_rows].contiguous(),
-                    lse_BHS[:, :, q_rows].contiguous(),
-                    0.0,
-                    tile.is_causal,
-                    attn_mask=tile.additive_mask(q_BHSD.dtype),
-                    scale=scale,
-                )
-                grad_q_BHSD[:, :, q_rows] += grad_q_t
-                grad_k_BGKD[:, :, tile.kv_cols] += _reduce_kv_heads(grad_k_t, kv_heads)
-                grad_v_BGKD[:, :, tile.kv_cols] += _reduce_kv_heads(grad_v_t, kv_heads)
+        for tile in (tile for row_tiles in plan for tile in row_tiles):
+            grad_q_t, grad_k_t, grad_v_t = self._tile_backward(tile, *tensors, scale)
+            grad_q_BHSD[:, :, tile.q_rows] += grad_q_t
+            grad_k_BGKD[:, :, tile.kv_cols] += grad_k_t
+            grad_v_BGKD[:, :, tile.kv_cols] += grad_v_t
         return grad_q_BHSD, grad_k_BGKD, grad_v_BGKD

@@ -41,11 +41,12 @@ class GroupedQueryAttention(nn.Module):
         context: AttentionContext | None = None,
     ) -> Tensor:
         batch, seq_len, _ = x_BSD.shape
-        q_BHSK = self.wq(x_BSD).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k_BGSK = self.wk(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v_BGSK = self.wv(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos_BSF, sin_BSF = rope_cos_sin
-        q_BHSK = apply_rotary(q_BHSK, cos_BSF, sin_BSF)
-        k_BGSK = apply_rotary(k_BGSK, cos_BSF, sin_BSF)
+        q_BSHK = self.wq(x_BSD).view(batch, seq_len, self.n_heads, self.head_dim)
+        k_BSGK = self.wk(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v_BSGK = self.wv(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        q_BHSK = apply_rotary(q_BSHK, cos_BSF, sin_BSF).transpose(1, 2)
+        k_BGSK = apply_rotary(k_BSGK, cos_BSF, sin_BSF).transpose(1, 2)
+        v_BGSK = v_BSGK.transpose(1, 2)
         out_BHSK = attend(context, layer_id, q_BHSK, k_BGSK, v_BGSK, self.head_dim**-0.5)
         return self.wo(out_BHSK.transpose(1, 2).reshape(batch, seq_len, -1))

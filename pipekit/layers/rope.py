@@ -7,7 +7,7 @@ positions may start anywhere (slice j of a sequence has positions [j*s, (j+1)*s)
 max-length table exists. Frequencies and angles are float32, exactly as the reference Llama code
 computes them, so that converted checkpoints reproduce its logits.
 
-Legend: B batch, H heads, S sequence, D head dim, F = D/2 rotating pairs.
+Legend: B batch, S sequence, H heads, D head dim, F = D/2 rotating pairs.
 """
 
 from __future__ import annotations
@@ -75,13 +75,17 @@ class RotaryEmbedding(nn.Module):
         return angles_BSF.cos(), angles_BSF.sin()
 
 
-def apply_rotary(x_BHSD: Tensor, cos_BSF: Tensor, sin_BSF: Tensor) -> Tensor:
-    """Rotate each interleaved pair of every head by its angle; keeps x's dtype."""
-    cos_B1SF = cos_BSF.unsqueeze(-3).to(x_BHSD.dtype)
-    sin_B1SF = sin_BSF.unsqueeze(-3).to(x_BHSD.dtype)
-    pairs = x_BHSD.unflatten(-1, (-1, 2))
+def apply_rotary(x_BSHD: Tensor, cos_BSF: Tensor, sin_BSF: Tensor) -> Tensor:
+    """Rotate each interleaved pair of every head by its angle; keeps x's dtype.
+
+    Works on the projections' natural `[B, S, H, D]` layout (contiguous, so the elementwise
+    work streams through memory) before heads are moved in front of the sequence.
+    """
+    cos_BS1F = cos_BSF.unsqueeze(-2).to(x_BSHD.dtype)
+    sin_BS1F = sin_BSF.unsqueeze(-2).to(x_BSHD.dtype)
+    pairs = x_BSHD.unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack(
-        (even * cos_B1SF - odd * sin_B1SF, even * sin_B1SF + odd * cos_B1SF), dim=-1
+        (even * cos_BS1F - odd * sin_BS1F, even * sin_BS1F + odd * cos_BS1F), dim=-1
     )
     return rotated.flatten(-2)
