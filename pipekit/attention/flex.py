@@ -1,8 +1,8 @@
 """FlexAttention backend: the training kernel on CUDA, an inference kernel on CPU.
 
 `flex_attention` and `create_block_mask` are each wrapped by `torch.compile` once per process
-(`_compiled_flex`, `_compiled_block_mask`); every call and every module instance shares them, so a
-model compiles per distinct shape, not per layer or per call.
+(`compiled_flex_attention`, `_compiled_block_mask`); every call and every module instance shares
+them, so a model compiles per distinct shape and mask, not per layer or per call.
 
 Differentiability: on CUDA both outputs carry gradients (FlexAttention's backward accepts a
 gradient for the log-sum-exp), so partial results over KV chunks are merged by plain autograd.
@@ -35,7 +35,7 @@ from pipekit.attention._tiles import mask_dependence
 from pipekit.attention.cpu_flash import CpuFlashBackend
 from pipekit.attention.masks import MaskMod
 
-__all__ = ["FlexBackend"]
+__all__ = ["FlexBackend", "compiled_flex_attention"]
 
 
 # Each distinct mask_mod and shape is one compiled variant; a real job has a handful, a test
@@ -55,7 +55,8 @@ def _compiled(fn: Callable[..., object]) -> Callable[..., object]:
     return call_compiled
 
 
-def _compiled_flex() -> Callable[..., object]:
+def compiled_flex_attention() -> Callable[..., object]:
+    """`flex_attention`, compiled once per process (static shapes)."""
     return _compiled(flex_attention)
 
 
@@ -99,7 +100,7 @@ class FlexBackend:
         block_mask = None if mask is None else self.block_mask(mask, q_BHSD, k_BGKD)
         enable_gqa = q_BHSD.shape[1] != k_BGKD.shape[1]
         if q_BHSD.device.type != "cpu":
-            out_BHSD, aux = _compiled_flex()(
+            out_BHSD, aux = compiled_flex_attention()(
                 q_BHSD,
                 k_BGKD,
                 v_BGKD,
@@ -114,7 +115,7 @@ class FlexBackend:
                 "attention backend 'flex' has no backward on CPU (torch 2.13 FlexAttention is "
                 "inference-only there); train on CPU with backend='cpu' or 'auto'"
             )
-        out_BHSD = _compiled_flex()(
+        out_BHSD = compiled_flex_attention()(
             q_BHSD, k_BGKD, v_BGKD, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
         )
         return out_BHSD, self._cpu_lse.forward_chunk(q_BHSD, k_BGKD, v_BGKD, mask, scale)[1]
