@@ -10,8 +10,20 @@ from collections.abc import Iterator
 
 import torch
 import torch._dynamo
+from torch import nn
+from torch.distributed._composable import checkpoint as _composable_checkpoint
+from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["cpu_flash_attention_backward", "cpu_flash_attention_forward", "more_recompiles"]
+__all__ = [
+    "checkpoint_module_activations",
+    "concatenate_meshes",
+    "cpu_flash_attention_backward",
+    "cpu_flash_attention_forward",
+    "flatten_mesh",
+    "fsdp_replicate",
+    "more_recompiles",
+]
 
 # (q, k, v, dropout_p=0., is_causal=False, *, attn_mask=None, scale=None) -> (out, logsumexp).
 # Rows with no allowed key come back with out = 0 and logsumexp = 0 (not -inf).
@@ -31,3 +43,38 @@ def more_recompiles(limit: int) -> Iterator[None]:
     """
     with torch._dynamo.config.patch(recompile_limit=limit):
         yield
+
+
+def checkpoint_module_activations(module: nn.Module) -> None:
+    """Recompute `module`'s forward in backward instead of saving its activations.
+
+    The composable API installs hooks instead of wrapping the module, so parameter and
+    state-dict names do not change (checkpoints and Hugging Face export stay the same).
+    """
+    _composable_checkpoint(module)
+
+
+# fsdp_replicate(module, *, mesh, mp_policy, ...), imported above: DDP built on FSDP2's
+# machinery (torchtitan's choice). Parameters become Replicate DTensors on a 1-D mesh and the
+# FSDPParamGroup that fully_shard uses all-reduces their gradients, so mixed precision,
+# set_gradient_divide_factor and DCP state dicts behave as with fully_shard, without its
+# all-gathers over a size-1 shard. (torch.distributed._composable.replicate is the older
+# DDP-based one; not used.)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """One 1-D mesh over all of `mesh`'s ranks, named `name` (`DeviceMesh._flatten`).
+
+    Keep the returned mesh: slicing a flattened dim back out of the root mesh is deprecated.
+    """
+    return mesh._flatten(name)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are the given meshes' dims, in order (`DeviceMesh._concatenate`).
+
+    The meshes must come from the same root mesh and share no dim; their process groups are
+    reused, none is created. Gives HSDP its 2-D (replicate, shard) mesh when the shard dim is a
+    flattened helper.
+    """
+    return DeviceMesh._concatenate(meshes)

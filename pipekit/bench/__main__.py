@@ -7,6 +7,7 @@ import sys
 
 _BENCHMARKS = {
     "attention": ("pipekit.bench.attention", "attention kernels vs torch SDPA (time, error)"),
+    "step": ("pipekit.bench.step", "training step of a config: tokens/s and MFU"),
 }
 
 

@@ -1,0 +1,63 @@
+"""The one place where model families are registered for the trainer and tools."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ModelSpec", "get_model_spec", "register_model"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build a model family and move its weights in and out of Hugging Face layout."""
+
+    name: str
+    flavor: Callable[[str], Any]
+    """Named flavor -> model args (raises ValueError listing the known flavors)."""
+    build: Callable[[Any], nn.Module]
+    """Model args -> module (call under `torch.device("meta")`, then `init_weights`)."""
+    read_hf_args: Callable[[str], Any]
+    """Hugging Face checkpoint directory -> model args."""
+    load_hf: Callable[[str, nn.Module, Any], None]
+    """Copy a Hugging Face checkpoint into a materialised model."""
+    save_hf: Callable[[nn.Module, Any, str], None]
+    """Write a model (full, unsharded tensors) in Hugging Face layout."""
+
+
+_MODELS: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec) -> None:
+    _MODELS[spec.name] = spec
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The registered family `name`, with an error listing the known ones."""
+    if not _MODELS:
+        _register_builtin()
+    if name not in _MODELS:
+        raise ValueError(f"unknown model {name!r}; known models: {sorted(_MODELS)}")
+    return _MODELS[name]
+
+
+def _register_builtin() -> None:
+    from models.llama import Llama, llama_flavor
+    from models.llama.hf_config import read_hf_llama_args
+    from models.llama.state_dict_adapter import load_hf_llama, save_hf_llama
+
+    register_model(
+        ModelSpec(
+            name="llama",
+            flavor=llama_flavor,
+            build=Llama,
+            read_hf_args=read_hf_llama_args,
+            load_hf=load_hf_llama,
+            save_hf=lambda model, args, directory: save_hf_llama(
+                model, args, directory, overwrite=True
+            ),
+        )
+    )

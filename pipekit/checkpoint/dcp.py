@@ -1,0 +1,234 @@
+"""Training-state checkpoints with torch.distributed.checkpoint (DCP): atomic and resharding.
+
+A checkpoint is a folder `step-N` under the manager's folder. It is written as
+`step-N.tmp-<token>`; after every rank has finished writing (a barrier), rank 0 writes the
+`COMPLETE` marker into it and renames it to `step-N`. A rename is atomic, so a crash at any
+moment leaves either a tmp folder or a complete checkpoint, never a `step-N` that loads as valid
+but is not. Deleting is the reverse (rename away, then remove), so pruning cannot leave a marked
+folder with missing files either.
+
+State is a dict of entries saved under their keys: `Stateful` objects (`ModelOptimizerState`,
+an LR scheduler, a data loader) or plain dicts (`{"step": 12, "rng": capture_rng_state()}`).
+Loading fills the same structure in place; DCP reads each rank's own shards, so a checkpoint
+written at one data-parallel degree loads at another. Works without a process group (world
+size 1) too.
+
+pipekit seeds every rank identically (job.seed), so the random generators are replicated state:
+like any plain tensor, DCP saves one copy (rank 0's) and every rank restores it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim import Optimizer
+
+from pipekit.checkpoint.safetensors_io import CheckpointError
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "CheckpointManager",
+    "ModelOptimizerState",
+    "capture_rng_state",
+    "restore_rng_state",
+]
+
+COMPLETE_MARKER = "COMPLETE"
+"""File written into a checkpoint folder once every rank's data is on disk."""
+
+_COMPLETE_NAME = re.compile(r"step-(\d+)")
+
+
+def capture_rng_state() -> dict[str, Tensor]:
+    """The CPU generator's state, and the current CUDA device's when CUDA is available."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Tensor]) -> None:
+    """Set the generators to a state from `capture_rng_state` (CUDA's only if both have it)."""
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class ModelOptimizerState:
+    """`Stateful` model and optimizer, keyed by parameter names (FQNs), not optimizer indices.
+
+    `get_state_dict`/`set_state_dict` give FSDP2 models their DTensor shards, so DCP writes and
+    reads only this rank's part, and the names survive wrapping and resharding.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optimizer"],
+        )
+
+
+class CheckpointManager:
+    """Saves `step-N` checkpoints into `folder`, keeps the newest `keep_last` (0 keeps all).
+
+    Every rank calls every method with the same arguments (they are collective when a process
+    group exists); the folder must be shared by all ranks.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], keep_last: int = 0) -> None:
+        if keep_last < 0:
+            raise ValueError(f"keep_last={keep_last} must be >= 0 (0 keeps every checkpoint)")
+        self.folder = Path(folder)
+        self.keep_last = keep_last
+
+    def path(self, step: int) -> Path:
+        """Where the complete checkpoint of `step` lives."""
+        return self.folder / f"step-{step}"
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a complete checkpoint, oldest first (tmp and unmarked folders ignored)."""
+        if not self.folder.is_dir():
+            return []
+        steps = []
+        for entry in self.folder.iterdir():
+            match = _COMPLETE_NAME.fullmatch(entry.name)
+            if match and (entry / COMPLETE_MARKER).is_file():
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        """The newest step with a complete checkpoint, or None."""
+        steps = self.complete_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: Mapping[str, Any]) -> Path:
+        """Write `state` as the checkpoint of `step`, replacing any of that step; collective."""
+        is_writer = _rank() == 0
+        if is_writer:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_tmp_folders()
+        tmp = self.folder / f"step-{step}.tmp-{_shared_token()}"
+        with _quiet_without_process_group():
+            dcp.save(dict(state), checkpoint_id=tmp)
+        _barrier()  # every rank's files are written before the checkpoint is published
+        final = self.path(step)
+        if is_writer:
+            marker = {"step": step, "world_size": _world_size()}
+            _write_durably(tmp / COMPLETE_MARKER, json.dumps(marker))
+            if final.exists():
+                _remove(final)
+            os.rename(tmp, final)
+            _fsync_folder(self.folder)
+            if self.keep_last:
+                for old_step in self.complete_steps()[: -self.keep_last]:
+                    _remove(self.path(old_step))
+        _barrier()  # no rank moves on (or looks for the latest step) before the rename
+        return final
+
+    def load(self, step: int, state: Mapping[str, Any]) -> None:
+        """Restore `state` in place from the checkpoint of `step`; collective."""
+        path = self.path(step)
+        if not (path / COMPLETE_MARKER).is_file():
+            what = "is not a complete checkpoint" if path.is_dir() else "does not exist"
+            raise CheckpointError(
+                f"checkpoint {path} {what} (no {COMPLETE_MARKER} marker: missing, or a save was "
+                f"interrupted); complete steps in {self.folder}: {self.complete_steps()}"
+            )
+        try:
+            with _quiet_without_process_group():
+                dcp.load(dict(state), checkpoint_id=path)
+        # DCP reports a failure on any rank as CheckpointException, a BaseException.
+        except (Exception, dcp.CheckpointException) as error:
+            raise CheckpointError(
+                f"checkpoint {path} could not be read ({_root_cause(error)}); it is corrupt or "
+                "does not match the state it is loaded into; load an older step or delete it"
+            ) from error
+
+    def _remove_stale_tmp_folders(self) -> None:
+        """Remove the tmp folders of interrupted saves (one job writes a folder at a time)."""
+        for entry in self.folder.glob("step-*.tmp-*"):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet_without_process_group() -> Iterator[None]:
+    """Silence DCP's warning that it works in one process: at world size 1 that is the plan."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _root_cause(error: BaseException) -> str:
+    """`Type: message` of the first failing rank's exception (DCP wraps them per rank)."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {type(cause).__name__}: {cause}"
+    return f"{type(error).__name__}: {error}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _shared_token() -> str:
+    """A random name part chosen by rank 0 and known to every rank."""
+    token = [uuid.uuid4().hex[:8]]
+    if dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def _remove(folder: Path) -> None:
+    """Delete a checkpoint folder; renamed away first so no marked, half-deleted folder remains."""
+    doomed = folder.with_name(f"{folder.name}.tmp-deleting-{uuid.uuid4().hex[:8]}")
+    os.rename(folder, doomed)
+    shutil.rmtree(doomed)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename in `folder` survive a power loss (the folder's entry list is on disk)."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,182 @@
+"""The job config: nested dataclass sections, one per concern.
+
+Every field has a one-line docstring under it: that text is `train.py --help` and the config
+reference in docs/. Required fields have no default. Cross-field rules live in
+`pipekit.config.validate`, and run before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "JobConfig",
+    "JobSection",
+    "LRSchedulerConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "TrainingConfig",
+]
+
+
+@dataclass(kw_only=True)
+class JobSection:
+    """What the run is called, where it writes, and its seed."""
+
+    name: str = "pipekit"
+    """Run name, shown in logs."""
+    output_dir: str = "outputs/pipekit"
+    """Folder for metrics, checkpoints and exports (created if missing)."""
+    seed: int = 0
+    """Seed of model init, data order and every random op; identical on all ranks."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model to build."""
+
+    name: str = "llama"
+    """Model family (a folder of models/)."""
+    flavor: str = "debug"
+    """Named size of the model family (e.g. debug, 1B, 8B, 70B)."""
+    attention_backend: str = "auto"
+    """Attention kernel: auto, cpu or flex (see docs/attention.md)."""
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """The optimisation loop."""
+
+    steps: int = 100
+    """Number of optimizer steps."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step, summed over data-parallel ranks and accumulation steps."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    gradient_accumulation_steps: int = 1
+    """Micro-steps per optimizer step; each rank sees global_batch_size / (dp * this) sequences."""
+    max_norm: float = 1.0
+    """Gradient clipping threshold on the global L2 norm (0 disables clipping)."""
+    mixed_precision_param: str = "float32"
+    """Compute dtype of parameters: float32 or bfloat16 (master weights stay float32)."""
+    mixed_precision_reduce: str = "float32"
+    """Dtype of gradient reduction across data-parallel ranks: float32 or bfloat16."""
+    activation_checkpoint: str = "none"
+    """Activation checkpointing: none, full (every block) or selective (every k-th block)."""
+    activation_checkpoint_every: int = 2
+    """With selective checkpointing, checkpoint every k-th transformer block."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """AdamW and its low-bit variants."""
+
+    name: str = "AdamW"
+    """AdamW, or torchao's AdamW8bit / AdamW4bit (low-bit optimizer states)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+
+
+@dataclass(kw_only=True)
+class LRSchedulerConfig:
+    """Linear warm-up, then decay to a floor."""
+
+    warmup_steps: int = 10
+    """Steps of linear warm-up from 0 to the peak learning rate."""
+    decay_type: str = "cosine"
+    """Decay after warm-up: cosine, linear or constant."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Training text and its tokenizer."""
+
+    source: str = "stdlib"
+    """stdlib (the running Python's standard-library sources), or a path or glob of .txt/.jsonl."""
+    jsonl_field: str = "text"
+    """Field holding the text in each JSONL record."""
+    tokenizer: str = "bytes"
+    """bytes (256 byte ids + BOS + EOS), or the path of a Hugging Face tokenizer.json."""
+    shuffle: bool = True
+    """Shuffle packed sequences each epoch (seeded by job.seed)."""
+
+
+@dataclass(kw_only=True)
+class ParallelismConfig:
+    """Degrees of parallelism; their product is the world size (-1 = whatever is left)."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP-like; with dp_shard > 1, HSDP)."""
+    dp_shard: int = -1
+    """FSDP2 shard degree (-1 = the rest of the world size)."""
+    cp: int = 1
+    """Context-parallel degree."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models; borrows from the data-parallel ranks)."""
+    collective_timeout_s: int = 300
+    """Timeout of every collective, in seconds."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Training-state checkpoints (DCP) and Hugging Face import/export."""
+
+    enable: bool = True
+    """Save training-state checkpoints."""
+    folder: str = "checkpoints"
+    """Subfolder of job.output_dir for checkpoints (step-N folders)."""
+    interval: int = 50
+    """Save every this many steps, and at the end."""
+    keep_last: int = 2
+    """Keep this many newest checkpoints (0 keeps all)."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in the folder if there is one."""
+    initial_load_path: str = ""
+    """Hugging Face checkpoint directory to initialise the model from (when not resuming)."""
+    export_hf_at_end: bool = False
+    """Write the final model to {output_dir}/hf in Hugging Face layout."""
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """What is logged, how often and where."""
+
+    log_interval: int = 10
+    """Log every this many steps (and the first and last step)."""
+    jsonl_file: str = "metrics.jsonl"
+    """Metrics file in job.output_dir (one JSON object per logged step; rank 0 writes)."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s per device for MFU; 0 = measure this machine's float32 matmul throughput."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Everything a training job needs, one section per concern."""
+
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)

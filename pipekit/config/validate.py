@@ -1,0 +1,123 @@
+"""Cross-field rules of a JobConfig, checked before any process group, file or model exists.
+
+Each rule raises `ConfigError` with the values involved and a fix. `world_size=None` checks all
+that does not depend on the launch (used by `pipekit.config.dump`).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+from pipekit.config.job_config import JobConfig
+from pipekit.config.loader import ConfigError
+
+__all__ = ["validate_job_config"]
+
+_CHOICES = {
+    ("model", "attention_backend"): ("auto", "cpu", "flex"),
+    ("training", "mixed_precision_param"): ("float32", "bfloat16"),
+    ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
+    ("training", "activation_checkpoint"): ("none", "full", "selective"),
+    ("optimizer", "name"): ("AdamW", "AdamW8bit", "AdamW4bit"),
+    ("lr_scheduler", "decay_type"): ("cosine", "linear", "constant"),
+}
+
+_POSITIVE = (
+    ("training", "steps"),
+    ("training", "global_batch_size"),
+    ("training", "seq_len"),
+    ("training", "gradient_accumulation_steps"),
+    ("training", "activation_checkpoint_every"),
+    ("optimizer", "lr"),
+    ("checkpoint", "interval"),
+    ("metrics", "log_interval"),
+    ("parallelism", "collective_timeout_s"),
+)
+
+
+def _check_choices_and_ranges(config: JobConfig) -> None:
+    for (section, key), choices in _CHOICES.items():
+        value = getattr(getattr(config, section), key)
+        if value not in choices:
+            raise ConfigError(f"[{section}] {key}={value!r} is not one of {', '.join(choices)}")
+    for section, key in _POSITIVE:
+        value = getattr(getattr(config, section), key)
+        if value <= 0:
+            raise ConfigError(f"[{section}] {key}={value} must be positive")
+    if config.checkpoint.keep_last < 0:
+        raise ConfigError(f"[checkpoint] keep_last={config.checkpoint.keep_last} must be >= 0")
+    if not 0.0 <= config.lr_scheduler.min_lr_ratio <= 1.0:
+        raise ConfigError(
+            f"[lr_scheduler] min_lr_ratio={config.lr_scheduler.min_lr_ratio} must be in [0, 1]"
+        )
+    if not 0 <= config.lr_scheduler.warmup_steps <= config.training.steps:
+        raise ConfigError(
+            f"[lr_scheduler] warmup_steps={config.lr_scheduler.warmup_steps} must be between 0 "
+            f"and training.steps={config.training.steps}"
+        )
+    if config.training.max_norm < 0:
+        raise ConfigError(f"[training] max_norm={config.training.max_norm} must be >= 0 (0 = off)")
+
+
+def _check_model(config: JobConfig) -> None:
+    from models.registry import get_model_spec  # lazy: pipekit imports no model at import time
+    from pipekit.train.data.tokenizer import build_tokenizer
+
+    args = get_model_spec(config.model.name).flavor(config.model.flavor)
+    tokenizer_vocab = build_tokenizer(config.data.tokenizer).vocab_size
+    if tokenizer_vocab > args.vocab_size:
+        raise ConfigError(
+            f"[data] tokenizer={config.data.tokenizer!r} has {tokenizer_vocab} ids but model "
+            f"{config.model.name} flavor {config.model.flavor} has vocab_size={args.vocab_size}; "
+            "choose a flavor with a larger vocabulary or a matching tokenizer"
+        )
+
+
+def _check_paths(config: JobConfig) -> None:
+    source = config.data.source
+    if source != "stdlib" and not (os.path.exists(source) or glob.glob(source, recursive=True)):
+        raise ConfigError(
+            f"[data] source={source!r} matches no file; give a file, a folder, a glob, or 'stdlib'"
+        )
+    tokenizer = config.data.tokenizer
+    if tokenizer != "bytes" and not Path(tokenizer).is_file():
+        raise ConfigError(
+            f"[data] tokenizer={tokenizer!r} is not a file; use 'bytes' or a tokenizer.json path"
+        )
+    initial = config.checkpoint.initial_load_path
+    if initial and not (Path(initial) / "config.json").is_file():
+        raise ConfigError(
+            f"[checkpoint] initial_load_path={initial!r} has no config.json; point it at a "
+            "Hugging Face checkpoint directory"
+        )
+
+
+def _check_parallelism(config: JobConfig, world_size: int) -> None:
+    from pipekit.distributed.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_config(config.parallelism, world_size)
+    for name in ("cp", "tp", "pp", "ep"):
+        if getattr(dims, name) > 1:
+            raise ConfigError(
+                f"[parallelism] {name}={getattr(dims, name)}: the trainer does not support "
+                f"{name} > 1 yet; set {name} = 1"
+            )
+    per_step = dims.dp_degree * config.training.gradient_accumulation_steps
+    if config.training.global_batch_size % per_step:
+        raise ConfigError(
+            f"[training] global_batch_size={config.training.global_batch_size} must be divisible "
+            f"by data-parallel degree {dims.dp_degree} x gradient_accumulation_steps="
+            f"{config.training.gradient_accumulation_steps} = {per_step}; try "
+            f"{per_step * max(1, config.training.global_batch_size // per_step)}"
+        )
+
+
+def validate_job_config(config: JobConfig, world_size: int | None) -> None:
+    """Raise ConfigError for the first rule the config breaks."""
+    _check_choices_and_ranges(config)
+    _check_paths(config)
+    _check_model(config)
+    if world_size is not None:
+        _check_parallelism(config, world_size)

@@ -1,0 +1,91 @@
+"""Data parallelism with FSDP2: sharded (FSDP), hybrid (HSDP) or replicated (DDP-like).
+
+Gradient convention (the whole library relies on it): every rank's loss is the *sum* of its
+token losses divided by the *global* token count of the step (all data-parallel ranks, all
+micro-batches). The global gradient is then the sum of the ranks' gradients, so gradients are
+reduced by SUM over the data-parallel ranks, not by FSDP's default mean. Why not mean-reduce a
+per-rank mean loss: with uneven token counts (padding, packed documents, ignored labels) a mean
+of means weights tokens unequally, while sum / global count is exactly the single-process loss.
+Reducing with a plain SUM (divide factor 1, sum-only collectives) also works on gloo, which
+supports neither AVG nor PREMUL_SUM.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from pipekit._torch_private import concatenate_meshes, fsdp_replicate
+from pipekit.distributed.parallel_dims import ParallelDims
+
+__all__ = ["apply_data_parallel", "data_parallel_mesh"]
+
+
+def data_parallel_mesh(mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceMesh | None:
+    """The part of the world `mesh` that parameters are distributed over; None without dp.
+
+    `dp_shard` for FSDP, (`dp_replicate`, `dp_shard`) for HSDP, `dp_replicate` for replication;
+    with context parallelism the shard dim is the flattened `dp_shard_cp` (cp ranks hold the
+    same parameters, so they share the shards).
+    """
+    needed = [dim for dim in ("dp_replicate", "dp_shard", "cp") if getattr(parallel_dims, dim) > 1]
+    missing = [name for name in needed if name not in (mesh.mesh_dim_names or ())]
+    if missing:
+        raise ValueError(
+            f"mesh with dims {mesh.mesh_dim_names} lacks {missing}, which {parallel_dims} has; "
+            "pass the mesh that parallel_dims.build_mesh() returned"
+        )
+    replicate = ("dp_replicate",) if parallel_dims.dp_replicate_enabled else ()
+    if parallel_dims.cp_enabled:
+        shard_mesh = parallel_dims.mesh("dp_shard_cp")
+        return concatenate_meshes([mesh[replicate], shard_mesh]) if replicate else shard_mesh
+    dims = replicate + (("dp_shard",) if parallel_dims.dp_shard_enabled else ())
+    return mesh[dims] if dims else None
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    parallel_dims: ParallelDims,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    sum_gradients: bool = True,
+) -> nn.Module:
+    """Wrap each block of `model.layers` and then the root (embedding, norm, output) in place.
+
+    `mesh` is the world mesh from `parallel_dims.build_mesh`. Sharded when dp_shard x cp > 1
+    (HSDP if dp_replicate > 1 too); replicated with FSDP2's `replicate` when only dp_replicate
+    > 1; unchanged without data parallelism. Tied weights (output.weight is
+    tok_embeddings.weight) sit in the root's group, so they stay one parameter.
+    `sum_gradients=False` keeps FSDP's mean reduction, for losses normalised per rank (see the
+    module docstring). Returns `model`, whose class is now an FSDP subclass.
+    """
+    dp_mesh = data_parallel_mesh(mesh, parallel_dims)
+    if dp_mesh is None:
+        return model
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if parallel_dims.fsdp_enabled:
+        for block in model.layers.values():
+            fully_shard(
+                block,
+                mesh=dp_mesh,
+                mp_policy=mp_policy,
+                reshard_after_forward=reshard_after_forward,
+            )
+        fully_shard(
+            model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        )
+    else:
+        for block in model.layers.values():
+            fsdp_replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
+        fsdp_replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+    if sum_gradients:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+    return model

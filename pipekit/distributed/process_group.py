@@ -1,0 +1,89 @@
+"""Start and stop the default process group from torchrun's environment.
+
+`init_distributed` picks the backend from the hardware (nccl with one GPU per process on CUDA,
+gloo on CPU) and applies the config's collective timeout. Run as plain `python` (no torchrun
+variables), it creates no group and reports a world of one, so single-process runs and tests need
+no launcher.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistributedInfo", "destroy_distributed", "init_distributed"]
+
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistributedInfo:
+    """Where this process sits in the job, and the device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def device_type(self) -> str:
+        """`cuda` or `cpu`: the device type of every mesh of the job."""
+        return self.device.type
+
+
+def init_distributed(timeout_s: float) -> DistributedInfo:
+    """Join the job's default process group (if launched by torchrun); return this rank's place.
+
+    Every collective fails after `timeout_s` seconds instead of hanging forever on a dead rank.
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "init_distributed: the default process group already exists; call it once per "
+            "process (destroy_distributed() ends the group)"
+        )
+    if "WORLD_SIZE" not in os.environ:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return DistributedInfo(rank=0, world_size=1, local_rank=0, device=device)
+    missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_distributed: WORLD_SIZE is set but {', '.join(missing)} are not; launch with "
+            "`torchrun --nproc-per-node N ...`, or unset WORLD_SIZE for a single process"
+        )
+    if os.environ["MASTER_PORT"] == "0":
+        # torchrun 2.13 hands `--master-port 0` to the workers as is; they would retry port 0
+        # until the store timeout (minutes) instead of failing.
+        raise RuntimeError(
+            "init_distributed: MASTER_PORT=0 cannot be connected to; launch with "
+            "`torchrun --standalone ...` (it picks a free port) or a fixed --master-port"
+        )
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    timeout = timedelta(seconds=timeout_s)
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
+                "visible; launch at most that many processes per node"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # device_id binds the group to this GPU at once (eager NCCL init, no guessed device).
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return DistributedInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def destroy_distributed() -> None:
+    """Destroy the default process group if there is one (safe to call in any case)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

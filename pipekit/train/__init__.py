@@ -1,0 +1,1 @@
+"""Training: the trainer loop, data, optimizer, LR schedule, loss, metrics."""

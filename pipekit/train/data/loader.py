@@ -1,0 +1,203 @@
+"""The training data loader: packed rows in a seeded order, sharded over data-parallel ranks.
+
+The order is defined globally first and sharded second. Each epoch has one permutation of all
+rows (seeded by `(seed, epoch)`, the same on every rank). Step k of the epoch takes the global
+batch `order[p : p + G]`, where p = k*G is the epoch's position and
+G = local_batch_size * dp_world_size; rank r takes the contiguous block
+`[p + r*B, p + (r+1)*B)` of it (B = local_batch_size), i.e. a share strided by G through the
+epoch. Concatenating the ranks' batches in rank order gives the global batch, which is therefore
+the same whatever the data-parallel degree. An epoch ends when fewer than G rows are left (those
+rows are skipped this epoch; the next permutation differs), and iteration never ends.
+
+The resumable state is `(epoch, position)`, identical on every rank: a loader that loads it
+continues exactly where the saved one stopped, even with another dp degree.
+
+Legend: B local batch, S seq_len, G global batch (B * dp_world_size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from pipekit.config.job_config import DataConfig
+from pipekit.train.data.corpus import iter_documents, source_files
+from pipekit.train.data.packing import TokenStream, pack_documents
+from pipekit.train.data.tokenizer import build_tokenizer
+
+__all__ = ["PackedDataLoader", "build_data_loader", "load_token_stream"]
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    """A 63-bit generator seed for `(seed, epoch)`, independent of Python's hash salt."""
+    digest = hashlib.blake2b(f"pipekit-data/{seed}/{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _check_batch_args(
+    seq_len: int, local_batch_size: int, dp_rank: int, dp_world_size: int
+) -> None:
+    if seq_len <= 0 or local_batch_size <= 0:
+        raise ValueError(
+            f"seq_len={seq_len} and local_batch_size={local_batch_size} must both be positive"
+        )
+    if dp_world_size <= 0 or not 0 <= dp_rank < dp_world_size:
+        raise ValueError(
+            f"dp_rank={dp_rank} must lie in [0, dp_world_size={dp_world_size}) and "
+            "dp_world_size must be positive"
+        )
+
+
+class PackedDataLoader:
+    """Infinite iterator of `[B, S]` TensorDicts (tokens, labels, positions, document_ids; int64)
+    cut from a packed `TokenStream` (see the module docstring for the order)."""
+
+    def __init__(
+        self,
+        stream: TokenStream,
+        *,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        _check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)
+        self.stream = stream
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.global_batch_size = local_batch_size * dp_world_size
+        self.num_rows = stream.num_rows(seq_len)
+        if self.num_rows < self.global_batch_size:
+            raise ValueError(
+                f"the corpus packs into {self.num_rows} rows of seq_len={seq_len} "
+                f"({stream.num_tokens} tokens), fewer than one global batch of "
+                f"{self.global_batch_size} rows (local_batch_size={local_batch_size} x "
+                f"dp={dp_world_size}); use a larger source, a shorter seq_len or a smaller batch"
+            )
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch = -1
+        self._order_G: Tensor | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches in one epoch (counted from position 0)."""
+        return self.num_rows // self.global_batch_size
+
+    def _epoch_order(self) -> Tensor:
+        """Row order of the current epoch, computed once per epoch."""
+        if self._order_epoch != self.epoch or self._order_G is None:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
+                self._order_G = torch.randperm(self.num_rows, generator=generator)
+            else:
+                self._order_G = torch.arange(self.num_rows)
+            self._order_epoch = self.epoch
+        return self._order_G
+
+    def __iter__(self) -> PackedDataLoader:
+        return self
+
+    def __next__(self) -> TensorDict:
+        if self.position + self.global_batch_size > self.num_rows:
+            self.epoch += 1
+            self.position = 0
+        start = self.position + self.dp_rank * self.local_batch_size
+        row_ids_B = self._epoch_order()[start : start + self.local_batch_size]
+        self.position += self.global_batch_size
+        return self.stream.rows(row_ids_B, self.seq_len)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is (the same on every rank), plus what makes that position mean
+        the same rows on load."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_rows": self.num_rows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved `state_dict()`; the order must be the one it was saved with."""
+        saved = {key: int(value) for key, value in state.items()}
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "num_rows"):
+            if saved[key] != int(mine[key]):
+                raise ValueError(
+                    f"data loader state was saved with {key}={saved[key]}, this loader has "
+                    f"{key}={int(mine[key])}: the saved position would name other rows; resume "
+                    "with the same data source, tokenizer, seq_len, seed and shuffle setting"
+                )
+        if not 0 <= saved["position"] <= self.num_rows or saved["epoch"] < 0:
+            raise ValueError(f"data loader state {saved} is out of range ({self.num_rows} rows)")
+        self.epoch = saved["epoch"]
+        self.position = saved["position"]
+
+
+_STREAM_CACHE: OrderedDict[tuple, TokenStream] = OrderedDict()
+_STREAM_CACHE_SIZE = 2
+
+
+def _fingerprint(paths: list[Path]) -> tuple:
+    """(path, size, mtime) of each file: a changed file must not hit a stale cache entry."""
+    stats = [(str(path), path.stat()) for path in paths]
+    return tuple((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
+
+
+def load_token_stream(data_config: DataConfig) -> TokenStream:
+    """The packed stream of `data_config`'s source and tokenizer, kept in memory (no disk
+    cache) so that several loaders in one process tokenize once."""
+    tokenizer = build_tokenizer(data_config.tokenizer)
+    files = source_files(data_config.source)
+    tokenizer_files = [tokenizer.path] if hasattr(tokenizer, "path") else []
+    key = (
+        data_config.source,
+        data_config.jsonl_field,
+        data_config.tokenizer,
+        _fingerprint(files),
+        _fingerprint(tokenizer_files),
+    )
+    if key in _STREAM_CACHE:
+        _STREAM_CACHE.move_to_end(key)
+        return _STREAM_CACHE[key]
+    documents = iter_documents(files, jsonl_field=data_config.jsonl_field)
+    stream = pack_documents(documents, tokenizer)
+    _STREAM_CACHE[key] = stream
+    while len(_STREAM_CACHE) > _STREAM_CACHE_SIZE:
+        _STREAM_CACHE.popitem(last=False)
+    return stream
+
+
+def build_data_loader(
+    data_config: DataConfig,
+    *,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    seed: int,
+) -> PackedDataLoader:
+    """The trainer's one entry point: this rank's loader for the `[data]` config section."""
+    _check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)  # before tokenizing
+    return PackedDataLoader(
+        load_token_stream(data_config),
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        seed=seed,
+        shuffle=data_config.shuffle,
+    )

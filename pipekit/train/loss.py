@@ -1,0 +1,36 @@
+"""Cross-entropy normalised by the global number of label tokens.
+
+Each micro-batch contributes `sum(token losses) / global_label_tokens`, where the count covers
+every data-parallel rank and every accumulation micro-step of the optimizer step. Summing these
+over micro-steps and ranks gives exactly the mean over the global batch, whatever the split, so
+sliced, accumulated and data-parallel losses equal the single-process one.
+
+Legend: B batch, S sequence, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from pipekit.train.data.packing import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "count_label_tokens", "token_sum_cross_entropy"]
+
+
+def count_label_tokens(labels_BS: Tensor) -> Tensor:
+    """Number of labels that count (not IGNORE_INDEX), as a 0-dim int64 tensor."""
+    return (labels_BS != IGNORE_INDEX).sum()
+
+
+def token_sum_cross_entropy(
+    logits_BSV: Tensor, labels_BS: Tensor, normaliser: Tensor | float
+) -> Tensor:
+    """`sum over tokens of CE / normaliser`, computed in float32."""
+    loss_sum = F.cross_entropy(
+        logits_BSV.flatten(0, 1).float(),
+        labels_BS.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss_sum / normaliser

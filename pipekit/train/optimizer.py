@@ -1,0 +1,32 @@
+"""Optimizer construction: torch's AdamW, or torchao's low-bit AdamW (imported only if asked)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from pipekit.config.job_config import OptimizerConfig
+
+__all__ = ["build_optimizer"]
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], config: OptimizerConfig
+) -> torch.optim.Optimizer:
+    """AdamW with the config's hyper-parameters; weight decay applies to every parameter."""
+    kwargs = dict(
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+    )
+    if config.name == "AdamW":
+        return torch.optim.AdamW(params, foreach=True, **kwargs)
+    # torchao prints warnings about its CUDA extensions on import, so it is imported on demand.
+    from torchao.optim import AdamW4bit, AdamW8bit
+
+    low_bit = {"AdamW8bit": AdamW8bit, "AdamW4bit": AdamW4bit}
+    if config.name not in low_bit:
+        raise ValueError(f"unknown optimizer {config.name!r}; use AdamW, AdamW8bit or AdamW4bit")
+    return low_bit[config.name](params, **kwargs)

@@ -1,0 +1,252 @@
+"""The training loop: build, parallelize, initialise or resume, step, log, checkpoint.
+
+Order of construction (torchtitan's): model on the meta device -> materialise and initialise
+(or load a Hugging Face checkpoint) -> activation checkpointing -> data parallelism (FSDP2 /
+HSDP / replication) -> optimizer and LR schedule -> resume from the newest checkpoint. Every
+rank initialises the same full weights from the job seed before sharding, so any data-parallel
+layout starts from the weights a single process would.
+
+Legend: B local micro-batch, S sequence, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipekit.attention.context import CausalAttention
+from pipekit.checkpoint.dcp import (
+    CheckpointManager,
+    ModelOptimizerState,
+    capture_rng_state,
+    restore_rng_state,
+)
+from pipekit.config.job_config import JobConfig
+from pipekit.distributed.fsdp import apply_data_parallel
+from pipekit.distributed.grad_clip import clip_grad_norm_
+from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.train.activation_checkpoint import apply_activation_checkpointing
+from pipekit.train.data import build_data_loader
+from pipekit.train.loss import count_label_tokens, token_sum_cross_entropy
+from pipekit.train.lr_schedule import build_lr_scheduler
+from pipekit.train.metrics import (
+    MetricsLogger,
+    measure_matmul_flops,
+    memory_stats,
+    training_flops_per_token,
+)
+from pipekit.train.optimizer import build_optimizer
+
+__all__ = ["NonFiniteLossError", "Trainer"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the run stops before that step is applied or saved."""
+
+
+class Trainer:
+    """One training job, built from a validated JobConfig inside an initialised process group."""
+
+    def __init__(self, config: JobConfig) -> None:
+        from models.registry import get_model_spec
+
+        self.config = config
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.device = torch.device(
+            f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        )
+        self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
+        self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        self.output_dir = Path(config.job.output_dir)
+        self.spec = get_model_spec(config.model.name)
+        self.model_args = self.spec.flavor(config.model.flavor)
+        self.checkpoints = CheckpointManager(
+            self.output_dir / config.checkpoint.folder, keep_last=config.checkpoint.keep_last
+        )
+        resume_step = self.checkpoints.latest_step() if config.checkpoint.resume else None
+
+        torch.manual_seed(config.job.seed)
+        self.model = self._build_model(load_hf=resume_step is None)
+        self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, config.training.steps, config.lr_scheduler
+        )
+        dp_rank, dp_degree = self.dims.dp_rank(self.mesh), self.dims.dp_degree
+        self.micro_batch_size = config.training.global_batch_size // (
+            dp_degree * config.training.gradient_accumulation_steps
+        )
+        self.data = build_data_loader(
+            config.data,
+            seq_len=config.training.seq_len,
+            local_batch_size=self.micro_batch_size,
+            dp_rank=dp_rank,
+            dp_world_size=dp_degree,
+            seed=config.job.seed,
+        )
+        self.step = 0
+        if resume_step is not None:
+            self.checkpoints.load(resume_step, self._checkpoint_state())
+        self.metrics = MetricsLogger(
+            self.output_dir / config.metrics.jsonl_file, enabled=self.rank == 0
+        )
+        self.flops_per_token = training_flops_per_token(
+            self.model,
+            self.model_args.n_layers,
+            self.model_args.n_heads,
+            self.model_args.per_head_dim,
+            config.training.seq_len,
+        )
+        self.peak_flops = config.metrics.peak_flops or self._measured_peak_flops()
+
+    def _build_model(self, load_hf: bool) -> nn.Module:
+        """Materialise, initialise (or load), checkpoint activations, then shard."""
+        with torch.device("meta"):
+            model = self.spec.build(self.model_args)
+        model.to_empty(device=self.device)
+        model.init_weights(seed=self.config.job.seed)
+        if load_hf and self.config.checkpoint.initial_load_path:
+            self.spec.load_hf(self.config.checkpoint.initial_load_path, model, self.model_args)
+        apply_activation_checkpointing(list(model.layers.values()), self.config.training)
+        training = self.config.training
+        if self.mesh is not None:
+            apply_data_parallel(
+                model,
+                self.mesh,
+                self.dims,
+                param_dtype=_DTYPES[training.mixed_precision_param],
+                reduce_dtype=_DTYPES[training.mixed_precision_reduce],
+            )
+        return model
+
+    def _measured_peak_flops(self) -> float:
+        flops = torch.tensor(measure_matmul_flops(), dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(flops)
+            flops /= self.world_size
+        return float(flops)
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "model_and_optimizer": ModelOptimizerState(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler,
+            "data": self.data,
+            "trainer": _TrainerProgress(self),
+        }
+
+    def _autocast(self) -> Any:
+        """Mixed precision without FSDP (one rank): autocast; FSDP2 does it by itself."""
+        param_dtype = _DTYPES[self.config.training.mixed_precision_param]
+        enabled = self.mesh is None and param_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=param_dtype, enabled=enabled)
+
+    def _all_reduce_sum(self, value: Tensor) -> Tensor:
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(value)
+        return value
+
+    def train_step(self) -> tuple[float, float, int]:
+        """One optimizer step: returns (loss, grad norm, global label tokens)."""
+        micro_batches = [
+            next(self.data).to(self.device)
+            for _ in range(self.config.training.gradient_accumulation_steps)
+        ]
+        local_tokens = sum(count_label_tokens(batch["labels"]) for batch in micro_batches)
+        global_tokens = self._all_reduce_sum(torch.as_tensor(local_tokens, device=self.device))
+        loss_sum = torch.zeros((), device=self.device)
+        attention_backend = self.config.model.attention_backend
+        for batch in micro_batches:
+            context = CausalAttention(batch["document_ids"], backend=attention_backend)
+            with self._autocast():
+                logits_BSV = self.model(batch["tokens"], batch["positions"], context)
+            loss = token_sum_cross_entropy(logits_BSV, batch["labels"], global_tokens)
+            loss.backward()  # data parallelism sums gradients (pipekit.distributed.fsdp)
+            loss_sum += loss.detach()
+        global_loss = float(self._all_reduce_sum(loss_sum))
+        if not math.isfinite(global_loss):
+            raise NonFiniteLossError(
+                f"loss is {global_loss} at step {self.step + 1}; stopping before the update. "
+                "Lower optimizer.lr, raise lr_scheduler.warmup_steps, or set training.max_norm"
+            )
+        max_norm = self.config.training.max_norm
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm or math.inf)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return global_loss, float(grad_norm), int(global_tokens)
+
+    def train(self) -> list[float]:
+        """Run to `training.steps`; returns the losses of the steps this call ran."""
+        config = self.config
+        if self.rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            print(
+                f"training {config.model.name}/{config.model.flavor} on {self.world_size} rank(s), "
+                f"steps {self.step + 1}..{config.training.steps}",
+                flush=True,
+            )
+        losses = []
+        window_start, window_tokens = time.perf_counter(), 0
+        while self.step < config.training.steps:
+            loss, grad_norm, tokens = self.train_step()
+            losses.append(loss)
+            window_tokens += tokens
+            last = self.step == config.training.steps
+            if self.step == 1 or last or self.step % config.metrics.log_interval == 0:
+                elapsed = time.perf_counter() - window_start
+                tokens_per_s = window_tokens / elapsed
+                record = {
+                    "step": self.step,
+                    "loss": loss,
+                    "grad_norm": grad_norm,
+                    "lr": self.lr_scheduler.get_last_lr()[0],
+                    "tokens_per_s": tokens_per_s,
+                    "mfu": tokens_per_s
+                    * self.flops_per_token
+                    / (self.peak_flops * self.world_size),
+                    **memory_stats(self.model, self.optimizer),
+                }
+                self.metrics.log(record)
+                window_start, window_tokens = time.perf_counter(), 0
+            if config.checkpoint.enable and (last or self.step % config.checkpoint.interval == 0):
+                self.checkpoints.save(self.step, self._checkpoint_state())
+        if config.checkpoint.export_hf_at_end:
+            self.export_hf(self.output_dir / "hf")
+        return losses
+
+    def export_hf(self, directory: Path) -> None:
+        """Write the current weights in Hugging Face layout (gathered to rank 0)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank == 0:
+            plain = self.spec.build(self.model_args)
+            plain.load_state_dict(full)
+            self.spec.save_hf(plain, self.model_args, str(directory))
+        if dist.is_initialized():
+            dist.barrier()
+
+
+class _TrainerProgress:
+    """The step counter and RNG states, as a checkpointable object."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.trainer.step, "rng": capture_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.step = int(state["step"])
+        restore_rng_state(state["rng"])

@@ -1,0 +1,157 @@
+"""Run a function on N gloo ranks on localhost: the one multi-process helper of the test suite.
+
+Children are forked, so they inherit the already imported torch: a 2-rank group costs well under
+a second, not the seconds of fresh interpreters. Ranks meet through a FileStore in a fresh
+temporary folder rather than a TCPStore: no port to probe, so concurrent groups cannot collide,
+and the parent starts no store thread (forking while a TCPStore server thread runs left a child
+stuck connecting in about one 4-rank run in three). gloo picks its own ephemeral ports. Each rank
+runs with one intra-op thread: two ranks do not oversubscribe the 2 cores, and a forked child never
+enters the OpenMP pool the parent may have started. A rank that raises or dies fails the call at
+once with its traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankFailedError", "run_on_ranks"]
+
+_GRACE_AFTER_FAILURE_S = 2.0
+"""How long the other ranks may take to report once one rank has failed."""
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised, died, or did not finish in time; the message holds its traceback."""
+
+
+def run_on_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results.
+
+    The default process group exists while `fn` runs and is destroyed after it. Results must be
+    picklable. The first rank to fail terminates the others and raises `RankFailedError`.
+    """
+    store_folder = tempfile.mkdtemp(prefix="pipekit-ranks-")
+    store_path = os.path.join(store_folder, "store")
+    ctx = mp.get_context("fork")
+    processes, connections = [], []
+    for rank in range(world_size):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=_child,
+            args=(child_end, store_path, fn, rank, world_size, args, timeout),
+            daemon=True,
+        )
+        process.start()
+        child_end.close()
+        processes.append(process)
+        connections.append(parent_end)
+    try:
+        return _collect(processes, connections, timeout)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        shutil.rmtree(store_folder, ignore_errors=True)
+
+
+def _collect(
+    processes: list[mp.process.BaseProcess], connections: list[Connection], timeout: float
+) -> list[Any]:
+    """Wait for every rank's report; raise once one fails, dies, or the deadline passes.
+
+    After the first failure the other ranks get a short grace period to report theirs, since the
+    rank that reports first is often only the peer of the one that raised (gloo "connection
+    closed"); the error lists every failure that arrived.
+    """
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    pending = dict(enumerate(connections))
+    deadline = time.monotonic() + timeout
+    while pending:
+        sentinels = [processes[rank].sentinel for rank in pending]
+        ready = wait([*pending.values(), *sentinels], timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for rank, connection in list(pending.items()):
+            if connection not in ready and processes[rank].sentinel not in ready:
+                continue
+            del pending[rank]
+            try:
+                status, payload = pickle.loads(connection.recv_bytes())
+            except EOFError:
+                processes[rank].join()
+                exit_code = processes[rank].exitcode
+                failures[rank] = f"died with exit code {exit_code} before reporting a result"
+                continue
+            if status == "error":
+                failures[rank] = f"failed:\n{payload}"
+            else:
+                results[rank] = payload
+        if failures:
+            deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
+    if failures:
+        raise RankFailedError("\n".join(f"rank {r} {why}" for r, why in sorted(failures.items())))
+    if pending:
+        raise RankFailedError(
+            f"ranks {sorted(pending)} did not finish within {timeout:.0f} s; "
+            "a collective is probably waiting for a rank that never calls it"
+        )
+    return [results[rank] for rank in range(len(processes))]
+
+
+def _child(
+    connection: Connection,
+    store_path: str,
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout: float,
+) -> None:
+    """Body of one rank: join the group, run `fn`, send back its result or traceback."""
+    exit_code = 0
+    try:
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        try:
+            message = ("ok", fn(rank, world_size, *args))
+            if dist.is_initialized():
+                # A rank that exits while a peer is still connecting the last subgroup it
+                # created makes that peer fail with "connection closed by peer".
+                dist.barrier()
+        finally:
+            if dist.is_initialized():  # `fn` may have ended the group itself
+                dist.destroy_process_group()
+        # Plain pickle, not the connection's torch-aware one: that shares tensors by file
+        # descriptors served by this process, which exits right after sending.
+        connection.send_bytes(pickle.dumps(message))
+    except BaseException:
+        exit_code = 1
+        connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+    finally:
+        connection.close()
+        # Skip the parent's atexit handlers (pytest's among them) that the fork copied.
+        os._exit(exit_code)

@@ -1,0 +1,136 @@
+"""Config loading: precedence, errors that name the fix, help, dump round trip, validation."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipekit.config import ConfigError, JobConfig, help_text, load_job_config, validate_job_config
+from pipekit.config.dump import dump_toml
+from pipekit.config.loader import field_docs, to_dict
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_overrides_toml_overrides_defaults(tmp_path):
+    path = _toml(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1\n")
+    config = load_job_config(["--config", path, "--training.steps", "9", "--job.name=x"])
+    assert config.training.steps == 9  # CLI wins
+    assert config.training.seq_len == 64  # TOML wins over the default
+    assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)  # int -> float
+    assert config.training.global_batch_size == JobConfig().training.global_batch_size
+    assert config.job.name == "x"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[trainig]\nsteps = 1\n", r"unknown config section \[trainig\] \(did you mean 'training'"),
+        ("[training]\nstep = 1\n", r"unknown key 'step' in \[training\] \(did you mean 'steps'"),
+        ("[training]\nsteps = 'ten'\n", r"\[training\] steps expects int, got 'ten'"),
+        ("[checkpoint]\nenable = 1\n", r"\[checkpoint\] enable expects bool, got 1"),
+        ("[training]\nsteps = 1.5\n", r"steps expects int, got 1.5"),
+        ("steps = 3\n", "must be a \\[section\\]"),
+        ("[training\n", "not valid TOML"),
+    ],
+)
+def test_bad_toml_names_the_problem(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job_config(["--config", _toml(tmp_path, text)])
+
+
+def test_bad_cli_names_the_problem():
+    with pytest.raises(ConfigError, match=r"--training.steps expects int, got 'x'"):
+        load_job_config(["--training.steps", "x"])
+    with pytest.raises(ConfigError, match=r"valid names: .*seq_len"):
+        load_job_config(["--training.sequence_length", "8"])
+    with pytest.raises(ConfigError, match="needs a value"):
+        load_job_config(["--training.steps"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_job_config(["--config", "nowhere.toml"])
+    assert load_job_config(["--checkpoint.enable", "false"]).checkpoint.enable is False
+
+
+def test_every_field_has_a_doc_and_appears_in_help():
+    text = help_text()
+    for section in dataclasses.fields(JobConfig):
+        section_cls = type(getattr(JobConfig(), section.name))
+        docs = field_docs(section_cls)
+        for field in dataclasses.fields(section_cls):
+            assert docs.get(field.name), f"[{section.name}] {field.name} has no docstring"
+            assert f"--{section.name}.{field.name} " in text
+            assert docs[field.name] in text
+
+
+def test_dump_round_trips(tmp_path):
+    config = load_job_config(["--training.steps", "3", "--data.source", "stdlib"])
+    path = _toml(tmp_path, dump_toml(to_dict(config)))
+    assert load_job_config(["--config", path]) == config
+
+
+def test_dump_command_prints_resolved_config():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipekit.config.dump",
+            "configs/debug_model.toml",
+            "--training.steps",
+            "50",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[training]\nsteps = 50\n" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "world_size", "message"),
+    [
+        (
+            ["--training.global_batch_size", "6", "--parallelism.dp_shard", "4"],
+            4,
+            "global_batch_size=6 must be divisible by data-parallel degree 4",
+        ),
+        (["--parallelism.dp_shard", "2", "--parallelism.dp_replicate", "2"], 2, "world size"),
+        (["--parallelism.tp", "2"], 2, "tp > 1"),
+        (["--data.source", "/no/such/*.jsonl"], 1, "matches no file"),
+        (["--data.tokenizer", "/no/tokenizer.json"], 1, "is not a file"),
+        (["--checkpoint.initial_load_path", "/no/dir"], 1, "has no config.json"),
+        (["--model.flavor", "9B"], 1, "unknown Llama flavor '9B'"),
+        (["--model.attention_backend", "fast"], 1, "attention_backend='fast' is not one of"),
+        (["--lr_scheduler.warmup_steps", "500", "--training.steps", "10"], 1, "warmup_steps=500"),
+        (["--training.seq_len", "0"], 1, "seq_len=0 must be positive"),
+    ],
+)
+def test_cross_field_rules_say_how_to_fix(argv, world_size, message):
+    config = load_job_config(argv)
+    with pytest.raises((ConfigError, ValueError), match=message):
+        validate_job_config(config, world_size=world_size)
+
+
+def test_shipped_configs_load_and_debug_configs_validate():
+    for path in sorted((REPO_ROOT / "configs").glob("*.toml")):
+        config = load_job_config(["--config", str(path)])
+        if path.name.startswith("debug"):  # the others name data and checkpoints not shipped
+            validate_job_config(config, world_size=2)
+
+
+def test_config_reference_doc_is_current():
+    from pipekit.config.loader import reference_markdown
+
+    current = (REPO_ROOT / "docs" / "config.md").read_text()
+    assert current == reference_markdown(), (
+        "docs/config.md is stale: python -m pipekit.config.dump --reference > docs/config.md"
+    )

@@ -1,0 +1,324 @@
+"""Data pipeline: tokenizers, sources, packing invariants, dp sharding and exact resume."""
+
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipekit.config.job_config import DataConfig
+from pipekit.train.data import (
+    IGNORE_INDEX,
+    LLAMA3_BOS,
+    LLAMA3_EOS,
+    ByteTokenizer,
+    HFTokenizer,
+    PackedDataLoader,
+    build_data_loader,
+    build_tokenizer,
+    iter_documents,
+    load_token_stream,
+    pack_documents,
+    source_files,
+    stdlib_files,
+)
+
+BYTES = ByteTokenizer()
+
+
+def _texts(count: int, seed: int = 0, max_len: int = 40) -> list[str]:
+    """Documents of varied lengths, some longer than the rows they are packed into."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len, (count,), generator=generator).tolist()
+    alphabet = "abcdefghij é€😀\n"
+    texts = []
+    for index, length in enumerate(lengths):
+        picks = torch.randint(len(alphabet), (length,), generator=generator).tolist()
+        texts.append(f"{index}:" + "".join(alphabet[pick] for pick in picks))
+    return texts
+
+
+def _reference_rows(texts: list[str], seq_len: int) -> list[dict[str, list[int]]]:
+    """Packing written the obvious way, one token at a time."""
+    stream, document_of, position_of = [], [], []
+    for index, text in enumerate(texts):
+        framed = [BYTES.bos_id, *text.encode("utf-8"), BYTES.eos_id]
+        stream += framed
+        document_of += [index] * len(framed)
+        position_of += list(range(len(framed)))
+    rows = []
+    for row in range((len(stream) - 1) // seq_len):
+        span = range(row * seq_len, (row + 1) * seq_len)
+        first_document = document_of[span[0]]
+        rows.append(
+            {
+                "tokens": [stream[t] for t in span],
+                "labels": [
+                    stream[t + 1] if document_of[t + 1] == document_of[t] else IGNORE_INDEX
+                    for t in span
+                ],
+                "positions": [position_of[t] for t in span],
+                "document_ids": [document_of[t] - first_document for t in span],
+            }
+        )
+    return rows
+
+
+def test_byte_tokenizer_round_trips_utf8_with_special_ids():
+    text = "def f(x):\n    return 'é€😀'\n"
+    ids = BYTES.encode(text)
+    assert ids.dtype == torch.int64 and ids.tolist() == list(text.encode("utf-8"))
+    assert BYTES.decode(ids) == text
+    assert (BYTES.vocab_size, BYTES.bos_id, BYTES.eos_id) == (258, 256, 257)
+    assert BYTES.decode([BYTES.bos_id, *ids.tolist(), BYTES.eos_id]) == text
+    ids_T, lengths_D = BYTES.encode_many(["ab", "", "é"])
+    assert ids_T.tolist() == [97, 98, 0xC3, 0xA9] and lengths_D.tolist() == [2, 0, 2]
+
+
+@pytest.mark.parametrize("seq_len", [1, 3, 7, 64])
+def test_packed_rows_equal_token_by_token_reference(seq_len):
+    texts = _texts(30)
+    stream = pack_documents(texts, BYTES)
+    batch = stream.rows(torch.arange(stream.num_rows(seq_len)), seq_len)
+    reference = _reference_rows(texts, seq_len)
+    assert batch.batch_size == torch.Size([len(reference), seq_len])
+    for key in ("tokens", "labels", "positions", "document_ids"):
+        assert batch[key].dtype == torch.int64
+        assert batch[key].tolist() == [row[key] for row in reference], key
+
+
+def test_packing_invariants_on_a_shuffled_batch():
+    seq_len = 16
+    stream = pack_documents(_texts(50, seed=1), BYTES)
+    batch = stream.rows(torch.randperm(stream.num_rows(seq_len))[:12], seq_len)
+    tokens, labels = batch["tokens"], batch["labels"]
+    positions, document_ids = batch["positions"], batch["document_ids"]
+    starts = positions == 0
+    # a document starts (position 0) exactly at its BOS; every label is the next token, except
+    # -100 exactly where the next token starts another document (after EOS)
+    assert torch.equal(starts, tokens == BYTES.bos_id)
+    assert torch.equal(labels == IGNORE_INDEX, tokens == BYTES.eos_id)
+    assert not (labels == BYTES.bos_id).any()
+    kept = labels[:, :-1] != IGNORE_INDEX
+    assert torch.equal(labels[:, :-1][kept], tokens[:, 1:][kept])
+    # document ids start at 0, step by one exactly where a document starts, positions count on
+    assert (document_ids[:, 0] == 0).all()
+    steps = document_ids[:, 1:] - document_ids[:, :-1]
+    assert torch.equal(steps, starts[:, 1:].long())
+    same = steps == 0
+    assert torch.equal(positions[:, 1:][same], positions[:, :-1][same] + 1)
+    assert (positions[:, 0] > 0).any(), "some row should start inside a continued document"
+
+
+def test_pack_rejects_an_empty_source():
+    with pytest.raises(ValueError, match="no documents"):
+        pack_documents([], BYTES)
+
+
+def test_text_and_jsonl_sources_from_file_folder_and_glob(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_text("second file")
+    (tmp_path / "a.txt").write_text("first file\nstill first")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.txt").write_bytes(b"latin-1 \xe9 byte")
+    records = [{"text": "one", "id": 1}, {"text": "two\u2028still two"}, {"text": "three"}]
+    lines = [json.dumps(record, ensure_ascii=False) for record in records]
+    (tmp_path / "sub" / "c.jsonl").write_text("\n".join([lines[0], "", lines[1], lines[2], ""]))
+    (tmp_path / "notes.md").write_text("not data")
+
+    files = source_files(str(tmp_path))
+    assert [file.name for file in files] == ["a.txt", "b.txt", "bad.txt", "empty.txt", "c.jsonl"]
+    documents = list(iter_documents(files))
+    assert documents == [
+        "first file\nstill first",
+        "second file",
+        "latin-1 \ufffd byte",  # undecodable bytes become U+FFFD, the file is kept
+        "one",
+        "two\u2028still two",
+        "three",
+    ]
+    assert source_files(str(tmp_path / "a.txt")) == [tmp_path / "a.txt"]
+    glob_files = source_files(str(tmp_path / "**" / "*.jsonl"))
+    assert glob_files == [tmp_path / "sub" / "c.jsonl"]
+    with pytest.raises(ValueError, match=r"notes\.md.*not one of"):
+        source_files(str(tmp_path / "*.md"))
+
+
+def test_jsonl_field_is_configurable_and_bad_lines_name_file_and_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"body": "x"}\n{"body": "y"}\n')
+    assert list(iter_documents([path], jsonl_field="body")) == ["x", "y"]
+    with pytest.raises(ValueError, match=rf"{path}:1: no field 'text'.*data\.jsonl_field"):
+        list(iter_documents([path]))
+    path.write_text('{"text": "ok"}\n{"text": "broken\n')
+    with pytest.raises(ValueError, match=rf"{path}:2: not valid JSON"):
+        list(iter_documents([path]))
+    path.write_text('{"text": "ok"}\n\n[1, 2]\n')
+    with pytest.raises(ValueError, match=rf"{path}:3: a JSON array, not an object"):
+        list(iter_documents([path]))
+    path.write_text('{"text": 5}\n')
+    with pytest.raises(ValueError, match=rf"{path}:1: field 'text' holds a JSON number"):
+        list(iter_documents([path]))
+
+
+def test_missing_sources_name_the_pattern(tmp_path):
+    pattern = str(tmp_path / "nothing" / "*.jsonl")
+    with pytest.raises(ValueError, match=r"glob matches no files") as error:
+        source_files(pattern)
+    assert pattern in str(error.value)
+    with pytest.raises(ValueError, match="no such file or folder"):
+        source_files(str(tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match="folder without"):
+        source_files(str(tmp_path))
+
+
+def _loader(stream, **overrides) -> PackedDataLoader:
+    options = dict(seq_len=8, local_batch_size=4, dp_rank=0, dp_world_size=1, seed=3)
+    return PackedDataLoader(stream, **{**options, **overrides})
+
+
+def test_dp_shards_concatenate_to_the_same_global_batch():
+    stream = pack_documents(_texts(40, seed=2), BYTES)
+    single = _loader(stream)
+    pairs = [_loader(stream, local_batch_size=2, dp_rank=rank, dp_world_size=2) for rank in (0, 1)]
+    quads = [
+        _loader(stream, local_batch_size=1, dp_rank=rank, dp_world_size=4) for rank in range(4)
+    ]
+    steps = 2 * single.steps_per_epoch + 3  # across two epoch boundaries
+    for _ in range(steps):
+        expected = next(single)
+        assert (expected == torch.cat([next(loader) for loader in pairs], dim=0)).all()
+        assert (expected == torch.cat([next(loader) for loader in quads], dim=0)).all()
+
+
+def test_epoch_visits_distinct_rows_in_a_seeded_order():
+    stream = pack_documents(_texts(40, seed=2), BYTES)
+    loader = _loader(stream, local_batch_size=1)
+    order = loader._epoch_order().clone()
+    assert sorted(order.tolist()) == list(range(loader.num_rows))
+    assert torch.equal(order, _loader(stream, local_batch_size=1)._epoch_order())
+    assert not torch.equal(order, _loader(stream, seed=4)._epoch_order())
+    loader.epoch = 1
+    assert not torch.equal(order, loader._epoch_order())
+    unshuffled = _loader(stream, local_batch_size=1, shuffle=False)
+    first = next(unshuffled)
+    assert torch.equal(first["tokens"], stream.rows(torch.tensor([0]), 8)["tokens"])
+
+
+def test_resumed_loader_continues_exactly_where_it_stopped():
+    stream = pack_documents(_texts(40, seed=5), BYTES)
+    original = _loader(stream, local_batch_size=3)
+    for _ in range(original.steps_per_epoch - 2):
+        next(original)
+    state = original.state_dict()
+    expected = [next(original) for _ in range(6)]  # crosses into the next epoch
+    assert original.epoch == 1
+    for dp_world_size in (1, 3):  # the state is global: another dp degree resumes it too
+        resumed = [
+            _loader(stream, local_batch_size=3 // dp_world_size, dp_rank=rank,
+                    dp_world_size=dp_world_size)
+            for rank in range(dp_world_size)
+        ]  # fmt: skip
+        for loader in resumed:
+            loader.load_state_dict(dict(state))
+        for batch in expected:
+            assert (batch == torch.cat([next(loader) for loader in resumed], dim=0)).all()
+    fresh = _loader(stream, local_batch_size=3)
+    assert not (next(fresh) == expected[0]).all()
+    with pytest.raises(ValueError, match="seed=3, this loader has seed=9"):
+        _loader(stream, local_batch_size=3, seed=9).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_rows"):
+        _loader(stream, seq_len=9, local_batch_size=3).load_state_dict(state)
+
+
+def test_loader_rejects_bad_batch_arguments():
+    stream = pack_documents(["tiny"], BYTES)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        _loader(stream)
+    with pytest.raises(ValueError, match="dp_rank=2 must lie in"):
+        _loader(stream, dp_rank=2, dp_world_size=2)
+
+
+def test_build_data_loader_from_jsonl_config_and_memory_cache(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"content": text}) for text in _texts(60)))
+    config = DataConfig(source=str(path), jsonl_field="content", shuffle=False)
+    options = dict(seq_len=16, local_batch_size=2, dp_rank=1, dp_world_size=2, seed=0)
+    loader = build_data_loader(config, **options)
+    batch = next(loader)
+    assert batch.batch_size == torch.Size([2, 16])
+    assert set(batch.keys()) == {"tokens", "labels", "positions", "document_ids"}
+    unshuffled_rows = loader.stream.rows(torch.tensor([2, 3]), 16)  # rank 1 of dp 2, step 0
+    assert (batch == unshuffled_rows).all()
+    assert build_data_loader(config, **options).stream is loader.stream  # tokenized once
+    path.write_text(path.read_text() + "\n" + json.dumps({"content": "one more document"}))
+    assert load_token_stream(config) is not loader.stream  # a changed file is re-read
+    with pytest.raises(ValueError, match="dp_rank=2"):
+        build_data_loader(config, **{**options, "dp_rank": 2})
+
+
+def test_stdlib_corpus_is_nonempty_sorted_and_deterministic():
+    files = stdlib_files()
+    assert len(files) > 500 and files == stdlib_files()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    relative = [file.relative_to(root).as_posix() for file in files]
+    assert relative == sorted(relative) and all(file.suffix == ".py" for file in files)
+    assert not any("site-packages" in path or "dist-packages" in path for path in relative)
+    start = time.perf_counter()
+    loader = build_data_loader(
+        DataConfig(), seq_len=256, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0
+    )
+    seconds = time.perf_counter() - start
+    stream = loader.stream
+    assert stream.num_documents > 500 and stream.num_tokens > 10_000_000
+    assert int(stream.tokens_T.max()) < BYTES.vocab_size
+    print(f"stdlib: {len(files)} files, {stream.num_tokens} tokens, loader built in {seconds:.2f}s")
+    batch = next(loader)
+    assert batch["tokens"].shape == (2, 256) and int(batch["tokens"].max()) < 258
+
+
+def test_hf_tokenizer_json_encodes_without_its_post_processor(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, processors, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", LLAMA3_BOS, LLAMA3_EOS])
+    tokenizer.train_from_iterator(["hello world", "hello pipekit world"], trainer)
+    bos_id = tokenizer.token_to_id(LLAMA3_BOS)
+    # Llama 3's tokenizer.json prepends BOS itself; packing must not get it twice
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{LLAMA3_BOS} $A", special_tokens=[(LLAMA3_BOS, bos_id)]
+    )
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+
+    hf = build_tokenizer(str(path))
+    assert isinstance(hf, HFTokenizer) and build_tokenizer(str(tmp_path)).path == path
+    vocab = tokenizer.get_vocab()
+    assert hf.encode("hello pipekit world") == [vocab[w] for w in ("hello", "pipekit", "world")]
+    assert (hf.bos_id, hf.eos_id, hf.vocab_size) == (bos_id, vocab[LLAMA3_EOS], len(vocab))
+    assert hf.decode(hf.encode("hello world")) == "hello world"
+    stream = pack_documents(["hello world", "world"], hf)
+    expected = [bos_id, vocab["hello"], vocab["world"], hf.eos_id, bos_id, vocab["world"]]
+    assert stream.tokens_T.tolist() == [*expected, hf.eos_id]
+
+    plain = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    plain.save(str(tmp_path / "plain.json"))
+    with pytest.raises(ValueError, match=r"no BOS token '<\|begin_of_text\|>'"):
+        build_tokenizer(str(tmp_path / "plain.json"))
+
+
+def test_tokenizer_spec_errors_name_the_fix(tmp_path, monkeypatch):
+    missing = tmp_path / "nope" / "tokenizer.json"
+    with pytest.raises(ValueError, match="no such file") as error:
+        build_tokenizer(str(missing))
+    assert str(missing) in str(error.value) and '"bytes"' in str(error.value)
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if the extra were not installed
+    with pytest.raises(ImportError, match=r"pip install 'pipekit\[hf\]'"):
+        build_tokenizer(str(path))

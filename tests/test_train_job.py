@@ -1,0 +1,158 @@
+"""The training job end to end, as users run it: torchrun train.py with a config.
+
+Exact resume after SIGKILL, one-line errors with non-zero exits, metrics and checkpoints written.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO_ROOT / "configs" / "debug_model.toml")
+
+
+def _command(output_dir: Path, *overrides: str, nproc: int = 2) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        "0",
+        str(REPO_ROOT / "train.py"),
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(output_dir),
+        *overrides,
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _losses(output_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {record["step"]: record["loss"] for record in records}
+
+
+SHORT_RUN = (
+    "--training.steps",
+    "24",
+    "--training.global_batch_size",
+    "4",
+    "--training.seq_len",
+    "64",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_interval",
+    "1",
+    "--checkpoint.interval",
+    "4",
+    "--checkpoint.keep_last",
+    "2",
+)
+
+
+def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(tmp_path):
+    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    subprocess.run(
+        _command(reference_dir, *SHORT_RUN),
+        env=_env(),
+        check=True,
+        cwd=tmp_path,
+        capture_output=True,
+    )
+    reference = _losses(reference_dir)
+    assert sorted(reference) == list(range(1, 25))
+    assert sorted(p.name for p in (reference_dir / "checkpoints").iterdir()) == [
+        "step-20",
+        "step-24",
+    ]
+
+    job = subprocess.Popen(
+        _command(killed_dir, *SHORT_RUN),
+        env=_env(),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (killed_dir / "checkpoints" / "step-8").exists():
+        assert job.poll() is None and time.monotonic() < deadline, "job ended before step 8"
+        time.sleep(0.02)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    before_kill = _losses(killed_dir)
+    assert max(before_kill) < 24, "the job finished before it was killed; nothing was tested"
+
+    subprocess.run(
+        _command(killed_dir, *SHORT_RUN), env=_env(), check=True, cwd=tmp_path, capture_output=True
+    )
+    resumed = _losses(killed_dir)  # later records of a step overwrite the killed run's
+    assert resumed == pytest.approx(reference, rel=0, abs=0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("--training.stepz", "3"), "did you mean 'steps'"),
+        (("--training.steps", "three"), "expects int"),
+        (("--parallelism.dp_shard", "4"), "world size"),
+        (("--data.source", "/nonexistent/*.txt"), "matches no file"),
+    ],
+)
+def test_bad_input_gives_one_error_line_and_exit_2(tmp_path, overrides, message):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "train.py"),
+            "--config",
+            CONFIG,
+            "--job.output_dir",
+            str(tmp_path),
+            *overrides,
+        ],
+        env={**_env(), "WORLD_SIZE": "2"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_unreadable_checkpoint_gives_one_error_line(tmp_path):
+    step = tmp_path / "checkpoints" / "step-4"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"not a checkpoint")
+    (step / "COMPLETE").write_text("")
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "train.py"),
+            "--config",
+            CONFIG,
+            "--job.output_dir",
+            str(tmp_path),
+            "--parallelism.dp_shard",
+            "1",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "step-4" in lines[0], result.stderr
