@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -159,7 +160,7 @@ class CheckpointManager:
                 f"interrupted); complete steps in {self.folder}: {self.complete_steps()}"
             )
         try:
-            with _quiet_without_process_group():
+            with _quiet_without_process_group(), _dcp_logging_silenced():
                 dcp.load(dict(state), checkpoint_id=path)
         # DCP reports a failure on any rank as CheckpointException, a BaseException.
         except (Exception, dcp.CheckpointException) as error:
@@ -180,6 +181,18 @@ def _quiet_without_process_group() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
+
+
+@contextlib.contextmanager
+def _dcp_logging_silenced() -> Iterator[None]:
+    """DCP logs every failed read with a traceback (on the root logger, in torch 2.13); the
+    CheckpointError we raise says it once."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
 
 
 def _root_cause(error: BaseException) -> str:

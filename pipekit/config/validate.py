@@ -65,8 +65,11 @@ def _check_model(config: JobConfig) -> None:
     from models.registry import get_model_spec  # lazy: pipekit imports no model at import time
     from pipekit.train.data.tokenizer import build_tokenizer
 
-    args = get_model_spec(config.model.name).flavor(config.model.flavor)
-    tokenizer_vocab = build_tokenizer(config.data.tokenizer).vocab_size
+    try:
+        args = get_model_spec(config.model.name).flavor(config.model.flavor)
+        tokenizer_vocab = build_tokenizer(config.data.tokenizer).vocab_size
+    except (ValueError, ImportError) as error:
+        raise ConfigError(f"[model]/[data]: {error}") from None
     if tokenizer_vocab > args.vocab_size:
         raise ConfigError(
             f"[data] tokenizer={config.data.tokenizer!r} has {tokenizer_vocab} ids but model "
@@ -97,7 +100,10 @@ def _check_paths(config: JobConfig) -> None:
 def _check_parallelism(config: JobConfig, world_size: int) -> None:
     from pipekit.distributed.parallel_dims import ParallelDims
 
-    dims = ParallelDims.from_config(config.parallelism, world_size)
+    try:
+        dims = ParallelDims.from_config(config.parallelism, world_size)
+    except ValueError as error:
+        raise ConfigError(f"[parallelism] {error}") from None
     for name in ("cp", "tp", "pp", "ep"):
         if getattr(dims, name) > 1:
             raise ConfigError(

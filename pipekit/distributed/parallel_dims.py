@@ -46,7 +46,7 @@ _FLATTENED = {
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved degrees (all >= 1) whose product is `world_size`."""
+    """Resolved degrees (all >= 1) whose product is `world_size`; after `build_mesh`, its meshes."""
 
     dp_replicate: int
     dp_shard: int
