@@ -208,7 +208,7 @@ class Trainer:
                     "step": self.step,
                     "loss": loss,
                     "grad_norm": grad_norm,
-                    "lr": self.lr_scheduler.get_last_lr()[0],
+                    "lr": float(self.lr_scheduler.get_last_lr()[0]),
                     "tokens_per_s": tokens_per_s,
                     "mfu": tokens_per_s
                     * self.flops_per_token

@@ -1,0 +1,122 @@
+"""The Trainer as a whole: data-parallel layouts and gradient accumulation reproduce the
+single-process losses step for step (float32, same global batch), plus initial load from a
+Hugging Face checkpoint, export, activation checkpointing and the non-finite-loss stop."""
+
+import pytest
+import torch
+from distributed_helpers import run_on_ranks
+
+import pipekit.train.trainer as trainer_module
+from models.llama.state_dict_adapter import build_llama_from_hf, save_hf_llama
+from pipekit.config import load_job_config, validate_job_config
+from pipekit.train.trainer import NonFiniteLossError, Trainer
+
+STEPS = 3
+BASE = [
+    "--config", "configs/debug_model.toml",
+    "--training.steps", str(STEPS), "--training.global_batch_size", "4",
+    "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "1",
+    "--checkpoint.enable", "false", "--checkpoint.resume", "false",
+    "--metrics.log_interval", "1", "--metrics.peak_flops", "1e9",
+]  # fmt: skip
+
+
+def _config(output_dir, *overrides, world_size=1):
+    config = load_job_config([*BASE, "--job.output_dir", str(output_dir), *overrides])
+    validate_job_config(config, world_size=world_size)
+    return config
+
+
+def _losses_on_ranks(rank, world_size, output_dir, overrides):
+    return Trainer(_config(output_dir, *overrides, world_size=world_size)).train()
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("single")
+    return Trainer(_config(output_dir, "--parallelism.dp_shard", "1")).train()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--parallelism.dp_shard", "2"),
+        ("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"),
+    ],
+    ids=["dp_shard=2", "dp_replicate=2"],
+)
+def test_data_parallel_losses_equal_single_process(tmp_path, single_process_losses, layout):
+    per_rank = run_on_ranks(_losses_on_ranks, 2, tmp_path, layout, timeout=120)
+    assert per_rank[0] == per_rank[1]
+    torch.testing.assert_close(per_rank[0], single_process_losses, rtol=1e-5, atol=0)
+
+
+def test_mean_reduction_breaks_data_parallel_parity(tmp_path, single_process_losses, monkeypatch):
+    """Ablation: FSDP's default mean reduction with the global-token loss halves the gradients."""
+    real_apply = trainer_module.apply_data_parallel
+    monkeypatch.setattr(
+        trainer_module,
+        "apply_data_parallel",
+        lambda *args, **kwargs: real_apply(*args, **kwargs, sum_gradients=False),
+    )
+    per_rank = run_on_ranks(_losses_on_ranks, 2, tmp_path, ("--parallelism.dp_shard", "2"))
+    assert abs(per_rank[0][0] - single_process_losses[0]) < 1e-5  # step 1 sees no update yet
+    assert abs(per_rank[0][-1] - single_process_losses[-1]) > 1e-4
+
+
+def test_gradient_accumulation_equals_full_batch(tmp_path, single_process_losses):
+    accumulated = Trainer(
+        _config(
+            tmp_path, "--parallelism.dp_shard", "1", "--training.gradient_accumulation_steps", "2"
+        )
+    ).train()
+    torch.testing.assert_close(accumulated, single_process_losses, rtol=1e-5, atol=0)
+
+
+def test_full_activation_checkpointing_keeps_the_losses(tmp_path, single_process_losses):
+    recomputed = Trainer(
+        _config(tmp_path, "--parallelism.dp_shard", "1", "--training.activation_checkpoint", "full")
+    ).train()
+    torch.testing.assert_close(recomputed, single_process_losses, rtol=1e-6, atol=0)
+
+
+def test_initial_load_from_hugging_face_and_export(tmp_path):
+    source = Trainer(_config(tmp_path / "a", "--parallelism.dp_shard", "1"))
+    save_hf_llama(source.model, source.model_args, tmp_path / "hf")
+    loaded = Trainer(
+        _config(
+            tmp_path / "b", "--parallelism.dp_shard", "1",
+            "--checkpoint.initial_load_path", str(tmp_path / "hf"), "--job.seed", "7",
+            "--checkpoint.export_hf_at_end", "true",
+        )
+    )  # fmt: skip
+    for name, tensor in source.model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], tensor), name
+    loaded.train()
+    exported, _ = build_llama_from_hf(tmp_path / "b" / "hf")
+    for name, tensor in loaded.model.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], tensor), name
+
+
+def test_non_finite_loss_stops_before_the_update_and_saves_nothing(tmp_path, monkeypatch):
+    config = _config(tmp_path, "--parallelism.dp_shard", "1", "--checkpoint.enable", "true",
+                     "--checkpoint.interval", "1")  # fmt: skip
+    trainer = Trainer(config)
+    monkeypatch.setattr(
+        trainer_module,
+        "token_sum_cross_entropy",
+        lambda logits, labels, count: logits.sum() * float("nan"),
+    )
+    weights_before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(NonFiniteLossError, match="loss is nan at step 1"):
+        trainer.train()
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(tensor, weights_before[name]), name
+
+
+def test_low_bit_adamw_from_torchao_trains(tmp_path):
+    losses = Trainer(
+        _config(tmp_path, "--parallelism.dp_shard", "1", "--optimizer.name", "AdamW8bit")
+    ).train()
+    assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))
