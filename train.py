@@ -34,12 +34,13 @@ def main(argv: list[str]) -> int:
         Trainer(config).train()
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error (rank {rank}): {error}", file=sys.stderr)
+        destroy_distributed(wait_for_peers=False)
         return 2
     except NonFiniteLossError as error:
         print(f"training stopped (rank {rank}): {error}", file=sys.stderr)
+        destroy_distributed(wait_for_peers=False)
         return 1
-    finally:
-        destroy_distributed()
+    destroy_distributed()
     return 0
 
 

@@ -3,6 +3,7 @@
 Exact resume after SIGKILL, one-line errors with non-zero exits, metrics and checkpoints written.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -38,14 +39,29 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def _descendants(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return [grand for child in children for grand in [child, *_descendants(child)]]
+
+
+def _kill_process_tree(pid: int) -> None:
+    """SIGKILL a process and every process below it, leaves first, as a crash would."""
+    for victim in [*reversed(_descendants(pid)), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+
+
 def _losses(output_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return {record["step"]: record["loss"] for record in records}
 
 
+SHORT_RUN_STEPS = 60  # long enough that the kill after step 8 lands mid-run
 SHORT_RUN = (
     "--training.steps",
-    "24",
+    str(SHORT_RUN_STEPS),
     "--training.global_batch_size",
     "4",
     "--training.seq_len",
@@ -71,10 +87,10 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(tmp_path):
         capture_output=True,
     )
     reference = _losses(reference_dir)
-    assert sorted(reference) == list(range(1, 25))
+    assert sorted(reference) == list(range(1, SHORT_RUN_STEPS + 1))
     assert sorted(p.name for p in (reference_dir / "checkpoints").iterdir()) == [
-        "step-20",
-        "step-24",
+        "step-56",
+        "step-60",
     ]
 
     job = subprocess.Popen(
@@ -83,20 +99,22 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(tmp_path):
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,
     )
     deadline = time.monotonic() + 120
     while not (killed_dir / "checkpoints" / "step-8").exists():
         assert job.poll() is None and time.monotonic() < deadline, "job ended before step 8"
         time.sleep(0.02)
-    os.killpg(job.pid, signal.SIGKILL)
+    _kill_process_tree(job.pid)  # torchrun starts each worker in a session of its own
     job.wait()
     before_kill = _losses(killed_dir)
-    assert max(before_kill) < 24, "the job finished before it was killed; nothing was tested"
-
-    subprocess.run(
-        _command(killed_dir, *SHORT_RUN), env=_env(), check=True, cwd=tmp_path, capture_output=True
+    assert max(before_kill) < SHORT_RUN_STEPS, (
+        "the job finished before it was killed; nothing was tested"
     )
+
+    resume = subprocess.run(
+        _command(killed_dir, *SHORT_RUN), env=_env(), cwd=tmp_path, capture_output=True, text=True
+    )
+    assert resume.returncode == 0, resume.stderr[-3000:]
     resumed = _losses(killed_dir)  # later records of a step overwrite the killed run's
     assert resumed == pytest.approx(reference, rel=0, abs=0)
 

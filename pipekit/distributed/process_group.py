@@ -83,7 +83,14 @@ def init_distributed(timeout_s: float) -> DistributedInfo:
     return DistributedInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def destroy_distributed() -> None:
-    """Destroy the default process group if there is one (safe to call in any case)."""
+def destroy_distributed(wait_for_peers: bool = True) -> None:
+    """Destroy the default process group if there is one (safe to call in any case).
+
+    By default ranks first meet at a barrier: a rank that tears its gloo group down while a peer
+    still uses it (a quick exit, e.g. resuming a finished run) aborts the peer with
+    std::terminate. After an error, pass False: the peers may never reach the barrier.
+    """
     if dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Process groups, ParallelDims -> DeviceMesh, data parallelism (FSDP2), gradient clipping."""
