@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import run_on_ranks
+from tiny_models import TINY_LLAMA, tiny_llama
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 import pipekit.checkpoint.dcp as dcp_module
-from models.llama import Llama, LlamaArgs
 from pipekit.checkpoint.dcp import (
     COMPLETE_MARKER,
     CheckpointManager,
@@ -26,25 +26,9 @@ from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
 
-TINY = LlamaArgs(
-    dim=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    vocab_size=64,
-    ffn_dim=48,
-    rope_scaling=None,
-    rope_theta=10000.0,
-    max_seq_len=64,
-)
-
 
 def _model(seed: int) -> nn.Module:
-    with torch.device("meta"):
-        model = Llama(TINY)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
+    return tiny_llama(seed)
 
 
 def _training_objects(model: nn.Module) -> tuple[torch.optim.Optimizer, object]:
@@ -54,7 +38,7 @@ def _training_objects(model: nn.Module) -> tuple[torch.optim.Optimizer, object]:
 
 def _train_one_step(model, optimizer, scheduler, rank: int = 0, world_size: int = 1) -> None:
     tokens_BS = torch.randint(
-        0, TINY.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3)
+        0, TINY_LLAMA.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3)
     )
     tokens_BS = tokens_BS[rank::world_size]
     logits_BSV = model(tokens_BS[:, :-1])

@@ -7,41 +7,28 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import run_on_ranks
+from tiny_models import TINY_LLAMA, tiny_llama
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from models.llama import Llama, LlamaArgs
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.distributed.parallel_dims import ParallelDims
 
-TINY = LlamaArgs(
-    dim=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    vocab_size=64,
-    ffn_dim=48,
-    rope_scaling=None,
-    rope_theta=10000.0,
-    max_seq_len=64,
-)
 GLOBAL_BATCH, SEQ_LEN, STEPS, MAX_NORM = 4, 16, 2, 0.5
 
 
 def _model(tied: bool) -> nn.Module:
-    with torch.device("meta"):
-        model = Llama(TINY.with_updates(tie_embeddings=tied))
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    return model
+    return tiny_llama(seed=0, tied=tied)
 
 
 def _batches() -> list[Tensor]:
     generator = torch.Generator().manual_seed(1)
     shape = (GLOBAL_BATCH, SEQ_LEN + 1)
-    return [torch.randint(0, TINY.vocab_size, shape, generator=generator) for _ in range(STEPS)]
+    return [
+        torch.randint(0, TINY_LLAMA.vocab_size, shape, generator=generator) for _ in range(STEPS)
+    ]
 
 
 def _loss(model: nn.Module, tokens_BS: Tensor, global_tokens: int) -> Tensor:

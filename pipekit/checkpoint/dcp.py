@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from pipekit.checkpoint._durable import fsync_path
 from pipekit.checkpoint.safetensors_io import CheckpointError
 
 __all__ = [
@@ -143,7 +144,7 @@ class CheckpointManager:
             if final.exists():
                 _remove(final)
             os.rename(tmp, final)
-            _fsync_folder(self.folder)
+            fsync_path(self.folder)
             if self.keep_last:
                 for old_step in self.complete_steps()[: -self.keep_last]:
                     _remove(self.path(old_step))
@@ -236,12 +237,3 @@ def _write_durably(path: Path, text: str) -> None:
         file.write(text)
         file.flush()
         os.fsync(file.fileno())
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Make a rename in `folder` survive a power loss (the folder's entry list is on disk)."""
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

@@ -25,6 +25,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from pipekit.checkpoint._durable import fsync_path
+
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_FILE",
@@ -305,8 +307,8 @@ def _atomic_directory(target: Path, overwrite: bool) -> Iterator[Path]:
     try:
         yield staging
         for path in staging.iterdir():
-            _fsync(path)
-        _fsync(staging)
+            fsync_path(path)
+        fsync_path(staging)
         if target.exists():
             # Move the old copy aside first: a crash between the two renames leaves no target
             # (and the old copy intact under a hidden name), never a half-written one.
@@ -316,15 +318,7 @@ def _atomic_directory(target: Path, overwrite: bool) -> Iterator[Path]:
             shutil.rmtree(retired)
         else:
             staging.rename(target)
-        _fsync(target.parent)
+        fsync_path(target.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
