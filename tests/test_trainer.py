@@ -120,3 +120,12 @@ def test_low_bit_adamw_from_torchao_trains(tmp_path):
         _config(tmp_path, "--parallelism.dp_shard", "1", "--optimizer.name", "AdamW8bit")
     ).train()
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_bfloat16_mixed_precision_tracks_float32(tmp_path, single_process_losses, world_size):
+    overrides = ("--training.mixed_precision_param", "bfloat16",
+                 "--parallelism.dp_shard", str(world_size))  # fmt: skip
+    per_rank = run_on_ranks(_losses_on_ranks, world_size, tmp_path, overrides, timeout=120)
+    torch.testing.assert_close(per_rank[0], single_process_losses, rtol=2e-2, atol=0)
+    assert per_rank[0] != single_process_losses  # bfloat16 compute really happened
