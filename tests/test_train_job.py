@@ -119,6 +119,23 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(tmp_path):
     assert resumed == pytest.approx(reference, rel=0, abs=0)
 
 
+def _single_process_error(output_dir: Path, *overrides: str, world_size: int | None = None) -> str:
+    """Run train.py without torchrun (WORLD_SIZE set only to test validation against it);
+    require exit status 2 and return its one stderr line."""
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "train.py"), "--config", CONFIG,
+         "--job.output_dir", str(output_dir), *overrides],
+        env=_env() if world_size is None else {**_env(), "WORLD_SIZE": str(world_size)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -129,24 +146,7 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(tmp_path):
     ],
 )
 def test_bad_input_gives_one_error_line_and_exit_2(tmp_path, overrides, message):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "train.py"),
-            "--config",
-            CONFIG,
-            "--job.output_dir",
-            str(tmp_path),
-            *overrides,
-        ],
-        env={**_env(), "WORLD_SIZE": "2"},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert message in _single_process_error(tmp_path, *overrides, world_size=2)
 
 
 def test_unreadable_checkpoint_gives_one_error_line(tmp_path):
@@ -154,22 +154,4 @@ def test_unreadable_checkpoint_gives_one_error_line(tmp_path):
     step.mkdir(parents=True)
     (step / ".metadata").write_bytes(b"not a checkpoint")
     (step / "COMPLETE").write_text("")
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "train.py"),
-            "--config",
-            CONFIG,
-            "--job.output_dir",
-            str(tmp_path),
-            "--parallelism.dp_shard",
-            "1",
-        ],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "step-4" in lines[0], result.stderr
+    assert "step-4" in _single_process_error(tmp_path, "--parallelism.dp_shard", "1")
