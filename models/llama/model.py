@@ -5,10 +5,19 @@ Build on the meta device, move with `to_empty`, then `init_weights()`. `forward`
 anywhere, and an optional attention context (packed documents, a sliced KV cache, ...). Layers
 sit in a ModuleDict keyed by layer index, so state-dict names survive splitting into stages.
 
+A pipeline stage is this model with some modules removed (set to None, layer keys deleted; see
+`pipekit.pipelining.stage_split`): `forward` applies the modules that are present, and
+`init_weights` seeds each module from its name alone, so a stage initialised on its own holds the
+full model's weights.
+
 Legend: B batch, S sequence, D model dim, V vocabulary.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -72,31 +81,40 @@ class Llama(nn.Module):
         """Share the embedding with the output projection if the args say so.
 
         Moving a module off the meta device gives each module its own tensor, so this runs again
-        in `init_weights`.
+        in `init_weights`. A pipeline stage holding only one of the two has nothing to tie.
         """
-        if self.args.tie_embeddings:
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Initialise every parameter in place (after `to_empty`); the model has no buffers."""
-        generator_state = torch.random.get_rng_state()
-        if seed is not None:
-            torch.manual_seed(seed)
-        try:
-            self.tie_weights()
-            nn.init.normal_(
-                self.tok_embeddings.weight, std=1.0 if not self.args.tie_embeddings else 0.02
-            )
-            for block in self.layers.values():
+        """Initialise every present parameter in place (after `to_empty`); there are no buffers.
+
+        Each module draws from its own generator seeded by (seed, module name), so its weights do
+        not depend on which other modules exist: a pipeline stage initialised alone equals the
+        same modules of the full model. `seed=None` draws one base seed from the global generator
+        (so equal global states still give equal stages); the global state is otherwise untouched.
+        """
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        self.tie_weights()
+        device, tied = next(self.parameters()).device, self.args.tie_embeddings
+        # A tied weight belongs to the embedding: its name seeds it even where only output exists.
+        embedding = self.tok_embeddings
+        if embedding is None and tied and self.output is not None:
+            embedding = self.output
+        if embedding is not None:
+            with _seeded(seed, "tok_embeddings", device):
+                nn.init.normal_(embedding.weight, std=0.02 if tied else 1.0)
+        for key, block in (self.layers or {}).items():
+            with _seeded(seed, f"layers.{key}", device):
                 block.reset_parameters()
+        if self.norm is not None:
             self.norm.reset_parameters()
-            if not self.args.tie_embeddings:
-                std = self.args.dim**-0.5
+        if self.output is not None and not tied:
+            std = self.args.dim**-0.5
+            with _seeded(seed, "output", device):
                 nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
-        finally:
-            if seed is not None:
-                torch.random.set_rng_state(generator_state)
 
     def forward(
         self,
@@ -106,11 +124,19 @@ class Llama(nn.Module):
     ) -> Tensor:
         """Logits `[B, S, V]` from token ids `[B, S]` (or hidden states `[B, S, D]`).
 
+        A stage applies only the modules it holds: without `output` it returns hidden states
+        `[B, S, D]` (after `norm` if it holds `norm`), so the stages compose to the full model.
+
         `positions` (`[B, S]` or `[S]`, default `0..S-1`) place the tokens for RoPE; a slice of a
         longer sequence passes its own positions and a context holding the earlier slices' KV.
         """
         if tokens_or_hidden.is_floating_point():
             h_BSD = tokens_or_hidden
+        elif self.tok_embeddings is None:
+            raise ValueError(
+                f"Llama.forward got token ids of dtype {tokens_or_hidden.dtype}, but this stage "
+                "has no tok_embeddings; feed it hidden states [B, S, D] from the previous stage"
+            )
         else:
             h_BSD = self.tok_embeddings(tokens_or_hidden)
         if positions is None:
@@ -121,6 +147,19 @@ class Llama(nn.Module):
                 f"length {h_BSD.shape[1]} of the input {tuple(tokens_or_hidden.shape)}"
             )
         rope_cos_sin = self.rope(positions)
-        for block in self.layers.values():
+        for block in (self.layers or {}).values():
             h_BSD = block(h_BSD, rope_cos_sin, attention_context)
-        return self.output(self.norm(h_BSD))
+        if self.norm is not None:
+            h_BSD = self.norm(h_BSD)
+        return h_BSD if self.output is None else self.output(h_BSD)
+
+
+@contextmanager
+def _seeded(seed: int, module_name: str, device: torch.device) -> Iterator[None]:
+    """Seed the generators for one module's init from (seed, name); restore them afterwards."""
+    digest = hashlib.sha256(f"{seed}/{module_name}".encode()).digest()
+    accelerators = [device] if device.type not in ("cpu", "meta") else []
+    device_type = device.type if accelerators else "cuda"
+    with torch.random.fork_rng(devices=accelerators, device_type=device_type):
+        torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        yield

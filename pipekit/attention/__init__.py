@@ -9,10 +9,12 @@ from pipekit.attention.backends import (
     use_backend,
 )
 from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
+from pipekit.attention.kv_cache import ChunkedKVCache, SliceAttention
 from pipekit.attention.masks import (
     MaskMod,
     and_masks,
     causal_mask,
+    causal_within_documents,
     document_mask,
     offset_causal_mask,
     or_masks,
@@ -22,14 +24,17 @@ from pipekit.attention.merge import merge_attention
 
 __all__ = [
     "AttentionBackend",
+    "ChunkedKVCache",
     "KVChunk",
     "MaskMod",
     "RingBackend",
+    "SliceAttention",
     "and_masks",
     "attention",
     "attention_over_chunks",
     "available_backends",
     "causal_mask",
+    "causal_within_documents",
     "document_mask",
     "get_backend",
     "merge_attention",

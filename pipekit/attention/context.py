@@ -18,7 +18,7 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
-from pipekit.attention.masks import MaskMod, and_masks, causal_mask, document_mask
+from pipekit.attention.masks import causal_mask, causal_within_documents, document_mask
 
 __all__ = ["AttentionContext", "CausalAttention", "SlicedKVCache", "attend"]
 
@@ -32,12 +32,6 @@ class AttentionContext(Protocol):
     ) -> Tensor: ...
 
 
-def _causal_within_documents(document_ids_BS: Tensor | None) -> MaskMod:
-    if document_ids_BS is None:
-        return causal_mask
-    return and_masks(causal_mask, document_mask(document_ids_BS, document_ids_BS))
-
-
 @dataclass
 class CausalAttention:
     """Causal attention over the given sequence, optionally confined to packed documents."""
@@ -48,7 +42,7 @@ class CausalAttention:
     def attend(
         self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
     ) -> Tensor:
-        mask = _causal_within_documents(self.document_ids_BS)
+        mask = causal_within_documents(self.document_ids_BS)
         return attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, self.backend)[0]
 
 
@@ -97,7 +91,7 @@ class SlicedKVCache:
             )
             for kv_start, k_BGKD, v_BGKD in past
         ]
-        kv_chunks.append(KVChunk(k_BGSD, v_BGSD, _causal_within_documents(q_documents)))
+        kv_chunks.append(KVChunk(k_BGSD, v_BGSD, causal_within_documents(q_documents)))
         past.append((q_start, k_BGSD, v_BGSD))
         return attention_over_chunks(q_BHSD, kv_chunks, scale, self.backend)[0]
 

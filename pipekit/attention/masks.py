@@ -24,6 +24,7 @@ __all__ = [
     "MaskMod",
     "and_masks",
     "causal_mask",
+    "causal_within_documents",
     "document_mask",
     "offset_causal_mask",
     "or_masks",
@@ -117,3 +118,10 @@ def or_masks(*masks: MaskMod) -> MaskMod:
         return reduce(torch.logical_or, (mask(b, h, q_idx, kv_idx) for mask in masks))
 
     return any_of
+
+
+def causal_within_documents(document_ids_BS: Tensor | None) -> MaskMod:
+    """Causal attention of a block against itself, confined to packed documents if ids are given."""
+    if document_ids_BS is None:
+        return causal_mask
+    return and_masks(causal_mask, document_mask(document_ids_BS, document_ids_BS))

@@ -10,6 +10,7 @@ Legend: B batch, S sequence, V vocabulary.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -26,9 +27,9 @@ def count_label_tokens(labels_BS: Tensor) -> Tensor:
 def token_sum_cross_entropy(
     logits_BSV: Tensor, labels_BS: Tensor, normaliser: Tensor | float
 ) -> Tensor:
-    """`sum over tokens of CE / normaliser`, computed in float32."""
+    """`sum over tokens of CE / normaliser`, computed in float32 (or float64 for float64 logits)."""
     loss_sum = F.cross_entropy(
-        logits_BSV.flatten(0, 1).float(),
+        logits_BSV.flatten(0, 1).to(torch.promote_types(logits_BSV.dtype, torch.float32)),
         labels_BS.flatten(),
         ignore_index=IGNORE_INDEX,
         reduction="sum",

@@ -1,0 +1,169 @@
+"""Chunked KV cache for slices that go backward one by one (SlimPipe §4.1.2 and §5).
+
+In a sliced pipeline each slice is its own forward and its own backward call, and the slices of
+one sequence go backward in reverse order. Slice j's keys and values therefore enter the cache as
+*detached leaves* (sharing storage with the slice's own K/V, no copy): later slices attend to them
+and their backwards accumulate dK/dV into the leaves' `.grad`. Slice j's own attention sees its
+K/V through `_AddCachedGradients`, an identity whose backward adds those accumulated gradients,
+so they flow into slice j's projections when slice j goes backward, after every later slice.
+`release` then drops the chunk.
+
+The cache is a list of slice-sized chunks per (layer, microbatch), never one concatenated tensor:
+attention merges per-chunk results by log-sum-exp, and autograd saves the chunks as they are, so
+the cache costs nothing beyond the slices' own K/V (which attention saves anyway) plus the
+gradient accumulators. Equal-sized chunks let the caching allocator hand a released chunk's block
+straight to the next microbatch's slice.
+
+Legend: B batch, H query heads, G kv heads, S slice length, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.chunked import KVChunk, attention_over_chunks
+from pipekit.attention.masks import causal_within_documents, document_mask
+
+__all__ = ["CachedSlice", "ChunkedKVCache", "SliceAttention"]
+
+
+@dataclass
+class CachedSlice:
+    """One layer's K/V of one slice, as leaves that collect the gradients of later slices."""
+
+    k_BGSD: Tensor
+    v_BGSD: Tensor
+    document_ids_BS: Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_BGSD.nbytes + self.v_BGSD.nbytes
+
+
+class _AddCachedGradients(torch.autograd.Function):
+    """Identity on (k, v); backward adds the gradients later slices left on the cached leaves."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, k: Tensor, v: Tensor, cached: CachedSlice
+    ) -> tuple[Tensor, Tensor]:
+        ctx.cached = cached
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_k: Tensor | None, grad_v: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None, None]:
+        cached: CachedSlice = ctx.cached
+        return (
+            _plus(grad_k, cached.k_BGSD.grad),
+            _plus(grad_v, cached.v_BGSD.grad),
+            None,
+        )
+
+
+def _plus(grad: Tensor | None, cached_grad: Tensor | None) -> Tensor | None:
+    if cached_grad is None:
+        return grad
+    return cached_grad if grad is None else grad + cached_grad
+
+
+@dataclass
+class ChunkedKVCache:
+    """Per (layer, microbatch), the cached slices in order; one cache per pipeline stage.
+
+    `drop_cached_gradients` exists for the ablation test only: it detaches the cache from the
+    owning slices' backward, which must break parity with the unsliced model.
+    """
+
+    backend: str | AttentionBackend = "auto"
+    drop_cached_gradients: bool = False
+    _slices: dict[tuple[str, int], list[CachedSlice]] = field(default_factory=dict, repr=False)
+
+    def slice_context(
+        self, microbatch: int, slice_index: int, document_ids_BS: Tensor | None = None
+    ) -> SliceAttention:
+        """The attention context of slice `slice_index` of `microbatch` (document ids: its own)."""
+        return SliceAttention(self, microbatch, slice_index, document_ids_BS)
+
+    def release(self, microbatch: int, slice_index: int) -> None:
+        """Drop slice `slice_index`'s chunks (after its backward); it must be the newest cached."""
+        for (_, cached_microbatch), slices in self._slices.items():
+            if cached_microbatch != microbatch or not slices:
+                continue
+            if len(slices) != slice_index + 1:
+                raise RuntimeError(
+                    f"ChunkedKVCache: releasing slice {slice_index} of microbatch {microbatch} "
+                    f"while {len(slices)} slices are cached; slices must go backward in reverse "
+                    "order"
+                )
+            slices.pop()
+
+    def clear(self) -> None:
+        """Drop everything (end of a step, or after a forward-only pass)."""
+        self._slices.clear()
+
+    def num_cached_slices(self, layer_id: str, microbatch: int) -> int:
+        return len(self._slices.get((layer_id, microbatch), []))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every cached chunk (each shares storage with its slice's K/V)."""
+        return sum(cached.nbytes for slices in self._slices.values() for cached in slices)
+
+    def _attend(
+        self,
+        context: SliceAttention,
+        layer_id: str,
+        q_BHSD: Tensor,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        scale: float,
+    ) -> Tensor:
+        past = self._slices.setdefault((layer_id, context.microbatch), [])
+        if len(past) != context.slice_index:
+            raise RuntimeError(
+                f"ChunkedKVCache: layer {layer_id} of microbatch {context.microbatch} runs slice "
+                f"{context.slice_index} with {len(past)} earlier slices cached; slices of a "
+                "microbatch must run forward in order"
+            )
+        q_documents = context.document_ids_BS
+        chunks = [
+            KVChunk(
+                cached.k_BGSD,
+                cached.v_BGSD,
+                None if q_documents is None else document_mask(q_documents, cached.document_ids_BS),
+            )
+            for cached in past
+        ]
+        if torch.is_grad_enabled() and k_BGSD.requires_grad:
+            cached = CachedSlice(
+                k_BGSD.detach().requires_grad_(), v_BGSD.detach().requires_grad_(), q_documents
+            )
+            if not self.drop_cached_gradients:
+                k_BGSD, v_BGSD = _AddCachedGradients.apply(k_BGSD, v_BGSD, cached)
+        else:
+            cached = CachedSlice(k_BGSD, v_BGSD, q_documents)
+        chunks.append(KVChunk(k_BGSD, v_BGSD, causal_within_documents(q_documents)))
+        past.append(cached)
+        return attention_over_chunks(q_BHSD, chunks, scale, self.backend)[0]
+
+
+@dataclass
+class SliceAttention:
+    """AttentionContext of one slice: causal on its own chunk, full on the cached ones (within
+    documents when ids are given)."""
+
+    cache: ChunkedKVCache = field(repr=False)
+    microbatch: int
+    slice_index: int
+    document_ids_BS: Tensor | None = field(default=None, repr=False)
+
+    def attend(
+        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+    ) -> Tensor:
+        return self.cache._attend(self, layer_id, q_BHSD, k_BGSD, v_BGSD, scale)

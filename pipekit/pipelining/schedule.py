@@ -1,0 +1,168 @@
+"""`SlicedPipelineSchedule`, torch's schedules as baselines, and one step function for both.
+
+The sliced schedule is torch's `_PipelineScheduleRuntime` fed with SlimPipe's action lists
+(`pipekit.pipelining.actions`); the runtime lowers them to sends and receives, adds FSDP
+unshard/reshard and gradient-reduction actions, and runs them. `PipelineRunner.step` performs the
+two-level split itself (torch's `step()` can only split along the batch) and drives
+`_step_microbatches` with one entry per unit. The loss of each unit is its token-sum
+cross-entropy over the global label-token count, so the units' losses add up to the unsliced
+mean and no gradient scaling is needed (`scale_grads=False`).
+
+Legend: B batch, S sequence, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from pipekit.pipelining._torch_runtime import PipelineScheduleRuntime, get_schedule_class
+from pipekit.pipelining.actions import sliced_pipeline_actions
+from pipekit.pipelining.split import split_into_units
+from pipekit.pipelining.stage import SlicedPipelineStage
+from pipekit.train.loss import token_sum_cross_entropy
+
+__all__ = [
+    "TORCH_SCHEDULES",
+    "PipelineRunner",
+    "SlicedPipelineSchedule",
+    "build_pipeline_runner",
+]
+
+TORCH_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+"""torch's schedules selectable by name (the baselines); V-shaped ones place stages in a V."""
+
+V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+
+LossFn = Callable[[Tensor, Tensor, Tensor | float], Tensor]
+
+
+class SlicedPipelineSchedule(PipelineScheduleRuntime):
+    """SlimPipe's sliced 1F1B (interleaved when a rank holds several stages).
+
+    `n_microbatches` as torch sees it is the number of units, `num_microbatches * num_slices`.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[SlicedPipelineStage],
+        num_microbatches: int,
+        num_slices: int,
+        loss_fn: LossFn | None = token_sum_cross_entropy,
+    ) -> None:
+        for stage in stages:
+            if stage.num_slices != num_slices:
+                raise ValueError(
+                    f"stage {stage.stage_index} was built for {stage.num_slices} slices, the "
+                    f"schedule for {num_slices}; build both from the same num_slices"
+                )
+        num_ranks = stages[0].group_size
+        actions = sliced_pipeline_actions(num_ranks, num_microbatches, num_slices, len(stages))
+        super().__init__(
+            list(stages), num_microbatches * num_slices, loss_fn=loss_fn, scale_grads=False
+        )
+        self.num_microbatches, self.num_slices = num_microbatches, num_slices
+        self.pipeline_order = dict(actions)
+        self._prepare_schedule_with_comms(actions)
+
+
+def _torch_schedule(
+    name: str, stages: Sequence[SlicedPipelineStage], num_microbatches: int, loss_fn: LossFn
+) -> object:
+    schedule_class = get_schedule_class(name)
+    if name in SINGLE_STAGE_SCHEDULES:
+        if len(stages) != 1:
+            raise ValueError(
+                f"pipeline_schedule={name!r} runs one stage per rank; set stages_per_rank=1"
+            )
+        return schedule_class(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_class(list(stages), num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+@dataclass
+class PipelineRunner:
+    """One rank's share of a pipeline: its stages, the schedule, and how batches are cut."""
+
+    schedule: object
+    stages: list[SlicedPipelineStage]
+    num_microbatches: int
+    num_slices: int
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    def step(self, batch: TensorDict, num_label_tokens: Tensor | float) -> Tensor | None:
+        """Forward and backward of the whole batch `[B, S]` (tokens, labels, positions,
+        document_ids); returns the loss (sum over units) on the rank with the last stage, else
+        None. Gradients accumulate into the stage modules' `.grad`."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("PipelineRunner.step needs gradients; do not call it in no_grad")
+        units = split_into_units(batch, self.num_microbatches, self.num_slices)
+        for stage in self.stages:
+            stage.has_backward = True
+            stage.clear_runtime_states()
+        arg_units = [(unit["tokens"],) if self.has_first_stage else () for unit in units]
+        kwarg_units = [_stage_kwargs(unit) for unit in units]
+        targets = [unit["labels"] for unit in units] if self.has_last_stage else None
+        losses: list[Tensor] = []
+        self.schedule._step_microbatches(
+            arg_units,
+            kwarg_units,
+            targets,
+            losses,
+            return_outputs=False,
+            loss_kwargs={"normaliser": num_label_tokens},
+        )
+        for stage in self.stages:
+            stage.clear_runtime_states()
+        return torch.stack(losses).sum() if self.has_last_stage else None
+
+
+def _stage_kwargs(unit: TensorDict) -> dict[str, Tensor]:
+    kwargs = {"positions": unit["positions"]}
+    if "document_ids" in unit:
+        kwargs["document_ids"] = unit["document_ids"]
+    return kwargs
+
+
+def build_pipeline_runner(
+    schedule_name: str,
+    stages: Sequence[SlicedPipelineStage],
+    num_microbatches: int,
+    num_slices: int = 1,
+    loss_fn: LossFn = token_sum_cross_entropy,
+) -> PipelineRunner:
+    """`"sliced"` or one of `TORCH_SCHEDULES` over this rank's stages (built for `num_slices`)."""
+    if schedule_name == "sliced":
+        schedule: object = SlicedPipelineSchedule(stages, num_microbatches, num_slices, loss_fn)
+    elif schedule_name in TORCH_SCHEDULES:
+        if num_slices != 1:
+            raise ValueError(
+                f"num_slices={num_slices} needs pipeline_schedule='sliced'; torch's "
+                f"{schedule_name!r} runs whole microbatches (set num_slices=1)"
+            )
+        schedule = _torch_schedule(schedule_name, stages, num_microbatches, loss_fn)
+    else:
+        raise ValueError(
+            f"pipeline_schedule={schedule_name!r} is not known; choose 'sliced' or one of "
+            f"{', '.join(repr(name) for name in TORCH_SCHEDULES)}"
+        )
+    return PipelineRunner(schedule, list(stages), num_microbatches, num_slices)

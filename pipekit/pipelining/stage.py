@@ -1,0 +1,135 @@
+"""A torch `PipelineStage` that runs slices against a chunked KV cache.
+
+torch's runtime calls `forward_one_chunk(unit)` and `backward_one_chunk(unit)` with unit indices
+(`pipekit.pipelining.actions.unit_index`). This subclass turns a unit into (microbatch, slice),
+hands the stage's model the slice's attention context (its microbatch's KV cache), and releases
+the slice's cached chunks right after its backward. With one slice per microbatch it is an
+ordinary stage with causal (document-aware) attention, so torch's own schedules run on it too.
+
+Shapes are given statically (every unit has the same shape), so torch never runs the extra
+metadata-inference forward that would touch the KV cache outside a real unit.
+
+Legend: B microbatch rows, S slice length, D model dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.kv_cache import ChunkedKVCache
+from pipekit.pipelining.actions import unit_microbatch_and_slice
+from pipekit.pipelining.memory import track_tensor, untrack_tensor
+
+__all__ = ["SlicedPipelineStage", "StageShapes"]
+
+
+class StageShapes:
+    """Static shapes of one unit at a stage boundary: tokens `[B, S]` into the first stage,
+    hidden states `[B, S, D]` between stages, logits `[B, S, V]` out of the last. Floating
+    examples require grad: torch sizes the gradient buffers of a boundary only for those."""
+
+    def __init__(
+        self, rows: int, slice_length: int, model_dim: int, vocab_size: int, dtype: torch.dtype
+    ) -> None:
+        self.rows, self.slice_length = rows, slice_length
+        self.model_dim, self.vocab_size, self.dtype = model_dim, vocab_size, dtype
+
+    def stage_input(self, is_first: bool, device: torch.device) -> torch.Tensor:
+        if is_first:
+            return torch.empty(self.rows, self.slice_length, dtype=torch.long, device=device)
+        return self.hidden(device)
+
+    def stage_output(self, is_last: bool, device: torch.device) -> torch.Tensor:
+        if is_last:
+            size = (self.rows, self.slice_length, self.vocab_size)
+            return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
+        return self.hidden(device)
+
+    def hidden(self, device: torch.device) -> torch.Tensor:
+        size = (self.rows, self.slice_length, self.model_dim)
+        return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
+
+
+class SlicedPipelineStage(PipelineStage):
+    """A stage whose units are slices; its model takes `(x, positions=, attention_context=)`."""
+
+    def __init__(
+        self,
+        stage_module: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        shapes: StageShapes,
+        num_slices: int = 1,
+        group: dist.ProcessGroup | None = None,
+        backend: str | AttentionBackend = "auto",
+    ) -> None:
+        meta = torch.device("meta")
+        super().__init__(
+            stage_module,
+            stage_index,
+            num_stages,
+            device,
+            input_args=shapes.stage_input(stage_index == 0, meta),
+            output_args=shapes.stage_output(stage_index == num_stages - 1, meta),
+            group=group,
+        )
+        self.num_slices = num_slices
+        self.kv_cache = ChunkedKVCache(backend)
+
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
+    ) -> Any:
+        microbatch, slice_index = unit_microbatch_and_slice(fwd_chunk_id, self.num_slices)
+        stage_kwargs = dict(kwargs or {})
+        document_ids_BS = stage_kwargs.pop("document_ids", None)
+        stage_kwargs["attention_context"] = self.kv_cache.slice_context(
+            microbatch, slice_index, document_ids_BS
+        )
+        output = super().forward_one_chunk(fwd_chunk_id, args, stage_kwargs, save_forward_output)
+        if self.has_backward:
+            for tensor in self._stage_inputs(fwd_chunk_id):
+                track_tensor("stage_inputs", tensor)
+        return output
+
+    def backward_one_chunk(
+        self,
+        bwd_chunk_id: int,
+        loss: torch.Tensor | None = None,
+        full_backward: bool = True,
+        last_backward: bool = False,
+    ) -> None:
+        if not full_backward and self.num_slices > 1:
+            raise ValueError(
+                "sliced stages need full backward actions (B): a split input/weight backward "
+                "(I/W) does not carry the KV-cache gradients; use a schedule without I/W actions"
+            )
+        stage_inputs = self._stage_inputs(bwd_chunk_id)
+        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        for tensor in stage_inputs:
+            untrack_tensor("stage_inputs", tensor)
+        self.kv_cache.release(*unit_microbatch_and_slice(bwd_chunk_id, self.num_slices))
+
+    def clear_runtime_states(self) -> None:
+        super().clear_runtime_states()
+        self.kv_cache.clear()
+
+    def _stage_inputs(self, unit: int) -> list[torch.Tensor]:
+        """The received activations of a unit (the first stage's token ids are not counted)."""
+        if self.is_first or unit not in self.fwd_cache:
+            return []
+        return [
+            t
+            for t in self.fwd_cache[unit][1]
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ]

@@ -1,0 +1,155 @@
+"""The sliced pipeline equals one process running the whole batch unsliced (float64): loss and
+every parameter gradient, for p = 2 and 4 ranks, n in {p, 2p, 4p} slices, m in {1, 2, 3}
+microbatches and v in {1, 2} stages per rank, on packed documents with ignored labels. torch's own
+schedules on the same split match too. The ablation drops the KV-cache gradients and must fail."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_helpers import run_on_ranks
+from tensordict import TensorDict
+from tiny_models import TINY_LLAMA
+from torch import Tensor, nn
+
+from models.llama import Llama
+from pipekit.attention.context import CausalAttention
+from pipekit.pipelining.build import build_rank_stages
+from pipekit.pipelining.schedule import V_SHAPED_SCHEDULES, build_pipeline_runner
+from pipekit.pipelining.stage import StageShapes
+from pipekit.pipelining.stage_split import llama_stage_module_names
+from pipekit.train.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
+
+BATCH, SEQ_LEN, SEED, TOLERANCE = 6, 32, 3, 1e-10
+
+
+def _args(num_layers: int):
+    return TINY_LLAMA.with_updates(n_layers=num_layers, max_seq_len=SEQ_LEN)
+
+
+def _batch() -> TensorDict:
+    """Two packed documents per row (split at a row-dependent point), some labels ignored."""
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, TINY_LLAMA.vocab_size, (BATCH, SEQ_LEN), generator=generator)
+    labels = torch.randint(0, TINY_LLAMA.vocab_size, (BATCH, SEQ_LEN), generator=generator)
+    labels[:, ::5] = IGNORE_INDEX
+    split_BS = (5 + 3 * torch.arange(BATCH)).unsqueeze(1)
+    index_S = torch.arange(SEQ_LEN)
+    document_ids = (index_S >= split_BS).long()
+    positions = torch.where(index_S >= split_BS, index_S - split_BS, index_S)
+    return TensorDict(
+        tokens=tokens,
+        labels=labels,
+        positions=positions,
+        document_ids=document_ids,
+        batch_size=[BATCH, SEQ_LEN],
+    )
+
+
+def _materialize(module: nn.Module) -> None:
+    module.to_empty(device="cpu")
+    module.init_weights(seed=SEED)
+    module.to(torch.float64)
+
+
+def _reference(num_layers: int) -> tuple[float, dict[str, Tensor]]:
+    with torch.device("meta"):
+        model = Llama(_args(num_layers))
+    _materialize(model)
+    batch = _batch()
+    logits = model(
+        batch["tokens"], batch["positions"], CausalAttention(batch["document_ids"], "cpu")
+    )
+    loss = token_sum_cross_entropy(logits, batch["labels"], count_label_tokens(batch["labels"]))
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _run_pipeline(
+    rank: int, world: int, schedule: str, v: int, m: int, n: int, drop_kv_grads: bool = False
+) -> tuple[float | None, dict[str, Tensor]]:
+    num_stages = world * v
+    with torch.device("meta"):
+        model = Llama(_args(num_stages))
+    stages = build_rank_stages(
+        model,
+        llama_stage_module_names(num_stages, num_stages),
+        rank=rank,
+        num_ranks=world,
+        stage_style="v" if schedule in V_SHAPED_SCHEDULES else "loop",
+        shapes=StageShapes(
+            BATCH // m, SEQ_LEN // n, TINY_LLAMA.dim, TINY_LLAMA.vocab_size, torch.float64
+        ),
+        num_slices=n,
+        device=torch.device("cpu"),
+        materialize=_materialize,
+        backend="cpu",
+    )
+    for stage in stages:
+        stage.kv_cache.drop_cached_gradients = drop_kv_grads
+    runner = build_pipeline_runner(schedule, stages, m, n)
+    batch = _batch()
+    loss = runner.step(batch, count_label_tokens(batch["labels"]))
+    grads = {
+        name: p.grad.clone() for stage in stages for name, p in stage.submod.named_parameters()
+    }
+    dist.barrier()
+    return (None if loss is None else loss.item()), grads
+
+
+def _run_many(rank: int, world: int, configs: list[tuple]) -> list[tuple]:
+    return [_run_pipeline(rank, world, *config) for config in configs]
+
+
+def _max_relative_difference(results: list[tuple], reference: tuple) -> float:
+    ref_loss, ref_grads = reference
+    losses = [loss for loss, _ in results if loss is not None]
+    assert len(losses) == 1
+    worst = abs(losses[0] - ref_loss) / abs(ref_loss)
+    seen: set[str] = set()
+    for _, grads in results:
+        for name, grad in grads.items():
+            seen.add(name)
+            scale = ref_grads[name].abs().max().clamp_min(1e-30)
+            worst = max(worst, ((grad - ref_grads[name]).abs().max() / scale).item())
+    assert seen == set(ref_grads), "the stages must hold every parameter exactly once"
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sliced_pipeline_equals_unsliced_single_process_fp64(world: int) -> None:
+    configs = [
+        ("sliced", v, m, n)
+        for v, m, n in itertools.product((1, 2), (1, 2, 3), (world, 2 * world, 4 * world))
+    ]
+    results = run_on_ranks(_run_many, world, configs, timeout=300)
+    references = {v: _reference(world * v) for v in (1, 2)}
+    for index, config in enumerate(configs):
+        per_rank = [results[rank][index] for rank in range(world)]
+        difference = _max_relative_difference(per_rank, references[config[1]])
+        assert difference <= TOLERANCE, f"{config}: max relative difference {difference:.2e}"
+
+
+def test_torch_schedules_match_on_the_same_split() -> None:
+    world = 2
+    configs = [("1F1B", 1, 6, 1), ("GPipe", 1, 3, 1), ("Interleaved1F1B", 2, 6, 1)]
+    configs += [("ZBVZeroBubble", 2, 6, 1), ("sliced", 2, 3, 4)]
+    results = run_on_ranks(_run_many, world, configs, timeout=120)
+    references = {v: _reference(world * v) for v in (1, 2)}
+    for index, config in enumerate(configs):
+        per_rank = [results[rank][index] for rank in range(world)]
+        difference = _max_relative_difference(per_rank, references[config[1]])
+        assert difference <= TOLERANCE, f"{config}: max relative difference {difference:.2e}"
+
+
+def test_dropping_kv_cache_gradients_breaks_parity() -> None:
+    world = 2
+    configs = [("sliced", 1, 2, 4, True), ("sliced", 2, 1, 2, True)]
+    results = run_on_ranks(_run_many, world, configs, timeout=120)
+    references = {v: _reference(world * v) for v in (1, 2)}
+    for index, config in enumerate(configs):
+        per_rank = [results[rank][index] for rank in range(world)]
+        assert _max_relative_difference(per_rank, references[config[1]]) > 1e-3, config
