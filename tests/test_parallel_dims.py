@@ -22,7 +22,7 @@ def _resolve(world_size: int, **degrees: int) -> ParallelDims:
     ("world_size", "degrees", "want"),
     [
         (8, {}, {"dp_shard": 8}),
-        (8, {"tp": 2, "pp": 2}, {"dp_shard": 2, "tp": 2, "pp": 2}),
+        (8, {"tp": 2, "pipeline_parallel_degree": 2}, {"dp_shard": 2, "tp": 2, "pp": 2}),
         (8, {"dp_replicate": -1, "dp_shard": 2}, {"dp_replicate": 4, "dp_shard": 2}),
         (8, {"dp_shard": 2, "tp": -1}, {"dp_shard": 2, "tp": 4}),
         (4, {"dp_shard": 2, "cp": 2}, {"dp_shard": 2, "cp": 2}),
@@ -61,7 +61,11 @@ def test_properties_follow_the_degrees():
             r"dp_replicate=1 x cp=1 x tp=4 x pp=1 = 4 does not divide world size 6, so dp_shard=-1",
         ),
         (4, {"tp": 0}, r"parallelism.tp=0 is invalid; use a degree >= 1, or -1"),
-        (4, {"pp": -2}, r"parallelism.pp=-2 is invalid"),
+        (
+            4,
+            {"pipeline_parallel_degree": -2},
+            r"parallelism.pipeline_parallel_degree=-2 is invalid",
+        ),
         (4, {"ep": 3}, r"ep=3 must divide dp_replicate x dp_shard x cp = 4"),
         (4, {"dp_shard": 2, "tp": 2, "ep": 4}, r"ep=4 must divide .* = 2 \(experts borrow"),
         (4, {"ep": -1}, r"ep=-1 is not supported"),
@@ -163,7 +167,7 @@ def test_build_mesh_keeps_dims_above_one_and_flattened_helpers():
         "mesh with dims ('dp',) lacks ['dp_replicate', 'dp_shard']" in hsdp[0]["wrong_mesh_error"]
     )
     assert "pass the mesh that parallel_dims.build_mesh() returned" in hsdp[0]["wrong_mesh_error"]
-    tp_pp = run_on_ranks(_mesh_layout, 4, {"dp_shard": 1, "tp": 2, "pp": 2})
+    tp_pp = run_on_ranks(_mesh_layout, 4, {"dp_shard": 1, "tp": 2, "pipeline_parallel_degree": 2})
     assert tp_pp[0]["world"] == ("pp", "tp")
     assert tp_pp[0]["sizes"] == {"world": 4, "pp": 2, "tp": 2}
     assert tp_pp[0]["dp_mesh"] is None

@@ -8,12 +8,20 @@ import sys
 _BENCHMARKS = {
     "attention": ("pipekit.bench.attention", "attention kernels vs torch SDPA (time, error)"),
     "step": ("pipekit.bench.step", "training step of a config: tokens/s and MFU"),
+    "pipeline-memory": (
+        "pipekit.bench.pipeline_memory",
+        "peak activation memory per schedule vs SlimPipe Table 2",
+    ),
+    "pipeline-throughput": (
+        "pipekit.bench.pipeline_throughput",
+        "tokens/s of the sliced pipeline vs torch's 1F1B",
+    ),
 }
 
 
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in _BENCHMARKS:
-        listing = "\n".join(f"  {name:12s} {doc}" for name, (_, doc) in _BENCHMARKS.items())
+        listing = "\n".join(f"  {name:20s} {doc}" for name, (_, doc) in _BENCHMARKS.items())
         print(f"usage: python -m pipekit.bench <name> [options]\nbenchmarks:\n{listing}")
         if argv and argv[0] not in ("-h", "--help"):
             print(f"error: unknown benchmark {argv[0]!r}", file=sys.stderr)

@@ -35,7 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.optim import Optimizer
 
 from pipekit.checkpoint._durable import fsync_path
@@ -70,6 +74,11 @@ def restore_rng_state(state: Mapping[str, Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Optimizer hyperparameters keyed per parameter name too: pipeline ranks hold different
+parameters, and an unflattened `param_groups` list would be one entry that every rank overwrites."""
+
+
 class ModelOptimizerState:
     """`Stateful` model and optimizer, keyed by parameter names (FQNs), not optimizer indices.
 
@@ -82,7 +91,9 @@ class ModelOptimizerState:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizer, options=_FLAT_OPTIMIZER
+        )
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -91,6 +102,7 @@ class ModelOptimizerState:
             self.optimizer,
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optimizer"],
+            options=_FLAT_OPTIMIZER,
         )
 
 

@@ -127,8 +127,24 @@ class ParallelismConfig:
     """Context-parallel degree."""
     tp: int = 1
     """Tensor-parallel degree."""
-    pp: int = 1
-    """Pipeline-parallel degree."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline-parallel degree p (the `pp` mesh dim)."""
+    pipeline_schedule: str = "sliced"
+    """sliced (SlimPipe) or a torch schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+    InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (see docs/pipelining.md)."""
+    num_slices: int = 0
+    """Slices per sequence for the sliced schedule, a multiple of p (0 = 2p; torch's = 1)."""
+    stages_per_rank: int = 1
+    """Pipeline stages per rank v (interleaved/V schedules need 2 or more)."""
+    microbatches: int = 0
+    """Microbatches per local batch (0 = one per sequence); divides the local batch."""
+    pipeline_embedding_cost: float = 1.0
+    """When splitting stages by layer, the embedding counts as this many layers."""
+    pipeline_output_cost: float = 1.0
+    """When splitting stages by layer, the final norm and output head count as this many layers."""
+    pipeline_stage_modules: list[str] = field(default_factory=list)
+    """Explicit split instead: one entry per stage, comma-separated module names
+    ("tok_embeddings,layers.0", ..., "layers.7,norm,output")."""
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows from the data-parallel ranks)."""
     collective_timeout_s: int = 300

@@ -80,6 +80,13 @@ def _coerce(where: str, expected: Any, value: Any, from_cli: bool) -> Any:
     """Check (TOML) or parse (CLI string) one value against the field's type."""
     if typing.get_origin(expected) in (typing.Union, types.UnionType):
         raise ConfigError(f"{where}: union-typed fields are not supported by the loader")
+    if typing.get_origin(expected) is list:
+        (item_type,) = typing.get_args(expected)
+        if from_cli:  # one comma-free item per `;`-separated entry on the command line
+            return [_coerce(where, item_type, item, True) for item in value.split(";") if item]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} expects a list, got {value!r} ({type(value).__name__})")
+        return [_coerce(where, item_type, item, False) for item in value]
     if from_cli:
         text = value.strip()
         if expected is bool:

@@ -10,6 +10,8 @@ import glob
 import os
 from pathlib import Path
 
+import torch
+
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 
@@ -104,7 +106,7 @@ def _check_parallelism(config: JobConfig, world_size: int) -> None:
         dims = ParallelDims.from_config(config.parallelism, world_size)
     except ValueError as error:
         raise ConfigError(f"[parallelism] {error}") from None
-    for name in ("cp", "tp", "pp", "ep"):
+    for name in ("cp", "tp", "ep"):
         if getattr(dims, name) > 1:
             raise ConfigError(
                 f"[parallelism] {name}={getattr(dims, name)}: the trainer does not support "
@@ -118,6 +120,40 @@ def _check_parallelism(config: JobConfig, world_size: int) -> None:
             f"{config.training.gradient_accumulation_steps} = {per_step}; try "
             f"{per_step * max(1, config.training.global_batch_size // per_step)}"
         )
+    if dims.pp > 1:
+        _check_pipeline(config, config.training.global_batch_size // per_step)
+
+
+def _check_pipeline(config: JobConfig, local_batch_size: int) -> None:
+    from models.registry import get_model_spec
+    from pipekit.pipelining.plan import plan_pipeline
+    from pipekit.pipelining.stage_split import validate_stage_module_names
+
+    args = get_model_spec(config.model.name).flavor(config.model.flavor)
+    try:
+        plan = plan_pipeline(
+            config.parallelism, args.n_layers, local_batch_size, config.training.seq_len
+        )
+        with torch.device("meta"):
+            model = get_model_spec(config.model.name).build(args)
+        validate_stage_module_names(model, plan.module_names_per_stage)
+    except ValueError as error:
+        raise ConfigError(f"[parallelism] {error}") from None
+    if args.tie_embeddings:
+        raise ConfigError(
+            f"[model] flavor {config.model.flavor} ties the embedding and output weights, which "
+            "pipeline stages cannot share yet; use an untied flavor or pipeline_parallel_degree=1"
+        )
+    unsupported = {
+        "[training] mixed_precision_param": config.training.mixed_precision_param != "float32",
+        "[checkpoint] export_hf_at_end": config.checkpoint.export_hf_at_end,
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise ConfigError(
+                f"{name} is not supported with pipeline_parallel_degree > 1 yet; turn it off "
+                "(the pipelined run still writes DCP checkpoints)"
+            )
 
 
 def validate_job_config(config: JobConfig, world_size: int | None) -> None:

@@ -9,9 +9,11 @@ combined: the p-norm of a concatenation is the p-norm of its parts' p-norms (max
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -25,16 +27,19 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     error_if_nonfinite: bool = False,
+    pipeline_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """Scale gradients in place so their global `norm_type`-norm is at most `max_norm`.
 
     Returns the global norm before clipping as a plain scalar tensor, the same on every rank.
-    Parameters without a gradient are skipped.
+    Parameters without a gradient are skipped. With `pipeline_group`, the norm also covers the
+    parameters of the other pipeline ranks (every rank of the group must call this).
     """
     parameters = list(parameters)
     grads = [param.grad for param in parameters if param.grad is not None]
     if not grads:
-        return torch.tensor(0.0)
+        zero = torch.tensor(0.0)
+        return zero if pipeline_group is None else _combine_across(zero, norm_type, pipeline_group)
     groups: dict[object, list[Tensor]] = {}
     for grad in grads:
         key = grad.device_mesh if isinstance(grad, DTensor) else grad.device
@@ -47,5 +52,17 @@ def clip_grad_norm_(
     total_norm = torch.linalg.vector_norm(
         torch.stack([norm.to(device) for norm in group_norms]), norm_type
     )
+    if pipeline_group is not None:  # each pipeline rank holds other parameters
+        total_norm = _combine_across(total_norm, norm_type, pipeline_group)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
     return total_norm
+
+
+def _combine_across(norm: Tensor, norm_type: float, group: dist.ProcessGroup) -> Tensor:
+    """The norm over the union of the ranks' disjoint parameter sets."""
+    if math.isinf(norm_type):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.double() ** norm_type
+    dist.all_reduce(powered, group=group)
+    return (powered ** (1.0 / norm_type)).to(norm.dtype)

@@ -35,6 +35,9 @@ __all__ = ["MESH_DIM_ORDER", "ParallelDims"]
 MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Outermost to innermost; their product is the world size."""
 
+_CONFIG_KEYS = {"pp": "pipeline_parallel_degree"}
+"""Mesh dims whose config key is spelled out."""
+
 _CONFIG_ORDER = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 
 _FLATTENED = {
@@ -86,12 +89,12 @@ class ParallelDims:
     @classmethod
     def from_config(cls, config: ParallelismConfig, world_size: int) -> ParallelDims:
         """Resolve the one degree that may be -1 to the rest of `world_size`, then validate."""
-        degrees = {name: getattr(config, name) for name in MESH_DIM_ORDER}
+        degrees = {name: getattr(config, _CONFIG_KEYS.get(name, name)) for name in MESH_DIM_ORDER}
         for name, degree in (*degrees.items(), ("ep", config.ep)):
             if degree == 0 or degree < -1:
                 raise ValueError(
-                    f"parallelism.{name}={degree} is invalid; use a degree >= 1, or -1 for "
-                    "'the rest of the world size'"
+                    f"parallelism.{_CONFIG_KEYS.get(name, name)}={degree} is invalid; use a "
+                    "degree >= 1, or -1 for 'the rest of the world size'"
                 )
         if config.ep == -1:
             raise ValueError(

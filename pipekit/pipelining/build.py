@@ -1,9 +1,9 @@
 """Build one rank's pipeline: split the model, materialise this rank's stages, wrap them.
 
-The model arrives on the meta device; each stage is a pruned copy holding only its modules, so a
-rank never allocates another rank's weights. `materialize` moves a stage off meta and
-initialises it (or loads it); with `Llama.init_weights(seed)` a stage initialised alone holds
-exactly the full model's weights.
+The model arrives on the meta device; a rank keeps a pruned copy holding only its stages'
+modules, so it never allocates another rank's weights. Materialising moves it off meta and
+initialises (or loads) it; with `Llama.init_weights(seed)` a part initialised alone holds exactly
+the full model's weights.
 """
 
 from __future__ import annotations
@@ -22,7 +22,77 @@ from pipekit.pipelining.stage_split import (
     validate_stage_module_names,
 )
 
-__all__ = ["build_rank_stages"]
+__all__ = ["build_rank_model", "build_rank_stages", "wrap_rank_stages"]
+
+
+def build_rank_model(
+    model: nn.Module,
+    module_names_per_stage: Sequence[Sequence[str]],
+    *,
+    rank: int,
+    num_ranks: int,
+    stage_style: str,
+) -> nn.Module:
+    """The modules of every stage `rank` holds, as one pruned copy of `model` (full-model names).
+
+    Materialise it, then `wrap_rank_stages` shares it out into stages: the optimizer,
+    checkpoints and gradient clipping work on this one module.
+    """
+    num_stages = len(module_names_per_stage)
+    if num_stages % num_ranks:
+        raise ValueError(
+            f"{num_stages} stages do not spread evenly over pipeline_parallel_degree={num_ranks}"
+        )
+    validate_stage_module_names(model, module_names_per_stage)
+    indices = stages_of_rank(rank, num_ranks, num_stages // num_ranks, stage_style)
+    names = [name for index in indices for name in module_names_per_stage[index]]
+    return build_stage_module(model, names)
+
+
+def wrap_rank_stages(
+    rank_model: nn.Module,
+    module_names_per_stage: Sequence[Sequence[str]],
+    *,
+    rank: int,
+    num_ranks: int,
+    stage_style: str,
+    shapes: StageShapes,
+    num_slices: int,
+    device: torch.device,
+    parallelize: Callable[[nn.Module], None] | None = None,
+    group: dist.ProcessGroup | None = None,
+    backend: str | AttentionBackend = "auto",
+) -> list[SlicedPipelineStage]:
+    """This rank's stages (ascending stage index), each a view sharing `rank_model`'s modules.
+
+    `parallelize` (activation checkpointing, FSDP) is applied to each stage's module: under
+    FSDP each stage is its own root, which torch's runtime unshards, reshards and reduces.
+    """
+    num_stages = len(module_names_per_stage)
+    indices = stages_of_rank(rank, num_ranks, num_stages // num_ranks, stage_style)
+    stages = []
+    for stage_index in indices:
+        if len(indices) == 1:
+            stage_module = rank_model
+        else:
+            stage_module = build_stage_module(
+                rank_model, module_names_per_stage[stage_index], share_modules=True
+            )
+        if parallelize is not None:
+            parallelize(stage_module)
+        stages.append(
+            SlicedPipelineStage(
+                stage_module,
+                stage_index,
+                num_stages,
+                device,
+                shapes,
+                num_slices=num_slices,
+                group=group,
+                backend=backend,
+            )
+        )
+    return stages
 
 
 def build_rank_stages(
@@ -39,27 +109,17 @@ def build_rank_stages(
     group: dist.ProcessGroup | None = None,
     backend: str | AttentionBackend = "auto",
 ) -> list[SlicedPipelineStage]:
-    """This rank's stages (ascending stage index) of a `len(module_names_per_stage)`-stage split."""
-    num_stages = len(module_names_per_stage)
-    if num_stages % num_ranks:
-        raise ValueError(
-            f"{num_stages} stages do not spread evenly over pipeline_parallel_degree={num_ranks}"
-        )
-    validate_stage_module_names(model, module_names_per_stage)
-    stages = []
-    for stage_index in stages_of_rank(rank, num_ranks, num_stages // num_ranks, stage_style):
-        stage_module = build_stage_module(model, module_names_per_stage[stage_index])
-        materialize(stage_module)
-        stages.append(
-            SlicedPipelineStage(
-                stage_module,
-                stage_index,
-                num_stages,
-                device,
-                shapes,
-                num_slices=num_slices,
-                group=group,
-                backend=backend,
-            )
-        )
-    return stages
+    """`build_rank_model`, `materialize` (e.g. `to_empty` + `init_weights`), `wrap_rank_stages`."""
+    placement = {"rank": rank, "num_ranks": num_ranks, "stage_style": stage_style}
+    rank_model = build_rank_model(model, module_names_per_stage, **placement)
+    materialize(rank_model)
+    return wrap_rank_stages(
+        rank_model,
+        module_names_per_stage,
+        **placement,
+        shapes=shapes,
+        num_slices=num_slices,
+        device=device,
+        group=group,
+        backend=backend,
+    )

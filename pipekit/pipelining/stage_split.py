@@ -135,31 +135,44 @@ def stages_of_rank(
     return [stage for stage, owner in enumerate(placement) if owner == rank]
 
 
-def build_stage_module(model: nn.Module, module_names: Sequence[str]) -> nn.Module:
+def build_stage_module(
+    model: nn.Module, module_names: Sequence[str], *, share_modules: bool = False
+) -> nn.Module:
     """A copy of `model` that keeps only `module_names` (plus the shared stateless modules).
 
     Names are top-level children ("tok_embeddings", "norm", or a whole "layers") or entries of a
     ModuleDict/ModuleList child ("layers.3"). Build stages from a meta-device model, where the
     copy costs nothing, then `to_empty` and `init_weights` each stage. A ModuleList child becomes
     a ModuleDict keyed by the original indices, so state-dict names stay the full model's.
+
+    `share_modules=True` copies only the containers: the stage holds `model`'s own submodules.
+    A rank with several stages builds one module for all its stages and shares it out, so the
+    optimizer, checkpoints and gradient clipping see one model with the full model's names.
     """
     kept = _expand(model, module_names, where="build_stage_module")
     _check_tied_embeddings(model, kept)
-    stage = copy.deepcopy(model)
+    stage = _shallow_copy(model) if share_modules else copy.deepcopy(model)
     for name, child in list(stage.named_children()):
         if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
             entries = {
                 key: entry for key, entry in child.named_children() if f"{name}.{key}" in kept
             }
-            if not entries:
-                setattr(stage, name, None)
-            elif isinstance(child, nn.ModuleList):
-                setattr(stage, name, nn.ModuleDict(entries))
-            else:
-                for key in [key for key in child if key not in entries]:
-                    del child[key]
+            setattr(stage, name, nn.ModuleDict(entries) if entries else None)
         elif name not in kept and _has_state(child):
             setattr(stage, name, None)
+    return stage
+
+
+def _shallow_copy(model: nn.Module) -> nn.Module:
+    """A new module object of the same class whose registries (modules, parameters, hooks) are
+    copies of `model`'s, so pruning or wrapping the copy leaves `model` untouched."""
+    stage = type(model).__new__(type(model))
+    stage.__dict__.update(
+        {
+            key: copy.copy(value) if isinstance(value, dict) else value
+            for key, value in model.__dict__.items()
+        }
+    )
     return stage
 
 

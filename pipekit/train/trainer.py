@@ -1,10 +1,11 @@
 """The training loop: build, parallelize, initialise or resume, step, log, checkpoint.
 
-Order of construction (torchtitan's): model on the meta device -> materialise and initialise
-(or load a Hugging Face checkpoint) -> activation checkpointing -> data parallelism (FSDP2 /
-HSDP / replication) -> optimizer and LR schedule -> resume from the newest checkpoint. Every
-rank initialises the same full weights from the job seed before sharding, so any data-parallel
-layout starts from the weights a single process would.
+Order of construction (torchtitan's): model on the meta device -> (pipeline: keep this rank's
+stages) -> materialise and initialise (or load a Hugging Face checkpoint) -> activation
+checkpointing -> data parallelism (FSDP2 / HSDP / replication; per stage under pipelining) ->
+optimizer and LR schedule -> resume from the newest checkpoint. Initialisation depends only on
+the job seed and each module's name, so any data-parallel or pipeline layout starts from the
+weights a single process would.
 
 Legend: B local micro-batch, S sequence, V vocabulary.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from torch import Tensor, nn
 
 from pipekit.attention.context import CausalAttention
@@ -31,6 +33,10 @@ from pipekit.config.job_config import JobConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.pipelining.build import build_rank_model, wrap_rank_stages
+from pipekit.pipelining.plan import plan_pipeline
+from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
+from pipekit.pipelining.stage import StageShapes
 from pipekit.train.activation_checkpoint import apply_activation_checkpointing
 from pipekit.train.data import build_data_loader
 from pipekit.train.loss import count_label_tokens, token_sum_cross_entropy
@@ -74,15 +80,19 @@ class Trainer:
         )
         resume_step = self.checkpoints.latest_step() if config.checkpoint.resume else None
 
-        torch.manual_seed(config.job.seed)
-        self.model = self._build_model(load_hf=resume_step is None)
-        self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, config.training.steps, config.lr_scheduler
-        )
         dp_rank, dp_degree = self.dims.dp_rank(self.mesh), self.dims.dp_degree
         self.micro_batch_size = config.training.global_batch_size // (
             dp_degree * config.training.gradient_accumulation_steps
+        )
+        torch.manual_seed(config.job.seed)
+        self.pipeline: PipelineRunner | None = None
+        if self.dims.pp_enabled:
+            self.model, self.pipeline = self._build_pipeline(load_hf=resume_step is None)
+        else:
+            self.model = self._build_model(load_hf=resume_step is None)
+        self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, config.training.steps, config.lr_scheduler
         )
         self.data = build_data_loader(
             config.data,
@@ -98,8 +108,10 @@ class Trainer:
         self.metrics = MetricsLogger(
             self.output_dir / config.metrics.jsonl_file, enabled=self.rank == 0
         )
+        with torch.device("meta"):  # the whole model's FLOPs, whatever this rank holds
+            full_model = self.spec.build(self.model_args)
         self.flops_per_token = training_flops_per_token(
-            self.model,
+            full_model,
             self.model_args.n_layers,
             self.model_args.n_heads,
             self.model_args.per_head_dim,
@@ -107,15 +119,16 @@ class Trainer:
         )
         self.peak_flops = config.metrics.peak_flops or self._measured_peak_flops()
 
-    def _build_model(self, load_hf: bool) -> nn.Module:
-        """Materialise, initialise (or load), checkpoint activations, then shard."""
-        with torch.device("meta"):
-            model = self.spec.build(self.model_args)
+    def _materialize(self, model: nn.Module, load_hf: bool) -> None:
+        """Move off meta and initialise from the job seed, or load the Hugging Face weights."""
         model.to_empty(device=self.device)
         model.init_weights(seed=self.config.job.seed)
         if load_hf and self.config.checkpoint.initial_load_path:
             self.spec.load_hf(self.config.checkpoint.initial_load_path, model, self.model_args)
-        apply_activation_checkpointing(list(model.layers.values()), self.config.training)
+
+    def _parallelize(self, model: nn.Module) -> None:
+        """Activation checkpointing, then data parallelism, in place."""
+        apply_activation_checkpointing(list((model.layers or {}).values()), self.config.training)
         training = self.config.training
         if self.mesh is not None:
             apply_data_parallel(
@@ -125,7 +138,52 @@ class Trainer:
                 param_dtype=_DTYPES[training.mixed_precision_param],
                 reduce_dtype=_DTYPES[training.mixed_precision_reduce],
             )
+
+    def _build_model(self, load_hf: bool) -> nn.Module:
+        with torch.device("meta"):
+            model = self.spec.build(self.model_args)
+        self._materialize(model, load_hf)
+        self._parallelize(model)
         return model
+
+    def _build_pipeline(self, load_hf: bool) -> tuple[nn.Module, PipelineRunner]:
+        """This rank's stages (sharing one module with the full model's names) and schedule."""
+        config, args = self.config, self.model_args
+        plan = plan_pipeline(
+            config.parallelism, args.n_layers, self.micro_batch_size, config.training.seq_len
+        )
+        pp_mesh = self.dims.mesh("pp")
+        placement = {
+            "rank": pp_mesh.get_local_rank(),
+            "num_ranks": plan.num_ranks,
+            "stage_style": plan.stage_style,
+        }
+        with torch.device("meta"):
+            full_model = self.spec.build(args)
+        rank_model = build_rank_model(full_model, plan.module_names_per_stage, **placement)
+        self._materialize(rank_model, load_hf)
+        shapes = StageShapes(
+            rows=self.micro_batch_size // plan.num_microbatches,
+            slice_length=config.training.seq_len // plan.num_slices,
+            model_dim=args.dim,
+            vocab_size=args.vocab_size,
+            dtype=torch.float32,
+        )
+        stages = wrap_rank_stages(
+            rank_model,
+            plan.module_names_per_stage,
+            **placement,
+            shapes=shapes,
+            num_slices=plan.num_slices,
+            device=self.device,
+            parallelize=self._parallelize,
+            group=pp_mesh.get_group(),
+            backend=config.model.attention_backend,
+        )
+        runner = build_pipeline_runner(
+            plan.schedule, stages, plan.num_microbatches, plan.num_slices
+        )
+        return rank_model, runner
 
     def _measured_peak_flops(self) -> float:
         flops = torch.tensor(measure_matmul_flops(), dtype=torch.float64)
@@ -160,16 +218,14 @@ class Trainer:
             for _ in range(self.config.training.gradient_accumulation_steps)
         ]
         local_tokens = sum(count_label_tokens(batch["labels"]) for batch in micro_batches)
+        # The ranks of one pipeline read the same batch: count it once.
         global_tokens = self._all_reduce_sum(torch.as_tensor(local_tokens, device=self.device))
+        global_tokens = global_tokens // self.dims.pp
         loss_sum = torch.zeros((), device=self.device)
-        attention_backend = self.config.model.attention_backend
         for batch in micro_batches:
-            context = CausalAttention(batch["document_ids"], backend=attention_backend)
-            with self._autocast():
-                logits_BSV = self.model(batch["tokens"], batch["positions"], context)
-            loss = token_sum_cross_entropy(logits_BSV, batch["labels"], global_tokens)
-            loss.backward()  # data parallelism sums gradients (pipekit.distributed.fsdp)
-            loss_sum += loss.detach()
+            loss = self._forward_backward(batch, global_tokens)
+            if loss is not None:  # pipelined: only the rank with the last stage has a loss
+                loss_sum += loss.detach()
         global_loss = float(self._all_reduce_sum(loss_sum))
         if not math.isfinite(global_loss):
             raise NonFiniteLossError(
@@ -177,12 +233,29 @@ class Trainer:
                 "Lower optimizer.lr, raise lr_scheduler.warmup_steps, or set training.max_norm"
             )
         max_norm = self.config.training.max_norm
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm or math.inf)
+        grad_norm = clip_grad_norm_(
+            list(self.model.parameters()),
+            max_norm or math.inf,
+            pipeline_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None,
+        )
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return global_loss, float(grad_norm), int(global_tokens)
+
+    def _forward_backward(self, batch: TensorDict, global_tokens: Tensor) -> Tensor | None:
+        """Loss of one micro-batch (token sum over the global count), gradients accumulated."""
+        if self.pipeline is not None:
+            return self.pipeline.step(batch, global_tokens)
+        context = CausalAttention(
+            batch["document_ids"], backend=self.config.model.attention_backend
+        )
+        with self._autocast():
+            logits_BSV = self.model(batch["tokens"], batch["positions"], context)
+        loss = token_sum_cross_entropy(logits_BSV, batch["labels"], global_tokens)
+        loss.backward()  # data parallelism sums gradients (pipekit.distributed.fsdp)
+        return loss
 
     def train(self) -> list[float]:
         """Run to `training.steps`; returns the losses of the steps this call ran."""

@@ -1,0 +1,301 @@
+"""What the pipeline benchmarks share: fresh-interpreter gloo ranks, the model, the batch.
+
+`run_ranks` starts each rank as a new Python interpreter (`python -m
+pipekit.bench._pipeline_launch`), not a fork: glibc reads `GLIBC_TUNABLES` only when a process
+starts, so an allocator setting must be in a rank's environment from its first instruction
+(DESIGN "Fair CPU timing"). Ranks meet through a FileStore in a fresh temporary folder, run one
+intra-op thread each, call the worker `"module:function"(rank, num_ranks, spec)` with the
+JSON-able `spec`, meet at a barrier before the group is destroyed, and write the worker's dict as
+JSON; the parent returns those dicts in rank order. A rank that fails ends the others and raises
+with its stderr.
+
+Legend: B batch rows, S sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from models.llama import Llama, LlamaArgs
+from pipekit.pipelining.build import build_rank_stages
+from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
+from pipekit.pipelining.stage import StageShapes
+from pipekit.pipelining.stage_split import llama_stage_module_names
+
+__all__ = [
+    "add_model_arguments",
+    "build_runner",
+    "check_pipeline_shape",
+    "describe_model",
+    "model_spec",
+    "run_ranks",
+    "synthetic_batch",
+]
+
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+_SEED = 0
+
+
+class RankFailedError(RuntimeError):
+    """A rank exited non-zero or did not finish in time; the message holds its stderr tail."""
+
+
+def run_ranks(
+    worker: str,
+    num_ranks: int,
+    spec: Mapping[str, Any],
+    *,
+    env: Mapping[str, str | None] | None = None,
+    timeout: float = 1800.0,
+) -> list[dict[str, Any]]:
+    """Run `worker` ("module:function") on `num_ranks` fresh gloo ranks; their dicts by rank.
+
+    `env` changes the ranks' environment: a value sets a variable, None removes it.
+    """
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [_REPO_ROOT, *filter(None, [child_env.get("PYTHONPATH")])]
+    )
+    for name, value in (env or {}).items():
+        if value is None:
+            child_env.pop(name, None)
+        else:
+            child_env[name] = value
+    with tempfile.TemporaryDirectory(prefix="pipekit-bench-") as folder:
+        spec_path = os.path.join(folder, "spec.json")
+        with open(spec_path, "w") as handle:
+            json.dump({"worker": worker, "spec": spec}, handle)
+        processes, logs = [], []
+        for rank in range(num_ranks):
+            log = open(os.path.join(folder, f"rank{rank}.log"), "w+b")  # noqa: SIM115
+            logs.append(log)
+            command = [sys.executable, "-m", __name__, folder, str(rank), str(num_ranks)]
+            processes.append(
+                subprocess.Popen(command, env=child_env, stdout=log, stderr=subprocess.STDOUT)
+            )
+        try:
+            _wait_all(processes, logs, timeout)
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            for log in logs:
+                log.close()
+        results = []
+        for rank in range(num_ranks):
+            with open(os.path.join(folder, f"rank{rank}.json")) as handle:
+                results.append(json.load(handle))
+        return results
+
+
+def _wait_all(processes: list[subprocess.Popen], logs: list[Any], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(process.poll() is None for process in processes):
+        failed = [r for r, process in enumerate(processes) if process.poll() not in (None, 0)]
+        if failed:
+            time.sleep(1.0)  # let the failed rank's peers report their side too
+            raise RankFailedError("\n".join(_log_tail(rank, logs[rank]) for rank in failed))
+        if time.monotonic() > deadline:
+            raise RankFailedError(
+                f"ranks did not finish within {timeout:.0f} s (raise --timeout for big runs)\n"
+                + "\n".join(_log_tail(rank, log) for rank, log in enumerate(logs))
+            )
+        time.sleep(0.05)
+    failed = [r for r, process in enumerate(processes) if process.returncode != 0]
+    if failed:
+        raise RankFailedError("\n".join(_log_tail(rank, logs[rank]) for rank in failed))
+
+
+def _log_tail(rank: int, log: Any, chars: int = 4000) -> str:
+    log.flush()
+    log.seek(0)
+    text = log.read().decode(errors="replace")[-chars:]
+    return f"rank {rank} failed; its output ends with:\n{text}"
+
+
+def _rank_main(folder: str, rank: int, num_ranks: int) -> None:
+    """Body of one rank process (see the module docstring)."""
+    torch.set_num_threads(1)
+    with open(os.path.join(folder, "spec.json")) as handle:
+        job = json.load(handle)
+    module_name, function_name = job["worker"].split(":")
+    worker = getattr(importlib.import_module(module_name), function_name)
+    store = dist.FileStore(os.path.join(folder, "store"), num_ranks)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=num_ranks, timeout=timedelta(minutes=30)
+    )
+    try:
+        result = worker(rank, num_ranks, job["spec"])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    path = os.path.join(folder, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as handle:
+        json.dump(result, handle)
+    os.replace(path + ".tmp", path)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, **defaults: int) -> None:
+    """--dim, --layers, --heads, --kv-heads, --ffn-dim, --vocab (a small Llama; float32)."""
+    group = parser.add_argument_group("model (Llama, float32, random weights)")
+    group.add_argument("--dim", type=int, default=defaults["dim"], help="model dimension")
+    group.add_argument(
+        "--layers", type=int, default=defaults.get("layers"), help="transformer blocks"
+    )
+    group.add_argument("--heads", type=int, default=defaults["heads"], help="query heads")
+    group.add_argument("--kv-heads", type=int, default=defaults["kv_heads"], help="K/V heads")
+    group.add_argument("--ffn-dim", type=int, default=defaults["ffn_dim"], help="SwiGLU width")
+    group.add_argument("--vocab", type=int, default=defaults["vocab"], help="vocabulary size")
+
+
+def model_spec(options: argparse.Namespace, seq_len: int) -> dict[str, int]:
+    """The JSON-able LlamaArgs fields of the parsed model options (validated here)."""
+    spec = {
+        "dim": options.dim,
+        "n_layers": options.layers,
+        "n_heads": options.heads,
+        "n_kv_heads": options.kv_heads,
+        "ffn_dim": options.ffn_dim,
+        "vocab_size": options.vocab,
+        "max_seq_len": seq_len,
+    }
+    _llama_args(spec)  # raises ValueError on an impossible shape
+    return spec
+
+
+def describe_model(spec: Mapping[str, int]) -> str:
+    """One line: the model's shape and parameter count."""
+    args = _llama_args(spec)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Llama(args).parameters())
+    return (
+        f"Llama dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads "
+        f"({args.num_kv_heads} kv, head dim {args.per_head_dim}), ffn {args.ffn_dim}, "
+        f"vocab {args.vocab_size}, {params / 1e6:.2f} M parameters, float32"
+    )
+
+
+def _llama_args(spec: Mapping[str, int]) -> LlamaArgs:
+    return LlamaArgs(**spec, rope_scaling=None, rope_theta=10000.0)
+
+
+def check_pipeline_shape(
+    *,
+    num_ranks: int,
+    microbatches: int,
+    num_slices: int,
+    seq_len: int,
+    num_layers: int,
+    stages_per_rank: int,
+) -> None:
+    """The constraints every compared schedule needs, as ValueErrors that say how to fix them."""
+    for name, value in (
+        ("--pp", num_ranks),
+        ("--microbatches", microbatches),
+        ("--slices", num_slices),
+        ("--seq", seq_len),
+    ):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+    if num_ranks < 2:
+        raise ValueError(f"--pp={num_ranks} must be at least 2: a pipeline needs two ranks")
+    if num_slices % num_ranks:
+        lower = max(num_ranks, num_slices // num_ranks * num_ranks)
+        raise ValueError(
+            f"--slices={num_slices} must be a multiple of --pp={num_ranks} (SlimPipe §4.1.2); "
+            f"try {lower} or {lower + num_ranks}"
+        )
+    if seq_len % num_slices:
+        raise ValueError(
+            f"--seq={seq_len} must split into --slices={num_slices} equal slices; use a multiple "
+            f"of {num_slices}"
+        )
+    if microbatches < num_ranks:
+        raise ValueError(
+            f"--microbatches={microbatches} must be at least --pp={num_ranks}: torch's 1F1B "
+            "baseline needs one microbatch per stage"
+        )
+    needed = num_ranks * stages_per_rank
+    if num_layers < needed:
+        raise ValueError(
+            f"--layers={num_layers} is too few for {needed} stages (--pp={num_ranks} x "
+            f"{stages_per_rank} stages per rank); use --layers {needed} or more"
+        )
+
+
+def build_runner(
+    spec: Mapping[str, int],
+    *,
+    schedule: str,
+    stages_per_rank: int,
+    rank: int,
+    num_ranks: int,
+    microbatches: int,
+    num_slices: int,
+    rows: int,
+) -> PipelineRunner:
+    """This rank's runner of `schedule` over an evenly split model (equal layers per stage).
+
+    `rows` is the local batch; every stage gets the same seeded weights whatever the schedule.
+    Embedding and output get no extra weight in the split: SlimPipe's Table 2 compares equal
+    stages, and so do the throughput figures.
+    """
+    args = _llama_args(spec)
+    num_stages = num_ranks * stages_per_rank
+    with torch.device("meta"):
+        model = Llama(args)
+
+    def materialize(module: torch.nn.Module) -> None:
+        module.to_empty(device="cpu")
+        module.init_weights(seed=_SEED)
+
+    seq_len = spec["max_seq_len"]
+    stages = build_rank_stages(
+        model,
+        llama_stage_module_names(
+            args.n_layers, num_stages, embedding_weight=0.0, output_weight=0.0
+        ),
+        rank=rank,
+        num_ranks=num_ranks,
+        stage_style="loop",
+        shapes=StageShapes(
+            rows // microbatches, seq_len // num_slices, args.dim, args.vocab_size, torch.float32
+        ),
+        num_slices=num_slices,
+        device=torch.device("cpu"),
+        materialize=materialize,
+        group=None,
+        backend="cpu",
+    )
+    return build_pipeline_runner(schedule, stages, microbatches, num_slices)
+
+
+def synthetic_batch(rows: int, seq_len: int, vocab_size: int) -> TensorDict:
+    """Random tokens and labels `[B, S]`, positions 0..S-1: one document per row."""
+    generator = torch.Generator().manual_seed(_SEED)
+    tokens_BS = torch.randint(0, vocab_size, (rows, seq_len), generator=generator)
+    labels_BS = torch.randint(0, vocab_size, (rows, seq_len), generator=generator)
+    positions_BS = torch.arange(seq_len).expand(rows, seq_len).contiguous()
+    return TensorDict(
+        tokens=tokens_BS, labels=labels_BS, positions=positions_BS, batch_size=[rows, seq_len]
+    )
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -1,0 +1,183 @@
+"""`python -m pipekit.bench pipeline-throughput --pp 2 --microbatches 2 --seq 8192`.
+
+Training tokens/s of the sliced pipeline (`--slices` n per sequence) against torch's
+Schedule1F1B on the same model, weights and batch (one sequence per microbatch), on `--pp` gloo
+ranks with one intra-op thread each. Both schedules are built in the same rank processes and
+timed alternately (a warm-up step each, then sliced, 1F1B, sliced, 1F1B, ...); the figure is
+the ratio of median step times.
+
+Fair CPU timing (DESIGN): glibc serves large tensors with fresh mmaps, so full-sequence
+schedules pay page faults that sliced ones, with their smaller tensors, mostly avoid. The
+headline ratio therefore runs both schedules in ranks started with
+`GLIBC_TUNABLES=glibc.malloc.mmap_max=0` (the heap is reused instead); a second set of ranks
+with the default allocator gives the ratio beside it. The bubble-only prediction is
+(1 + (p-1)/m) / (1 + (p-1)/(n m)); causal attention makes later slices slower than earlier
+ones, which costs the sliced schedule part of that (what context exchange would recover).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from pipekit.bench._pipeline_launch import (
+    add_model_arguments,
+    build_runner,
+    check_pipeline_shape,
+    describe_model,
+    model_spec,
+    run_ranks,
+    synthetic_batch,
+)
+from pipekit.bench._report import print_result, print_table
+
+__all__ = ["FAIR_ALLOCATOR", "main"]
+
+FAIR_ALLOCATOR = "glibc.malloc.mmap_max=0"
+"""The GLIBC_TUNABLES value of the fair comparison: no mmap-served allocations."""
+
+_SCHEDULES = ("sliced", "1F1B")
+
+
+def _time_steps(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Worker: build both runners, warm each up, then time them alternately."""
+    model, microbatches = spec["model"], spec["microbatches"]
+    rows = microbatches * spec["rows_per_microbatch"]
+    batch = synthetic_batch(rows, model["max_seq_len"], model["vocab_size"])
+    num_label_tokens = float(batch["labels"].numel())
+    runners = {
+        name: build_runner(
+            model,
+            schedule=name,
+            stages_per_rank=1,
+            rank=rank,
+            num_ranks=num_ranks,
+            microbatches=microbatches,
+            num_slices=spec["slices"] if name == "sliced" else 1,
+            rows=rows,
+        )
+        for name in _SCHEDULES
+    }
+
+    def timed_step(name: str) -> float:
+        runner = runners[name]
+        dist.barrier()
+        start = time.perf_counter()
+        runner.step(batch, num_label_tokens)
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        for stage in runner.stages:
+            stage.submod.zero_grad(set_to_none=False)
+        return seconds
+
+    for _ in range(spec["warmup"]):
+        for name in _SCHEDULES:
+            timed_step(name)
+    samples: dict[str, list[float]] = {name: [] for name in _SCHEDULES}
+    for _ in range(spec["repeats"]):
+        for name in _SCHEDULES:
+            samples[name].append(timed_step(name))
+    return {"samples": samples, "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipekit.bench pipeline-throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks p")
+    parser.add_argument("--slices", type=int, default=8, help="slices per sequence n (sliced)")
+    parser.add_argument("--microbatches", type=int, default=2, help="microbatches m per step")
+    parser.add_argument("--seq", type=int, default=8192, help="sequence length S")
+    parser.add_argument(
+        "--rows-per-microbatch", type=int, default=1, help="sequences in one microbatch"
+    )
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each schedule")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps of each schedule")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for all ranks")
+    add_model_arguments(parser, dim=256, layers=4, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
+    options = parser.parse_args(argv)
+    p, m, n = options.pp, options.microbatches, options.slices
+    try:
+        check_pipeline_shape(
+            num_ranks=p,
+            microbatches=m,
+            num_slices=n,
+            seq_len=options.seq,
+            num_layers=options.layers,
+            stages_per_rank=1,
+        )
+        for name in ("--rows-per-microbatch", "--repeats"):
+            value = getattr(options, name[2:].replace("-", "_"))
+            if value < 1:
+                raise ValueError(f"{name}={value} must be at least 1")
+        if options.warmup < 0:
+            raise ValueError(f"--warmup={options.warmup} must be 0 or more")
+        spec = {
+            "model": model_spec(options, options.seq),
+            "microbatches": m,
+            "slices": n,
+            "rows_per_microbatch": options.rows_per_microbatch,
+            "warmup": options.warmup,
+            "repeats": options.repeats,
+        }
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+
+    tokens = m * options.rows_per_microbatch * options.seq
+    print(describe_model(spec["model"]))
+    print(
+        f"p={p} ranks, m={m} microbatches of {options.rows_per_microbatch} x {options.seq} "
+        f"tokens ({tokens} per step), sliced n={n}, 1 thread per rank; {options.warmup} warm-up "
+        f"and {options.repeats} timed steps of each schedule, alternating"
+    )
+    allocators = {"fair": FAIR_ALLOCATOR, "default": None}
+    rows, speedups, fair_tokens_per_s = [], {}, {}
+    for allocator, tunables in allocators.items():
+        ranks = run_ranks(
+            f"{__name__}:_time_steps",
+            p,
+            spec,
+            env={"GLIBC_TUNABLES": tunables},
+            timeout=options.timeout,
+        )
+        assert all(rank["glibc_tunables"] == tunables for rank in ranks)
+        samples = ranks[0]["samples"]  # ranks time the same barrier-to-barrier intervals
+        medians = {name: statistics.median(samples[name]) for name in _SCHEDULES}
+        speedups[allocator] = medians["1F1B"] / medians["sliced"]
+        for name in _SCHEDULES:
+            rows.append(
+                [
+                    f"GLIBC_TUNABLES={tunables}" if tunables else "default",
+                    name if name == "1F1B" else f"sliced n={n}",
+                    medians[name],
+                    min(samples[name]),
+                    max(samples[name]),
+                    tokens / medians[name],
+                    medians["1F1B"] / medians[name],
+                ]
+            )
+            if allocator == "fair":
+                fair_tokens_per_s[name] = tokens / medians[name]
+    print()
+    print_table(
+        ["allocator", "schedule", "median s", "min s", "max s", "tokens/s", "vs 1F1B"], rows
+    )
+    bubble_only = (1 + (p - 1) / m) / (1 + (p - 1) / (n * m))
+    print(
+        f"\nbubble-only prediction (1+(p-1)/m)/(1+(p-1)/(nm)) = {bubble_only:.3f}; fair ratio "
+        f"{speedups['fair']:.3f}, default allocator {speedups['default']:.3f}"
+    )
+    print_result(
+        sliced_vs_1f1b_speedup=speedups["fair"],
+        default_allocator_speedup=speedups["default"],
+        sliced_tokens_per_s=fair_tokens_per_s["sliced"],
+        f1b_tokens_per_s=fair_tokens_per_s["1F1B"],
+        bubble_only_speedup=bubble_only,
+    )
