@@ -16,9 +16,10 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO_ROOT / "configs" / "debug_model.toml")
+SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_sliced_pp.toml")
 
 
-def _command(output_dir: Path, *overrides: str, nproc: int = 2) -> list[str]:
+def _command(output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -28,7 +29,7 @@ def _command(output_dir: Path, *overrides: str, nproc: int = 2) -> list[str]:
         "--standalone",
         str(REPO_ROOT / "train.py"),
         "--config",
-        CONFIG,
+        config,
         "--job.output_dir",
         str(output_dir),
         *overrides,
@@ -143,6 +144,39 @@ def _single_process_error(output_dir: Path, *overrides: str, world_size: int | N
         (("--training.steps", "three"), "expects int"),
         (("--parallelism.dp_shard", "4"), "world size"),
         (("--data.source", "/nonexistent/*.txt"), "matches no file"),
+        (
+            (
+                "--parallelism.dp_shard",
+                "1",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.num_slices",
+                "3",
+            ),
+            "num_slices=3 must be a multiple of pipeline_parallel_degree=2",
+        ),
+        (
+            (
+                "--parallelism.dp_shard",
+                "1",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.microbatches",
+                "3",
+            ),
+            "microbatches=3 must divide the local batch of 16",
+        ),
+        (
+            (
+                "--parallelism.dp_shard",
+                "1",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_schedule",
+                "1F1F",
+            ),
+            "pipeline_schedule='1F1F' is not known",
+        ),
     ],
 )
 def test_bad_input_gives_one_error_line_and_exit_2(tmp_path, overrides, message):
@@ -155,3 +189,23 @@ def test_unreadable_checkpoint_gives_one_error_line(tmp_path):
     (step / ".metadata").write_bytes(b"not a checkpoint")
     (step / "COMPLETE").write_text("")
     assert "step-4" in _single_process_error(tmp_path, "--parallelism.dp_shard", "1")
+
+
+def test_sliced_pipeline_job_matches_the_data_parallel_job(tmp_path):
+    """configs/debug_sliced_pp.toml (2 pipeline ranks, 4 slices) against debug_model.toml (2
+    FSDP ranks) on the same global batches: equal losses step for step (float32 tolerance)."""
+    short = (*SHORT_RUN[:10], "--checkpoint.enable", "false")
+    steps = ("--training.steps", "6")
+    runs = {}
+    for name, config in (("fsdp", CONFIG), ("sliced_pp", SLICED_PP_CONFIG)):
+        result = subprocess.run(
+            _command(tmp_path / name, *short, *steps, config=config),
+            env=_env(),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = _losses(tmp_path / name)
+    assert sorted(runs["sliced_pp"]) == list(range(1, 7))
+    assert runs["sliced_pp"] == pytest.approx(runs["fsdp"], rel=1e-4)

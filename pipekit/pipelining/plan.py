@@ -64,11 +64,6 @@ def plan_pipeline(
             f"num_slices={num_slices} needs pipeline_schedule='sliced'; torch's {schedule!r} runs "
             "whole microbatches (set num_slices=0 or 1)"
         )
-    if seq_len % num_slices:
-        raise ValueError(
-            f"training.seq_len={seq_len} does not split into num_slices={num_slices} equal slices; "
-            "choose num_slices dividing seq_len"
-        )
     num_microbatches = parallelism.microbatches or local_batch_size
     if num_microbatches < 1 or local_batch_size % num_microbatches:
         raise ValueError(
@@ -77,6 +72,11 @@ def plan_pipeline(
         )
     if schedule == "sliced":  # checks num_slices against the degree, with the paper's rule
         sliced_pipeline_actions(num_ranks, num_microbatches, num_slices, stages_per_rank)
+    if seq_len % num_slices:
+        raise ValueError(
+            f"training.seq_len={seq_len} does not split into num_slices={num_slices} equal slices; "
+            "choose num_slices dividing seq_len"
+        )
     num_stages = num_ranks * stages_per_rank
     if parallelism.pipeline_stage_modules:
         names = [

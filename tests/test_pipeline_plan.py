@@ -1,0 +1,77 @@
+"""`[parallelism]` pipeline keys resolve to a concrete plan, and each broken rule is reported
+before any process group exists, with the fix in the message."""
+
+import pytest
+
+from pipekit.config.job_config import JobConfig, ParallelismConfig
+from pipekit.config.loader import ConfigError
+from pipekit.config.validate import validate_job_config
+from pipekit.pipelining.plan import plan_pipeline
+
+
+def _plan(num_layers: int = 8, local_batch: int = 4, seq_len: int = 64, **keys):
+    config = ParallelismConfig(pipeline_parallel_degree=keys.pop("pp", 2), **keys)
+    return plan_pipeline(config, num_layers, local_batch, seq_len)
+
+
+def test_defaults_resolve_to_two_slices_per_rank_and_one_sequence_per_microbatch():
+    plan = _plan(pp=4)
+    assert (plan.schedule, plan.num_slices, plan.num_microbatches) == ("sliced", 8, 4)
+    assert plan.num_stages == 4 and plan.stage_style == "loop"
+    assert plan.module_names_per_stage[0][0] == "tok_embeddings"
+    assert plan.module_names_per_stage[-1][-2:] == ["norm", "output"]
+
+
+def test_torch_schedules_run_whole_microbatches_and_v_schedules_place_a_v():
+    assert _plan(pipeline_schedule="1F1B").num_slices == 1
+    plan = _plan(pipeline_schedule="ZBVZeroBubble", stages_per_rank=2)
+    assert plan.stage_style == "v" and plan.num_stages == 4
+
+
+def test_explicit_stage_modules_are_parsed_per_stage():
+    entries = ["tok_embeddings, layers.0, layers.1", "layers.2,layers.3,norm,output"]
+    plan = _plan(num_layers=4, pipeline_stage_modules=entries)
+    assert plan.module_names_per_stage == [
+        ["tok_embeddings", "layers.0", "layers.1"],
+        ["layers.2", "layers.3", "norm", "output"],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"num_slices": 3}, "num_slices=3 must be a multiple of pipeline_parallel_degree=2"),
+        ({"num_slices": 6}, "seq_len=64 does not split into num_slices=6"),
+        ({"microbatches": 3}, "microbatches=3 must divide the local batch of 4"),
+        ({"pipeline_schedule": "1F1B", "num_slices": 4}, "needs pipeline_schedule='sliced'"),
+        ({"pipeline_schedule": "1F1B", "stages_per_rank": 2}, "set stages_per_rank=1"),
+        ({"pipeline_schedule": "ZBVZeroBubble"}, "set stages_per_rank=2"),
+        ({"pipeline_schedule": "Zero"}, "pipeline_schedule='Zero' is not known"),
+        ({"pipeline_stage_modules": ["tok_embeddings,layers.0"]}, "give one entry per stage"),
+        ({"stages_per_rank": 8}, "num_layers=8 is smaller than num_stages=16"),
+    ],
+)
+def test_broken_pipeline_rules_name_the_fix(keys, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _plan(**keys)
+
+
+def _job(**parallelism) -> JobConfig:
+    config = JobConfig()
+    config.model.flavor = "debug"
+    config.training.global_batch_size, config.training.seq_len = 4, 64
+    config.parallelism = ParallelismConfig(dp_shard=1, pipeline_parallel_degree=2, **parallelism)
+    return config
+
+
+def test_job_validation_checks_the_pipeline_before_any_process_group():
+    validate_job_config(_job(), world_size=2)
+    with pytest.raises(ConfigError, match=r"\[parallelism\] num_slices=3 must be a multiple"):
+        validate_job_config(_job(num_slices=3), world_size=2)
+    bad_modules = ["tok_embeddings,layers.0,layers.1", "layers.3,layers.2,norm,output,extra"]
+    with pytest.raises(ConfigError, match="unknown module names"):
+        validate_job_config(_job(pipeline_stage_modules=bad_modules), world_size=2)
+    config = _job()
+    config.training.mixed_precision_param = "bfloat16"
+    with pytest.raises(ConfigError, match="not supported with pipeline_parallel_degree > 1"):
+        validate_job_config(config, world_size=2)
