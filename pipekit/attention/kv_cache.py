@@ -103,6 +103,15 @@ class ChunkedKVCache:
                 )
             slices.pop()
 
+    def slice_tensors(self, microbatch: int, slice_index: int) -> list[Tensor]:
+        """The cached K and V of one slice, over all layers (for memory accounting)."""
+        return [
+            tensor
+            for (_, cached_microbatch), slices in self._slices.items()
+            if cached_microbatch == microbatch and len(slices) > slice_index
+            for tensor in (slices[slice_index].k_BGSD, slices[slice_index].v_BGSD)
+        ]
+
     def clear(self) -> None:
         """Drop everything (end of a step, or after a forward-only pass)."""
         self._slices.clear()

@@ -70,6 +70,9 @@ def sliced_warmup_forwards(
 ) -> int:
     """Forwards rank `rank` runs before its first backward: `v*n + 2*(p-1-rank)`, capped by the
     number of forwards it has."""
+    _check(num_ranks, num_microbatches, num_slices, stages_per_rank)
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank={rank} is not in 0..{num_ranks - 1}")
     total = stages_per_rank * num_microbatches * num_slices
     return min(stages_per_rank * num_slices + 2 * (num_ranks - 1 - rank), total)
 

@@ -100,6 +100,8 @@ class SlicedPipelineStage(PipelineStage):
         if self.has_backward:
             for tensor in self._stage_inputs(fwd_chunk_id):
                 track_tensor("stage_inputs", tensor)
+            for tensor in self.kv_cache.slice_tensors(microbatch, slice_index):
+                track_tensor("kv_cache", tensor)
         return output
 
     def backward_one_chunk(
@@ -114,11 +116,14 @@ class SlicedPipelineStage(PipelineStage):
                 "sliced stages need full backward actions (B): a split input/weight backward "
                 "(I/W) does not carry the KV-cache gradients; use a schedule without I/W actions"
             )
+        microbatch, slice_index = unit_microbatch_and_slice(bwd_chunk_id, self.num_slices)
         stage_inputs = self._stage_inputs(bwd_chunk_id)
         super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         for tensor in stage_inputs:
             untrack_tensor("stage_inputs", tensor)
-        self.kv_cache.release(*unit_microbatch_and_slice(bwd_chunk_id, self.num_slices))
+        for tensor in self.kv_cache.slice_tensors(microbatch, slice_index):
+            untrack_tensor("kv_cache", tensor)
+        self.kv_cache.release(microbatch, slice_index)
 
     def clear_runtime_states(self) -> None:
         super().clear_runtime_states()
