@@ -38,6 +38,7 @@ from pipekit.pipelining.stage import StageShapes
 from pipekit.pipelining.stage_split import llama_stage_module_names
 
 __all__ = [
+    "RankFailedError",
     "add_model_arguments",
     "build_runner",
     "check_pipeline_shape",

@@ -8,10 +8,12 @@ relative to 1F1B's first rank: GPipe m/p, 1F1B 1, interleaved 1+(p-1)/(vp), slic
 Activation memory is what autograd saves for backward (`ActivationMemoryTracker`, parameters
 excluded; a storage counts once however many tensors view it), measured in one training step on
 `--pp` gloo ranks with one sequence per microbatch and the same evenly split model for every
-schedule. The received stage inputs and the KV cache are shown on their own. Beside Table 2 the
+schedule. The received stage inputs and the KV-cache chunks are shown on their own (both are
+mostly the same storages autograd saves; the union counts each once). Beside Table 2 the
 table shows what each schedule's own action list predicts: the most units (microbatches, or
-slices, per stage) in flight on the rank, in microbatch equivalents; Table 2 assumes
-enough microbatches for every warm-up to fill, which small `--microbatches` may not give.
+slices, per stage) in flight on the rank, in microbatch equivalents. Table 2 assumes enough
+microbatches for every warm-up to fill; where `--microbatches` is too few for interleaved 1F1B,
+a second interleaved row runs with the fewest that fill it.
 """
 
 from __future__ import annotations
@@ -41,15 +43,33 @@ __all__ = ["main"]
 _MIB = 2**20
 
 
-def _schedules(num_slices: int) -> list[tuple[str, str, int, int]]:
-    """(label, schedule name, stages per rank v, slices n) in the order of the table."""
-    return [
-        ("GPipe", "GPipe", 1, 1),
-        ("1F1B", "1F1B", 1, 1),
-        ("Interleaved1F1B", "Interleaved1F1B", 2, 1),
-        ("sliced", "sliced", 1, num_slices),
-        ("sliced", "sliced", 2, num_slices),
+def schedules_to_measure(p: int, m: int, n: int) -> list[dict[str, Any]]:
+    """The rows of the table: label, schedule name, stages per rank v, slices n, microbatches m.
+
+    With few microbatches torch's Interleaved1F1B cannot fill its warm-up of `(v-1)p + 2(p-1)`
+    chunks (it runs every forward first), so a second interleaved row uses the fewest
+    microbatches (a multiple of p) that fill it, where Table 2's 1+(p-1)/(vp) applies.
+    """
+    rows = [
+        {"label": "GPipe", "schedule": "GPipe", "v": 1, "n": 1, "m": m},
+        {"label": "1F1B", "schedule": "1F1B", "v": 1, "n": 1, "m": m},
+        {"label": "Interleaved1F1B", "schedule": "Interleaved1F1B", "v": 2, "n": 1, "m": m},
     ]
+    filled = _interleaved_filling_microbatches(p, stages_per_rank=2)
+    if filled > m:
+        rows.append(rows[-1] | {"m": filled})
+    rows += [
+        {"label": "sliced", "schedule": "sliced", "v": 1, "n": n, "m": m},
+        {"label": "sliced", "schedule": "sliced", "v": 2, "n": n, "m": m},
+    ]
+    return rows
+
+
+def _interleaved_filling_microbatches(p: int, stages_per_rank: int) -> int:
+    """Fewest microbatches, a multiple of p, with v*m >= (v-1)p + 2(p-1) + 1 chunks."""
+    chunks = (stages_per_rank - 1) * p + 2 * (p - 1) + 1
+    microbatches = -(-chunks // stages_per_rank)
+    return -(-microbatches // p) * p
 
 
 def table2_prediction(label: str, p: int, m: int, v: int, n: int) -> float:
@@ -64,21 +84,21 @@ def table2_prediction(label: str, p: int, m: int, v: int, n: int) -> float:
 
 
 def _measure(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """Worker: one tracked step of every schedule on this rank."""
-    model, microbatches = spec["model"], spec["microbatches"]
-    rows = microbatches  # one sequence per microbatch
-    batch = synthetic_batch(rows, model["max_seq_len"], model["vocab_size"])
+    """Worker: one tracked step of every schedule on this rank (one sequence per microbatch)."""
+    model = spec["model"]
     measurements = []
-    for label, schedule, stages_per_rank, num_slices in _schedules(spec["slices"]):
+    for config in spec["schedules"]:
+        stages_per_rank, num_slices, microbatches = config["v"], config["n"], config["m"]
+        batch = synthetic_batch(microbatches, model["max_seq_len"], model["vocab_size"])
         runner = build_runner(
             model,
-            schedule=schedule,
+            schedule=config["schedule"],
             stages_per_rank=stages_per_rank,
             rank=rank,
             num_ranks=num_ranks,
             microbatches=microbatches,
             num_slices=num_slices,
-            rows=rows,
+            rows=microbatches,
         )
         params = [p for stage in runner.stages for p in stage.submod.parameters()]
         dist.barrier()
@@ -89,10 +109,8 @@ def _measure(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
         report = tracker.report()
         units = peak_units_in_flight(runner.schedule.pipeline_order[rank])
         measurements.append(
-            {
-                "label": label,
-                "v": stages_per_rank,
-                "n": num_slices,
+            config
+            | {
                 "saved": report.peak_saved_bytes,
                 "stage_inputs": report.peak_stage_input_bytes,
                 "kv_cache": report.peak_kv_cache_bytes,
@@ -101,7 +119,7 @@ def _measure(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
                 "seconds": seconds,
             }
         )
-        del runner, params
+        del runner, params, batch
         gc.collect()
     return {"rank": rank, "measurements": measurements}
 
@@ -137,7 +155,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"--microbatches={m} must be a multiple of {rounds} (= m // p) for torch's "
                 f"Interleaved1F1B; try {m // rounds * rounds}"
             )
-        spec = {"model": model_spec(options, options.seq), "microbatches": m, "slices": n}
+        spec = {
+            "model": model_spec(options, options.seq),
+            "schedules": schedules_to_measure(p, m, n),
+        }
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
 
@@ -153,18 +174,21 @@ def main(argv: list[str] | None = None) -> None:
     baseline = next(row for row in first if row["label"] == "1F1B")
     base_bytes, base_units = baseline["saved"], baseline["microbatches_in_flight"]
 
+    def name(row: dict[str, Any]) -> str:
+        slices = f" n={row['n']}" if row["label"] == "sliced" else ""
+        microbatches = f" m={row['m']}" if row["m"] != m else ""
+        return f"{row['label']} v={row['v']}{slices}{microbatches}"
+
     rows, ratios = [], {}
     for head, tail in zip(first, last, strict=True):
-        label, v, slices = head["label"], head["v"], head["n"]
-        name = f"{label} v={v}" + (f" n={slices}" if label == "sliced" else "")
         ratio_first, ratio_last = head["saved"] / base_bytes, tail["saved"] / base_bytes
-        ratios[(label, v)] = ratio_first
+        ratios[name(head)] = ratio_first
         rows.append(
             [
-                name,
+                name(head),
                 head["saved"] / _MIB,
                 ratio_first,
-                table2_prediction(label, p, m, v, slices),
+                table2_prediction(head["label"], p, head["m"], head["v"], head["n"]),
                 head["microbatches_in_flight"] / base_units,
                 tail["saved"] / _MIB,
                 ratio_last,
@@ -187,14 +211,14 @@ def main(argv: list[str] | None = None) -> None:
         ],
         rows,
     )
-    print("\nper rank detail: saved / received stage inputs / KV cache / union, MiB; step s")
+    print("\nper rank, MiB: saved for backward, received stage inputs, KV cache, their union")
     detail = []
     for rank_result in (ranks[0], ranks[-1]):
         for row in rank_result["measurements"]:
             detail.append(
                 [
                     rank_result["rank"],
-                    f"{row['label']} v={row['v']} n={row['n']}",
+                    name(row),
                     row["saved"] / _MIB,
                     row["stage_inputs"] / _MIB,
                     row["kv_cache"] / _MIB,
@@ -217,8 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         detail,
     )
     print_result(
-        sliced_vs_1f1b=ratios[("sliced", 1)],
+        sliced_vs_1f1b=ratios[f"sliced v=1 n={n}"],
         formula=(1 + 2 * (p - 1) / n) / p,
-        sliced_v2_vs_1f1b=ratios[("sliced", 2)],
+        sliced_v2_vs_1f1b=ratios[f"sliced v=2 n={n}"],
         formula_v2=table2_prediction("sliced", p, m, 2, n),
     )

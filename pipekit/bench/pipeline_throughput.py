@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 from typing import Any
@@ -64,25 +65,35 @@ def _time_steps(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
         for name in _SCHEDULES
     }
 
-    def timed_step(name: str) -> float:
+    def timed_step(name: str) -> tuple[float, int]:
+        """Seconds between barriers around one step, and this rank's minor page faults."""
         runner = runners[name]
         dist.barrier()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         runner.step(batch, num_label_tokens)
         dist.barrier()
         seconds = time.perf_counter() - start
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         for stage in runner.stages:
             stage.submod.zero_grad(set_to_none=False)
-        return seconds
+        return seconds, faults
 
     for _ in range(spec["warmup"]):
         for name in _SCHEDULES:
             timed_step(name)
     samples: dict[str, list[float]] = {name: [] for name in _SCHEDULES}
+    page_faults: dict[str, list[int]] = {name: [] for name in _SCHEDULES}
     for _ in range(spec["repeats"]):
         for name in _SCHEDULES:
-            samples[name].append(timed_step(name))
-    return {"samples": samples, "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
+            seconds, faults = timed_step(name)
+            samples[name].append(seconds)
+            page_faults[name].append(faults)
+    return {
+        "samples": samples,
+        "page_faults": page_faults,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,6 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each schedule")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps of each schedule")
+    parser.add_argument(
+        "--fair-tunables",
+        default=FAIR_ALLOCATOR,
+        help="GLIBC_TUNABLES of the fair comparison (default: %(default)s)",
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for all ranks")
     add_model_arguments(parser, dim=256, layers=4, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
     options = parser.parse_args(argv)
@@ -137,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         f"tokens ({tokens} per step), sliced n={n}, 1 thread per rank; {options.warmup} warm-up "
         f"and {options.repeats} timed steps of each schedule, alternating"
     )
-    allocators = {"fair": FAIR_ALLOCATOR, "default": None}
+    allocators = {"fair": options.fair_tunables, "default": None}
     rows, speedups, fair_tokens_per_s = [], {}, {}
     for allocator, tunables in allocators.items():
         ranks = run_ranks(
@@ -150,6 +166,12 @@ def main(argv: list[str] | None = None) -> None:
         assert all(rank["glibc_tunables"] == tunables for rank in ranks)
         samples = ranks[0]["samples"]  # ranks time the same barrier-to-barrier intervals
         medians = {name: statistics.median(samples[name]) for name in _SCHEDULES}
+        faults = {
+            name: statistics.median(
+                sum(rank["page_faults"][name][i] for rank in ranks) for i in range(options.repeats)
+            )
+            for name in _SCHEDULES
+        }
         speedups[allocator] = medians["1F1B"] / medians["sliced"]
         for name in _SCHEDULES:
             rows.append(
@@ -161,13 +183,24 @@ def main(argv: list[str] | None = None) -> None:
                     max(samples[name]),
                     tokens / medians[name],
                     medians["1F1B"] / medians[name],
+                    faults[name] / 1000,
                 ]
             )
             if allocator == "fair":
                 fair_tokens_per_s[name] = tokens / medians[name]
     print()
     print_table(
-        ["allocator", "schedule", "median s", "min s", "max s", "tokens/s", "vs 1F1B"], rows
+        [
+            "allocator",
+            "schedule",
+            "median s",
+            "min s",
+            "max s",
+            "tokens/s",
+            "vs 1F1B",
+            "page faults/step (k, all ranks)",
+        ],
+        rows,
     )
     bubble_only = (1 + (p - 1) / m) / (1 + (p - 1) / (n * m))
     print(

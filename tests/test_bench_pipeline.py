@@ -1,0 +1,96 @@
+"""The pipeline benchmarks run end to end on fresh gloo ranks at tiny sizes and end with their
+RESULT line; bad shapes fail at once with a one-line error. Memory figures are deterministic
+byte counts, so their ordering is asserted; times are not."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipekit.bench.__main__ import main
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = ["--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "48", "--vocab", "64"]
+
+
+def _run_bench(*argv: str) -> dict[str, float]:
+    """Run `python -m pipekit.bench ARGV` and return its RESULT figures."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "pipekit.bench", *argv],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    last = completed.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT "), completed.stdout
+    figures = dict(part.split("=", 1) for part in last.removeprefix("RESULT ").split())
+    return {key: float(value) for key, value in figures.items()}
+
+
+def test_pipeline_memory_bench_sliced_saves_memory_and_prints_formula():
+    figures = _run_bench(
+        "pipeline-memory", "--pp", "2", "--slices", "4", "--microbatches", "2", "--seq", "64",
+        *TINY_MODEL,
+    )  # fmt: skip
+    assert list(figures) == ["sliced_vs_1f1b", "formula", "sliced_v2_vs_1f1b", "formula_v2"]
+    assert figures["formula"] == pytest.approx((1 + 2 * (2 - 1) / 4) / 2)
+    assert figures["formula_v2"] == pytest.approx(1 / 2 + 2 * (2 - 1) / (4 * 2 * 2))
+    assert 0 < figures["sliced_v2_vs_1f1b"] < figures["sliced_vs_1f1b"] < 1
+
+
+def test_pipeline_throughput_bench_prints_both_allocator_ratios():
+    figures = _run_bench(
+        "pipeline-throughput", "--pp", "2", "--slices", "4", "--microbatches", "2",
+        "--seq", "64", "--layers", "2", "--warmup", "0", "--repeats", "1", *TINY_MODEL,
+    )  # fmt: skip
+    assert list(figures) == [
+        "sliced_vs_1f1b_speedup",
+        "default_allocator_speedup",
+        "sliced_tokens_per_s",
+        "f1b_tokens_per_s",
+        "bubble_only_speedup",
+    ]
+    assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["pipeline-memory", "--pp", "4", "--slices", "6"],
+            "--slices=6 must be a multiple of --pp=4 (SlimPipe §4.1.2); try 4 or 8",
+        ),
+        (
+            ["pipeline-memory", "--pp", "2", "--slices", "8", "--seq", "100"],
+            "--seq=100 must split into --slices=8 equal slices",
+        ),
+        (
+            ["pipeline-memory", "--pp", "2", "--layers", "3"],
+            "--layers=3 is too few for 4 stages",
+        ),
+        (
+            ["pipeline-throughput", "--pp", "2", "--microbatches", "1"],
+            "--microbatches=1 must be at least --pp=2",
+        ),
+        (
+            ["pipeline-throughput", "--dim", "30", "--heads", "4"],
+            "dim=30 is not divisible by n_heads=4",
+        ),
+        (["pipeline-throughput", "--repeats", "0"], "--repeats=0 must be at least 1"),
+    ],
+)
+def test_pipeline_bench_rejects_bad_shape_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert re.fullmatch(r"python -m pipekit\.bench [\w-]+: error: .+\n", captured.err)
+    assert message in captured.err
