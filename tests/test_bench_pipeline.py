@@ -65,7 +65,8 @@ def test_pipeline_throughput_bench_prints_both_allocator_ratios():
     [
         (
             ["pipeline-memory", "--pp", "4", "--slices", "6"],
-            "--slices=6 must be a multiple of --pp=4 (SlimPipe §4.1.2); try 4 or 8",
+            "num_slices=6 must be a multiple of pipeline_parallel_degree=4 (SlimPipe §4.1.2); "
+            "try 4 or 8",
         ),
         (
             ["pipeline-memory", "--pp", "2", "--slices", "8", "--seq", "100"],

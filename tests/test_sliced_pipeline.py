@@ -119,37 +119,36 @@ def _max_relative_difference(results: list[tuple], reference: tuple) -> float:
     return worst
 
 
+def _differences(world: int, configs: list[tuple], timeout: float) -> dict[tuple, float]:
+    """Run every config on `world` ranks in one group; max relative difference to the reference."""
+    results = run_on_ranks(_run_many, world, configs, timeout=timeout)
+    references = {v: _reference(world * v) for v in {config[1] for config in configs}}
+    return {
+        config: _max_relative_difference(
+            [results[rank][index] for rank in range(world)], references[config[1]]
+        )
+        for index, config in enumerate(configs)
+    }
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_sliced_pipeline_equals_unsliced_single_process_fp64(world: int) -> None:
     configs = [
         ("sliced", v, m, n)
         for v, m, n in itertools.product((1, 2), (1, 2, 3), (world, 2 * world, 4 * world))
     ]
-    results = run_on_ranks(_run_many, world, configs, timeout=300)
-    references = {v: _reference(world * v) for v in (1, 2)}
-    for index, config in enumerate(configs):
-        per_rank = [results[rank][index] for rank in range(world)]
-        difference = _max_relative_difference(per_rank, references[config[1]])
+    for config, difference in _differences(world, configs, timeout=300).items():
         assert difference <= TOLERANCE, f"{config}: max relative difference {difference:.2e}"
 
 
 def test_torch_schedules_match_on_the_same_split() -> None:
-    world = 2
     configs = [("1F1B", 1, 6, 1), ("GPipe", 1, 3, 1), ("Interleaved1F1B", 2, 6, 1)]
     configs += [("ZBVZeroBubble", 2, 6, 1), ("sliced", 2, 3, 4)]
-    results = run_on_ranks(_run_many, world, configs, timeout=120)
-    references = {v: _reference(world * v) for v in (1, 2)}
-    for index, config in enumerate(configs):
-        per_rank = [results[rank][index] for rank in range(world)]
-        difference = _max_relative_difference(per_rank, references[config[1]])
+    for config, difference in _differences(2, configs, timeout=120).items():
         assert difference <= TOLERANCE, f"{config}: max relative difference {difference:.2e}"
 
 
 def test_dropping_kv_cache_gradients_breaks_parity() -> None:
-    world = 2
     configs = [("sliced", 1, 2, 4, True), ("sliced", 2, 1, 2, True)]
-    results = run_on_ranks(_run_many, world, configs, timeout=120)
-    references = {v: _reference(world * v) for v in (1, 2)}
-    for index, config in enumerate(configs):
-        per_rank = [results[rank][index] for rank in range(world)]
-        assert _max_relative_difference(per_rank, references[config[1]]) > 1e-3, config
+    for config, difference in _differences(2, configs, timeout=120).items():
+        assert difference > 1e-3, config

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
-from pipekit.attention.masks import causal_mask, causal_within_documents, document_mask
+from pipekit.attention.masks import causal_mask, causal_within_documents, documents_or_all
 
 __all__ = ["AttentionContext", "CausalAttention", "SlicedKVCache", "attend"]
 
@@ -85,9 +85,7 @@ class SlicedKVCache:
             KVChunk(
                 k_BGKD,
                 v_BGKD,
-                None
-                if q_documents is None
-                else document_mask(q_documents, self._documents(kv_start, k_BGKD.shape[2])),
+                documents_or_all(q_documents, self._documents(kv_start, k_BGKD.shape[2])),
             )
             for kv_start, k_BGKD, v_BGKD in past
         ]

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
-from pipekit.attention.masks import causal_within_documents, document_mask
+from pipekit.attention.masks import causal_within_documents, documents_or_all
 
 __all__ = ["CachedSlice", "ChunkedKVCache", "SliceAttention"]
 
@@ -145,7 +145,7 @@ class ChunkedKVCache:
             KVChunk(
                 cached.k_BGSD,
                 cached.v_BGSD,
-                None if q_documents is None else document_mask(q_documents, cached.document_ids_BS),
+                documents_or_all(q_documents, cached.document_ids_BS),
             )
             for cached in past
         ]

@@ -26,6 +26,7 @@ __all__ = [
     "causal_mask",
     "causal_within_documents",
     "document_mask",
+    "documents_or_all",
     "offset_causal_mask",
     "or_masks",
     "sliding_window_mask",
@@ -125,3 +126,8 @@ def causal_within_documents(document_ids_BS: Tensor | None) -> MaskMod:
     if document_ids_BS is None:
         return causal_mask
     return and_masks(causal_mask, document_mask(document_ids_BS, document_ids_BS))
+
+
+def documents_or_all(q_docs_BS: Tensor | None, kv_docs_BK: Tensor | None) -> MaskMod | None:
+    """A query block against an earlier KV chunk: within documents if ids are given, else all."""
+    return None if q_docs_BS is None else document_mask(q_docs_BS, kv_docs_BK)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from models.llama import Llama, LlamaArgs
+from pipekit.pipelining.actions import check_sliced_shape
 from pipekit.pipelining.build import build_rank_stages
 from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
 from pipekit.pipelining.stage import StageShapes
@@ -40,6 +41,7 @@ from pipekit.pipelining.stage_split import llama_stage_module_names
 __all__ = [
     "RankFailedError",
     "add_model_arguments",
+    "add_pipeline_arguments",
     "build_runner",
     "check_pipeline_shape",
     "describe_model",
@@ -152,6 +154,19 @@ def _rank_main(folder: str, rank: int, num_ranks: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+def add_pipeline_arguments(
+    parser: argparse.ArgumentParser, *, pp: int, slices: int, microbatches: int, seq: int
+) -> None:
+    """--pp, --slices, --microbatches, --seq and --timeout, shared by the pipeline benches."""
+    parser.add_argument("--pp", type=int, default=pp, help="pipeline ranks p")
+    parser.add_argument("--slices", type=int, default=slices, help="slices per sequence n (sliced)")
+    parser.add_argument(
+        "--microbatches", type=int, default=microbatches, help="microbatches m per step"
+    )
+    parser.add_argument("--seq", type=int, default=seq, help="sequence length S")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for all ranks")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, **defaults: int) -> None:
     """--dim, --layers, --heads, --kv-heads, --ffn-dim, --vocab (a small Llama; float32)."""
     group = parser.add_argument_group("model (Llama, float32, random weights)")
@@ -206,22 +221,11 @@ def check_pipeline_shape(
     stages_per_rank: int,
 ) -> None:
     """The constraints every compared schedule needs, as ValueErrors that say how to fix them."""
-    for name, value in (
-        ("--pp", num_ranks),
-        ("--microbatches", microbatches),
-        ("--slices", num_slices),
-        ("--seq", seq_len),
-    ):
-        if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1")
+    if seq_len < 1:
+        raise ValueError(f"--seq={seq_len} must be at least 1")
+    check_sliced_shape(num_ranks, microbatches, num_slices, stages_per_rank)
     if num_ranks < 2:
         raise ValueError(f"--pp={num_ranks} must be at least 2: a pipeline needs two ranks")
-    if num_slices % num_ranks:
-        lower = max(num_ranks, num_slices // num_ranks * num_ranks)
-        raise ValueError(
-            f"--slices={num_slices} must be a multiple of --pp={num_ranks} (SlimPipe §4.1.2); "
-            f"try {lower} or {lower + num_ranks}"
-        )
     if seq_len % num_slices:
         raise ValueError(
             f"--seq={seq_len} must split into --slices={num_slices} equal slices; use a multiple "

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
+    add_pipeline_arguments,
     build_runner,
     check_pipeline_shape,
     describe_model,
@@ -130,11 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks p")
-    parser.add_argument("--slices", type=int, default=16, help="slices per sequence n (sliced)")
-    parser.add_argument("--microbatches", type=int, default=4, help="microbatches m per step")
-    parser.add_argument("--seq", type=int, default=4096, help="sequence length S")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for all ranks")
+    add_pipeline_arguments(parser, pp=4, slices=16, microbatches=4, seq=4096)
     add_model_arguments(parser, dim=128, heads=8, kv_heads=4, ffn_dim=384, vocab=256)
     options = parser.parse_args(argv)
     if options.layers is None:

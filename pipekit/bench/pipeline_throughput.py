@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
+    add_pipeline_arguments,
     build_runner,
     check_pipeline_shape,
     describe_model,
@@ -102,10 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks p")
-    parser.add_argument("--slices", type=int, default=8, help="slices per sequence n (sliced)")
-    parser.add_argument("--microbatches", type=int, default=2, help="microbatches m per step")
-    parser.add_argument("--seq", type=int, default=8192, help="sequence length S")
+    add_pipeline_arguments(parser, pp=2, slices=8, microbatches=2, seq=8192)
     parser.add_argument(
         "--rows-per-microbatch", type=int, default=1, help="sequences in one microbatch"
     )
@@ -116,7 +114,6 @@ def main(argv: list[str] | None = None) -> None:
         default=FAIR_ALLOCATOR,
         help="GLIBC_TUNABLES of the fair comparison (default: %(default)s)",
     )
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for all ranks")
     add_model_arguments(parser, dim=256, layers=4, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
     options = parser.parse_args(argv)
     p, m, n = options.pp, options.microbatches, options.slices

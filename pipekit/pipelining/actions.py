@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action
 
 __all__ = [
+    "check_sliced_shape",
     "peak_units_in_flight",
     "read_actions_csv",
     "sliced_pipeline_actions",
@@ -48,7 +49,10 @@ def unit_microbatch_and_slice(unit: int, num_slices: int) -> tuple[int, int]:
     return divmod(unit, num_slices)
 
 
-def _check(num_ranks: int, num_microbatches: int, num_slices: int, stages_per_rank: int) -> None:
+def check_sliced_shape(
+    num_ranks: int, num_microbatches: int, num_slices: int, stages_per_rank: int = 1
+) -> None:
+    """ValueError (naming the fix) unless all counts are >= 1 and n is a multiple of p."""
     for name, value in (
         ("pipeline_parallel_degree", num_ranks),
         ("microbatches", num_microbatches),
@@ -70,7 +74,7 @@ def sliced_warmup_forwards(
 ) -> int:
     """Forwards rank `rank` runs before its first backward: `v*n + 2*(p-1-rank)`, capped by the
     number of forwards it has."""
-    _check(num_ranks, num_microbatches, num_slices, stages_per_rank)
+    check_sliced_shape(num_ranks, num_microbatches, num_slices, stages_per_rank)
     if not 0 <= rank < num_ranks:
         raise ValueError(f"rank={rank} is not in 0..{num_ranks - 1}")
     total = stages_per_rank * num_microbatches * num_slices
@@ -113,7 +117,7 @@ def sliced_pipeline_actions(
     Stages are placed looped: stage `chunk * num_ranks + rank` runs on `rank`. Action
     microbatch indices are units (`unit_index`).
     """
-    _check(num_ranks, num_microbatches, num_slices, stages_per_rank)
+    check_sliced_shape(num_ranks, num_microbatches, num_slices, stages_per_rank)
     shape = (num_ranks, num_microbatches, num_slices, stages_per_rank)
     by_rank: dict[int, list[Action]] = {}
     for rank in range(num_ranks):
