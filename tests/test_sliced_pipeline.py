@@ -17,6 +17,9 @@ from torch import Tensor, nn
 
 from models.llama import Llama
 from pipekit.attention.context import CausalAttention
+from pipekit.config.job_config import ParallelismConfig
+from pipekit.distributed.fsdp import apply_data_parallel
+from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.pipelining.build import build_rank_stages
 from pipekit.pipelining.schedule import V_SHAPED_SCHEDULES, build_pipeline_runner
 from pipekit.pipelining.stage import StageShapes
@@ -152,3 +155,55 @@ def test_dropping_kv_cache_gradients_breaks_parity() -> None:
     configs = [("sliced", 1, 2, 4, True), ("sliced", 2, 1, 2, True)]
     for config, difference in _differences(2, configs, timeout=120).items():
         assert difference > 1e-3, config
+
+
+def _run_pipeline_with_fsdp(rank: int, world: int, m: int, n: int) -> tuple[float | None, dict]:
+    """pp=2 x dp_shard=2: each data-parallel rank runs half the batch through a 2-stage sliced
+    pipeline whose stages are FSDP2-sharded; gradients are summed over data-parallel ranks."""
+    dims = ParallelDims.from_config(
+        ParallelismConfig(dp_shard=2, pipeline_parallel_degree=2), world
+    )
+    mesh = dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Llama(_args(2))
+    rows = BATCH // 2
+    stages = build_rank_stages(
+        model,
+        llama_stage_module_names(2, 2),
+        rank=dims.mesh("pp").get_local_rank(),
+        num_ranks=2,
+        stage_style="loop",
+        shapes=StageShapes(
+            rows // m, SEQ_LEN // n, TINY_LLAMA.dim, TINY_LLAMA.vocab_size, torch.float64
+        ),
+        num_slices=n,
+        device=torch.device("cpu"),
+        materialize=_materialize,
+        group=dims.mesh("pp").get_group(),
+        backend="cpu",
+    )
+    for stage in stages:
+        apply_data_parallel(
+            stage.submod, mesh, dims, param_dtype=torch.float64, reduce_dtype=torch.float64
+        )
+    runner = build_pipeline_runner("sliced", stages, m, n)
+    batch = _batch()
+    dp_rank = dims.dp_rank(mesh)
+    loss = runner.step(
+        batch[dp_rank * rows : (dp_rank + 1) * rows], count_label_tokens(batch["labels"])
+    )
+    if loss is not None:
+        dist.all_reduce(loss, group=dims.mesh("dp_shard").get_group())
+    grads = {
+        name: p.grad.full_tensor()
+        for stage in stages
+        for name, p in stage.submod.named_parameters()
+    }
+    dist.barrier()
+    return (None if loss is None or dp_rank else loss.item()), grads
+
+
+def test_sliced_pipeline_composes_with_fsdp_on_the_data_parallel_dim() -> None:
+    results = run_on_ranks(_run_pipeline_with_fsdp, 4, 3, 4, timeout=120)
+    difference = _max_relative_difference(results, _reference(2))
+    assert difference <= TOLERANCE, f"max relative difference {difference:.2e}"

@@ -11,7 +11,7 @@ Legend: B batch, H query heads, G kv heads, S slice length, K cached keys, D hea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
@@ -46,7 +46,6 @@ class CausalAttention:
         return attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, self.backend)[0]
 
 
-@dataclass
 class SlicedKVCache:
     """Consecutive slices of one batch of sequences, attending to a chunked KV cache.
 
@@ -54,12 +53,15 @@ class SlicedKVCache:
     to every earlier slice's keys (within documents, if ids are given), merged by LSE. The chunks
     are kept as separate tensors (never concatenated) and keep their autograd history, so a
     backward through the last slice reaches the earlier slices' projections.
-    `document_ids_BS` covers the whole sequence, all slices.
+    `document_ids_BS` covers the whole sequence, all slices. Not a dataclass, so FSDP2's input
+    handling (which rebuilds dataclasses) passes this stateful object through as it is.
     """
 
-    document_ids_BS: Tensor | None = None
-    backend: str | AttentionBackend = "auto"
-    chunks: dict[str, list[tuple[int, Tensor, Tensor]]] = field(default_factory=dict)
+    def __init__(
+        self, document_ids_BS: Tensor | None = None, backend: str | AttentionBackend = "auto"
+    ) -> None:
+        self.document_ids_BS, self.backend = document_ids_BS, backend
+        self.chunks: dict[str, list[tuple[int, Tensor, Tensor]]] = {}
 
     def cached_length(self, layer_id: str) -> int:
         """Number of key positions cached for a layer (= the next slice's start)."""

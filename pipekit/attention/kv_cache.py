@@ -19,7 +19,7 @@ Legend: B batch, H query heads, G kv heads, S slice length, D head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -72,17 +72,27 @@ def _plus(grad: Tensor | None, cached_grad: Tensor | None) -> Tensor | None:
     return cached_grad if grad is None else grad + cached_grad
 
 
-@dataclass
 class ChunkedKVCache:
     """Per (layer, microbatch), the cached slices in order; one cache per pipeline stage.
 
     `drop_cached_gradients` exists for the ablation test only: it detaches the cache from the
     owning slices' backward, which must break parity with the unsliced model.
+
+    Deliberately not a dataclass (nor is `SliceAttention`): FSDP2 moves a module's inputs with
+    torch's `_recursive_to`, which rebuilds dataclasses field by field, and a rebuilt context
+    would store its chunks in a copy of the cache.
     """
 
-    backend: str | AttentionBackend = "auto"
-    drop_cached_gradients: bool = False
-    _slices: dict[tuple[str, int], list[CachedSlice]] = field(default_factory=dict, repr=False)
+    def __init__(
+        self, backend: str | AttentionBackend = "auto", drop_cached_gradients: bool = False
+    ) -> None:
+        self.backend = backend
+        self.drop_cached_gradients = drop_cached_gradients
+        self._slices: dict[tuple[str, int], list[CachedSlice]] = {}
+
+    def __repr__(self) -> str:
+        cached = sum(len(slices) for slices in self._slices.values())
+        return f"ChunkedKVCache(backend={self.backend!r}, cached_chunks={cached})"
 
     def slice_context(
         self, microbatch: int, slice_index: int, document_ids_BS: Tensor | None = None
@@ -162,15 +172,22 @@ class ChunkedKVCache:
         return attention_over_chunks(q_BHSD, chunks, scale, self.backend)[0]
 
 
-@dataclass
 class SliceAttention:
     """AttentionContext of one slice: causal on its own chunk, full on the cached ones (within
     documents when ids are given)."""
 
-    cache: ChunkedKVCache = field(repr=False)
-    microbatch: int
-    slice_index: int
-    document_ids_BS: Tensor | None = field(default=None, repr=False)
+    def __init__(
+        self,
+        cache: ChunkedKVCache,
+        microbatch: int,
+        slice_index: int,
+        document_ids_BS: Tensor | None = None,
+    ) -> None:
+        self.cache, self.microbatch, self.slice_index = cache, microbatch, slice_index
+        self.document_ids_BS = document_ids_BS
+
+    def __repr__(self) -> str:
+        return f"SliceAttention(microbatch={self.microbatch}, slice_index={self.slice_index})"
 
     def attend(
         self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
