@@ -13,6 +13,7 @@ from torch.distributed.pipelining.schedules import (
     _Action,
     _add_send_recv,
     _ComputationType,
+    _PipelineSchedule,
     _PipelineScheduleRuntime,
     get_schedule_class,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "FORWARD",
     "Action",
     "ComputationType",
+    "PipelineSchedule",
     "PipelineScheduleRuntime",
     "get_schedule_class",
     "lower_to_comms",
@@ -33,6 +35,9 @@ Action = _Action
 ComputationType = _ComputationType
 FORWARD = _ComputationType.FORWARD
 BACKWARD = FULL_BACKWARD
+
+PipelineSchedule = _PipelineSchedule
+"""Base of every torch schedule; pipekit drives its `_step_microbatches` with pre-split units."""
 
 PipelineScheduleRuntime = _PipelineScheduleRuntime
 """Runs per-rank action lists; subclasses set `pipeline_order` and call

@@ -20,14 +20,20 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from pipekit.pipelining._torch_runtime import PipelineScheduleRuntime, get_schedule_class
+from pipekit.pipelining._torch_runtime import (
+    PipelineSchedule,
+    PipelineScheduleRuntime,
+    get_schedule_class,
+)
 from pipekit.pipelining.actions import sliced_pipeline_actions
 from pipekit.pipelining.split import split_into_units
 from pipekit.pipelining.stage import SlicedPipelineStage
 from pipekit.train.loss import token_sum_cross_entropy
 
 __all__ = [
+    "SINGLE_STAGE_SCHEDULES",
     "TORCH_SCHEDULES",
+    "V_SHAPED_SCHEDULES",
     "PipelineRunner",
     "SlicedPipelineSchedule",
     "build_pipeline_runner",
@@ -81,7 +87,7 @@ class SlicedPipelineSchedule(PipelineScheduleRuntime):
 
 def _torch_schedule(
     name: str, stages: Sequence[SlicedPipelineStage], num_microbatches: int, loss_fn: LossFn
-) -> object:
+) -> PipelineSchedule:
     schedule_class = get_schedule_class(name)
     if name in SINGLE_STAGE_SCHEDULES:
         if len(stages) != 1:
@@ -96,7 +102,7 @@ def _torch_schedule(
 class PipelineRunner:
     """One rank's share of a pipeline: its stages, the schedule, and how batches are cut."""
 
-    schedule: object
+    schedule: PipelineSchedule
     stages: list[SlicedPipelineStage]
     num_microbatches: int
     num_slices: int
@@ -152,7 +158,9 @@ def build_pipeline_runner(
 ) -> PipelineRunner:
     """`"sliced"` or one of `TORCH_SCHEDULES` over this rank's stages (built for `num_slices`)."""
     if schedule_name == "sliced":
-        schedule: object = SlicedPipelineSchedule(stages, num_microbatches, num_slices, loss_fn)
+        schedule: PipelineSchedule = SlicedPipelineSchedule(
+            stages, num_microbatches, num_slices, loss_fn
+        )
     elif schedule_name in TORCH_SCHEDULES:
         if num_slices != 1:
             raise ValueError(
