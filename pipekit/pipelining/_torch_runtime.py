@@ -15,6 +15,7 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
     _PipelineSchedule,
     _PipelineScheduleRuntime,
+    _validate_schedule,
     get_schedule_class,
 )
 
@@ -27,6 +28,7 @@ __all__ = [
     "PipelineScheduleRuntime",
     "get_schedule_class",
     "lower_to_comms",
+    "validate_actions",
 ]
 
 Action = _Action
@@ -46,3 +48,7 @@ PipelineScheduleRuntime = _PipelineScheduleRuntime
 lower_to_comms = _add_send_recv
 """`(actions_by_rank, stage_to_rank, num_stages) -> actions with SEND/RECV`; raises if the
 compute lists cannot be ordered without a rank waiting forever."""
+
+validate_actions = _validate_schedule
+"""`(actions_by_rank, num_ranks, num_stages, num_microbatches) -> stage_to_rank`; torch's check
+that every (stage, microbatch) has one F and one B (or I then W), raising `AssertionError`."""
