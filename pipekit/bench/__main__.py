@@ -16,6 +16,7 @@ _BENCHMARKS = {
         "pipekit.bench.pipeline_throughput",
         "tokens/s of the sliced pipeline vs torch's 1F1B",
     ),
+    "schedules": ("pipekit.bench.schedules", "simulated bubbles and memory vs SlimPipe Table 2"),
 }
 
 
