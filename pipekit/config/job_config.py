@@ -132,8 +132,10 @@ class ParallelismConfig:
     pipeline_schedule: str = "sliced"
     """sliced (SlimPipe) or a torch schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
     InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (see docs/pipelining.md)."""
+    pipeline_schedule_file: str = ""
+    """A user-defined schedule, .csv or .toml (configs/schedules/); overrides pipeline_schedule."""
     num_slices: int = 0
-    """Slices per sequence for the sliced schedule, a multiple of p (0 = 2p; torch's = 1)."""
+    """Slices per sequence, a multiple of p for sliced (0 = 2p for sliced, else 1)."""
     stages_per_rank: int = 1
     """Pipeline stages per rank v (interleaved/V schedules need 2 or more)."""
     microbatches: int = 0
@@ -181,6 +183,9 @@ class MetricsConfig:
     """Metrics file in job.output_dir (one JSON object per logged step; rank 0 writes)."""
     peak_flops: float = 0.0
     """Peak FLOP/s per device for MFU; 0 = measure this machine's float32 matmul throughput."""
+    pipeline_trace_step: int = 0
+    """Record the pipeline timeline of this step and write pipeline_trace.json/svg to
+    job.output_dir; 0 = off."""
 
 
 @dataclass(kw_only=True)

@@ -61,6 +61,17 @@ def _check_choices_and_ranges(config: JobConfig) -> None:
         )
     if config.training.max_norm < 0:
         raise ConfigError(f"[training] max_norm={config.training.max_norm} must be >= 0 (0 = off)")
+    trace_step = config.metrics.pipeline_trace_step
+    if not 0 <= trace_step <= config.training.steps:
+        raise ConfigError(
+            f"[metrics] pipeline_trace_step={trace_step} must be between 0 (off) and "
+            f"training.steps={config.training.steps}"
+        )
+    if trace_step and config.parallelism.pipeline_parallel_degree == 1:
+        raise ConfigError(
+            f"[metrics] pipeline_trace_step={trace_step} records a pipeline, but "
+            "parallelism.pipeline_parallel_degree=1; set it above 1 or pipeline_trace_step=0"
+        )
 
 
 def _check_model(config: JobConfig) -> None:

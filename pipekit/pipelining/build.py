@@ -32,19 +32,18 @@ def build_rank_model(
     rank: int,
     num_ranks: int,
     stage_style: str,
+    stage_indices: Sequence[int] | None = None,
 ) -> nn.Module:
     """The modules of every stage `rank` holds, as one pruned copy of `model` (full-model names).
 
     Materialise it, then `wrap_rank_stages` shares it out into stages: the optimizer,
-    checkpoints and gradient clipping work on this one module.
+    checkpoints and gradient clipping work on this one module. The stages are those of
+    `stage_style` placement, or `stage_indices` when given (a user schedule's placement).
     """
-    num_stages = len(module_names_per_stage)
-    if num_stages % num_ranks:
-        raise ValueError(
-            f"{num_stages} stages do not spread evenly over pipeline_parallel_degree={num_ranks}"
-        )
     validate_stage_module_names(model, module_names_per_stage)
-    indices = stages_of_rank(rank, num_ranks, num_stages // num_ranks, stage_style)
+    indices = _rank_stage_indices(
+        rank, num_ranks, len(module_names_per_stage), stage_style, stage_indices
+    )
     names = [name for index in indices for name in module_names_per_stage[index]]
     return build_stage_module(model, names)
 
@@ -62,6 +61,7 @@ def wrap_rank_stages(
     parallelize: Callable[[nn.Module], None] | None = None,
     group: dist.ProcessGroup | None = None,
     backend: str | AttentionBackend = "auto",
+    stage_indices: Sequence[int] | None = None,
 ) -> list[SlicedPipelineStage]:
     """This rank's stages (ascending stage index), each a view sharing `rank_model`'s modules.
 
@@ -69,7 +69,7 @@ def wrap_rank_stages(
     FSDP each stage is its own root, which torch's runtime unshards, reshards and reduces.
     """
     num_stages = len(module_names_per_stage)
-    indices = stages_of_rank(rank, num_ranks, num_stages // num_ranks, stage_style)
+    indices = _rank_stage_indices(rank, num_ranks, num_stages, stage_style, stage_indices)
     stages = []
     for stage_index in indices:
         if len(indices) == 1:
@@ -108,9 +108,15 @@ def build_rank_stages(
     materialize: Callable[[nn.Module], None],
     group: dist.ProcessGroup | None = None,
     backend: str | AttentionBackend = "auto",
+    stage_indices: Sequence[int] | None = None,
 ) -> list[SlicedPipelineStage]:
     """`build_rank_model`, `materialize` (e.g. `to_empty` + `init_weights`), `wrap_rank_stages`."""
-    placement = {"rank": rank, "num_ranks": num_ranks, "stage_style": stage_style}
+    placement = {
+        "rank": rank,
+        "num_ranks": num_ranks,
+        "stage_style": stage_style,
+        "stage_indices": stage_indices,
+    }
     rank_model = build_rank_model(model, module_names_per_stage, **placement)
     materialize(rank_model)
     return wrap_rank_stages(
@@ -123,3 +129,25 @@ def build_rank_stages(
         group=group,
         backend=backend,
     )
+
+
+def _rank_stage_indices(
+    rank: int,
+    num_ranks: int,
+    num_stages: int,
+    stage_style: str,
+    stage_indices: Sequence[int] | None,
+) -> list[int]:
+    """`stage_indices` (ascending) if given, else the stages `stage_style` puts on `rank`."""
+    if stage_indices is not None:
+        indices = sorted(stage_indices)
+        if not indices or indices[0] < 0 or indices[-1] >= num_stages:
+            raise ValueError(
+                f"stage_indices={indices} must be a non-empty subset of 0..{num_stages - 1}"
+            )
+        return indices
+    if num_stages % num_ranks:
+        raise ValueError(
+            f"{num_stages} stages do not spread evenly over pipeline_parallel_degree={num_ranks}"
+        )
+    return stages_of_rank(rank, num_ranks, num_stages // num_ranks, stage_style)

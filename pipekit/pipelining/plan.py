@@ -9,13 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipekit.config.job_config import ParallelismConfig
+from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.actions import sliced_pipeline_actions
 from pipekit.pipelining.schedule import (
     SINGLE_STAGE_SCHEDULES,
     TORCH_SCHEDULES,
     V_SHAPED_SCHEDULES,
 )
-from pipekit.pipelining.stage_split import llama_stage_module_names
+from pipekit.pipelining.stage_split import llama_stage_module_names, stages_of_rank
+from pipekit.pipelining.user_schedule import check_schedule, load_schedule_file
 
 __all__ = ["PipelinePlan", "plan_pipeline"]
 
@@ -30,23 +32,38 @@ class PipelinePlan:
     num_slices: int
     num_microbatches: int
     stage_style: str
+    """Stage placement: "loop", "v", or "user" (where the user schedule runs each stage)."""
     module_names_per_stage: list[list[str]]
+    actions_by_rank: dict[int, list[Action]] | None = None
+    """The checked compute-only lists of a user schedule (`schedule == "user"`), else None."""
 
     @property
     def num_stages(self) -> int:
         return self.num_ranks * self.stages_per_rank
 
+    def stage_indices(self, rank: int) -> list[int]:
+        """The stages `rank` holds, ascending: where the user schedule runs them, else by
+        `stage_style`."""
+        if self.actions_by_rank is not None:
+            return sorted({action.stage_index for action in self.actions_by_rank[rank]})
+        return stages_of_rank(rank, self.num_ranks, self.stages_per_rank, self.stage_style)
+
 
 def plan_pipeline(
     parallelism: ParallelismConfig, num_layers: int, local_batch_size: int, seq_len: int
 ) -> PipelinePlan:
-    """Resolve the defaults (0 = auto) and check every pipeline rule; ValueError names the fix."""
-    schedule, num_ranks = parallelism.pipeline_schedule, parallelism.pipeline_parallel_degree
-    stages_per_rank = parallelism.stages_per_rank
-    if schedule != "sliced" and schedule not in TORCH_SCHEDULES:
+    """Resolve the defaults (0 = auto) and check every pipeline rule; ValueError names the fix.
+
+    A `pipeline_schedule_file` overrides `pipeline_schedule`: the plan's schedule is "user", and
+    the file is read and checked here (`pipekit.pipelining.user_schedule.check_schedule`).
+    """
+    schedule_file = parallelism.pipeline_schedule_file
+    schedule = "user" if schedule_file else parallelism.pipeline_schedule
+    num_ranks, stages_per_rank = parallelism.pipeline_parallel_degree, parallelism.stages_per_rank
+    if schedule not in ("sliced", "user") and schedule not in TORCH_SCHEDULES:
         raise ValueError(
             f"pipeline_schedule={schedule!r} is not known; choose 'sliced' or one of "
-            f"{', '.join(TORCH_SCHEDULES)}"
+            f"{', '.join(TORCH_SCHEDULES)}, or give a pipeline_schedule_file"
         )
     if stages_per_rank < 1:
         raise ValueError(f"stages_per_rank={stages_per_rank} must be at least 1")
@@ -59,7 +76,7 @@ def plan_pipeline(
             f"pipeline_schedule={schedule!r} runs one stage per rank; set stages_per_rank=1"
         )
     num_slices = parallelism.num_slices or (2 * num_ranks if schedule == "sliced" else 1)
-    if schedule != "sliced" and num_slices != 1:
+    if schedule not in ("sliced", "user") and num_slices != 1:
         raise ValueError(
             f"num_slices={num_slices} needs pipeline_schedule='sliced'; torch's {schedule!r} runs "
             "whole microbatches (set num_slices=0 or 1)"
@@ -96,12 +113,66 @@ def plan_pipeline(
             parallelism.pipeline_embedding_cost,
             parallelism.pipeline_output_cost,
         )
+    actions_by_rank = None
+    if schedule_file:
+        actions_by_rank = _user_schedule(
+            schedule_file, num_ranks, stages_per_rank, num_microbatches, num_slices
+        )
     return PipelinePlan(
         schedule=schedule,
         num_ranks=num_ranks,
         stages_per_rank=stages_per_rank,
         num_slices=num_slices,
         num_microbatches=num_microbatches,
-        stage_style="v" if schedule in V_SHAPED_SCHEDULES else "loop",
+        stage_style="user" if schedule_file else "v" if schedule in V_SHAPED_SCHEDULES else "loop",
         module_names_per_stage=names,
+        actions_by_rank=actions_by_rank,
     )
+
+
+def _user_schedule(
+    path: str, num_ranks: int, stages_per_rank: int, num_microbatches: int, num_slices: int
+) -> dict[int, list[Action]]:
+    """The file's action lists, checked against the plan's p, v, m and n."""
+    actions_by_rank = load_schedule_file(path, num_slices)  # its errors name the file
+    where = f"pipeline_schedule_file={path!r}"
+    if len(actions_by_rank) != num_ranks:
+        raise ValueError(
+            f"{where} has lists for {len(actions_by_rank)} ranks but pipeline_parallel_degree="
+            f"{num_ranks}; give one list (CSV row, [[rank]] table) per pipeline rank"
+        )
+    file_stages = _index_count(actions_by_rank, "stage_index")
+    if file_stages != num_ranks * stages_per_rank:
+        fix = (
+            f"set stages_per_rank = {file_stages // num_ranks}"
+            if file_stages and file_stages % num_ranks == 0
+            else f"run a multiple of {num_ranks} stages"
+        )
+        raise ValueError(
+            f"{where} runs {file_stages} stages but pipeline_parallel_degree={num_ranks} x "
+            f"stages_per_rank={stages_per_rank} = {num_ranks * stages_per_rank}; {fix}"
+        )
+    file_units = _index_count(actions_by_rank, "microbatch_index")
+    if file_units != num_microbatches * num_slices and file_units % num_slices == 0:
+        raise ValueError(
+            f"{where} runs {file_units // num_slices} microbatches of num_slices={num_slices} "
+            f"but microbatches={num_microbatches}; set microbatches = {file_units // num_slices}"
+        )
+    try:
+        check_schedule(
+            actions_by_rank,
+            num_stages=file_stages,
+            num_microbatches=num_microbatches,
+            num_slices=num_slices,
+        )
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    return actions_by_rank
+
+
+def _index_count(actions_by_rank: dict[int, list[Action]], field: str) -> int:
+    """1 + the largest stage or unit index the lists use."""
+    indices = (
+        getattr(action, field) or 0 for actions in actions_by_rank.values() for action in actions
+    )
+    return 1 + max(indices, default=-1)

@@ -13,7 +13,7 @@ Legend: B batch, S sequence, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from pipekit.pipelining._torch_runtime import (
+    Action,
     PipelineSchedule,
     PipelineScheduleRuntime,
     get_schedule_class,
@@ -28,6 +29,7 @@ from pipekit.pipelining._torch_runtime import (
 from pipekit.pipelining.actions import sliced_pipeline_actions
 from pipekit.pipelining.split import split_into_units
 from pipekit.pipelining.stage import SlicedPipelineStage
+from pipekit.pipelining.user_schedule import UserPipelineSchedule
 from pipekit.train.loss import token_sum_cross_entropy
 
 __all__ = [
@@ -155,12 +157,22 @@ def build_pipeline_runner(
     num_microbatches: int,
     num_slices: int = 1,
     loss_fn: LossFn = token_sum_cross_entropy,
+    *,
+    actions_by_rank: Mapping[int, Sequence[Action | None]] | None = None,
 ) -> PipelineRunner:
-    """`"sliced"` or one of `TORCH_SCHEDULES` over this rank's stages (built for `num_slices`)."""
-    if schedule_name == "sliced":
-        schedule: PipelineSchedule = SlicedPipelineSchedule(
-            stages, num_microbatches, num_slices, loss_fn
+    """`"sliced"`, one of `TORCH_SCHEDULES`, or `"user"` (every rank's compute-only
+    `actions_by_rank`, see `pipekit.pipelining.user_schedule`) over this rank's stages (built
+    for `num_slices`)."""
+    if (schedule_name == "user") != (actions_by_rank is not None):
+        raise ValueError(
+            "pass actions_by_rank exactly when schedule_name='user' (a user-defined schedule)"
         )
+    if schedule_name == "user":
+        schedule: PipelineSchedule = UserPipelineSchedule(
+            stages, actions_by_rank, num_microbatches, num_slices, loss_fn
+        )
+    elif schedule_name == "sliced":
+        schedule = SlicedPipelineSchedule(stages, num_microbatches, num_slices, loss_fn)
     elif schedule_name in TORCH_SCHEDULES:
         if num_slices != 1:
             raise ValueError(
@@ -170,7 +182,7 @@ def build_pipeline_runner(
         schedule = _torch_schedule(schedule_name, stages, num_microbatches, loss_fn)
     else:
         raise ValueError(
-            f"pipeline_schedule={schedule_name!r} is not known; choose 'sliced' or one of "
-            f"{', '.join(repr(name) for name in TORCH_SCHEDULES)}"
+            f"pipeline_schedule={schedule_name!r} is not known; choose 'sliced', 'user' or one "
+            f"of {', '.join(repr(name) for name in TORCH_SCHEDULES)}"
         )
     return PipelineRunner(schedule, list(stages), num_microbatches, num_slices)

@@ -37,6 +37,7 @@ from pipekit.pipelining.build import build_rank_model, wrap_rank_stages
 from pipekit.pipelining.plan import plan_pipeline
 from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
 from pipekit.pipelining.stage import StageShapes
+from pipekit.pipelining.trace import record_pipeline_step
 from pipekit.train.activation_checkpoint import apply_activation_checkpointing
 from pipekit.train.data import build_data_loader
 from pipekit.train.loss import count_label_tokens, token_sum_cross_entropy
@@ -157,6 +158,7 @@ class Trainer:
             "rank": pp_mesh.get_local_rank(),
             "num_ranks": plan.num_ranks,
             "stage_style": plan.stage_style,
+            "stage_indices": plan.stage_indices(pp_mesh.get_local_rank()),
         }
         with torch.device("meta"):
             full_model = self.spec.build(args)
@@ -181,7 +183,11 @@ class Trainer:
             backend=config.model.attention_backend,
         )
         runner = build_pipeline_runner(
-            plan.schedule, stages, plan.num_microbatches, plan.num_slices
+            plan.schedule,
+            stages,
+            plan.num_microbatches,
+            plan.num_slices,
+            actions_by_rank=plan.actions_by_rank,
         )
         return rank_model, runner
 
@@ -222,10 +228,14 @@ class Trainer:
         global_tokens = self._all_reduce_sum(torch.as_tensor(local_tokens, device=self.device))
         global_tokens = global_tokens // self.dims.pp
         loss_sum = torch.zeros((), device=self.device)
-        for batch in micro_batches:
-            loss = self._forward_backward(batch, global_tokens)
-            if loss is not None:  # pipelined: only the rank with the last stage has a loss
-                loss_sum += loss.detach()
+        trace = self.step + 1 == self.config.metrics.pipeline_trace_step
+        with record_pipeline_step(
+            self.pipeline, self.output_dir, enabled=trace, write=self.rank == 0
+        ):
+            for batch in micro_batches:
+                loss = self._forward_backward(batch, global_tokens)
+                if loss is not None:  # pipelined: only the rank with the last stage has a loss
+                    loss_sum += loss.detach()
         global_loss = float(self._all_reduce_sum(loss_sum))
         if not math.isfinite(global_loss):
             raise NonFiniteLossError(
