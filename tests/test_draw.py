@@ -18,17 +18,13 @@ import torch
 import torch.distributed as dist
 from distributed_helpers import run_on_ranks
 from tensordict import TensorDict
-from tiny_models import TINY_LLAMA
+from tiny_models import TINY_LLAMA, tiny_pipeline_stages
 
-from models.llama import Llama
 from pipekit.config import ConfigError, load_job_config, validate_job_config
 from pipekit.pipelining._torch_runtime import Action, ComputationType, validate_actions
 from pipekit.pipelining.actions import sliced_pipeline_actions
-from pipekit.pipelining.build import build_rank_stages
 from pipekit.pipelining.draw import main, save_timeline, timeline_svg
-from pipekit.pipelining.schedule import V_SHAPED_SCHEDULES, build_pipeline_runner
-from pipekit.pipelining.stage import StageShapes
-from pipekit.pipelining.stage_split import llama_stage_module_names
+from pipekit.pipelining.schedule import build_pipeline_runner
 from pipekit.pipelining.timeline import ScheduledAction, chrome_trace
 from pipekit.pipelining.torch_actions import torch_schedule_actions
 from pipekit.pipelining.trace import gather_timeline, record_pipeline_step, record_schedule
@@ -230,27 +226,16 @@ def _batch() -> TensorDict:
 
 
 def _runner(rank: int, world: int, schedule: str, v: int, m: int, n: int):
-    num_stages = world * v
-    with torch.device("meta"):
-        model = Llama(TINY_LLAMA.with_updates(n_layers=num_stages, max_seq_len=SEQ_LEN))
-
-    def materialize(module):
-        module.to_empty(device="cpu")
-        module.init_weights(seed=0)
-
-    stages = build_rank_stages(
-        model,
-        llama_stage_module_names(num_stages, num_stages),
-        rank=rank,
-        num_ranks=world,
-        stage_style="v" if schedule in V_SHAPED_SCHEDULES else "loop",
-        shapes=StageShapes(
-            BATCH // m, SEQ_LEN // n, TINY_LLAMA.dim, TINY_LLAMA.vocab_size, torch.float32
-        ),
+    stages = tiny_pipeline_stages(
+        rank,
+        world,
+        schedule=schedule,
+        num_stages=world * v,
+        rows_per_unit=BATCH // m,
+        slice_length=SEQ_LEN // n,
         num_slices=n,
-        device=torch.device("cpu"),
-        materialize=materialize,
-        backend="cpu",
+        dtype=torch.float32,
+        seed=0,
     )
     return build_pipeline_runner(schedule, stages, m, n)
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from distributed_helpers import run_on_ranks
 from tensordict import TensorDict
-from tiny_models import TINY_LLAMA
+from tiny_models import TINY_LLAMA, tiny_pipeline_stages
 from torch import Tensor, nn
 
 from models.llama import Llama
@@ -20,10 +20,7 @@ from pipekit.attention.context import CausalAttention
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
-from pipekit.pipelining.build import build_rank_stages
-from pipekit.pipelining.schedule import V_SHAPED_SCHEDULES, build_pipeline_runner
-from pipekit.pipelining.stage import StageShapes
-from pipekit.pipelining.stage_split import llama_stage_module_names
+from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
 from pipekit.train.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
 
 BATCH, SEQ_LEN, SEED, TOLERANCE = 6, 32, 3, 1e-10
@@ -74,30 +71,30 @@ def _reference(num_layers: int) -> tuple[float, dict[str, Tensor]]:
 def _run_pipeline(
     rank: int, world: int, schedule: str, v: int, m: int, n: int, drop_kv_grads: bool = False
 ) -> tuple[float | None, dict[str, Tensor]]:
-    num_stages = world * v
-    with torch.device("meta"):
-        model = Llama(_args(num_stages))
-    stages = build_rank_stages(
-        model,
-        llama_stage_module_names(num_stages, num_stages),
-        rank=rank,
-        num_ranks=world,
-        stage_style="v" if schedule in V_SHAPED_SCHEDULES else "loop",
-        shapes=StageShapes(
-            BATCH // m, SEQ_LEN // n, TINY_LLAMA.dim, TINY_LLAMA.vocab_size, torch.float64
-        ),
+    stages = tiny_pipeline_stages(
+        rank,
+        world,
+        schedule=schedule,
+        num_stages=world * v,
+        rows_per_unit=BATCH // m,
+        slice_length=SEQ_LEN // n,
         num_slices=n,
-        device=torch.device("cpu"),
-        materialize=_materialize,
-        backend="cpu",
+        seed=SEED,
     )
     for stage in stages:
         stage.kv_cache.drop_cached_gradients = drop_kv_grads
-    runner = build_pipeline_runner(schedule, stages, m, n)
-    batch = _batch()
+    return step_loss_and_grads(build_pipeline_runner(schedule, stages, m, n), _batch())
+
+
+def step_loss_and_grads(
+    runner: PipelineRunner, batch: TensorDict
+) -> tuple[float | None, dict[str, Tensor]]:
+    """One pipeline step: this rank's loss (None without the last stage) and its gradients."""
     loss = runner.step(batch, count_label_tokens(batch["labels"]))
     grads = {
-        name: p.grad.clone() for stage in stages for name, p in stage.submod.named_parameters()
+        name: p.grad.clone()
+        for stage in runner.stages
+        for name, p in stage.submod.named_parameters()
     }
     dist.barrier()
     return (None if loss is None else loss.item()), grads
@@ -164,23 +161,17 @@ def _run_pipeline_with_fsdp(rank: int, world: int, m: int, n: int) -> tuple[floa
         ParallelismConfig(dp_shard=2, pipeline_parallel_degree=2), world
     )
     mesh = dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = Llama(_args(2))
     rows = BATCH // 2
-    stages = build_rank_stages(
-        model,
-        llama_stage_module_names(2, 2),
-        rank=dims.mesh("pp").get_local_rank(),
-        num_ranks=2,
-        stage_style="loop",
-        shapes=StageShapes(
-            rows // m, SEQ_LEN // n, TINY_LLAMA.dim, TINY_LLAMA.vocab_size, torch.float64
-        ),
+    stages = tiny_pipeline_stages(
+        dims.mesh("pp").get_local_rank(),
+        2,
+        schedule="sliced",
+        num_stages=2,
+        rows_per_unit=rows // m,
+        slice_length=SEQ_LEN // n,
         num_slices=n,
-        device=torch.device("cpu"),
-        materialize=_materialize,
+        seed=SEED,
         group=dims.mesh("pp").get_group(),
-        backend="cpu",
     )
     for stage in stages:
         apply_data_parallel(

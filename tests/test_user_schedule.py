@@ -11,23 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from distributed_helpers import RankFailedError, run_on_ranks
-from test_sliced_pipeline import SEQ_LEN, _args, _batch, _materialize, _max_relative_difference
-from tiny_models import TINY_LLAMA
+from test_sliced_pipeline import SEQ_LEN, _batch, _max_relative_difference, step_loss_and_grads
+from tiny_models import tiny_pipeline_stages
 
-from models.llama import Llama
 from pipekit.config.job_config import JobConfig, ParallelismConfig
 from pipekit.config.loader import ConfigError
 from pipekit.config.validate import validate_job_config
 from pipekit.pipelining._torch_runtime import Action, PipelineScheduleRuntime
 from pipekit.pipelining.actions import sliced_pipeline_actions
-from pipekit.pipelining.build import build_rank_stages
 from pipekit.pipelining.plan import plan_pipeline
-from pipekit.pipelining.schedule import V_SHAPED_SCHEDULES, PipelineRunner, build_pipeline_runner
+from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
 from pipekit.pipelining.simulate import ScheduleDeadlockError
-from pipekit.pipelining.stage import StageShapes
-from pipekit.pipelining.stage_split import llama_stage_module_names
 from pipekit.pipelining.user_schedule import (
     ScheduleError,
     Task,
@@ -35,7 +30,7 @@ from pipekit.pipelining.user_schedule import (
     load_schedule_file,
     tasks_to_actions,
 )
-from pipekit.train.loss import count_label_tokens, token_sum_cross_entropy
+from pipekit.train.loss import token_sum_cross_entropy
 
 SCHEDULES = Path(__file__).resolve().parents[1] / "configs" / "schedules"
 ONE_F_ONE_B_CSV = SCHEDULES / "1f1b_p2_m4.csv"
@@ -261,23 +256,15 @@ def _run(
 ) -> tuple[float | None, dict[str, torch.Tensor]]:
     """One step of the tiny Llama (one layer per stage) on the parity batch's first ROWS
     sequences; a user schedule's stages are placed where its lists run them."""
-    with torch.device("meta"):
-        model = Llama(_args(num_stages))
-    shapes = StageShapes(
-        ROWS // m, SEQ_LEN // n, TINY_LLAMA.dim, TINY_LLAMA.vocab_size, torch.float64
-    )
-    stages = build_rank_stages(
-        model,
-        llama_stage_module_names(num_stages, num_stages),
-        rank=rank,
-        num_ranks=world,
-        stage_style="v" if schedule in V_SHAPED_SCHEDULES else "loop",
-        stage_indices=None if actions is None else sorted({a.stage_index for a in actions[rank]}),
-        shapes=shapes,
+    stages = tiny_pipeline_stages(
+        rank,
+        world,
+        schedule=schedule,
+        num_stages=num_stages,
+        rows_per_unit=ROWS // m,
+        slice_length=SEQ_LEN // n,
         num_slices=n,
-        device=torch.device("cpu"),
-        materialize=_materialize,
-        backend="cpu",
+        stage_indices=None if actions is None else sorted({a.stage_index for a in actions[rank]}),
     )
     if checked:
         runner = build_pipeline_runner(schedule, stages, m, n, actions_by_rank=actions)
@@ -288,13 +275,7 @@ def _run(
         unchecked.pipeline_order = dict(actions)
         unchecked._prepare_schedule_with_comms(actions)
         runner = PipelineRunner(unchecked, stages, m, n)
-    batch = _batch()[:ROWS]
-    loss = runner.step(batch, count_label_tokens(batch["labels"]))
-    grads = {
-        name: p.grad.clone() for stage in stages for name, p in stage.submod.named_parameters()
-    }
-    dist.barrier()
-    return (None if loss is None else loss.item()), grads
+    return step_loss_and_grads(runner, _batch()[:ROWS])
 
 
 def _run_many(rank: int, world: int, configs: list[tuple]) -> list[tuple]:

@@ -27,3 +27,48 @@ def tiny_llama(seed: int = 0, tied: bool = False) -> nn.Module:
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
     return model
+
+
+def tiny_pipeline_stages(
+    rank: int,
+    world: int,
+    *,
+    schedule: str,
+    num_stages: int,
+    rows_per_unit: int,
+    slice_length: int,
+    num_slices: int,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 3,
+    stage_indices: list[int] | None = None,
+    group=None,
+) -> list:
+    """This rank's stages of TINY_LLAMA with one layer per stage, initialised from `seed` in
+    `dtype`, placed as `schedule` places them (or at `stage_indices`), cpu attention."""
+    from pipekit.pipelining.build import build_rank_stages
+    from pipekit.pipelining.schedule import V_SHAPED_SCHEDULES
+    from pipekit.pipelining.stage import StageShapes
+    from pipekit.pipelining.stage_split import llama_stage_module_names
+
+    def materialize(module: nn.Module) -> None:
+        module.to_empty(device="cpu")
+        module.init_weights(seed=seed)
+        module.to(dtype)
+
+    with torch.device("meta"):
+        model = Llama(TINY_LLAMA.with_updates(n_layers=num_stages, max_seq_len=64))
+    shapes = StageShapes(rows_per_unit, slice_length, TINY_LLAMA.dim, TINY_LLAMA.vocab_size, dtype)
+    return build_rank_stages(
+        model,
+        llama_stage_module_names(num_stages, num_stages),
+        rank=rank,
+        num_ranks=world,
+        stage_style="v" if schedule in V_SHAPED_SCHEDULES else "loop",
+        stage_indices=stage_indices,
+        shapes=shapes,
+        num_slices=num_slices,
+        device=torch.device("cpu"),
+        materialize=materialize,
+        group=group,
+        backend="cpu",
+    )

@@ -28,7 +28,7 @@ from pipekit.pipelining._torch_runtime import (
 )
 from pipekit.pipelining.actions import sliced_pipeline_actions
 from pipekit.pipelining.split import split_into_units
-from pipekit.pipelining.stage import SlicedPipelineStage
+from pipekit.pipelining.stage import SlicedPipelineStage, check_stage_slices
 from pipekit.pipelining.user_schedule import UserPipelineSchedule
 from pipekit.train.loss import token_sum_cross_entropy
 
@@ -71,12 +71,7 @@ class SlicedPipelineSchedule(PipelineScheduleRuntime):
         num_slices: int,
         loss_fn: LossFn | None = token_sum_cross_entropy,
     ) -> None:
-        for stage in stages:
-            if stage.num_slices != num_slices:
-                raise ValueError(
-                    f"stage {stage.stage_index} was built for {stage.num_slices} slices, the "
-                    f"schedule for {num_slices}; build both from the same num_slices"
-                )
+        check_stage_slices(stages, num_slices)
         num_ranks = stages[0].group_size
         actions = sliced_pipeline_actions(num_ranks, num_microbatches, num_slices, len(stages))
         super().__init__(

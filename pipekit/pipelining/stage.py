@@ -14,6 +14,7 @@ Legend: B microbatch rows, S slice length, D model dim, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from pipekit.attention.kv_cache import ChunkedKVCache
 from pipekit.pipelining.actions import unit_microbatch_and_slice
 from pipekit.pipelining.memory import track_tensor, untrack_tensor
 
-__all__ = ["SlicedPipelineStage", "StageShapes"]
+__all__ = ["SlicedPipelineStage", "StageShapes", "check_stage_slices"]
 
 
 class StageShapes:
@@ -138,3 +139,13 @@ class SlicedPipelineStage(PipelineStage):
             for t in self.fwd_cache[unit][1]
             if isinstance(t, torch.Tensor) and t.is_floating_point()
         ]
+
+
+def check_stage_slices(stages: Sequence[SlicedPipelineStage], num_slices: int) -> None:
+    """A schedule and its stages must agree on how many slices a microbatch has."""
+    for stage in stages:
+        if stage.num_slices != num_slices:
+            raise ValueError(
+                f"stage {stage.stage_index} was built for {stage.num_slices} slices, the "
+                f"schedule for {num_slices}; build both from the same num_slices"
+            )
