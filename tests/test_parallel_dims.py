@@ -51,14 +51,16 @@ def test_properties_follow_the_degrees():
         (
             2,
             {"dp_shard": 2, "tp": 2},
-            r"dp_replicate=1 x dp_shard=2 x cp=1 x tp=2 x pp=1 = 4 != world size 2; "
+            r"dp_replicate=1 x dp_shard=2 x cp=1 x tp=2 x pipeline_parallel_degree=1 = 4 "
+            r"!= world size 2; "
             r"set dp_shard=-1 \(or another degree\) to take the rest, or launch 4 processes",
         ),
         (4, {"dp_shard": -1, "tp": -1}, r"only one degree may be -1, got dp_shard, tp"),
         (
             6,
             {"tp": 4},
-            r"dp_replicate=1 x cp=1 x tp=4 x pp=1 = 4 does not divide world size 6, so dp_shard=-1",
+            r"dp_replicate=1 x cp=1 x tp=4 x pipeline_parallel_degree=1 = 4 does not divide "
+            r"world size 6, so dp_shard=-1",
         ),
         (4, {"tp": 0}, r"parallelism.tp=0 is invalid; use a degree >= 1, or -1"),
         (

@@ -49,6 +49,14 @@ def test_explicit_stage_modules_are_parsed_per_stage():
         ({"pipeline_schedule": "Zero"}, "pipeline_schedule='Zero' is not known"),
         ({"pipeline_stage_modules": ["tok_embeddings,layers.0"]}, "give one entry per stage"),
         ({"stages_per_rank": 8}, "num_layers=8 is smaller than num_stages=16"),
+        (
+            {"pipeline_schedule": "1F1B", "microbatches": 1},
+            "needs num_microbatches=1 >= num_ranks=2",
+        ),
+        (
+            {"pipeline_schedule": "DualPipeV", "stages_per_rank": 2, "microbatches": 2},
+            "rejects pipeline_parallel_degree=2, stages_per_rank=2, microbatches=2",
+        ),
     ],
 )
 def test_broken_pipeline_rules_name_the_fix(keys, message):

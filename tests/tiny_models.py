@@ -42,9 +42,12 @@ def tiny_pipeline_stages(
     seed: int = 3,
     stage_indices: list[int] | None = None,
     group=None,
+    checkpoint_activations: bool = False,
 ) -> list:
     """This rank's stages of TINY_LLAMA with one layer per stage, initialised from `seed` in
-    `dtype`, placed as `schedule` places them (or at `stage_indices`), cpu attention."""
+    `dtype`, placed as `schedule` places them (or at `stage_indices`), cpu attention; optionally
+    with every block's activations checkpointed."""
+    from pipekit._torch_private import checkpoint_module_activations
     from pipekit.pipelining.build import build_rank_stages
     from pipekit.pipelining.schedule import V_SHAPED_SCHEDULES
     from pipekit.pipelining.stage import StageShapes
@@ -54,6 +57,9 @@ def tiny_pipeline_stages(
         module.to_empty(device="cpu")
         module.init_weights(seed=seed)
         module.to(dtype)
+        if checkpoint_activations:
+            for block in (module.layers or {}).values():
+                checkpoint_module_activations(block)
 
     with torch.device("meta"):
         model = Llama(TINY_LLAMA.with_updates(n_layers=num_stages, max_seq_len=64))

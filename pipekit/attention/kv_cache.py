@@ -59,6 +59,7 @@ class _AddCachedGradients(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_k: Tensor | None, grad_v: Tensor | None
     ) -> tuple[Tensor | None, Tensor | None, None]:
         cached: CachedSlice = ctx.cached
+        ctx.cached = None  # the graph may outlive the step (a loss kept for logging)
         return (
             _plus(grad_k, cached.k_BGSD.grad),
             _plus(grad_v, cached.v_BGSD.grad),
@@ -88,6 +89,8 @@ class ChunkedKVCache:
     ) -> None:
         self.backend = backend
         self.drop_cached_gradients = drop_cached_gradients
+        self.recomputing: tuple[int, int] | None = None
+        """(microbatch, slice) whose backward is running: a forward of it now is a recompute."""
         self._slices: dict[tuple[str, int], list[CachedSlice]] = {}
 
     def __repr__(self) -> str:
@@ -111,7 +114,8 @@ class ChunkedKVCache:
                     f"while {len(slices)} slices are cached; slices must go backward in reverse "
                     "order"
                 )
-            slices.pop()
+            released = slices.pop()
+            released.k_BGSD.grad = released.v_BGSD.grad = None
 
     def slice_tensors(self, microbatch: int, slice_index: int) -> list[Tensor]:
         """The cached K and V of one slice, over all layers (for memory accounting)."""
@@ -144,7 +148,11 @@ class ChunkedKVCache:
         scale: float,
     ) -> Tensor:
         past = self._slices.setdefault((layer_id, context.microbatch), [])
-        if len(past) != context.slice_index:
+        # Activation checkpointing runs the slice's forward again inside its own backward: the
+        # slice is then the newest cached one, and its recomputed K/V must collect the
+        # gradients its cached leaves already hold.
+        recomputing = self.recomputing == (context.microbatch, context.slice_index)
+        if len(past) != context.slice_index + int(recomputing):
             raise RuntimeError(
                 f"ChunkedKVCache: layer {layer_id} of microbatch {context.microbatch} runs slice "
                 f"{context.slice_index} with {len(past)} earlier slices cached; slices of a "
@@ -157,18 +165,21 @@ class ChunkedKVCache:
                 cached.v_BGSD,
                 documents_or_all(q_documents, cached.document_ids_BS),
             )
-            for cached in past
+            for cached in past[: context.slice_index]
         ]
-        if torch.is_grad_enabled() and k_BGSD.requires_grad:
+        if recomputing:
+            cached = past[context.slice_index]
+        elif torch.is_grad_enabled() and k_BGSD.requires_grad:
             cached = CachedSlice(
                 k_BGSD.detach().requires_grad_(), v_BGSD.detach().requires_grad_(), q_documents
             )
-            if not self.drop_cached_gradients:
-                k_BGSD, v_BGSD = _AddCachedGradients.apply(k_BGSD, v_BGSD, cached)
         else:
             cached = CachedSlice(k_BGSD, v_BGSD, q_documents)
+        if k_BGSD.requires_grad and torch.is_grad_enabled() and not self.drop_cached_gradients:
+            k_BGSD, v_BGSD = _AddCachedGradients.apply(k_BGSD, v_BGSD, cached)
         chunks.append(KVChunk(k_BGSD, v_BGSD, causal_within_documents(q_documents)))
-        past.append(cached)
+        if not recomputing:
+            past.append(cached)
         return attention_over_chunks(q_BHSD, chunks, scale, self.backend)[0]
 
 

@@ -146,7 +146,8 @@ class ParallelismConfig:
     """When splitting stages by layer, the final norm and output head count as this many layers."""
     pipeline_stage_modules: list[str] = field(default_factory=list)
     """Explicit split instead: one entry per stage, comma-separated module names
-    ("tok_embeddings,layers.0", ..., "layers.7,norm,output")."""
+    ("tok_embeddings,layers.0", ..., "layers.7,norm,output"); on the command line separate the
+    stages with `;`."""
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows from the data-parallel ranks)."""
     collective_timeout_s: int = 300

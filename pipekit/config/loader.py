@@ -82,7 +82,7 @@ def _coerce(where: str, expected: Any, value: Any, from_cli: bool) -> Any:
         raise ConfigError(f"{where}: union-typed fields are not supported by the loader")
     if typing.get_origin(expected) is list:
         (item_type,) = typing.get_args(expected)
-        if from_cli:  # one comma-free item per `;`-separated entry on the command line
+        if from_cli:  # `;` separates the items on the command line (items may hold commas)
             return [_coerce(where, item_type, item, True) for item in value.split(";") if item]
         if not isinstance(value, list):
             raise ConfigError(f"{where} expects a list, got {value!r} ({type(value).__name__})")

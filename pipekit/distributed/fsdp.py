@@ -69,7 +69,7 @@ def apply_data_parallel(
         return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if parallel_dims.fsdp_enabled:
-        for block in model.layers.values():
+        for block in (model.layers or {}).values():  # a stage may hold no layers
             fully_shard(
                 block,
                 mesh=dp_mesh,
@@ -80,7 +80,7 @@ def apply_data_parallel(
             model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
         )
     else:
-        for block in model.layers.values():
+        for block in (model.layers or {}).values():  # a stage may hold no layers
             fsdp_replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
         fsdp_replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
     if sum_gradients:

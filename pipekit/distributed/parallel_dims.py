@@ -104,7 +104,8 @@ class ParallelDims:
         unresolved = [name for name, degree in degrees.items() if degree == -1]
         if len(unresolved) > 1:
             raise ValueError(
-                f"parallelism: only one degree may be -1, got {', '.join(unresolved)}; "
+                "parallelism: only one degree may be -1, got "
+                f"{', '.join(_CONFIG_KEYS.get(name, name) for name in unresolved)}; "
                 f"set all but one of them (world size {world_size})"
             )
         if unresolved:
@@ -113,7 +114,8 @@ class ParallelDims:
             if world_size % known_product:
                 raise ValueError(
                     f"{_product_text(known)} = {known_product} does not divide world size "
-                    f"{world_size}, so {unresolved[0]}=-1 cannot take the rest; choose degrees "
+                    f"{world_size}, so {_CONFIG_KEYS.get(unresolved[0], unresolved[0])}=-1 cannot "
+                    "take the rest; choose degrees "
                     f"whose product divides {world_size}"
                 )
             degrees[unresolved[0]] = world_size // known_product
@@ -219,4 +221,4 @@ class ParallelDims:
 def _product_text(degrees: dict[str, int]) -> str:
     """`dp_replicate=1 x dp_shard=2 x ...`, in the config's order, for error messages."""
     names = [name for name in _CONFIG_ORDER if name in degrees]
-    return " x ".join(f"{name}={degrees[name]}" for name in names)
+    return " x ".join(f"{_CONFIG_KEYS.get(name, name)}={degrees[name]}" for name in names)

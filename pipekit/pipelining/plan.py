@@ -17,6 +17,7 @@ from pipekit.pipelining.schedule import (
     V_SHAPED_SCHEDULES,
 )
 from pipekit.pipelining.stage_split import llama_stage_module_names, stages_of_rank
+from pipekit.pipelining.torch_actions import torch_schedule_actions
 from pipekit.pipelining.user_schedule import check_schedule, load_schedule_file
 
 __all__ = ["PipelinePlan", "plan_pipeline"]
@@ -89,6 +90,14 @@ def plan_pipeline(
         )
     if schedule == "sliced":  # checks num_slices against the degree, with the paper's rule
         sliced_pipeline_actions(num_ranks, num_microbatches, num_slices, stages_per_rank)
+    elif schedule in TORCH_SCHEDULES:  # torch's own shape rules, without a process group
+        try:
+            torch_schedule_actions(schedule, num_ranks, num_microbatches, stages_per_rank)
+        except (AssertionError, RuntimeError, ValueError) as error:
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} rejects pipeline_parallel_degree={num_ranks}, "
+                f"stages_per_rank={stages_per_rank}, microbatches={num_microbatches}: {error}"
+            ) from None
     if seq_len % num_slices:
         raise ValueError(
             f"training.seq_len={seq_len} does not split into num_slices={num_slices} equal slices; "

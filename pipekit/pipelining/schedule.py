@@ -136,7 +136,10 @@ class PipelineRunner:
         )
         for stage in self.stages:
             stage.clear_runtime_states()
-        return torch.stack(losses).sum() if self.has_last_stage else None
+        if not self.has_last_stage:
+            return None
+        # Detached: the losses' graphs reach the KV cache, which must not outlive the step.
+        return torch.stack([loss.detach() for loss in losses]).sum()
 
 
 def _stage_kwargs(unit: TensorDict) -> dict[str, Tensor]:

@@ -119,7 +119,11 @@ class SlicedPipelineStage(PipelineStage):
             )
         microbatch, slice_index = unit_microbatch_and_slice(bwd_chunk_id, self.num_slices)
         stage_inputs = self._stage_inputs(bwd_chunk_id)
-        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        self.kv_cache.recomputing = (microbatch, slice_index)  # activation checkpointing
+        try:
+            super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        finally:
+            self.kv_cache.recomputing = None
         for tensor in stage_inputs:
             untrack_tensor("stage_inputs", tensor)
         for tensor in self.kv_cache.slice_tensors(microbatch, slice_index):
