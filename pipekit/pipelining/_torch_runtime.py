@@ -8,6 +8,9 @@ or changes one of these touches this file only.
 
 from __future__ import annotations
 
+from typing import Any
+
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     FULL_BACKWARD,
     _Action,
@@ -22,12 +25,16 @@ from torch.distributed.pipelining.schedules import (
 __all__ = [
     "BACKWARD",
     "FORWARD",
+    "INPUT_BACKWARD",
+    "WEIGHT_BACKWARD",
     "Action",
     "ComputationType",
     "PipelineSchedule",
     "PipelineScheduleRuntime",
     "get_schedule_class",
     "lower_to_comms",
+    "run_units",
+    "stage_saved_inputs",
     "validate_actions",
 ]
 
@@ -37,6 +44,8 @@ Action = _Action
 ComputationType = _ComputationType
 FORWARD = _ComputationType.FORWARD
 BACKWARD = FULL_BACKWARD
+INPUT_BACKWARD = _ComputationType.BACKWARD_INPUT
+WEIGHT_BACKWARD = _ComputationType.BACKWARD_WEIGHT
 
 PipelineSchedule = _PipelineSchedule
 """Base of every torch schedule; pipekit drives its `_step_microbatches` with pre-split units."""
@@ -52,3 +61,26 @@ compute lists cannot be ordered without a rank waiting forever."""
 validate_actions = _validate_schedule
 """`(actions_by_rank, num_ranks, num_stages, num_microbatches) -> stage_to_rank`; torch's check
 that every (stage, microbatch) has one F and one B (or I then W), raising `AssertionError`."""
+
+
+def run_units(
+    schedule: _PipelineSchedule,
+    arg_units: list[tuple],
+    kwarg_units: list[dict[str, Any]],
+    targets: list | None,
+    losses: list,
+    loss_kwargs: dict[str, Any],
+) -> None:
+    """Run one step of `schedule` on pre-split units (torch's `step()` can only split along the
+    batch dim, not into microbatches x slices); the last stage's losses land in `losses`."""
+    schedule._step_microbatches(
+        arg_units, kwarg_units, targets, losses, return_outputs=False, loss_kwargs=loss_kwargs
+    )
+
+
+def stage_saved_inputs(stage: PipelineStage, unit: int) -> list[Any]:
+    """The inputs (received activations and kwargs) a stage keeps for a unit's backward."""
+    if unit not in stage.fwd_cache:
+        return []
+    _, input_values = stage.fwd_cache[unit]
+    return list(input_values)

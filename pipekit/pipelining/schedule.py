@@ -13,7 +13,7 @@ Legend: B batch, S sequence, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +23,13 @@ from torch import Tensor
 from pipekit.pipelining._torch_runtime import (
     Action,
     PipelineSchedule,
-    PipelineScheduleRuntime,
     get_schedule_class,
+    run_units,
 )
+from pipekit.pipelining.action_schedule import ActionListSchedule, LossFn
 from pipekit.pipelining.actions import sliced_pipeline_actions
 from pipekit.pipelining.split import split_into_units
-from pipekit.pipelining.stage import SlicedPipelineStage, check_stage_slices
+from pipekit.pipelining.stage import SlicedPipelineStage
 from pipekit.pipelining.user_schedule import UserPipelineSchedule
 from pipekit.train.loss import token_sum_cross_entropy
 
@@ -55,31 +56,20 @@ TORCH_SCHEDULES = (
 V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 
-LossFn = Callable[[Tensor, Tensor, Tensor | float], Tensor]
 
-
-class SlicedPipelineSchedule(PipelineScheduleRuntime):
-    """SlimPipe's sliced 1F1B (interleaved when a rank holds several stages).
-
-    `n_microbatches` as torch sees it is the number of units, `num_microbatches * num_slices`.
-    """
+class SlicedPipelineSchedule(ActionListSchedule):
+    """SlimPipe's sliced 1F1B (interleaved when a rank holds several stages)."""
 
     def __init__(
         self,
         stages: Sequence[SlicedPipelineStage],
         num_microbatches: int,
         num_slices: int,
-        loss_fn: LossFn | None = token_sum_cross_entropy,
+        loss_fn: LossFn = token_sum_cross_entropy,
     ) -> None:
-        check_stage_slices(stages, num_slices)
         num_ranks = stages[0].group_size
         actions = sliced_pipeline_actions(num_ranks, num_microbatches, num_slices, len(stages))
-        super().__init__(
-            list(stages), num_microbatches * num_slices, loss_fn=loss_fn, scale_grads=False
-        )
-        self.num_microbatches, self.num_slices = num_microbatches, num_slices
-        self.pipeline_order = dict(actions)
-        self._prepare_schedule_with_comms(actions)
+        super().__init__(stages, actions, num_microbatches, num_slices, loss_fn)
 
 
 def _torch_schedule(
@@ -126,13 +116,8 @@ class PipelineRunner:
         kwarg_units = [_stage_kwargs(unit) for unit in units]
         targets = [unit["labels"] for unit in units] if self.has_last_stage else None
         losses: list[Tensor] = []
-        self.schedule._step_microbatches(
-            arg_units,
-            kwarg_units,
-            targets,
-            losses,
-            return_outputs=False,
-            loss_kwargs={"normaliser": num_label_tokens},
+        run_units(
+            self.schedule, arg_units, kwarg_units, targets, losses, {"normaliser": num_label_tokens}
         )
         for stage in self.stages:
             stage.clear_runtime_states()

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pipekit.pipelining._torch_runtime import (
     BACKWARD,
     FORWARD,
+    INPUT_BACKWARD,
+    WEIGHT_BACKWARD,
     Action,
-    ComputationType,
     lower_to_comms,
 )
 from pipekit.pipelining.actions import unit_microbatch_and_slice
@@ -26,9 +27,6 @@ __all__ = ["KINDS", "ScheduleError", "check_schedule"]
 
 KINDS = ("F", "B", "I", "W")
 """Forward, full backward, input-gradient backward, weight-gradient backward."""
-
-_INPUT_BACKWARD = ComputationType.BACKWARD_INPUT
-_WEIGHT_BACKWARD = ComputationType.BACKWARD_WEIGHT
 
 
 class ScheduleError(ValueError):
@@ -126,7 +124,7 @@ def _stage_owners(
                 f"{where}: unit {unit} is outside 0..{shape.num_units - 1} (num_microbatches="
                 f"{shape.num_microbatches} x num_slices={shape.num_slices})"
             )
-        if shape.num_slices > 1 and action.computation_type in (_INPUT_BACKWARD, _WEIGHT_BACKWARD):
+        if shape.num_slices > 1 and action.computation_type in (INPUT_BACKWARD, WEIGHT_BACKWARD):
             raise ScheduleError(
                 f"{_where(rank, position, action, shape)}: a split backward (I/W) cannot run "
                 f"with num_slices={shape.num_slices}: the input-gradient pass (autograd.grad) "
@@ -181,7 +179,7 @@ def _check_complete(
                     f"{where} has both a full backward (B) and a split one (I/W); keep one"
                 )
             full, input_part, weight_part = (
-                Action(stage, kind, unit) for kind in (BACKWARD, _INPUT_BACKWARD, _WEIGHT_BACKWARD)
+                Action(stage, kind, unit) for kind in (BACKWARD, INPUT_BACKWARD, WEIGHT_BACKWARD)
             )
             if kinds == {"F"}:
                 raise ScheduleError(

@@ -29,14 +29,18 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipekit.pipelining._torch_runtime import Action, ComputationType
+from pipekit.pipelining._torch_runtime import (
+    INPUT_BACKWARD,
+    WEIGHT_BACKWARD,
+    Action,
+    ComputationType,
+)
 from pipekit.pipelining.actions import unit_microbatch_and_slice
 from pipekit.pipelining.timeline import ScheduledAction
 
 __all__ = ["CostModel", "ScheduleDeadlockError", "SimulationResult", "simulate"]
 
 F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
-INPUT_GRAD, WEIGHT_GRAD = ComputationType.BACKWARD_INPUT, ComputationType.BACKWARD_WEIGHT
 _KEY = tuple[int, str, int]  # (stage, kind, unit)
 
 
@@ -122,13 +126,13 @@ def _dependencies(action: Action, num_stages: int, num_slices: int) -> list[tupl
             needs.append(((stage - 1, "F", unit), True))
         if slice_index > 0:
             needs.append(((stage, "F", unit - 1), False))
-    elif kind in (B, INPUT_GRAD):
+    elif kind in (B, INPUT_BACKWARD):
         needs.append(((stage, "F", unit), False))
         if stage < num_stages - 1:
             needs.append(((stage + 1, "BI", unit), True))
         if slice_index < num_slices - 1:
             needs.append(((stage, "BI", unit + 1), False))
-    elif kind == WEIGHT_GRAD:
+    elif kind == WEIGHT_BACKWARD:
         needs.append(((stage, "I", unit), False))
     else:
         raise ValueError(f"simulate: {action} is not a compute action (F, B, I or W)")
@@ -217,7 +221,7 @@ def _duration(action: Action, cost: CostModel, num_stages: int, num_slices: int)
     if kind == B:
         return backward
     share = cost.input_backward_share
-    return backward * (share if kind == INPUT_GRAD else 1.0 - share)
+    return backward * (share if kind == INPUT_BACKWARD else 1.0 - share)
 
 
 def _deadlock(
@@ -266,11 +270,11 @@ def _peak_memory(
             changes += [(event.start, 1, category, size) for category, size in held.items()]
         elif kind == B:
             changes += [(event.end, 0, category, -size) for category, size in held.items()]
-        elif kind == INPUT_GRAD:
+        elif kind == INPUT_BACKWARD:
             kept = cost.weight_grad_activation_share
             changes.append((event.end, 0, "activations", -held["activations"] * (1 - kept)))
             changes += [(event.end, 0, c, -s) for c, s in held.items() if c != "activations"]
-        elif kind == WEIGHT_GRAD:
+        elif kind == WEIGHT_BACKWARD:
             kept = cost.weight_grad_activation_share * held["activations"]
             changes.append((event.end, 0, "activations", -kept))
     live: dict[str, float] = defaultdict(float)

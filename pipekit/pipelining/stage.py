@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.kv_cache import ChunkedKVCache
+from pipekit.pipelining._torch_runtime import stage_saved_inputs
 from pipekit.pipelining.actions import unit_microbatch_and_slice
 from pipekit.pipelining.memory import track_tensor, untrack_tensor
 
@@ -136,11 +137,11 @@ class SlicedPipelineStage(PipelineStage):
 
     def _stage_inputs(self, unit: int) -> list[torch.Tensor]:
         """The received activations of a unit (the first stage's token ids are not counted)."""
-        if self.is_first or unit not in self.fwd_cache:
+        if self.is_first:
             return []
         return [
             t
-            for t in self.fwd_cache[unit][1]
+            for t in stage_saved_inputs(self, unit)
             if isinstance(t, torch.Tensor) and t.is_floating_point()
         ]
 

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipekit.pipelining._torch_runtime import Action, ComputationType, get_schedule_class
+from pipekit.pipelining._torch_runtime import (
+    INPUT_BACKWARD,
+    WEIGHT_BACKWARD,
+    Action,
+    ComputationType,
+    get_schedule_class,
+)
 from pipekit.pipelining.schedule import SINGLE_STAGE_SCHEDULES, TORCH_SCHEDULES, V_SHAPED_SCHEDULES
 
 __all__ = ["COMPUTE_TYPES", "compute_actions", "torch_schedule_actions"]
@@ -20,8 +26,8 @@ __all__ = ["COMPUTE_TYPES", "compute_actions", "torch_schedule_actions"]
 COMPUTE_TYPES = (
     ComputationType.FORWARD,
     ComputationType.FULL_BACKWARD,
-    ComputationType.BACKWARD_INPUT,
-    ComputationType.BACKWARD_WEIGHT,
+    INPUT_BACKWARD,
+    WEIGHT_BACKWARD,
 )
 """F, B, I, W: the actions that run a stage (the rest move tensors or reduce gradients)."""
 

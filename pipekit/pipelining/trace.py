@@ -26,7 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipekit.pipelining._torch_runtime import Action, ComputationType
+from pipekit.pipelining._torch_runtime import (
+    INPUT_BACKWARD,
+    WEIGHT_BACKWARD,
+    Action,
+    ComputationType,
+)
 from pipekit.pipelining.schedule import PipelineRunner
 from pipekit.pipelining.stage import SlicedPipelineStage
 from pipekit.pipelining.timeline import ScheduledAction
@@ -50,10 +55,10 @@ def _kind(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Computa
     if method == "forward_one_chunk":
         return ComputationType.FORWARD
     if method == "backward_weight_one_chunk":
-        return ComputationType.BACKWARD_WEIGHT
+        return WEIGHT_BACKWARD
     # backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False)
     full_backward = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-    return ComputationType.FULL_BACKWARD if full_backward else ComputationType.BACKWARD_INPUT
+    return ComputationType.FULL_BACKWARD if full_backward else INPUT_BACKWARD
 
 
 def _timed(

@@ -34,24 +34,21 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import tomli
 
 from pipekit.pipelining._torch_runtime import (
     BACKWARD,
     FORWARD,
+    INPUT_BACKWARD,
+    WEIGHT_BACKWARD,
     Action,
-    ComputationType,
-    PipelineScheduleRuntime,
 )
+from pipekit.pipelining.action_schedule import ActionListSchedule, LossFn
 from pipekit.pipelining.actions import read_actions_csv, unit_index
 from pipekit.pipelining.schedule_check import KINDS, ScheduleError, check_schedule
-from pipekit.pipelining.stage import SlicedPipelineStage, check_stage_slices
+from pipekit.pipelining.stage import SlicedPipelineStage
 from pipekit.train.loss import token_sum_cross_entropy
-
-if TYPE_CHECKING:
-    from pipekit.pipelining.schedule import LossFn
 
 __all__ = [
     "KINDS",
@@ -63,9 +60,7 @@ __all__ = [
     "tasks_to_actions",
 ]
 
-_INPUT_BACKWARD = ComputationType.BACKWARD_INPUT
-_WEIGHT_BACKWARD = ComputationType.BACKWARD_WEIGHT
-_TYPE_OF_KIND = {"F": FORWARD, "B": BACKWARD, "I": _INPUT_BACKWARD, "W": _WEIGHT_BACKWARD}
+_TYPE_OF_KIND = {"F": FORWARD, "B": BACKWARD, "I": INPUT_BACKWARD, "W": WEIGHT_BACKWARD}
 
 
 _TASK_KEYS = {"stage": "stage", "mb": "microbatch", "slice": "slice"}
@@ -224,7 +219,7 @@ def _load_toml(path: Path, num_slices: int) -> dict[int, list[Action]]:
     return by_rank
 
 
-class UserPipelineSchedule(PipelineScheduleRuntime):
+class UserPipelineSchedule(ActionListSchedule):
     """Runs checked user action lists (all ranks') with torch's runtime; this rank's stages must
     be those the lists place on it. The loss of each unit is normalised by the global label
     tokens, so no gradient scaling is needed."""
@@ -237,7 +232,6 @@ class UserPipelineSchedule(PipelineScheduleRuntime):
         num_slices: int = 1,
         loss_fn: LossFn = token_sum_cross_entropy,
     ) -> None:
-        check_stage_slices(stages, num_slices)
         rank, num_ranks = stages[0].group_rank, stages[0].group_size
         if len(actions_by_rank) != num_ranks:
             raise ScheduleError(
@@ -257,10 +251,4 @@ class UserPipelineSchedule(PipelineScheduleRuntime):
                 f"rank {rank} holds stages {held} but the schedule runs stages {placed} on it; "
                 f"build this rank's stages with stage_indices={placed}"
             )
-        actions = {rank: list(actions_by_rank[rank]) for rank in sorted(actions_by_rank)}
-        super().__init__(
-            list(stages), num_microbatches * num_slices, loss_fn=loss_fn, scale_grads=False
-        )
-        self.num_microbatches, self.num_slices = num_microbatches, num_slices
-        self.pipeline_order = dict(actions)
-        self._prepare_schedule_with_comms(actions)
+        super().__init__(stages, actions_by_rank, num_microbatches, num_slices, loss_fn)
