@@ -247,8 +247,8 @@ def _record(rank: int, world: int, configs: list[tuple], output_dir: Path) -> li
         runner = _runner(rank, world, *config)
         with record_schedule(runner) as recorder:
             runner.step(batch, count_label_tokens(batch["labels"]))
-        wrapped = [m for s in runner.stages for m in vars(s) if m.endswith("one_chunk")]
-        results.append((gather_timeline(recorder), wrapped))
+        observed = [s.stage_index for s in runner.stages if s.action_observer is not None]
+        results.append((gather_timeline(recorder), observed))
     runner = _runner(rank, world, "sliced", 1, 2, 2)
     with record_pipeline_step(runner, output_dir, enabled=True, write=rank == 0):
         runner.step(batch, count_label_tokens(batch["labels"]))
@@ -261,9 +261,9 @@ def test_recorded_step_has_each_scheduled_action_once_in_schedule_order(tmp_path
     configs += [("GPipe", 1, 2, 1), ("ZBVZeroBubble", 2, 2, 1)]
     per_rank = run_on_ranks(_record, 2, configs, tmp_path, timeout=180)
     for index, (schedule, v, m, n) in enumerate(configs):
-        timeline, wrapped = per_rank[0][index]
+        timeline, observed = per_rank[0][index]
         assert per_rank[1][index][0] == timeline  # gathered on every rank
-        assert wrapped == [] and per_rank[1][index][1] == []  # unwrapped after the block
+        assert observed == [] and per_rank[1][index][1] == []  # no observer after the block
         if schedule == "sliced":
             expected = sliced_pipeline_actions(2, m, n, v)
         else:

@@ -14,7 +14,8 @@ Legend: B microbatch rows, S slice length, D model dim, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,15 @@ from torch.distributed.pipelining import PipelineStage
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.kv_cache import ChunkedKVCache
-from pipekit.pipelining._torch_runtime import stage_saved_inputs
+from pipekit.pipelining._torch_runtime import (
+    BACKWARD,
+    FORWARD,
+    INPUT_BACKWARD,
+    WEIGHT_BACKWARD,
+    Action,
+    ComputationType,
+    stage_saved_inputs,
+)
 from pipekit.pipelining.actions import unit_microbatch_and_slice
 from pipekit.pipelining.memory import track_tensor, untrack_tensor
 
@@ -84,6 +93,8 @@ class SlicedPipelineStage(PipelineStage):
         )
         self.num_slices = num_slices
         self.kv_cache = ChunkedKVCache(backend)
+        self.action_observer: Callable[[Action, float, float], None] | None = None
+        """Called with (action, start, end) after each F, B, I or W (`pipekit.pipelining.trace`)."""
 
     def forward_one_chunk(
         self,
@@ -98,7 +109,13 @@ class SlicedPipelineStage(PipelineStage):
         stage_kwargs["attention_context"] = self.kv_cache.slice_context(
             microbatch, slice_index, document_ids_BS
         )
-        output = super().forward_one_chunk(fwd_chunk_id, args, stage_kwargs, save_forward_output)
+        output = self._observed(
+            FORWARD,
+            fwd_chunk_id,
+            lambda: super(SlicedPipelineStage, self).forward_one_chunk(
+                fwd_chunk_id, args, stage_kwargs, save_forward_output
+            ),
+        )
         if self.has_backward:
             for tensor in self._stage_inputs(fwd_chunk_id):
                 track_tensor("stage_inputs", tensor)
@@ -122,7 +139,13 @@ class SlicedPipelineStage(PipelineStage):
         stage_inputs = self._stage_inputs(bwd_chunk_id)
         self.kv_cache.recomputing = (microbatch, slice_index)  # activation checkpointing
         try:
-            super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            self._observed(
+                BACKWARD if full_backward else INPUT_BACKWARD,
+                bwd_chunk_id,
+                lambda: super(SlicedPipelineStage, self).backward_one_chunk(
+                    bwd_chunk_id, loss, full_backward, last_backward
+                ),
+            )
         finally:
             self.kv_cache.recomputing = None
         for tensor in stage_inputs:
@@ -130,6 +153,29 @@ class SlicedPipelineStage(PipelineStage):
         for tensor in self.kv_cache.slice_tensors(microbatch, slice_index):
             untrack_tensor("kv_cache", tensor)
         self.kv_cache.release(microbatch, slice_index)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        self._observed(
+            WEIGHT_BACKWARD,
+            bwd_chunk_id,
+            lambda: super(SlicedPipelineStage, self).backward_weight_one_chunk(
+                bwd_chunk_id, last_backward
+            ),
+        )
+
+    def _observed(self, kind: ComputationType, unit: int, run: Callable[[], Any]) -> Any:
+        """Run one action; with an observer, time it (on CUDA, between device syncs)."""
+        if self.action_observer is None:
+            return run()
+        synchronize = self.device.type == "cuda"
+        if synchronize:
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        output = run()
+        if synchronize:
+            torch.cuda.synchronize(self.device)
+        self.action_observer(Action(self.stage_index, kind, unit), start, time.perf_counter())
+        return output
 
     def clear_runtime_states(self) -> None:
         super().clear_runtime_states()

@@ -4,10 +4,11 @@
         runner.step(batch, num_label_tokens)
     timeline = gather_timeline(recorder)  # every rank's actions, on every rank of the pipeline
 
-Inside `record_schedule` the runner's stages time each `forward_one_chunk` (F),
-`backward_one_chunk` (B, or I when torch splits the backward) and `backward_weight_one_chunk` (W)
-call; outside it nothing is wrapped and nothing is timed. The ranks meet at a barrier on entry and
-time from it, so their clocks share an origin up to the barrier's skew. On CUDA each action
+Inside `record_schedule` the runner's stages (`SlicedPipelineStage.action_observer`) time each
+`forward_one_chunk` (F), `backward_one_chunk` (B, or I when torch splits the backward) and
+`backward_weight_one_chunk` (W) call; outside it no observer is set and nothing is timed. The
+ranks meet at a barrier on entry and time from it, so their clocks share an origin up to the
+barrier's skew. On CUDA each action
 synchronises the device before and after, so an event is the kernel time it caused (and the
 recorded step runs without overlap of compute and communication). The loss of the last stage is
 computed outside its forward and is not in any event.
@@ -17,28 +18,20 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from pipekit.pipelining._torch_runtime import (
-    INPUT_BACKWARD,
-    WEIGHT_BACKWARD,
     Action,
-    ComputationType,
 )
 from pipekit.pipelining.schedule import PipelineRunner
-from pipekit.pipelining.stage import SlicedPipelineStage
 from pipekit.pipelining.timeline import ScheduledAction
 
 __all__ = ["ScheduleRecorder", "gather_timeline", "record_pipeline_step", "record_schedule"]
-
-_RECORDED_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
 @dataclass
@@ -51,38 +44,6 @@ class ScheduleRecorder:
     events: list[ScheduledAction] = field(default_factory=list)
 
 
-def _kind(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ComputationType:
-    if method == "forward_one_chunk":
-        return ComputationType.FORWARD
-    if method == "backward_weight_one_chunk":
-        return WEIGHT_BACKWARD
-    # backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False)
-    full_backward = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-    return ComputationType.FULL_BACKWARD if full_backward else INPUT_BACKWARD
-
-
-def _timed(
-    stage: SlicedPipelineStage, method: str, recorder: ScheduleRecorder, synchronize: bool
-) -> Callable[..., Any]:
-    run = getattr(stage, method)
-
-    def timed(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        if synchronize:
-            torch.cuda.synchronize(stage.device)
-        start = time.perf_counter()
-        output = run(chunk_id, *args, **kwargs)
-        if synchronize:
-            torch.cuda.synchronize(stage.device)
-        end = time.perf_counter()
-        action = Action(stage.stage_index, _kind(method, args, kwargs), chunk_id)
-        recorder.events.append(
-            ScheduledAction(recorder.rank, action, start - recorder.origin, end - recorder.origin)
-        )
-        return output
-
-    return timed
-
-
 @contextmanager
 def record_schedule(runner: PipelineRunner) -> Iterator[ScheduleRecorder]:
     """Time every compute action the runner's stages run inside the block (see the module
@@ -90,21 +51,24 @@ def record_schedule(runner: PipelineRunner) -> Iterator[ScheduleRecorder]:
     stages = runner.stages
     group = stages[0].group
     for stage in stages:
-        if any(method in vars(stage) for method in _RECORDED_METHODS):
+        if stage.action_observer is not None:
             raise RuntimeError(f"stage {stage.stage_index} is already being recorded")
     if dist.is_initialized():
         dist.barrier(group=group)
     recorder = ScheduleRecorder(stages[0].group_rank, group, time.perf_counter())
+
+    def observe(action: Action, start: float, end: float) -> None:
+        recorder.events.append(
+            ScheduledAction(recorder.rank, action, start - recorder.origin, end - recorder.origin)
+        )
+
     for stage in stages:
-        synchronize = stage.device.type == "cuda"
-        for method in _RECORDED_METHODS:
-            setattr(stage, method, _timed(stage, method, recorder, synchronize))
+        stage.action_observer = observe
     try:
         yield recorder
     finally:
         for stage in stages:
-            for method in _RECORDED_METHODS:
-                delattr(stage, method)  # the class's method shows through again
+            stage.action_observer = None
 
 
 def gather_timeline(
