@@ -231,3 +231,28 @@ def test_sliced_pipeline_job_resumes_exactly(tmp_path):
     assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()) == ["step-2"]
     run(tmp_path / "resumed", 4)
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+
+
+def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path):
+    """4 ranks: 2 pipeline ranks x 2 FSDP shards, 2 stages per rank (shared rank modules, FSDP
+    per stage), 2 accumulation micro-steps; the same losses as the 2-rank FSDP job."""
+    common = (*SHORT_RUN[4:10], "--training.steps", "3", "--checkpoint.enable", "false")
+    common += ("--training.global_batch_size", "8", "--training.gradient_accumulation_steps", "2")
+    pipelined = ("--parallelism.dp_shard", "2", "--parallelism.stages_per_rank", "2")
+    pipelined += ("--parallelism.microbatches", "2")
+    runs = {}
+    for name, config, nproc, extra in (
+        ("fsdp", CONFIG, 2, ()),
+        ("pp_fsdp", SLICED_PP_CONFIG, 4, pipelined),
+    ):
+        result = subprocess.run(
+            _command(tmp_path / name, *common, *extra, nproc=nproc, config=config),
+            env=_env(),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = _losses(tmp_path / name)
+    assert sorted(runs["pp_fsdp"]) == [1, 2, 3]
+    assert runs["pp_fsdp"] == pytest.approx(runs["fsdp"], rel=1e-4)
