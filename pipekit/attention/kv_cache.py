@@ -41,6 +41,7 @@ class CachedSlice:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of K and V (shared with the slice's own tensors)."""
         return self.k_BGSD.nbytes + self.v_BGSD.nbytes
 
 
@@ -131,6 +132,7 @@ class ChunkedKVCache:
         self._slices.clear()
 
     def num_cached_slices(self, layer_id: str, microbatch: int) -> int:
+        """How many slices of `microbatch` one layer has cached."""
         return len(self._slices.get((layer_id, microbatch), []))
 
     @property
@@ -203,4 +205,5 @@ class SliceAttention:
     def attend(
         self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
     ) -> Tensor:
+        """This slice's attention output, caching its K/V for the later slices."""
         return self.cache._attend(self, layer_id, q_BHSD, k_BGSD, v_BGSD, scale)

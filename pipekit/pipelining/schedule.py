@@ -96,10 +96,12 @@ class PipelineRunner:
 
     @property
     def has_first_stage(self) -> bool:
+        """Whether this rank feeds token ids in (holds stage 0)."""
         return any(stage.is_first for stage in self.stages)
 
     @property
     def has_last_stage(self) -> bool:
+        """Whether this rank computes the loss (holds the last stage)."""
         return any(stage.is_last for stage in self.stages)
 
     def step(self, batch: TensorDict, num_label_tokens: Tensor | float) -> Tensor | None:

@@ -52,17 +52,20 @@ class StageShapes:
         self.model_dim, self.vocab_size, self.dtype = model_dim, vocab_size, dtype
 
     def stage_input(self, is_first: bool, device: torch.device) -> torch.Tensor:
+        """The first stage takes token ids; the others take hidden states."""
         if is_first:
             return torch.empty(self.rows, self.slice_length, dtype=torch.long, device=device)
         return self.hidden(device)
 
     def stage_output(self, is_last: bool, device: torch.device) -> torch.Tensor:
+        """The last stage gives logits; the others give hidden states."""
         if is_last:
             size = (self.rows, self.slice_length, self.vocab_size)
             return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
         return self.hidden(device)
 
     def hidden(self, device: torch.device) -> torch.Tensor:
+        """Hidden states of one unit, requiring grad (a boundary torch sends gradients over)."""
         size = (self.rows, self.slice_length, self.model_dim)
         return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
 
@@ -103,6 +106,7 @@ class SlicedPipelineStage(PipelineStage):
         kwargs: dict[str, Any] | None = None,
         save_forward_output: bool = True,
     ) -> Any:
+        """Forward of one unit with its slice's attention context from the stage's KV cache."""
         microbatch, slice_index = unit_microbatch_and_slice(fwd_chunk_id, self.num_slices)
         stage_kwargs = dict(kwargs or {})
         document_ids_BS = stage_kwargs.pop("document_ids", None)
@@ -130,6 +134,7 @@ class SlicedPipelineStage(PipelineStage):
         full_backward: bool = True,
         last_backward: bool = False,
     ) -> None:
+        """Backward of one unit (recomputed if checkpointed), then its cached chunks are freed."""
         if not full_backward and self.num_slices > 1:
             raise ValueError(
                 "sliced stages need full backward actions (B): a split input/weight backward "
@@ -155,6 +160,7 @@ class SlicedPipelineStage(PipelineStage):
         self.kv_cache.release(microbatch, slice_index)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        """Weight-gradient part of a split backward (unsliced stages only)."""
         self._observed(
             WEIGHT_BACKWARD,
             bwd_chunk_id,
@@ -178,6 +184,7 @@ class SlicedPipelineStage(PipelineStage):
         return output
 
     def clear_runtime_states(self) -> None:
+        """Between steps: torch's per-step state and the whole KV cache."""
         super().clear_runtime_states()
         self.kv_cache.clear()
 
