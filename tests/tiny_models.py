@@ -43,10 +43,12 @@ def tiny_pipeline_stages(
     stage_indices: list[int] | None = None,
     group=None,
     checkpoint_activations: bool = False,
+    vocab_parallel: bool = False,
 ) -> list:
     """This rank's stages of TINY_LLAMA with one layer per stage, initialised from `seed` in
     `dtype`, placed as `schedule` places them (or at `stage_indices`), cpu attention; optionally
-    with every block's activations checkpointed."""
+    with every block's activations checkpointed, or without the embedding and output layer
+    (`vocab_parallel`, see `tiny_vocab_parallel`)."""
     from pipekit._torch_private import checkpoint_module_activations
     from pipekit.pipelining.build import build_rank_stages
     from pipekit.pipelining.schedule import V_SHAPED_SCHEDULES
@@ -63,10 +65,18 @@ def tiny_pipeline_stages(
 
     with torch.device("meta"):
         model = Llama(TINY_LLAMA.with_updates(n_layers=num_stages, max_seq_len=64))
-    shapes = StageShapes(rows_per_unit, slice_length, TINY_LLAMA.dim, TINY_LLAMA.vocab_size, dtype)
+    shapes = StageShapes(
+        rows_per_unit,
+        slice_length,
+        TINY_LLAMA.dim,
+        TINY_LLAMA.vocab_size,
+        dtype,
+        vocab_parallel=vocab_parallel,
+    )
     return build_rank_stages(
         model,
-        llama_stage_module_names(num_stages, num_stages),
+        llama_stage_module_names(num_stages, num_stages, vocab_parallel=vocab_parallel),
+        outside_stages=("tok_embeddings", "output") if vocab_parallel else (),
         rank=rank,
         num_ranks=world,
         stage_style="v" if schedule in V_SHAPED_SCHEDULES else "loop",
@@ -77,4 +87,34 @@ def tiny_pipeline_stages(
         materialize=materialize,
         group=group,
         backend="cpu",
+    )
+
+
+def tiny_vocab_parallel(stages: list, num_stages: int, seed: int = 3, group=None):
+    """This rank's `PipelineVocabParallel` for `tiny_pipeline_stages(vocab_parallel=True)`
+    (same seed and dtype): the rows of TINY_LLAMA's embedding and output this rank holds."""
+    import torch.distributed as dist
+
+    from pipekit.pipelining.vocab_parallel import PipelineVocabParallel, vocab_shard_modules
+
+    group = group or dist.group.WORLD
+    full = Llama(TINY_LLAMA.with_updates(n_layers=num_stages, max_seq_len=64))
+    full.init_weights(seed=seed)
+    shapes = stages[0].shapes
+    embedding, output = vocab_shard_modules(TINY_LLAMA.vocab_size, TINY_LLAMA.dim, group)
+    embedding.load_full_weight(full.tok_embeddings.weight.detach())
+    output.load_full_weight(full.output.weight.detach())
+    embedding.to(shapes.dtype)
+    output.to(shapes.dtype)
+    held = {stage.stage_index: stage.group_rank for stage in stages}
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, held, group=group)
+    owner = {index: rank for part in everyone for index, rank in part.items()}
+    return PipelineVocabParallel(
+        embedding,
+        output,
+        shapes,
+        first_rank=owner[0],
+        last_rank=owner[num_stages - 1],
+        group=group,
     )

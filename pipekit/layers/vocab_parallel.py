@@ -24,6 +24,7 @@ __all__ = [
     "GroupLike",
     "VocabParallelEmbedding",
     "VocabParallelOutput",
+    "dtensor_shard_sizes",
     "vocab_parallel_cross_entropy",
     "vocab_shard_range",
 ]
@@ -77,6 +78,20 @@ def _shard_sizes(vocab_size: int, world: int, shard_sizes: Sequence[int] | None)
         )
     base, extra = divmod(vocab_size, world)
     return [base + (1 if rank < extra else 0) for rank in range(world)]
+
+
+def dtensor_shard_sizes(vocab_size: int, world: int) -> list[int]:
+    """Rows per rank as DTensor's `Shard(0)` cuts them (`torch.chunk`: `ceil(V / world)` each,
+    the last rank the rest), so a shard can be saved and resharded as a DTensor."""
+    chunk = -(-vocab_size // world)
+    sizes = [max(0, min(chunk, vocab_size - rank * chunk)) for rank in range(world)]
+    if min(sizes) < 1:
+        raise ValueError(
+            f"vocab_size={vocab_size} split as DTensor's Shard(0) over {world} ranks leaves "
+            f"rank(s) {[r for r, s in enumerate(sizes) if s < 1]} without rows (sizes {sizes}); "
+            "pad the vocabulary to a multiple of the group size"
+        )
+    return sizes
 
 
 def vocab_shard_range(

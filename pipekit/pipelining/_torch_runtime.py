@@ -8,11 +8,14 @@ or changes one of these touches this file only.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     FULL_BACKWARD,
+    SEND_B,
+    SEND_F,
     _Action,
     _add_send_recv,
     _ComputationType,
@@ -32,7 +35,9 @@ __all__ = [
     "PipelineSchedule",
     "PipelineScheduleRuntime",
     "get_schedule_class",
+    "insert_after_compute",
     "lower_to_comms",
+    "register_action_function",
     "run_units",
     "stage_saved_inputs",
     "validate_actions",
@@ -84,3 +89,36 @@ def stage_saved_inputs(stage: PipelineStage, unit: int) -> list[Any]:
         return []
     _, input_values = stage.fwd_cache[unit]
     return list(input_values)
+
+
+def insert_after_compute(
+    lowered: Sequence[Action], extra: Sequence[tuple[int, Action]]
+) -> list[Action]:
+    """`lowered` (one rank's list with sends and receives) with each `(k, action)` of `extra`
+    placed after the rank's k-th compute action and the sends that follow it, so everything
+    computed before `action` has been handed to its receivers. `extra` is in list order."""
+    result: list[Action] = []
+    pending = list(extra)
+    computed = 0
+    for index, action in enumerate(lowered):
+        while pending and pending[0][0] == computed and _sends_done(lowered, index):
+            result.append(pending.pop(0)[1])
+        result.append(action)
+        computed += action.is_compute_op
+    result += [action for _, action in pending]
+    return result
+
+
+def _sends_done(lowered: Sequence[Action], index: int) -> bool:
+    """Whether `lowered[index]` is not a send that belongs to the compute action before it."""
+    return lowered[index].computation_type not in (SEND_F, SEND_B)
+
+
+def register_action_function(
+    schedule: _PipelineScheduleRuntime,
+    computation_type: Any,
+    function: Callable[[Action, Any], None],
+) -> None:
+    """Run `function(action, context)` for actions of a pipekit-defined `computation_type`
+    (torch's public `register_custom_function` accepts only torch's own types)."""
+    schedule._comp_type_to_function_map[computation_type] = function

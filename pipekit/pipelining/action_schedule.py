@@ -4,17 +4,31 @@
 wrote) differ only in where the lists come from. Both hand torch's `_PipelineScheduleRuntime` the
 compute-only lists; its lowering adds the sends and receives, FSDP unshard/reshard and gradient
 reduction. Losses are normalised by the global label-token count, so no gradient scaling.
+
+With vocabulary parallelism (`vocab=`), the lists also get every unit's output pass
+(`pipekit.pipelining.output_passes`), run by pipekit's handler on the ranks without the last stage
+and inside the last stage's loss function on its rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from pipekit.pipelining._torch_runtime import Action, PipelineScheduleRuntime
+from pipekit.pipelining._torch_runtime import (
+    Action,
+    PipelineScheduleRuntime,
+    insert_after_compute,
+    register_action_function,
+)
+from pipekit.pipelining.output_passes import OUTPUT_PASS, with_output_passes
 from pipekit.pipelining.stage import SlicedPipelineStage, check_stage_slices
 from pipekit.train.loss import token_sum_cross_entropy
+
+if TYPE_CHECKING:
+    from pipekit.pipelining.vocab_parallel import PipelineVocabParallel
 
 __all__ = ["ActionListSchedule", "LossFn"]
 
@@ -35,12 +49,38 @@ class ActionListSchedule(PipelineScheduleRuntime):
         num_microbatches: int,
         num_slices: int = 1,
         loss_fn: LossFn = token_sum_cross_entropy,
+        vocab: PipelineVocabParallel | None = None,
     ) -> None:
         check_stage_slices(stages, num_slices)
         actions = {rank: list(actions_by_rank[rank]) for rank in sorted(actions_by_rank)}
+        if vocab is not None:
+            loss_fn = vocab.stage_loss
         super().__init__(
             list(stages), num_microbatches * num_slices, loss_fn=loss_fn, scale_grads=False
         )
         self.num_microbatches, self.num_slices = num_microbatches, num_slices
-        self.pipeline_order = dict(actions)
-        self._prepare_schedule_with_comms(actions)
+        if vocab is None:
+            self.pipeline_order = dict(actions)
+            self._prepare_schedule_with_comms(actions)
+            return
+        placed = with_output_passes(actions, num_slices)
+        self.pipeline_order = dict(placed)
+        self._prepare_schedule_with_comms(
+            {
+                rank: [a for a in acts if a.computation_type != OUTPUT_PASS]
+                for rank, acts in placed.items()
+            }
+        )
+        for rank, acts in placed.items():
+            if rank == vocab.last_rank:  # its share runs inside the last stage's loss function
+                continue
+            extra, computed = [], 0
+            for action in acts:
+                if action.computation_type == OUTPUT_PASS:
+                    extra.append((computed, action))
+                else:
+                    computed += 1
+            self.pipeline_order_with_comms[rank] = insert_after_compute(
+                self.pipeline_order_with_comms[rank], extra
+            )
+        register_action_function(self, OUTPUT_PASS, vocab.run_output_pass)

@@ -33,14 +33,16 @@ def build_rank_model(
     num_ranks: int,
     stage_style: str,
     stage_indices: Sequence[int] | None = None,
+    outside_stages: Sequence[str] = (),
 ) -> nn.Module:
     """The modules of every stage `rank` holds, as one pruned copy of `model` (full-model names).
 
     Materialise it, then `wrap_rank_stages` shares it out into stages: the optimizer,
     checkpoints and gradient clipping work on this one module. The stages are those of
     `stage_style` placement, or `stage_indices` when given (a user schedule's placement).
+    `outside_stages` names modules no stage holds (vocabulary parallelism's).
     """
-    validate_stage_module_names(model, module_names_per_stage)
+    validate_stage_module_names(model, module_names_per_stage, outside_stages)
     indices = _rank_stage_indices(
         rank, num_ranks, len(module_names_per_stage), stage_style, stage_indices
     )
@@ -109,6 +111,7 @@ def build_rank_stages(
     group: dist.ProcessGroup | None = None,
     backend: str | AttentionBackend = "auto",
     stage_indices: Sequence[int] | None = None,
+    outside_stages: Sequence[str] = (),
 ) -> list[SlicedPipelineStage]:
     """`build_rank_model`, `materialize` (e.g. `to_empty` + `init_weights`), `wrap_rank_stages`."""
     placement = {
@@ -117,7 +120,9 @@ def build_rank_stages(
         "stage_style": stage_style,
         "stage_indices": stage_indices,
     }
-    rank_model = build_rank_model(model, module_names_per_stage, **placement)
+    rank_model = build_rank_model(
+        model, module_names_per_stage, **placement, outside_stages=outside_stages
+    )
     materialize(rank_model)
     return wrap_rank_stages(
         rank_model,

@@ -30,7 +30,14 @@ from pipekit.pipelining.action_schedule import ActionListSchedule, LossFn
 from pipekit.pipelining.actions import sliced_pipeline_actions
 from pipekit.pipelining.split import split_into_units
 from pipekit.pipelining.stage import SlicedPipelineStage
+from pipekit.pipelining.torch_actions import (
+    SINGLE_STAGE_SCHEDULES,
+    TORCH_SCHEDULES,
+    V_SHAPED_SCHEDULES,
+    torch_schedule_actions,
+)
 from pipekit.pipelining.user_schedule import UserPipelineSchedule
+from pipekit.pipelining.vocab_parallel import PipelineVocabParallel
 from pipekit.train.loss import token_sum_cross_entropy
 
 __all__ = [
@@ -42,20 +49,6 @@ __all__ = [
     "build_pipeline_runner",
 ]
 
-TORCH_SCHEDULES = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-)
-"""torch's schedules selectable by name (the baselines); V-shaped ones place stages in a V."""
-
-V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-
 
 class SlicedPipelineSchedule(ActionListSchedule):
     """SlimPipe's sliced 1F1B (interleaved when a rank holds several stages)."""
@@ -66,10 +59,11 @@ class SlicedPipelineSchedule(ActionListSchedule):
         num_microbatches: int,
         num_slices: int,
         loss_fn: LossFn = token_sum_cross_entropy,
+        vocab: PipelineVocabParallel | None = None,
     ) -> None:
         num_ranks = stages[0].group_size
         actions = sliced_pipeline_actions(num_ranks, num_microbatches, num_slices, len(stages))
-        super().__init__(stages, actions, num_microbatches, num_slices, loss_fn)
+        super().__init__(stages, actions, num_microbatches, num_slices, loss_fn, vocab)
 
 
 def _torch_schedule(
@@ -93,6 +87,8 @@ class PipelineRunner:
     stages: list[SlicedPipelineStage]
     num_microbatches: int
     num_slices: int
+    vocab: PipelineVocabParallel | None = None
+    """This rank's vocabulary shards when the pipeline is vocabulary-parallel."""
 
     @property
     def has_first_stage(self) -> bool:
@@ -114,13 +110,19 @@ class PipelineRunner:
         for stage in self.stages:
             stage.has_backward = True
             stage.clear_runtime_states()
-        arg_units = [(unit["tokens"],) if self.has_first_stage else () for unit in units]
+        if self.vocab is not None:
+            stage_inputs = self.vocab.begin_step(units, num_label_tokens)
+            arg_units = [(embedded,) for embedded in stage_inputs] or [() for _ in units]
+        else:
+            arg_units = [(unit["tokens"],) if self.has_first_stage else () for unit in units]
         kwarg_units = [_stage_kwargs(unit) for unit in units]
         targets = [unit["labels"] for unit in units] if self.has_last_stage else None
         losses: list[Tensor] = []
         run_units(
             self.schedule, arg_units, kwarg_units, targets, losses, {"normaliser": num_label_tokens}
         )
+        if self.vocab is not None:
+            self.vocab.end_step()
         for stage in self.stages:
             stage.clear_runtime_states()
         if not self.has_last_stage:
@@ -144,30 +146,39 @@ def build_pipeline_runner(
     loss_fn: LossFn = token_sum_cross_entropy,
     *,
     actions_by_rank: Mapping[int, Sequence[Action | None]] | None = None,
+    vocab: PipelineVocabParallel | None = None,
 ) -> PipelineRunner:
     """`"sliced"`, one of `TORCH_SCHEDULES`, or `"user"` (every rank's compute-only
     `actions_by_rank`, see `pipekit.pipelining.user_schedule`) over this rank's stages (built
-    for `num_slices`)."""
+    for `num_slices`). With `vocab` (stages built with `StageShapes(vocab_parallel=True)`), the
+    embedding, output layer and loss are vocabulary-parallel across the pipeline ranks; torch's
+    schedules then run as their action lists with the output passes placed in them."""
     if (schedule_name == "user") != (actions_by_rank is not None):
         raise ValueError(
             "pass actions_by_rank exactly when schedule_name='user' (a user-defined schedule)"
         )
     if schedule_name == "user":
         schedule: PipelineSchedule = UserPipelineSchedule(
-            stages, actions_by_rank, num_microbatches, num_slices, loss_fn
+            stages, actions_by_rank, num_microbatches, num_slices, loss_fn, vocab
         )
     elif schedule_name == "sliced":
-        schedule = SlicedPipelineSchedule(stages, num_microbatches, num_slices, loss_fn)
+        schedule = SlicedPipelineSchedule(stages, num_microbatches, num_slices, loss_fn, vocab)
     elif schedule_name in TORCH_SCHEDULES:
         if num_slices != 1:
             raise ValueError(
                 f"num_slices={num_slices} needs pipeline_schedule='sliced'; torch's "
                 f"{schedule_name!r} runs whole microbatches (set num_slices=1)"
             )
-        schedule = _torch_schedule(schedule_name, stages, num_microbatches, loss_fn)
+        if vocab is None:
+            schedule = _torch_schedule(schedule_name, stages, num_microbatches, loss_fn)
+        else:
+            torch_lists = torch_schedule_actions(
+                schedule_name, stages[0].group_size, num_microbatches, len(stages)
+            )
+            schedule = ActionListSchedule(stages, torch_lists, num_microbatches, 1, loss_fn, vocab)
     else:
         raise ValueError(
             f"pipeline_schedule={schedule_name!r} is not known; choose 'sliced', 'user' or one "
             f"of {', '.join(repr(name) for name in TORCH_SCHEDULES)}"
         )
-    return PipelineRunner(schedule, list(stages), num_microbatches, num_slices)
+    return PipelineRunner(schedule, list(stages), num_microbatches, num_slices, vocab)

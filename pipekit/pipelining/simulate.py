@@ -38,7 +38,14 @@ from pipekit.pipelining._torch_runtime import (
 from pipekit.pipelining.actions import unit_microbatch_and_slice
 from pipekit.pipelining.timeline import ScheduledAction
 
-__all__ = ["CostModel", "ScheduleDeadlockError", "SimulationResult", "simulate"]
+__all__ = [
+    "CostModel",
+    "ScheduleDeadlockError",
+    "SimulationResult",
+    "as_action",
+    "simulate",
+    "unit_dependencies",
+]
 
 F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
 _KEY = tuple[int, str, int]  # (stage, kind, unit)
@@ -116,7 +123,7 @@ class SimulationResult:
         return max(self.bubble_fraction.values())
 
 
-def _dependencies(action: Action, num_stages: int, num_slices: int) -> list[tuple[_KEY, bool]]:
+def unit_dependencies(action: Action, num_stages: int, num_slices: int) -> list[tuple[_KEY, bool]]:
     """(stage, kind, unit) keys this action waits for; the flag marks a stage-to-stage transfer."""
     stage, kind, unit = action.stage_index, action.computation_type, action.microbatch_index
     _, slice_index = unit_microbatch_and_slice(unit, num_slices)
@@ -147,7 +154,7 @@ def _keys_of(action: Action) -> list[_KEY]:
     return keys
 
 
-def _as_action(key: _KEY) -> Action:
+def as_action(key: _KEY) -> Action:
     stage, kind, unit = key
     return Action(stage, ComputationType.from_str("B" if kind == "BI" else kind), unit)
 
@@ -175,7 +182,7 @@ def simulate(
         for rank, actions in lists.items():
             while position[rank] < len(actions):
                 action = actions[position[rank]]
-                needs = _dependencies(action, num_stages, num_slices)
+                needs = unit_dependencies(action, num_stages, num_slices)
                 if any(key not in finished for key, _ in needs):
                     break
                 ready = max(
@@ -237,7 +244,7 @@ def _deadlock(
 
     def blocked(rank: int) -> tuple[Action, _KEY]:
         action = lists[rank][position[rank]]
-        needs = _dependencies(action, num_stages, num_slices)
+        needs = unit_dependencies(action, num_stages, num_slices)
         return action, next(key for key, _ in needs if key not in finished)
 
     rank = next(r for r in lists if position[r] < len(lists[r]))
@@ -250,7 +257,7 @@ def _deadlock(
             break
         rank = owner
     action, missing = blocked(rank)
-    return ScheduleDeadlockError(rank, action, _as_action(missing), position[rank])
+    return ScheduleDeadlockError(rank, action, as_action(missing), position[rank])
 
 
 def _peak_memory(

@@ -42,24 +42,36 @@ __all__ = ["SlicedPipelineStage", "StageShapes", "check_stage_slices"]
 
 class StageShapes:
     """Static shapes of one unit at a stage boundary: tokens `[B, S]` into the first stage,
-    hidden states `[B, S, D]` between stages, logits `[B, S, V]` out of the last. Floating
-    examples require grad: torch sizes the gradient buffers of a boundary only for those."""
+    hidden states `[B, S, D]` between stages, logits `[B, S, V]` out of the last. With
+    `vocab_parallel` the embedding and the output layer live outside the stages, so the first
+    stage takes and the last stage gives hidden states. Floating examples require grad: torch
+    sizes the gradient buffers of a boundary only for those."""
 
     def __init__(
-        self, rows: int, slice_length: int, model_dim: int, vocab_size: int, dtype: torch.dtype
+        self,
+        rows: int,
+        slice_length: int,
+        model_dim: int,
+        vocab_size: int,
+        dtype: torch.dtype,
+        *,
+        vocab_parallel: bool = False,
     ) -> None:
         self.rows, self.slice_length = rows, slice_length
         self.model_dim, self.vocab_size, self.dtype = model_dim, vocab_size, dtype
+        self.vocab_parallel = vocab_parallel
 
     def stage_input(self, is_first: bool, device: torch.device) -> torch.Tensor:
-        """The first stage takes token ids; the others take hidden states."""
-        if is_first:
+        """The first stage takes token ids (embeddings with vocab_parallel); the others take
+        hidden states."""
+        if is_first and not self.vocab_parallel:
             return torch.empty(self.rows, self.slice_length, dtype=torch.long, device=device)
         return self.hidden(device)
 
     def stage_output(self, is_last: bool, device: torch.device) -> torch.Tensor:
-        """The last stage gives logits; the others give hidden states."""
-        if is_last:
+        """The last stage gives logits (hidden states with vocab_parallel); the others give
+        hidden states."""
+        if is_last and not self.vocab_parallel:
             size = (self.rows, self.slice_length, self.vocab_size)
             return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
         return self.hidden(device)
@@ -94,7 +106,7 @@ class SlicedPipelineStage(PipelineStage):
             output_args=shapes.stage_output(stage_index == num_stages - 1, meta),
             group=group,
         )
-        self.num_slices = num_slices
+        self.num_slices, self.shapes = num_slices, shapes
         self.kv_cache = ChunkedKVCache(backend)
         self.action_observer: Callable[[Action, float, float], None] | None = None
         """Called with (action, start, end) after each F, B, I or W (`pipekit.pipelining.trace`)."""

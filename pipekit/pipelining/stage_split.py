@@ -91,12 +91,22 @@ def llama_stage_module_names(
     num_stages: int,
     embedding_weight: float = 1.0,
     output_weight: float = 1.0,
+    *,
+    vocab_parallel: bool = False,
 ) -> list[list[str]]:
-    """Module names of each stage of `models.llama.Llama`, split by `partition_layers`."""
+    """Module names of each stage of `models.llama.Llama`, split by `partition_layers`.
+
+    With `vocab_parallel` the embedding and the output layer are split across the pipeline ranks
+    outside the stages (`pipekit.pipelining.vocab_parallel`): no stage holds them or pays for them.
+    """
+    if vocab_parallel:
+        embedding_weight = output_weight = 0.0
     ranges = partition_layers(num_layers, num_stages, embedding_weight, output_weight)
     names = [[f"layers.{layer}" for layer in layers] for layers in ranges]
-    names[0].insert(0, "tok_embeddings")
-    names[-1].extend(["norm", "output"])
+    names[-1].append("norm")
+    if not vocab_parallel:
+        names[0].insert(0, "tok_embeddings")
+        names[-1].append("output")
     return names
 
 
@@ -176,8 +186,13 @@ def _shallow_copy(model: nn.Module) -> nn.Module:
     return stage
 
 
-def validate_stage_module_names(model: nn.Module, names_per_stage: Sequence[Sequence[str]]) -> None:
-    """Check that the stages hold every module of `model` once, with layers in model order.
+def validate_stage_module_names(
+    model: nn.Module,
+    names_per_stage: Sequence[Sequence[str]],
+    outside_stages: Sequence[str] = (),
+) -> None:
+    """Check that the stages hold every module of `model` once, with layers in model order;
+    the modules named in `outside_stages` (vocabulary parallelism's) must be in none.
 
     Catches hand-written splits that would silently drop or duplicate weights or run layers out
     of order, before any process group or memory is spent on them.
@@ -193,10 +208,15 @@ def validate_stage_module_names(model: nn.Module, names_per_stage: Sequence[Sequ
                 "every stage needs at least one"
             )
         for unit in sorted(units):
+            if unit in outside_stages:
+                raise ValueError(
+                    f"module {unit!r} is in stage {stage} but is split across the pipeline ranks "
+                    "outside the stages (vocab_parallel); remove it from the stage's list"
+                )
             if unit in owner:
                 raise ValueError(f"module {unit!r} is in stage {owner[unit]} and stage {stage}")
             owner[unit] = stage
-    missing = [unit for unit in _units(model) if unit not in owner]
+    missing = [unit for unit in _units(model) if unit not in owner and unit not in outside_stages]
     if missing:
         raise ValueError(f"modules {missing} are in no stage; add each to exactly one stage")
     for name, child in model.named_children():

@@ -19,9 +19,29 @@ from pipekit.pipelining._torch_runtime import (
     ComputationType,
     get_schedule_class,
 )
-from pipekit.pipelining.schedule import SINGLE_STAGE_SCHEDULES, TORCH_SCHEDULES, V_SHAPED_SCHEDULES
 
-__all__ = ["COMPUTE_TYPES", "compute_actions", "torch_schedule_actions"]
+__all__ = [
+    "COMPUTE_TYPES",
+    "SINGLE_STAGE_SCHEDULES",
+    "TORCH_SCHEDULES",
+    "V_SHAPED_SCHEDULES",
+    "compute_actions",
+    "torch_schedule_actions",
+]
+
+TORCH_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+"""torch's schedules selectable by name (the baselines); V-shaped ones place stages in a V."""
+
+V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 
 COMPUTE_TYPES = (
     ComputationType.FORWARD,

@@ -34,6 +34,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tomli
 
@@ -49,6 +50,9 @@ from pipekit.pipelining.actions import read_actions_csv, unit_index
 from pipekit.pipelining.schedule_check import KINDS, ScheduleError, check_schedule
 from pipekit.pipelining.stage import SlicedPipelineStage
 from pipekit.train.loss import token_sum_cross_entropy
+
+if TYPE_CHECKING:
+    from pipekit.pipelining.vocab_parallel import PipelineVocabParallel
 
 __all__ = [
     "KINDS",
@@ -231,6 +235,7 @@ class UserPipelineSchedule(ActionListSchedule):
         num_microbatches: int,
         num_slices: int = 1,
         loss_fn: LossFn = token_sum_cross_entropy,
+        vocab: PipelineVocabParallel | None = None,
     ) -> None:
         rank, num_ranks = stages[0].group_rank, stages[0].group_size
         if len(actions_by_rank) != num_ranks:
@@ -251,4 +256,4 @@ class UserPipelineSchedule(ActionListSchedule):
                 f"rank {rank} holds stages {held} but the schedule runs stages {placed} on it; "
                 f"build this rank's stages with stage_indices={placed}"
             )
-        super().__init__(stages, actions_by_rank, num_microbatches, num_slices, loss_fn)
+        super().__init__(stages, actions_by_rank, num_microbatches, num_slices, loss_fn, vocab)

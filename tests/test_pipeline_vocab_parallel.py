@@ -1,0 +1,122 @@
+"""A vocabulary-parallel pipeline equals one process running the whole model (float64): loss,
+every stage parameter's gradient and every rank's rows of the embedding and output gradients,
+for the sliced schedule (p = 2 and 4, v = 1 and 2) and torch's schedules run as action lists,
+with packed documents, ignored labels and an uneven last shard. The ablations drop the other
+ranks' share of d loss / d hidden, or of the embedding gradient, and must fail."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch.distributed as dist
+from distributed_helpers import run_on_ranks
+from test_sliced_pipeline import BATCH, SEED, SEQ_LEN, TOLERANCE, _batch, _reference
+from tiny_models import tiny_pipeline_stages, tiny_vocab_parallel
+from torch import Tensor
+
+from pipekit.pipelining import vocab_parallel
+from pipekit.pipelining.schedule import build_pipeline_runner
+from pipekit.pipelining.vocab_parallel import PipelineVocabParallel
+from pipekit.train.loss import count_label_tokens
+
+
+def _run(rank: int, world: int, schedule: str, v: int, m: int, n: int, ablation: str = ""):
+    stages = tiny_pipeline_stages(
+        rank,
+        world,
+        schedule=schedule,
+        num_stages=world * v,
+        rows_per_unit=BATCH // m,
+        slice_length=SEQ_LEN // n,
+        num_slices=n,
+        seed=SEED,
+        vocab_parallel=True,
+    )
+    vocab = tiny_vocab_parallel(stages, world * v, seed=SEED)
+    if ablation == "hidden_grad_last_rank_only" and rank != vocab.last_rank:
+        vocab.output.register_full_backward_hook(lambda _, grad_in, __: (grad_in[0] * 0,))
+    if ablation == "embedding_grad_first_rank_only":
+        _skip_embedding_gradient_broadcast(vocab)
+    runner = build_pipeline_runner(schedule, stages, m, n, vocab=vocab)
+    loss = runner.step(_batch(), count_label_tokens(_batch()["labels"]))
+    grads = {name: p.grad.clone() for s in stages for name, p in s.submod.named_parameters()}
+    rows = {}
+    for name, shard in (
+        ("tok_embeddings.weight", vocab.embedding),
+        ("output.weight", vocab.output),
+    ):
+        rows[name] = (shard.vocab_start, shard.vocab_end, shard.weight.grad.clone())
+    dist.barrier()
+    return (None if loss is None else loss.item()), grads, rows
+
+
+def _skip_embedding_gradient_broadcast(vocab: PipelineVocabParallel) -> None:
+    """Ablation: the other ranks never receive the first stage's embedding gradients."""
+    end_step = vocab.end_step
+
+    def without_broadcast() -> None:
+        with mock.patch.object(vocab_parallel.dist, "broadcast", lambda *_, **__: None):
+            end_step()
+
+    vocab.end_step = without_broadcast
+
+
+def _difference(results: list, reference: tuple[float, dict[str, Tensor]]) -> float:
+    ref_loss, ref_grads = reference
+    (loss,) = [loss for loss, _, _ in results if loss is not None]
+    worst = abs(loss - ref_loss) / abs(ref_loss)
+    seen = set()
+    for _, grads, rows in results:
+        for name, grad in grads.items():
+            seen.add(name)
+            scale = ref_grads[name].abs().max()
+            worst = max(worst, ((grad - ref_grads[name]).abs().max() / scale).item())
+        for name, (start, end, grad) in rows.items():
+            seen.add(name)
+            scale = ref_grads[name].abs().max()
+            worst = max(worst, ((grad - ref_grads[name][start:end]).abs().max() / scale).item())
+    assert seen == set(ref_grads), "every parameter must be held once"
+    return worst
+
+
+def _many(rank: int, world: int, configs: list[tuple]) -> list:
+    return [_run(rank, world, *config) for config in configs]
+
+
+def _differences(world: int, configs: list[tuple]) -> dict[tuple, float]:
+    results = run_on_ranks(_many, world, configs, timeout=240)
+    return {
+        config: _difference(
+            [results[rank][index] for rank in range(world)], _reference(world * config[1])
+        )
+        for index, config in enumerate(configs)
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_sliced_pipeline_equals_single_process_fp64(world: int) -> None:
+    configs = [("sliced", 1, 2, 2 * world), ("sliced", 2, 1, world), ("sliced", 1, 3, world)]
+    differences = _differences(world, configs)
+    assert max(differences.values()) < TOLERANCE, differences
+
+
+def test_vocab_parallel_with_torch_schedules() -> None:
+    configs = [
+        ("1F1B", 1, 3, 1),
+        ("GPipe", 1, 2, 1),
+        ("Interleaved1F1B", 2, 2, 1),
+        ("InterleavedZeroBubble", 2, 2, 1),
+        ("ZBVZeroBubble", 2, 2, 1),
+        ("DualPipeV", 2, 6, 1),
+    ]
+    differences = _differences(2, configs)
+    assert max(differences.values()) < TOLERANCE, differences
+
+
+@pytest.mark.parametrize(
+    "ablation", ["hidden_grad_last_rank_only", "embedding_grad_first_rank_only"]
+)
+def test_dropping_a_ranks_share_breaks_parity(ablation: str) -> None:
+    (difference,) = _differences(2, [("sliced", 1, 2, 4, ablation)]).values()
+    assert difference > 1e-3
