@@ -27,7 +27,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from pipekit.checkpoint._durable import fsync_path
@@ -84,26 +86,74 @@ class ModelOptimizerState:
 
     `get_state_dict`/`set_state_dict` give FSDP2 models their DTensor shards, so DCP writes and
     reads only this rank's part, and the names survive wrapping and resharding.
+
+    `row_shards` names plain parameters that hold only some rows of the full matrix on each rank
+    of a 1-D mesh, cut as DTensor's `Shard(0)` cuts them (vocabulary parallelism across the
+    pipeline ranks): `{fqn: mesh}`. They and their optimizer state are saved as DTensors of the
+    full shape, so the ranks' rows are kept apart and a run with another split can load them.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        row_shards: Mapping[str, DeviceMesh] | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.row_shards = dict(row_shards or {})
 
     def state_dict(self) -> dict[str, Any]:
         model_state, optimizer_state = get_state_dict(
             self.model, self.optimizer, options=_FLAT_OPTIMIZER
         )
+        if self.row_shards:
+            model_state, optimizer_state = self._convert(model_state, optimizer_state, _as_rows)
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        model_state, optimizer_state = state_dict["model"], state_dict["optimizer"]
+        if self.row_shards:
+            model_state, optimizer_state = self._convert(model_state, optimizer_state, _as_local)
         set_state_dict(
             self.model,
             self.optimizer,
-            model_state_dict=state_dict["model"],
-            optim_state_dict=state_dict["optimizer"],
+            model_state_dict=model_state,
+            optim_state_dict=optimizer_state,
             options=_FLAT_OPTIMIZER,
         )
+
+    def _convert(
+        self,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any],
+        convert: Callable[[Tensor, DeviceMesh, torch.Size], Tensor],
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Apply `convert` to each row-sharded parameter and its same-shaped optimizer state."""
+        model_state, optimizer_state = dict(model_state), dict(optimizer_state)
+        for fqn, mesh in self.row_shards.items():
+            local = model_state[fqn]
+            local_shape = local.to_local().shape if isinstance(local, DTensor) else local.shape
+            model_state[fqn] = convert(local, mesh, local_shape)
+            for key, value in optimizer_state.items():
+                if key.startswith(f"state.{fqn}.") and isinstance(value, Tensor) and value.ndim:
+                    optimizer_state[key] = convert(value, mesh, local_shape)
+        return model_state, optimizer_state
+
+
+def _as_rows(local: Tensor, mesh: DeviceMesh, local_shape: torch.Size) -> Tensor:
+    """This rank's rows as a `Shard(0)` DTensor of the full matrix (rows summed over the mesh)."""
+    rows = torch.tensor([local_shape[0]])
+    if dist.is_initialized():
+        dist.all_reduce(rows, group=mesh.get_group())
+    shape = torch.Size([int(rows), *local_shape[1:]])
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=shape, stride=local.stride()
+    )
+
+
+def _as_local(value: Tensor, mesh: DeviceMesh, local_shape: torch.Size) -> Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 class CheckpointManager:

@@ -148,6 +148,9 @@ class ParallelismConfig:
     """Explicit split instead: one entry per stage, comma-separated module names
     ("tok_embeddings,layers.0", ..., "layers.7,norm,output"); on the command line separate the
     stages with `;`."""
+    vocab_parallel: bool = False
+    """Split the embedding, output layer and loss by vocabulary rows across the pipeline ranks
+    (output passes on every rank; see docs/vocab_parallel.md); stages then hold neither."""
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows from the data-parallel ranks)."""
     collective_timeout_s: int = 300

@@ -133,6 +133,8 @@ def _check_parallelism(config: JobConfig, world_size: int) -> None:
         )
     if dims.pp > 1:
         _check_pipeline(config, config.training.global_batch_size // per_step)
+    if config.parallelism.vocab_parallel:
+        _check_vocab_parallel(config, dims.pp, dims.dp_degree)
 
 
 def _check_pipeline(config: JobConfig, local_batch_size: int) -> None:
@@ -147,7 +149,7 @@ def _check_pipeline(config: JobConfig, local_batch_size: int) -> None:
         )
         with torch.device("meta"):
             model = get_model_spec(config.model.name).build(args)
-        validate_stage_module_names(model, plan.module_names_per_stage)
+        validate_stage_module_names(model, plan.module_names_per_stage, plan.modules_outside_stages)
     except ValueError as error:
         raise ConfigError(f"[parallelism] {error}") from None
     if args.tie_embeddings:
@@ -164,6 +166,28 @@ def _check_pipeline(config: JobConfig, local_batch_size: int) -> None:
             raise ConfigError(
                 f"{name} is not supported with pipeline_parallel_degree > 1 yet; turn it off "
                 "(the pipelined run still writes DCP checkpoints)"
+            )
+
+
+def _check_vocab_parallel(config: JobConfig, pp: int, dp_degree: int) -> None:
+    """Vocabulary parallelism needs pipeline ranks to split over, and does not combine with
+    some features yet."""
+    if pp < 2:
+        raise ConfigError(
+            "[parallelism] vocab_parallel = true splits the vocabulary across pipeline ranks; set "
+            "pipeline_parallel_degree >= 2 or vocab_parallel = false"
+        )
+    unsupported = {
+        f"data parallelism (data-parallel degree {dp_degree})": dp_degree > 1,
+        "[checkpoint] initial_load_path (Hugging Face weights into vocabulary shards)": bool(
+            config.checkpoint.initial_load_path
+        ),
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise ConfigError(
+                f"[parallelism] vocab_parallel = true does not combine with {name} yet; turn "
+                "one of them off"
             )
 
 

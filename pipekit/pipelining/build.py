@@ -74,7 +74,7 @@ def wrap_rank_stages(
     indices = _rank_stage_indices(rank, num_ranks, num_stages, stage_style, stage_indices)
     stages = []
     for stage_index in indices:
-        if len(indices) == 1:
+        if len(indices) == 1 and not shapes.vocab_parallel:  # the rank model is the stage
             stage_module = rank_model
         else:
             stage_module = build_stage_module(

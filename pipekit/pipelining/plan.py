@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.actions import sliced_pipeline_actions
+from pipekit.pipelining.output_passes import with_output_passes
 from pipekit.pipelining.schedule import (
     SINGLE_STAGE_SCHEDULES,
     TORCH_SCHEDULES,
@@ -19,6 +20,7 @@ from pipekit.pipelining.schedule import (
 from pipekit.pipelining.stage_split import llama_stage_module_names, stages_of_rank
 from pipekit.pipelining.torch_actions import torch_schedule_actions
 from pipekit.pipelining.user_schedule import check_schedule, load_schedule_file
+from pipekit.pipelining.vocab_parallel import VOCAB_MODULE_NAMES
 
 __all__ = ["PipelinePlan", "plan_pipeline"]
 
@@ -37,6 +39,13 @@ class PipelinePlan:
     module_names_per_stage: list[list[str]]
     actions_by_rank: dict[int, list[Action]] | None = None
     """The checked compute-only lists of a user schedule (`schedule == "user"`), else None."""
+    vocab_parallel: bool = False
+    """The embedding and output layer are split across the pipeline ranks, outside the stages."""
+
+    @property
+    def modules_outside_stages(self) -> tuple[str, ...]:
+        """Modules no stage holds (vocabulary parallelism's)."""
+        return VOCAB_MODULE_NAMES if self.vocab_parallel else ()
 
     @property
     def num_stages(self) -> int:
@@ -48,6 +57,10 @@ class PipelinePlan:
         if self.actions_by_rank is not None:
             return sorted({action.stage_index for action in self.actions_by_rank[rank]})
         return stages_of_rank(rank, self.num_ranks, self.stages_per_rank, self.stage_style)
+
+    def stage_rank(self, stage: int) -> int:
+        """The rank holding `stage`."""
+        return next(r for r in range(self.num_ranks) if stage in self.stage_indices(r))
 
 
 def plan_pipeline(
@@ -121,12 +134,22 @@ def plan_pipeline(
             num_stages,
             parallelism.pipeline_embedding_cost,
             parallelism.pipeline_output_cost,
+            vocab_parallel=parallelism.vocab_parallel,
         )
     actions_by_rank = None
     if schedule_file:
         actions_by_rank = _user_schedule(
             schedule_file, num_ranks, stages_per_rank, num_microbatches, num_slices
         )
+    if parallelism.vocab_parallel:  # the output passes must fit the schedule without deadlock
+        shape = (num_ranks, num_microbatches)
+        if actions_by_rank is not None:
+            lists = actions_by_rank
+        elif schedule == "sliced":
+            lists = sliced_pipeline_actions(*shape, num_slices, stages_per_rank)
+        else:
+            lists = torch_schedule_actions(schedule, *shape, stages_per_rank)
+        with_output_passes(lists, num_slices)
     return PipelinePlan(
         schedule=schedule,
         num_ranks=num_ranks,
@@ -136,6 +159,7 @@ def plan_pipeline(
         stage_style="user" if schedule_file else "v" if schedule in V_SHAPED_SCHEDULES else "loop",
         module_names_per_stage=names,
         actions_by_rank=actions_by_rank,
+        vocab_parallel=parallelism.vocab_parallel,
     )
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from pipekit.attention.context import CausalAttention
 from pipekit.checkpoint.dcp import (
@@ -38,6 +39,11 @@ from pipekit.pipelining.plan import plan_pipeline
 from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
 from pipekit.pipelining.stage import StageShapes
 from pipekit.pipelining.trace import record_pipeline_step
+from pipekit.pipelining.vocab_parallel import (
+    VOCAB_MODULE_NAMES,
+    PipelineVocabParallel,
+    vocab_shard_modules,
+)
 from pipekit.train.activation_checkpoint import apply_activation_checkpointing
 from pipekit.train.data import build_data_loader
 from pipekit.train.loss import count_label_tokens, token_sum_cross_entropy
@@ -162,7 +168,17 @@ class Trainer:
         }
         with torch.device("meta"):
             full_model = self.spec.build(args)
-        rank_model = build_rank_model(full_model, plan.module_names_per_stage, **placement)
+        rank_model = build_rank_model(
+            full_model,
+            plan.module_names_per_stage,
+            **placement,
+            outside_stages=plan.modules_outside_stages,
+        )
+        if plan.vocab_parallel:  # this rank's rows, under the full model's names
+            with torch.device("meta"):
+                rank_model.tok_embeddings, rank_model.output = vocab_shard_modules(
+                    args.vocab_size, args.dim, pp_mesh.get_group()
+                )
         self._materialize(rank_model, load_hf)
         shapes = StageShapes(
             rows=self.micro_batch_size // plan.num_microbatches,
@@ -170,6 +186,7 @@ class Trainer:
             model_dim=args.dim,
             vocab_size=args.vocab_size,
             dtype=torch.float32,
+            vocab_parallel=plan.vocab_parallel,
         )
         stages = wrap_rank_stages(
             rank_model,
@@ -182,12 +199,24 @@ class Trainer:
             group=pp_mesh.get_group(),
             backend=config.model.attention_backend,
         )
+        vocab = None
+        if plan.vocab_parallel:
+            stage_ranks = [plan.stage_rank(stage) for stage in (0, plan.num_stages - 1)]
+            vocab = PipelineVocabParallel(
+                rank_model.tok_embeddings,
+                rank_model.output,
+                shapes,
+                first_rank=stage_ranks[0],
+                last_rank=stage_ranks[1],
+                group=pp_mesh.get_group(),
+            )
         runner = build_pipeline_runner(
             plan.schedule,
             stages,
             plan.num_microbatches,
             plan.num_slices,
             actions_by_rank=plan.actions_by_rank,
+            vocab=vocab,
         )
         return rank_model, runner
 
@@ -200,11 +229,19 @@ class Trainer:
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
-            "model_and_optimizer": ModelOptimizerState(self.model, self.optimizer),
+            "model_and_optimizer": ModelOptimizerState(
+                self.model, self.optimizer, row_shards=self._row_shards()
+            ),
             "lr_scheduler": self.lr_scheduler,
             "data": self.data,
             "trainer": _TrainerProgress(self),
         }
+
+    def _row_shards(self) -> dict[str, DeviceMesh]:
+        """Parameters split by rows across the pipeline ranks (vocabulary parallelism)."""
+        if self.pipeline is None or self.pipeline.vocab is None:
+            return {}
+        return {f"{name}.weight": self.dims.mesh("pp") for name in VOCAB_MODULE_NAMES}
 
     def _autocast(self) -> Any:
         """Mixed precision without FSDP (one rank): autocast; FSDP2 does it by itself."""
