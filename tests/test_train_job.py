@@ -6,6 +6,7 @@ Exact resume after SIGKILL, one-line errors with non-zero exits, metrics and che
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO_ROOT / "configs" / "debug_model.toml")
 SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_sliced_pp.toml")
+VOCAB_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_vocab_parallel_pp.toml")
 
 
 def _command(output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG) -> list[str]:
@@ -177,6 +179,10 @@ def _single_process_error(output_dir: Path, *overrides: str, world_size: int | N
             ),
             "pipeline_schedule='1F1F' is not known",
         ),
+        (
+            ("--parallelism.dp_shard", "2", "--parallelism.vocab_parallel", "true"),
+            "vocab_parallel = true splits the vocabulary across pipeline ranks",
+        ),
     ],
 )
 def test_bad_input_gives_one_error_line_and_exit_2(tmp_path, overrides, message):
@@ -256,3 +262,34 @@ def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path
         runs[name] = _losses(tmp_path / name)
     assert sorted(runs["pp_fsdp"]) == [1, 2, 3]
     assert runs["pp_fsdp"] == pytest.approx(runs["fsdp"], rel=1e-4)
+
+
+def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
+    """configs/debug_vocab_parallel_pp.toml against debug_sliced_pp.toml (the same pipeline with
+    the embedding and output layer on one rank each): equal losses step for step. Its step-2
+    checkpoint (vocabulary rows saved as DTensor shards) resumes exactly, and also loads into the
+    pipeline without vocabulary parallelism, which then continues with that run's losses."""
+    short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
+
+    def run(name: str, config: str) -> dict[int, float]:
+        result = subprocess.run(
+            _command(tmp_path / name, *short, config=config),
+            env=_env(),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return _losses(tmp_path / name)
+
+    vocab_parallel = run("vocab_parallel", VOCAB_PP_CONFIG)
+    plain = run("plain", SLICED_PP_CONFIG)
+    assert sorted(vocab_parallel) == [1, 2, 3, 4]
+    assert vocab_parallel == pytest.approx(plain, rel=1e-5)
+    for name, config in (("resumed", VOCAB_PP_CONFIG), ("resharded", SLICED_PP_CONFIG)):
+        step_2 = tmp_path / name / "checkpoints" / "step-2"
+        shutil.copytree(tmp_path / "vocab_parallel" / "checkpoints" / "step-2", step_2)
+        losses = run(name, config)
+        assert sorted(losses) == [3, 4]
+        reference = vocab_parallel if name == "resumed" else plain
+        assert losses == pytest.approx({step: reference[step] for step in (3, 4)}, rel=1e-5)
