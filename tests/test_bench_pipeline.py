@@ -60,6 +60,23 @@ def test_pipeline_throughput_bench_prints_both_allocator_ratios():
     assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
 
 
+def test_vocab_parallel_bench_shrinks_the_last_ranks_saved_logits():
+    figures = _run_bench(
+        "vocab-parallel", "--pp", "2", "--seq", "64", "--dim", "32", "--heads", "4",
+        "--kv-heads", "2", "--ffn-dim", "48", "--vocab", "4096",
+    )  # fmt: skip
+    assert list(figures) == [
+        "last_rank_peak_ratio",
+        "output_time_imbalance",
+        "first_rank_peak_ratio",
+        "last_rank_saved_ratio",
+        "step_time_ratio",
+    ]
+    # without it the last rank keeps 4 slices' [16, 4096] logits for the loss's backward
+    assert 0 < figures["last_rank_saved_ratio"] < 0.6
+    assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -85,6 +102,8 @@ def test_pipeline_throughput_bench_prints_both_allocator_ratios():
             "dim=30 is not divisible by n_heads=4",
         ),
         (["pipeline-throughput", "--repeats", "0"], "--repeats=0 must be at least 1"),
+        (["vocab-parallel", "--pp", "1"], "--pp=1 must be at least 2"),
+        (["vocab-parallel", "--pp", "2", "--slices", "6"], "num_slices=6 must be a multiple"),
     ],
 )
 def test_pipeline_bench_rejects_bad_shape_in_one_line(argv, message, capsys):

@@ -37,6 +37,11 @@ from pipekit.pipelining.build import build_rank_stages
 from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
 from pipekit.pipelining.stage import StageShapes
 from pipekit.pipelining.stage_split import llama_stage_module_names
+from pipekit.pipelining.vocab_parallel import (
+    VOCAB_MODULE_NAMES,
+    PipelineVocabParallel,
+    vocab_shard_modules,
+)
 
 __all__ = [
     "RankFailedError",
@@ -254,12 +259,14 @@ def build_runner(
     microbatches: int,
     num_slices: int,
     rows: int,
+    vocab_parallel: bool = False,
 ) -> PipelineRunner:
     """This rank's runner of `schedule` over an evenly split model (equal layers per stage).
 
     `rows` is the local batch; every stage gets the same seeded weights whatever the schedule.
     Embedding and output get no extra weight in the split: SlimPipe's Table 2 compares equal
-    stages, and so do the throughput figures.
+    stages, and so do the throughput figures. With `vocab_parallel` the embedding and output
+    rows are split over the ranks instead (their own random init).
     """
     args = _llama_args(spec)
     num_stages = num_ranks * stages_per_rank
@@ -271,24 +278,46 @@ def build_runner(
         module.init_weights(seed=_SEED)
 
     seq_len = spec["max_seq_len"]
+    shapes = StageShapes(
+        rows // microbatches,
+        seq_len // num_slices,
+        args.dim,
+        args.vocab_size,
+        torch.float32,
+        vocab_parallel=vocab_parallel,
+    )
     stages = build_rank_stages(
         model,
         llama_stage_module_names(
-            args.n_layers, num_stages, embedding_weight=0.0, output_weight=0.0
+            args.n_layers,
+            num_stages,
+            embedding_weight=0.0,
+            output_weight=0.0,
+            vocab_parallel=vocab_parallel,
         ),
         rank=rank,
         num_ranks=num_ranks,
         stage_style="loop",
-        shapes=StageShapes(
-            rows // microbatches, seq_len // num_slices, args.dim, args.vocab_size, torch.float32
-        ),
+        shapes=shapes,
         num_slices=num_slices,
         device=torch.device("cpu"),
         materialize=materialize,
         group=None,
         backend="cpu",
+        outside_stages=VOCAB_MODULE_NAMES if vocab_parallel else (),
     )
-    return build_pipeline_runner(schedule, stages, microbatches, num_slices)
+    vocab = None
+    if vocab_parallel:
+        embedding, output = vocab_shard_modules(args.vocab_size, args.dim, dist.group.WORLD)
+        vocab = PipelineVocabParallel(
+            embedding,
+            output,
+            shapes,
+            first_rank=0,
+            last_rank=(num_stages - 1) % num_ranks,
+            group=dist.group.WORLD,
+        )
+    return build_pipeline_runner(schedule, stages, microbatches, num_slices, vocab=vocab)
 
 
 def synthetic_batch(rows: int, seq_len: int, vocab_size: int) -> TensorDict:

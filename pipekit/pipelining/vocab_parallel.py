@@ -24,7 +24,6 @@ Legend: U units, B rows of a unit, S tokens of a unit, D model dim, V vocabulary
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,8 +80,7 @@ class PipelineVocabParallel:
 
     `embedding` (built with `reduce=False`) and `output` (with `reduce_input_grad=False`) hold
     this rank's rows; `first_rank` and `last_rank` are the pipeline-group ranks holding the first
-    and the last stage. `output_seconds` accumulates this rank's output-layer compute time (the
-    shard's logits and the backward; collectives excluded), for benchmarks.
+    and the last stage.
     """
 
     def __init__(
@@ -104,7 +102,6 @@ class PipelineVocabParallel:
         self.embedding, self.output, self.shapes, self.group = embedding, output, shapes, group
         self.rank = dist.get_rank(group)
         self.first_rank, self.last_rank = first_rank, last_rank
-        self.output_seconds = 0.0
         self._partial_embeddings_UBSD: Tensor | None = None
         self._stage_inputs: list[Tensor] = []
         self._stage_input_grads: list[Tensor | None] = []
@@ -176,9 +173,7 @@ class PipelineVocabParallel:
         dist.broadcast(received_BSD, src=self._global(self.last_rank), group=self.group)
         received_BSD.requires_grad_()
         with torch.enable_grad():
-            started = time.perf_counter()
             logits_BSV = self.output(received_BSD)
-            self.output_seconds += time.perf_counter() - started
             loss = (
                 vocab_parallel_cross_entropy(
                     logits_BSV,
@@ -190,9 +185,7 @@ class PipelineVocabParallel:
                 )
                 / self._normaliser
             )
-            started = time.perf_counter()
             loss.backward()
-            self.output_seconds += time.perf_counter() - started
         grad_hidden_BSD = received_BSD.grad
         dist.reduce(grad_hidden_BSD, dst=self._global(self.last_rank), group=self.group)
         return (loss.detach(), grad_hidden_BSD) if is_last else None
