@@ -103,7 +103,7 @@ def test_vocab_parallel_bench_shrinks_the_last_ranks_saved_logits():
         ),
         (["pipeline-throughput", "--repeats", "0"], "--repeats=0 must be at least 1"),
         (["vocab-parallel", "--pp", "1"], "--pp=1 must be at least 2"),
-        (["vocab-parallel", "--pp", "2", "--slices", "6"], "num_slices=6 must be a multiple"),
+        (["vocab-parallel", "--pp", "2", "--slices", "3"], "num_slices=3 must be a multiple"),
     ],
 )
 def test_pipeline_bench_rejects_bad_shape_in_one_line(argv, message, capsys):
