@@ -241,8 +241,11 @@ def test_sliced_pipeline_job_resumes_exactly(tmp_path):
 
 def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path):
     """4 ranks: 2 pipeline ranks x 2 FSDP shards, 2 stages per rank (shared rank modules, FSDP
-    per stage), 2 accumulation micro-steps; the same losses as the 2-rank FSDP job."""
-    common = (*SHORT_RUN[4:10], "--training.steps", "3", "--checkpoint.enable", "false")
+    per stage), 2 accumulation micro-steps; the same losses as the 2-rank FSDP job, with and
+    without vocabulary parallelism (its shards FSDP-sharded too). The vocabulary-parallel run's
+    step-2 checkpoint (rows split over pipeline and FSDP ranks) loads into the FSDP job, which
+    then continues with its own losses."""
+    common = (*SHORT_RUN[4:10], "--training.steps", "3", "--checkpoint.interval", "2")
     common += ("--training.global_batch_size", "8", "--training.gradient_accumulation_steps", "2")
     pipelined = ("--parallelism.dp_shard", "2", "--parallelism.stages_per_rank", "2")
     pipelined += ("--parallelism.microbatches", "2")
@@ -250,7 +253,12 @@ def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path
     for name, config, nproc, extra in (
         ("fsdp", CONFIG, 2, ()),
         ("pp_fsdp", SLICED_PP_CONFIG, 4, pipelined),
+        ("pp_fsdp_vocab", VOCAB_PP_CONFIG, 4, pipelined),
+        ("resharded", CONFIG, 2, ()),
     ):
+        if name == "resharded":
+            source = tmp_path / "pp_fsdp_vocab" / "checkpoints" / "step-2"
+            shutil.copytree(source, tmp_path / name / "checkpoints" / "step-2")
         result = subprocess.run(
             _command(tmp_path / name, *common, *extra, nproc=nproc, config=config),
             env=_env(),
@@ -260,8 +268,10 @@ def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path
         )
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = _losses(tmp_path / name)
-    assert sorted(runs["pp_fsdp"]) == [1, 2, 3]
-    assert runs["pp_fsdp"] == pytest.approx(runs["fsdp"], rel=1e-4)
+    for name in ("pp_fsdp", "pp_fsdp_vocab"):
+        assert sorted(runs[name]) == [1, 2, 3]
+        assert runs[name] == pytest.approx(runs["fsdp"], rel=1e-4)
+    assert runs["resharded"] == pytest.approx({3: runs["fsdp"][3]}, rel=1e-5)
 
 
 def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):

@@ -27,7 +27,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,34 +87,45 @@ class ModelOptimizerState:
     `get_state_dict`/`set_state_dict` give FSDP2 models their DTensor shards, so DCP writes and
     reads only this rank's part, and the names survive wrapping and resharding.
 
-    `row_shards` names plain parameters that hold only some rows of the full matrix on each rank
-    of a 1-D mesh, cut as DTensor's `Shard(0)` cuts them (vocabulary parallelism across the
-    pipeline ranks): `{fqn: mesh}`. They and their optimizer state are saved as DTensors of the
-    full shape, so the ranks' rows are kept apart and a run with another split can load them.
+    `row_shards` names parameters of which each rank along the `row_dim` dim of the world `mesh`
+    holds only some rows, cut as DTensor's `Shard(0)` cuts them (vocabulary parallelism across
+    the pipeline ranks), whether plain or sharded further by FSDP. They and their optimizer state
+    are saved as DTensors of the full matrix over `row_dim` (and the FSDP dims), so the ranks'
+    rows are kept apart and a run with another split can load them.
     """
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: Optimizer,
-        row_shards: Mapping[str, DeviceMesh] | None = None,
+        row_shards: Sequence[str] = (),
+        mesh: DeviceMesh | None = None,
+        row_dim: str = "pp",
     ) -> None:
+        if row_shards and mesh is None:
+            raise ValueError("row_shards needs the world mesh that holds their row dim")
         self.model = model
         self.optimizer = optimizer
-        self.row_shards = dict(row_shards or {})
+        self.row_shards, self.mesh, self.row_dim = tuple(row_shards), mesh, row_dim
+        self._rows: dict[tuple[str, str], Tensor] = {}
 
     def state_dict(self) -> dict[str, Any]:
         model_state, optimizer_state = get_state_dict(
             self.model, self.optimizer, options=_FLAT_OPTIMIZER
         )
-        if self.row_shards:
-            model_state, optimizer_state = self._convert(model_state, optimizer_state, _as_rows)
+        self._rows = {}
+        for part, state in (("model", model_state), ("optimizer", optimizer_state)):
+            for key in self._row_sharded_keys(state):
+                self._rows[part, key] = state[key]
+                state[key] = self._full_matrix_view(state[key])
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        model_state, optimizer_state = state_dict["model"], state_dict["optimizer"]
-        if self.row_shards:
-            model_state, optimizer_state = self._convert(model_state, optimizer_state, _as_local)
+        model_state, optimizer_state = dict(state_dict["model"]), dict(state_dict["optimizer"])
+        # DCP filled the full-matrix views in place, so the rows they wrap hold the loaded values
+        for part, state in (("model", model_state), ("optimizer", optimizer_state)):
+            for key in self._row_sharded_keys(state):
+                state[key] = self._rows[part, key]
         set_state_dict(
             self.model,
             self.optimizer,
@@ -123,37 +134,32 @@ class ModelOptimizerState:
             options=_FLAT_OPTIMIZER,
         )
 
-    def _convert(
-        self,
-        model_state: dict[str, Any],
-        optimizer_state: dict[str, Any],
-        convert: Callable[[Tensor, DeviceMesh, torch.Size], Tensor],
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Apply `convert` to each row-sharded parameter and its same-shaped optimizer state."""
-        model_state, optimizer_state = dict(model_state), dict(optimizer_state)
-        for fqn, mesh in self.row_shards.items():
-            local = model_state[fqn]
-            local_shape = local.to_local().shape if isinstance(local, DTensor) else local.shape
-            model_state[fqn] = convert(local, mesh, local_shape)
-            for key, value in optimizer_state.items():
-                if key.startswith(f"state.{fqn}.") and isinstance(value, Tensor) and value.ndim:
-                    optimizer_state[key] = convert(value, mesh, local_shape)
-        return model_state, optimizer_state
+    def _row_sharded_keys(self, state: Mapping[str, Any]) -> list[str]:
+        """The row-sharded parameters' entries and their optimizer state of the same shape."""
+        return [
+            key
+            for key, value in state.items()
+            for fqn in self.row_shards
+            if key == fqn or (key.startswith(f"state.{fqn}.") and value.ndim > 0)
+        ]
 
-
-def _as_rows(local: Tensor, mesh: DeviceMesh, local_shape: torch.Size) -> Tensor:
-    """This rank's rows as a `Shard(0)` DTensor of the full matrix (rows summed over the mesh)."""
-    rows = torch.tensor([local_shape[0]])
-    if dist.is_initialized():
-        dist.all_reduce(rows, group=mesh.get_group())
-    shape = torch.Size([int(rows), *local_shape[1:]])
-    return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=shape, stride=local.stride()
-    )
-
-
-def _as_local(value: Tensor, mesh: DeviceMesh, local_shape: torch.Size) -> Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
+    def _full_matrix_view(self, rows: Tensor) -> Tensor:
+        """This rank's rows (plain, or an FSDP shard of them) as a DTensor of the full matrix,
+        sharing their storage."""
+        assert self.mesh is not None  # checked in __init__
+        row_mesh = self.mesh[self.row_dim]
+        if isinstance(rows, DTensor):
+            dims = (self.row_dim, *(rows.device_mesh.mesh_dim_names or ()))
+            placements, local = [Shard(0), *rows.placements], rows.to_local()
+        else:
+            dims, placements, local = (self.row_dim,), [Shard(0)], rows
+        total_rows = torch.tensor([rows.shape[0]])  # this rank's rows along the row dim
+        dist.all_reduce(total_rows, group=row_mesh.get_group())
+        shape = torch.Size([int(total_rows), *rows.shape[1:]])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            local, self.mesh[dims], placements, run_check=False, shape=shape, stride=stride
+        )
 
 
 class CheckpointManager:

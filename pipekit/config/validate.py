@@ -134,7 +134,7 @@ def _check_parallelism(config: JobConfig, world_size: int) -> None:
     if dims.pp > 1:
         _check_pipeline(config, config.training.global_batch_size // per_step)
     if config.parallelism.vocab_parallel:
-        _check_vocab_parallel(config, dims.pp, dims.dp_degree)
+        _check_vocab_parallel(config, dims.pp)
 
 
 def _check_pipeline(config: JobConfig, local_batch_size: int) -> None:
@@ -169,7 +169,7 @@ def _check_pipeline(config: JobConfig, local_batch_size: int) -> None:
             )
 
 
-def _check_vocab_parallel(config: JobConfig, pp: int, dp_degree: int) -> None:
+def _check_vocab_parallel(config: JobConfig, pp: int) -> None:
     """Vocabulary parallelism needs pipeline ranks to split over, and does not combine with
     some features yet."""
     if pp < 2:
@@ -178,7 +178,6 @@ def _check_vocab_parallel(config: JobConfig, pp: int, dp_degree: int) -> None:
             "pipeline_parallel_degree >= 2 or vocab_parallel = false"
         )
     unsupported = {
-        f"data parallelism (data-parallel degree {dp_degree})": dp_degree > 1,
         "[checkpoint] initial_load_path (Hugging Face weights into vocabulary shards)": bool(
             config.checkpoint.initial_load_path
         ),

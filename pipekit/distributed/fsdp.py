@@ -45,6 +45,11 @@ def data_parallel_mesh(mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceM
     return mesh[dims] if dims else None
 
 
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks FSDP wraps one by one (a stage, or a vocabulary shard, has none)."""
+    return list((getattr(model, "layers", None) or {}).values())
+
+
 def apply_data_parallel(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -69,7 +74,7 @@ def apply_data_parallel(
         return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if parallel_dims.fsdp_enabled:
-        for block in (model.layers or {}).values():  # a stage may hold no layers
+        for block in _blocks(model):
             fully_shard(
                 block,
                 mesh=dp_mesh,
@@ -80,7 +85,7 @@ def apply_data_parallel(
             model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
         )
     else:
-        for block in (model.layers or {}).values():  # a stage may hold no layers
+        for block in _blocks(model):
             fsdp_replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
         fsdp_replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
     if sum_gradients:

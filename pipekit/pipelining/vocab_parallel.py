@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 from pipekit.layers.vocab_parallel import (
     VocabParallelEmbedding,
@@ -107,6 +108,7 @@ class PipelineVocabParallel:
         self._stage_input_grads: list[Tensor | None] = []
         self._labels: list[Tensor] = []
         self._normaliser: Tensor | float = 1.0
+        self._passes_left = 0
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
@@ -117,6 +119,7 @@ class PipelineVocabParallel:
         tokens_UBS = torch.stack([unit["tokens"] for unit in units])
         self._labels = [unit["labels"] for unit in units]
         self._normaliser = normaliser
+        self._passes_left = len(units)
         with torch.enable_grad():
             self._partial_embeddings_UBSD = self.embedding(tokens_UBS).to(self.shapes.dtype)
         summed_UBSD = self._partial_embeddings_UBSD.detach().clone()
@@ -168,6 +171,10 @@ class PipelineVocabParallel:
         is_last = self.rank == self.last_rank
         if is_last != (hidden_BSD is not None):
             raise ValueError("pass hidden_BSD on the last stage's rank and only there")
+        self._passes_left -= 1
+        if isinstance(self.output, FSDPModule):  # data parallelism: sync after the last pass
+            self.output.set_requires_gradient_sync(self._passes_left == 0)
+            self.output.set_reshard_after_backward(self._passes_left == 0)
         source_BSD = hidden_BSD if is_last else self.shapes.hidden(labels_BS.device)
         received_BSD = source_BSD.detach().contiguous()
         dist.broadcast(received_BSD, src=self._global(self.last_rank), group=self.group)

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from pipekit.attention.context import CausalAttention
 from pipekit.checkpoint.dcp import (
@@ -180,6 +179,13 @@ class Trainer:
                     args.vocab_size, args.dim, pp_mesh.get_group()
                 )
         self._materialize(rank_model, load_hf)
+        if plan.vocab_parallel and self.mesh is not None:
+            # data parallelism over the shards: the output layer runs once per unit, so it stays
+            # gathered from its forward to its backward (PipelineVocabParallel syncs at the end)
+            apply_data_parallel(rank_model.tok_embeddings, self.mesh, self.dims)
+            apply_data_parallel(
+                rank_model.output, self.mesh, self.dims, reshard_after_forward=False
+            )
         shapes = StageShapes(
             rows=self.micro_batch_size // plan.num_microbatches,
             slice_length=config.training.seq_len // plan.num_slices,
@@ -230,18 +236,18 @@ class Trainer:
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
             "model_and_optimizer": ModelOptimizerState(
-                self.model, self.optimizer, row_shards=self._row_shards()
+                self.model, self.optimizer, row_shards=self._row_shards(), mesh=self.mesh
             ),
             "lr_scheduler": self.lr_scheduler,
             "data": self.data,
             "trainer": _TrainerProgress(self),
         }
 
-    def _row_shards(self) -> dict[str, DeviceMesh]:
+    def _row_shards(self) -> list[str]:
         """Parameters split by rows across the pipeline ranks (vocabulary parallelism)."""
         if self.pipeline is None or self.pipeline.vocab is None:
-            return {}
-        return {f"{name}.weight": self.dims.mesh("pp") for name in VOCAB_MODULE_NAMES}
+            return []
+        return [f"{name}.weight" for name in VOCAB_MODULE_NAMES]
 
     def _autocast(self) -> Any:
         """Mixed precision without FSDP (one rank): autocast; FSDP2 does it by itself."""
