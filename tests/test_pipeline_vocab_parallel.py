@@ -9,12 +9,14 @@ from __future__ import annotations
 from unittest import mock
 
 import pytest
+import torch
 import torch.distributed as dist
 from distributed_helpers import run_on_ranks
 from test_sliced_pipeline import BATCH, SEED, SEQ_LEN, TOLERANCE, _batch, _reference
-from tiny_models import tiny_pipeline_stages, tiny_vocab_parallel
+from tiny_models import TINY_LLAMA, tiny_pipeline_stages, tiny_vocab_parallel
 from torch import Tensor
 
+from models.llama import Llama
 from pipekit.pipelining import vocab_parallel
 from pipekit.pipelining.schedule import build_pipeline_runner
 from pipekit.pipelining.vocab_parallel import PipelineVocabParallel
@@ -120,3 +122,39 @@ def test_vocab_parallel_with_torch_schedules() -> None:
 def test_dropping_a_ranks_share_breaks_parity(ablation: str) -> None:
     (difference,) = _differences(2, [("sliced", 1, 2, 4, ablation)]).values()
     assert difference > 1e-3
+
+
+def _load_hf_into_shards(rank: int, world: int, directory: str) -> tuple[int, int, dict]:
+    from models.llama import Llama
+    from models.llama.state_dict_adapter import load_hf_llama
+    from pipekit.pipelining.vocab_parallel import vocab_shard_modules
+
+    args = TINY_LLAMA.with_updates(vocab_size=TINY_LLAMA.vocab_size + 1)
+    with torch.device("meta"):
+        model = Llama(args)
+        model.tok_embeddings, model.output = vocab_shard_modules(
+            args.vocab_size, args.dim, dist.group.WORLD
+        )
+    model.to_empty(device="cpu")
+    load_hf_llama(directory, model, args)
+    shard = model.output
+    rows = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return shard.vocab_start, shard.vocab_end, rows
+
+
+def test_hugging_face_weights_load_into_the_vocabulary_shards(tmp_path) -> None:
+    """Each rank reads only its rows of the embedding and the head (uneven: 65 rows over 2)."""
+    from models.llama.state_dict_adapter import save_hf_llama
+
+    args = TINY_LLAMA.with_updates(vocab_size=TINY_LLAMA.vocab_size + 1)
+    full = Llama(args)
+    full.init_weights(seed=5)
+    save_hf_llama(full, args, tmp_path / "hf")
+    results = run_on_ranks(_load_hf_into_shards, 2, str(tmp_path / "hf"))
+    assert [(start, end) for start, end, _ in results] == [(0, 33), (33, 65)]
+    for start, end, rows in results:
+        for name, value in rows.items():
+            expected = full.get_parameter(name).detach()
+            if name in ("tok_embeddings.weight", "output.weight"):
+                expected = expected[start:end]
+            assert torch.equal(value, expected), name

@@ -196,13 +196,14 @@ def load_hf_llama(directory: str | os.PathLike[str], model: nn.Module, args: Lla
             "the model's parameters are on the meta device; call model.to_empty(device=...) "
             "before loading"
         )
+    rows = _row_shard_ranges(model)
     with SafetensorsCheckpoint(directory) as checkpoint:
         _check_checkpoint_tensors(checkpoint, args)
         copied: set[int] = set()
         with torch.no_grad():
             for name, param in params.items():
                 if id(param) not in copied:  # a tied weight is read once
-                    param.copy_(read_hf_tensor(checkpoint, name, args))
+                    param.copy_(read_hf_tensor(checkpoint, name, args, rows.get(name)))
                     copied.add(id(param))
 
 
@@ -280,10 +281,24 @@ def _comparable(args: LlamaArgs) -> dict[str, object]:
     return values | {"n_kv_heads": args.num_kv_heads, "head_dim": args.per_head_dim}
 
 
+def _row_shard_ranges(model: nn.Module) -> dict[str, slice]:
+    """Rows of the full matrix that each vocabulary-sharded parameter holds (modules with
+    `vocab_start`/`vocab_end`, e.g. `pipekit.layers.VocabParallelOutput`), by parameter name."""
+    return {
+        f"{module_name}.weight": slice(module.vocab_start, module.vocab_end)
+        for module_name, module in model.named_modules()
+        if hasattr(module, "vocab_start") and hasattr(module, "vocab_end")
+    }
+
+
 def _parameters_matching(model: nn.Module, args: LlamaArgs) -> dict[str, nn.Parameter]:
-    """The model's parameters (tied ones under both names), checked against `args`."""
+    """The model's parameters (tied ones under both names), checked against `args`; a
+    vocabulary shard is expected to hold its rows of the full matrix."""
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = llama_param_shapes(args)
+    for name, rows in _row_shard_ranges(model).items():
+        if name in expected:
+            expected[name] = (rows.stop - rows.start, *expected[name][1:])
     problems = _name_and_shape_problems(
         {name: tuple(param.shape) for name, param in params.items()}, expected
     )

@@ -170,24 +170,12 @@ def _check_pipeline(config: JobConfig, local_batch_size: int) -> None:
 
 
 def _check_vocab_parallel(config: JobConfig, pp: int) -> None:
-    """Vocabulary parallelism needs pipeline ranks to split over, and does not combine with
-    some features yet."""
+    """Vocabulary parallelism needs pipeline ranks to split the vocabulary over."""
     if pp < 2:
         raise ConfigError(
             "[parallelism] vocab_parallel = true splits the vocabulary across pipeline ranks; set "
             "pipeline_parallel_degree >= 2 or vocab_parallel = false"
         )
-    unsupported = {
-        "[checkpoint] initial_load_path (Hugging Face weights into vocabulary shards)": bool(
-            config.checkpoint.initial_load_path
-        ),
-    }
-    for name, used in unsupported.items():
-        if used:
-            raise ConfigError(
-                f"[parallelism] vocab_parallel = true does not combine with {name} yet; turn "
-                "one of them off"
-            )
 
 
 def validate_job_config(config: JobConfig, world_size: int | None) -> None:
