@@ -8,7 +8,8 @@ others while its vocabulary GEMM runs. With it each pipeline rank holds the rows
 - the input embedding, once per step: each rank looks up the ids it holds for every unit, and one
   `reduce` sums them onto the first stage's rank, which feeds them to stage 0. After the schedule
   one `broadcast` hands every rank the first stage's gradients of those embeddings, and each rank
-  backpropagates them into its rows.
+  backpropagates them into its rows through a second lookup (a gather is cheaper than keeping
+  the step's partial embeddings on every rank while the schedule runs).
 - the output layer and loss, once per unit, on all ranks together (an output pass): the last
   stage's final hidden states go to every rank (`broadcast`), each rank computes its shard's
   logits and the cross-entropy statistics (`vocab_parallel_cross_entropy`: two all-reduces), and
@@ -103,7 +104,7 @@ class PipelineVocabParallel:
         self.embedding, self.output, self.shapes, self.group = embedding, output, shapes, group
         self.rank = dist.get_rank(group)
         self.first_rank, self.last_rank = first_rank, last_rank
-        self._partial_embeddings_UBSD: Tensor | None = None
+        self._tokens_UBS: Tensor | None = None
         self._stage_inputs: list[Tensor] = []
         self._stage_input_grads: list[Tensor | None] = []
         self._labels: list[Tensor] = []
@@ -116,13 +117,14 @@ class PipelineVocabParallel:
     def begin_step(self, units: Sequence[TensorDict], normaliser: Tensor | float) -> list[Tensor]:
         """Embed every unit's tokens (collective); the first stage's inputs, one per unit, on the
         first stage's rank (an empty list elsewhere)."""
-        tokens_UBS = torch.stack([unit["tokens"] for unit in units])
+        self._tokens_UBS = torch.stack([unit["tokens"] for unit in units])
         self._labels = [unit["labels"] for unit in units]
         self._normaliser = normaliser
         self._passes_left = len(units)
-        with torch.enable_grad():
-            self._partial_embeddings_UBSD = self.embedding(tokens_UBS).to(self.shapes.dtype)
-        summed_UBSD = self._partial_embeddings_UBSD.detach().clone()
+        # no graph kept: end_step looks the ids up again (cheap), so no rank holds the partial
+        # embeddings of the whole step while the schedule runs
+        with torch.no_grad():
+            summed_UBSD = self.embedding(self._tokens_UBS).to(self.shapes.dtype)
         dist.reduce(summed_UBSD, dst=self._global(self.first_rank), group=self.group)
         if self.rank != self.first_rank:
             return []
@@ -141,9 +143,13 @@ class PipelineVocabParallel:
     def end_step(self) -> None:
         """Backpropagate the first stage's input gradients into every rank's embedding rows
         (collective), then forget the step."""
-        if self._partial_embeddings_UBSD is None:
+        if self._tokens_UBS is None:
             raise RuntimeError("end_step without begin_step: call begin_step before the schedule")
-        grads_UBSD = torch.zeros_like(self._partial_embeddings_UBSD)
+        grads_UBSD = torch.zeros(
+            (*self._tokens_UBS.shape, self.shapes.model_dim),
+            dtype=self.shapes.dtype,
+            device=self._tokens_UBS.device,
+        )
         if self.rank == self.first_rank:
             for grad_BSD, stage_input_grad_BSD in zip(
                 grads_UBSD.unbind(0), self._stage_input_grads, strict=True
@@ -155,8 +161,9 @@ class PipelineVocabParallel:
                     )
                 grad_BSD.copy_(stage_input_grad_BSD)
         dist.broadcast(grads_UBSD, src=self._global(self.first_rank), group=self.group)
-        self._partial_embeddings_UBSD.backward(grads_UBSD)
-        self._partial_embeddings_UBSD, self._labels = None, []
+        with torch.enable_grad():
+            self.embedding(self._tokens_UBS).to(self.shapes.dtype).backward(grads_UBSD)
+        self._tokens_UBS, self._labels = None, []
         self._stage_inputs, self._stage_input_grads = [], []
 
     def output_pass(
