@@ -7,7 +7,12 @@ import itertools
 
 import pytest
 
-from pipekit.pipelining._torch_runtime import FORWARD, Action, ComputationType
+from pipekit.pipelining._torch_runtime import (
+    FORWARD,
+    Action,
+    ComputationType,
+    insert_after_compute,
+)
 from pipekit.pipelining.actions import sliced_pipeline_actions
 from pipekit.pipelining.output_passes import (
     OUTPUT_PASS,
@@ -89,3 +94,16 @@ def test_overlapped_actions_are_refused_with_a_fix() -> None:
     lists[0] = [lists[0][0], overlapped, *lists[0][3:]]
     with pytest.raises(ValueError, match="choose another pipeline_schedule"):
         with_output_passes(lists)
+
+
+def test_a_pass_is_inserted_after_the_sends_of_the_compute_before_it() -> None:
+    forward, send, receive = ComputationType.FORWARD, ComputationType.SEND_F, ComputationType.RECV_B
+    f0, f1 = Action(0, forward, 0), Action(0, forward, 1)
+    s0, s1 = Action(0, send, 0), Action(0, send, 1)
+    r1, b1 = Action(0, receive, 1), Action(0, ComputationType.FULL_BACKWARD, 1)
+    pass0, pass1 = Action(1, OUTPUT_PASS, 0), Action(1, OUTPUT_PASS, 1)
+    lowered = [f0, s0, f1, s1, r1, b1]
+    placed = insert_after_compute(lowered, [(1, pass0), (2, pass1)])
+    assert placed == [f0, s0, pass0, f1, s1, pass1, r1, b1]
+    assert insert_after_compute(lowered, [(0, pass0)])[0] == pass0
+    assert insert_after_compute(lowered, [(3, pass0)])[-1] == pass0

@@ -26,15 +26,15 @@ from pipekit.train.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross
 BATCH, SEQ_LEN, SEED, TOLERANCE = 6, 32, 3, 1e-10
 
 
-def _args(num_layers: int):
-    return TINY_LLAMA.with_updates(n_layers=num_layers, max_seq_len=SEQ_LEN)
+def _args(num_layers: int, vocab_size: int = TINY_LLAMA.vocab_size):
+    return TINY_LLAMA.with_updates(n_layers=num_layers, max_seq_len=SEQ_LEN, vocab_size=vocab_size)
 
 
-def _batch() -> TensorDict:
+def _batch(vocab_size: int = TINY_LLAMA.vocab_size) -> TensorDict:
     """Two packed documents per row (split at a row-dependent point), some labels ignored."""
     generator = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, TINY_LLAMA.vocab_size, (BATCH, SEQ_LEN), generator=generator)
-    labels = torch.randint(0, TINY_LLAMA.vocab_size, (BATCH, SEQ_LEN), generator=generator)
+    tokens = torch.randint(0, vocab_size, (BATCH, SEQ_LEN), generator=generator)
+    labels = torch.randint(0, vocab_size, (BATCH, SEQ_LEN), generator=generator)
     labels[:, ::5] = IGNORE_INDEX
     split_BS = (5 + 3 * torch.arange(BATCH)).unsqueeze(1)
     index_S = torch.arange(SEQ_LEN)
@@ -55,11 +55,13 @@ def _materialize(module: nn.Module) -> None:
     module.to(torch.float64)
 
 
-def _reference(num_layers: int) -> tuple[float, dict[str, Tensor]]:
+def _reference(
+    num_layers: int, vocab_size: int = TINY_LLAMA.vocab_size
+) -> tuple[float, dict[str, Tensor]]:
     with torch.device("meta"):
-        model = Llama(_args(num_layers))
+        model = Llama(_args(num_layers, vocab_size))
     _materialize(model)
-    batch = _batch()
+    batch = _batch(vocab_size)
     logits = model(
         batch["tokens"], batch["positions"], CausalAttention(batch["document_ids"], "cpu")
     )

@@ -44,6 +44,7 @@ def tiny_pipeline_stages(
     group=None,
     checkpoint_activations: bool = False,
     vocab_parallel: bool = False,
+    vocab_size: int = TINY_LLAMA.vocab_size,
 ) -> list:
     """This rank's stages of TINY_LLAMA with one layer per stage, initialised from `seed` in
     `dtype`, placed as `schedule` places them (or at `stage_indices`), cpu attention; optionally
@@ -64,12 +65,14 @@ def tiny_pipeline_stages(
                 checkpoint_module_activations(block)
 
     with torch.device("meta"):
-        model = Llama(TINY_LLAMA.with_updates(n_layers=num_stages, max_seq_len=64))
+        model = Llama(
+            TINY_LLAMA.with_updates(n_layers=num_stages, max_seq_len=64, vocab_size=vocab_size)
+        )
     shapes = StageShapes(
         rows_per_unit,
         slice_length,
         TINY_LLAMA.dim,
-        TINY_LLAMA.vocab_size,
+        vocab_size,
         dtype,
         vocab_parallel=vocab_parallel,
     )
@@ -97,11 +100,13 @@ def tiny_vocab_parallel(stages: list, num_stages: int, seed: int = 3, group=None
 
     from pipekit.pipelining.vocab_parallel import PipelineVocabParallel, vocab_shard_modules
 
-    group = group or dist.group.WORLD
-    full = Llama(TINY_LLAMA.with_updates(n_layers=num_stages, max_seq_len=64))
-    full.init_weights(seed=seed)
+    group = group or dist.new_group()  # its own: not the group the stages send over
     shapes = stages[0].shapes
-    embedding, output = vocab_shard_modules(TINY_LLAMA.vocab_size, TINY_LLAMA.dim, group)
+    full = Llama(
+        TINY_LLAMA.with_updates(n_layers=num_stages, max_seq_len=64, vocab_size=shapes.vocab_size)
+    )
+    full.init_weights(seed=seed)
+    embedding, output = vocab_shard_modules(shapes.vocab_size, TINY_LLAMA.dim, group)
     embedding.load_full_weight(full.tok_embeddings.weight.detach())
     output.load_full_weight(full.output.weight.detach())
     embedding.to(shapes.dtype)

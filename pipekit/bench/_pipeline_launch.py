@@ -308,14 +308,15 @@ def build_runner(
     )
     vocab = None
     if vocab_parallel:
-        embedding, output = vocab_shard_modules(args.vocab_size, args.dim, dist.group.WORLD)
+        vocab_group = dist.new_group()  # its own, apart from the stages' sends
+        embedding, output = vocab_shard_modules(args.vocab_size, args.dim, vocab_group)
         vocab = PipelineVocabParallel(
             embedding,
             output,
             shapes,
             first_rank=0,
             last_rank=(num_stages - 1) % num_ranks,
-            group=dist.group.WORLD,
+            group=vocab_group,
         )
     return build_pipeline_runner(schedule, stages, microbatches, num_slices, vocab=vocab)
 

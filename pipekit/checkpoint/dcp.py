@@ -27,7 +27,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,18 +87,19 @@ class ModelOptimizerState:
     `get_state_dict`/`set_state_dict` give FSDP2 models their DTensor shards, so DCP writes and
     reads only this rank's part, and the names survive wrapping and resharding.
 
-    `row_shards` names parameters of which each rank along the `row_dim` dim of the world `mesh`
+    `row_shards` maps parameters of which each rank along the `row_dim` dim of the world `mesh`
     holds only some rows, cut as DTensor's `Shard(0)` cuts them (vocabulary parallelism across
-    the pipeline ranks), whether plain or sharded further by FSDP. They and their optimizer state
-    are saved as DTensors of the full matrix over `row_dim` (and the FSDP dims), so the ranks'
-    rows are kept apart and a run with another split can load them.
+    the pipeline ranks), whether plain or sharded further by FSDP, to the rows of the full
+    matrix. They and their optimizer state are saved as DTensors of the full matrix over
+    `row_dim` (and the FSDP dims), so the ranks' rows are kept apart and a run with another split
+    can load them.
     """
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: Optimizer,
-        row_shards: Sequence[str] = (),
+        row_shards: Mapping[str, int] | None = None,
         mesh: DeviceMesh | None = None,
         row_dim: str = "pp",
     ) -> None:
@@ -106,7 +107,7 @@ class ModelOptimizerState:
             raise ValueError("row_shards needs the world mesh that holds their row dim")
         self.model = model
         self.optimizer = optimizer
-        self.row_shards, self.mesh, self.row_dim = tuple(row_shards), mesh, row_dim
+        self.row_shards, self.mesh, self.row_dim = dict(row_shards or {}), mesh, row_dim
         self._rows: dict[tuple[str, str], Tensor] = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -115,16 +116,16 @@ class ModelOptimizerState:
         )
         self._rows = {}
         for part, state in (("model", model_state), ("optimizer", optimizer_state)):
-            for key in self._row_sharded_keys(state):
+            for key, full_rows in self._row_sharded_keys(state):
                 self._rows[part, key] = state[key]
-                state[key] = self._full_matrix_view(state[key])
+                state[key] = self._full_matrix_view(state[key], full_rows)
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         model_state, optimizer_state = dict(state_dict["model"]), dict(state_dict["optimizer"])
         # DCP filled the full-matrix views in place, so the rows they wrap hold the loaded values
         for part, state in (("model", model_state), ("optimizer", optimizer_state)):
-            for key in self._row_sharded_keys(state):
+            for key, _ in self._row_sharded_keys(state):
                 state[key] = self._rows[part, key]
         set_state_dict(
             self.model,
@@ -134,28 +135,26 @@ class ModelOptimizerState:
             options=_FLAT_OPTIMIZER,
         )
 
-    def _row_sharded_keys(self, state: Mapping[str, Any]) -> list[str]:
-        """The row-sharded parameters' entries and their optimizer state of the same shape."""
+    def _row_sharded_keys(self, state: Mapping[str, Any]) -> list[tuple[str, int]]:
+        """The row-sharded parameters' entries and their optimizer state of the same shape,
+        with the full matrix's rows."""
         return [
-            key
+            (key, full_rows)
             for key, value in state.items()
-            for fqn in self.row_shards
+            for fqn, full_rows in self.row_shards.items()
             if key == fqn or (key.startswith(f"state.{fqn}.") and value.ndim > 0)
         ]
 
-    def _full_matrix_view(self, rows: Tensor) -> Tensor:
+    def _full_matrix_view(self, rows: Tensor, full_rows: int) -> Tensor:
         """This rank's rows (plain, or an FSDP shard of them) as a DTensor of the full matrix,
         sharing their storage."""
         assert self.mesh is not None  # checked in __init__
-        row_mesh = self.mesh[self.row_dim]
         if isinstance(rows, DTensor):
             dims = (self.row_dim, *(rows.device_mesh.mesh_dim_names or ()))
             placements, local = [Shard(0), *rows.placements], rows.to_local()
         else:
             dims, placements, local = (self.row_dim,), [Shard(0)], rows
-        total_rows = torch.tensor([rows.shape[0]])  # this rank's rows along the row dim
-        dist.all_reduce(total_rows, group=row_mesh.get_group())
-        shape = torch.Size([int(total_rows), *rows.shape[1:]])
+        shape = torch.Size([full_rows, *rows.shape[1:]])
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(
             local, self.mesh[dims], placements, run_check=False, shape=shape, stride=stride

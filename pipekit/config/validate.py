@@ -176,6 +176,14 @@ def _check_vocab_parallel(config: JobConfig, pp: int) -> None:
             "[parallelism] vocab_parallel = true splits the vocabulary across pipeline ranks; set "
             "pipeline_parallel_degree >= 2 or vocab_parallel = false"
         )
+    from models.registry import get_model_spec
+    from pipekit.layers.vocab_parallel import dtensor_shard_sizes
+
+    vocab_size = get_model_spec(config.model.name).flavor(config.model.flavor).vocab_size
+    try:
+        dtensor_shard_sizes(vocab_size, pp)
+    except ValueError as error:
+        raise ConfigError(f"[parallelism] vocab_parallel = true: {error}") from None
 
 
 def validate_job_config(config: JobConfig, world_size: int | None) -> None:

@@ -14,8 +14,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DistributedInfo", "destroy_distributed", "init_distributed"]
+__all__ = ["DistributedInfo", "destroy_distributed", "init_distributed", "new_group_along"]
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -81,6 +82,24 @@ def init_distributed(timeout_s: float) -> DistributedInfo:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout)
     return DistributedInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def new_group_along(mesh: DeviceMesh, dim: str) -> dist.ProcessGroup:
+    """A new process group over the ranks that share `dim` of `mesh` with this rank, separate
+    from the mesh's own (e.g. collectives that must not queue behind the pipeline's sends: an
+    NCCL send blocks its communicator until received). Every rank of the mesh must call it."""
+    names = mesh.mesh_dim_names or ()
+    if dim not in names:
+        raise ValueError(f"mesh with dims {names} has no {dim!r} dim")
+    index = names.index(dim)
+    rows = mesh.mesh.movedim(index, -1).reshape(-1, mesh.mesh.shape[index]).tolist()
+    mine = None
+    for ranks in rows:  # every rank creates every group, in the same order
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    assert mine is not None  # this rank is in the mesh
+    return mine
 
 
 def destroy_distributed(wait_for_peers: bool = True) -> None:

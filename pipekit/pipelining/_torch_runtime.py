@@ -110,7 +110,8 @@ def insert_after_compute(
 
 
 def _sends_done(lowered: Sequence[Action], index: int) -> bool:
-    """Whether `lowered[index]` is not a send that belongs to the compute action before it."""
+    """Whether `lowered[index]` is not a send (torch's lowering puts a compute action's sends
+    right after it, so the first non-send ends them)."""
     return lowered[index].computation_type not in (SEND_F, SEND_B)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
 from torch import Tensor
 
 from pipekit.pipelining._torch_runtime import (
@@ -54,6 +55,12 @@ class ActionListSchedule(PipelineScheduleRuntime):
         check_stage_slices(stages, num_slices)
         actions = {rank: list(actions_by_rank[rank]) for rank in sorted(actions_by_rank)}
         if vocab is not None:
+            if any(vocab.group is (stage.group or dist.group.WORLD) for stage in stages):
+                raise ValueError(
+                    "give PipelineVocabParallel a process group of its own (e.g. "
+                    "dist.new_group over the pipeline ranks): its collectives must not queue "
+                    "behind the stages' sends (an NCCL send blocks until received)"
+                )
             loss_fn = vocab.stage_loss
         super().__init__(
             list(stages), num_microbatches * num_slices, loss_fn=loss_fn, scale_grads=False

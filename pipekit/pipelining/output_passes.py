@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from enum import Enum
 
-from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining._torch_runtime import FORWARD, Action
 from pipekit.pipelining.simulate import (
     ScheduleDeadlockError,
     as_action,
@@ -51,9 +51,10 @@ def _compute_lists(actions_by_rank: Mapping[int, Sequence[Action | None]]) -> di
     for rank, actions in actions_by_rank.items():
         if any(a is not None and a.sub_actions is not None for a in actions):
             raise ValueError(
-                f"rank {rank}'s list overlaps forward and backward in one action (DualPipeV); "
+                f"rank {rank}'s list overlaps a forward and a backward in one action; "
                 "vocabulary parallelism cannot place its output passes inside such an action: "
-                "choose another pipeline_schedule or set vocab_parallel = false"
+                "split it into its parts, choose another pipeline_schedule or set "
+                "vocab_parallel = false"
             )
         lists[rank] = compute_actions(list(actions))
     return lists
@@ -63,14 +64,17 @@ def output_pass_positions(
     actions_by_rank: Mapping[int, Sequence[Action | None]], num_slices: int = 1
 ) -> dict[int, list[int]]:
     """`positions[rank][u]`: how many of the rank's compute actions run before unit u's pass."""
-    lists = _compute_lists(actions_by_rank)
+    return _positions(_compute_lists(actions_by_rank), num_slices)
+
+
+def _positions(lists: dict[int, list[Action]], num_slices: int) -> dict[int, list[int]]:
     last_stage = max(a.stage_index for actions in lists.values() for a in actions)
     timeline = simulate(lists, num_slices=num_slices).timeline
     ends_by_rank = {rank: sorted(e.end for e in timeline if e.rank == rank) for rank in lists}
     last_forward_end = {
         e.action.microbatch_index: e.end
         for e in timeline
-        if e.action.stage_index == last_stage and e.action.computation_type.value == "F"
+        if e.action.stage_index == last_stage and e.action.computation_type == FORWARD
     }
     positions = {}
     for rank, ends in ends_by_rank.items():
@@ -87,7 +91,7 @@ def with_output_passes(
     """Every rank's compute actions with `Action(last_stage, OUTPUT_PASS, u)` placed by
     `output_pass_positions` (on the last stage's rank: right after its forward of u)."""
     lists = _compute_lists(actions_by_rank)
-    positions = output_pass_positions(actions_by_rank, num_slices)
+    positions = _positions(lists, num_slices)
     last_stage = max(a.stage_index for actions in lists.values() for a in actions)
     placed = {}
     for rank, actions in lists.items():

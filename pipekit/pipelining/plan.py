@@ -101,11 +101,12 @@ def plan_pipeline(
             f"microbatches={num_microbatches} must divide the local batch of {local_batch_size} "
             "sequences (global_batch_size / (data-parallel degree x gradient_accumulation_steps))"
         )
+    lists = None
     if schedule == "sliced":  # checks num_slices against the degree, with the paper's rule
-        sliced_pipeline_actions(num_ranks, num_microbatches, num_slices, stages_per_rank)
+        lists = sliced_pipeline_actions(num_ranks, num_microbatches, num_slices, stages_per_rank)
     elif schedule in TORCH_SCHEDULES:  # torch's own shape rules, without a process group
         try:
-            torch_schedule_actions(schedule, num_ranks, num_microbatches, stages_per_rank)
+            lists = torch_schedule_actions(schedule, num_ranks, num_microbatches, stages_per_rank)
         except (AssertionError, RuntimeError, ValueError) as error:
             raise ValueError(
                 f"pipeline_schedule={schedule!r} rejects pipeline_parallel_degree={num_ranks}, "
@@ -142,14 +143,7 @@ def plan_pipeline(
             schedule_file, num_ranks, stages_per_rank, num_microbatches, num_slices
         )
     if parallelism.vocab_parallel:  # the output passes must fit the schedule without deadlock
-        shape = (num_ranks, num_microbatches)
-        if actions_by_rank is not None:
-            lists = actions_by_rank
-        elif schedule == "sliced":
-            lists = sliced_pipeline_actions(*shape, num_slices, stages_per_rank)
-        else:
-            lists = torch_schedule_actions(schedule, *shape, stages_per_rank)
-        with_output_passes(lists, num_slices)
+        with_output_passes(actions_by_rank or lists, num_slices)
     return PipelinePlan(
         schedule=schedule,
         num_ranks=num_ranks,

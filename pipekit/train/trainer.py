@@ -33,6 +33,7 @@ from pipekit.config.job_config import JobConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.distributed.process_group import new_group_along
 from pipekit.pipelining.build import build_rank_model, wrap_rank_stages
 from pipekit.pipelining.plan import plan_pipeline
 from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
@@ -173,18 +174,26 @@ class Trainer:
             **placement,
             outside_stages=plan.modules_outside_stages,
         )
+        vocab_group = None
         if plan.vocab_parallel:  # this rank's rows, under the full model's names
+            # the output passes' collectives get their own group: on NCCL a pipeline send
+            # blocks its communicator until received, and a pass may sit behind one
+            vocab_group = new_group_along(self.mesh, "pp")
             with torch.device("meta"):
                 rank_model.tok_embeddings, rank_model.output = vocab_shard_modules(
-                    args.vocab_size, args.dim, pp_mesh.get_group()
+                    args.vocab_size, args.dim, vocab_group
                 )
         self._materialize(rank_model, load_hf)
         if plan.vocab_parallel and self.mesh is not None:
             # data parallelism over the shards: the output layer runs once per unit, so it stays
             # gathered from its forward to its backward (PipelineVocabParallel syncs at the end)
-            apply_data_parallel(rank_model.tok_embeddings, self.mesh, self.dims)
+            precision = {
+                "param_dtype": _DTYPES[config.training.mixed_precision_param],
+                "reduce_dtype": _DTYPES[config.training.mixed_precision_reduce],
+            }
+            apply_data_parallel(rank_model.tok_embeddings, self.mesh, self.dims, **precision)
             apply_data_parallel(
-                rank_model.output, self.mesh, self.dims, reshard_after_forward=False
+                rank_model.output, self.mesh, self.dims, reshard_after_forward=False, **precision
             )
         shapes = StageShapes(
             rows=self.micro_batch_size // plan.num_microbatches,
@@ -214,7 +223,7 @@ class Trainer:
                 shapes,
                 first_rank=stage_ranks[0],
                 last_rank=stage_ranks[1],
-                group=pp_mesh.get_group(),
+                group=vocab_group,
             )
         runner = build_pipeline_runner(
             plan.schedule,
@@ -243,11 +252,12 @@ class Trainer:
             "trainer": _TrainerProgress(self),
         }
 
-    def _row_shards(self) -> list[str]:
-        """Parameters split by rows across the pipeline ranks (vocabulary parallelism)."""
+    def _row_shards(self) -> dict[str, int]:
+        """Parameters split by rows across the pipeline ranks (vocabulary parallelism), with the
+        rows of the full matrix."""
         if self.pipeline is None or self.pipeline.vocab is None:
-            return []
-        return [f"{name}.weight" for name in VOCAB_MODULE_NAMES]
+            return {}
+        return {f"{name}.weight": self.model_args.vocab_size for name in VOCAB_MODULE_NAMES}
 
     def _autocast(self) -> Any:
         """Mixed precision without FSDP (one rank): autocast; FSDP2 does it by itself."""
