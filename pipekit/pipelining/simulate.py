@@ -79,9 +79,19 @@ class CostModel:
     weight_grad_activation_share: float = 0.5
     """Share of a unit's activations that I leaves for W (split backward only)."""
 
-    def forward_time(self, stage: int, num_stages: int, slice_index: int, num_slices: int) -> float:
+    def forward_time(
+        self,
+        stage: int,
+        num_stages: int,
+        slice_index: int,
+        num_slices: int,
+        attended_slices: float | None = None,
+    ) -> float:
+        """`attended_slices`: the key/value slices whose attention this pass computes (default
+        its own causal share, `slice_index + 1/2`; context exchange moves some between ranks)."""
         weight = self.stage_weights[stage] if self.stage_weights else 1.0
-        attention_share = (2 * slice_index + 1) / num_slices**2
+        attended = slice_index + 0.5 if attended_slices is None else attended_slices
+        attention_share = 2 * attended / num_slices**2
         linear = self.forward_linear / num_slices
         return weight * (linear + self.forward_attention * attention_share) / num_stages
 
@@ -164,8 +174,13 @@ def simulate(
     *,
     num_slices: int = 1,
     cost: CostModel | None = None,
+    attended_slices: Mapping[Action, float] | None = None,
 ) -> SimulationResult:
-    """Run the lists under `cost`; raise ScheduleDeadlockError if some rank waits forever."""
+    """Run the lists under `cost`; raise ScheduleDeadlockError if some rank waits forever.
+
+    `attended_slices` overrides the attention work of some actions (see
+    `CostModel.forward_time`), e.g. after a context-exchange plan moved it between ranks.
+    """
     cost = cost or CostModel()
     lists = {
         rank: [a for a in actions if a is not None] for rank, actions in actions_by_rank.items()
@@ -190,7 +205,8 @@ def simulate(
                      for key, crosses in needs] or [0.0]
                 )  # fmt: skip
                 start = max(rank_free[rank], ready)
-                end = start + _duration(action, cost, num_stages, num_slices)
+                attended = (attended_slices or {}).get(action)
+                end = start + _duration(action, cost, num_stages, num_slices, attended)
                 for key in _keys_of(action):
                     finished[key] = end
                 timeline.append(ScheduledAction(rank, action, start, end))
@@ -218,9 +234,17 @@ def simulate(
     )
 
 
-def _duration(action: Action, cost: CostModel, num_stages: int, num_slices: int) -> float:
+def _duration(
+    action: Action,
+    cost: CostModel,
+    num_stages: int,
+    num_slices: int,
+    attended_slices: float | None = None,
+) -> float:
     _, slice_index = unit_microbatch_and_slice(action.microbatch_index, num_slices)
-    forward = cost.forward_time(action.stage_index, num_stages, slice_index, num_slices)
+    forward = cost.forward_time(
+        action.stage_index, num_stages, slice_index, num_slices, attended_slices
+    )
     backward = cost.backward_ratio * forward
     kind = action.computation_type
     if kind == F:
