@@ -77,6 +77,15 @@ def test_vocab_parallel_bench_shrinks_the_last_ranks_saved_logits():
     assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
 
 
+def test_context_exchange_bench_simulates_fewer_bubbles_and_less_traffic_than_eq2():
+    figures = _run_bench("context-exchange", "--pp", "4", "--slices", "8", "--seq", "8192",
+                         "--microbatches", "2", "--dim", "512", "--simulate")  # fmt: skip
+    assert list(figures) == ["bubble_with", "bubble_without", "bytes_vs_eq2", "makespan_ratio"]
+    assert figures["bubble_with"] < figures["bubble_without"]
+    assert 0 < figures["bytes_vs_eq2"] <= 1
+    assert figures["makespan_ratio"] < 1
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -103,6 +112,8 @@ def test_vocab_parallel_bench_shrinks_the_last_ranks_saved_logits():
         ),
         (["pipeline-throughput", "--repeats", "0"], "--repeats=0 must be at least 1"),
         (["vocab-parallel", "--pp", "1"], "--pp=1 must be at least 2"),
+        (["context-exchange"], "needs ContextExchangeAttention, which is not built yet"),
+        (["context-exchange", "--simulate", "--slices", "6"], "num_slices=6 must be a multiple"),
         (["vocab-parallel", "--pp", "2", "--slices", "3"], "num_slices=3 must be a multiple"),
     ],
 )

@@ -17,6 +17,10 @@ _BENCHMARKS = {
         "tokens/s of the sliced pipeline vs torch's 1F1B",
     ),
     "schedules": ("pipekit.bench.schedules", "simulated bubbles and memory vs SlimPipe Table 2"),
+    "context-exchange": (
+        "pipekit.bench.context_exchange",
+        "attention context exchange: balance, bubbles and traffic (simulated)",
+    ),
     "vocab-parallel": (
         "pipekit.bench.vocab_parallel",
         "peak memory and output-layer time per rank, vocabulary-parallel pipeline vs not",

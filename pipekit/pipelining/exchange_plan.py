@@ -16,10 +16,10 @@ The plan, a pure function of the action lists:
   that is fine, because the partner serves one borrowed request per layer of its own pass,
   whichever way its own pass walks the layers (stages have equal layer counts).
 - **Balance.** Work is counted in forward-slice units: a KV slice of a forward pass is 1, of a
-  backward pass `backward_ratio`. Heavy ranks give one KV slice at a time to the rank with the
-  largest remaining deficit below the moment's mean, while the giver is above the mean by at
-  least half a slice of its kind and the taker below it by as much; so every rank ends within
-  about one backward slice of the mean (exactly within one slice when all passes are of one kind).
+  backward pass `backward_ratio`. Ranks above the moment's mean give one KV slice at a time to
+  the rank furthest below it, while the giver is half a slice or more above the mean and the
+  taker as far below it; so a moment ends with a spread of about one slice (one backward slice
+  where backward passes give; at most one slice when all its passes are forwards).
 - **Early KV exchange.** A giver hands over its earliest KV slices (0, 1, ...), never its own
   diagonal one: those were produced passes ago and can travel while earlier passes still compute.
 
@@ -127,9 +127,10 @@ def balance_work(
     work: Mapping[int, float], unit: Mapping[int, float], sendable: Mapping[int, int]
 ) -> list[tuple[int, int, int]]:
     """`(source, target, slices)` moves of whole KV slices: a slice of rank r carries `unit[r]`
-    work, and r can give at most `sendable[r]` slices. Givers go heaviest first; each slice goes
-    to the rank furthest below the mean, while the giver stays above the mean by at least half
-    its unit and the taker below it by as much. Givers never take and takers never give."""
+    work, and r can give at most `sendable[r]` slices. Ranks above the mean give, heaviest first,
+    one slice at a time to the rank furthest below it, while the giver is at least half a slice
+    above the mean, the taker at least half a slice below it, and the giver more than a slice
+    above the taker (so every move narrows the pair). Givers never take."""
     if not work:
         return []
     mean = sum(work.values()) / len(work)
@@ -139,15 +140,19 @@ def balance_work(
     for source in sorted(work, key=lambda rank: (-work[rank], rank)):
         if work[source] <= mean:
             break
-        given = 0
-        while given < sendable[source] and current[source] - mean >= unit[source] / 2:
+        for _ in range(sendable[source]):
             target = max(takers, key=lambda rank: (mean - current[rank], -rank), default=None)
-            if target is None or mean - current[target] < unit[source] / 2:
+            half = unit[source] / 2
+            if (
+                target is None
+                or current[source] - mean < half  # the giver would drop below the mean
+                or mean - current[target] < half  # the taker would rise above it
+                or current[source] - current[target] <= unit[source]  # no narrower after
+            ):
                 break
             current[source] -= unit[source]
             current[target] += unit[source]
             moves[source, target] += 1
-            given += 1
     return [(source, target, count) for (source, target), count in moves.items()]
 
 
