@@ -142,25 +142,28 @@ def test_dropping_a_ranks_share_breaks_parity(ablation: str) -> None:
 
 
 def _load_hf_into_shards(rank: int, world: int, directory: str) -> tuple[int, int, dict]:
-    from models.llama import Llama
     from models.llama.state_dict_adapter import load_hf_llama
-    from pipekit.pipelining.vocab_parallel import vocab_shard_modules
+    from pipekit.pipelining.vocab_parallel import copy_full_vocab_rows, vocab_shard_modules
 
     args = TINY_LLAMA.with_updates(vocab_size=TINY_LLAMA.vocab_size + 1)
+    embedding, output = vocab_shard_modules(args.vocab_size, args.dim, dist.group.WORLD)
+
+    def materialize(module: torch.nn.Module) -> None:
+        module.to_empty(device="cpu")
+        load_hf_llama(directory, module, args)
+
     with torch.device("meta"):
         model = Llama(args)
-        model.tok_embeddings, model.output = vocab_shard_modules(
-            args.vocab_size, args.dim, dist.group.WORLD
-        )
-    model.to_empty(device="cpu")
-    load_hf_llama(directory, model, args)
-    shard = model.output
-    rows = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return shard.vocab_start, shard.vocab_end, rows
+    copy_full_vocab_rows(embedding, output, materialize, model)
+    rows = {
+        "tok_embeddings.weight": embedding.weight.detach().clone(),
+        "output.weight": output.weight.detach().clone(),
+    }
+    return output.vocab_start, output.vocab_end, rows
 
 
-def test_hugging_face_weights_load_into_the_vocabulary_shards(tmp_path) -> None:
-    """Each rank reads only its rows of the embedding and the head (uneven: 65 rows over 2)."""
+def test_hugging_face_weights_fill_the_vocabulary_shards(tmp_path) -> None:
+    """Each rank keeps its rows of the checkpoint's embedding and head (uneven: 65 rows over 2)."""
     from models.llama.state_dict_adapter import save_hf_llama
 
     args = TINY_LLAMA.with_updates(vocab_size=TINY_LLAMA.vocab_size + 1)
@@ -171,7 +174,4 @@ def test_hugging_face_weights_load_into_the_vocabulary_shards(tmp_path) -> None:
     assert [(start, end) for start, end, _ in results] == [(0, 33), (33, 65)]
     for start, end, rows in results:
         for name, value in rows.items():
-            expected = full.get_parameter(name).detach()
-            if name in ("tok_embeddings.weight", "output.weight"):
-                expected = expected[start:end]
-            assert torch.equal(value, expected), name
+            assert torch.equal(value, full.get_parameter(name).detach()[start:end]), name

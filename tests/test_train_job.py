@@ -303,3 +303,42 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
         assert sorted(losses) == [3, 4]
         reference = vocab_parallel if name == "resumed" else plain
         assert losses == pytest.approx({step: reference[step] for step in (3, 4)}, rel=1e-5)
+
+
+def test_pipelines_start_from_hugging_face_weights(tmp_path):
+    """`[checkpoint] initial_load_path` into pipeline stages (each loads the modules it holds)
+    and into vocabulary shards (each keeps its rows): the same losses as the FSDP job that
+    loads the same checkpoint, and not those of a fresh initialisation."""
+    import torch
+
+    from models.llama.state_dict_adapter import save_hf_llama
+    from models.registry import get_model_spec
+
+    spec = get_model_spec("llama")
+    args = spec.flavor("debug")
+    with torch.device("meta"):
+        model = spec.build(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=11)
+    save_hf_llama(model, args, tmp_path / "hf")
+    common = (*SHORT_RUN[2:10], "--training.steps", "2", "--checkpoint.enable", "false")
+    load = ("--checkpoint.initial_load_path", str(tmp_path / "hf"))
+    runs = {}
+    for name, config, extra in (
+        ("fsdp", CONFIG, load),
+        ("sliced_pp", SLICED_PP_CONFIG, load),
+        ("vocab_pp", VOCAB_PP_CONFIG, load),
+        ("fresh_pp", SLICED_PP_CONFIG, ()),
+    ):
+        result = subprocess.run(
+            _command(tmp_path / name, *common, *extra, config=config),
+            env=_env(),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = _losses(tmp_path / name)
+    assert runs["sliced_pp"] == pytest.approx(runs["fsdp"], rel=1e-4)
+    assert runs["vocab_pp"] == pytest.approx(runs["fsdp"], rel=1e-4)
+    assert runs["fresh_pp"][1] != pytest.approx(runs["fsdp"][1], rel=1e-3)

@@ -16,9 +16,8 @@ Legend: B batch, S sequence, D model dim, V vocabulary.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -106,7 +105,7 @@ class Llama(nn.Module):
             embedding = self.output
         if embedding is not None:
             with _seeded(seed, "tok_embeddings", device):
-                _init_rows(embedding, lambda w: nn.init.normal_(w, std=0.02 if tied else 1.0))
+                nn.init.normal_(embedding.weight, std=0.02 if tied else 1.0)
         for key, block in (self.layers or {}).items():
             with _seeded(seed, f"layers.{key}", device):
                 block.reset_parameters()
@@ -115,9 +114,7 @@ class Llama(nn.Module):
         if self.output is not None and not tied:
             std = self.args.dim**-0.5
             with _seeded(seed, "output", device):
-                _init_rows(
-                    self.output, lambda w: nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
-                )
+                nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
 
     def forward(
         self,
@@ -166,14 +163,3 @@ def _seeded(seed: int, module_name: str, device: torch.device) -> Iterator[None]
     with torch.random.fork_rng(devices=accelerators, device_type=device_type):
         torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
         yield
-
-
-def _init_rows(module: nn.Module, init: Callable[[Tensor], Any]) -> None:
-    """Initialise `module.weight`; a vocabulary shard (`load_full_weight`) draws the full matrix
-    and keeps its rows, so every vocabulary split starts from the unsplit model's weights."""
-    if not hasattr(module, "load_full_weight"):
-        init(module.weight)
-        return
-    full_VD = torch.empty(module.vocab_size, module.dim, device=module.weight.device)
-    init(full_VD)
-    module.load_full_weight(full_VD.to(module.weight.dtype))

@@ -196,14 +196,13 @@ def load_hf_llama(directory: str | os.PathLike[str], model: nn.Module, args: Lla
             "the model's parameters are on the meta device; call model.to_empty(device=...) "
             "before loading"
         )
-    rows = _row_shard_ranges(model)
     with SafetensorsCheckpoint(directory) as checkpoint:
         _check_checkpoint_tensors(checkpoint, args)
         copied: set[int] = set()
         with torch.no_grad():
             for name, param in params.items():
                 if id(param) not in copied:  # a tied weight is read once
-                    param.copy_(read_hf_tensor(checkpoint, name, args, rows.get(name)))
+                    param.copy_(read_hf_tensor(checkpoint, name, args))
                     copied.add(id(param))
 
 
@@ -281,30 +280,30 @@ def _comparable(args: LlamaArgs) -> dict[str, object]:
     return values | {"n_kv_heads": args.num_kv_heads, "head_dim": args.per_head_dim}
 
 
-def _row_shard_ranges(model: nn.Module) -> dict[str, slice]:
-    """Rows of the full matrix that each vocabulary-sharded parameter holds (modules with
-    `vocab_start`/`vocab_end`, e.g. `pipekit.layers.VocabParallelOutput`), by parameter name."""
-    return {
-        f"{module_name}.weight": slice(module.vocab_start, module.vocab_end)
-        for module_name, module in model.named_modules()
-        if hasattr(module, "vocab_start") and hasattr(module, "vocab_end")
-    }
-
-
 def _parameters_matching(model: nn.Module, args: LlamaArgs) -> dict[str, nn.Parameter]:
-    """The model's parameters (tied ones under both names), checked against `args`; a
-    vocabulary shard is expected to hold its rows of the full matrix."""
+    """The model's parameters (tied ones under both names), checked against `args`. A model
+    that holds only some modules (the others None, e.g. a pipeline stage) is checked, and
+    loaded, for those."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = llama_param_shapes(args)
-    for name, rows in _row_shard_ranges(model).items():
-        if name in expected:
-            expected[name] = (rows.stop - rows.start, *expected[name][1:])
+    expected = {
+        name: shape for name, shape in llama_param_shapes(args).items() if _holds(model, name)
+    }
     problems = _name_and_shape_problems(
         {name: tuple(param.shape) for name, param in params.items()}, expected
     )
     if problems:
         raise ValueError(f"the model does not have the parameters its LlamaArgs imply: {problems}")
     return params
+
+
+def _holds(model: nn.Module, name: str) -> bool:
+    """Whether `model` holds the module of parameter `name` (a top-level module, or one block of
+    `layers`)."""
+    top, _, rest = name.partition(".")
+    module = getattr(model, top, None)
+    if module is None or top != "layers":
+        return module is not None
+    return rest.partition(".")[0] in module
 
 
 def _check_checkpoint_tensors(checkpoint: SafetensorsCheckpoint, args: LlamaArgs) -> None:

@@ -25,13 +25,13 @@ Legend: U units, B rows of a unit, S tokens of a unit, D model dim, V vocabulary
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from pipekit.layers.vocab_parallel import (
@@ -42,9 +42,15 @@ from pipekit.layers.vocab_parallel import (
 )
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.stage import StageShapes
+from pipekit.pipelining.stage_split import build_stage_module
 from pipekit.train.loss import IGNORE_INDEX
 
-__all__ = ["VOCAB_MODULE_NAMES", "PipelineVocabParallel", "vocab_shard_modules"]
+__all__ = [
+    "VOCAB_MODULE_NAMES",
+    "PipelineVocabParallel",
+    "copy_full_vocab_rows",
+    "vocab_shard_modules",
+]
 
 VOCAB_MODULE_NAMES = ("tok_embeddings", "output")
 """The model's modules that vocabulary parallelism splits across the pipeline ranks."""
@@ -60,6 +66,26 @@ def vocab_shard_modules(
     embedding = VocabParallelEmbedding(vocab_size, dim, group, sizes, reduce=False)
     output = VocabParallelOutput(dim, vocab_size, group, sizes, reduce_input_grad=False)
     return embedding, output
+
+
+def copy_full_vocab_rows(
+    embedding: VocabParallelEmbedding,
+    output: VocabParallelOutput,
+    materialize: Callable[[nn.Module], None],
+    model: nn.Module,
+) -> None:
+    """Fill the shards with their rows of `model`'s embedding and output matrices.
+
+    `model` is the whole model on the meta device; a copy holding only those two modules is
+    materialised by `materialize` (e.g. `to_empty` and `init_weights(seed)`, then a Hugging Face
+    load), exactly as the unsplit model would be, so every vocabulary split starts from the
+    unsplit model's weights. The two full `[V, D]` matrices exist on each rank meanwhile.
+    """
+    full = build_stage_module(model, list(VOCAB_MODULE_NAMES))
+    materialize(full)
+    with torch.no_grad():
+        for name, shard in zip(VOCAB_MODULE_NAMES, (embedding, output), strict=True):
+            shard.load_full_weight(getattr(full, name).weight.detach())
 
 
 class _LossFromKnownGradient(torch.autograd.Function):

@@ -12,6 +12,7 @@ Legend: B local micro-batch, S sequence, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ from pipekit.pipelining.trace import record_pipeline_step
 from pipekit.pipelining.vocab_parallel import (
     VOCAB_MODULE_NAMES,
     PipelineVocabParallel,
+    copy_full_vocab_rows,
     vocab_shard_modules,
 )
 from pipekit.train.activation_checkpoint import apply_activation_checkpointing
@@ -174,27 +176,20 @@ class Trainer:
             **placement,
             outside_stages=plan.modules_outside_stages,
         )
+        self._materialize(rank_model, load_hf)
         vocab_group = None
         if plan.vocab_parallel:  # this rank's rows, under the full model's names
             # the output passes' collectives get their own group: on NCCL a pipeline send
             # blocks its communicator until received, and a pass may sit behind one
             vocab_group = new_group_along(self.mesh, "pp")
-            with torch.device("meta"):
-                rank_model.tok_embeddings, rank_model.output = vocab_shard_modules(
-                    args.vocab_size, args.dim, vocab_group
-                )
-        self._materialize(rank_model, load_hf)
-        if plan.vocab_parallel and self.mesh is not None:
-            # data parallelism over the shards: the output layer runs once per unit, so it stays
-            # gathered from its forward to its backward (PipelineVocabParallel syncs at the end)
-            precision = {
-                "param_dtype": _DTYPES[config.training.mixed_precision_param],
-                "reduce_dtype": _DTYPES[config.training.mixed_precision_reduce],
-            }
-            apply_data_parallel(rank_model.tok_embeddings, self.mesh, self.dims, **precision)
-            apply_data_parallel(
-                rank_model.output, self.mesh, self.dims, reshard_after_forward=False, **precision
+            with self.device:
+                embedding, output = vocab_shard_modules(args.vocab_size, args.dim, vocab_group)
+            copy_full_vocab_rows(
+                embedding, output, functools.partial(self._materialize, load_hf=load_hf), full_model
             )
+            rank_model.tok_embeddings, rank_model.output = embedding, output
+            if self.mesh is not None:
+                self._shard_vocab(embedding, output)
         shapes = StageShapes(
             rows=self.micro_batch_size // plan.num_microbatches,
             slice_length=config.training.seq_len // plan.num_slices,
@@ -234,6 +229,18 @@ class Trainer:
             vocab=vocab,
         )
         return rank_model, runner
+
+    def _shard_vocab(self, embedding: nn.Module, output: nn.Module) -> None:
+        """Data parallelism over the vocabulary shards. The output layer runs once per unit, so
+        it stays gathered from its forward to its backward (PipelineVocabParallel syncs its
+        gradients after the step's last pass)."""
+        training = self.config.training
+        precision = {
+            "param_dtype": _DTYPES[training.mixed_precision_param],
+            "reduce_dtype": _DTYPES[training.mixed_precision_reduce],
+        }
+        apply_data_parallel(embedding, self.mesh, self.dims, **precision)
+        apply_data_parallel(output, self.mesh, self.dims, reshard_after_forward=False, **precision)
 
     def _measured_peak_flops(self) -> float:
         flops = torch.tensor(measure_matmul_flops(), dtype=torch.float64)
