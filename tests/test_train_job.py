@@ -56,6 +56,19 @@ def _kill_process_tree(pid: int) -> None:
             os.kill(victim, signal.SIGKILL)
 
 
+def _train(output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG) -> dict:
+    """Run a job to completion (it must succeed); its logged losses by step."""
+    result = subprocess.run(
+        _command(output_dir, *overrides, nproc=nproc, config=config),
+        env=_env(),
+        cwd=output_dir.parent,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return _losses(output_dir)
+
+
 def _losses(output_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return {record["step"]: record["loss"] for record in records}
@@ -204,15 +217,7 @@ def test_sliced_pipeline_job_matches_the_data_parallel_job(tmp_path):
     steps = ("--training.steps", "6")
     runs = {}
     for name, config in (("fsdp", CONFIG), ("sliced_pp", SLICED_PP_CONFIG)):
-        result = subprocess.run(
-            _command(tmp_path / name, *short, *steps, config=config),
-            env=_env(),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = _losses(tmp_path / name)
+        runs[name] = _train(tmp_path / name, *short, *steps, config=config)
     assert sorted(runs["sliced_pp"]) == list(range(1, 7))
     assert runs["sliced_pp"] == pytest.approx(runs["fsdp"], rel=1e-4)
 
@@ -223,14 +228,7 @@ def test_sliced_pipeline_job_resumes_exactly(tmp_path):
     short = (*SHORT_RUN[:10], "--checkpoint.interval", "2")
 
     def run(output_dir: Path, steps: int) -> None:
-        result = subprocess.run(
-            _command(output_dir, *short, "--training.steps", str(steps), config=SLICED_PP_CONFIG),
-            env=_env(),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
+        _train(output_dir, *short, "--training.steps", str(steps), config=SLICED_PP_CONFIG)
 
     run(tmp_path / "straight", 4)
     run(tmp_path / "resumed", 2)
@@ -259,15 +257,7 @@ def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path
         if name == "resharded":
             source = tmp_path / "pp_fsdp_vocab" / "checkpoints" / "step-2"
             shutil.copytree(source, tmp_path / name / "checkpoints" / "step-2")
-        result = subprocess.run(
-            _command(tmp_path / name, *common, *extra, nproc=nproc, config=config),
-            env=_env(),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = _losses(tmp_path / name)
+        runs[name] = _train(tmp_path / name, *common, *extra, nproc=nproc, config=config)
     for name in ("pp_fsdp", "pp_fsdp_vocab"):
         assert sorted(runs[name]) == [1, 2, 3]
         assert runs[name] == pytest.approx(runs["fsdp"], rel=1e-4)
@@ -282,15 +272,7 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
     short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
 
     def run(name: str, config: str) -> dict[int, float]:
-        result = subprocess.run(
-            _command(tmp_path / name, *short, config=config),
-            env=_env(),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        return _losses(tmp_path / name)
+        return _train(tmp_path / name, *short, config=config)
 
     vocab_parallel = run("vocab_parallel", VOCAB_PP_CONFIG)
     plain = run("plain", SLICED_PP_CONFIG)
@@ -330,15 +312,7 @@ def test_pipelines_start_from_hugging_face_weights(tmp_path):
         ("vocab_pp", VOCAB_PP_CONFIG, load),
         ("fresh_pp", SLICED_PP_CONFIG, ()),
     ):
-        result = subprocess.run(
-            _command(tmp_path / name, *common, *extra, config=config),
-            env=_env(),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = _losses(tmp_path / name)
+        runs[name] = _train(tmp_path / name, *common, *extra, config=config)
     assert runs["sliced_pp"] == pytest.approx(runs["fsdp"], rel=1e-4)
     assert runs["vocab_pp"] == pytest.approx(runs["fsdp"], rel=1e-4)
     assert runs["fresh_pp"][1] != pytest.approx(runs["fsdp"][1], rel=1e-3)
