@@ -9,6 +9,13 @@ from pipekit.attention.backends import (
     use_backend,
 )
 from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
+from pipekit.attention.exchange import (
+    AttentionLoan,
+    LentChunk,
+    attention_with_loan,
+    serve_attention_loan,
+    serve_attention_loan_backward,
+)
 from pipekit.attention.kv_cache import ChunkedKVCache, SliceAttention
 from pipekit.attention.masks import (
     MaskMod,
@@ -24,14 +31,17 @@ from pipekit.attention.merge import merge_attention
 
 __all__ = [
     "AttentionBackend",
+    "AttentionLoan",
     "ChunkedKVCache",
     "KVChunk",
+    "LentChunk",
     "MaskMod",
     "RingBackend",
     "SliceAttention",
     "and_masks",
     "attention",
     "attention_over_chunks",
+    "attention_with_loan",
     "available_backends",
     "causal_mask",
     "causal_within_documents",
@@ -41,6 +51,8 @@ __all__ = [
     "offset_causal_mask",
     "or_masks",
     "select_backend",
+    "serve_attention_loan",
+    "serve_attention_loan_backward",
     "sliding_window_mask",
     "use_backend",
 ]

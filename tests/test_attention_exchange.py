@@ -1,0 +1,125 @@
+"""Attention over chunks lent to another rank equals attention over all chunks on one rank
+(float64, gloo): output, lse and the gradients of the query and of every chunk, with packed
+documents, grouped-query heads and a backward served by a different rank than the forward. The
+ablation drops the lent chunks' dK/dV on the server and must fail."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_helpers import run_on_ranks
+
+from pipekit.attention.chunked import KVChunk, attention_over_chunks
+from pipekit.attention.cpu_flash import CpuFlashBackend
+from pipekit.attention.exchange import (
+    AttentionLoan,
+    LentChunk,
+    attention_with_loan,
+    serve_attention_loan,
+    serve_attention_loan_backward,
+)
+from pipekit.attention.masks import causal_within_documents, documents_or_all
+
+B, H, G, S, D = 2, 4, 2, 8, 16  # S: keys and queries per slice
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    """Slice 3 of a sequence: its query, three earlier KV slices and its own, two documents."""
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    docs_BT = (torch.arange(4 * S) >= 13 + torch.arange(B).unsqueeze(1)).long()  # [B, 4 slices]
+    return {
+        "q": draw(B, H, S, D),
+        "k": draw(4, B, G, S, D),
+        "v": draw(4, B, G, S, D),
+        "grad_out": draw(B, H, S, D),
+        "docs": docs_BT,
+    }
+
+
+def _chunks(inputs, k, v) -> tuple[list[KVChunk], list[LentChunk], torch.Tensor]:
+    docs = inputs["docs"]
+    q_docs = docs[:, 3 * S :]
+    own = KVChunk(k[3], v[3], causal_within_documents(q_docs))
+    earlier = [LentChunk(k[i], v[i], docs[:, i * S : (i + 1) * S]) for i in range(3)]
+    return [own], earlier, q_docs
+
+
+def _reference(inputs) -> dict[str, torch.Tensor]:
+    q, k, v = (inputs[name].clone().requires_grad_() for name in ("q", "k", "v"))
+    own, earlier, q_docs = _chunks(inputs, k, v)
+    chunks = own + [
+        KVChunk(c.k_BGKD, c.v_BGKD, documents_or_all(q_docs, c.document_ids_BK)) for c in earlier
+    ]
+    out, lse = attention_over_chunks(q, chunks, backend="cpu")
+    out.backward(inputs["grad_out"])
+    return {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _lend(rank: int, world: int, drop_lent_grads: bool) -> dict[str, torch.Tensor] | None:
+    """Rank 0 lends slices 0 and 1 (keeps 2 and its own); rank 1 serves the forward, rank 2 (or
+    1 on two ranks) the backward."""
+    inputs = _inputs()
+    backward_server = world - 1
+    if rank > 0:
+        if rank == 1:
+            serve_attention_loan(0, backend="cpu")
+        if rank == backward_server:
+            backward_chunk = CpuFlashBackend.backward_chunk
+            if drop_lent_grads:
+
+                def zero_kv(self, *args, **kwargs):
+                    dq, dk, dv = backward_chunk(self, *args, **kwargs)
+                    return dq, dk * 0, dv * 0
+
+                with mock.patch.object(CpuFlashBackend, "backward_chunk", zero_kv):
+                    serve_attention_loan_backward(0, backend="cpu")
+            else:
+                serve_attention_loan_backward(0, backend="cpu")
+        dist.barrier()
+        return None
+    q, k, v = (inputs[name].clone().requires_grad_() for name in ("q", "k", "v"))
+    own, earlier, q_docs = _chunks(inputs, k, v)
+    kept = KVChunk(
+        earlier[2].k_BGKD, earlier[2].v_BGKD, documents_or_all(q_docs, earlier[2].document_ids_BK)
+    )
+    out, lse = attention_with_loan(
+        q,
+        [*own, kept],
+        earlier[:2],
+        AttentionLoan(1),
+        AttentionLoan(backward_server),
+        q_document_ids_BS=q_docs,
+        backend="cpu",
+    )
+    out.backward(inputs["grad_out"])
+    dist.barrier()
+    return {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _max_difference(world: int, drop_lent_grads: bool = False) -> float:
+    lent = run_on_ranks(_lend, world, drop_lent_grads)[0]
+    reference = _reference(_inputs())
+    return max((lent[name] - reference[name]).abs().max().item() for name in reference)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lent_attention_equals_local_attention(world: int) -> None:
+    assert _max_difference(world) < 1e-12
+
+
+def test_dropping_the_lent_chunks_gradients_breaks_it() -> None:
+    assert _max_difference(2, drop_lent_grads=True) > 1e-2
+
+
+def test_a_lent_chunk_without_document_ids_needs_a_query_without_them() -> None:
+    q = torch.zeros(B, H, S, D)
+    chunk = LentChunk(torch.zeros(B, G, S, D), torch.zeros(B, G, S, D))
+    with pytest.raises(ValueError, match="document ids"):
+        attention_with_loan(q, [], [chunk], None, q_document_ids_BS=torch.zeros(B, S).long())
