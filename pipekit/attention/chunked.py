@@ -24,7 +24,7 @@ from pipekit.attention.backends import AttentionBackend, RingBackend, select_bac
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.merge import merge_attention
 
-__all__ = ["KVChunk", "attention", "attention_over_chunks"]
+__all__ = ["KVChunk", "attention", "attention_over_chunks", "ring_backward"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,28 @@ def _check_shapes(q_BHSD: Tensor, chunks: Sequence[KVChunk]) -> None:
             )
 
 
+def ring_backward(
+    backend: RingBackend,
+    grad_out_BHSD: Tensor,
+    q_BHSD: Tensor,
+    out_BHSD: Tensor,
+    lse_BHS: Tensor,
+    chunks: Sequence[tuple[Tensor, Tensor, MaskMod | None]],
+    scale: float,
+) -> tuple[Tensor, list[Tensor]]:
+    """The ring identity: with the merged `(out, lse)`, each chunk's kernel backward gives its
+    share of dQ and its own dK, dV. Returns (dQ summed over chunks, [dK, dV] per chunk)."""
+    grad_q_BHSD = torch.zeros_like(q_BHSD)
+    kv_grads: list[Tensor] = []
+    for k, v, mask in chunks:
+        grad_q, grad_k, grad_v = backend.backward_chunk(
+            grad_out_BHSD, q_BHSD, k, v, out_BHSD, lse_BHS, mask, scale
+        )
+        grad_q_BHSD += grad_q
+        kv_grads += [grad_k, grad_v]
+    return grad_q_BHSD, kv_grads
+
+
 class _RingIdentityAttention(torch.autograd.Function):
     """Forward: each chunk's kernel, then the LSE merge. Backward: each chunk's kernel backward
     with the merged (out, lse), summed over chunks. The lse output has no gradient."""
@@ -92,14 +114,10 @@ class _RingIdentityAttention(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_out_BHSD: Tensor, _grad_lse: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         q_BHSD, out_BHSD, lse_BHS, *kv_tensors = ctx.saved_tensors
-        grad_q_BHSD = torch.zeros_like(q_BHSD)
-        kv_grads: list[Tensor] = []
-        for k, v, mask in zip(kv_tensors[0::2], kv_tensors[1::2], ctx.masks, strict=True):
-            grad_q, grad_k, grad_v = ctx.backend.backward_chunk(
-                grad_out_BHSD, q_BHSD, k, v, out_BHSD, lse_BHS, mask, ctx.scale
-            )
-            grad_q_BHSD += grad_q
-            kv_grads += [grad_k, grad_v]
+        chunks = zip(kv_tensors[0::2], kv_tensors[1::2], ctx.masks, strict=True)
+        grad_q_BHSD, kv_grads = ring_backward(
+            ctx.backend, grad_out_BHSD, q_BHSD, out_BHSD, lse_BHS, list(chunks), ctx.scale
+        )
         return None, None, None, grad_q_BHSD, *kv_grads
 
 

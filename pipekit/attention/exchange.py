@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend, RingBackend, select_backend
-from pipekit.attention.chunked import KVChunk
+from pipekit.attention.chunked import KVChunk, ring_backward
 from pipekit.attention.masks import MaskMod, documents_or_all
 from pipekit.attention.merge import merge_attention
 
@@ -187,14 +187,15 @@ def serve_attention_loan_backward(
     loan.receive(grad_out_BHSD, out_BHSD, lse_BHS)
     chosen = _ring_backend(backend, q_BHSD)
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
-    grad_q_BHSD = torch.zeros_like(q_BHSD)
-    kv_grads = []
-    for chunk in request.chunks:
-        grad_q, grad_k, grad_v = chosen.backward_chunk(
-            grad_out_BHSD, q_BHSD, chunk.k_BGKD, chunk.v_BGKD, out_BHSD, lse_BHS, chunk.mask, scale
-        )
-        grad_q_BHSD += grad_q
-        kv_grads += [grad_k, grad_v]
+    grad_q_BHSD, kv_grads = ring_backward(
+        chosen,
+        grad_out_BHSD,
+        q_BHSD,
+        out_BHSD,
+        lse_BHS,
+        [(c.k_BGKD, c.v_BGKD, c.mask) for c in request.chunks],
+        scale,
+    )
     loan.send(grad_q_BHSD, *kv_grads)
 
 
@@ -256,14 +257,9 @@ class _LentAttention(torch.autograd.Function):
         here = list(zip(local_kv[0::2], local_kv[1::2], ctx.local_masks, strict=True))
         if backward_loan is None:
             here += [(c.k_BGKD, c.v_BGKD, _lent_mask(q_docs, c)) for c in lent]
-        grad_q_BHSD = torch.zeros_like(q_BHSD)
-        kv_grads: list[Tensor] = []
-        for k, v, mask in here:
-            grad_q, grad_k, grad_v = ctx.backend.backward_chunk(
-                grad_out_BHSD, q_BHSD, k, v, out_BHSD, lse_BHS, mask, ctx.scale
-            )
-            grad_q_BHSD += grad_q
-            kv_grads += [grad_k, grad_v]
+        grad_q_BHSD, kv_grads = ring_backward(
+            ctx.backend, grad_out_BHSD, q_BHSD, out_BHSD, lse_BHS, here, ctx.scale
+        )
         if backward_loan is not None:
             remote = [torch.empty_like(q_BHSD), *(torch.empty_like(t) for t in lent_kv)]
             backward_loan.receive(*remote)
