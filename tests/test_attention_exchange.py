@@ -16,8 +16,9 @@ from pipekit.attention.chunked import KVChunk, attention_over_chunks
 from pipekit.attention.cpu_flash import CpuFlashBackend
 from pipekit.attention.exchange import (
     AttentionLoan,
+    Lending,
     LentChunk,
-    attention_with_loan,
+    attention_with_lending,
     serve_attention_loan,
     serve_attention_loan_backward,
 )
@@ -63,44 +64,46 @@ def _reference(inputs) -> dict[str, torch.Tensor]:
 
 
 def _lend(rank: int, world: int, drop_lent_grads: bool) -> dict[str, torch.Tensor] | None:
-    """Rank 0 lends slices 0 and 1 (keeps 2 and its own); rank 1 serves the forward, rank 2 (or
-    1 on two ranks) the backward."""
+    """Rank 0 keeps its own slice and slice 2 and lends slices 0 and 1: in forward slice 0 to
+    rank 1 and slice 1 to the last rank, in backward both to the last rank."""
     inputs = _inputs()
-    backward_server = world - 1
+    last = world - 1
     if rank > 0:
-        if rank == 1:
+        for _ in range((rank == 1) + (rank == last)):  # the forward parts sent to this rank
             serve_attention_loan(0, backend="cpu")
-        if rank == backward_server:
-            backward_chunk = CpuFlashBackend.backward_chunk
-            if drop_lent_grads:
-
-                def zero_kv(self, *args, **kwargs):
-                    dq, dk, dv = backward_chunk(self, *args, **kwargs)
-                    return dq, dk * 0, dv * 0
-
-                with mock.patch.object(CpuFlashBackend, "backward_chunk", zero_kv):
-                    serve_attention_loan_backward(0, backend="cpu")
-            else:
-                serve_attention_loan_backward(0, backend="cpu")
+        if rank == last:
+            _serve_backward(drop_lent_grads)
         dist.barrier()
         return None
     q, k, v = (inputs[name].clone().requires_grad_() for name in ("q", "k", "v"))
     own, earlier, q_docs = _chunks(inputs, k, v)
-    kept = KVChunk(
-        earlier[2].k_BGKD, earlier[2].v_BGKD, documents_or_all(q_docs, earlier[2].document_ids_BK)
-    )
-    out, lse = attention_with_loan(
+    forward = Lending(((AttentionLoan(1), (0,)), (AttentionLoan(last), (1,))))
+    out, lse = attention_with_lending(
         q,
-        [*own, kept],
-        earlier[:2],
-        AttentionLoan(1),
-        AttentionLoan(backward_server),
+        own,
+        earlier,
+        forward,
+        Lending(((AttentionLoan(last), (0, 1)),)),
         q_document_ids_BS=q_docs,
         backend="cpu",
     )
     out.backward(inputs["grad_out"])
     dist.barrier()
     return {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _serve_backward(drop_lent_grads: bool) -> None:
+    if not drop_lent_grads:
+        serve_attention_loan_backward(0, backend="cpu")
+        return
+    backward_chunk = CpuFlashBackend.backward_chunk
+
+    def zero_kv(self, *args, **kwargs):
+        dq, dk, dv = backward_chunk(self, *args, **kwargs)
+        return dq, dk * 0, dv * 0
+
+    with mock.patch.object(CpuFlashBackend, "backward_chunk", zero_kv):
+        serve_attention_loan_backward(0, backend="cpu")
 
 
 def _max_difference(world: int, drop_lent_grads: bool = False) -> float:
@@ -122,4 +125,14 @@ def test_a_lent_chunk_without_document_ids_needs_a_query_without_them() -> None:
     q = torch.zeros(B, H, S, D)
     chunk = LentChunk(torch.zeros(B, G, S, D), torch.zeros(B, G, S, D))
     with pytest.raises(ValueError, match="document ids"):
-        attention_with_loan(q, [], [chunk], None, q_document_ids_BS=torch.zeros(B, S).long())
+        attention_with_lending(
+            q, [], [chunk], Lending(), q_document_ids_BS=torch.zeros(B, S).long()
+        )
+
+
+def test_lending_parts_must_be_disjoint_indices() -> None:
+    q = torch.zeros(B, H, S, D)
+    chunk = LentChunk(torch.zeros(B, G, S, D), torch.zeros(B, G, S, D))
+    twice = Lending(((AttentionLoan(1), (0,)), (AttentionLoan(2), (0,))))
+    with pytest.raises(ValueError, match="disjoint"):
+        attention_with_lending(q, [], [chunk], twice)

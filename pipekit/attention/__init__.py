@@ -11,8 +11,9 @@ from pipekit.attention.backends import (
 from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
 from pipekit.attention.exchange import (
     AttentionLoan,
+    Lending,
     LentChunk,
-    attention_with_loan,
+    attention_with_lending,
     serve_attention_loan,
     serve_attention_loan_backward,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "AttentionLoan",
     "ChunkedKVCache",
     "KVChunk",
+    "Lending",
     "LentChunk",
     "MaskMod",
     "RingBackend",
@@ -41,7 +43,7 @@ __all__ = [
     "and_masks",
     "attention",
     "attention_over_chunks",
-    "attention_with_loan",
+    "attention_with_lending",
     "available_backends",
     "causal_mask",
     "causal_within_documents",

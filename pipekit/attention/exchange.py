@@ -3,7 +3,7 @@
 Context exchange (SlimPipe §4.2) moves part of a heavy rank's attention to a light rank.
 Attention has no weights, so the light rank needs nothing but the query and the lent chunks:
 
-- `attention_with_loan` (the lender) sends its query and the lent chunks, computes its own chunks
+- `attention_with_lending` (the lender) sends its query and the lent chunks, computes its own chunks
   meanwhile, receives the lent part's `(out, lse)` and merges both by log-sum-exp. In backward it
   sends the query, the lent chunks, `dO` and the merged `(O, lse)`, computes its own chunks'
   gradients, and receives `dQ` and the lent chunks' `dK`/`dV`: they flow into whatever the lent
@@ -13,9 +13,11 @@ Attention has no weights, so the light rank needs nothing but the query and the 
   than the forward (the exchange plan pairs forward and backward passes independently).
 
 Lent chunks are earlier KV slices: the query attends to all of their keys, or within documents
-when document ids are given (sent along; the server rebuilds the mask). Messages go over `group`
-with plain sends and receives in a fixed order; a small header first carries the shapes, so the
-server needs no prior knowledge. The gradients use the ring identity (each chunk's kernel
+when document ids are given (sent along; the server rebuilds the mask). A lender may lend to
+several peers at once (`Lending`: which chunks go to which peer). Messages go over `group` in a
+fixed order, sends non-blocking (posted before the local work, waited on at the end) and
+receives blocking; a small header first carries the shapes, so the server needs no prior
+knowledge. The gradients use the ring identity (each chunk's kernel
 backward with the merged `O` and `lse`), so the backend must provide `backward_chunk` (the `cpu`
 backend does; FlexAttention's lse-with-gradient path does not yet).
 
@@ -39,8 +41,9 @@ from pipekit.attention.merge import merge_attention
 
 __all__ = [
     "AttentionLoan",
+    "Lending",
     "LentChunk",
-    "attention_with_loan",
+    "attention_with_lending",
     "serve_attention_loan",
     "serve_attention_loan_backward",
 ]
@@ -64,9 +67,13 @@ class AttentionLoan:
     peer: int
     group: dist.ProcessGroup | None = None
 
-    def send(self, *tensors: Tensor) -> None:
-        for tensor in tensors:
-            dist.send(tensor.contiguous(), group=self.group, group_dst=self.peer)
+    def send(self, *tensors: Tensor) -> list[dist.Work]:
+        """Non-blocking sends, in order; wait on the works before touching the tensors (a
+        blocking send could wait for a peer that is itself sending to us)."""
+        return [
+            dist.isend(tensor.contiguous(), group=self.group, group_dst=self.peer)
+            for tensor in tensors
+        ]
 
     def receive(self, *tensors: Tensor) -> None:
         for tensor in tensors:
@@ -98,15 +105,21 @@ def _send_request(
     lent: Sequence[LentChunk],
     q_document_ids_BS: Tensor | None,
     backward: bool,
-) -> None:
+) -> list[dist.Work]:
     header = _header(q_BHSD, lent, q_document_ids_BS is not None, backward)
-    loan.send(torch.tensor([header.numel()]), header, q_BHSD)
+    works = loan.send(torch.tensor([header.numel()]), header, q_BHSD)
     for chunk in lent:
-        loan.send(chunk.k_BGKD, chunk.v_BGKD)
+        works += loan.send(chunk.k_BGKD, chunk.v_BGKD)
         if q_document_ids_BS is not None:
-            loan.send(chunk.document_ids_BK)
+            works += loan.send(chunk.document_ids_BK)
     if q_document_ids_BS is not None:
-        loan.send(q_document_ids_BS)
+        works += loan.send(q_document_ids_BS)
+    return works
+
+
+def _wait(works: Sequence[dist.Work]) -> None:
+    for work in works:
+        work.wait()
 
 
 @dataclass
@@ -169,7 +182,7 @@ def serve_attention_loan(
                 for c in request.chunks
             ]
         )
-    loan.send(out_BHSD, lse_BHS)
+    _wait(loan.send(out_BHSD, lse_BHS))
 
 
 def serve_attention_loan_backward(
@@ -183,7 +196,7 @@ def serve_attention_loan_backward(
     request = _receive_request(loan, backward=True)
     q_BHSD = request.q_BHSD
     grad_out_BHSD, out_BHSD = torch.empty_like(q_BHSD), torch.empty_like(q_BHSD)
-    lse_BHS = torch.empty(q_BHSD.shape[:3], dtype=torch.promote_types(q_BHSD.dtype, torch.float32))
+    lse_BHS = torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD))
     loan.receive(grad_out_BHSD, out_BHSD, lse_BHS)
     chosen = _ring_backend(backend, q_BHSD)
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
@@ -196,11 +209,32 @@ def serve_attention_loan_backward(
         [(c.k_BGKD, c.v_BGKD, c.mask) for c in request.chunks],
         scale,
     )
-    loan.send(grad_q_BHSD, *kv_grads)
+    _wait(loan.send(grad_q_BHSD, *kv_grads))
+
+
+@dataclass(frozen=True)
+class Lending:
+    """Which lendable chunks each peer computes: `parts` pairs a loan with chunk indices (into
+    the lendable chunks, disjoint); the chunks of no part are computed here."""
+
+    parts: tuple[tuple[AttentionLoan, tuple[int, ...]], ...] = ()
+
+    def kept(self, count: int) -> list[int]:
+        """Indices of the lendable chunks this rank computes itself."""
+        lent = {index for _, indices in self.parts for index in indices}
+        return [index for index in range(count) if index not in lent]
+
+    def check(self, count: int) -> None:
+        indices = [index for _, part in self.parts for index in part]
+        if len(set(indices)) != len(indices) or not all(0 <= i < count for i in indices):
+            raise ValueError(
+                f"lending parts {[list(part) for _, part in self.parts]} must be disjoint "
+                f"indices into the {count} lendable chunks"
+            )
 
 
 class _LentAttention(torch.autograd.Function):
-    """Local chunks here, lent chunks on the loan's peer; merged by LSE. See the module doc."""
+    """Local chunks here, lent chunks on the peers; merged by LSE. See the module doc."""
 
     @staticmethod
     def forward(
@@ -208,36 +242,32 @@ class _LentAttention(torch.autograd.Function):
         backend: RingBackend,
         scale: float,
         local_masks: tuple,
-        loans: tuple[AttentionLoan | None, AttentionLoan | None],
+        lendings: tuple[Lending, Lending],
         documents: tuple[Tensor | None, tuple[Tensor | None, ...]],
         num_local: int,
         q_BHSD: Tensor,
         *kv_tensors: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        forward_loan, _ = loans
-        q_docs, lent_docs = documents
-        local_kv, lent_kv = kv_tensors[: 2 * num_local], kv_tensors[2 * num_local :]
-        lent = _lent_chunks(lent_kv, lent_docs)
-        partials = []
-        if forward_loan is not None:
-            _send_request(forward_loan, q_BHSD, lent, q_docs, backward=False)
-        partials += [
-            backend.forward_chunk(q_BHSD, k, v, mask, scale)
-            for k, v, mask in zip(local_kv[0::2], local_kv[1::2], local_masks, strict=True)
-        ]
-        if forward_loan is not None:
+        forward, _ = lendings
+        q_docs, lendable_docs = documents
+        local_kv, lendable_kv = kv_tensors[: 2 * num_local], kv_tensors[2 * num_local :]
+        lendable = _lent_chunks(lendable_kv, lendable_docs)
+        sends = []  # posted first: the peers work while we do
+        for loan, indices in forward.parts:
+            lent = [lendable[i] for i in indices]
+            sends += _send_request(loan, q_BHSD, lent, q_docs, backward=False)
+        here = list(zip(local_kv[0::2], local_kv[1::2], local_masks, strict=True))
+        here += [_with_mask(q_docs, lendable[i]) for i in forward.kept(len(lendable))]
+        partials = [backend.forward_chunk(q_BHSD, k, v, mask, scale) for k, v, mask in here]
+        for loan, _ in forward.parts:
             out_r = torch.empty_like(q_BHSD)
-            lse_r = torch.empty(partials[0][1].shape, dtype=partials[0][1].dtype)
-            forward_loan.receive(out_r, lse_r)
+            lse_r = torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD))
+            loan.receive(out_r, lse_r)
             partials.append((out_r, lse_r))
-        else:
-            partials += [
-                backend.forward_chunk(q_BHSD, c.k_BGKD, c.v_BGKD, _lent_mask(q_docs, c), scale)
-                for c in lent
-            ]
+        _wait(sends)
         out_BHSD, lse_BHS = merge_attention(partials)
         ctx.backend, ctx.scale, ctx.local_masks = backend, scale, local_masks
-        ctx.loans, ctx.documents, ctx.num_local = loans, documents, num_local
+        ctx.lendings, ctx.documents, ctx.num_local = lendings, documents, num_local
         ctx.save_for_backward(q_BHSD, out_BHSD, lse_BHS, *kv_tensors)
         ctx.mark_non_differentiable(lse_BHS)
         return out_BHSD, lse_BHS
@@ -247,71 +277,88 @@ class _LentAttention(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_out_BHSD: Tensor, _grad_lse: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         q_BHSD, out_BHSD, lse_BHS, *kv_tensors = ctx.saved_tensors
-        _, backward_loan = ctx.loans
-        q_docs, lent_docs = ctx.documents
-        local_kv, lent_kv = kv_tensors[: 2 * ctx.num_local], kv_tensors[2 * ctx.num_local :]
-        lent = _lent_chunks(lent_kv, lent_docs)
-        if backward_loan is not None:
-            _send_request(backward_loan, q_BHSD, lent, q_docs, backward=True)
-            backward_loan.send(grad_out_BHSD, out_BHSD, lse_BHS)
+        _, backward = ctx.lendings
+        q_docs, lendable_docs = ctx.documents
+        local_kv, lendable_kv = kv_tensors[: 2 * ctx.num_local], kv_tensors[2 * ctx.num_local :]
+        lendable = _lent_chunks(lendable_kv, lendable_docs)
+        sends = []
+        for loan, indices in backward.parts:
+            lent = [lendable[i] for i in indices]
+            sends += _send_request(loan, q_BHSD, lent, q_docs, backward=True)
+            sends += loan.send(grad_out_BHSD, out_BHSD, lse_BHS)
+        kept = backward.kept(len(lendable))
         here = list(zip(local_kv[0::2], local_kv[1::2], ctx.local_masks, strict=True))
-        if backward_loan is None:
-            here += [(c.k_BGKD, c.v_BGKD, _lent_mask(q_docs, c)) for c in lent]
-        grad_q_BHSD, kv_grads = ring_backward(
+        here += [_with_mask(q_docs, lendable[i]) for i in kept]
+        grad_q_BHSD, here_grads = ring_backward(
             ctx.backend, grad_out_BHSD, q_BHSD, out_BHSD, lse_BHS, here, ctx.scale
         )
-        if backward_loan is not None:
-            remote = [torch.empty_like(q_BHSD), *(torch.empty_like(t) for t in lent_kv)]
-            backward_loan.receive(*remote)
+        local_grads = here_grads[: 2 * ctx.num_local]
+        lendable_grads: list[Tensor | None] = [None] * len(lendable_kv)
+        for position, index in enumerate(kept):
+            pair = here_grads[2 * (ctx.num_local + position) : 2 * (ctx.num_local + position + 1)]
+            lendable_grads[2 * index : 2 * index + 2] = pair
+        for loan, indices in backward.parts:
+            remote = [torch.empty_like(q_BHSD)]
+            remote += [torch.empty_like(lendable_kv[2 * i + j]) for i in indices for j in (0, 1)]
+            loan.receive(*remote)
             grad_q_BHSD += remote[0]
-            kv_grads += remote[1:]
-        return None, None, None, None, None, None, grad_q_BHSD, *kv_grads
+            for position, index in enumerate(indices):
+                lendable_grads[2 * index : 2 * index + 2] = remote[
+                    1 + 2 * position : 3 + 2 * position
+                ]
+        return None, None, None, None, None, None, grad_q_BHSD, *local_grads, *lendable_grads
+
+
+def _lse_dtype(q_BHSD: Tensor) -> torch.dtype:
+    return torch.promote_types(q_BHSD.dtype, torch.float32)
 
 
 def _lent_chunks(lent_kv: Sequence[Tensor], docs: Sequence[Tensor | None]) -> list[LentChunk]:
     return [LentChunk(k, v, d) for k, v, d in zip(lent_kv[0::2], lent_kv[1::2], docs, strict=True)]
 
 
-def _lent_mask(q_docs_BS: Tensor | None, chunk: LentChunk) -> MaskMod | None:
-    return documents_or_all(q_docs_BS, chunk.document_ids_BK)
+def _with_mask(q_docs_BS: Tensor | None, chunk: LentChunk) -> tuple[Tensor, Tensor, MaskMod | None]:
+    """A lendable chunk computed here: its keys, values and the query's mask against it."""
+    return chunk.k_BGKD, chunk.v_BGKD, documents_or_all(q_docs_BS, chunk.document_ids_BK)
 
 
-def attention_with_loan(
+def attention_with_lending(
     q_BHSD: Tensor,
     local_chunks: Sequence[KVChunk],
-    lent_chunks: Sequence[LentChunk],
-    forward_loan: AttentionLoan | None,
-    backward_loan: AttentionLoan | None = None,
+    lendable_chunks: Sequence[LentChunk],
+    forward: Lending,
+    backward: Lending | None = None,
     *,
     q_document_ids_BS: Tensor | None = None,
     scale: float | None = None,
     backend: str | AttentionBackend = "auto",
 ) -> tuple[Tensor, Tensor]:
-    """Attention of `q` over `local_chunks` and `lent_chunks`: `(out_BHSD, lse_BHS)`.
+    """Attention of `q` over `local_chunks` and `lendable_chunks`: `(out_BHSD, lse_BHS)`.
 
-    The lent chunks' part is computed by `forward_loan.peer` (which calls
-    `serve_attention_loan`) and, in backward, by `backward_loan.peer` (which calls
-    `serve_attention_loan_backward`); a None loan computes them here. Gradients flow to `q`,
-    the local chunks and the lent chunks alike. `q_document_ids_BS` (with each lent chunk's
-    ids) restricts the lent part to the query's documents.
+    `forward` says which lendable chunks which peer computes (each peer calls
+    `serve_attention_loan`), `backward` the same for the gradients (the peers call
+    `serve_attention_loan_backward`; default: nothing lent). Gradients flow to `q`, the local
+    and the lendable chunks alike. `q_document_ids_BS` (with each lendable chunk's ids)
+    restricts the lendable chunks to the query's documents.
     """
-    if not lent_chunks:
-        raise ValueError(
-            "attention_with_loan needs at least one lent chunk; use attention_over_chunks"
-        )
-    if (q_document_ids_BS is None) != (lent_chunks[0].document_ids_BK is None):
+    backward = backward or Lending()
+    if not lendable_chunks:
+        raise ValueError("attention_with_lending needs lendable chunks; use attention_over_chunks")
+    if (q_document_ids_BS is None) != (lendable_chunks[0].document_ids_BK is None):
         raise ValueError("give document ids for the query exactly when the lent chunks have them")
+    for lending in (forward, backward):
+        lending.check(len(lendable_chunks))
     kv_tensors = [t for c in local_chunks for t in (c.k_BGKD, c.v_BGKD)]
-    kv_tensors += [t for c in lent_chunks for t in (c.k_BGKD, c.v_BGKD)]
+    kv_tensors += [t for c in lendable_chunks for t in (c.k_BGKD, c.v_BGKD)]
     backend = _ring_backend(backend, q_BHSD, *kv_tensors)
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
-    lent_docs = tuple(chunk.document_ids_BK for chunk in lent_chunks)
+    lendable_docs = tuple(chunk.document_ids_BK for chunk in lendable_chunks)
     return _LentAttention.apply(
         backend,
         scale,
         tuple(chunk.mask for chunk in local_chunks),
-        (forward_loan, backward_loan),
-        (q_document_ids_BS, lent_docs),
+        (forward, backward),
+        (q_document_ids_BS, lendable_docs),
         len(local_chunks),
         q_BHSD,
         *kv_tensors,
