@@ -101,3 +101,25 @@ def test_split_backward_schedules_are_refused() -> None:
 def test_eq2_stays_under_its_bound(p: int, n: int) -> None:
     assert eq2_exchanged_slices(p, n) <= (2 - (p - 1) / n) * p * n
     assert eq2_exchanged_slices(4, 16) == 2 * 16 + 2 * 13 * 1 + 2 * 3 * 7
+
+
+def test_each_rank_learns_what_it_lends_and_whom_it_serves() -> None:
+    p, m, n = 4, 2, 8
+    plan = plan_context_exchange(sliced_pipeline_actions(p, m, n, 1), n)
+    lent = {rank: plan.lendings(rank) for rank in range(p)}
+    served = {rank: plan.servings(rank) for rank in range(p)}
+    for transfer in plan.transfers:
+        assert (transfer.target_rank, transfer.kv_slices) in lent[transfer.source_rank][
+            transfer.source_action
+        ]
+        assert (transfer.source_rank, transfer.source_action) in served[transfer.target_rank][
+            transfer.target_action
+        ]
+    count = sum(len(parts) for lendings in lent.values() for parts in lendings.values())
+    assert (
+        count
+        == len(plan.transfers)
+        == sum(len(sources) for servings in served.values() for sources in servings.values())
+    )
+    for rank in range(p):  # a pass either lends or serves, never both
+        assert not set(lent[rank]) & set(served[rank])

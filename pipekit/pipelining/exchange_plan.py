@@ -112,6 +112,26 @@ class ExchangePlan:
         )
         return sent / (num_microbatches * num_ranks)
 
+    def lendings(self, rank: int) -> dict[Action, list[tuple[int, tuple[int, ...]]]]:
+        """What `rank` lends in each of its passes: `(target rank, KV slices)` per peer, in
+        the order the pass must send them (the same order its peers expect them in)."""
+        lent: dict[Action, list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+        for transfer in self.transfers:
+            if transfer.source_rank == rank:
+                lent[transfer.source_action].append((transfer.target_rank, transfer.kv_slices))
+        return dict(lent)
+
+    def servings(self, rank: int) -> dict[Action, list[tuple[int, Action]]]:
+        """Whom `rank` serves in each of its passes: `(source rank, source pass)`, in the order
+        the requests come (each source's parts in transfer order)."""
+        served: dict[Action, list[tuple[int, Action]]] = defaultdict(list)
+        for transfer in self.transfers:
+            if transfer.target_rank == rank:
+                served[transfer.target_action].append(
+                    (transfer.source_rank, transfer.source_action)
+                )
+        return dict(served)
+
     def _unit(self, action: Action) -> float:
         return 1.0 if action.computation_type == FORWARD else self.backward_ratio
 
