@@ -80,14 +80,17 @@ class AttentionLoan:
             dist.recv(tensor, group=self.group, group_src=self.peer)
 
 
-def _ring_backend(backend: str | AttentionBackend, *tensors: Tensor) -> RingBackend:
-    chosen = select_backend(backend, *tensors) if isinstance(backend, str) else backend
+def _ring_backend_and_scale(
+    backend: str | AttentionBackend, scale: float | None, q_BHSD: Tensor, *tensors: Tensor
+) -> tuple[RingBackend, float]:
+    """The backend (it must have `backward_chunk`) and the softmax scale (default 1/sqrt(D))."""
+    chosen = select_backend(backend, q_BHSD, *tensors) if isinstance(backend, str) else backend
     if not hasattr(chosen, "backward_chunk"):
         raise TypeError(
             f"attention backend {chosen.name!r} has no backward_chunk; lending attention needs "
             "one (use the 'cpu' backend)"
         )
-    return chosen
+    return chosen, 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
 
 
 def _header(q_BHSD: Tensor, lent: Sequence[LentChunk], documents: bool, backward: bool) -> Tensor:
@@ -173,8 +176,7 @@ def serve_attention_loan(
     """Answer one forward request of `peer`: its query's `(out, lse)` over the lent chunks."""
     loan = AttentionLoan(peer, group)
     request = _receive_request(loan, backward=False)
-    chosen = _ring_backend(backend, request.q_BHSD)
-    scale = 1.0 / math.sqrt(request.q_BHSD.shape[-1]) if scale is None else scale
+    chosen, scale = _ring_backend_and_scale(backend, scale, request.q_BHSD)
     with torch.no_grad():
         out_BHSD, lse_BHS = merge_attention(
             [
@@ -198,8 +200,7 @@ def serve_attention_loan_backward(
     grad_out_BHSD, out_BHSD = torch.empty_like(q_BHSD), torch.empty_like(q_BHSD)
     lse_BHS = torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD))
     loan.receive(grad_out_BHSD, out_BHSD, lse_BHS)
-    chosen = _ring_backend(backend, q_BHSD)
-    scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
+    chosen, scale = _ring_backend_and_scale(backend, scale, q_BHSD)
     grad_q_BHSD, kv_grads = ring_backward(
         chosen,
         grad_out_BHSD,
@@ -350,8 +351,7 @@ def attention_with_lending(
         lending.check(len(lendable_chunks))
     kv_tensors = [t for c in local_chunks for t in (c.k_BGKD, c.v_BGKD)]
     kv_tensors += [t for c in lendable_chunks for t in (c.k_BGKD, c.v_BGKD)]
-    backend = _ring_backend(backend, q_BHSD, *kv_tensors)
-    scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
+    backend, scale = _ring_backend_and_scale(backend, scale, q_BHSD, *kv_tensors)
     lendable_docs = tuple(chunk.document_ids_BK for chunk in lendable_chunks)
     return _LentAttention.apply(
         backend,
