@@ -70,7 +70,7 @@ def _lend(rank: int, world: int, drop_lent_grads: bool) -> dict[str, torch.Tenso
     last = world - 1
     if rank > 0:
         for _ in range((rank == 1) + (rank == last)):  # the forward parts sent to this rank
-            serve_attention_loan(0, backend="cpu")
+            serve_attention_loan(AttentionLoan(0), backend="cpu")
         if rank == last:
             _serve_backward(drop_lent_grads)
         dist.barrier()
@@ -94,7 +94,7 @@ def _lend(rank: int, world: int, drop_lent_grads: bool) -> dict[str, torch.Tenso
 
 def _serve_backward(drop_lent_grads: bool) -> None:
     if not drop_lent_grads:
-        serve_attention_loan_backward(0, backend="cpu")
+        serve_attention_loan_backward(AttentionLoan(0), backend="cpu")
         return
     backward_chunk = CpuFlashBackend.backward_chunk
 
@@ -103,7 +103,7 @@ def _serve_backward(drop_lent_grads: bool) -> None:
         return dq, dk * 0, dv * 0
 
     with mock.patch.object(CpuFlashBackend, "backward_chunk", zero_kv):
-        serve_attention_loan_backward(0, backend="cpu")
+        serve_attention_loan_backward(AttentionLoan(0), backend="cpu")
 
 
 def _max_difference(world: int, drop_lent_grads: bool = False) -> float:

@@ -45,8 +45,10 @@ def tiny_pipeline_stages(
     checkpoint_activations: bool = False,
     vocab_parallel: bool = False,
     vocab_size: int = TINY_LLAMA.vocab_size,
+    num_layers: int | None = None,
 ) -> list:
-    """This rank's stages of TINY_LLAMA with one layer per stage, initialised from `seed` in
+    """This rank's stages of TINY_LLAMA with one layer per stage (`num_layers` split evenly
+    otherwise), initialised from `seed` in
     `dtype`, placed as `schedule` places them (or at `stage_indices`), cpu attention; optionally
     with every block's activations checkpointed, or without the embedding and output layer
     (`vocab_parallel`, see `tiny_vocab_parallel`)."""
@@ -64,9 +66,10 @@ def tiny_pipeline_stages(
             for block in (module.layers or {}).values():
                 checkpoint_module_activations(block)
 
+    num_layers = num_layers or num_stages
     with torch.device("meta"):
         model = Llama(
-            TINY_LLAMA.with_updates(n_layers=num_stages, max_seq_len=64, vocab_size=vocab_size)
+            TINY_LLAMA.with_updates(n_layers=num_layers, max_seq_len=64, vocab_size=vocab_size)
         )
     shapes = StageShapes(
         rows_per_unit,
@@ -78,7 +81,7 @@ def tiny_pipeline_stages(
     )
     return build_rank_stages(
         model,
-        llama_stage_module_names(num_stages, num_stages, vocab_parallel=vocab_parallel),
+        llama_stage_module_names(num_layers, num_stages, vocab_parallel=vocab_parallel),
         outside_stages=("tok_embeddings", "output") if vocab_parallel else (),
         rank=rank,
         num_ranks=world,

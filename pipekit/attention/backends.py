@@ -9,6 +9,8 @@ in one of two ways, declared by `lse_has_grad`:
 
 `"auto"` picks `flex` on CUDA, `cpu` on CPU when a gradient is needed, and `flex` for CPU
 inference. `use_backend(name)` overrides the automatic choice for a region of code.
+`ring_backend` turns a backend of the first kind into one of the second (`AutogradRingBackend`),
+for code that needs per-chunk backwards (context exchange).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from pipekit.attention.masks import MaskMod
 
 __all__ = [
     "AttentionBackend",
+    "AutogradRingBackend",
     "RingBackend",
     "available_backends",
     "get_backend",
+    "ring_backend",
     "select_backend",
     "use_backend",
 ]
@@ -61,6 +65,63 @@ class RingBackend(AttentionBackend, Protocol):
         mask: MaskMod | None,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+class AutogradRingBackend:
+    """`backward_chunk` for a backend whose lse carries a gradient: differentiate the chunk's
+    forward again, weighted by how much the chunk contributed to the merged result.
+
+    With `w_c = exp(lse_c - lse)` the merged output is `O = sum_c w_c o_c`, so the chunk's
+    outputs get `dL/do_c = w_c dO` and `dL/dlse_c = w_c (dO . (o_c - O))`. This lets FlexAttention
+    (CUDA) serve lent attention, whose gradients arrive chunk by chunk on another rank.
+    """
+
+    lse_has_grad = False
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        if not backend.lse_has_grad:
+            raise TypeError(
+                f"attention backend {backend.name!r}: neither backward_chunk nor an lse with a "
+                "gradient, so its chunks cannot be differentiated one by one"
+            )
+        self.backend, self.name = backend, backend.name
+
+    def forward_chunk(
+        self, q_BHSD: Tensor, k_BGKD: Tensor, v_BGKD: Tensor, mask: MaskMod | None, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        with torch.no_grad():
+            return self.backend.forward_chunk(q_BHSD, k_BGKD, v_BGKD, mask, scale)
+
+    def backward_chunk(
+        self,
+        grad_out_BHSD: Tensor,
+        q_BHSD: Tensor,
+        k_BGKD: Tensor,
+        v_BGKD: Tensor,
+        out_BHSD: Tensor,
+        lse_BHS: Tensor,
+        mask: MaskMod | None,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        inputs = [t.detach().requires_grad_() for t in (q_BHSD, k_BGKD, v_BGKD)]
+        with torch.enable_grad():
+            chunk_out_BHSD, chunk_lse_BHS = self.backend.forward_chunk(*inputs, mask, scale)
+        contributes = torch.isfinite(chunk_lse_BHS) & torch.isfinite(lse_BHS)
+        weight_BHS = torch.where(contributes, torch.exp(chunk_lse_BHS.detach() - lse_BHS), 0.0)
+        grad_chunk_out = (weight_BHS.unsqueeze(-1) * grad_out_BHSD).to(chunk_out_BHSD.dtype)
+        moved_BHS = (grad_out_BHSD * (chunk_out_BHSD.detach() - out_BHSD)).sum(-1)
+        grad_chunk_lse = (weight_BHS * moved_BHS).to(chunk_lse_BHS.dtype)
+        grad_q, grad_k, grad_v = torch.autograd.grad(
+            (chunk_out_BHSD, chunk_lse_BHS), inputs, (grad_chunk_out, grad_chunk_lse)
+        )
+        return grad_q, grad_k, grad_v
+
+
+def ring_backend(backend: AttentionBackend) -> RingBackend:
+    """`backend` if it has `backward_chunk`, else `AutogradRingBackend(backend)`."""
+    if isinstance(backend, RingBackend):
+        return backend
+    return AutogradRingBackend(backend)
 
 
 _BACKENDS: dict[str, AttentionBackend] = {"cpu": CpuFlashBackend(), "flex": FlexBackend()}

@@ -15,11 +15,14 @@ Attention has no weights, so the light rank needs nothing but the query and the 
 Lent chunks are earlier KV slices: the query attends to all of their keys, or within documents
 when document ids are given (sent along; the server rebuilds the mask). A lender may lend to
 several peers at once (`Lending`: which chunks go to which peer). Messages go over `group` in a
-fixed order, sends non-blocking (posted before the local work, waited on at the end) and
-receives blocking; a small header first carries the shapes, so the server needs no prior
-knowledge. The gradients use the ring identity (each chunk's kernel
-backward with the merged `O` and `lse`), so the backend must provide `backward_chunk` (the `cpu`
-backend does; FlexAttention's lse-with-gradient path does not yet).
+fixed order per pair. Sends are non-blocking (posted before the local work, waited on at the
+end); a lender posts the receives of all its peers' answers at once, before its local work, since
+a gloo or NCCL send may not complete until its receive is posted, and a server waits for its
+answer's send. A small header first carries the shapes, so the server needs no prior knowledge.
+
+The gradients use the ring identity (each chunk's kernel backward with the merged `O` and
+`lse`): the `cpu` backend provides `backward_chunk`, and FlexAttention (CUDA) gets one by
+differentiating its forward (`AutogradRingBackend`).
 
 Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
 """
@@ -27,14 +30,21 @@ Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipekit.attention.backends import AttentionBackend, RingBackend, select_backend
+from pipekit.attention.backends import (
+    AttentionBackend,
+    RingBackend,
+    ring_backend,
+    select_backend,
+)
 from pipekit.attention.chunked import KVChunk, ring_backward
 from pipekit.attention.masks import MaskMod, documents_or_all
 from pipekit.attention.merge import merge_attention
@@ -48,6 +58,8 @@ __all__ = [
     "serve_attention_loan_backward",
 ]
 
+DEFAULT_LOAN_TIMEOUT = timedelta(minutes=10)
+"""How long a rank waits for an exchange peer before it reports the pair."""
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -62,10 +74,13 @@ class LentChunk:
 
 @dataclass(frozen=True)
 class AttentionLoan:
-    """Rank `peer` of `group` computes the lent part of this query's attention."""
+    """Rank `peer` of `group` computes the lent part of this query's attention; a receive that
+    waits longer than `timeout` fails with an error naming the pair (a peer died, or the two
+    ranks' plans disagree)."""
 
     peer: int
     group: dist.ProcessGroup | None = None
+    timeout: timedelta = DEFAULT_LOAN_TIMEOUT
 
     def send(self, *tensors: Tensor) -> list[dist.Work]:
         """Non-blocking sends, in order; wait on the works before touching the tensors (a
@@ -76,21 +91,42 @@ class AttentionLoan:
         ]
 
     def receive(self, *tensors: Tensor) -> None:
-        for tensor in tensors:
-            dist.recv(tensor, group=self.group, group_src=self.peer)
+        """Blocking receives, in order."""
+        self.wait(self.post_receives(*tensors))
+
+    def post_receives(self, *tensors: Tensor) -> list[dist.Work]:
+        """Non-blocking receives; a lender posts every peer's at once, so no peer's answer
+        waits behind another's (a server's send may not complete before its receive is
+        posted)."""
+        return [dist.irecv(tensor, group=self.group, group_src=self.peer) for tensor in tensors]
+
+    def wait(self, works: Sequence[dist.Work]) -> None:
+        """Wait for receives from the peer, naming the pair if it fails or takes too long."""
+        start = time.monotonic()
+        for work in works:
+            try:
+                work.wait(timeout=self.timeout)
+            except RuntimeError as error:
+                here = dist.get_rank(self.group)
+                waited = time.monotonic() - start
+                why = (
+                    f"waited more than {self.timeout.total_seconds():g} s for rank {self.peer}"
+                    if waited >= self.timeout.total_seconds()
+                    else f"lost rank {self.peer} after {waited:.1f} s"
+                )
+                raise RuntimeError(
+                    f"context exchange: rank {here} of the exchange group {why}; that rank died "
+                    "or its exchange plan differs (build every rank's from the same schedule)"
+                ) from error
 
 
 def _ring_backend_and_scale(
     backend: str | AttentionBackend, scale: float | None, q_BHSD: Tensor, *tensors: Tensor
 ) -> tuple[RingBackend, float]:
-    """The backend (it must have `backward_chunk`) and the softmax scale (default 1/sqrt(D))."""
+    """The backend, differentiable chunk by chunk (`ring_backend`), and the softmax scale
+    (default 1/sqrt(D))."""
     chosen = select_backend(backend, q_BHSD, *tensors) if isinstance(backend, str) else backend
-    if not hasattr(chosen, "backward_chunk"):
-        raise TypeError(
-            f"attention backend {chosen.name!r} has no backward_chunk; lending attention needs "
-            "one (use the 'cpu' backend)"
-        )
-    return chosen, 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
+    return ring_backend(chosen), 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
 
 
 def _header(q_BHSD: Tensor, lent: Sequence[LentChunk], documents: bool, backward: bool) -> Tensor:
@@ -168,13 +204,10 @@ def _receive_request(loan: AttentionLoan, backward: bool) -> _Request:
 
 
 def serve_attention_loan(
-    peer: int,
-    group: dist.ProcessGroup | None = None,
-    scale: float | None = None,
-    backend: str | AttentionBackend = "auto",
+    loan: AttentionLoan, scale: float | None = None, backend: str | AttentionBackend = "auto"
 ) -> None:
-    """Answer one forward request of `peer`: its query's `(out, lse)` over the lent chunks."""
-    loan = AttentionLoan(peer, group)
+    """Answer one forward request of `loan.peer`: its query's `(out, lse)` over the lent
+    chunks."""
     request = _receive_request(loan, backward=False)
     chosen, scale = _ring_backend_and_scale(backend, scale, request.q_BHSD)
     with torch.no_grad():
@@ -188,16 +221,12 @@ def serve_attention_loan(
 
 
 def serve_attention_loan_backward(
-    peer: int,
-    group: dist.ProcessGroup | None = None,
-    scale: float | None = None,
-    backend: str | AttentionBackend = "auto",
+    loan: AttentionLoan, scale: float | None = None, backend: str | AttentionBackend = "auto"
 ) -> None:
-    """Answer one backward request of `peer`: `dQ` and each lent chunk's `dK`, `dV`."""
-    loan = AttentionLoan(peer, group)
+    """Answer one backward request of `loan.peer`: `dQ` and each lent chunk's `dK`, `dV`."""
     request = _receive_request(loan, backward=True)
     q_BHSD = request.q_BHSD
-    grad_out_BHSD, out_BHSD = torch.empty_like(q_BHSD), torch.empty_like(q_BHSD)
+    grad_out_BHSD, out_BHSD = _buffer(q_BHSD), _buffer(q_BHSD)
     lse_BHS = torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD))
     loan.receive(grad_out_BHSD, out_BHSD, lse_BHS)
     chosen, scale = _ring_backend_and_scale(backend, scale, q_BHSD)
@@ -259,12 +288,18 @@ class _LentAttention(torch.autograd.Function):
             sends += _send_request(loan, q_BHSD, lent, q_docs, backward=False)
         here = list(zip(local_kv[0::2], local_kv[1::2], local_masks, strict=True))
         here += [_with_mask(q_docs, lendable[i]) for i in forward.kept(len(lendable))]
+        answers = [
+            (_buffer(q_BHSD), torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD)))
+            for _ in forward.parts
+        ]
+        receives = [
+            loan.post_receives(*answer)
+            for (loan, _), answer in zip(forward.parts, answers, strict=True)
+        ]
         partials = [backend.forward_chunk(q_BHSD, k, v, mask, scale) for k, v, mask in here]
-        for loan, _ in forward.parts:
-            out_r = torch.empty_like(q_BHSD)
-            lse_r = torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD))
-            loan.receive(out_r, lse_r)
-            partials.append((out_r, lse_r))
+        for (loan, _), works in zip(forward.parts, receives, strict=True):
+            loan.wait(works)
+        partials += answers
         _wait(sends)
         out_BHSD, lse_BHS = merge_attention(partials)
         ctx.backend, ctx.scale, ctx.local_masks = backend, scale, local_masks
@@ -287,6 +322,14 @@ class _LentAttention(torch.autograd.Function):
             lent = [lendable[i] for i in indices]
             sends += _send_request(loan, q_BHSD, lent, q_docs, backward=True)
             sends += loan.send(grad_out_BHSD, out_BHSD, lse_BHS)
+        answers = [
+            [_buffer(q_BHSD), *(_buffer(lendable_kv[2 * i + j]) for i in indices for j in (0, 1))]
+            for _, indices in backward.parts
+        ]
+        receives = [
+            loan.post_receives(*answer)
+            for (loan, _), answer in zip(backward.parts, answers, strict=True)
+        ]
         kept = backward.kept(len(lendable))
         here = list(zip(local_kv[0::2], local_kv[1::2], ctx.local_masks, strict=True))
         here += [_with_mask(q_docs, lendable[i]) for i in kept]
@@ -298,16 +341,19 @@ class _LentAttention(torch.autograd.Function):
         for position, index in enumerate(kept):
             pair = here_grads[2 * (ctx.num_local + position) : 2 * (ctx.num_local + position + 1)]
             lendable_grads[2 * index : 2 * index + 2] = pair
-        for loan, indices in backward.parts:
-            remote = [torch.empty_like(q_BHSD)]
-            remote += [torch.empty_like(lendable_kv[2 * i + j]) for i in indices for j in (0, 1)]
-            loan.receive(*remote)
+        for (loan, indices), remote, works in zip(backward.parts, answers, receives, strict=True):
+            loan.wait(works)
             grad_q_BHSD += remote[0]
             for position, index in enumerate(indices):
                 lendable_grads[2 * index : 2 * index + 2] = remote[
                     1 + 2 * position : 3 + 2 * position
                 ]
         return None, None, None, None, None, None, grad_q_BHSD, *local_grads, *lendable_grads
+
+
+def _buffer(like: Tensor) -> Tensor:
+    """A contiguous receive buffer shaped like `like` (which may be a strided view)."""
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
 
 
 def _lse_dtype(q_BHSD: Tensor) -> torch.dtype:

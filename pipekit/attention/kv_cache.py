@@ -140,20 +140,16 @@ class ChunkedKVCache:
         """Bytes of every cached chunk (each shares storage with its slice's K/V)."""
         return sum(cached.nbytes for slices in self._slices.values() for cached in slices)
 
-    def _attend(
-        self,
-        context: SliceAttention,
-        layer_id: str,
-        q_BHSD: Tensor,
-        k_BGSD: Tensor,
-        v_BGSD: Tensor,
-        scale: float,
-    ) -> Tensor:
+    def _slice_chunks(
+        self, context: SliceAttention, layer_id: str, k_BGSD: Tensor, v_BGSD: Tensor
+    ) -> tuple[list[CachedSlice], KVChunk]:
+        """Cache the slice's K/V for one layer; return the earlier slices' cached K/V and the
+        slice's own chunk (causal, carrying the gradients later slices leave on its leaves)."""
         past = self._slices.setdefault((layer_id, context.microbatch), [])
         # Activation checkpointing runs the slice's forward again inside its own backward: the
         # slice is then the newest cached one, and its recomputed K/V must collect the
         # gradients its cached leaves already hold.
-        recomputing = self.recomputing == (context.microbatch, context.slice_index)
+        recomputing = context.recomputing
         if len(past) != context.slice_index + int(recomputing):
             raise RuntimeError(
                 f"ChunkedKVCache: layer {layer_id} of microbatch {context.microbatch} runs slice "
@@ -161,14 +157,6 @@ class ChunkedKVCache:
                 "microbatch must run forward in order"
             )
         q_documents = context.document_ids_BS
-        chunks = [
-            KVChunk(
-                cached.k_BGSD,
-                cached.v_BGSD,
-                documents_or_all(q_documents, cached.document_ids_BS),
-            )
-            for cached in past[: context.slice_index]
-        ]
         if recomputing:
             cached = past[context.slice_index]
         elif torch.is_grad_enabled() and k_BGSD.requires_grad:
@@ -179,10 +167,10 @@ class ChunkedKVCache:
             cached = CachedSlice(k_BGSD, v_BGSD, q_documents)
         if k_BGSD.requires_grad and torch.is_grad_enabled() and not self.drop_cached_gradients:
             k_BGSD, v_BGSD = _AddCachedGradients.apply(k_BGSD, v_BGSD, cached)
-        chunks.append(KVChunk(k_BGSD, v_BGSD, causal_within_documents(q_documents)))
+        earlier = past[: context.slice_index]
         if not recomputing:
             past.append(cached)
-        return attention_over_chunks(q_BHSD, chunks, scale, self.backend)[0]
+        return earlier, KVChunk(k_BGSD, v_BGSD, causal_within_documents(q_documents))
 
 
 class SliceAttention:
@@ -202,8 +190,35 @@ class SliceAttention:
     def __repr__(self) -> str:
         return f"SliceAttention(microbatch={self.microbatch}, slice_index={self.slice_index})"
 
+    @property
+    def recomputing(self) -> bool:
+        """Whether this forward is activation checkpointing's recompute inside the backward."""
+        return self.cache.recomputing == (self.microbatch, self.slice_index)
+
+    def chunks(
+        self, layer_id: str, k_BGSD: Tensor, v_BGSD: Tensor
+    ) -> tuple[list[CachedSlice], KVChunk]:
+        """Cache this slice's K/V for `layer_id`; return the earlier slices' cached K/V (attended
+        fully, within documents) and this slice's own chunk (causal)."""
+        return self.cache._slice_chunks(self, layer_id, k_BGSD, v_BGSD)
+
     def attend(
         self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
     ) -> Tensor:
         """This slice's attention output, caching its K/V for the later slices."""
-        return self.cache._attend(self, layer_id, q_BHSD, k_BGSD, v_BGSD, scale)
+        earlier, own = self.chunks(layer_id, k_BGSD, v_BGSD)
+        return self.attention(q_BHSD, earlier, own, scale)
+
+    def attention(
+        self, q_BHSD: Tensor, earlier: list[CachedSlice], own: KVChunk, scale: float
+    ) -> Tensor:
+        """Attention over the cached earlier slices (within this slice's documents) and the
+        slice's own chunk, merged by LSE."""
+        q_documents = self.document_ids_BS
+        chunks = [
+            KVChunk(
+                cached.k_BGSD, cached.v_BGSD, documents_or_all(q_documents, cached.document_ids_BS)
+            )
+            for cached in earlier
+        ]
+        return attention_over_chunks(q_BHSD, [*chunks, own], scale, self.cache.backend)[0]

@@ -151,6 +151,10 @@ class ParallelismConfig:
     vocab_parallel: bool = False
     """Split the embedding, output layer and loss by vocabulary rows across the pipeline ranks
     (output passes on every rank; see docs/vocab_parallel.md); stages then hold neither."""
+    context_exchange: bool = False
+    """Balance causal attention between pipeline ranks: a heavy pass lends part of its attention
+    to a light one running at the same time (SlimPipe §4.2; sliced or user schedules; see
+    docs/context_exchange.md)."""
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows from the data-parallel ranks)."""
     collective_timeout_s: int = 300

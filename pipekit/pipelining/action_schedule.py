@@ -5,6 +5,9 @@ wrote) differ only in where the lists come from. Both hand torch's `_PipelineSch
 compute-only lists; its lowering adds the sends and receives, FSDP unshard/reshard and gradient
 reduction. Losses are normalised by the global label-token count, so no gradient scaling.
 
+With context exchange (`exchange=`), the plan is made over all ranks' lists and the stages
+wrap the attention of the units that lend or serve (`pipekit.pipelining.context_exchange`).
+
 With vocabulary parallelism (`vocab=`), the lists also get every unit's output pass
 (`pipekit.pipelining.output_passes`), run by pipekit's handler on the ranks without the last stage
 and inside the last stage's loss function on its rank.
@@ -29,6 +32,7 @@ from pipekit.pipelining.stage import SlicedPipelineStage, check_stage_slices
 from pipekit.train.loss import token_sum_cross_entropy
 
 if TYPE_CHECKING:
+    from pipekit.pipelining.context_exchange import PipelineContextExchange
     from pipekit.pipelining.vocab_parallel import PipelineVocabParallel
 
 __all__ = ["ActionListSchedule", "LossFn"]
@@ -51,16 +55,27 @@ class ActionListSchedule(PipelineScheduleRuntime):
         num_slices: int = 1,
         loss_fn: LossFn = token_sum_cross_entropy,
         vocab: PipelineVocabParallel | None = None,
+        exchange: PipelineContextExchange | None = None,
     ) -> None:
         check_stage_slices(stages, num_slices)
         actions = {rank: list(actions_by_rank[rank]) for rank in sorted(actions_by_rank)}
-        if vocab is not None:
-            if any(vocab.group is (stage.group or dist.group.WORLD) for stage in stages):
+        for name, helper in (
+            ("PipelineVocabParallel", vocab),
+            ("PipelineContextExchange", exchange),
+        ):
+            if helper is not None and any(
+                helper.group is (stage.group or dist.group.WORLD) for stage in stages
+            ):
                 raise ValueError(
-                    "give PipelineVocabParallel a process group of its own (e.g. "
-                    "dist.new_group over the pipeline ranks): its collectives must not queue "
-                    "behind the stages' sends (an NCCL send blocks until received)"
+                    f"give {name} a process group of its own (e.g. dist.new_group over the "
+                    "pipeline ranks): its messages must not queue behind the stages' sends (an "
+                    "NCCL send blocks until received)"
                 )
+        if exchange is not None:
+            exchange.prepare(actions, num_slices)
+            for stage in stages:
+                stage.context_exchange = exchange
+        if vocab is not None:
             loss_fn = vocab.stage_loss
         super().__init__(
             list(stages), num_microbatches * num_slices, loss_fn=loss_fn, scale_grads=False
@@ -70,7 +85,9 @@ class ActionListSchedule(PipelineScheduleRuntime):
             self.pipeline_order = dict(actions)
             self._prepare_schedule_with_comms(actions)
             return
-        placed = with_output_passes(actions, num_slices)
+        # With exchange, the passes sit at lockstep cuts: a cut then never separates a lender
+        # from its server (they belong to one moment).
+        placed = with_output_passes(actions, num_slices, lockstep=exchange is not None)
         self.pipeline_order = dict(placed)
         self._prepare_schedule_with_comms(
             {

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from pipekit.pipelining._torch_runtime import FORWARD, Action, ComputationType
 from pipekit.pipelining.actions import unit_microbatch_and_slice
-from pipekit.pipelining.simulate import CostModel, simulate
+from pipekit.pipelining.simulate import LOCKSTEP_COST, simulate
 from pipekit.pipelining.torch_actions import compute_actions
 
 __all__ = [
@@ -45,9 +45,6 @@ __all__ = [
     "eq2_exchanged_slices",
     "plan_context_exchange",
 ]
-
-_LOCKSTEP = CostModel(backward_ratio=1.0)
-"""Equal forward and backward costs, no attention: the schedule runs in lockstep."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +188,7 @@ def plan_context_exchange(
             "does not carry the KV cache's gradients; use the sliced schedule"
         )
     grouped: dict[float, dict[int, Action]] = defaultdict(dict)
-    for event in simulate(lists, num_slices=num_slices, cost=_LOCKSTEP).timeline:
+    for event in simulate(lists, num_slices=num_slices, cost=LOCKSTEP_COST).timeline:
         grouped[round(event.start, 9)][event.rank] = event.action
     plan = ExchangePlan(num_slices, backward_ratio, [], [])
     for index, start in enumerate(sorted(grouped)):

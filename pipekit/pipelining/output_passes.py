@@ -21,6 +21,8 @@ from enum import Enum
 
 from pipekit.pipelining._torch_runtime import FORWARD, Action
 from pipekit.pipelining.simulate import (
+    LOCKSTEP_COST,
+    CostModel,
     ScheduleDeadlockError,
     as_action,
     simulate,
@@ -61,15 +63,21 @@ def _compute_lists(actions_by_rank: Mapping[int, Sequence[Action | None]]) -> di
 
 
 def output_pass_positions(
-    actions_by_rank: Mapping[int, Sequence[Action | None]], num_slices: int = 1
+    actions_by_rank: Mapping[int, Sequence[Action | None]],
+    num_slices: int = 1,
+    lockstep: bool = False,
 ) -> dict[int, list[int]]:
-    """`positions[rank][u]`: how many of the rank's compute actions run before unit u's pass."""
-    return _positions(_compute_lists(actions_by_rank), num_slices)
+    """`positions[rank][u]`: how many of the rank's compute actions run before unit u's pass
+    (simulated in `LOCKSTEP_COST`'s steps with `lockstep`)."""
+    return _positions(_compute_lists(actions_by_rank), num_slices, lockstep)
 
 
-def _positions(lists: dict[int, list[Action]], num_slices: int) -> dict[int, list[int]]:
+def _positions(
+    lists: dict[int, list[Action]], num_slices: int, lockstep: bool
+) -> dict[int, list[int]]:
     last_stage = max(a.stage_index for actions in lists.values() for a in actions)
-    timeline = simulate(lists, num_slices=num_slices).timeline
+    cost = LOCKSTEP_COST if lockstep else CostModel()
+    timeline = simulate(lists, num_slices=num_slices, cost=cost).timeline
     ends_by_rank = {rank: sorted(e.end for e in timeline if e.rank == rank) for rank in lists}
     last_forward_end = {
         e.action.microbatch_index: e.end
@@ -86,12 +94,16 @@ def _positions(lists: dict[int, list[Action]], num_slices: int) -> dict[int, lis
 
 
 def with_output_passes(
-    actions_by_rank: Mapping[int, Sequence[Action | None]], num_slices: int = 1
+    actions_by_rank: Mapping[int, Sequence[Action | None]],
+    num_slices: int = 1,
+    lockstep: bool = False,
 ) -> dict[int, list[Action]]:
     """Every rank's compute actions with `Action(last_stage, OUTPUT_PASS, u)` placed by
-    `output_pass_positions` (on the last stage's rank: right after its forward of u)."""
+    `output_pass_positions` (on the last stage's rank: right after its forward of u).
+    `lockstep` cuts at lockstep steps, which never part two passes of one step (context
+    exchange pairs those)."""
     lists = _compute_lists(actions_by_rank)
-    positions = _positions(lists, num_slices)
+    positions = _positions(lists, num_slices, lockstep)
     last_stage = max(a.stage_index for actions in lists.values() for a in actions)
     placed = {}
     for rank, actions in lists.items():

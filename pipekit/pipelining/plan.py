@@ -11,13 +11,18 @@ from dataclasses import dataclass
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.actions import sliced_pipeline_actions
+from pipekit.pipelining.exchange_plan import plan_context_exchange
 from pipekit.pipelining.output_passes import with_output_passes
 from pipekit.pipelining.schedule import (
     SINGLE_STAGE_SCHEDULES,
     TORCH_SCHEDULES,
     V_SHAPED_SCHEDULES,
 )
-from pipekit.pipelining.stage_split import llama_stage_module_names, stages_of_rank
+from pipekit.pipelining.stage_split import (
+    llama_layers_per_stage,
+    llama_stage_module_names,
+    stages_of_rank,
+)
 from pipekit.pipelining.torch_actions import torch_schedule_actions
 from pipekit.pipelining.user_schedule import check_schedule, load_schedule_file
 from pipekit.pipelining.vocab_parallel import VOCAB_MODULE_NAMES
@@ -40,6 +45,7 @@ class PipelinePlan:
     actions_by_rank: dict[int, list[Action]] | None = None
     """The checked compute-only lists of a user schedule (`schedule == "user"`), else None."""
     vocab_parallel: bool = False
+    context_exchange: bool = False
     """The embedding and output layer are split across the pipeline ranks, outside the stages."""
 
     @property
@@ -142,8 +148,12 @@ def plan_pipeline(
         actions_by_rank = _user_schedule(
             schedule_file, num_ranks, stages_per_rank, num_microbatches, num_slices
         )
+    if parallelism.context_exchange:
+        _check_context_exchange(schedule, names, actions_by_rank or lists, num_slices)
     if parallelism.vocab_parallel:  # the output passes must fit the schedule without deadlock
-        with_output_passes(actions_by_rank or lists, num_slices)
+        with_output_passes(
+            actions_by_rank or lists, num_slices, lockstep=parallelism.context_exchange
+        )
     return PipelinePlan(
         schedule=schedule,
         num_ranks=num_ranks,
@@ -154,7 +164,30 @@ def plan_pipeline(
         module_names_per_stage=names,
         actions_by_rank=actions_by_rank,
         vocab_parallel=parallelism.vocab_parallel,
+        context_exchange=parallelism.context_exchange,
     )
+
+
+def _check_context_exchange(
+    schedule: str,
+    names: list[list[str]],
+    actions_by_rank: dict[int, list[Action]],
+    num_slices: int,
+) -> None:
+    """Context exchange moves attention between slices' passes: it needs sliced passes with
+    full backwards, and every stage must hold an attention layer to serve with."""
+    if schedule not in ("sliced", "user") or num_slices < 2:
+        raise ValueError(
+            f"context_exchange = true needs sliced passes: pipeline_schedule='sliced' (or a user "
+            f"schedule) with num_slices >= 2, not {schedule!r} with num_slices={num_slices}"
+        )
+    empty = [stage for stage, layers in llama_layers_per_stage(names).items() if not layers]
+    if empty:
+        raise ValueError(
+            f"context_exchange = true: stages {empty} hold no transformer layer to serve "
+            "attention with; change the stage split or set context_exchange = false"
+        )
+    plan_context_exchange(actions_by_rank, num_slices)
 
 
 def _user_schedule(

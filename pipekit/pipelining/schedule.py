@@ -28,6 +28,7 @@ from pipekit.pipelining._torch_runtime import (
 )
 from pipekit.pipelining.action_schedule import ActionListSchedule, LossFn
 from pipekit.pipelining.actions import sliced_pipeline_actions
+from pipekit.pipelining.context_exchange import PipelineContextExchange
 from pipekit.pipelining.split import split_into_units
 from pipekit.pipelining.stage import SlicedPipelineStage
 from pipekit.pipelining.torch_actions import (
@@ -60,10 +61,11 @@ class SlicedPipelineSchedule(ActionListSchedule):
         num_slices: int,
         loss_fn: LossFn = token_sum_cross_entropy,
         vocab: PipelineVocabParallel | None = None,
+        exchange: PipelineContextExchange | None = None,
     ) -> None:
         num_ranks = stages[0].group_size
         actions = sliced_pipeline_actions(num_ranks, num_microbatches, num_slices, len(stages))
-        super().__init__(stages, actions, num_microbatches, num_slices, loss_fn, vocab)
+        super().__init__(stages, actions, num_microbatches, num_slices, loss_fn, vocab, exchange)
 
 
 def _torch_schedule(
@@ -147,22 +149,32 @@ def build_pipeline_runner(
     *,
     actions_by_rank: Mapping[int, Sequence[Action | None]] | None = None,
     vocab: PipelineVocabParallel | None = None,
+    exchange: PipelineContextExchange | None = None,
 ) -> PipelineRunner:
     """`"sliced"`, one of `TORCH_SCHEDULES`, or `"user"` (every rank's compute-only
     `actions_by_rank`, see `pipekit.pipelining.user_schedule`) over this rank's stages (built
     for `num_slices`). With `vocab` (stages built with `StageShapes(vocab_parallel=True)`), the
     embedding, output layer and loss are vocabulary-parallel across the pipeline ranks; torch's
-    schedules then run as their action lists with the output passes placed in them."""
+    schedules then run as their action lists with the output passes placed in them. With
+    `exchange`, the sliced or user schedule's passes exchange attention context
+    (`pipekit.pipelining.context_exchange`)."""
     if (schedule_name == "user") != (actions_by_rank is not None):
         raise ValueError(
             "pass actions_by_rank exactly when schedule_name='user' (a user-defined schedule)"
         )
+    if exchange is not None and schedule_name not in ("sliced", "user"):
+        raise ValueError(
+            f"context exchange needs sliced passes; pipeline_schedule={schedule_name!r} runs "
+            "whole microbatches (use 'sliced' or set context_exchange = false)"
+        )
     if schedule_name == "user":
         schedule: PipelineSchedule = UserPipelineSchedule(
-            stages, actions_by_rank, num_microbatches, num_slices, loss_fn, vocab
+            stages, actions_by_rank, num_microbatches, num_slices, loss_fn, vocab, exchange
         )
     elif schedule_name == "sliced":
-        schedule = SlicedPipelineSchedule(stages, num_microbatches, num_slices, loss_fn, vocab)
+        schedule = SlicedPipelineSchedule(
+            stages, num_microbatches, num_slices, loss_fn, vocab, exchange
+        )
     elif schedule_name in TORCH_SCHEDULES:
         if num_slices != 1:
             raise ValueError(

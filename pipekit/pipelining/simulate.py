@@ -39,6 +39,7 @@ from pipekit.pipelining.actions import unit_microbatch_and_slice
 from pipekit.pipelining.timeline import ScheduledAction
 
 __all__ = [
+    "LOCKSTEP_COST",
     "CostModel",
     "ScheduleDeadlockError",
     "SimulationResult",
@@ -97,6 +98,11 @@ class CostModel:
 
     def transfer_time(self, num_slices: int) -> float:
         return self.p2p_latency + self.boundary_bytes / num_slices / self.p2p_bandwidth
+
+
+LOCKSTEP_COST = CostModel(backward_ratio=1.0)
+"""Equal forward and backward costs, no attention: a schedule runs in lockstep steps, every
+rank at most one pass per step, all passes of a step starting and ending together."""
 
 
 class ScheduleDeadlockError(ValueError):

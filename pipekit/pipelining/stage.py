@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.context_exchange import ContextExchangeAttention
 from pipekit.attention.kv_cache import ChunkedKVCache
 from pipekit.pipelining._torch_runtime import (
     BACKWARD,
@@ -35,6 +36,7 @@ from pipekit.pipelining._torch_runtime import (
     stage_saved_inputs,
 )
 from pipekit.pipelining.actions import unit_microbatch_and_slice
+from pipekit.pipelining.context_exchange import PipelineContextExchange
 from pipekit.pipelining.memory import track_tensor, untrack_tensor
 
 __all__ = ["SlicedPipelineStage", "StageShapes", "check_stage_slices"]
@@ -108,6 +110,8 @@ class SlicedPipelineStage(PipelineStage):
         )
         self.num_slices, self.shapes = num_slices, shapes
         self.kv_cache = ChunkedKVCache(backend)
+        self.context_exchange: PipelineContextExchange | None = None
+        """Set by the schedule when its passes exchange attention context."""
         self.action_observer: Callable[[Action, float, float], None] | None = None
         """Called with (action, start, end) after each F, B, I or W (`pipekit.pipelining.trace`)."""
 
@@ -122,9 +126,13 @@ class SlicedPipelineStage(PipelineStage):
         microbatch, slice_index = unit_microbatch_and_slice(fwd_chunk_id, self.num_slices)
         stage_kwargs = dict(kwargs or {})
         document_ids_BS = stage_kwargs.pop("document_ids", None)
-        stage_kwargs["attention_context"] = self.kv_cache.slice_context(
-            microbatch, slice_index, document_ids_BS
-        )
+        context = self.kv_cache.slice_context(microbatch, slice_index, document_ids_BS)
+        exchange = None
+        if self.context_exchange is not None and self.has_backward:
+            exchange = self.context_exchange.slice_exchange(self.stage_index, fwd_chunk_id)
+        if exchange is not None:
+            context = ContextExchangeAttention(context, exchange)
+        stage_kwargs["attention_context"] = context
         output = self._observed(
             FORWARD,
             fwd_chunk_id,
@@ -132,6 +140,8 @@ class SlicedPipelineStage(PipelineStage):
                 fwd_chunk_id, args, stage_kwargs, save_forward_output
             ),
         )
+        if isinstance(context, ContextExchangeAttention):
+            context.check_forward_done()
         if self.has_backward:
             for tensor in self._stage_inputs(fwd_chunk_id):
                 track_tensor("stage_inputs", tensor)

@@ -16,6 +16,7 @@ from torch import nn
 
 __all__ = [
     "build_stage_module",
+    "llama_layers_per_stage",
     "llama_stage_module_names",
     "partition_layers",
     "stage_to_rank",
@@ -108,6 +109,14 @@ def llama_stage_module_names(
         names[0].insert(0, "tok_embeddings")
         names[-1].append("output")
     return names
+
+
+def llama_layers_per_stage(stage_module_names: Sequence[Sequence[str]]) -> dict[int, int]:
+    """Transformer blocks (attention layers) of each stage, from its module names."""
+    return {
+        stage: sum(name.startswith("layers.") for name in names)
+        for stage, names in enumerate(stage_module_names)
+    }
 
 
 def stage_to_rank(num_ranks: int, stages_per_rank: int, style: str = "loop") -> list[int]:

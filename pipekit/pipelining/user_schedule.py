@@ -52,6 +52,7 @@ from pipekit.pipelining.stage import SlicedPipelineStage
 from pipekit.train.loss import token_sum_cross_entropy
 
 if TYPE_CHECKING:
+    from pipekit.pipelining.context_exchange import PipelineContextExchange
     from pipekit.pipelining.vocab_parallel import PipelineVocabParallel
 
 __all__ = [
@@ -236,6 +237,7 @@ class UserPipelineSchedule(ActionListSchedule):
         num_slices: int = 1,
         loss_fn: LossFn = token_sum_cross_entropy,
         vocab: PipelineVocabParallel | None = None,
+        exchange: PipelineContextExchange | None = None,
     ) -> None:
         rank, num_ranks = stages[0].group_rank, stages[0].group_size
         if len(actions_by_rank) != num_ranks:
@@ -256,4 +258,6 @@ class UserPipelineSchedule(ActionListSchedule):
                 f"rank {rank} holds stages {held} but the schedule runs stages {placed} on it; "
                 f"build this rank's stages with stage_indices={placed}"
             )
-        super().__init__(stages, actions_by_rank, num_microbatches, num_slices, loss_fn, vocab)
+        super().__init__(
+            stages, actions_by_rank, num_microbatches, num_slices, loss_fn, vocab, exchange
+        )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,11 @@ from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import new_group_along
 from pipekit.pipelining.build import build_rank_model, wrap_rank_stages
+from pipekit.pipelining.context_exchange import PipelineContextExchange
 from pipekit.pipelining.plan import plan_pipeline
 from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
 from pipekit.pipelining.stage import StageShapes
+from pipekit.pipelining.stage_split import llama_layers_per_stage
 from pipekit.pipelining.trace import record_pipeline_step
 from pipekit.pipelining.vocab_parallel import (
     VOCAB_MODULE_NAMES,
@@ -220,6 +223,13 @@ class Trainer:
                 last_rank=stage_ranks[1],
                 group=vocab_group,
             )
+        exchange = None
+        if plan.context_exchange:  # a group of its own, for the same reason as the vocabulary's
+            exchange = PipelineContextExchange(
+                new_group_along(self.mesh, "pp"),
+                llama_layers_per_stage(plan.module_names_per_stage),
+                timeout=timedelta(seconds=config.parallelism.collective_timeout_s),
+            )
         runner = build_pipeline_runner(
             plan.schedule,
             stages,
@@ -227,6 +237,7 @@ class Trainer:
             plan.num_slices,
             actions_by_rank=plan.actions_by_rank,
             vocab=vocab,
+            exchange=exchange,
         )
         return rank_model, runner
 

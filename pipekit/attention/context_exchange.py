@@ -1,0 +1,233 @@
+"""`ContextExchangeAttention`: one slice's attention when its pass lends or serves attention.
+
+In a sliced pipeline with context exchange (SlimPipe §4.2) a heavy pass lends part of its
+attention to a pass that runs at the same time on a light rank, and the light pass serves it
+(`pipekit.pipelining.exchange_plan` decides who, `pipekit.attention.exchange` moves the data).
+This context does both for one slice on one stage, layer by layer:
+
+- **Lending.** Each layer's query attends to the slice's own chunk here and to its earlier KV
+  slices (from the chunked KV cache): the forward pass lends some of them to its peers, and the
+  forward records what the slice's backward pass lends, so the gradients of lent chunks come back
+  from the peers and collect on the cache's leaves like local ones.
+- **Serving.** At the k-th attention call of its pass, a serving pass answers the requests the
+  plan gave that call: after its own attention in a forward pass; in a backward pass, from an
+  identity on the attention output whose backward runs when the gradient reaches that layer (the
+  calls of a backward come in reverse layer order, the order the pass runs them). A request is
+  a forward or a backward one as the lending pass is, whichever kind the serving pass is: the
+  plan pairs passes of both kinds.
+
+Activation checkpointing recomputes a layer's forward inside the backward: the recompute neither
+lends nor serves forward work (that was done), but records the backward's lending and serving.
+
+Legend: B batch, H query heads, G kv heads, S slice length, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.exchange import (
+    DEFAULT_LOAN_TIMEOUT,
+    AttentionLoan,
+    Lending,
+    LentChunk,
+    attention_with_lending,
+    serve_attention_loan,
+    serve_attention_loan_backward,
+)
+from pipekit.attention.kv_cache import CachedSlice, SliceAttention
+
+__all__ = ["ContextExchangeAttention", "LoanRequest", "PassExchange", "SliceExchange"]
+
+Backend = str | AttentionBackend
+
+
+class LoanRequest(NamedTuple):
+    """A request a serving call answers: from `peer`, of its forward or its backward pass (the
+    kind of the lending pass, whatever the kind of the serving one)."""
+
+    peer: int
+    backward: bool
+
+
+@dataclass(frozen=True)
+class PassExchange:
+    """What one pass (a slice's forward or backward on one stage) lends and serves.
+
+    `lend`: `(peer, earlier KV slices)` per peer, in message order, at every attention call.
+    `serve`: for each attention call of the pass, in the order the pass runs them, the requests
+    it answers, in order.
+    """
+
+    lend: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    serve: tuple[tuple[LoanRequest, ...], ...] = ()
+
+    @property
+    def serves(self) -> bool:
+        return any(self.serve)
+
+
+@dataclass(frozen=True)
+class SliceExchange:
+    """A slice's forward and backward exchange on one stage, over `group` (ranks are ranks of
+    it). `drop_remote_kv_grads` exists for the ablation test only: lent chunks then get no
+    gradient back, which must break parity."""
+
+    forward: PassExchange
+    backward: PassExchange
+    group: dist.ProcessGroup | None = None
+    timeout: timedelta = DEFAULT_LOAN_TIMEOUT
+    drop_remote_kv_grads: bool = False
+
+    def loan(self, peer: int) -> AttentionLoan:
+        return AttentionLoan(peer, self.group, self.timeout)
+
+    def lending(self, parts: tuple[tuple[int, tuple[int, ...]], ...]) -> Lending:
+        return Lending(tuple((self.loan(peer), kv_slices) for peer, kv_slices in parts))
+
+    def answer(self, requests: tuple[LoanRequest, ...], scale: float, backend: Backend) -> None:
+        """Serve one attention call's requests, in order."""
+        for peer, backward in requests:
+            serve = serve_attention_loan_backward if backward else serve_attention_loan
+            serve(self.loan(peer), scale, backend)
+
+
+class _BackwardServing:
+    """The serving calls of a backward pass, consumed in the order autograd reaches them."""
+
+    def __init__(self, exchange: SliceExchange, backend: Backend) -> None:
+        self.exchange, self.backend, self.calls = exchange, backend, 0
+
+    def serve(self, scale: float) -> None:
+        serve = self.exchange.backward.serve
+        if self.calls >= len(serve):
+            raise RuntimeError(
+                f"context exchange: the backward ran {self.calls + 1} attention layers, the plan "
+                f"has {len(serve)}; give the exchange the stage's real layer count"
+            )
+        self.exchange.answer(serve[self.calls], scale, self.backend)
+        self.calls += 1
+
+
+class _ServeInBackward(torch.autograd.Function):
+    """Identity on a layer's attention output; its backward serves that layer's requests."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        out_BHSD: Tensor,
+        serving: _BackwardServing,
+        scale: float,
+    ) -> Tensor:
+        ctx.serving, ctx.scale = serving, scale
+        return out_BHSD.view_as(out_BHSD)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_out_BHSD: Tensor
+    ) -> tuple[Tensor, None, None]:
+        ctx.serving.serve(ctx.scale)
+        return grad_out_BHSD, None, None
+
+
+class _DropGradient(torch.autograd.Function):
+    """Identity whose backward gives zero (the ablation of the remote dK/dV)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
+        return torch.zeros_like(grad)
+
+
+class ContextExchangeAttention:
+    """AttentionContext of one slice whose forward or backward pass lends or serves attention
+    (see the module doc); otherwise it attends exactly as its `SliceAttention`."""
+
+    def __init__(self, slice_attention: SliceAttention, exchange: SliceExchange) -> None:
+        self.slice_attention, self.exchange = slice_attention, exchange
+        self.forward_calls = 0
+        self._backward_serving = _BackwardServing(exchange, slice_attention.cache.backend)
+
+    def __repr__(self) -> str:
+        return f"ContextExchangeAttention({self.slice_attention!r})"
+
+    def attend(
+        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+    ) -> Tensor:
+        """The slice's attention output; lends and serves what the plan gives this layer."""
+        sliced, exchange = self.slice_attention, self.exchange
+        earlier, own = sliced.chunks(layer_id, k_BGSD, v_BGSD)
+        recomputing = sliced.recomputing
+        records_backward = torch.is_grad_enabled() and q_BHSD.requires_grad
+        lend_forward = () if recomputing else exchange.forward.lend
+        lend_backward = exchange.backward.lend if records_backward else ()
+        backend = sliced.cache.backend
+        # A recompute takes the same path as the forward it repeats, lent or not: activation
+        # checkpointing hands its tensors to the original autograd node by position.
+        if exchange.forward.lend or lend_backward:
+            lendable = [
+                self._lendable(index, cached, lend_backward) for index, cached in enumerate(earlier)
+            ]
+            out_BHSD = attention_with_lending(
+                q_BHSD,
+                [own],
+                lendable,
+                exchange.lending(lend_forward),
+                exchange.lending(lend_backward),
+                q_document_ids_BS=sliced.document_ids_BS,
+                scale=scale,
+                backend=backend,
+            )[0]
+        else:
+            out_BHSD = sliced.attention(q_BHSD, earlier, own, scale)
+        if not recomputing:
+            self._serve_forward(scale)
+        if records_backward and exchange.backward.serves:
+            out_BHSD = _ServeInBackward.apply(out_BHSD, self._backward_serving, scale)
+        return out_BHSD
+
+    def check_forward_done(self) -> None:
+        """After the slice's forward: every planned forward serving call ran (a model with
+        fewer attention layers than planned would leave its peers waiting)."""
+        planned = len(self.exchange.forward.serve)
+        if self.exchange.forward.serves and self.forward_calls != planned:
+            raise RuntimeError(
+                f"context exchange: the forward ran {self.forward_calls} attention layers, the "
+                f"plan has {planned}; give the exchange the stage's real layer count"
+            )
+
+    def _serve_forward(self, scale: float) -> None:
+        serve, call = self.exchange.forward.serve, self.forward_calls
+        self.forward_calls += 1
+        if not self.exchange.forward.serves:
+            return
+        if call >= len(serve):
+            raise RuntimeError(
+                f"context exchange: the forward ran {call + 1} attention layers, the plan has "
+                f"{len(serve)}; give the exchange the stage's real layer count"
+            )
+        self.exchange.answer(serve[call], scale, self.slice_attention.cache.backend)
+
+    def _lendable(
+        self,
+        index: int,
+        cached: CachedSlice,
+        lend_backward: tuple[tuple[int, tuple[int, ...]], ...],
+    ) -> LentChunk:
+        """Earlier slice `index` as a lendable chunk (its gradient dropped for the ablation when
+        the backward lends it)."""
+        k_BGSD, v_BGSD = cached.k_BGSD, cached.v_BGSD
+        lent_in_backward = any(index in kv_slices for _, kv_slices in lend_backward)
+        if self.exchange.drop_remote_kv_grads and lent_in_backward:
+            k_BGSD, v_BGSD = _DropGradient.apply(k_BGSD), _DropGradient.apply(v_BGSD)
+        return LentChunk(k_BGSD, v_BGSD, cached.document_ids_BS)

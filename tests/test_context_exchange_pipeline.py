@@ -1,0 +1,132 @@
+"""Context exchange in the sliced pipeline changes nothing but where attention is computed: loss
+and every gradient equal one unsliced process (float64), for p = 2 and 4, n = 2p and 4p, m = 2,
+with packed documents, two layers per stage, interleaved stages, uneven stages and activation
+checkpointing. The ablation drops the lent chunks' dK/dV and must fail; a run that lends nothing
+would not notice it, so the ablation also proves that the exchange happens."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_helpers import RankFailedError, run_on_ranks
+from test_sliced_pipeline import (
+    BATCH,
+    SEED,
+    SEQ_LEN,
+    TOLERANCE,
+    _batch,
+    _max_relative_difference,
+    _reference,
+    step_loss_and_grads,
+)
+from tiny_models import tiny_pipeline_stages
+
+from pipekit.attention.context_exchange import LoanRequest
+from pipekit.pipelining.context_exchange import PipelineContextExchange, serving_calls
+from pipekit.pipelining.schedule import build_pipeline_runner
+from pipekit.pipelining.stage_split import llama_layers_per_stage, llama_stage_module_names
+
+
+def _run(
+    rank: int,
+    world: int,
+    v: int,
+    m: int,
+    n: int,
+    num_layers: int,
+    drop_remote_kv_grads: bool = False,
+    checkpoint_activations: bool = False,
+) -> tuple:
+    num_stages = world * v
+    stages = tiny_pipeline_stages(
+        rank,
+        world,
+        schedule="sliced",
+        num_stages=num_stages,
+        num_layers=num_layers,
+        rows_per_unit=BATCH // m,
+        slice_length=SEQ_LEN // n,
+        num_slices=n,
+        seed=SEED,
+        checkpoint_activations=checkpoint_activations,
+    )
+    exchange = PipelineContextExchange(
+        dist.new_group(list(range(world))),
+        llama_layers_per_stage(llama_stage_module_names(num_layers, num_stages)),
+        drop_remote_kv_grads=drop_remote_kv_grads,
+    )
+    runner = build_pipeline_runner("sliced", stages, m, n, exchange=exchange)
+    loss, grads = step_loss_and_grads(runner, _batch())
+    return loss, grads, len(exchange.plan.transfers)
+
+
+def _run_many(rank: int, world: int, configs: list[tuple]) -> list[tuple]:
+    return [_run(rank, world, *config) for config in configs]
+
+
+def _differences(world: int, configs: list[tuple], timeout: float) -> dict[tuple, float]:
+    results = run_on_ranks(_run_many, world, configs, timeout=timeout)
+    differences = {}
+    for index, config in enumerate(configs):
+        per_rank = [results[rank][index] for rank in range(world)]
+        assert per_rank[0][2] > 0, f"{config}: the plan exchanges nothing"
+        reference = _reference(config[3])
+        differences[config] = _max_relative_difference(
+            [(loss, grads) for loss, grads, _ in per_rank], reference
+        )
+    return differences
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_exchange_keeps_loss_and_every_gradient_fp64(world: int) -> None:
+    """(v, m, n, layers): n = 2p and 4p with m = 2, one and two layers per stage."""
+    configs = [(1, 2, 2 * world, world), (1, 2, 4 * world, 2 * world)]
+    if world == 2:
+        configs += [(2, 2, 4, 4), (1, 2, 4, 3)]  # interleaved; stages of 2 and 1 layers
+    for config, difference in _differences(world, configs, timeout=300).items():
+        assert difference <= TOLERANCE, f"{config}: max relative difference {difference:.2e}"
+
+
+def test_exchange_with_activation_checkpointing_fp64() -> None:
+    """A recomputed layer neither lends nor serves forward work again, and still records its
+    backward's lending and serving."""
+    configs = [(1, 2, 4, 2, False, True), (1, 2, 8, 4, False, True)]
+    for config, difference in _differences(2, configs, timeout=120).items():
+        assert difference <= TOLERANCE, f"{config}: max relative difference {difference:.2e}"
+
+
+def test_dropping_the_remote_kv_gradients_breaks_parity() -> None:
+    configs = [(1, 2, 4, 2, True), (1, 2, 8, 4, True)]
+    for config, difference in _differences(2, configs, timeout=120).items():
+        assert difference > 1e-3, config
+
+
+def test_serving_calls_spread_a_sources_requests_over_the_targets_layers() -> None:
+    a, b = LoanRequest(0, False), LoanRequest(3, True)
+    assert serving_calls([(a, 2), (b, 2)], 2) == ((a, b), (a, b))
+    assert serving_calls([(b, 4)], 2) == ((b, b), (b, b))
+    assert serving_calls([(a, 1)], 3) == ((a,), (), ())
+    with pytest.raises(ValueError, match="at least one attention layer"):
+        serving_calls([(a, 1)], 0)
+
+
+def test_stages_without_layers_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"stages \[1\] hold no attention layer"):
+        PipelineContextExchange(None, {0: 2, 1: 0})
+
+
+def _wait_for_a_dead_peer(rank: int, world: int) -> None:
+    from pipekit.attention.exchange import AttentionLoan
+
+    if rank == 0:
+        AttentionLoan(1, timeout=timedelta(seconds=1)).receive(torch.empty(1))
+
+
+def test_a_peer_that_never_answers_is_named() -> None:
+    with pytest.raises(
+        RankFailedError, match="rank 0 of the exchange group waited more than 1 s for rank 1"
+    ):
+        run_on_ranks(_wait_for_a_dead_peer, 2, timeout=60)
