@@ -83,3 +83,17 @@ def test_job_validation_checks_the_pipeline_before_any_process_group():
     config.training.mixed_precision_param = "bfloat16"
     with pytest.raises(ConfigError, match="not supported with pipeline_parallel_degree > 1"):
         validate_job_config(config, world_size=2)
+
+
+def test_context_exchange_needs_sliced_passes_and_a_layer_on_every_stage():
+    assert _plan(context_exchange=True).context_exchange
+    with pytest.raises(ValueError, match="context_exchange = true needs sliced passes"):
+        _plan(context_exchange=True, pipeline_schedule="1F1B")
+    entries = ["tok_embeddings", "layers.0,layers.1,norm,output"]
+    with pytest.raises(ValueError, match=r"stages \[0\] hold no transformer layer"):
+        _plan(num_layers=2, context_exchange=True, pipeline_stage_modules=entries)
+
+
+def test_vocab_parallel_output_passes_fit_an_exchanging_schedule():
+    plan = _plan(pp=4, context_exchange=True, vocab_parallel=True, local_batch=8)
+    assert plan.context_exchange and plan.vocab_parallel

@@ -19,6 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO_ROOT / "configs" / "debug_model.toml")
 SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_sliced_pp.toml")
 VOCAB_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_vocab_parallel_pp.toml")
+EXCHANGE_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_context_exchange_pp.toml")
 
 
 def _command(output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG) -> list[str]:
@@ -316,3 +317,17 @@ def test_pipelines_start_from_hugging_face_weights(tmp_path):
     assert runs["sliced_pp"] == pytest.approx(runs["fsdp"], rel=1e-4)
     assert runs["vocab_pp"] == pytest.approx(runs["fsdp"], rel=1e-4)
     assert runs["fresh_pp"][1] != pytest.approx(runs["fsdp"][1], rel=1e-3)
+
+
+def test_context_exchange_job_matches_the_sliced_pipeline(tmp_path: Path) -> None:
+    """configs/debug_context_exchange_pp.toml against debug_sliced_pp.toml: equal losses step
+    for step, with the embedding and output on their stages and vocabulary-parallel (the output
+    passes then sit at lockstep cuts, which never part a lender from its server)."""
+    short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.interval", "100")
+    plain = _train(tmp_path / "plain", *short, config=SLICED_PP_CONFIG)
+    exchange = _train(tmp_path / "exchange", *short, config=EXCHANGE_PP_CONFIG)
+    vocab = ("--parallelism.vocab_parallel", "true")
+    both = _train(tmp_path / "both", *short, *vocab, config=EXCHANGE_PP_CONFIG)
+    assert sorted(exchange) == [1, 2, 3]
+    assert exchange == pytest.approx(plain, rel=1e-5)
+    assert both == pytest.approx(plain, rel=1e-5)

@@ -42,6 +42,7 @@ from torch import Tensor
 from pipekit.attention.backends import (
     AttentionBackend,
     RingBackend,
+    get_backend,
     ring_backend,
     select_backend,
 )
@@ -126,6 +127,8 @@ def _ring_backend_and_scale(
     """The backend, differentiable chunk by chunk (`ring_backend`), and the softmax scale
     (default 1/sqrt(D))."""
     chosen = select_backend(backend, q_BHSD, *tensors) if isinstance(backend, str) else backend
+    if backend == "auto" and q_BHSD.device.type == "cpu" and not isinstance(chosen, RingBackend):
+        chosen = get_backend("cpu")  # CPU FlexAttention has no backward to serve
     return ring_backend(chosen), 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
 
 
