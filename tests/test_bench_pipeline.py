@@ -86,6 +86,24 @@ def test_context_exchange_bench_simulates_fewer_bubbles_and_less_traffic_than_eq
     assert figures["makespan_ratio"] < 1
 
 
+def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
+    figures = _run_bench(
+        "context-exchange", "--pp", "2", "--slices", "4", "--seq", "64", "--microbatches", "2",
+        "--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "48", "--layers", "2",
+        "--repeats", "1",
+    )  # fmt: skip
+    assert list(figures) == [
+        "bubble_with",
+        "bubble_without",
+        "bytes_vs_eq2",
+        "makespan_ratio",
+        "measured_speedup",
+        "vs_1f1b",
+        "sliced_vs_1f1b",
+    ]
+    assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -112,7 +130,7 @@ def test_context_exchange_bench_simulates_fewer_bubbles_and_less_traffic_than_eq
         ),
         (["pipeline-throughput", "--repeats", "0"], "--repeats=0 must be at least 1"),
         (["vocab-parallel", "--pp", "1"], "--pp=1 must be at least 2"),
-        (["context-exchange"], "needs ContextExchangeAttention, which is not built yet"),
+        (["context-exchange", "--pp", "2", "--layers", "3"], "--layers=3 is too few"),
         (["context-exchange", "--simulate", "--slices", "6"], "num_slices=6 must be a multiple"),
         (["vocab-parallel", "--pp", "2", "--slices", "3"], "num_slices=3 must be a multiple"),
     ],

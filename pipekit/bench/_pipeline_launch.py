@@ -34,6 +34,7 @@ from tensordict import TensorDict
 from models.llama import Llama, LlamaArgs
 from pipekit.pipelining.actions import check_sliced_shape
 from pipekit.pipelining.build import build_rank_stages
+from pipekit.pipelining.context_exchange import PipelineContextExchange
 from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
 from pipekit.pipelining.stage import StageShapes
 from pipekit.pipelining.stage_split import llama_stage_module_names
@@ -260,13 +261,15 @@ def build_runner(
     num_slices: int,
     rows: int,
     vocab_parallel: bool = False,
+    context_exchange: bool = False,
 ) -> PipelineRunner:
     """This rank's runner of `schedule` over an evenly split model (equal layers per stage).
 
     `rows` is the local batch; every stage gets the same seeded weights whatever the schedule.
     Embedding and output get no extra weight in the split: SlimPipe's Table 2 compares equal
     stages, and so do the throughput figures. With `vocab_parallel` the embedding and output
-    rows are split over the ranks instead (their own random init).
+    rows are split over the ranks instead (their own random init). With `context_exchange`
+    the sliced passes exchange attention context over a group of their own.
     """
     args = _llama_args(spec)
     num_stages = num_ranks * stages_per_rank
@@ -318,7 +321,14 @@ def build_runner(
             last_rank=(num_stages - 1) % num_ranks,
             group=vocab_group,
         )
-    return build_pipeline_runner(schedule, stages, microbatches, num_slices, vocab=vocab)
+    exchange = None
+    if context_exchange:
+        exchange = PipelineContextExchange(
+            dist.new_group(), {stage: args.n_layers // num_stages for stage in range(num_stages)}
+        )
+    return build_pipeline_runner(
+        schedule, stages, microbatches, num_slices, vocab=vocab, exchange=exchange
+    )
 
 
 def synthetic_batch(rows: int, seq_len: int, vocab_size: int) -> TensorDict:

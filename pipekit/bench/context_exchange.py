@@ -1,4 +1,5 @@
-"""`python -m pipekit.bench context-exchange --pp 4 --slices 16 --seq 65536 --simulate`.
+"""`python -m pipekit.bench context-exchange --pp 4 --slices 16 --seq 65536 --simulate`, and
+measured: `python -m pipekit.bench context-exchange --pp 2 --slices 8 --microbatches 2 --seq 8192`.
 
 Attention context exchange on the sliced schedule, simulated (`pipekit.pipelining.simulate`):
 
@@ -12,15 +13,28 @@ Attention context exchange on the sliced schedule, simulated (`pipekit.pipelinin
 - the forward context sent per microbatch per rank, in slices and in bytes (`--layers` layers,
   bfloat16), against SlimPipe's Eq. 2 and its bound (2 - (p-1)/n) L M_h.
 
-The measured mode (ranks exchanging context while they run) needs `ContextExchangeAttention`,
-which is not built yet; without `--simulate` the bench says so and stops.
+Without `--simulate` the bench also runs it: `--pp` gloo ranks, one thread each, started with
+the pipeline-throughput bench's fair allocator setting, time the sliced schedule with and without
+context exchange and torch's Schedule1F1B on the same model (a small Llama, float32; `--dim`
+and `--layers` default to 256 and 4 there, against 5120 and 40 for the simulation), alternating
+after a warm-up step each; the figures are ratios of median step times.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
+from pipekit.bench._pipeline_launch import (
+    add_model_arguments,
+    add_pipeline_arguments,
+    check_pipeline_shape,
+    describe_model,
+    model_spec,
+    run_ranks,
+)
 from pipekit.bench._report import print_result, print_table
+from pipekit.bench.pipeline_throughput import FAIR_ALLOCATOR
 from pipekit.bench.schedules import attention_to_linear_ratio
 from pipekit.pipelining.actions import sliced_pipeline_actions
 from pipekit.pipelining.exchange_plan import eq2_exchanged_slices, plan_context_exchange
@@ -43,27 +57,33 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks p")
-    parser.add_argument("--slices", type=int, default=16, help="slices per sequence n")
-    parser.add_argument("--microbatches", type=int, default=4, help="microbatches m per step")
-    parser.add_argument("--seq", type=int, default=65536, help="sequence length S")
-    parser.add_argument("--dim", type=int, default=5120, help="model width d (Llama 13B: 5120)")
-    parser.add_argument("--layers", type=int, default=40, help="layers L (Llama 13B: 40)")
+    add_pipeline_arguments(parser, pp=4, slices=16, microbatches=4, seq=65536)
     parser.add_argument("--backward-ratio", type=float, default=2.0, help="backward / forward")
-    parser.add_argument("--simulate", action="store_true", help="simulate instead of running")
+    parser.add_argument("--simulate", action="store_true", help="simulate only, run nothing")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each schedule")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps of each schedule")
+    add_model_arguments(parser, dim=None, layers=None, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
     options = parser.parse_args(argv)
     p, n, m = options.pp, options.slices, options.microbatches
-    if not options.simulate:
-        parser.exit(
-            2,
-            f"{parser.prog}: error: the measured mode needs ContextExchangeAttention, which is "
-            "not built yet; pass --simulate\n",
-        )
+    small = {"dim": 5120, "layers": 40} if options.simulate else {"dim": 256, "layers": 4}
+    for name, default in small.items():
+        if getattr(options, name) is None:
+            setattr(options, name, default)
     try:
         if p < 2 or m < 1 or options.seq < n:
             raise ValueError(f"need --pp >= 2, --microbatches >= 1 and --seq >= --slices={n}")
         actions = sliced_pipeline_actions(p, m, n, 1)
         plan = plan_context_exchange(actions, n, options.backward_ratio)
+        if not options.simulate:
+            check_pipeline_shape(
+                num_ranks=p,
+                microbatches=m,
+                num_slices=n,
+                seq_len=options.seq,
+                num_layers=options.layers,
+                stages_per_rank=1,
+            )
+            spec = model_spec(options, options.seq)
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
 
@@ -113,12 +133,72 @@ def main(argv: list[str] | None = None) -> None:
         f"{sent * slice_bytes / _GIB:.3g} GiB; Eq. 2: {eq2} slices = "
         f"{eq2 * slice_bytes / _GIB:.3g} GiB; bound (2 - (p-1)/n) L M_h = {bound / _GIB:.3g} GiB"
     )
-    print_result(
-        bubble_with=overall_bubble(with_exchange),
-        bubble_without=overall_bubble(without),
-        bytes_vs_eq2=sent / eq2,
-        makespan_ratio=with_exchange.makespan / without.makespan,
+    figures = {
+        "bubble_with": overall_bubble(with_exchange),
+        "bubble_without": overall_bubble(without),
+        "bytes_vs_eq2": sent / eq2,
+        "makespan_ratio": with_exchange.makespan / without.makespan,
+    }
+    if not options.simulate:
+        figures |= _measure(options, spec)
+    print_result(**figures)
+
+
+_RUNS = {
+    "sliced + exchange": {"schedule": "sliced", "context_exchange": True},
+    "sliced": {"schedule": "sliced"},
+    "1F1B": {"schedule": "1F1B"},
+}
+
+
+def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, float]:
+    """Time the three schedules in one set of ranks; print the table; the measured ratios."""
+    runs = {
+        name: {**run, "num_slices": options.slices if run["schedule"] == "sliced" else 1}
+        for name, run in _RUNS.items()
+    }
+    spec = {
+        "model": model,
+        "microbatches": options.microbatches,
+        "rows_per_microbatch": 1,
+        "warmup": options.warmup,
+        "repeats": options.repeats,
+        "runs": runs,
+    }
+    print(f"\nmeasured: {describe_model(model)}")
+    print(
+        f"{options.pp} gloo ranks, 1 thread each, GLIBC_TUNABLES={FAIR_ALLOCATOR}; "
+        f"{options.warmup} warm-up and {options.repeats} timed steps of each, alternating"
     )
+    ranks = run_ranks(
+        "pipekit.bench.pipeline_throughput:time_schedules",
+        options.pp,
+        spec,
+        env={"GLIBC_TUNABLES": FAIR_ALLOCATOR},
+        timeout=options.timeout,
+    )
+    samples = ranks[0]["samples"]
+    medians = {name: statistics.median(samples[name]) for name in runs}
+    tokens = options.microbatches * options.seq
+    print_table(
+        ["schedule", "median s", "min s", "max s", "tokens/s", "vs 1F1B"],
+        [
+            [
+                name,
+                medians[name],
+                min(samples[name]),
+                max(samples[name]),
+                tokens / medians[name],
+                medians["1F1B"] / medians[name],
+            ]
+            for name in runs
+        ],
+    )
+    return {
+        "measured_speedup": medians["sliced"] / medians["sliced + exchange"],
+        "vs_1f1b": medians["1F1B"] / medians["sliced + exchange"],
+        "sliced_vs_1f1b": medians["1F1B"] / medians["sliced"],
+    }
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from pipekit.bench._pipeline_launch import (
 )
 from pipekit.bench._report import print_result, print_table
 
-__all__ = ["FAIR_ALLOCATOR", "main"]
+__all__ = ["FAIR_ALLOCATOR", "main", "time_schedules"]
 
 FAIR_ALLOCATOR = "glibc.malloc.mmap_max=0"
 """The GLIBC_TUNABLES value of the fair comparison: no mmap-served allocations."""
@@ -46,8 +46,10 @@ FAIR_ALLOCATOR = "glibc.malloc.mmap_max=0"
 _SCHEDULES = ("sliced", "1F1B")
 
 
-def _time_steps(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """Worker: build both runners, warm each up, then time them alternately."""
+def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Worker: build one runner per entry of `spec["runs"]` (name -> `build_runner` keywords
+    `schedule`, `num_slices`, optionally `context_exchange`), warm each up, then time them
+    alternately."""
     model, microbatches = spec["model"], spec["microbatches"]
     rows = microbatches * spec["rows_per_microbatch"]
     batch = synthetic_batch(rows, model["max_seq_len"], model["vocab_size"])
@@ -55,15 +57,14 @@ def _time_steps(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
     runners = {
         name: build_runner(
             model,
-            schedule=name,
             stages_per_rank=1,
             rank=rank,
             num_ranks=num_ranks,
             microbatches=microbatches,
-            num_slices=spec["slices"] if name == "sliced" else 1,
             rows=rows,
+            **run,
         )
-        for name in _SCHEDULES
+        for name, run in spec["runs"].items()
     }
 
     def timed_step(name: str) -> tuple[float, int]:
@@ -81,12 +82,12 @@ def _time_steps(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
         return seconds, faults
 
     for _ in range(spec["warmup"]):
-        for name in _SCHEDULES:
+        for name in runners:
             timed_step(name)
-    samples: dict[str, list[float]] = {name: [] for name in _SCHEDULES}
-    page_faults: dict[str, list[int]] = {name: [] for name in _SCHEDULES}
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    page_faults: dict[str, list[int]] = {name: [] for name in runners}
     for _ in range(spec["repeats"]):
-        for name in _SCHEDULES:
+        for name in runners:
             seconds, faults = timed_step(name)
             samples[name].append(seconds)
             page_faults[name].append(faults)
@@ -139,6 +140,10 @@ def main(argv: list[str] | None = None) -> None:
             "rows_per_microbatch": options.rows_per_microbatch,
             "warmup": options.warmup,
             "repeats": options.repeats,
+            "runs": {
+                "sliced": {"schedule": "sliced", "num_slices": n},
+                "1F1B": {"schedule": "1F1B", "num_slices": 1},
+            },
         }
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, speedups, fair_tokens_per_s = [], {}, {}
     for allocator, tunables in allocators.items():
         ranks = run_ranks(
-            f"{__name__}:_time_steps",
+            f"{__name__}:time_schedules",
             p,
             spec,
             env={"GLIBC_TUNABLES": tunables},
