@@ -10,8 +10,10 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from attention_reference import dense_allowed, reference_attention
 from distributed_helpers import run_on_ranks
 
+from pipekit.attention.backends import AutogradRingBackend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
 from pipekit.attention.cpu_flash import CpuFlashBackend
 from pipekit.attention.exchange import (
@@ -136,3 +138,38 @@ def test_lending_parts_must_be_disjoint_indices() -> None:
     twice = Lending(((AttentionLoan(1), (0,)), (AttentionLoan(2), (0,))))
     with pytest.raises(ValueError, match="disjoint"):
         attention_with_lending(q, [], [chunk], twice)
+
+
+class _DifferentiableReference:
+    """A backend whose lse carries a gradient (as FlexAttention's does on CUDA), by the dense
+    float64 reference."""
+
+    name, lse_has_grad = "reference", True
+
+    def forward_chunk(self, q_BHSD, k_BGKD, v_BGKD, mask, scale):
+        batch, heads, queries, _ = q_BHSD.shape
+        allowed = dense_allowed(mask, batch, heads, queries, k_BGKD.shape[2])
+        return reference_attention(q_BHSD, k_BGKD, v_BGKD, allowed, scale)
+
+
+def test_autograd_ring_backend_differentiates_a_chunk_like_backward_chunk() -> None:
+    """Per-chunk gradients given the merged (O, lse), by autograd through the chunk's forward,
+    equal the cpu kernel's backward_chunk; a chunk's weight in the merge matters (ablation:
+    ignoring it changes dQ)."""
+    inputs = _inputs()
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    mask = causal_within_documents(None)
+    chunks = [(k[0], v[0], None), (k[3], v[3], mask)]
+    cpu, adapted = CpuFlashBackend(), AutogradRingBackend(_DifferentiableReference())
+    scale = D**-0.5
+    out, lse = attention_over_chunks(q, [KVChunk(*chunk) for chunk in chunks], scale, backend="cpu")
+    grad_out = inputs["grad_out"]
+    for k_c, v_c, mask_c in chunks:
+        expected = cpu.backward_chunk(grad_out, q, k_c, v_c, out, lse, mask_c, scale)
+        got = adapted.backward_chunk(grad_out, q, k_c, v_c, out, lse, mask_c, scale)
+        for name, e, g in zip("qkv", expected, got, strict=True):
+            assert (e - g).abs().max() < 1e-12, name
+    k_0, v_0, _ = chunks[0]
+    reference_dq = cpu.backward_chunk(grad_out, q, k_0, v_0, out, lse, None, scale)[0]
+    wrong_weight_dq = adapted.backward_chunk(grad_out, q, k_0, v_0, out, lse + 5.0, None, scale)[0]
+    assert (wrong_weight_dq - reference_dq).abs().max() > 1e-3

@@ -130,7 +130,7 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
         ),
         (["pipeline-throughput", "--repeats", "0"], "--repeats=0 must be at least 1"),
         (["vocab-parallel", "--pp", "1"], "--pp=1 must be at least 2"),
-        (["context-exchange", "--pp", "2", "--layers", "3"], "--layers=3 is too few"),
+        (["context-exchange", "--pp", "2", "--layers", "1"], "--layers=1 is too few"),
         (["context-exchange", "--simulate", "--slices", "6"], "num_slices=6 must be a multiple"),
         (["vocab-parallel", "--pp", "2", "--slices", "3"], "num_slices=3 must be a multiple"),
     ],

@@ -37,7 +37,7 @@ from pipekit.pipelining.build import build_rank_stages
 from pipekit.pipelining.context_exchange import PipelineContextExchange
 from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
 from pipekit.pipelining.stage import StageShapes
-from pipekit.pipelining.stage_split import llama_stage_module_names
+from pipekit.pipelining.stage_split import llama_layers_per_stage, llama_stage_module_names
 from pipekit.pipelining.vocab_parallel import (
     VOCAB_MODULE_NAMES,
     PipelineVocabParallel,
@@ -289,15 +289,16 @@ def build_runner(
         torch.float32,
         vocab_parallel=vocab_parallel,
     )
+    stage_module_names = llama_stage_module_names(
+        args.n_layers,
+        num_stages,
+        embedding_weight=0.0,
+        output_weight=0.0,
+        vocab_parallel=vocab_parallel,
+    )
     stages = build_rank_stages(
         model,
-        llama_stage_module_names(
-            args.n_layers,
-            num_stages,
-            embedding_weight=0.0,
-            output_weight=0.0,
-            vocab_parallel=vocab_parallel,
-        ),
+        stage_module_names,
         rank=rank,
         num_ranks=num_ranks,
         stage_style="loop",
@@ -324,7 +325,7 @@ def build_runner(
     exchange = None
     if context_exchange:
         exchange = PipelineContextExchange(
-            dist.new_group(), {stage: args.n_layers // num_stages for stage in range(num_stages)}
+            dist.new_group(), llama_layers_per_stage(stage_module_names)
         )
     return build_pipeline_runner(
         schedule, stages, microbatches, num_slices, vocab=vocab, exchange=exchange
