@@ -99,6 +99,14 @@ class SliceExchange:
             serve(self.loan(peer), scale, backend)
 
 
+def _layer_count_error(kind: str, ran: int, planned: int) -> RuntimeError:
+    """A pass ran other than the planned number of attention layers (its peers would hang)."""
+    return RuntimeError(
+        f"context exchange: the {kind} ran {ran} attention layers, the plan has {planned}; give "
+        "the exchange the stage's real layer count"
+    )
+
+
 class _BackwardServing:
     """The serving calls of a backward pass, consumed in the order autograd reaches them."""
 
@@ -108,10 +116,7 @@ class _BackwardServing:
     def serve(self, scale: float) -> None:
         serve = self.exchange.backward.serve
         if self.calls >= len(serve):
-            raise RuntimeError(
-                f"context exchange: the backward ran {self.calls + 1} attention layers, the plan "
-                f"has {len(serve)}; give the exchange the stage's real layer count"
-            )
+            raise _layer_count_error("backward", self.calls + 1, len(serve))
         self.exchange.answer(serve[self.calls], scale, self.backend)
         self.calls += 1
 
@@ -201,10 +206,7 @@ class ContextExchangeAttention:
         fewer attention layers than planned would leave its peers waiting)."""
         planned = len(self.exchange.forward.serve)
         if self.exchange.forward.serves and self.forward_calls != planned:
-            raise RuntimeError(
-                f"context exchange: the forward ran {self.forward_calls} attention layers, the "
-                f"plan has {planned}; give the exchange the stage's real layer count"
-            )
+            raise _layer_count_error("forward", self.forward_calls, planned)
 
     def _serve_forward(self, scale: float) -> None:
         serve, call = self.exchange.forward.serve, self.forward_calls
@@ -212,10 +214,7 @@ class ContextExchangeAttention:
         if not self.exchange.forward.serves:
             return
         if call >= len(serve):
-            raise RuntimeError(
-                f"context exchange: the forward ran {call + 1} attention layers, the plan has "
-                f"{len(serve)}; give the exchange the stage's real layer count"
-            )
+            raise _layer_count_error("forward", call + 1, len(serve))
         self.exchange.answer(serve[call], scale, self.slice_attention.cache.backend)
 
     def _lendable(
