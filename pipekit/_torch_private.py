@@ -22,6 +22,7 @@ __all__ = [
     "cpu_flash_attention_forward",
     "flatten_mesh",
     "fsdp_replicate",
+    "grouped_mm",
     "more_recompiles",
 ]
 
@@ -32,6 +33,12 @@ cpu_flash_attention_forward = torch.ops.aten._scaled_dot_product_flash_attention
 # (grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None)
 #   -> (grad_q, grad_k, grad_v); uses the given out and logsumexp as they are.
 cpu_flash_attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+# (a, b, offs=int32 cumulative group ends) -> one matmul per group in one kernel. 2-D x 3-D:
+# rows of `a` grouped; 2-D x 2-D: the shared inner dim grouped (a weight gradient, 3-D result).
+# float32/bfloat16/float16 on CPU; bfloat16 on CUDA (sm90+); strides must be 16-byte multiples.
+# None where this torch build lacks it.
+grouped_mm = getattr(torch, "_grouped_mm", None)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,38 @@
+"""Mixture of experts: routers, grouped experts, expert parallelism, MPipeMoE's pipelined all-to-all."""
+
+from pipekit.moe.aux_loss import (
+    BALANCE_LOSSES,
+    attach_aux_loss,
+    aux_loss_scale,
+    importance_cv2_loss,
+    router_z_loss,
+    switch_balance_loss,
+)
+from pipekit.moe.execution import ExpertExecution
+from pipekit.moe.experts import GroupedExperts
+from pipekit.moe.granularity import GranularitySearch
+from pipekit.moe.layer import MoE, MoEArgs
+from pipekit.moe.restore import RESTORE_STRATEGIES, choose_restore_strategy, restore_cost
+from pipekit.moe.routers import ROUTERS, Router, build_router
+from pipekit.moe.routing import Routing
+
+__all__ = [
+    "BALANCE_LOSSES",
+    "RESTORE_STRATEGIES",
+    "ROUTERS",
+    "ExpertExecution",
+    "GranularitySearch",
+    "GroupedExperts",
+    "MoE",
+    "MoEArgs",
+    "Router",
+    "Routing",
+    "attach_aux_loss",
+    "aux_loss_scale",
+    "build_router",
+    "choose_restore_strategy",
+    "importance_cv2_loss",
+    "restore_cost",
+    "router_z_loss",
+    "switch_balance_loss",
+]

@@ -1,0 +1,132 @@
+"""How an MoE layer runs its experts: which exchange, how many partitions, which restore.
+
+A model builds every MoE layer with a single-process `ExpertExecution` (one rank, n = 1, no
+buffer sharing). `pipekit.moe.expert_parallel.apply_expert_parallel` swaps in one over the ep
+group, from outside the model, with the configured partitions and memory-reuse strategy:
+
+- `partitions`: an int, or "auto" for Algorithm 1 (`GranularitySearch`), whose trials run the
+  real pipeline, forward and backward, on the call's own tokens with detached copies, and take
+  the slowest rank's time so every rank picks the same n;
+- `memory_reuse`: "none", "S1".."S4", or "auto" for the strategy of lowest Eq. 10 cost, from
+  speeds measured once on every rank (`measure_speeds`).
+
+Ranks must agree on n and the strategy: they decide how many collectives run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipekit.moe.dispatch_plan import plan_partitions
+from pipekit.moe.granularity import GranularitySearch
+from pipekit.moe.pipelined import ExpertPipeline, pipelined_experts
+from pipekit.moe.restore import (
+    Offloader,
+    RestoreStrategy,
+    choose_restore_strategy,
+    measure_speeds,
+    restore_strategy,
+)
+from pipekit.moe.routing import Routing
+from pipekit.moe.token_exchange import LocalExchange, TokenExchange
+
+__all__ = ["ExpertExecution"]
+
+_TRIAL_REPEATS = 2
+
+
+class ExpertExecution:
+    """Runs the experts of one MoE layer for a routing decision."""
+
+    def __init__(
+        self,
+        exchange: TokenExchange | None = None,
+        partitions: int | str = 1,
+        memory_reuse: str = "none",
+    ) -> None:
+        if not (partitions == "auto" or (isinstance(partitions, int) and partitions >= 1)):
+            raise ValueError(
+                f"partitions={partitions!r} must be a positive integer or 'auto' (Algorithm 1)"
+            )
+        if memory_reuse != "auto":
+            restore_strategy(memory_reuse)  # validates the name
+        self.exchange = exchange or LocalExchange()
+        self.partitions = partitions
+        self.memory_reuse = memory_reuse
+        self.granularity = GranularitySearch(self._trial) if partitions == "auto" else None
+        self._strategy: RestoreStrategy | None = None
+        self._trial_inputs: tuple | None = None
+
+    def run(
+        self, x_TD: Tensor, routing: Routing, weights: tuple[Tensor, Tensor, Tensor]
+    ) -> Tensor:
+        """Sum over each token's assignments of weight x expert(token)."""
+        w1_EFD = weights[0]
+        if w1_EFD.shape[0] * self.exchange.size != routing.num_experts:
+            raise ValueError(
+                f"this rank holds {w1_EFD.shape[0]} experts on {self.exchange.size} "
+                f"expert-parallel ranks, but the router has {routing.num_experts}; shard the "
+                "experts with apply_expert_parallel over the same ep group"
+            )
+        partitions = self._partitions(x_TD, routing, weights)
+        strategy = self._restore_strategy(x_TD, w1_EFD, partitions)
+        return self._run(x_TD, routing, weights, partitions, strategy)
+
+    def _run(self, x_TD, routing, weights, partitions: int, strategy: RestoreStrategy) -> Tensor:
+        partitions = max(1, min(partitions, x_TD.shape[0]))
+        plans, order_A = plan_partitions(routing, partitions, self.exchange)
+        pipeline = ExpertPipeline(
+            plans=plans,
+            token_index_A=routing.token_index_A[order_A],
+            exchange=self.exchange,
+            strategy=strategy,
+            offloader=Offloader(x_TD.device),
+        )
+        return pipelined_experts(x_TD, routing.weight_A[order_A], *weights, pipeline)
+
+    def _partitions(self, x_TD: Tensor, routing: Routing, weights) -> int:
+        if self.granularity is None:
+            return self.partitions
+        batch_tokens = torch.tensor([x_TD.shape[0]], dtype=torch.int64)
+        if self.exchange.size > 1:  # ranks must look up the same B
+            dist.all_reduce(batch_tokens, op=dist.ReduceOp.MAX, group=self.exchange.group)
+        self._trial_inputs = (x_TD, routing, weights)
+        try:
+            return self.granularity.search(int(batch_tokens))
+        finally:
+            self._trial_inputs = None
+
+    def _trial(self, batch_tokens: int, partitions: int) -> float:
+        """Seconds of one forward + backward with `partitions`, the slowest rank's."""
+        x_TD, routing, weights = self._trial_inputs
+        strategy = self._restore_strategy(x_TD, weights[0], partitions)
+        inputs = [tensor.detach().requires_grad_() for tensor in (x_TD, *weights)]
+        detached = dataclasses.replace(routing, weight_A=routing.weight_A.detach())
+        best = float("inf")
+        with torch.enable_grad():
+            for _ in range(_TRIAL_REPEATS):
+                started = time.perf_counter()
+                out_TD = self._run(inputs[0], detached, tuple(inputs[1:]), partitions, strategy)
+                out_TD.sum().backward()
+                best = min(best, time.perf_counter() - started)
+        seconds = torch.tensor([best], dtype=torch.float64)
+        if self.exchange.size > 1:
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.exchange.group)
+        return float(seconds)
+
+    def _restore_strategy(self, x_TD: Tensor, w1_EFD: Tensor, partitions: int) -> RestoreStrategy:
+        if self.memory_reuse != "auto":
+            return restore_strategy(self.memory_reuse)
+        if self._strategy is None:
+            hidden, dim = w1_EFD.shape[1], w1_EFD.shape[2]
+            tokens = max(1, x_TD.shape[0] // partitions)
+            speeds = measure_speeds(self.exchange, tokens, dim, hidden, x_TD.dtype, x_TD.device)
+            self._strategy = choose_restore_strategy(
+                speeds, tokens, dim, hidden, x_TD.element_size(), forward_gemms=3, middle_tensors=2
+            )
+        return self._strategy

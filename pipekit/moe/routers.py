@@ -1,0 +1,207 @@
+"""Routers: a linear gate scores each token against each expert and picks assignments.
+
+Five routers, one class each, named in `ROUTERS` (the name a config uses):
+
+- `topk_softmax`  (Mixtral; the default): top-k of the logits, then a softmax over those k.
+  The weights of a token sum to 1, so experts that are copies of one FFN (upcycling) give
+  exactly that FFN's output.
+- `softmax_topk`  (GShard/DeepSeek style): softmax over all experts, then the top-k
+  probabilities as weights (they sum to less than 1).
+- `noisy_topk`    (Shazeer et al. 2017): in training, Gaussian noise scaled by a learned
+  softplus(x W_noise) is added to the logits; then as `topk_softmax`.
+- `switch`        (Switch Transformer): softmax, then top-1 with its probability as weight.
+- `expert_choice` (Zhou et al. 2022): each expert picks its top-c tokens by probability,
+  c = ceil(capacity_factor x T / E); perfectly balanced, a token may get 0..E experts.
+
+Token-choice routers take `capacity_factor` (None: dropless); over-capacity assignments are the
+ones of lowest probability (`routing_from_choices`). Scores are computed in at least float32
+(Switch's selective precision) whatever the model's dtype.
+
+Legend: T tokens, E experts, K experts per token, D model dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipekit.moe.routing import Routing, expert_capacity, routing_from_choices
+
+__all__ = [
+    "ROUTERS",
+    "ExpertChoiceRouter",
+    "NoisyTopKRouter",
+    "Router",
+    "SoftmaxTopKRouter",
+    "SwitchRouter",
+    "TopKSoftmaxRouter",
+    "build_router",
+]
+
+
+class Router(nn.Module):
+    """A bias-free gate `D -> E`; subclasses turn its logits into a `Routing`."""
+
+    def __init__(
+        self, dim: int, num_experts: int, top_k: int, capacity_factor: float | None
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"top_k={top_k} must be between 1 and num_experts={num_experts}"
+            )
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(
+                f"capacity_factor={capacity_factor} must be positive, or None for dropless"
+            )
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.capacity_factor = capacity_factor
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+
+    def reset_parameters(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.gate.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
+
+    def logits(self, x_TD: Tensor) -> Tensor:
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        return F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
+
+    def capacity(self, num_tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return expert_capacity(num_tokens, self.num_experts, self.top_k, self.capacity_factor)
+
+    def forward(self, x_TD: Tensor) -> Routing:
+        raise NotImplementedError
+
+
+class TopKSoftmaxRouter(Router):
+    """Mixtral: softmax over the top-k logits, so a token's weights sum to 1."""
+
+    def forward(self, x_TD: Tensor) -> Routing:
+        logits_TE = self.logits(x_TD)
+        return self._route(x_TD, logits_TE, logits_TE)
+
+    def _route(self, x_TD: Tensor, logits_TE: Tensor, scores_TE: Tensor) -> Routing:
+        top_scores_TK, expert_index_TK = torch.topk(scores_TE, self.top_k, dim=-1)
+        return routing_from_choices(
+            expert_index_TK,
+            torch.softmax(top_scores_TK, dim=-1),
+            logits_TE=logits_TE,
+            probs_TE=torch.softmax(scores_TE, dim=-1),
+            capacity=self.capacity(x_TD.shape[0]),
+        )
+
+
+class NoisyTopKRouter(TopKSoftmaxRouter):
+    """Shazeer et al.: logits + N(0,1) x softplus(x W_noise) while training, then top-k softmax."""
+
+    def __init__(
+        self, dim: int, num_experts: int, top_k: int, capacity_factor: float | None
+    ) -> None:
+        super().__init__(dim, num_experts, top_k, capacity_factor)
+        self.noise_gate = nn.Linear(dim, num_experts, bias=False)
+
+    def reset_parameters(self, init_std: float) -> None:
+        super().reset_parameters(init_std)
+        # Zero noise weights start at softplus(0) = ln 2 noise scale, learned from there.
+        nn.init.zeros_(self.noise_gate.weight)
+
+    def forward(self, x_TD: Tensor) -> Routing:
+        logits_TE = self.logits(x_TD)
+        scores_TE = logits_TE
+        if self.training:
+            noise_scale_TE = F.softplus(
+                F.linear(x_TD.to(logits_TE.dtype), self.noise_gate.weight.to(logits_TE.dtype))
+            )
+            scores_TE = logits_TE + torch.randn_like(logits_TE) * noise_scale_TE
+        return self._route(x_TD, logits_TE, scores_TE)
+
+
+class SoftmaxTopKRouter(Router):
+    """Softmax over all experts, then the k largest probabilities as weights."""
+
+    def forward(self, x_TD: Tensor) -> Routing:
+        logits_TE = self.logits(x_TD)
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        weight_TK, expert_index_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        return routing_from_choices(
+            expert_index_TK,
+            weight_TK,
+            logits_TE=logits_TE,
+            probs_TE=probs_TE,
+            capacity=self.capacity(x_TD.shape[0]),
+        )
+
+
+class SwitchRouter(SoftmaxTopKRouter):
+    """Switch Transformer: top-1 of the softmax, weighted by its probability."""
+
+    def __init__(
+        self, dim: int, num_experts: int, top_k: int, capacity_factor: float | None
+    ) -> None:
+        if top_k != 1:
+            raise ValueError(f"the switch router routes each token to 1 expert; got top_k={top_k}")
+        super().__init__(dim, num_experts, top_k, capacity_factor)
+
+
+class ExpertChoiceRouter(Router):
+    """Each expert takes its c most probable tokens, c = ceil(capacity_factor x T / E)."""
+
+    def __init__(
+        self, dim: int, num_experts: int, top_k: int, capacity_factor: float | None
+    ) -> None:
+        if capacity_factor is None:
+            raise ValueError(
+                "the expert_choice router needs a capacity_factor (the mean number of experts "
+                "per token; c = capacity_factor x tokens / experts); set e.g. 2.0"
+            )
+        super().__init__(dim, num_experts, top_k, capacity_factor)
+
+    def forward(self, x_TD: Tensor) -> Routing:
+        num_tokens = x_TD.shape[0]
+        logits_TE = self.logits(x_TD)
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        per_expert = min(num_tokens, math.ceil(self.capacity_factor * num_tokens / self.num_experts))
+        weight_EC, token_index_EC = torch.topk(probs_TE.t(), per_expert, dim=-1)
+        # Each expert's tokens in token order, as token-choice routing produces them.
+        token_index_EC, order_EC = torch.sort(token_index_EC, dim=-1)
+        weight_EC = torch.gather(weight_EC, 1, order_EC)
+        expert_index_EC = torch.arange(self.num_experts, device=x_TD.device)[:, None].expand_as(
+            token_index_EC
+        )
+        chosen_TE = torch.zeros_like(probs_TE)
+        chosen_TE[token_index_EC, expert_index_EC] = 1.0
+        return Routing(
+            token_index_A=token_index_EC.reshape(-1),
+            expert_index_A=expert_index_EC.reshape(-1),
+            weight_A=weight_EC.reshape(-1),
+            tokens_per_expert_E=torch.full(
+                (self.num_experts,), per_expert, dtype=torch.long, device=x_TD.device
+            ),
+            logits_TE=logits_TE,
+            probs_TE=probs_TE,
+            chosen_TE=chosen_TE,
+        )
+
+
+ROUTERS: dict[str, type[Router]] = {
+    "topk_softmax": TopKSoftmaxRouter,
+    "softmax_topk": SoftmaxTopKRouter,
+    "noisy_topk": NoisyTopKRouter,
+    "switch": SwitchRouter,
+    "expert_choice": ExpertChoiceRouter,
+}
+"""Router name (as a config spells it) -> class."""
+
+
+def build_router(
+    name: str, dim: int, num_experts: int, top_k: int, capacity_factor: float | None
+) -> Router:
+    """The router called `name`, with an error listing the known names."""
+    if name not in ROUTERS:
+        raise ValueError(f"unknown router {name!r}; known routers: {sorted(ROUTERS)}")
+    return ROUTERS[name](dim, num_experts, top_k, capacity_factor)
