@@ -45,7 +45,9 @@ def _moe(router: str, top_k: int, capacity: float | None, seed: int = 0, **chang
     return moe
 
 
-def _loss_and_grads(moe: MoE, x_BSD: torch.Tensor, forward, seed: int = 1) -> dict[str, torch.Tensor]:
+def _loss_and_grads(
+    moe: MoE, x_BSD: torch.Tensor, forward, seed: int = 1
+) -> dict[str, torch.Tensor]:
     moe.zero_grad()
     x_BSD = x_BSD.detach().requires_grad_()
     torch.manual_seed(seed)  # the noisy router draws its noise here
@@ -73,7 +75,9 @@ def _assert_close(actual: dict, expected: dict, tol: float = 1e-10) -> None:
 
 
 @pytest.mark.parametrize(("router", "top_k", "capacity"), ROUTER_CASES)
-@pytest.mark.parametrize(("partitions", "strategy"), [(1, "none"), (3, "none"), (3, "S1"), (4, "S4")])
+@pytest.mark.parametrize(
+    ("partitions", "strategy"), [(1, "none"), (3, "none"), (3, "S1"), (4, "S4")]
+)
 def test_moe_matches_assignment_by_assignment_reference_fp64(
     router: str, top_k: int, capacity: float | None, partitions: int, strategy: str
 ) -> None:
@@ -154,9 +158,7 @@ def test_balance_losses_follow_their_definitions() -> None:
     expected = EXPERTS * (fraction_E * probs_TE.mean(0)).sum()
     torch.testing.assert_close(switch_balance_loss(routing), expected)
     importance_E = torch.zeros(EXPERTS, dtype=torch.float64)
-    for token, expert, weight in zip(
-        routing.token_index_A, routing.expert_index_A, routing.weight_A, strict=True
-    ):
+    for expert, weight in zip(routing.expert_index_A, routing.weight_A, strict=True):
         importance_E[expert] += weight
     cv = importance_E.std(unbiased=False) / importance_E.mean()
     torch.testing.assert_close(importance_cv2_loss(routing), cv**2)
@@ -196,7 +198,10 @@ def test_grouped_kernel_equals_per_expert_loop_fp32() -> None:
     b_AO = torch.randn(16, 12)
     assert grouped_kernel_applies(x_AI, w_EIO)
     loop_mm = torch.cat(
-        [x_AI[s : s + c] @ w_EIO[e] for e, (s, c) in enumerate(zip([0, 3, 3, 8], counts, strict=True))]
+        [
+            x_AI[s : s + c] @ w_EIO[e]
+            for e, (s, c) in enumerate(zip([0, 3, 3, 8], counts, strict=True))
+        ]
     )
     torch.testing.assert_close(grouped_matmul(x_AI, w_EIO, counts), loop_mm)
     fallback = grouped_matmul(x_AI.double(), w_EIO.double(), counts)  # float64: the loop
@@ -205,7 +210,10 @@ def test_grouped_kernel_equals_per_expert_loop_fp32() -> None:
     assert grad[1].abs().max() == 0
     torch.testing.assert_close(grad[3], x_AI[8:].t() @ b_AO[8:])
     torch.testing.assert_close(
-        grouped_weight_grad(x_AI.double(), b_AO.double(), counts), grad.double(), rtol=1e-5, atol=1e-5
+        grouped_weight_grad(x_AI.double(), b_AO.double(), counts),
+        grad.double(),
+        rtol=1e-5,
+        atol=1e-5,
     )
 
 

@@ -1,4 +1,4 @@
-"""Mixture of experts: routers, grouped experts, expert parallelism, MPipeMoE's pipelined all-to-all."""
+"""Mixture of experts: routers, grouped experts, expert parallelism, pipelined all-to-all."""
 
 from pipekit.moe.aux_loss import (
     BALANCE_LOSSES,

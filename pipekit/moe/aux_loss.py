@@ -30,8 +30,8 @@ from pipekit.moe.routing import Routing
 
 __all__ = [
     "BALANCE_LOSSES",
-    "aux_loss_scale",
     "attach_aux_loss",
+    "aux_loss_scale",
     "balance_loss",
     "importance_cv2_loss",
     "router_z_loss",

@@ -68,9 +68,15 @@ def plan_partitions(
     local_experts = num_experts // ranks
     bounds = [p * num_tokens // num_partitions for p in range(num_partitions + 1)]
     # Partition of each assignment; a stable sort by it keeps the expert order within each.
-    partition_A = torch.bucketize(routing.token_index_A, torch.tensor(bounds[1:-1], device=routing.token_index_A.device), right=True)
+    partition_A = torch.bucketize(
+        routing.token_index_A,
+        torch.tensor(bounds[1:-1], device=routing.token_index_A.device),
+        right=True,
+    )
     order_A = torch.sort(partition_A, stable=True).indices
-    counts_PE = torch.zeros(num_partitions, num_experts, dtype=torch.long, device=partition_A.device)
+    counts_PE = torch.zeros(
+        num_partitions, num_experts, dtype=torch.long, device=partition_A.device
+    )
     counts_PE.index_put_(
         (partition_A, routing.expert_index_A),
         torch.ones_like(partition_A),

@@ -62,9 +62,7 @@ class ExpertExecution:
         self._strategy: RestoreStrategy | None = None
         self._trial_inputs: tuple | None = None
 
-    def run(
-        self, x_TD: Tensor, routing: Routing, weights: tuple[Tensor, Tensor, Tensor]
-    ) -> Tensor:
+    def run(self, x_TD: Tensor, routing: Routing, weights: tuple[Tensor, Tensor, Tensor]) -> Tensor:
         """Sum over each token's assignments of weight x expert(token)."""
         w1_EFD = weights[0]
         if w1_EFD.shape[0] * self.exchange.size != routing.num_experts:
@@ -73,12 +71,12 @@ class ExpertExecution:
                 f"expert-parallel ranks, but the router has {routing.num_experts}; shard the "
                 "experts with apply_expert_parallel over the same ep group"
             )
-        partitions = self._partitions(x_TD, routing, weights)
-        strategy = self._restore_strategy(x_TD, w1_EFD, partitions)
+        batch_tokens = self._agreed_batch_tokens(x_TD)
+        partitions = self._partitions(batch_tokens, x_TD, routing, weights)
+        strategy = self._restore_strategy(batch_tokens, x_TD, w1_EFD, partitions)
         return self._run(x_TD, routing, weights, partitions, strategy)
 
     def _run(self, x_TD, routing, weights, partitions: int, strategy: RestoreStrategy) -> Tensor:
-        partitions = max(1, min(partitions, x_TD.shape[0]))
         plans, order_A = plan_partitions(routing, partitions, self.exchange)
         pipeline = ExpertPipeline(
             plans=plans,
@@ -89,22 +87,29 @@ class ExpertExecution:
         )
         return pipelined_experts(x_TD, routing.weight_A[order_A], *weights, pipeline)
 
-    def _partitions(self, x_TD: Tensor, routing: Routing, weights) -> int:
+    def _agreed_batch_tokens(self, x_TD: Tensor) -> int:
+        """This call's B; the largest rank's when a choice depends on it (ranks must agree)."""
+        batch_tokens = torch.tensor([x_TD.shape[0]], dtype=torch.int64)
+        automatic = self.granularity is not None or (
+            self.memory_reuse == "auto" and self._strategy is None
+        )
+        if automatic and self.exchange.size > 1:
+            dist.all_reduce(batch_tokens, op=dist.ReduceOp.MAX, group=self.exchange.group)
+        return int(batch_tokens)
+
+    def _partitions(self, batch_tokens: int, x_TD: Tensor, routing: Routing, weights) -> int:
         if self.granularity is None:
             return self.partitions
-        batch_tokens = torch.tensor([x_TD.shape[0]], dtype=torch.int64)
-        if self.exchange.size > 1:  # ranks must look up the same B
-            dist.all_reduce(batch_tokens, op=dist.ReduceOp.MAX, group=self.exchange.group)
-        self._trial_inputs = (x_TD, routing, weights)
+        self._trial_inputs = (batch_tokens, x_TD, routing, weights)
         try:
-            return self.granularity.search(int(batch_tokens))
+            return self.granularity.search(batch_tokens)
         finally:
             self._trial_inputs = None
 
     def _trial(self, batch_tokens: int, partitions: int) -> float:
         """Seconds of one forward + backward with `partitions`, the slowest rank's."""
-        x_TD, routing, weights = self._trial_inputs
-        strategy = self._restore_strategy(x_TD, weights[0], partitions)
+        agreed_tokens, x_TD, routing, weights = self._trial_inputs
+        strategy = self._restore_strategy(agreed_tokens, x_TD, weights[0], partitions)
         inputs = [tensor.detach().requires_grad_() for tensor in (x_TD, *weights)]
         detached = dataclasses.replace(routing, weight_A=routing.weight_A.detach())
         best = float("inf")
@@ -119,12 +124,14 @@ class ExpertExecution:
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.exchange.group)
         return float(seconds)
 
-    def _restore_strategy(self, x_TD: Tensor, w1_EFD: Tensor, partitions: int) -> RestoreStrategy:
+    def _restore_strategy(
+        self, batch_tokens: int, x_TD: Tensor, w1_EFD: Tensor, partitions: int
+    ) -> RestoreStrategy:
         if self.memory_reuse != "auto":
             return restore_strategy(self.memory_reuse)
         if self._strategy is None:
             hidden, dim = w1_EFD.shape[1], w1_EFD.shape[2]
-            tokens = max(1, x_TD.shape[0] // partitions)
+            tokens = max(1, batch_tokens // partitions)
             speeds = measure_speeds(self.exchange, tokens, dim, hidden, x_TD.dtype, x_TD.device)
             self._strategy = choose_restore_strategy(
                 speeds, tokens, dim, hidden, x_TD.element_size(), forward_gemms=3, middle_tensors=2

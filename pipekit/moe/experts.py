@@ -38,7 +38,11 @@ class GroupedExperts(nn.Module):
 
     def reset_parameters(self, init_std: float, output_std: float) -> None:
         """As `FeedForward.reset_parameters`, for every expert."""
-        for weight, std in ((self.w1_EFD, init_std), (self.w3_EFD, init_std), (self.w2_EDF, output_std)):
+        for weight, std in (
+            (self.w1_EFD, init_std),
+            (self.w3_EFD, init_std),
+            (self.w2_EDF, output_std),
+        ):
             nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
 
     def local_weights(self) -> tuple[Tensor, Tensor, Tensor]:

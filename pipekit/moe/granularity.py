@@ -76,7 +76,9 @@ class GranularitySearch:
         own = next((r for r in self.ranges if r.partitions == partitions), None)
         if own is None:
             bisect.insort(
-                self.ranges, TokenRange(batch_tokens, batch_tokens, partitions), key=lambda r: r.lower
+                self.ranges,
+                TokenRange(batch_tokens, batch_tokens, partitions),
+                key=lambda r: r.lower,
             )
             return
         lower, upper = min(own.lower, batch_tokens), max(own.upper, batch_tokens)

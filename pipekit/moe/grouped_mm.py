@@ -63,6 +63,8 @@ def grouped_weight_grad(a_AI: Tensor, b_AO: Tensor, counts_E: list[int]) -> Tens
     start = 0
     for expert, count in enumerate(counts_E):
         if count:
-            torch.mm(a_AI[start : start + count].t(), b_AO[start : start + count], out=out_EIO[expert])
+            torch.mm(
+                a_AI[start : start + count].t(), b_AO[start : start + count], out=out_EIO[expert]
+            )
         start += count
     return out_EIO

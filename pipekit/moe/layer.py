@@ -37,7 +37,7 @@ class MoEArgs:
     router: str = "topk_softmax"
     """One of `pipekit.moe.ROUTERS`; topk_softmax is Mixtral's."""
     capacity_factor: float | None = None
-    """Expert capacity = ceil(factor x T x K / E), lowest-probability tokens dropped; None: dropless."""
+    """Capacity ceil(factor x T x K / E) per expert, least probable dropped; None: dropless."""
     load_balance: str = "switch"
     """Load-balancing loss: "switch" or "importance"."""
     load_balance_weight: float = 0.01

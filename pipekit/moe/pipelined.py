@@ -94,7 +94,9 @@ def _to_source_major(rows: Tensor, plan: PartitionPlan, out: Tensor | None) -> T
     return out.index_copy_(0, plan.to_expert_major, rows)
 
 
-def _gather(source: Tensor, index: Tensor, out: Tensor | None, scale: Tensor | None = None) -> Tensor:
+def _gather(
+    source: Tensor, index: Tensor, out: Tensor | None, scale: Tensor | None = None
+) -> Tensor:
     rows = torch.index_select(source, 0, index, out=out)
     return rows if scale is None else rows.mul_(scale[:, None])
 
@@ -135,7 +137,9 @@ class _PipelinedExperts(torch.autograd.Function):
                 w1_EFD,
                 w3_EFD,
                 plan.local_counts_L,
-                out=None if middle_buffer_rows is None else middle_buffer_rows.view(2, rows, hidden),
+                out=None
+                if middle_buffer_rows is None
+                else middle_buffer_rows.view(2, rows, hidden),
             )
             for restore, tensor, kept in (
                 (strategy.dispatched_input, dispatched, kept_inputs),
@@ -223,7 +227,9 @@ class _PipelinedExperts(torch.autograd.Function):
             if p + 1 < len(plans):
                 transfers = start_transfers(p + 1)
             rows = plan.received_rows
-            grad_expert_output = _to_expert_major(grad_received, plan, grad_output_buffer.get(p, rows))
+            grad_expert_output = _to_expert_major(
+                grad_received, plan, grad_output_buffer.get(p, rows)
+            )
             if strategy.dispatched_input == "communicate":
                 dispatched = _to_expert_major(input_received, plan, dispatched_buffer.get(p, rows))
             elif strategy.dispatched_input == "offload":
@@ -249,9 +255,7 @@ class _PipelinedExperts(torch.autograd.Function):
             if p >= 2:  # its send buffer is about to be reused
                 _accumulate(grad_x_TD, *returns[p - 2])
             send = _to_source_major(grad_dispatched, plan, grad_input_buffers.get(p, rows))
-            returns.append(
-                (plan, exchange.start(send, plan.recv_splits, plan.send_splits))
-            )
+            returns.append((plan, exchange.start(send, plan.recv_splits, plan.send_splits)))
         for plan, pending in returns[max(0, len(plans) - 2) :]:
             _accumulate(grad_x_TD, plan, pending)
         return grad_x_TD, grad_weight_A, grads.w1_EFD, grads.w3_EFD, grads.w2_EDF, None

@@ -191,7 +191,12 @@ def _seconds(run, repeats: int = 3) -> float:
 
 
 def measure_speeds(
-    exchange: TokenExchange, tokens: int, dim: int, hidden: int, dtype: torch.dtype, device: torch.device
+    exchange: TokenExchange,
+    tokens: int,
+    dim: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> HardwareSpeeds:
     """Time one GEMM, one all-to-all and one host copy of these shapes on every rank.
 

@@ -50,9 +50,7 @@ class Router(nn.Module):
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
-            raise ValueError(
-                f"top_k={top_k} must be between 1 and num_experts={num_experts}"
-            )
+            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(
                 f"capacity_factor={capacity_factor} must be positive, or None for dropless"
@@ -165,7 +163,9 @@ class ExpertChoiceRouter(Router):
         num_tokens = x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         probs_TE = torch.softmax(logits_TE, dim=-1)
-        per_expert = min(num_tokens, math.ceil(self.capacity_factor * num_tokens / self.num_experts))
+        per_expert = min(
+            num_tokens, math.ceil(self.capacity_factor * num_tokens / self.num_experts)
+        )
         weight_EC, token_index_EC = torch.topk(probs_TE.t(), per_expert, dim=-1)
         # Each expert's tokens in token order, as token-choice routing produces them.
         token_index_EC, order_EC = torch.sort(token_index_EC, dim=-1)

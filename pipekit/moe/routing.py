@@ -124,9 +124,9 @@ def _within_capacity(
     sorted_experts_A = expert_index_A[order_A]
     counts_E = torch.bincount(sorted_experts_A, minlength=probs_TE.shape[-1])
     group_start_E = torch.cumsum(counts_E, 0) - counts_E
-    rank_in_expert_A = torch.arange(order_A.numel(), device=order_A.device) - group_start_E[
-        sorted_experts_A
-    ]
+    rank_in_expert_A = (
+        torch.arange(order_A.numel(), device=order_A.device) - group_start_E[sorted_experts_A]
+    )
     keep_A = torch.empty_like(order_A, dtype=torch.bool)
     keep_A[order_A] = rank_in_expert_A < capacity
     return keep_A

@@ -1,0 +1,71 @@
+"""Expert parallelism, applied from outside the model: shard experts, swap in the all-to-all.
+
+`apply_expert_parallel(model, ep_mesh, ...)` turns every `MoE` layer of `model` expert-parallel:
+its three expert weights become DTensors sharded on the expert dim over the 1-D `ep_mesh`
+(rank r keeps experts [r E/ep, (r+1) E/ep)), and its `ExpertExecution` becomes the pipelined
+all-to-all over that mesh's group. The layer's router stays replicated: FSDP treats it like any
+dense weight. Call it on a materialised model whose ranks hold the same full weights (the
+trainer's seeded init does), before data parallelism; pass `expert_parameters(model)` to FSDP
+as ignored parameters, since every expert already lives on exactly one rank of the ep group.
+
+Gradients need no extra reduction when the ep group spans all data-parallel ranks: the
+all-to-all's backward already brings each expert the gradient of every rank's tokens.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from pipekit.moe.execution import ExpertExecution
+from pipekit.moe.layer import MoE
+from pipekit.moe.token_exchange import CollectiveExchange, TokenExchange
+
+__all__ = ["apply_expert_parallel", "expert_parameters"]
+
+
+def apply_expert_parallel(
+    model: nn.Module,
+    ep_mesh: DeviceMesh,
+    *,
+    partitions: int | str = 1,
+    memory_reuse: str = "none",
+    exchange: TokenExchange | None = None,
+) -> nn.Module:
+    """Shard the experts of every MoE layer over `ep_mesh`; returns `model` (changed in place).
+
+    `exchange` replaces the default all-to-all on the mesh's group (the bench's emulated link).
+    """
+    if ep_mesh.ndim != 1:
+        raise ValueError(f"apply_expert_parallel needs a 1-D ep mesh; got {ep_mesh.ndim} dims")
+    ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    exchange = exchange or CollectiveExchange(ep_mesh.get_group())
+    for name, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        experts = module.experts
+        if experts.num_experts % ep_size:
+            raise ValueError(
+                f"{name}: {experts.num_experts} experts cannot be split over ep={ep_size} ranks; "
+                "choose ep among the divisors of num_experts"
+            )
+        per_rank = experts.num_experts // ep_size
+        for param_name, param in list(experts.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                raise ValueError(f"{name}.experts.{param_name} is already a DTensor; shard once")
+            local = param.detach()[ep_rank * per_rank : (ep_rank + 1) * per_rank].clone()
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            setattr(experts, param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.execution = ExpertExecution(exchange, partitions, memory_reuse)
+    return model
+
+
+def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The expert weights of every MoE layer (FSDP must leave them alone under full EP)."""
+    return {
+        param
+        for module in model.modules()
+        if isinstance(module, MoE)
+        for param in module.experts.parameters()
+    }
