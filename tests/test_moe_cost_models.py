@@ -22,7 +22,7 @@ from pipekit.moe.restore import (
 
 
 def _monotone_trial(calls: list[tuple[int, int]]):
-    """Best n doubles every 8k tokens (n = 1 below 8k, 2 up to 16k, ...), like the paper's Fig. 12."""
+    """Best n doubles every 8k tokens (1 below 8k, 2 up to 16k, ...), like the paper's Fig. 12."""
 
     def trial(batch_tokens: int, partitions: int) -> float:
         calls.append((batch_tokens, partitions))
