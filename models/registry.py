@@ -20,11 +20,11 @@ class ModelSpec:
     """Named flavor -> model args (raises ValueError listing the known flavors)."""
     build: Callable[[Any], nn.Module]
     """Model args -> module (call under `torch.device("meta")`, then `init_weights`)."""
-    read_hf_args: Callable[[str], Any]
-    """Hugging Face checkpoint directory -> model args."""
-    load_hf: Callable[[str, nn.Module, Any], None]
+    read_hf_args: Callable[[str], Any] | None = None
+    """Hugging Face checkpoint directory -> model args (None: no Hugging Face layout yet)."""
+    load_hf: Callable[[str, nn.Module, Any], None] | None = None
     """Copy a Hugging Face checkpoint into a materialised model."""
-    save_hf: Callable[[nn.Module, Any, str], None]
+    save_hf: Callable[[nn.Module, Any, str], None] | None = None
     """Write a model (full, unsharded tensors) in Hugging Face layout."""
 
 
@@ -48,6 +48,7 @@ def _register_builtin() -> None:
     from models.llama import Llama, llama_flavor
     from models.llama.hf_config import read_hf_llama_args
     from models.llama.state_dict_adapter import load_hf_llama, save_hf_llama
+    from models.llama_moe import LlamaMoE, llama_moe_flavor
 
     register_model(
         ModelSpec(
@@ -61,3 +62,5 @@ def _register_builtin() -> None:
             ),
         )
     )
+    # Mixtral-layout reading and writing come with upcycling (pipekit.checkpoint).
+    register_model(ModelSpec(name="llama_moe", flavor=llama_moe_flavor, build=LlamaMoE))

@@ -20,6 +20,7 @@ CONFIG = str(REPO_ROOT / "configs" / "debug_model.toml")
 SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_sliced_pp.toml")
 VOCAB_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_vocab_parallel_pp.toml")
 EXCHANGE_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_context_exchange_pp.toml")
+MOE_CONFIG = str(REPO_ROOT / "configs" / "debug_moe.toml")
 
 
 def _command(output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG) -> list[str]:
@@ -197,6 +198,9 @@ def _single_process_error(output_dir: Path, *overrides: str, world_size: int | N
             ("--parallelism.dp_shard", "2", "--parallelism.vocab_parallel", "true"),
             "vocab_parallel = true splits the vocabulary across pipeline ranks",
         ),
+        (("--parallelism.ep", "2"), "ep=2 needs a mixture-of-experts model"),
+        (("--moe.partitions", "0"), "partitions=0 must be a positive integer or 'auto'"),
+        (("--moe.memory_reuse", "S9"), "memory_reuse='S9' is not one of"),
     ],
 )
 def test_bad_input_gives_one_error_line_and_exit_2(tmp_path, overrides, message):
@@ -331,3 +335,23 @@ def test_context_exchange_job_matches_the_sliced_pipeline(tmp_path: Path) -> Non
     assert sorted(exchange) == [1, 2, 3]
     assert exchange == pytest.approx(plain, rel=1e-5)
     assert both == pytest.approx(plain, rel=1e-5)
+
+
+def test_expert_parallel_moe_job_matches_fsdp_experts_and_resumes(tmp_path: Path) -> None:
+    """configs/debug_moe.toml (ep = 2, two pipelined partitions, shared buffers with S4
+    restores) against the same model with its experts under FSDP (ep = 1, one partition, no
+    sharing): equal losses step for step; the loss falls; stopping at step 2 and resuming
+    gives the uninterrupted losses (expert DTensors on the ep mesh in the DCP checkpoint)."""
+    short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
+    expert_parallel = _train(tmp_path / "ep2", *short, config=MOE_CONFIG)
+    dense_fsdp = (
+        "--parallelism.ep", "1", "--moe.partitions", "1", "--moe.memory_reuse", "none"
+    )  # fmt: skip
+    fsdp = _train(tmp_path / "ep1", *short, *dense_fsdp, config=MOE_CONFIG)
+    assert sorted(expert_parallel) == [1, 2, 3, 4]
+    assert expert_parallel == pytest.approx(fsdp, rel=1e-4)
+    assert expert_parallel[4] < expert_parallel[1]
+    resumed_dir = tmp_path / "resumed"
+    _train(resumed_dir, *short[:-2], "--training.steps", "2", config=MOE_CONFIG)
+    resumed = _train(resumed_dir, *short, config=MOE_CONFIG)
+    assert resumed[4] == pytest.approx(expert_parallel[4], rel=1e-5)

@@ -16,6 +16,7 @@ __all__ = [
     "JobSection",
     "LRSchedulerConfig",
     "MetricsConfig",
+    "MoEConfig",
     "ModelConfig",
     "OptimizerConfig",
     "ParallelismConfig",
@@ -162,6 +163,18 @@ class ParallelismConfig:
 
 
 @dataclass(kw_only=True)
+class MoEConfig:
+    """How MoE layers run their experts (the model flavor sets experts and routing)."""
+
+    partitions: int | str = 1
+    """Token partitions whose all-to-all overlaps expert compute (MPipeMoE), or "auto" to search
+    the best per batch size (Algorithm 1); see docs/moe.md."""
+    memory_reuse: str = "none"
+    """Share partition buffers and restore activations for backward: none, S1, S2, S3, S4, or
+    auto (Eq. 10 cost model from measured speeds); see docs/moe.md."""
+
+
+@dataclass(kw_only=True)
 class CheckpointConfig:
     """Training-state checkpoints (DCP) and Hugging Face import/export."""
 
@@ -207,5 +220,6 @@ class JobConfig:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -79,7 +79,14 @@ def _type_name(expected: Any) -> str:
 def _coerce(where: str, expected: Any, value: Any, from_cli: bool) -> Any:
     """Check (TOML) or parse (CLI string) one value against the field's type."""
     if typing.get_origin(expected) in (typing.Union, types.UnionType):
-        raise ConfigError(f"{where}: union-typed fields are not supported by the loader")
+        # The first member that takes the value wins: `int | str` reads "4" as 4, "auto" as text.
+        for member in typing.get_args(expected):
+            try:
+                return _coerce(where, member, value, from_cli)
+            except ConfigError:
+                continue
+        names = " or ".join(_type_name(member) for member in typing.get_args(expected))
+        raise ConfigError(f"{where} expects {names}, got {value!r}")
     if typing.get_origin(expected) is list:
         (item_type,) = typing.get_args(expected)
         if from_cli:  # `;` separates the items on the command line (items may hold commas)

@@ -10,10 +10,15 @@ import glob
 import os
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
+
+if TYPE_CHECKING:
+    from pipekit.distributed.parallel_dims import ParallelDims
 
 __all__ = ["validate_job_config"]
 
@@ -24,6 +29,7 @@ _CHOICES = {
     ("training", "activation_checkpoint"): ("none", "full", "selective"),
     ("optimizer", "name"): ("AdamW", "AdamW8bit", "AdamW4bit"),
     ("lr_scheduler", "decay_type"): ("cosine", "linear", "constant"),
+    ("moe", "memory_reuse"): ("none", "S1", "S2", "S3", "S4", "auto"),
 }
 
 _POSITIVE = (
@@ -48,6 +54,11 @@ def _check_choices_and_ranges(config: JobConfig) -> None:
         value = getattr(getattr(config, section), key)
         if value <= 0:
             raise ConfigError(f"[{section}] {key}={value} must be positive")
+    partitions = config.moe.partitions
+    if partitions != "auto" and not (isinstance(partitions, int) and partitions >= 1):
+        raise ConfigError(
+            f"[moe] partitions={partitions!r} must be a positive integer or 'auto' (Algorithm 1)"
+        )
     if config.checkpoint.keep_last < 0:
         raise ConfigError(f"[checkpoint] keep_last={config.checkpoint.keep_last} must be >= 0")
     if not 0.0 <= config.lr_scheduler.min_lr_ratio <= 1.0:
@@ -79,10 +90,21 @@ def _check_model(config: JobConfig) -> None:
     from pipekit.train.data.tokenizer import build_tokenizer
 
     try:
-        args = get_model_spec(config.model.name).flavor(config.model.flavor)
+        spec = get_model_spec(config.model.name)
+        args = spec.flavor(config.model.flavor)
         tokenizer_vocab = build_tokenizer(config.data.tokenizer).vocab_size
     except (ValueError, ImportError) as error:
         raise ConfigError(f"[model]/[data]: {error}") from None
+    hf_uses = {
+        "[checkpoint] initial_load_path": (config.checkpoint.initial_load_path, spec.load_hf),
+        "[checkpoint] export_hf_at_end": (config.checkpoint.export_hf_at_end, spec.save_hf),
+    }
+    for name, (used, adapter) in hf_uses.items():
+        if used and adapter is None:
+            raise ConfigError(
+                f"{name}: model {config.model.name} has no Hugging Face layout adapter yet; "
+                "turn it off (DCP checkpoints still save and resume)"
+            )
     if tokenizer_vocab > args.vocab_size:
         raise ConfigError(
             f"[data] tokenizer={config.data.tokenizer!r} has {tokenizer_vocab} ids but model "
@@ -117,12 +139,14 @@ def _check_parallelism(config: JobConfig, world_size: int) -> None:
         dims = ParallelDims.from_config(config.parallelism, world_size)
     except ValueError as error:
         raise ConfigError(f"[parallelism] {error}") from None
-    for name in ("cp", "tp", "ep"):
+    for name in ("cp", "tp"):
         if getattr(dims, name) > 1:
             raise ConfigError(
                 f"[parallelism] {name}={getattr(dims, name)}: the trainer does not support "
                 f"{name} > 1 yet; set {name} = 1"
             )
+    if dims.ep > 1:
+        _check_expert_parallel(config, dims)
     per_step = dims.dp_degree * config.training.gradient_accumulation_steps
     if config.training.global_batch_size % per_step:
         raise ConfigError(
@@ -135,6 +159,30 @@ def _check_parallelism(config: JobConfig, world_size: int) -> None:
         _check_pipeline(config, config.training.global_batch_size // per_step)
     if config.parallelism.vocab_parallel:
         _check_vocab_parallel(config, dims.pp)
+
+
+def _check_expert_parallel(config: JobConfig, dims: ParallelDims) -> None:
+    from models.registry import get_model_spec
+
+    ep = dims.ep
+    moe = getattr(get_model_spec(config.model.name).flavor(config.model.flavor), "moe", None)
+    if moe is None:
+        raise ConfigError(
+            f"[parallelism] ep={ep} needs a mixture-of-experts model; model "
+            f"{config.model.name!r} has no experts (use llama_moe, or set ep = 1)"
+        )
+    if moe.num_experts % ep:
+        raise ConfigError(
+            f"[parallelism] ep={ep} must divide the {moe.num_experts} experts of "
+            f"{config.model.name} {config.model.flavor}; choose a divisor of {moe.num_experts}"
+        )
+    data_ranks = dims.dp_replicate * dims.dp_shard * dims.cp
+    if ep != data_ranks or dims.pp > 1:
+        raise ConfigError(
+            f"[parallelism] ep={ep}: the trainer shards experts over all {data_ranks} "
+            "data-parallel ranks and without pipeline parallelism for now; set ep = "
+            f"{data_ranks} and pipeline_parallel_degree = 1"
+        )
 
 
 def _check_pipeline(config: JobConfig, local_batch_size: int) -> None:

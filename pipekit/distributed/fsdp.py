@@ -59,6 +59,7 @@ def apply_data_parallel(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     sum_gradients: bool = True,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Wrap each block of `model.layers` and then the root (embedding, norm, output) in place.
 
@@ -67,7 +68,8 @@ def apply_data_parallel(
     > 1; unchanged without data parallelism. Tied weights (output.weight is
     tok_embeddings.weight) sit in the root's group, so they stay one parameter.
     `sum_gradients=False` keeps FSDP's mean reduction, for losses normalised per rank (see the
-    module docstring). Returns `model`, whose class is now an FSDP subclass.
+    module docstring). `ignored_params` stay as they are (experts already sharded over all
+    data-parallel ranks by expert parallelism). Returns `model`, now of an FSDP subclass.
     """
     dp_mesh = data_parallel_mesh(mesh, parallel_dims)
     if dp_mesh is None:
@@ -80,14 +82,19 @@ def apply_data_parallel(
                 mesh=dp_mesh,
                 mp_policy=mp_policy,
                 reshard_after_forward=reshard_after_forward,
+                ignored_params=ignored_params,
             )
         fully_shard(
-            model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+            model,
+            mesh=dp_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored_params,
         )
     else:
         for block in _blocks(model):
-            fsdp_replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
-        fsdp_replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+            fsdp_replicate(block, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
+        fsdp_replicate(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
     if sum_gradients:
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -41,12 +41,16 @@ def clip_grad_norm_(
         zero = torch.tensor(0.0)
         return zero if pipeline_group is None else _combine_across(zero, norm_type, pipeline_group)
     groups: dict[object, list[Tensor]] = {}
-    for grad in grads:
-        key = grad.device_mesh if isinstance(grad, DTensor) else grad.device
-        groups.setdefault(key, []).append(grad)
+    for param in parameters:
+        if param.grad is not None:
+            grad = param.grad
+            key = grad.device_mesh if isinstance(grad, DTensor) else grad.device
+            groups.setdefault(key, []).append(param)
     group_norms = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type, error_if_nonfinite)
+        norm = torch.nn.utils.get_total_norm(
+            [param.grad for param in group], norm_type, error_if_nonfinite
+        )
         group_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     device = group_norms[0].device
     total_norm = torch.linalg.vector_norm(
@@ -54,7 +58,8 @@ def clip_grad_norm_(
     )
     if pipeline_group is not None:  # each pipeline rank holds other parameters
         total_norm = _combine_across(total_norm, norm_type, pipeline_group)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    for group in groups.values():  # one foreach per mesh: foreach ops cannot mix meshes
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
     return total_norm
 
 

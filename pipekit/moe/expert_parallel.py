@@ -22,7 +22,7 @@ from pipekit.moe.execution import ExpertExecution
 from pipekit.moe.layer import MoE
 from pipekit.moe.token_exchange import CollectiveExchange, TokenExchange
 
-__all__ = ["apply_expert_parallel", "expert_parameters"]
+__all__ = ["apply_expert_parallel", "expert_parameters", "set_expert_execution"]
 
 
 def apply_expert_parallel(
@@ -57,7 +57,22 @@ def apply_expert_parallel(
             local = param.detach()[ep_rank * per_rank : (ep_rank + 1) * per_rank].clone()
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(experts, param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.execution = ExpertExecution(exchange, partitions, memory_reuse)
+    return set_expert_execution(model, partitions, memory_reuse, exchange)
+
+
+def set_expert_execution(
+    model: nn.Module,
+    partitions: int | str,
+    memory_reuse: str,
+    exchange: TokenExchange | None = None,
+) -> nn.Module:
+    """Give every MoE layer of `model` an `ExpertExecution` (one rank when `exchange` is None).
+
+    Each layer gets its own: Algorithm 1's ranges and the chosen strategy are per layer.
+    """
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.execution = ExpertExecution(exchange, partitions, memory_reuse)
     return model
 
 

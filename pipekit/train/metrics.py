@@ -3,7 +3,8 @@
 FLOPs per trained token (forward + backward = 3x forward), for a decoder with `N` matmul
 parameters (every weight matrix, output projection included, token embedding excluded):
     6 N  +  6 L H d (S + 1)
-The second term is causal attention: per layer and head, QK^T and PV cost 4 d FLOPs per attended
+In an MoE layer a token runs through k of the E experts, so expert weights count k / E of
+their size (the capacity factor for expert-choice routing). The second term is causal attention: per layer and head, QK^T and PV cost 4 d FLOPs per attended
 key in the forward, and a causal query attends to (S + 1) / 2 keys on average.
 MFU = achieved FLOP/s / (peak FLOP/s per rank x ranks).
 """
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipekit.moe.layer import MoE
+
 __all__ = [
     "MetricsLogger",
     "measure_matmul_flops",
@@ -35,10 +38,25 @@ def training_flops_per_token(
     """FLOPs of one trained token (see the module docstring for the formula)."""
     embedding = getattr(model, "tok_embeddings", None)
     skip = {id(embedding.weight)} if embedding is not None and not _is_tied(model) else set()
+    active_share = _expert_active_share(model)
     matmul_params = sum(
-        p.numel() for p in _unique(model.parameters()) if p.dim() >= 2 and id(p) not in skip
+        p.numel() * active_share.get(id(p), 1.0)
+        for p in _unique(model.parameters())
+        if p.dim() >= 2 and id(p) not in skip
     )
     return 6.0 * matmul_params + 6.0 * n_layers * n_heads * head_dim * (seq_len + 1)
+
+
+def _expert_active_share(model: nn.Module) -> dict[int, float]:
+    """id(expert weight) -> the share of it one token runs through."""
+    shares = {}
+    for module in model.modules():
+        if isinstance(module, MoE):
+            args = module.args
+            per_token = args.capacity_factor if args.router == "expert_choice" else args.top_k
+            for param in module.experts.parameters():
+                shares[id(param)] = per_token / args.num_experts
+    return shares
 
 
 def _is_tied(model: nn.Module) -> bool:

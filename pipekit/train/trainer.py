@@ -36,6 +36,12 @@ from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import new_group_along
+from pipekit.moe.aux_loss import aux_loss_scale
+from pipekit.moe.expert_parallel import (
+    apply_expert_parallel,
+    expert_parameters,
+    set_expert_execution,
+)
 from pipekit.pipelining.build import build_rank_model, wrap_rank_stages
 from pipekit.pipelining.context_exchange import PipelineContextExchange
 from pipekit.pipelining.plan import plan_pipeline
@@ -114,6 +120,12 @@ class Trainer:
             dp_world_size=dp_degree,
             seed=config.job.seed,
         )
+        # MoE auxiliary losses are averaged over the forwards of a step, as token losses are:
+        # every micro-batch (and pipeline unit) of every data-parallel rank holds B x S tokens.
+        forwards_per_step = dp_degree * config.training.gradient_accumulation_steps
+        if self.pipeline is not None:
+            forwards_per_step *= self.pipeline.num_microbatches * self.pipeline.num_slices
+        self._aux_loss_share = 1.0 / forwards_per_step
         self.step = 0
         if resume_step is not None:
             self.checkpoints.load(resume_step, self._checkpoint_state())
@@ -139,7 +151,17 @@ class Trainer:
             self.spec.load_hf(self.config.checkpoint.initial_load_path, model, self.model_args)
 
     def _parallelize(self, model: nn.Module) -> None:
-        """Activation checkpointing, then data parallelism, in place."""
+        """Expert parallelism, activation checkpointing, then data parallelism, in place."""
+        moe = self.config.moe
+        if self.dims.ep_enabled:  # experts over all data-parallel ranks (config validation)
+            apply_expert_parallel(
+                model,
+                self.dims.mesh("dp_cp"),
+                partitions=moe.partitions,
+                memory_reuse=moe.memory_reuse,
+            )
+        else:
+            set_expert_execution(model, moe.partitions, moe.memory_reuse)
         apply_activation_checkpointing(list((model.layers or {}).values()), self.config.training)
         training = self.config.training
         if self.mesh is not None:
@@ -149,6 +171,7 @@ class Trainer:
                 self.dims,
                 param_dtype=_DTYPES[training.mixed_precision_param],
                 reduce_dtype=_DTYPES[training.mixed_precision_reduce],
+                ignored_params=expert_parameters(model) if self.dims.ep_enabled else None,
             )
 
     def _build_model(self, load_hf: bool) -> nn.Module:
@@ -304,7 +327,8 @@ class Trainer:
             self.pipeline, self.output_dir, enabled=trace, write=self.rank == 0
         ):
             for batch in micro_batches:
-                loss = self._forward_backward(batch, global_tokens)
+                with aux_loss_scale(self._aux_loss_share):
+                    loss = self._forward_backward(batch, global_tokens)
                 if loss is not None:  # pipelined: only the rank with the last stage has a loss
                     loss_sum += loss.detach()
         global_loss = float(self._all_reduce_sum(loss_sum))
