@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import os
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch

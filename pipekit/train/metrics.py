@@ -3,9 +3,10 @@
 FLOPs per trained token (forward + backward = 3x forward), for a decoder with `N` matmul
 parameters (every weight matrix, output projection included, token embedding excluded):
     6 N  +  6 L H d (S + 1)
-In an MoE layer a token runs through k of the E experts, so expert weights count k / E of
-their size (the capacity factor for expert-choice routing). The second term is causal attention: per layer and head, QK^T and PV cost 4 d FLOPs per attended
-key in the forward, and a causal query attends to (S + 1) / 2 keys on average.
+The second term is causal attention: per layer and head, QK^T and PV cost 4 d FLOPs per attended
+key in the forward, and a causal query attends to (S + 1) / 2 keys on average. In an MoE layer a
+token runs through k of the E experts, so expert weights count k / E of their size (the capacity
+factor for expert-choice routing).
 MFU = achieved FLOP/s / (peak FLOP/s per rank x ranks).
 """
 
