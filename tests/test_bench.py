@@ -26,3 +26,29 @@ def test_unknown_benchmark_exits_with_usage(capsys):
     else:
         raise AssertionError("an unknown benchmark must exit with status 2")
     assert "attention" in capsys.readouterr().out
+
+
+def test_moe_bench_prints_table_and_result(capsys):
+    main(
+        ["moe", "--ep", "2", "--tokens", "256", "--dim", "32", "--hidden", "64", "--experts", "4"]
+        + ["--partitions", "1,2,4", "--repeats", "1"]
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("auto (n=") for line in lines)
+    assert re.fullmatch(
+        r"RESULT pipelined_speedup=\S+ native_speedup=\S+ memory_saving=\S+ eq6=\S+ "
+        r"best_n=\d auto_n=\d",
+        lines[-1],
+    )
+    eq6 = float(re.search(r" eq6=(\S+)", lines[-1]).group(1))
+    assert -1 < eq6 < 1
+
+
+def test_moe_bench_rejects_experts_not_divisible_by_ep(capsys):
+    try:
+        main(["moe", "--ep", "3", "--experts", "8"])
+    except SystemExit as exit_:
+        assert exit_.code == 2
+    else:
+        raise AssertionError("--ep 3 with 8 experts must exit with status 2")
+    assert "divide --experts 8" in capsys.readouterr().err

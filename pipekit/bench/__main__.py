@@ -21,6 +21,10 @@ _BENCHMARKS = {
         "pipekit.bench.context_exchange",
         "attention context exchange: balance, bubbles and traffic (simulated)",
     ),
+    "moe": (
+        "pipekit.bench.moe",
+        "MoE all-to-all pipelining (native and emulated link) and memory reuse vs Eq. 6",
+    ),
     "vocab-parallel": (
         "pipekit.bench.vocab_parallel",
         "peak memory and output-layer time per rank, vocabulary-parallel pipeline vs not",

@@ -11,7 +11,9 @@ the gradient of the output dispatched, the expert backward, and the input gradie
 Memory reuse (the paper's Sec. III-D): with a sharing strategy every partition writes T_DI,
 T_M and T_DO into the same buffers (two for tensors in flight, one for T_M), so they take
 `B/n` rows instead of `B`. The backward then restores T_DI and T_M per `RestoreStrategy`.
-"none" keeps every partition's tensors. All strategies give the same gradients.
+"none" keeps every partition's tensors. All strategies give the same gradients. The backward
+works partition by partition: its temporaries (the paper's gradient buffers) are `B/n` rows
+with or without sharing, freed as each partition ends, so it allocates no shared buffers.
 
 One autograd node covers the whole layer's expert part; every tensor it keeps for backward goes
 through `save_for_backward`, so saved-tensor hooks (memory tracking, activation checkpointing)
@@ -177,18 +179,6 @@ class _PipelinedExperts(torch.autograd.Function):
         x_TD, weight_A, w1_EFD, w3_EFD, w2_EDF, combined_AD, *kept = ctx.saved_tensors
         kept_inputs, kept_middles = kept[: ctx.kept[0]], kept[ctx.kept[0] :]
         weights = (w1_EFD, w3_EFD, w2_EDF)
-        share = strategy.shares_buffers
-        dim, hidden = x_TD.shape[1], w1_EFD.shape[1]
-        received_rows, sent_rows = pipeline.max_received_rows(), pipeline.max_sent_rows()
-        grad_send_buffers = _Buffers(x_TD, sent_rows, dim, 2, share)
-        grad_receive_buffers = _Buffers(x_TD, received_rows, dim, 2, share)
-        input_send_buffers = _Buffers(x_TD, sent_rows, dim, 2, share)
-        input_receive_buffers = _Buffers(x_TD, received_rows, dim, 2, share)
-        grad_output_buffer = _Buffers(x_TD, received_rows, dim, 1, share)
-        dispatched_buffer = _Buffers(x_TD, received_rows, dim, 1, share)
-        middle_buffer = _Buffers(x_TD, 2 * received_rows, hidden, 1, share)
-        grad_input_buffers = _Buffers(x_TD, received_rows, dim, 2, share)
-
         grad_out_TD = grad_out_TD.contiguous()
         grad_weight_A = (grad_out_TD[pipeline.token_index_A] * combined_AD).sum(-1)
         grads = ExpertGrads.zeros_like(*weights)
@@ -196,28 +186,14 @@ class _PipelinedExperts(torch.autograd.Function):
 
         def start_transfers(p: int) -> tuple[PendingRows, PendingRows | None]:
             plan = plans[p]
-            sent = len(plan.token_index_A)
             grad_rows = _gather(
-                grad_out_TD,
-                plan.token_index_A,
-                grad_send_buffers.get(p, sent),
-                scale=weight_A[plan.assignments],
+                grad_out_TD, plan.token_index_A, None, scale=weight_A[plan.assignments]
             )
-            grad = exchange.start(
-                grad_rows,
-                plan.send_splits,
-                plan.recv_splits,
-                out=grad_receive_buffers.get(p, plan.received_rows),
-            )
+            grad = exchange.start(grad_rows, plan.send_splits, plan.recv_splits)
             if strategy.dispatched_input != "communicate":
                 return grad, None
-            input_rows = _gather(x_TD, plan.token_index_A, input_send_buffers.get(p, sent))
-            return grad, exchange.start(
-                input_rows,
-                plan.send_splits,
-                plan.recv_splits,
-                out=input_receive_buffers.get(p, plan.received_rows),
-            )
+            input_rows = _gather(x_TD, plan.token_index_A, None)
+            return grad, exchange.start(input_rows, plan.send_splits, plan.recv_splits)
 
         returns: list[tuple[PartitionPlan, PendingRows]] = []
         transfers = start_transfers(0)
@@ -226,25 +202,15 @@ class _PipelinedExperts(torch.autograd.Function):
             input_received = None if transfers[1] is None else transfers[1].wait()
             if p + 1 < len(plans):
                 transfers = start_transfers(p + 1)
-            rows = plan.received_rows
-            grad_expert_output = _to_expert_major(
-                grad_received, plan, grad_output_buffer.get(p, rows)
-            )
+            grad_expert_output = _to_expert_major(grad_received, plan, None)
             if strategy.dispatched_input == "communicate":
-                dispatched = _to_expert_major(input_received, plan, dispatched_buffer.get(p, rows))
+                dispatched = _to_expert_major(input_received, plan, None)
             elif strategy.dispatched_input == "offload":
                 dispatched = pipeline.offloader.restore(kept_inputs[p])
             else:
                 dispatched = kept_inputs[p]
             if strategy.middle == "recompute":
-                middle_rows = middle_buffer.get(p, 2 * rows)
-                middle = swiglu_middle(
-                    dispatched,
-                    w1_EFD,
-                    w3_EFD,
-                    plan.local_counts_L,
-                    out=None if middle_rows is None else middle_rows.view(2, rows, hidden),
-                )
+                middle = swiglu_middle(dispatched, w1_EFD, w3_EFD, plan.local_counts_L)
             elif strategy.middle == "offload":
                 middle = pipeline.offloader.restore(kept_middles[p])
             else:
@@ -252,9 +218,9 @@ class _PipelinedExperts(torch.autograd.Function):
             grad_dispatched = swiglu_backward(
                 dispatched, middle, grad_expert_output, weights, plan.local_counts_L, grads
             )
-            if p >= 2:  # its send buffer is about to be reused
+            if p >= 2:
                 _accumulate(grad_x_TD, *returns[p - 2])
-            send = _to_source_major(grad_dispatched, plan, grad_input_buffers.get(p, rows))
+            send = _to_source_major(grad_dispatched, plan, None)
             returns.append((plan, exchange.start(send, plan.recv_splits, plan.send_splits)))
         for plan, pending in returns[max(0, len(plans) - 2) :]:
             _accumulate(grad_x_TD, plan, pending)
