@@ -29,10 +29,8 @@ def test_unknown_benchmark_exits_with_usage(capsys):
 
 
 def test_moe_bench_prints_table_and_result(capsys):
-    main(
-        ["moe", "--ep", "2", "--tokens", "256", "--dim", "32", "--hidden", "64", "--experts", "4"]
-        + ["--partitions", "1,2,4", "--repeats", "1"]
-    )
+    shape = ["--tokens", "256", "--dim", "32", "--hidden", "64", "--experts", "4"]
+    main(["moe", "--ep", "2", *shape, "--partitions", "1,2,4", "--repeats", "1"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith("auto (n=") for line in lines)
     assert re.fullmatch(

@@ -58,9 +58,7 @@ def _max_over_ranks(value: float) -> float:
 
 def _build(spec: dict[str, Any], rank: int) -> tuple[MoE, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    args = MoEArgs(
-        num_experts=spec["experts"], top_k=spec["top_k"], load_balance_weight=0.0
-    )
+    args = MoEArgs(num_experts=spec["experts"], top_k=spec["top_k"], load_balance_weight=0.0)
     moe = MoE(spec["dim"], spec["hidden"], args)
     moe.reset_parameters(0.02, 0.02)
     generator = torch.Generator().manual_seed(100 + rank)
@@ -86,7 +84,7 @@ def _timed_steps(moe: MoE, x_TD, grad_TD, repeats: int) -> float:
 
 
 def _link_calibration(moe: MoE, x_TD: torch.Tensor, exchange: TokenExchange) -> tuple[float, int]:
-    """(seconds of one step's expert compute, bytes one step moves over the link), max over ranks."""
+    """(Seconds of a step's expert compute, bytes a step sends over the link), max over ranks."""
     routing = moe.router(x_TD)
     (plan,), _ = plan_partitions(routing, 1, exchange)
     weights = tuple(w.detach() for w in moe.experts.local_weights())
@@ -104,7 +102,8 @@ def _link_calibration(moe: MoE, x_TD: torch.Tensor, exchange: TokenExchange) -> 
     seconds = time.perf_counter() - started
     rank = exchange.rank
     remote_rows = max(
-        sum(plan.send_splits) - plan.send_splits[rank], sum(plan.recv_splits) - plan.recv_splits[rank]
+        sum(plan.send_splits) - plan.send_splits[rank],
+        sum(plan.recv_splits) - plan.recv_splits[rank],
     )
     step_bytes = _ALL_TO_ALLS_PER_STEP * remote_rows * x_TD.shape[1] * x_TD.element_size()
     return _max_over_ranks(seconds), int(_max_over_ranks(step_bytes))
@@ -219,8 +218,10 @@ def _report(options: argparse.Namespace, spec: dict[str, Any], result: dict[str,
     predicted: dict[int, float] = {}
     measured: dict[int, float] = {}
     for label in [*map(str, spec["partitions"]), "auto"]:
-        shown = label if label != "auto" else (
-            f"auto (n={result['chosen']['emulated']}/{result['chosen']['native']})"
+        shown = (
+            label
+            if label != "auto"
+            else (f"auto (n={result['chosen']['emulated']}/{result['chosen']['native']})")
         )
         row = [
             shown,
