@@ -35,7 +35,7 @@ def test_moe_bench_prints_table_and_result(capsys):
     assert any(line.startswith("auto (n=") for line in lines)
     assert re.fullmatch(
         r"RESULT pipelined_speedup=\S+ native_speedup=\S+ memory_saving=\S+ eq6=\S+ "
-        r"best_n=\d auto_n=\d",
+        r"sharing_saving=\S+ best_n=\d auto_n=\d",
         lines[-1],
     )
     eq6 = float(re.search(r" eq6=(\S+)", lines[-1]).group(1))

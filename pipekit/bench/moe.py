@@ -20,7 +20,8 @@ beside (parameters, gradients, Adam's two moments), without and with shared part
 offloading saves nothing (host memory is the same memory), so S1-S3 are not measured here.
 
 RESULT: pipelined_speedup (best n vs n = 1, emulated link), native_speedup (the same natively),
-memory_saving (measured, at the best emulated n) and eq6 (predicted, same n).
+memory_saving (measured: S4 at the best emulated n against n = 1 without reuse), eq6 (predicted,
+same n) and sharing_saving (S4 against no sharing at the same n: the activation half of Eq. 6).
 """
 
 from __future__ import annotations
@@ -214,15 +215,19 @@ def _report(options: argparse.Namespace, spec: dict[str, Any], result: dict[str,
         f"(comm-ratio {options.comm_ratio})\n"
     )
     local_experts = spec["experts"] // options.ep
+
+    def peak(key: str) -> int:
+        return memory[key]["model_states"] + memory[key]["step_peak"]
+
+    baseline = peak("1/none")  # the unpartitioned layer without reuse
     rows = []
-    predicted: dict[int, float] = {}
     measured: dict[int, float] = {}
+    sharing: dict[int, float] = {}
+    predicted: dict[int, float] = {}
     for label in [*map(str, spec["partitions"]), "auto"]:
-        shown = (
-            label
-            if label != "auto"
-            else (f"auto (n={result['chosen']['emulated']}/{result['chosen']['native']})")
-        )
+        shown = label
+        if label == "auto":
+            shown = f"auto (n={result['chosen']['emulated']}/{result['chosen']['native']})"
         row = [
             shown,
             times["native"][label],
@@ -230,26 +235,26 @@ def _report(options: argparse.Namespace, spec: dict[str, Any], result: dict[str,
             times["emulated"][label],
             times["emulated"]["1"] / times["emulated"][label],
         ]
-        if label != "auto":
-            n = int(label)
-            none, shared = memory[f"{n}/none"], memory[f"{n}/S4"]
-            total_none = none["model_states"] + none["step_peak"]
-            total_shared = shared["model_states"] + shared["step_peak"]
-            measured[n] = (total_none - total_shared) / total_none
-            predicted[n] = reuse_saving_ratio(
-                spec["tokens"] * spec["top_k"],
-                spec["dim"],
-                spec["hidden"],
-                n,
-                spec["experts"],
-                local_experts=local_experts,
-                matrices_per_expert=3,
-                middle_tensors=2,
-            )
-            row += [total_none / _MIB, total_shared / _MIB, measured[n], predicted[n]]
-        else:
-            row += ["", "", "", ""]
-        rows.append(row)
+        if label == "auto":
+            rows.append([*row, *[""] * 6])
+            continue
+        n = int(label)
+        none, shared = peak(f"{n}/none"), peak(f"{n}/S4")
+        measured[n] = (baseline - shared) / baseline
+        sharing[n] = (none - shared) / none
+        predicted[n] = reuse_saving_ratio(
+            spec["tokens"] * spec["top_k"],
+            spec["dim"],
+            spec["hidden"],
+            n,
+            spec["experts"],
+            local_experts=local_experts,
+            matrices_per_expert=3,
+            middle_tensors=2,
+        )
+        # Eq. 6's numerator is dM_act + dM_buf with dM_act = dM_buf (Eq. 5): half is sharing's.
+        figures = [measured[n], predicted[n], sharing[n], predicted[n] / 2]
+        rows.append([*row, none / _MIB, shared / _MIB, *figures])
     print_table(
         [
             "n",
@@ -261,6 +266,8 @@ def _report(options: argparse.Namespace, spec: dict[str, Any], result: dict[str,
             "peak MiB S4",
             "saving",
             "Eq.6",
+            "sharing only",
+            "Eq.6 act",
         ],
         rows,
     )
@@ -268,14 +275,18 @@ def _report(options: argparse.Namespace, spec: dict[str, Any], result: dict[str,
     native = {int(k): v for k, v in times["native"].items() if k != "auto"}
     best = min(emulated, key=emulated.get)
     print(
-        f"\npeak = model states (params, grads, Adam moments) + peak live tensors of a step; "
-        f"saving and Eq. 6 at each n; RESULT at the best emulated n = {best}"
+        "\npeak = model states (params, grads, Adam moments) + peak live tensors of a step.\n"
+        "saving: S4 at n against n = 1 without reuse (Eq. 6's dM_act + dM_buf: the backward's\n"
+        "gradient buffers shrink to B/n with partitioning alone, the activations with sharing);\n"
+        "sharing only: S4 against no sharing at the same n (Eq. 6 act = its dM_act half).\n"
+        f"RESULT at the best emulated n = {best}"
     )
     print_result(
         pipelined_speedup=emulated[1] / emulated[best],
         native_speedup=native[1] / min(native.values()),
         memory_saving=measured[best],
         eq6=predicted[best],
+        sharing_saving=sharing[best],
         best_n=best,
         auto_n=result["chosen"]["emulated"],
     )
