@@ -40,11 +40,22 @@ def test_cli_overrides_toml_overrides_defaults(tmp_path):
         ("[training]\nsteps = 1.5\n", r"steps expects int, got 1.5"),
         ("steps = 3\n", "must be a \\[section\\]"),
         ("[training\n", "not valid TOML"),
+        ("[moe]\npartitions = 2.5\n", r"\[moe\] partitions expects int or str, got 2.5"),
     ],
 )
 def test_bad_toml_names_the_problem(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         load_job_config(["--config", _toml(tmp_path, text)])
+
+
+def test_union_fields_take_the_first_member_that_fits(tmp_path):
+    """`[moe] partitions` is `int | str`: 4 and "4" are ints, "auto" stays text."""
+    assert (
+        load_job_config(["--config", _toml(tmp_path, "[moe]\npartitions = 4\n")]).moe.partitions
+        == 4
+    )
+    assert load_job_config(["--moe.partitions", "4"]).moe.partitions == 4
+    assert load_job_config(["--moe.partitions", "auto"]).moe.partitions == "auto"
 
 
 def test_bad_cli_names_the_problem():

@@ -73,6 +73,8 @@ def _field_types(section_cls: type) -> dict[str, type]:
 
 
 def _type_name(expected: Any) -> str:
+    if typing.get_origin(expected) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(member) for member in typing.get_args(expected))
     return getattr(expected, "__name__", str(expected))
 
 
@@ -85,8 +87,7 @@ def _coerce(where: str, expected: Any, value: Any, from_cli: bool) -> Any:
                 return _coerce(where, member, value, from_cli)
             except ConfigError:
                 continue
-        names = " or ".join(_type_name(member) for member in typing.get_args(expected))
-        raise ConfigError(f"{where} expects {names}, got {value!r}")
+        raise ConfigError(f"{where} expects {_type_name(expected)}, got {value!r}")
     if typing.get_origin(expected) is list:
         (item_type,) = typing.get_args(expected)
         if from_cli:  # `;` separates the items on the command line (items may hold commas)

@@ -48,23 +48,6 @@ class Routing:
     def num_experts(self) -> int:
         return self.tokens_per_expert_E.numel()
 
-    def select_tokens(self, start: int, stop: int) -> Routing:
-        """The assignments of tokens [start, stop), renumbered from 0 (a token partition).
-
-        Scores are cut to the same rows, so losses are not computed from a partition.
-        """
-        keep_A = (self.token_index_A >= start) & (self.token_index_A < stop)
-        expert_index_A = self.expert_index_A[keep_A]
-        return Routing(
-            token_index_A=self.token_index_A[keep_A] - start,
-            expert_index_A=expert_index_A,
-            weight_A=self.weight_A[keep_A],
-            tokens_per_expert_E=torch.bincount(expert_index_A, minlength=self.num_experts),
-            logits_TE=self.logits_TE[start:stop],
-            probs_TE=self.probs_TE[start:stop],
-            chosen_TE=self.chosen_TE[start:stop],
-        )
-
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
     """Most tokens one expert takes: ceil(capacity_factor x T x K / E) (GShard, Switch)."""
