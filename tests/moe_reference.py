@@ -11,8 +11,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipekit.moe import MoE
+from pipekit.moe import MoE, MoEArgs
 from pipekit.moe.aux_loss import attach_aux_loss, balance_loss
+
+DIM, HIDDEN, EXPERTS = 8, 12, 4
+"""The tests' MoE shape: small enough for float64 loops, 4 experts to split over 2 or 4 ranks."""
+
+
+def small_moe(
+    router: str, top_k: int, capacity: float | None, *, z_loss_weight: float = 0.001, **changes
+) -> MoE:
+    """A float64 MoE of the tests' shape, seeded, with weights large enough to route unevenly."""
+    torch.manual_seed(0)
+    args = MoEArgs(
+        num_experts=EXPERTS,
+        top_k=top_k,
+        router=router,
+        capacity_factor=capacity,
+        z_loss_weight=z_loss_weight,
+        **changes,
+    )
+    moe = MoE(DIM, HIDDEN, args).double()
+    moe.reset_parameters(0.3, 0.3)
+    if router == "noisy_topk":
+        torch.nn.init.normal_(moe.router.noise_gate.weight, std=0.3)
+    return moe
 
 
 def reference_moe_forward(

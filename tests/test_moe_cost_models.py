@@ -14,6 +14,7 @@ from pipekit.moe.memory_model import (
 )
 from pipekit.moe.restore import (
     RESTORE_STRATEGIES,
+    ExpertShape,
     HardwareSpeeds,
     choose_restore_strategy,
     restore_cost,
@@ -93,23 +94,25 @@ def test_workloads_reproduce_table_ii() -> None:
         "S3": ((2, 2, 1), (5, 2, 1)),
         "S4": ((2, 2, 0), (5, 3, 0)),
     }
-    for name, expected in table_ii.items():  # the paper's FFN: 2 GEMMs, H = 4M
-        assert strategy_workload(RESTORE_STRATEGIES[name], 1024, 4096) == expected
+    paper_ffn = ExpertShape(tokens=4096, dim=1024, hidden=4096)  # 2 GEMMs, H = 4M
+    for name, expected in table_ii.items():
+        assert strategy_workload(RESTORE_STRATEGIES[name], paper_ffn) == expected
     swiglu = strategy_workload(
-        RESTORE_STRATEGIES["S1"], 1024, 4096, forward_gemms=3, middle_tensors=2
+        RESTORE_STRATEGIES["S1"],
+        ExpertShape(tokens=4096, dim=1024, hidden=4096, forward_gemms=3, middle_tensors=2),
     )
     assert swiglu == ((3, 2, 9), (6, 2, 9))
 
 
 def test_cost_model_picks_by_the_bottleneck() -> None:
-    shape = {"tokens": 4096, "dim": 1024, "hidden": 4096, "element_size": 2}
+    shape = ExpertShape(tokens=4096, dim=1024, hidden=4096, element_size=2)
     fast_copies = HardwareSpeeds(compute_flops=1e12, communication_bytes=1e12, copy_bytes=1e13)
     # Compute-bound: recompute is the costly choice, copying T_M is cheap: S1 or S2.
-    assert choose_restore_strategy(fast_copies, **shape).middle == "offload"
+    assert choose_restore_strategy(fast_copies, shape).middle == "offload"
     slow_copies = HardwareSpeeds(compute_flops=1e15, communication_bytes=1e12, copy_bytes=1e9)
     # Copies are very slow: restore by recomputation and re-communication (S4).
-    assert choose_restore_strategy(slow_copies, **shape).name == "S4"
-    cost = restore_cost(RESTORE_STRATEGIES["S4"], slow_copies, **shape)
+    assert choose_restore_strategy(slow_copies, shape).name == "S4"
+    cost = restore_cost(RESTORE_STRATEGIES["S4"], slow_copies, shape)
     gemm, comm = 2 * 4096 * 4096 * 1024 / 1e15, 4096 * 1024 * 2 / 1e12
     # Eq. 10: each pass costs its slowest stream; S4 is [2, 2, 0] forward, [5, 3, 0] backward.
     assert cost == pytest.approx(max(2 * gemm, 2 * comm) + max(5 * gemm, 3 * comm))

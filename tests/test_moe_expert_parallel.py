@@ -7,16 +7,13 @@ import time
 import pytest
 import torch
 from distributed_helpers import run_on_ranks
-from moe_reference import reference_moe_forward
+from moe_reference import DIM, EXPERTS, reference_moe_forward, small_moe
 from torch.distributed.device_mesh import init_device_mesh
 
-from pipekit.moe import MoE, MoEArgs
 from pipekit.moe import dispatch_plan as dispatch_plan_module
 from pipekit.moe.dispatch_plan import plan_partitions
 from pipekit.moe.expert_parallel import apply_expert_parallel
 from pipekit.moe.token_exchange import CollectiveExchange, PacedExchange
-
-DIM, HIDDEN, EXPERTS = 8, 12, 4
 
 CASES = [
     ("topk_softmax", 2, None, 1, "none"),
@@ -26,22 +23,6 @@ CASES = [
     ("switch", 1, 1.0, 2, "S3"),
     ("expert_choice", 2, 1.5, 3, "none"),
 ]
-
-
-def _moe(router: str, top_k: int, capacity: float | None) -> MoE:
-    torch.manual_seed(0)
-    args = MoEArgs(
-        num_experts=EXPERTS,
-        top_k=top_k,
-        router=router,
-        capacity_factor=capacity,
-        z_loss_weight=0.01,
-    )
-    moe = MoE(DIM, HIDDEN, args).double()
-    moe.reset_parameters(0.3, 0.3)
-    if router == "noisy_topk":
-        torch.nn.init.normal_(moe.router.noise_gate.weight, std=0.3)
-    return moe
 
 
 def _rank_input(rank: int) -> torch.Tensor:
@@ -61,7 +42,7 @@ def _expert_parallel_run(
     if break_reorder:  # ablation: leave received rows grouped by source, not by expert
         dispatch_plan_module._expert_major_order = lambda *args: None
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
-    moe = _moe(router, top_k, capacity)
+    moe = small_moe(router, top_k, capacity, z_loss_weight=0.01)
     apply_expert_parallel(moe, mesh, partitions=partitions, memory_reuse=strategy)
     x_BSD = _rank_input(rank).requires_grad_()
     torch.manual_seed(50 + rank)  # the noisy router's noise
@@ -79,7 +60,7 @@ def _expert_parallel_run(
 
 def _reference(case: tuple, world_size: int) -> list[dict[str, torch.Tensor]]:
     router, top_k, capacity, _, _ = case
-    moe = _moe(router, top_k, capacity)
+    moe = small_moe(router, top_k, capacity, z_loss_weight=0.01)
     results = []
     for rank in range(world_size):
         moe.zero_grad()
@@ -150,7 +131,7 @@ def _round_trip_run(rank: int, world_size: int, paced: bool) -> dict:
     group = torch.distributed.new_group(list(range(world_size)))
     seconds_per_byte = 2e-6
     exchange = PacedExchange(group, seconds_per_byte) if paced else CollectiveExchange(group)
-    moe = _moe("topk_softmax", 2, None)
+    moe = small_moe("topk_softmax", 2, None, z_loss_weight=0.01)
     x_TD = _rank_input(rank).reshape(-1, DIM)
     routing = moe.router(x_TD)
     plans, order = plan_partitions(routing, 2, exchange)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from moe_reference import reference_moe_forward
+from moe_reference import DIM, EXPERTS, reference_moe_forward, small_moe
 
 from pipekit.moe import MoE, MoEArgs, aux_loss_scale
 from pipekit.moe.aux_loss import importance_cv2_loss, router_z_loss, switch_balance_loss
@@ -16,8 +16,6 @@ from pipekit.moe.restore import RESTORE_STRATEGIES, RestoreStrategy
 from pipekit.moe.routers import build_router
 from pipekit.moe.routing import expert_capacity
 
-DIM, HIDDEN, EXPERTS = 8, 12, 4
-
 ROUTER_CASES = [
     ("topk_softmax", 2, None),
     ("topk_softmax", 2, 0.5),
@@ -26,23 +24,6 @@ ROUTER_CASES = [
     ("switch", 1, 1.0),
     ("expert_choice", 2, 1.5),
 ]
-
-
-def _moe(router: str, top_k: int, capacity: float | None, seed: int = 0, **changes) -> MoE:
-    torch.manual_seed(seed)
-    args = MoEArgs(
-        num_experts=EXPERTS,
-        top_k=top_k,
-        router=router,
-        capacity_factor=capacity,
-        z_loss_weight=0.001,
-        **changes,
-    )
-    moe = MoE(DIM, HIDDEN, args).double()
-    moe.reset_parameters(0.3, 0.3)
-    if router == "noisy_topk":
-        torch.nn.init.normal_(moe.router.noise_gate.weight, std=0.3)
-    return moe
 
 
 def _loss_and_grads(
@@ -81,7 +62,7 @@ def _assert_close(actual: dict, expected: dict, tol: float = 1e-10) -> None:
 def test_moe_matches_assignment_by_assignment_reference_fp64(
     router: str, top_k: int, capacity: float | None, partitions: int, strategy: str
 ) -> None:
-    moe = _moe(router, top_k, capacity)
+    moe = small_moe(router, top_k, capacity)
     moe.execution = ExpertExecution(partitions=partitions, memory_reuse=strategy)
     x_BSD = torch.randn(2, 9, DIM, dtype=torch.float64)
     expected = _reference(moe, x_BSD)
@@ -91,7 +72,7 @@ def test_moe_matches_assignment_by_assignment_reference_fp64(
 
 @pytest.mark.parametrize("strategy", sorted(RESTORE_STRATEGIES))
 def test_every_restore_strategy_gives_identical_gradients(strategy: str) -> None:
-    moe = _moe("topk_softmax", 2, None)
+    moe = small_moe("topk_softmax", 2, None)
     x_BSD = torch.randn(3, 8, DIM, dtype=torch.float64)
     moe.execution = ExpertExecution(partitions=1, memory_reuse="none")
     expected = _loss_and_grads(moe, x_BSD, MoE.forward)
@@ -101,7 +82,7 @@ def test_every_restore_strategy_gives_identical_gradients(strategy: str) -> None
 
 def test_keeping_views_of_shared_buffers_breaks_gradients() -> None:
     """Ablation: share the partition buffers but restore nothing; later partitions overwrite."""
-    moe = _moe("topk_softmax", 2, None)
+    moe = small_moe("topk_softmax", 2, None)
     x_BSD = torch.randn(3, 8, DIM, dtype=torch.float64)
     expected = _reference(moe, x_BSD)
     moe.execution = ExpertExecution(partitions=4, memory_reuse="S4")
@@ -122,7 +103,7 @@ def test_capacity_drops_the_lowest_probability_tokens_which_get_zero() -> None:
     assert capacity == 2
     assert routing.tokens_per_expert_E.tolist() == [2, 0, 0, 0]
     assert routing.token_index_A.tolist() == [6, 7]  # the two most confident tokens
-    moe = _moe("topk_softmax", 1, 1.0)
+    moe = small_moe("topk_softmax", 1, 1.0)
     moe.router = router
     out_TD = moe(x_TD[None])[0]
     assert out_TD[:6].abs().max() == 0 and out_TD[6:].abs().min() > 0
@@ -171,7 +152,7 @@ def test_balance_losses_follow_their_definitions() -> None:
 
 
 def test_aux_loss_reaches_the_router_scaled_by_the_context() -> None:
-    moe = _moe("topk_softmax", 2, None, load_balance_weight=0.5)
+    moe = small_moe("topk_softmax", 2, None, load_balance_weight=0.5)
     x_BSD = torch.randn(2, 6, DIM, dtype=torch.float64)
     routing = moe.router(x_BSD.reshape(-1, DIM))
     aux = 0.5 * switch_balance_loss(routing) + 0.001 * router_z_loss(routing)

@@ -26,6 +26,7 @@ from pipekit.moe.dispatch_plan import plan_partitions
 from pipekit.moe.granularity import GranularitySearch
 from pipekit.moe.pipelined import ExpertPipeline, pipelined_experts
 from pipekit.moe.restore import (
+    ExpertShape,
     Offloader,
     RestoreStrategy,
     choose_restore_strategy,
@@ -133,7 +134,8 @@ class ExpertExecution:
             hidden, dim = w1_EFD.shape[1], w1_EFD.shape[2]
             tokens = max(1, batch_tokens // partitions)
             speeds = measure_speeds(self.exchange, tokens, dim, hidden, x_TD.dtype, x_TD.device)
-            self._strategy = choose_restore_strategy(
-                speeds, tokens, dim, hidden, x_TD.element_size(), forward_gemms=3, middle_tensors=2
+            shape = ExpertShape(
+                tokens, dim, hidden, x_TD.element_size(), forward_gemms=3, middle_tensors=2
             )
+            self._strategy = choose_restore_strategy(speeds, shape)
         return self._strategy

@@ -37,6 +37,7 @@ from pipekit.moe.token_exchange import TokenExchange
 
 __all__ = [
     "RESTORE_STRATEGIES",
+    "ExpertShape",
     "HardwareSpeeds",
     "Offloader",
     "RestoreStrategy",
@@ -84,13 +85,24 @@ def restore_strategy(name: str) -> RestoreStrategy:
     return RESTORE_STRATEGIES[name]
 
 
+@dataclass(frozen=True)
+class ExpertShape:
+    """What Eq. 10 needs of a layer: B tokens per partition, M, H, and the expert's form.
+
+    The defaults are the paper's two-matrix FFN; a SwiGLU expert has `forward_gemms=3` and
+    `middle_tensors=2` (gate and up).
+    """
+
+    tokens: int
+    dim: int
+    hidden: int
+    element_size: int = 4
+    forward_gemms: int = 2
+    middle_tensors: int = 1
+
+
 def strategy_workload(
-    strategy: RestoreStrategy,
-    dim: int,
-    hidden: int,
-    *,
-    forward_gemms: int = 2,
-    middle_tensors: int = 1,
+    strategy: RestoreStrategy, shape: ExpertShape
 ) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
     """(Q_fw, Q_bw): [GEMMs, all-to-alls, copies in units of B x M] of the forward and backward.
 
@@ -102,10 +114,11 @@ def strategy_workload(
     if strategy.dispatched_input == "offload":
         copies += 1
     if strategy.middle == "offload":
-        copies += middle_tensors * hidden / dim
-    forward = (forward_gemms, 2, copies)
+        copies += shape.middle_tensors * shape.hidden / shape.dim
+    gemms = shape.forward_gemms
+    forward = (gemms, 2, copies)
     backward = (
-        2 * forward_gemms + (forward_gemms - 1 if strategy.middle == "recompute" else 0),
+        2 * gemms + (gemms - 1 if strategy.middle == "recompute" else 0),
         2 + (1 if strategy.dispatched_input == "communicate" else 0),
         copies,
     )
@@ -125,24 +138,12 @@ class HardwareSpeeds:
     """eta: the same for memory copies."""
 
 
-def restore_cost(
-    strategy: RestoreStrategy,
-    speeds: HardwareSpeeds,
-    tokens: int,
-    dim: int,
-    hidden: int,
-    element_size: int,
-    *,
-    forward_gemms: int = 2,
-    middle_tensors: int = 1,
-) -> float:
+def restore_cost(strategy: RestoreStrategy, speeds: HardwareSpeeds, shape: ExpertShape) -> float:
     """Eq. 10 in seconds, forward plus backward: each pass costs its slowest stream."""
-    gemm_flops = 2 * tokens * hidden * dim  # v_0,comp (Eq. 7), as FLOPs
-    unit_bytes = tokens * dim * element_size  # v_0,comm = v_0,mem (Eq. 8, 9), as bytes
+    gemm_flops = 2 * shape.tokens * shape.hidden * shape.dim  # v_0,comp (Eq. 7), as FLOPs
+    unit_bytes = shape.tokens * shape.dim * shape.element_size  # v_0,comm = v_0,mem (Eq. 8, 9)
     total = 0.0
-    for gemms, all_to_alls, copies in strategy_workload(
-        strategy, dim, hidden, forward_gemms=forward_gemms, middle_tensors=middle_tensors
-    ):
+    for gemms, all_to_alls, copies in strategy_workload(strategy, shape):
         total += max(
             gemms * gemm_flops / speeds.compute_flops,
             all_to_alls * unit_bytes / (speeds.communication_slowdown * speeds.communication_bytes),
@@ -151,31 +152,10 @@ def restore_cost(
     return total
 
 
-def choose_restore_strategy(
-    speeds: HardwareSpeeds,
-    tokens: int,
-    dim: int,
-    hidden: int,
-    element_size: int,
-    *,
-    forward_gemms: int = 2,
-    middle_tensors: int = 1,
-) -> RestoreStrategy:
+def choose_restore_strategy(speeds: HardwareSpeeds, shape: ExpertShape) -> RestoreStrategy:
     """The sharing strategy (S1-S4) of lowest Eq. 10 cost; ties go to the lower number."""
     candidates = [RESTORE_STRATEGIES[name] for name in ("S1", "S2", "S3", "S4")]
-    return min(
-        candidates,
-        key=lambda strategy: restore_cost(
-            strategy,
-            speeds,
-            tokens,
-            dim,
-            hidden,
-            element_size,
-            forward_gemms=forward_gemms,
-            middle_tensors=middle_tensors,
-        ),
-    )
+    return min(candidates, key=lambda strategy: restore_cost(strategy, speeds, shape))
 
 
 def _seconds(run, repeats: int = 3) -> float:
