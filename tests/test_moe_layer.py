@@ -209,3 +209,15 @@ def test_bad_moe_arguments_name_the_fix() -> None:
         ExpertExecution(partitions=0)
     with pytest.raises(ValueError, match="memory-reuse strategy"):
         ExpertExecution(memory_reuse="S5")
+
+
+def test_bfloat16_activations_run_the_experts_in_bfloat16() -> None:
+    """Mixed precision: float32 router scores and weights meet bf16 activations."""
+    moe = small_moe("topk_softmax", 2, None).float()
+    moe.eval()
+    x_BSD = torch.randn(2, 8, DIM).to(torch.bfloat16)
+    out_BSD = moe(x_BSD.requires_grad_())
+    out_BSD.float().sum().backward()
+    assert out_BSD.dtype == torch.bfloat16 and x_BSD.grad.dtype == torch.bfloat16
+    expected = moe(x_BSD.detach().float())
+    torch.testing.assert_close(out_BSD.float(), expected, rtol=5e-2, atol=2e-2)

@@ -86,7 +86,10 @@ class ExpertExecution:
             strategy=strategy,
             offloader=Offloader(x_TD.device),
         )
-        return pipelined_experts(x_TD, routing.weight_A[order_A], *weights, pipeline)
+        # Routers score in float32; experts and combine run in the activations' dtype.
+        weight_A = routing.weight_A[order_A].to(x_TD.dtype)
+        weights = tuple(weight.to(x_TD.dtype) for weight in weights)
+        return pipelined_experts(x_TD, weight_A, *weights, pipeline)
 
     def _agreed_batch_tokens(self, x_TD: Tensor) -> int:
         """This call's B; the largest rank's when a choice depends on it (ranks must agree)."""

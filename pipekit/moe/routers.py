@@ -22,6 +22,7 @@ Legend: T tokens, E experts, K experts per token, D model dim.
 
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 
-class Router(nn.Module):
+class Router(nn.Module, abc.ABC):
     """A bias-free gate `D -> E`; subclasses turn its logits into a `Routing`."""
 
     def __init__(
@@ -72,8 +73,9 @@ class Router(nn.Module):
             return None
         return expert_capacity(num_tokens, self.num_experts, self.top_k, self.capacity_factor)
 
+    @abc.abstractmethod
     def forward(self, x_TD: Tensor) -> Routing:
-        raise NotImplementedError
+        """The assignments of the tokens `x_TD`."""
 
 
 class TopKSoftmaxRouter(Router):

@@ -19,6 +19,7 @@ ranks issue them in the same order.
 
 from __future__ import annotations
 
+import abc
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,16 +53,17 @@ class PendingRows:
         return self._rows
 
 
-class TokenExchange:
+class TokenExchange(abc.ABC):
     """All-to-all among the `size` ranks that hold the experts."""
 
     size: int = 1
     rank: int = 0
 
+    @abc.abstractmethod
     def exchange_counts(self, send_counts: Tensor) -> Tensor:
         """`send_counts[..., r, :]` goes to rank r; returns the same shape indexed by source."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def start(
         self,
         rows: Tensor,
@@ -70,7 +72,6 @@ class TokenExchange:
         out: Tensor | None = None,
     ) -> PendingRows:
         """Send `rows` in blocks of `send_splits`; receive into `out` (or a new tensor)."""
-        raise NotImplementedError
 
 
 class LocalExchange(TokenExchange):
