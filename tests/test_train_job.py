@@ -355,3 +355,13 @@ def test_expert_parallel_moe_job_matches_fsdp_experts_and_resumes(tmp_path: Path
     _train(resumed_dir, *short[:-2], "--training.steps", "2", config=MOE_CONFIG)
     resumed = _train(resumed_dir, *short, config=MOE_CONFIG)
     assert resumed[4] == pytest.approx(expert_parallel[4], rel=1e-5)
+
+
+def test_expert_groups_replicated_over_data_ranks_match_fsdp_experts(tmp_path: Path) -> None:
+    """4 ranks, ep = 2: two ep groups each hold all 8 experts and sum their expert gradients
+    (ep_replicate); the losses equal those of the experts under FSDP over the 4 ranks."""
+    short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.enable", "false")
+    replicated = _train(tmp_path / "ep2", *short, nproc=4, config=MOE_CONFIG)
+    fsdp = _train(tmp_path / "ep1", *short, "--parallelism.ep", "1", nproc=4, config=MOE_CONFIG)
+    assert sorted(replicated) == [1, 2, 3]
+    assert replicated == pytest.approx(fsdp, rel=1e-4)

@@ -175,12 +175,10 @@ def _check_expert_parallel(config: JobConfig, dims: ParallelDims) -> None:
             f"[parallelism] ep={ep} must divide the {moe.num_experts} experts of "
             f"{config.model.name} {config.model.flavor}; choose a divisor of {moe.num_experts}"
         )
-    data_ranks = dims.dp_replicate * dims.dp_shard * dims.cp
-    if ep != data_ranks or dims.pp > 1:
+    if dims.pp > 1:
         raise ConfigError(
-            f"[parallelism] ep={ep}: the trainer shards experts over all {data_ranks} "
-            "data-parallel ranks and without pipeline parallelism for now; set ep = "
-            f"{data_ranks} and pipeline_parallel_degree = 1"
+            f"[parallelism] ep={ep}: the trainer does not run expert parallelism inside "
+            "pipeline stages yet; set pipeline_parallel_degree = 1 or ep = 1"
         )
 
 

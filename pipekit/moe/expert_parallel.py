@@ -9,20 +9,32 @@ trainer's seeded init does), before data parallelism; pass `expert_parameters(mo
 as ignored parameters, since every expert already lives on exactly one rank of the ep group.
 
 Gradients need no extra reduction when the ep group spans all data-parallel ranks: the
-all-to-all's backward already brings each expert the gradient of every rank's tokens.
+all-to-all's backward already brings each expert the gradient of every rank's tokens. With fewer
+ep ranks than data ranks, each ep group holds all experts and the groups are replicas of each
+other (`expert_mesh`: dims `ep_replicate` x `ep`); `all_reduce_replicated_expert_grads` then sums
+expert gradients over `ep_replicate` after the backward, as data parallelism does for replicated
+weights.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from pipekit.moe.execution import ExpertExecution
 from pipekit.moe.layer import MoE
 from pipekit.moe.token_exchange import CollectiveExchange, TokenExchange
 
-__all__ = ["apply_expert_parallel", "expert_parameters", "set_expert_execution"]
+__all__ = [
+    "all_reduce_replicated_expert_grads",
+    "apply_expert_parallel",
+    "expert_mesh",
+    "expert_parameters",
+    "set_expert_execution",
+]
 
 
 def apply_expert_parallel(
@@ -77,10 +89,40 @@ def set_expert_execution(
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The expert weights of every MoE layer (FSDP must leave them alone under full EP)."""
-    return {
+    """The expert weights of every MoE layer (FSDP must leave them alone under EP)."""
+    return set(_experts_in_order(model))
+
+
+def _experts_in_order(model: nn.Module) -> list[nn.Parameter]:
+    return [
         param
         for module in model.modules()
         if isinstance(module, MoE)
         for param in module.experts.parameters()
-    }
+    ]
+
+
+def expert_mesh(device_type: str, data_ranks: int, ep: int) -> DeviceMesh:
+    """The 2-D mesh `ep_replicate x ep` over the world's `data_ranks` ranks (all of them).
+
+    Neighbouring ranks share an ep group (the all-to-all stays within a node when it can);
+    every ep group holds all experts.
+    """
+    if data_ranks % ep:
+        raise ValueError(f"ep={ep} must divide the {data_ranks} data-parallel ranks")
+    return init_device_mesh(
+        device_type, (data_ranks // ep, ep), mesh_dim_names=("ep_replicate", "ep")
+    )
+
+
+@torch.no_grad()
+def all_reduce_replicated_expert_grads(
+    model: nn.Module, replicate_group: dist.ProcessGroup
+) -> None:
+    """Sum each expert gradient over the ep groups that hold the same experts (call after the
+    step's last backward). Module order, so every rank reduces the same tensor at once."""
+    for param in _experts_in_order(model):
+        if param.grad is not None:
+            grad = param.grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            dist.all_reduce(local, group=replicate_group)

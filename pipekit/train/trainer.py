@@ -38,7 +38,9 @@ from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import new_group_along
 from pipekit.moe.aux_loss import aux_loss_scale
 from pipekit.moe.expert_parallel import (
+    all_reduce_replicated_expert_grads,
     apply_expert_parallel,
+    expert_mesh,
     expert_parameters,
     set_expert_execution,
 )
@@ -103,6 +105,10 @@ class Trainer:
             dp_degree * config.training.gradient_accumulation_steps
         )
         torch.manual_seed(config.job.seed)
+        self._expert_mesh = None  # ep_replicate x ep, over the data ranks (validation: pp = 1)
+        if self.dims.ep_enabled:
+            data_ranks = self.dims.dp_degree * self.dims.cp
+            self._expert_mesh = expert_mesh(self.device.type, data_ranks, self.dims.ep)
         self.pipeline: PipelineRunner | None = None
         if self.dims.pp_enabled:
             self.model, self.pipeline = self._build_pipeline(load_hf=resume_step is None)
@@ -153,10 +159,10 @@ class Trainer:
     def _parallelize(self, model: nn.Module) -> None:
         """Expert parallelism, activation checkpointing, then data parallelism, in place."""
         moe = self.config.moe
-        if self.dims.ep_enabled:  # experts over all data-parallel ranks (config validation)
+        if self.dims.ep_enabled:
             apply_expert_parallel(
                 model,
-                self.dims.mesh("dp_cp"),
+                self._expert_mesh["ep"],
                 partitions=moe.partitions,
                 memory_reuse=moe.memory_reuse,
             )
@@ -331,6 +337,9 @@ class Trainer:
                     loss = self._forward_backward(batch, global_tokens)
                 if loss is not None:  # pipelined: only the rank with the last stage has a loss
                     loss_sum += loss.detach()
+        if self._expert_mesh is not None and self._expert_mesh["ep_replicate"].size() > 1:
+            replicas = self._expert_mesh["ep_replicate"].get_group()
+            all_reduce_replicated_expert_grads(self.model, replicas)
         global_loss = float(self._all_reduce_sum(loss_sum))
         if not math.isfinite(global_loss):
             raise NonFiniteLossError(
