@@ -221,3 +221,20 @@ def test_bfloat16_activations_run_the_experts_in_bfloat16() -> None:
     assert out_BSD.dtype == torch.bfloat16 and x_BSD.grad.dtype == torch.bfloat16
     expected = moe(x_BSD.detach().float())
     torch.testing.assert_close(out_BSD.float(), expected, rtol=5e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("memory_reuse", ["auto", "S3"])
+def test_automatic_partitions_work_inside_activation_checkpointing(memory_reuse: str) -> None:
+    """Algorithm 1's trials run a backward inside the layer's forward; under a checkpoint they
+    must not unpack through its hooks (that recomputes the block inside its own forward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe = small_moe("noisy_topk", 2, None)
+    x_BSD = torch.randn(2, 9, DIM, dtype=torch.float64)
+    expected = _reference(moe, x_BSD)
+    moe.execution = ExpertExecution(partitions="auto", memory_reuse=memory_reuse)
+    actual = _loss_and_grads(
+        moe, x_BSD, lambda m, x: checkpoint(m, x, use_reentrant=False, preserve_rng_state=True)
+    )
+    _assert_close(actual, expected)
+    assert moe.execution.granularity.trials_run >= 2

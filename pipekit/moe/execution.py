@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.graph import saved_tensors_hooks
 
 from pipekit.moe.dispatch_plan import plan_partitions
 from pipekit.moe.granularity import GranularitySearch
@@ -93,13 +94,19 @@ class ExpertExecution:
 
     def _agreed_batch_tokens(self, x_TD: Tensor) -> int:
         """This call's B; the largest rank's when a choice depends on it (ranks must agree)."""
-        batch_tokens = torch.tensor([x_TD.shape[0]], dtype=torch.int64)
         automatic = self.granularity is not None or (
             self.memory_reuse == "auto" and self._strategy is None
         )
-        if automatic and self.exchange.size > 1:
-            dist.all_reduce(batch_tokens, op=dist.ReduceOp.MAX, group=self.exchange.group)
-        return int(batch_tokens)
+        if not automatic:
+            return x_TD.shape[0]
+        return int(self._max_over_ranks(x_TD.shape[0], torch.int64, x_TD.device))
+
+    def _max_over_ranks(self, value: float, dtype: torch.dtype, device: torch.device) -> float:
+        """`value`'s maximum over the ep group (on the activations' device: NCCL has no CPU)."""
+        tensor = torch.tensor([value], dtype=dtype, device=device)
+        if self.exchange.size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.exchange.group)
+        return tensor.item()
 
     def _partitions(self, batch_tokens: int, x_TD: Tensor, routing: Routing, weights) -> int:
         if self.granularity is None:
@@ -117,16 +124,17 @@ class ExpertExecution:
         inputs = [tensor.detach().requires_grad_() for tensor in (x_TD, *weights)]
         detached = dataclasses.replace(routing, weight_A=routing.weight_A.detach())
         best = float("inf")
-        with torch.enable_grad():
+        # The trial's own backward must not unpack through the hooks of an enclosing activation
+        # checkpoint (that would recompute the block inside its forward): identity hooks.
+        with torch.enable_grad(), saved_tensors_hooks(lambda t: t, lambda t: t):
             for _ in range(_TRIAL_REPEATS):
+                _synchronize(x_TD.device)
                 started = time.perf_counter()
                 out_TD = self._run(inputs[0], detached, tuple(inputs[1:]), partitions, strategy)
                 out_TD.sum().backward()
+                _synchronize(x_TD.device)
                 best = min(best, time.perf_counter() - started)
-        seconds = torch.tensor([best], dtype=torch.float64)
-        if self.exchange.size > 1:
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.exchange.group)
-        return float(seconds)
+        return self._max_over_ranks(best, torch.float64, x_TD.device)
 
     def _restore_strategy(
         self, batch_tokens: int, x_TD: Tensor, w1_EFD: Tensor, partitions: int
@@ -142,3 +150,9 @@ class ExpertExecution:
             )
             self._strategy = choose_restore_strategy(speeds, shape)
         return self._strategy
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so host timers measure it (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -30,7 +30,8 @@ def grouped_kernel_applies(*tensors: Tensor) -> bool:
     first = tensors[0]
     if first.dtype not in _KERNEL_DTYPES.get(first.device.type, ()):
         return False
-    if first.device.type == "cuda" and torch.cuda.get_device_capability(first.device)[0] < 9:
+    # sm90 only: sm100 has returned non-zero weight gradients for empty groups (pytorch#172439).
+    if first.device.type == "cuda" and torch.cuda.get_device_capability(first.device)[0] != 9:
         return False
     alignment = 16 // first.element_size()
     return all(tensor.shape[-1] % alignment == 0 for tensor in tensors)
@@ -44,7 +45,7 @@ def grouped_matmul(
     x_AI: Tensor, w_EIO: Tensor, counts_E: list[int], out: Tensor | None = None
 ) -> Tensor:
     """Rows of expert e (the e-th run of `counts_E[e]` rows) times `w_EIO[e]`, into `out`."""
-    if grouped_kernel_applies(x_AI, w_EIO, w_EIO.transpose(-2, -1)):
+    if x_AI.shape[0] and grouped_kernel_applies(x_AI, w_EIO, w_EIO.transpose(-2, -1)):
         result_AO = grouped_mm(x_AI, w_EIO, offs=_offsets(counts_E, x_AI.device))
         return result_AO if out is None else out.copy_(result_AO)
     out_AO = x_AI.new_empty(x_AI.shape[0], w_EIO.shape[-1]) if out is None else out
@@ -57,7 +58,8 @@ def grouped_matmul(
 
 def grouped_weight_grad(a_AI: Tensor, b_AO: Tensor, counts_E: list[int]) -> Tensor:
     """`a_e^T @ b_e` per expert: [E, I, O], zero for an expert with no rows."""
-    if grouped_kernel_applies(a_AI, b_AO):
+    # No rows at all: a zero-length contraction, which the CUDA kernel rejects.
+    if a_AI.shape[0] and grouped_kernel_applies(a_AI, b_AO):
         return grouped_mm(a_AI.t(), b_AO, offs=_offsets(counts_E, a_AI.device))
     out_EIO = a_AI.new_zeros(len(counts_E), a_AI.shape[-1], b_AO.shape[-1])
     start = 0

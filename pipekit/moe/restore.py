@@ -192,8 +192,10 @@ def measure_speeds(
     offloader = Offloader(device)
     copy = _seconds(lambda: offloader.restore(offloader.offload(rows)))
     nbytes = rows.numel() * rows.element_size()
-    speeds = torch.tensor(
-        [2 * tokens * dim * hidden / gemm, nbytes / all_to_all, nbytes / copy], dtype=torch.float64
+    speeds = torch.tensor(  # on the device: an NCCL group cannot reduce CPU tensors
+        [2 * tokens * dim * hidden / gemm, nbytes / all_to_all, nbytes / copy],
+        dtype=torch.float64,
+        device=device,
     )
     if exchange.size > 1:
         dist.all_reduce(speeds, op=dist.ReduceOp.MIN, group=exchange.group)
