@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from pipekit.moe import dispatch_plan as dispatch_plan_module
 from pipekit.moe.dispatch_plan import plan_partitions
 from pipekit.moe.expert_parallel import apply_expert_parallel
-from pipekit.moe.token_exchange import CollectiveExchange, PacedExchange
+from pipekit.moe.token_exchange import CollectiveExchange, PacedExchange, link_rows
 
 CASES = [
     ("topk_softmax", 2, None, 1, "none"),
@@ -144,10 +144,7 @@ def _round_trip_run(rank: int, world_size: int, paced: bool) -> dict:
         received = exchange.start(rows, plan.send_splits, plan.recv_splits).wait()
         back.append(exchange.start(received, plan.recv_splits, plan.send_splits).wait())
     elapsed = time.perf_counter() - started
-    remote_rows = sum(
-        max(sum(p.send_splits) - p.send_splits[rank], sum(p.recv_splits) - p.recv_splits[rank])
-        for p in plans
-    )
+    remote_rows = sum(link_rows(p.send_splits, p.recv_splits, rank) for p in plans)
     return {
         "identity": torch.equal(torch.cat(back), rows_AD),
         "elapsed": elapsed,

@@ -44,7 +44,12 @@ from pipekit.moe.execution import ExpertExecution
 from pipekit.moe.expert_parallel import apply_expert_parallel
 from pipekit.moe.experts import ExpertGrads, swiglu_backward, swiglu_middle, swiglu_output
 from pipekit.moe.memory_model import reuse_saving_ratio
-from pipekit.moe.token_exchange import CollectiveExchange, PacedExchange, TokenExchange
+from pipekit.moe.token_exchange import (
+    CollectiveExchange,
+    PacedExchange,
+    TokenExchange,
+    link_rows,
+)
 
 _MIB = 2**20
 _FAIR_TUNABLES = "glibc.malloc.mmap_max=0"
@@ -104,11 +109,7 @@ def _link_calibration(moe: MoE, x_TD: torch.Tensor, exchange: TokenExchange) -> 
         compute()
         samples.append(time.perf_counter() - started)
     seconds = min(samples)  # the least disturbed run: the link must not absorb noise
-    rank = exchange.rank
-    remote_rows = max(
-        sum(plan.send_splits) - plan.send_splits[rank],
-        sum(plan.recv_splits) - plan.recv_splits[rank],
-    )
+    remote_rows = link_rows(plan.send_splits, plan.recv_splits, exchange.rank)
     step_bytes = _ALL_TO_ALLS_PER_STEP * remote_rows * x_TD.shape[1] * x_TD.element_size()
     return _max_over_ranks(seconds), int(_max_over_ranks(step_bytes))
 

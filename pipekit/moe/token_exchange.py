@@ -34,7 +34,14 @@ __all__ = [
     "PacedExchange",
     "PendingRows",
     "TokenExchange",
+    "link_rows",
 ]
+
+
+def link_rows(send_splits: list[int], recv_splits: list[int], rank: int) -> int:
+    """Rows one all-to-all moves over `rank`'s link: all but its block to itself, in the
+    busier direction (a full-duplex link)."""
+    return max(sum(send_splits) - send_splits[rank], sum(recv_splits) - recv_splits[rank])
 
 
 class PendingRows:
@@ -152,12 +159,9 @@ class PacedExchange(CollectiveExchange):
         received = self._receive_buffer(rows, recv_splits, out)
         rows = rows.contiguous()
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-        # Bytes that cross the link: everything but this rank's block to itself, the larger
-        # direction (a full-duplex link).
-        remote_rows = max(
-            sum(send_splits) - send_splits[self.rank], sum(recv_splits) - recv_splits[self.rank]
+        duration = (
+            link_rows(send_splits, recv_splits, self.rank) * row_bytes * self.seconds_per_byte
         )
-        duration = remote_rows * row_bytes * self.seconds_per_byte
 
         def transfer() -> None:
             started = time.perf_counter()
