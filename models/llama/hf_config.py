@@ -4,6 +4,10 @@ Published Llama 3.x checkpoints say `rope_theta` and `rope_scaling` (with `rope_
 in older files); transformers 5 writes `rope_parameters` with `rope_theta` inside. Both are read
 here with transformers' defaults for absent keys, so a file means the same model to pipekit as to
 transformers. We write the published dialect, which every transformers version reads.
+
+Other model types that extend Llama's keys (Mixtral) reuse the parsing and writing of those keys
+through `HFModelType`, which holds what differs between them: the model_type and transformers'
+defaults for absent keys.
 """
 
 from __future__ import annotations
@@ -11,15 +15,27 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from models.llama.args import LlamaArgs, RopeScaling
 from pipekit.checkpoint.safetensors_io import CheckpointError
 
-__all__ = ["CONFIG_FILE", "args_to_hf_config", "hf_config_to_args", "read_hf_llama_args"]
+__all__ = [
+    "CONFIG_FILE",
+    "LLAMA_MODEL_TYPE",
+    "HFModelType",
+    "args_to_hf_config",
+    "build_args",
+    "hf_config_to_args",
+    "llama_config_fields",
+    "llama_config_keys",
+    "read_config_json",
+    "read_hf_llama_args",
+]
 
 CONFIG_FILE = "config.json"
 
@@ -30,16 +46,51 @@ _REQUIRED_INTS = (
     "num_attention_heads",
     "vocab_size",
 )
-# transformers' LlamaConfig defaults, used when a key is absent.
-_DEFAULT_ROPE_THETA = 10000.0
-_DEFAULT_RMS_NORM_EPS = 1e-6
-_DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
 _UNSCALED_ROPE_TYPES = (None, "default")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+_Args = TypeVar("_Args", bound=LlamaArgs)
+
+
+@dataclass(kw_only=True, frozen=True)
+class HFModelType:
+    """A Hugging Face model type with Llama's config keys, and transformers' defaults for them."""
+
+    model_type: str
+    """config.json's `model_type`; any other value is refused."""
+    architecture: str
+    """The `architectures` entry written."""
+    pipekit_model: str
+    """The pipekit model it loads into, for messages."""
+    rope_theta: float
+    """Default of `rope_theta`."""
+    rms_norm_eps: float
+    """Default of `rms_norm_eps`."""
+    max_position_embeddings: int
+    """Default of `max_position_embeddings`."""
+    num_key_value_heads: int | None
+    """Default of an absent `num_key_value_heads`; None: `num_attention_heads` (as for null)."""
+
+
+LLAMA_MODEL_TYPE = HFModelType(
+    model_type="llama",
+    architecture="LlamaForCausalLM",
+    pipekit_model="Llama",
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=2048,
+    num_key_value_heads=None,
+)
+"""transformers' LlamaConfig."""
 
 
 def read_hf_llama_args(directory: str | os.PathLike[str]) -> LlamaArgs:
     """LlamaArgs described by `directory/config.json`, with errors that name the file."""
+    config, source = read_config_json(directory)
+    return hf_config_to_args(config, source=source)
+
+
+def read_config_json(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
+    """(the JSON object in `directory/config.json`, its path for messages)."""
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(
@@ -51,12 +102,28 @@ def read_hf_llama_args(directory: str | os.PathLike[str]) -> LlamaArgs:
         raise CheckpointError(f"cannot read {path}: {error}") from error
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} must hold a JSON object, not {type(config).__name__}")
-    return hf_config_to_args(config, source=str(path))
+    return config, str(path)
 
 
 def hf_config_to_args(config: Mapping[str, Any], *, source: str = CONFIG_FILE) -> LlamaArgs:
     """Parse a Llama config.json (either dialect); reject what pipekit's Llama cannot compute."""
-    problems = _unsupported_features(config)
+    return build_args(LlamaArgs, llama_config_fields(config, source=source), source)
+
+
+def llama_config_fields(
+    config: Mapping[str, Any],
+    *,
+    source: str = CONFIG_FILE,
+    model_type: HFModelType = LLAMA_MODEL_TYPE,
+    problems: list[str] | None = None,
+) -> dict[str, Any]:
+    """LlamaArgs keyword arguments from the Llama keys of `config`, absent keys taking
+    `model_type`'s defaults.
+
+    Raises one CheckpointError listing every problem found, after the caller's own `problems`
+    (what its model type adds to Llama's keys).
+    """
+    problems = [*(problems or ()), *_unsupported_features(config, model_type)]
     missing = [key for key in _REQUIRED_INTS if key not in config]
     if missing:
         problems.append(f"missing keys {missing}")
@@ -65,41 +132,54 @@ def hf_config_to_args(config: Mapping[str, Any], *, source: str = CONFIG_FILE) -
         for key in (*_REQUIRED_INTS, "num_key_value_heads", "head_dim")
         if config.get(key) is not None and not _is_int(config[key])
     ]
-    rope_theta, rope_scaling = _rope(config, problems)
+    rope_theta, rope_scaling = _rope(config, model_type, problems)
     if problems:
         raise CheckpointError(
-            f"{source} describes a model pipekit's Llama cannot load: {'; '.join(problems)}"
+            f"{source} describes a model pipekit's {model_type.pipekit_model} cannot load: "
+            f"{'; '.join(problems)}"
         )
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim")
     if head_dim is not None and n_heads > 0 and dim % n_heads == 0 and head_dim == dim // n_heads:
         head_dim = None  # the default, spelled out (transformers 5 always writes it)
+    return {
+        "dim": dim,
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": n_heads,
+        "n_kv_heads": config.get("num_key_value_heads", model_type.num_key_value_heads) or n_heads,
+        "head_dim": head_dim,
+        "vocab_size": config["vocab_size"],
+        "ffn_dim": config["intermediate_size"],
+        "norm_eps": float(config.get("rms_norm_eps", model_type.rms_norm_eps)),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_seq_len": _max_position_embeddings(config, model_type),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+    }
+
+
+def build_args(args_type: type[_Args], fields: Mapping[str, Any], source: str) -> _Args:
+    """`args_type(**fields)`, its validation errors raised as CheckpointErrors naming `source`."""
     try:
-        return LlamaArgs(
-            dim=dim,
-            n_layers=config["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads") or n_heads,
-            head_dim=head_dim,
-            vocab_size=config["vocab_size"],
-            ffn_dim=config["intermediate_size"],
-            norm_eps=float(config.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_seq_len=_max_position_embeddings(config),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+        return args_type(**fields)
     except ValueError as error:
         raise CheckpointError(f"{source}: {error}") from error
 
 
 def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The published-dialect config.json of a model with `args` whose weights are `dtype`."""
+    return llama_config_keys(args, dtype) | {"attention_bias": False, "mlp_bias": False}
+
+
+def llama_config_keys(
+    args: LlamaArgs, dtype: torch.dtype, model_type: HFModelType = LLAMA_MODEL_TYPE
+) -> dict[str, Any]:
+    """The Llama keys of a published-dialect config.json of `model_type` (no bias keys)."""
     dtype_name = str(dtype).removeprefix("torch.")
     scaling = args.rope_scaling
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [model_type.architecture],
+        "model_type": model_type.model_type,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_dim,
         "num_hidden_layers": args.n_layers,
@@ -107,9 +187,7 @@ def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype = torch.float32) -> di
         "num_key_value_heads": args.num_kv_heads,
         "head_dim": args.per_head_dim,
         "hidden_act": "silu",
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
@@ -129,10 +207,10 @@ def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype = torch.float32) -> di
     }
 
 
-def _unsupported_features(config: Mapping[str, Any]) -> list[str]:
+def _unsupported_features(config: Mapping[str, Any], model_type: HFModelType) -> list[str]:
     problems = []
-    if config.get("model_type") != "llama":
-        problems.append(f"model_type={config.get('model_type')!r} (need 'llama')")
+    if config.get("model_type") != model_type.model_type:
+        problems.append(f"model_type={config.get('model_type')!r} (need {model_type.model_type!r})")
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={config['hidden_act']!r} (pipekit's Llama uses 'silu')")
     problems += [
@@ -147,14 +225,17 @@ def _unsupported_features(config: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def _rope(config: Mapping[str, Any], problems: list[str]) -> tuple[float, RopeScaling | None]:
+def _rope(
+    config: Mapping[str, Any], model_type: HFModelType, problems: list[str]
+) -> tuple[float, RopeScaling | None]:
     """(rope_theta, rope_scaling) from either dialect; unsupported kinds go to `problems`."""
     # transformers gives a non-null legacy `rope_scaling` priority over `rope_parameters`.
     parameters = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if not isinstance(parameters, Mapping):
         problems.append(f"rope_scaling/rope_parameters={parameters!r} must be an object or null")
-        return _DEFAULT_ROPE_THETA, None
-    rope_theta = float(parameters.get("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA)))
+        return model_type.rope_theta, None
+    default_theta = config.get("rope_theta", model_type.rope_theta)
+    rope_theta = float(parameters.get("rope_theta", default_theta))
     rope_type = parameters.get("rope_type", parameters.get("type"))
     if rope_type in _UNSCALED_ROPE_TYPES:
         return rope_theta, None
@@ -173,13 +254,14 @@ def _rope(config: Mapping[str, Any], problems: list[str]) -> tuple[float, RopeSc
         low_freq_factor=float(parameters["low_freq_factor"]),
         high_freq_factor=float(parameters["high_freq_factor"]),
         original_max_position_embeddings=int(
-            parameters.get("original_max_position_embeddings") or _max_position_embeddings(config)
+            parameters.get("original_max_position_embeddings")
+            or _max_position_embeddings(config, model_type)
         ),
     )
 
 
-def _max_position_embeddings(config: Mapping[str, Any]) -> int:
-    return int(config.get("max_position_embeddings", _DEFAULT_MAX_POSITION_EMBEDDINGS))
+def _max_position_embeddings(config: Mapping[str, Any], model_type: HFModelType) -> int:
+    return int(config.get("max_position_embeddings", model_type.max_position_embeddings))
 
 
 def _is_int(value: object) -> bool:

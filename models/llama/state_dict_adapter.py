@@ -6,6 +6,9 @@ the rows of every head of wq and wk are reordered: pipekit row 2i+c of a head is
 c*head_dim/2 + i. The reorder stays inside a head, so a row range of whole heads is the same row
 range in both layouts, and a tensor-parallel rank can read just its heads.
 
+`load_hf_weights` and `save_hf_weights` are the checked load and save of any model of the Llama
+family given its names and shapes; Mixtral (`models/llama_moe/hf_mixtral.py`) reuses them.
+
 Shape legend: R rows (output features), D model dim.
 """
 
@@ -14,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,16 +36,24 @@ from pipekit.checkpoint.safetensors_io import (
 
 __all__ = [
     "build_llama_from_hf",
+    "check_hf_llama_checkpoint",
+    "comparable_fields",
+    "config_differences",
     "from_hf_name",
     "from_hf_state_dict",
+    "hf_source_name",
     "llama_param_shapes",
     "load_hf_llama",
+    "load_hf_weights",
     "permute_from_hf",
     "permute_to_hf",
     "read_hf_tensor",
+    "rope_permuted",
     "save_hf_llama",
+    "save_hf_weights",
     "to_hf_name",
     "to_hf_state_dict",
+    "to_hf_tensor",
 ]
 
 _TOP_LEVEL_NAMES = {
@@ -132,11 +144,13 @@ def to_hf_state_dict(
     for name, tensor in state_dict.items():
         if args.tie_embeddings and name == "output.weight":
             continue
-        permuted = name.endswith(_ROPE_PERMUTED)
-        hf_state_dict[to_hf_name(name)] = (
-            permute_to_hf(tensor, args.per_head_dim) if permuted else tensor
-        )
+        hf_state_dict[to_hf_name(name)] = to_hf_tensor(name, tensor, args)
     return hf_state_dict
+
+
+def to_hf_tensor(name: str, tensor: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
+    """pipekit parameter `name` in Hugging Face row order (wq and wk permuted per head)."""
+    return permute_to_hf(tensor, args.per_head_dim) if name.endswith(_ROPE_PERMUTED) else tensor
 
 
 def from_hf_state_dict(
@@ -172,7 +186,7 @@ def read_hf_tensor(
                 f"rows {rows.start}:{rows.stop} of {name} do not cover whole heads; with "
                 f"head_dim={head_dim} start and stop must be multiples of {head_dim}"
             )
-    tensor = checkpoint.read(_hf_source(name, args), rows)
+    tensor = checkpoint.read(hf_source_name(name, args), rows)
     return permute_from_hf(tensor, head_dim) if permuted else tensor
 
 
@@ -183,26 +197,71 @@ def load_hf_llama(directory: str | os.PathLike[str], model: nn.Module, args: Lla
     property of the weights). Everything is checked before the first parameter is written, so a
     failed load leaves the model untouched.
     """
-    differences = _config_differences(read_hf_llama_args(directory), args)
+    _check_llama_config(directory, args)
+    load_hf_weights(
+        directory, model, args, llama_param_shapes(args), _llama_hf_shapes(args), read_hf_tensor
+    )
+
+
+def check_hf_llama_checkpoint(checkpoint: SafetensorsCheckpoint, args: LlamaArgs) -> None:
+    """CheckpointError unless `checkpoint` is a Llama of shape `args`: its config.json and every
+    tensor's name and shape (from the file headers; no tensor data is read unless tied)."""
+    _check_llama_config(checkpoint.directory, args)
+    _check_checkpoint_tensors(checkpoint, args, _llama_hf_shapes(args))
+
+
+def rope_permuted(name: str) -> bool:
+    """Whether pipekit parameter `name` has its rows reordered per head (wq, wk)."""
+    return name.endswith(_ROPE_PERMUTED)
+
+
+def _check_llama_config(directory: str | os.PathLike[str], args: LlamaArgs) -> None:
+    differences = config_differences(
+        comparable_fields(read_hf_llama_args(directory)), comparable_fields(args)
+    )
     if differences:
         raise CheckpointError(
             f"{os.path.join(directory, CONFIG_FILE)} does not match the model's LlamaArgs: "
             f"{'; '.join(differences)}; build the model from read_hf_llama_args(directory) "
             "or load a checkpoint of this shape"
         )
-    params = _parameters_matching(model, args)
+
+
+def _llama_hf_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor of the checkpoint (tied lm_head dropped)."""
+    return {
+        to_hf_name(name): shape
+        for name, shape in llama_param_shapes(args).items()
+        if not (args.tie_embeddings and name == "output.weight")
+    }
+
+
+def load_hf_weights(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    args: LlamaArgs,
+    param_shapes: Mapping[str, tuple[int, ...]],
+    hf_shapes: Mapping[str, tuple[int, ...]],
+    read: Callable[[SafetensorsCheckpoint, str, Any], torch.Tensor],
+) -> None:
+    """Copy `read(checkpoint, name, args)` into every parameter `name` of `model`, once the
+    model's parameters match `param_shapes` (for the modules it holds) and the checkpoint holds
+    exactly the tensors `hf_shapes` (plus an identical `lm_head.weight` when tied, and ignored
+    rotary buffers). A failed check writes nothing.
+    """
+    params = _parameters_matching(model, args, param_shapes)
     if any(param.is_meta for param in params.values()):
         raise ValueError(
             "the model's parameters are on the meta device; call model.to_empty(device=...) "
             "before loading"
         )
     with SafetensorsCheckpoint(directory) as checkpoint:
-        _check_checkpoint_tensors(checkpoint, args)
+        _check_checkpoint_tensors(checkpoint, args, hf_shapes)
         copied: set[int] = set()
         with torch.no_grad():
             for name, param in params.items():
                 if id(param) not in copied:  # a tied weight is read once
-                    param.copy_(read_hf_tensor(checkpoint, name, args))
+                    param.copy_(read(checkpoint, name, args))
                     copied.add(id(param))
 
 
@@ -218,16 +277,42 @@ def save_hf_llama(
 
     Tensors keep the model's dtype, so load -> save -> load is bit-exact.
     """
-    params = _parameters_matching(model, args)
+    save_hf_weights(
+        model,
+        args,
+        directory,
+        param_shapes=llama_param_shapes(args),
+        to_hf=to_hf_state_dict,
+        hf_config=args_to_hf_config,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+    )
+
+
+def save_hf_weights(
+    model: nn.Module,
+    args: LlamaArgs,
+    directory: str | os.PathLike[str],
+    *,
+    param_shapes: Mapping[str, tuple[int, ...]],
+    to_hf: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]],
+    hf_config: Callable[[Any, torch.dtype], dict[str, Any]],
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> None:
+    """Write `to_hf(state_dict, args)` and `hf_config(args, dtype)` (config.json) atomically,
+    once the model's parameters match `param_shapes` and a tied output equals the embedding.
+    """
+    params = _parameters_matching(model, args, param_shapes)
     embedding, output = params["tok_embeddings.weight"], params["output.weight"]
     if args.tie_embeddings and not (output is embedding or torch.equal(output, embedding)):
         raise ValueError(
             "args.tie_embeddings=True but the model's output.weight differs from "
             "tok_embeddings.weight; saving would drop it. Tie them or set tie_embeddings=False"
         )
-    config = args_to_hf_config(args, dtype=embedding.dtype)
+    config = hf_config(args, embedding.dtype)
     save_safetensors(
-        to_hf_state_dict({name: param.detach() for name, param in params.items()}, args),
+        to_hf({name: param.detach() for name, param in params.items()}, args),
         directory,
         max_shard_bytes=max_shard_bytes,
         extra_files={CONFIG_FILE: json.dumps(config, indent=2) + "\n"},
@@ -257,15 +342,17 @@ def _whole_heads(w_RD: torch.Tensor, head_dim: int) -> int:
     return w_RD.shape[0] // head_dim
 
 
-def _hf_source(name: str, args: LlamaArgs) -> str:
+def hf_source_name(name: str, args: LlamaArgs) -> str:
     """Checkpoint tensor that holds parameter `name` (tied output reads the embedding)."""
     if args.tie_embeddings and name == "output.weight":
         return _TOP_LEVEL_NAMES["tok_embeddings.weight"]
     return to_hf_name(name)
 
 
-def _config_differences(checkpoint_args: LlamaArgs, model_args: LlamaArgs) -> list[str]:
-    checkpoint_fields, model_fields = _comparable(checkpoint_args), _comparable(model_args)
+def config_differences(
+    checkpoint_fields: Mapping[str, object], model_fields: Mapping[str, object]
+) -> list[str]:
+    """'key: checkpoint X, model Y' for every field (of `comparable_fields`) that differs."""
     return [
         f"{key}: checkpoint {checkpoint_fields[key]!r}, model {model_fields[key]!r}"
         for key in checkpoint_fields
@@ -273,26 +360,28 @@ def _config_differences(checkpoint_args: LlamaArgs, model_args: LlamaArgs) -> li
     ]
 
 
-def _comparable(args: LlamaArgs) -> dict[str, object]:
+def comparable_fields(args: LlamaArgs) -> dict[str, object]:
     """Fields that change what the weights compute, with their defaults resolved."""
     values = {field.name: getattr(args, field.name) for field in fields(args)}
     del values["max_seq_len"]
     return values | {"n_kv_heads": args.num_kv_heads, "head_dim": args.per_head_dim}
 
 
-def _parameters_matching(model: nn.Module, args: LlamaArgs) -> dict[str, nn.Parameter]:
-    """The model's parameters (tied ones under both names), checked against `args`. A model
-    that holds only some modules (the others None, e.g. a pipeline stage) is checked, and
+def _parameters_matching(
+    model: nn.Module, args: LlamaArgs, param_shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, nn.Parameter]:
+    """The model's parameters (tied ones under both names), checked against `param_shapes`. A
+    model that holds only some modules (the others None, e.g. a pipeline stage) is checked, and
     loaded, for those."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = {
-        name: shape for name, shape in llama_param_shapes(args).items() if _holds(model, name)
-    }
+    expected = {name: shape for name, shape in param_shapes.items() if _holds(model, name)}
     problems = _name_and_shape_problems(
         {name: tuple(param.shape) for name, param in params.items()}, expected
     )
     if problems:
-        raise ValueError(f"the model does not have the parameters its LlamaArgs imply: {problems}")
+        raise ValueError(
+            f"the model does not have the parameters its {type(args).__name__} imply: {problems}"
+        )
     return params
 
 
@@ -306,12 +395,10 @@ def _holds(model: nn.Module, name: str) -> bool:
     return rest.partition(".")[0] in module
 
 
-def _check_checkpoint_tensors(checkpoint: SafetensorsCheckpoint, args: LlamaArgs) -> None:
-    expected = {
-        to_hf_name(name): shape
-        for name, shape in llama_param_shapes(args).items()
-        if not (args.tie_embeddings and name == "output.weight")
-    }
+def _check_checkpoint_tensors(
+    checkpoint: SafetensorsCheckpoint, args: LlamaArgs, hf_shapes: Mapping[str, tuple[int, ...]]
+) -> None:
+    expected = dict(hf_shapes)
     present = {name for name in checkpoint.names if not name.endswith(_IGNORED_HF_SUFFIX)}
     tied_head = args.tie_embeddings and _TIED_HEAD in present
     if tied_head:

@@ -1,8 +1,9 @@
 """Llama-MoE hyper-parameters: a Llama shape plus which layers are MoE and how they route.
 
 `moe_every = k` makes layers k-1, 2k-1, ... MoE (every layer for k = 1, as in Mixtral); the
-others keep the dense SwiGLU FFN of `ffn_dim`. Experts have `ffn_dim` hidden units too, so an
-expert is a copy-compatible Llama FFN (upcycling).
+others keep the dense SwiGLU FFN of `ffn_dim`. Experts have `expert_ffn_dim` hidden units, by
+default `ffn_dim`, so an expert is a copy of a Llama FFN (upcycling); granular upcycling makes
+each expert one of G pieces of it (`ffn_dim / G`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class LlamaMoEArgs(LlamaArgs):
     """Experts, router and auxiliary losses of every MoE layer."""
     moe_every: int = 1
     """Every k-th layer (layers k-1, 2k-1, ...) is MoE; 1 makes all layers MoE."""
+    expert_ffn_dim: int | None = None
+    """Hidden units of each expert; None: `ffn_dim`."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -31,6 +34,13 @@ class LlamaMoEArgs(LlamaArgs):
                 f"LlamaMoEArgs.moe_every={self.moe_every} must be between 1 and "
                 f"n_layers={self.n_layers} (at least one MoE layer)"
             )
+        if self.expert_ffn_dim is not None and self.expert_ffn_dim < 1:
+            raise ValueError(f"LlamaMoEArgs.expert_ffn_dim={self.expert_ffn_dim} must be positive")
+
+    @property
+    def moe_ffn_dim(self) -> int:
+        """Hidden units of each expert."""
+        return self.ffn_dim if self.expert_ffn_dim is None else self.expert_ffn_dim
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id % self.moe_every == self.moe_every - 1

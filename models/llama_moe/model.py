@@ -21,4 +21,4 @@ class LlamaMoE(Llama):
         super().__init__(args)
         for key, block in self.layers.items():
             if args.is_moe_layer(int(key)):
-                block.feed_forward = MoE(args.dim, args.ffn_dim, args.moe)
+                block.feed_forward = MoE(args.dim, args.moe_ffn_dim, args.moe)
