@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint as _composable_checkpoint
 from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 __all__ = [
     "checkpoint_module_activations",
@@ -23,6 +24,7 @@ __all__ = [
     "flatten_mesh",
     "fsdp_replicate",
     "grouped_mm",
+    "local_shape_and_offset",
     "more_recompiles",
 ]
 
@@ -39,6 +41,10 @@ cpu_flash_attention_backward = torch.ops.aten._scaled_dot_product_flash_attentio
 # float32/bfloat16/float16 on CPU; bfloat16 on CUDA (sm90+); strides must be 16-byte multiples.
 # None where this torch build lacks it.
 grouped_mm = getattr(torch, "_grouped_mm", None)
+
+# (global_shape, mesh, placements) -> (local shape, global offset) of this rank's DTensor shard,
+# uneven shards included (a rank outside the mesh or past the end gets size 0).
+local_shape_and_offset = compute_local_shape_and_global_offset
 
 
 @contextlib.contextmanager

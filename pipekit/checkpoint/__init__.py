@@ -9,8 +9,10 @@ from pipekit.checkpoint.safetensors_io import (
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointError,
+    PendingTensor,
     SafetensorsCheckpoint,
     TensorInfo,
+    TensorRead,
     save_safetensors,
 )
 
@@ -19,7 +21,9 @@ __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
     "CheckpointError",
+    "PendingTensor",
     "SafetensorsCheckpoint",
     "TensorInfo",
+    "TensorRead",
     "save_safetensors",
 ]

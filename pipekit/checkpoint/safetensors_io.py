@@ -15,7 +15,7 @@ import math
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +32,10 @@ __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
     "CheckpointError",
+    "PendingTensor",
     "SafetensorsCheckpoint",
     "TensorInfo",
+    "TensorRead",
     "save_safetensors",
 ]
 
@@ -78,14 +80,28 @@ class TensorInfo:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class TensorRead:
+    """One block read from a checkpoint: tensor, (start, stop) per dim, bytes copied out."""
+
+    name: str
+    bounds: tuple[tuple[int, int], ...]
+    nbytes: int
+
+
 class SafetensorsCheckpoint:
     """Read-only, lazy view of a safetensors checkpoint directory.
 
     Usable as a context manager; `close()` drops the memory maps of the files opened so far.
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], *, read_log: list[TensorRead] | None = None
+    ) -> None:
         self.directory = Path(directory)
+        self.read_log = read_log
+        """Every block read is appended here when given (what a rank read, for tests and
+        benches)."""
         if not self.directory.is_dir():
             what = "is not a directory" if self.directory.exists() else "does not exist"
             raise CheckpointError(f"checkpoint directory {self.directory} {what}")
@@ -134,19 +150,22 @@ class SafetensorsCheckpoint:
 
         Only the bytes of those rows are read from disk.
         """
+        return self.read_block(name, () if rows is None else (rows,))
+
+    def read_block(self, name: str, index: Sequence[slice]) -> torch.Tensor:
+        """The block `index` of one tensor (a step-1 slice per leading dim; the rest whole).
+
+        Rows are contiguous on disk; a block narrower than the full width in a later dim reads
+        only its own elements of each row (safetensors copies them out of the memory map).
+        """
         path = self._file_of(name)
         tensor_slice = self._slice(path, name)
-        if rows is None:
-            return self._open(path).get_tensor(name)
-        shape = tensor_slice.get_shape()
-        if not shape or rows.step not in (None, 1):
-            raise CheckpointError(f"cannot take rows {rows} of {name!r} with shape {shape}")
-        start, stop = rows.start or 0, shape[0] if rows.stop is None else rows.stop
-        if not 0 <= start < stop <= shape[0]:
-            raise CheckpointError(
-                f"rows {start}:{stop} are out of range for {name!r} with {shape[0]} rows"
-            )
-        return tensor_slice[start:stop]
+        shape = tuple(tensor_slice.get_shape())
+        bounds = _block_bounds(name, shape, index)
+        block = tensor_slice[tuple(slice(start, stop) for start, stop in bounds)]
+        if self.read_log is not None:
+            self.read_log.append(TensorRead(name, bounds, block.numel() * block.element_size()))
+        return block
 
     def close(self) -> None:
         """Drop the open file handles (the memory maps go with them)."""
@@ -224,25 +243,63 @@ class SafetensorsCheckpoint:
             ) from error
 
 
+def _block_bounds(
+    name: str, shape: tuple[int, ...], index: Sequence[slice]
+) -> tuple[tuple[int, int], ...]:
+    """(start, stop) per dim of `index` on a tensor of `shape`, or a CheckpointError."""
+    if len(index) > len(shape) or any(part.step not in (None, 1) for part in index):
+        raise CheckpointError(
+            f"cannot take block {list(index)} of {name!r} with shape {list(shape)}: give at most "
+            "one step-1 slice per dim"
+        )
+    bounds = []
+    for dim, size in enumerate(shape):
+        part = index[dim] if dim < len(index) else slice(None)
+        start, stop = part.start or 0, size if part.stop is None else part.stop
+        if not 0 <= start <= stop <= size or (start == stop and size > 0):
+            raise CheckpointError(
+                f"block {start}:{stop} of dim {dim} is out of range for {name!r} with shape "
+                f"{list(shape)}"
+            )
+        bounds.append((start, stop))
+    return tuple(bounds)
+
+
+@dataclass(frozen=True)
+class PendingTensor:
+    """A tensor to be written, produced only when its shard is written (streaming writes)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    produce: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
 def save_safetensors(
-    state_dict: Mapping[str, torch.Tensor],
+    state_dict: Mapping[str, torch.Tensor | PendingTensor],
     directory: str | os.PathLike[str],
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     extra_files: Mapping[str, str] | None = None,
     overwrite: bool = False,
+    on_tensor: Callable[[str, int], None] | None = None,
 ) -> list[Path]:
     """Write `state_dict` as a safetensors checkpoint directory; returns the tensor files.
 
     One `model.safetensors` when everything fits in `max_shard_bytes`, otherwise shards filled in
     the order of `state_dict` plus an index (a tensor larger than the limit gets a shard alone).
-    `extra_files` (name -> text, e.g. config.json) go into the same directory. Everything is
-    written into a hidden sibling directory that is renamed into place once complete.
+    A `PendingTensor` is produced when its shard is written, so at most one shard is in memory.
+    `on_tensor(name, nbytes)` is called as each tensor is ready (progress bars). `extra_files`
+    (name -> text, e.g. config.json) go into the same directory. Everything is written into a
+    hidden sibling directory that is renamed into place once complete.
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
-    tensors = {name: _host_tensor(name, tensor) for name, tensor in state_dict.items()}
-    shards = _split_into_shards(tensors, max_shard_bytes)
+    sizes = {name: _planned_nbytes(name, tensor) for name, tensor in state_dict.items()}
+    shards = _split_into_shards(sizes, max_shard_bytes)
     count = len(shards)
     file_names = (
         [SINGLE_FILE]
@@ -251,10 +308,16 @@ def save_safetensors(
     )
     with _atomic_directory(Path(directory), overwrite) as staging:
         for file_name, shard in zip(file_names, shards, strict=True):
-            save_file(shard, str(staging / file_name), metadata={"format": "pt"})
+            tensors = {}
+            for name in shard:
+                tensors[name] = _host_tensor(name, state_dict[name])
+                if on_tensor is not None:
+                    on_tensor(name, sizes[name])
+            save_file(tensors, str(staging / file_name), metadata={"format": "pt"})
+            del tensors
         if count > 1:
             index = {
-                "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
+                "metadata": {"total_size": sum(sizes.values())},
                 "weight_map": {
                     name: file_name
                     for file_name, shard in zip(file_names, shards, strict=True)
@@ -267,29 +330,36 @@ def save_safetensors(
     return [Path(directory) / file_name for file_name in file_names]
 
 
-def _host_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+def _planned_nbytes(name: str, tensor: torch.Tensor | PendingTensor) -> int:
+    if isinstance(tensor, PendingTensor):
+        return tensor.nbytes
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"cannot save {name!r}: it is a {type(tensor).__name__}, not a tensor")
+    return tensor.numel() * tensor.element_size()
+
+
+def _host_tensor(name: str, tensor: torch.Tensor | PendingTensor) -> torch.Tensor:
+    if isinstance(tensor, PendingTensor):
+        produced = tensor.produce()
+        if tuple(produced.shape) != tensor.shape or produced.dtype != tensor.dtype:
+            raise ValueError(
+                f"{name!r} was announced as {list(tensor.shape)} {tensor.dtype} but produced as "
+                f"{list(produced.shape)} {produced.dtype}"
+            )
+        tensor = produced
     if tensor.is_meta:
         raise ValueError(f"cannot save {name!r}: it is on the meta device; materialise it first")
     return tensor.detach().to("cpu").contiguous()
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _split_into_shards(
-    tensors: dict[str, torch.Tensor], max_shard_bytes: int
-) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
+def _split_into_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
     shard_bytes = 0
-    for name, tensor in tensors.items():
-        size = _nbytes(tensor)
+    for name, size in sizes.items():
         if shards[-1] and shard_bytes + size > max_shard_bytes:
-            shards.append({})
+            shards.append([])
             shard_bytes = 0
-        shards[-1][name] = tensor
+        shards[-1].append(name)
         shard_bytes += size
     return shards
 
