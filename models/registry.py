@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-__all__ = ["ModelSpec", "get_model_spec", "register_model"]
+if TYPE_CHECKING:
+    from pipekit.checkpoint.upcycle import Upcycler, UpcycleSpec
+
+__all__ = ["ModelSpec", "get_model_spec", "register_model", "resolve_model"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class ModelSpec:
     """Copy a Hugging Face checkpoint into a materialised model."""
     save_hf: Callable[[nn.Module, Any, str], None] | None = None
     """Write a model (full, unsharded tensors) in Hugging Face layout."""
+    upcycler: Upcycler | None = None
+    """How a dense model of this family becomes a mixture of experts (None: it cannot)."""
 
 
 _MODELS: dict[str, ModelSpec] = {}
@@ -44,11 +49,27 @@ def get_model_spec(name: str) -> ModelSpec:
     return _MODELS[name]
 
 
+def resolve_model(
+    name: str, flavor: str, upcycle: UpcycleSpec | None = None
+) -> tuple[ModelSpec, Any]:
+    """The family and args a job builds: `name`'s `flavor`, or the MoE `upcycle` makes of it."""
+    spec = get_model_spec(name)
+    args = spec.flavor(flavor)
+    if upcycle is None:
+        return spec, args
+    if spec.upcycler is None:
+        dense = sorted(known for known, candidate in _MODELS.items() if candidate.upcycler)
+        raise ValueError(f"model {name!r} cannot be upcycled; upcycle one of {dense}")
+    return get_model_spec(spec.upcycler.moe_model), spec.upcycler.moe_args(args, upcycle)
+
+
 def _register_builtin() -> None:
     from models.llama import Llama, llama_flavor
     from models.llama.hf_config import read_hf_llama_args
     from models.llama.state_dict_adapter import load_hf_llama, save_hf_llama
     from models.llama_moe import LlamaMoE, llama_moe_flavor
+    from models.llama_moe.hf_mixtral import load_hf_mixtral, read_hf_mixtral_args, save_hf_mixtral
+    from models.llama_moe.upcycle import LLAMA_UPCYCLER
 
     register_model(
         ModelSpec(
@@ -60,7 +81,18 @@ def _register_builtin() -> None:
             save_hf=lambda model, args, directory: save_hf_llama(
                 model, args, directory, overwrite=True
             ),
+            upcycler=LLAMA_UPCYCLER,
         )
     )
-    # Mixtral-layout reading and writing come with upcycling (pipekit.checkpoint).
-    register_model(ModelSpec(name="llama_moe", flavor=llama_moe_flavor, build=LlamaMoE))
+    register_model(
+        ModelSpec(
+            name="llama_moe",
+            flavor=llama_moe_flavor,
+            build=LlamaMoE,
+            read_hf_args=read_hf_mixtral_args,  # Mixtral layout: every layer MoE
+            load_hf=load_hf_mixtral,
+            save_hf=lambda model, args, directory: save_hf_mixtral(
+                model, args, directory, overwrite=True
+            ),
+        )
+    )

@@ -1,0 +1,260 @@
+"""Sparse upcycling: a dense checkpoint's FFNs become N experts, read block by block.
+
+Every parameter of the upcycled MoE is a `BlockSource`: something that can produce any block of
+it on demand. Copied weights read the same block of the dense tensor; experts read only the
+dense FFN rows (or columns) their block covers, once per distinct piece however many local
+experts copy it; the router is drawn from a generator seeded by (seed, parameter name), so every
+rank and the offline writer draw the same router. The online loader
+(`pipekit.checkpoint.local_shards`) and the offline writer (`python -m pipekit.upcycle`) ask the
+same sources for different blocks, so their weights agree by construction.
+
+Granular upcycling (He et al., "Upcycling large language models into mixture of experts") cuts
+each dense FFN into G pieces along its hidden dim: expert `c·G + g` is piece g of copy c, there
+are N·G experts and each token takes k·G of them. The router gives the G pieces of a copy the
+same row ("virtual groups"), so top-(k·G) picks whole copies and the top-k softmax gives each
+piece 1/G of its copy's weight; the pieces' down projections are scaled by G to undo that. With
+the Mixtral router (top-k, then softmax: weights sum to 1) the first forward then equals the
+dense model's; with softmax-then-top-k it does not (the weights sum to less than 1).
+
+Legend: N copies, G pieces per copy, E = N·G experts, F dense hidden dim, D model dim.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipekit.checkpoint.local_shards import load_local_blocks
+from pipekit.checkpoint.safetensors_io import PendingTensor, SafetensorsCheckpoint, TensorRead
+
+__all__ = [
+    "BlockSource",
+    "CheckpointBlock",
+    "ExpertCopies",
+    "RouterInit",
+    "UpcycleSpec",
+    "Upcycler",
+    "read_from_sources",
+    "upcycle_into",
+]
+
+
+@dataclass(frozen=True)
+class UpcycleSpec:
+    """What the dense model becomes: N copies (G pieces each) of every chosen FFN, top-k."""
+
+    num_experts: int
+    """Copies of each dense FFN (N); the MoE has N x granularity experts."""
+    top_k: int
+    """Copies each token is routed to (k); the MoE routes to k x granularity experts."""
+    granularity: int = 1
+    """Pieces each copy is cut into along the FFN hidden dim (G)."""
+    capacity_factor: float | None = None
+    """Expert capacity factor; None: dropless."""
+    moe_every: int = 1
+    """Every k-th layer (layers k-1, 2k-1, ...) becomes MoE; 1: all of them."""
+    router: str = "topk_softmax"
+    """Router of the MoE layers; only topk_softmax keeps the first forward equal to the dense."""
+    router_init_std: float = 0.02
+    """Std of the router's truncated-normal init (seeded by the job seed and layer name)."""
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"upcycling needs num_experts >= 1 and 1 <= top_k <= num_experts; got "
+                f"num_experts={self.num_experts}, top_k={self.top_k}"
+            )
+        if self.granularity < 1 or self.moe_every < 1 or self.router_init_std <= 0:
+            raise ValueError(
+                f"upcycling needs granularity >= 1, moe_every >= 1 and router_init_std > 0; got "
+                f"{self.granularity}, {self.moe_every}, {self.router_init_std}"
+            )
+
+    @property
+    def total_experts(self) -> int:
+        return self.num_experts * self.granularity
+
+    @property
+    def routed_experts(self) -> int:
+        """Experts each token is routed to (k x G)."""
+        return self.top_k * self.granularity
+
+    def expert_hidden_dim(self, ffn_dim: int) -> int:
+        """Hidden units of one expert; the dense FFN must split into G equal pieces."""
+        if ffn_dim % self.granularity:
+            raise ValueError(
+                f"granularity={self.granularity} must divide the dense FFN hidden dim {ffn_dim}; "
+                f"choose a divisor of {ffn_dim}"
+            )
+        return ffn_dim // self.granularity
+
+
+class BlockSource(abc.ABC):
+    """One parameter of the upcycled model, any block of which can be produced on demand."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @abc.abstractmethod
+    def read(self, index: Sequence[slice]) -> Tensor:
+        """The block `index` (a step-1 slice per dim) of this parameter, on CPU."""
+
+    def read_all(self) -> Tensor:
+        return self.read(tuple(slice(0, size) for size in self.shape))
+
+
+class CheckpointBlock(BlockSource):
+    """A dense checkpoint tensor copied as it is, or with its rows reordered within groups.
+
+    `row_transform` (e.g. RoPE's per-head reorder) mixes rows only inside groups of
+    `row_group` rows, so a block is read as the whole groups that cover it, then cut.
+    """
+
+    def __init__(
+        self,
+        checkpoint: SafetensorsCheckpoint,
+        name: str,
+        *,
+        row_group: int = 1,
+        row_transform: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        info = checkpoint.info(name)
+        self.checkpoint, self.name = checkpoint, name
+        self.shape, self.dtype = info.shape, info.dtype
+        self.row_group, self.row_transform = row_group, row_transform
+
+    def read(self, index: Sequence[slice]) -> Tensor:
+        if self.row_transform is None:
+            return self.checkpoint.read_block(self.name, index)
+        rows, rest = index[0], tuple(index[1:])
+        first = rows.start // self.row_group * self.row_group
+        last = -(-rows.stop // self.row_group) * self.row_group
+        groups = self.checkpoint.read_block(self.name, (slice(first, last), *rest))
+        return self.row_transform(groups)[rows.start - first : rows.stop - first]
+
+
+class ExpertCopies(BlockSource):
+    """`[E, ...]` experts, expert c·G + g being piece g of copy c of a dense `source` tensor.
+
+    `split_dim` is the source's hidden (F) dim: 0 for gate/up `[F, D]`, 1 for down `[D, F]`.
+    `scale` multiplies every piece (G for the down projections of granular upcycling; exact
+    for powers of two, otherwise rounded to the source dtype).
+    """
+
+    def __init__(
+        self, source: BlockSource, copies: int, granularity: int, split_dim: int, scale: float
+    ) -> None:
+        if source.shape[split_dim] % granularity:
+            raise ValueError(
+                f"granularity={granularity} must divide dim {split_dim} of a dense "
+                f"{list(source.shape)} FFN weight"
+            )
+        piece_shape = list(source.shape)
+        piece_shape[split_dim] //= granularity
+        self.source, self.granularity = source, granularity
+        self.split_dim, self.scale = split_dim, scale
+        self.piece_size = piece_shape[split_dim]
+        self.shape = (copies * granularity, *piece_shape)
+        self.dtype = source.dtype
+
+    def read(self, index: Sequence[slice]) -> Tensor:
+        experts, block = index[0], list(index[1:])
+        hidden = block[self.split_dim]
+        pieces: dict[int, Tensor] = {}
+        for expert in range(experts.start, experts.stop):
+            piece = expert % self.granularity
+            if piece not in pieces:  # each distinct piece is read once
+                offset = piece * self.piece_size
+                block[self.split_dim] = slice(offset + hidden.start, offset + hidden.stop)
+                values = self.source.read(tuple(block))
+                pieces[piece] = values if self.scale == 1 else values * self.scale
+        return torch.stack(
+            [pieces[expert % self.granularity] for expert in range(experts.start, experts.stop)]
+        )
+
+
+class RouterInit(BlockSource):
+    """`[N·G, D]` router: N truncated-normal rows drawn from (seed, name), each repeated G times.
+
+    The N x D draw is small and the same on every rank, so a block is cut from it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        copies: int,
+        granularity: int,
+        dim: int,
+        std: float,
+        seed: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.name, self.copies, self.granularity = name, copies, granularity
+        self.dim, self.std, self.seed = dim, std, seed
+        self.shape, self.dtype = (copies * granularity, dim), dtype
+
+    def read(self, index: Sequence[slice]) -> Tensor:
+        digest = hashlib.sha256(f"{self.seed}/{self.name}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        rows_ND = torch.empty(self.copies, self.dim, dtype=torch.float32)
+        std = self.std
+        nn.init.trunc_normal_(rows_ND, std=std, a=-3 * std, b=3 * std, generator=generator)
+        rows_ED = rows_ND.repeat_interleave(self.granularity, dim=0).to(self.dtype)
+        return rows_ED[tuple(index)]
+
+
+@dataclass(frozen=True)
+class Upcycler:
+    """How a dense model family becomes a mixture-of-experts family (registered with the dense
+    family in `models/registry.py`)."""
+
+    moe_model: str
+    """Registry name of the upcycled family."""
+    moe_args: Callable[[Any, UpcycleSpec], Any]
+    """(dense model args, spec) -> the upcycled model's args."""
+    sources: Callable[[SafetensorsCheckpoint, Any, UpcycleSpec, int], dict[str, BlockSource]]
+    """(dense checkpoint, upcycled args, spec, seed) -> a source for every parameter."""
+    hf_layout: Callable[[Mapping[str, BlockSource], Any], tuple[dict[str, PendingTensor], dict]]
+    """(sources, upcycled args) -> the upcycled family's Hugging Face tensors, produced on
+    demand, and its config.json (offline upcycling)."""
+
+
+def read_from_sources(
+    sources: Mapping[str, BlockSource],
+) -> Callable[[str, Sequence[slice]], Tensor]:
+    """A block reader (`pipekit.checkpoint.local_shards`) over one source per parameter."""
+
+    def read(name: str, index: Sequence[slice]) -> Tensor:
+        if name not in sources:
+            raise ValueError(
+                f"the upcycled model has parameter {name!r}, which no upcycling source produces; "
+                "the model and its upcycler disagree"
+            )
+        return sources[name].read(index)
+
+    return read
+
+
+def upcycle_into(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    upcycler: Upcycler,
+    args: Any,
+    spec: UpcycleSpec,
+    seed: int,
+    *,
+    read_log: list[TensorRead] | None = None,
+) -> None:
+    """Online upcycling: fill the local blocks of `model` (built from `args`, parallelized or
+    not, materialised) from the dense checkpoint in `directory`. Blocks read are appended to
+    `read_log` when given."""
+    with SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
+        sources = upcycler.sources(checkpoint, args, spec, seed)
+        load_local_blocks(model, read_from_sources(sources))

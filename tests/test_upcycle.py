@@ -1,0 +1,212 @@
+"""Online upcycling of a dense Llama checkpoint: first forward equals the dense model's, reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from models.llama import Llama, LlamaArgs
+from models.llama.state_dict_adapter import build_llama_from_hf, load_hf_llama, save_hf_llama
+from models.llama_moe.upcycle import upcycle_llama, upcycled_args
+from pipekit.attention.backends import use_backend
+from pipekit.checkpoint import CheckpointError, TensorRead
+from pipekit.checkpoint import upcycle as upcycle_module
+from pipekit.checkpoint.upcycle import UpcycleSpec
+
+DENSE = LlamaArgs(
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=64,
+    ffn_dim=48,
+    rope_scaling=None,
+    rope_theta=10000.0,
+    max_seq_len=64,
+)
+TOKENS = torch.tensor(
+    [[1, 5, 17, 60, 42, 0, 63, 8, 3, 3, 33, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 1, 2]]
+)
+
+
+def write_dense(
+    directory: Path, dtype: torch.dtype, args: LlamaArgs = DENSE, seed: int = 0
+) -> Path:
+    """A randomly initialised dense Llama in Hugging Face layout, in `dtype`."""
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    save_hf_llama(model.to(dtype), args, directory)
+    return directory
+
+
+def dense_logits(directory: Path, dtype: torch.dtype) -> torch.Tensor:
+    model, args = build_llama_from_hf(directory)
+    if dtype != torch.float32:  # reload in dtype: the checkpoint's values, not a cast of float32
+        with torch.device("meta"):
+            model = Llama(args).to(dtype)
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        load_hf_llama(directory, model, args)
+    return logits(model)
+
+
+def logits(model: nn.Module) -> torch.Tensor:
+    """Eval-mode logits of TOKENS with the CPU kernel (it takes float64; flex on CPU does not)."""
+    with torch.no_grad(), use_backend("cpu"):
+        return model.eval()(TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "granularity", "moe_every", "tolerance"),
+    [
+        (torch.float32, 1, 1, 1e-5),
+        (torch.float64, 1, 1, 1e-10),
+        (torch.float64, 2, 1, 1e-10),
+        (torch.float32, 4, 2, 1e-5),
+        (torch.float64, 3, 2, 1e-10),
+    ],
+)
+def test_mixtral_router_keeps_the_dense_logits(
+    tmp_path: Path, dtype: torch.dtype, granularity: int, moe_every: int, tolerance: float
+) -> None:
+    directory = write_dense(tmp_path / "dense", dtype)
+    spec = UpcycleSpec(num_experts=4, top_k=2, granularity=granularity, moe_every=moe_every)
+    model, args = upcycle_llama(directory, spec, seed=3, dtype=dtype)
+    assert args.moe.num_experts == 4 * granularity and args.moe.top_k == 2 * granularity
+    torch.testing.assert_close(
+        logits(model), dense_logits(directory, dtype), rtol=0, atol=tolerance
+    )
+
+
+def test_softmax_then_topk_router_departs_from_dense(tmp_path: Path) -> None:
+    """The ST router's weights sum to the kept probability mass p < 1, so each MoE layer outputs
+    p x the dense FFN: exactly, per token, and the logits move far beyond rounding."""
+    directory = write_dense(tmp_path / "dense", torch.float64)
+    spec = UpcycleSpec(num_experts=4, top_k=2, router="softmax_topk")
+    model, _ = upcycle_llama(directory, spec, seed=3, dtype=torch.float64)
+    dense, _ = build_llama_from_hf(directory)
+    x_TD = torch.randn(
+        10, DENSE.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
+    moe = model.layers["0"].feed_forward
+    with torch.no_grad():
+        probs_TE = torch.softmax(moe.router.logits(x_TD), dim=-1)
+        kept_T1 = probs_TE.topk(2, dim=-1).values.sum(-1, keepdim=True)
+        ffn_TD = dense.layers["0"].feed_forward.double()(x_TD)
+        torch.testing.assert_close(
+            moe.eval()(x_TD[None])[0], kept_T1 * ffn_TD, rtol=1e-12, atol=1e-15
+        )
+    assert float(kept_T1.min()) > 0.45 and float(kept_T1.max()) < 0.6  # ~k/N: a near-flat router
+    gap = (logits(model) - dense_logits(directory, torch.float64)).abs().max()
+    assert gap > 1e-3, f"softmax-then-top-k moved the logits by only {gap:.2e}"
+
+
+def test_granular_experts_are_pieces_and_router_rows_repeat(tmp_path: Path) -> None:
+    directory = write_dense(tmp_path / "dense", torch.float32)
+    spec = UpcycleSpec(num_experts=2, top_k=1, granularity=3)
+    model, _ = upcycle_llama(directory, spec)
+    dense, _ = build_llama_from_hf(directory)
+    moe, ffn = model.layers["1"].feed_forward, dense.layers["1"].feed_forward
+    piece = DENSE.ffn_dim // 3
+    for expert in range(6):
+        rows = slice(expert % 3 * piece, (expert % 3 + 1) * piece)
+        assert torch.equal(moe.experts.w1_EFD[expert], ffn.w1.weight[rows])
+        assert torch.equal(moe.experts.w3_EFD[expert], ffn.w3.weight[rows])
+        assert torch.equal(moe.experts.w2_EDF[expert], 3 * ffn.w2.weight[:, rows])
+        assert torch.equal(moe.router.gate.weight[expert], moe.router.gate.weight[expert // 3 * 3])
+    assert not torch.equal(moe.router.gate.weight[0], moe.router.gate.weight[3])
+
+
+def test_router_depends_on_seed_and_layer_only(tmp_path: Path) -> None:
+    directory = write_dense(tmp_path / "dense", torch.float32)
+    spec = UpcycleSpec(num_experts=4, top_k=2, router_init_std=0.5)
+    first, _ = upcycle_llama(directory, spec, seed=7)
+    again, _ = upcycle_llama(directory, spec, seed=7)
+    other, _ = upcycle_llama(directory, spec, seed=8)
+    gates = [m.layers["0"].feed_forward.router.gate.weight for m in (first, again, other)]
+    assert torch.equal(gates[0], gates[1]) and not torch.equal(gates[0], gates[2])
+    assert not torch.equal(gates[0], first.layers["1"].feed_forward.router.gate.weight)
+    assert 0.3 < float(gates[0].detach().std()) < 0.6
+
+
+def test_single_rank_reads_each_dense_tensor_once(tmp_path: Path) -> None:
+    """One rank owns everything: every dense tensor is read whole, once; the experts' bytes are
+    read once per layer, not once per expert."""
+    directory = write_dense(tmp_path / "dense", torch.float32)
+    reads: list[TensorRead] = []
+    model, _ = upcycle_llama(directory, UpcycleSpec(num_experts=8, top_k=2), read_log=reads)
+    names = [read.name for read in reads]
+    assert (
+        len(names) == len(set(names)) == len(list(build_llama_from_hf(directory)[0].parameters()))
+    )
+    owned = sum(param.numel() * 4 for param in model.parameters())
+    router = sum(m.router.gate.weight.numel() * 4 for m in _moe_layers(model))
+    ffn = 3 * DENSE.dim * DENSE.ffn_dim * 4 * DENSE.n_layers
+    assert sum(read.nbytes for read in reads) == owned - router - 7 * ffn
+
+
+def _moe_layers(model: nn.Module) -> list[nn.Module]:
+    return [
+        block.feed_forward
+        for block in model.layers.values()
+        if hasattr(block.feed_forward, "router")
+    ]
+
+
+def test_bad_input_is_named(tmp_path: Path) -> None:
+    directory = write_dense(tmp_path / "dense", torch.float32)
+    with pytest.raises(ValueError, match="granularity=5 must divide the dense FFN hidden dim 48"):
+        upcycled_args(DENSE, UpcycleSpec(num_experts=2, top_k=1, granularity=5))
+    with pytest.raises(ValueError, match="use topk_softmax"):
+        upcycled_args(DENSE, UpcycleSpec(num_experts=2, top_k=1, router="expert_choice"))
+    with pytest.raises(ValueError, match="1 <= top_k <= num_experts"):
+        UpcycleSpec(num_experts=2, top_k=3)
+    # not a Llama checkpoint
+    config = directory / "config.json"
+    config.write_text(config.read_text().replace('"model_type": "llama"', '"model_type": "gpt2"'))
+    with pytest.raises(CheckpointError, match="model_type='gpt2'"):
+        upcycle_llama(directory, UpcycleSpec(num_experts=2, top_k=1))
+    # a dense FFN tensor missing
+    directory = write_dense(tmp_path / "dense2", torch.float32)
+    from safetensors.torch import load_file, save_file
+
+    weights = directory / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing tensors \(1\): model.layers.1.mlp.up_proj"):
+        upcycle_llama(directory, UpcycleSpec(num_experts=2, top_k=1))
+
+
+@pytest.mark.parametrize("broken", ["independent router rows", "unscaled down projections"])
+def test_granular_upcycling_needs_virtual_groups_and_scaling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broken: str
+) -> None:
+    """Ablation: without the repeated router rows, top-(k·G) picks pieces of different copies;
+    without the x G down projections, the output is the dense FFN / G."""
+    directory = write_dense(tmp_path / "dense", torch.float64)
+    if broken == "independent router rows":
+        monkeypatch.setattr(upcycle_module.RouterInit, "__init__", _router_without_groups)
+    else:
+        original = upcycle_module.ExpertCopies.__init__
+
+        def unscaled(self, source, copies, granularity, split_dim, scale):  # type: ignore[no-untyped-def]
+            original(self, source, copies, granularity, split_dim, 1)
+
+        monkeypatch.setattr(upcycle_module.ExpertCopies, "__init__", unscaled)
+    spec = UpcycleSpec(num_experts=4, top_k=2, granularity=2, router_init_std=0.5)
+    model, _ = upcycle_llama(directory, spec, seed=3, dtype=torch.float64)
+    gap = (logits(model) - dense_logits(directory, torch.float64)).abs().max()
+    assert gap > 1e-3, f"{broken}: the logits moved by only {gap:.2e}"
+
+
+_router_init = upcycle_module.RouterInit.__init__
+
+
+def _router_without_groups(self, name, copies, granularity, dim, std, seed, dtype):  # type: ignore[no-untyped-def]
+    _router_init(self, name, copies * granularity, 1, dim, std, seed, dtype)
