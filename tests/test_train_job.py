@@ -384,3 +384,39 @@ def test_moe_job_runs_under_the_sliced_pipeline(tmp_path: Path) -> None:
     assert pipelined[1] == pytest.approx(data_parallel[1], rel=1e-5)
     assert pipelined == pytest.approx(data_parallel, rel=1e-3)  # measured: 2e-4 at step 3
     assert pipelined[3] < pipelined[1]
+
+
+UPCYCLE_CONFIG = str(REPO_ROOT / "configs" / "debug_upcycle.toml")
+
+
+def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_path: Path) -> None:
+    """configs/debug_upcycle.toml (ep = 2, FSDP2, E8T2, capacity 4) from a dense checkpoint: the
+    first loss is the dense job's (the Mixtral router keeps the first forward); training goes on
+    and resumes exactly from its own (MoE) checkpoint; the export is a Mixtral checkpoint."""
+    import torch
+
+    from models.llama.state_dict_adapter import save_hf_llama
+    from models.llama_moe.hf_mixtral import read_hf_mixtral_args
+    from models.registry import get_model_spec
+
+    spec = get_model_spec("llama")
+    args = spec.flavor("debug")
+    with torch.device("meta"):
+        model = spec.build(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=11)
+    save_hf_llama(model, args, tmp_path / "dense")
+    common = (*SHORT_RUN[2:10], "--checkpoint.initial_load_path", str(tmp_path / "dense"))
+    dense = _train(
+        tmp_path / "dense_job", *common, "--training.steps", "2", "--checkpoint.enable", "false"
+    )
+    steps = ("--training.steps", "3", "--checkpoint.interval", "2")
+    upcycled = _train(tmp_path / "upcycled", *common, *steps, config=UPCYCLE_CONFIG)
+    assert upcycled[1] == pytest.approx(dense[1], rel=1e-5)
+    assert upcycled[3] < upcycled[1]
+    exported = read_hf_mixtral_args(tmp_path / "upcycled" / "hf")
+    assert (exported.moe.num_experts, exported.moe.top_k) == (8, 2)
+    resumed_dir = tmp_path / "resumed"
+    _train(resumed_dir, *common, "--training.steps", "2", config=UPCYCLE_CONFIG)
+    resumed = _train(resumed_dir, *common, *steps, config=UPCYCLE_CONFIG)
+    assert resumed[3] == pytest.approx(upcycled[3], rel=1e-5)

@@ -22,11 +22,20 @@ def _toml_value(value: object) -> str:
 
 
 def dump_toml(sections: dict[str, dict[str, object]]) -> str:
-    """TOML text of nested section dicts (the loader reads it back to the same config)."""
-    blocks = []
+    """TOML text of nested section dicts (the loader reads it back to the same config); a dict
+    value is a sub-section, written as its own [section.key] table."""
+    blocks: list[str] = []
+
+    def add(name: str, values: dict[str, object]) -> None:
+        plain = {key: value for key, value in values.items() if not isinstance(value, dict)}
+        body = "\n".join(f"{key} = {_toml_value(value)}" for key, value in plain.items())
+        blocks.append(f"[{name}]\n{body}")
+        for key, value in values.items():
+            if isinstance(value, dict):
+                add(f"{name}.{key}", value)
+
     for section, values in sections.items():
-        body = "\n".join(f"{key} = {_toml_value(value)}" for key, value in values.items())
-        blocks.append(f"[{section}]\n{body}")
+        add(section, values)
     return "\n\n".join(blocks) + "\n"
 
 

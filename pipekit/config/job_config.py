@@ -8,6 +8,10 @@ reference in docs/. Required fields have no default. Cross-field rules live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipekit.checkpoint.upcycle import UpcycleSpec
 
 __all__ = [
     "CheckpointConfig",
@@ -21,6 +25,7 @@ __all__ = [
     "OptimizerConfig",
     "ParallelismConfig",
     "TrainingConfig",
+    "UpcycleConfig",
 ]
 
 
@@ -37,6 +42,47 @@ class JobSection:
 
 
 @dataclass(kw_only=True)
+class UpcycleConfig:
+    """Turn the dense checkpoint of [checkpoint] initial_load_path into a mixture of experts as
+    each rank loads its shard (Llama 3 meets MoE; see docs/upcycling.md)."""
+
+    num_experts: int = 0
+    """Copies of each dense FFN (N); the MoE has N x granularity experts. 0 turns upcycling off."""
+    top_k: int = 2
+    """Copies each token is routed to (k); the router picks k x granularity experts."""
+    capacity_factor: float = 0.0
+    """Expert capacity factor (the paper trains with 4); 0 is dropless."""
+    granularity: int = 1
+    """Pieces each FFN copy is cut into along its hidden dim (granular upcycling)."""
+    layers: int | str = "all"
+    """Which FFNs become MoE: "all", or k for every k-th layer (layers k-1, 2k-1, ...)."""
+    router: str = "topk_softmax"
+    """topk_softmax (Mixtral: the first forward equals the dense model's) or softmax_topk."""
+    router_init_std: float = 0.02
+    """Std of the router's init, drawn from the job seed and the layer's name."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def to_spec(self) -> UpcycleSpec:
+        """The `UpcycleSpec` this section describes (ValueError naming the bad key)."""
+        from pipekit.checkpoint.upcycle import UpcycleSpec
+
+        if self.layers != "all" and not isinstance(self.layers, int):
+            raise ValueError(f'layers={self.layers!r} must be "all" or an integer k')
+        return UpcycleSpec(
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            granularity=self.granularity,
+            capacity_factor=self.capacity_factor or None,
+            moe_every=1 if self.layers == "all" else self.layers,
+            router=self.router,
+            router_init_std=self.router_init_std,
+        )
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     """Which model to build."""
 
@@ -46,6 +92,8 @@ class ModelConfig:
     """Named size of the model family (e.g. debug, 1B, 8B, 70B)."""
     attention_backend: str = "auto"
     """Attention kernel: auto, cpu or flex (see docs/attention.md)."""
+    upcycle: UpcycleConfig = field(default_factory=UpcycleConfig)
+    """[model.upcycle]: build a mixture of experts from the dense checkpoint."""
 
 
 @dataclass(kw_only=True)

@@ -123,18 +123,68 @@ def _coerce(where: str, expected: Any, value: Any, from_cli: bool) -> Any:
 
 
 def _apply(config: JobConfig, section: str, key: str, value: Any, from_cli: bool) -> None:
+    """Set `[section] key` (a dotted key reaches into a sub-section such as [model.upcycle])."""
     sections = _sections()
     if section not in sections:
         raise ConfigError(
             f"unknown config section [{section}]" + _did_you_mean(section, list(sections))
         )
-    types_by_key = _field_types(sections[section])
-    if key not in types_by_key:
+    owner, owner_name = getattr(config, section), section
+    *path, leaf = key.split(".")
+    for part in path:
+        owner, owner_name = _sub_section(owner, owner_name, part), f"{owner_name}.{part}"
+    types_by_key = _field_types(type(owner))
+    if leaf not in types_by_key:
         raise ConfigError(
-            f"unknown key {key!r} in [{section}]" + _did_you_mean(key, list(types_by_key))
+            f"unknown key {leaf!r} in [{owner_name}]" + _did_you_mean(leaf, list(types_by_key))
         )
-    where = f"[{section}] {key}" if not from_cli else f"--{section}.{key}"
-    setattr(getattr(config, section), key, _coerce(where, types_by_key[key], value, from_cli))
+    expected = types_by_key[leaf]
+    if dataclasses.is_dataclass(expected):
+        if from_cli or not isinstance(value, dict):
+            raise ConfigError(
+                f"[{owner_name}] {leaf} is a section: write [{owner_name}.{leaf}] in the TOML "
+                f"file, or --{owner_name}.{leaf}.KEY VALUE on the command line"
+            )
+        for sub_key, sub_value in value.items():
+            _apply(config, section, f"{key}.{sub_key}", sub_value, from_cli)
+        return
+    where = f"[{owner_name}] {leaf}" if not from_cli else f"--{owner_name}.{leaf}"
+    setattr(owner, leaf, _coerce(where, expected, value, from_cli))
+
+
+def _sub_section(owner: Any, owner_name: str, part: str) -> Any:
+    types_by_key = _field_types(type(owner))
+    sections = [key for key, kind in types_by_key.items() if dataclasses.is_dataclass(kind)]
+    if part not in sections:
+        raise ConfigError(
+            f"[{owner_name}] has no sub-section {part!r}"
+            + (_did_you_mean(part, sections) if sections else "")
+        )
+    return getattr(owner, part)
+
+
+def _flat_sections() -> list[tuple[str, type]]:
+    """Every section and sub-section, as (dotted name, dataclass), parents first."""
+    flat: list[tuple[str, type]] = []
+
+    def visit(name: str, section_cls: type) -> None:
+        flat.append((name, section_cls))
+        for key, kind in _field_types(section_cls).items():
+            if dataclasses.is_dataclass(kind):
+                visit(f"{name}.{key}", kind)
+
+    for name, section_cls in _sections().items():
+        visit(name, section_cls)
+    return flat
+
+
+def _plain_fields(section_cls: type) -> dict[str, Any]:
+    """A section's own keys (its sub-sections are listed separately)."""
+    return {
+        key: kind
+        for key, kind in _field_types(section_cls).items()
+        if not dataclasses.is_dataclass(kind)
+    }
 
 
 def parse_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str]]]:
@@ -200,12 +250,12 @@ def help_text() -> str:
         "",
         "Precedence: command line > TOML file > defaults. Keys:",
     ]
-    for section, section_cls in _sections().items():
+    for section, section_cls in _flat_sections():
         lines.append("")
         lines.append(f"[{section}]  {inspect.getdoc(section_cls)}")
         defaults = section_cls()
         docs = field_docs(section_cls)
-        for key, expected in _field_types(section_cls).items():
+        for key, expected in _plain_fields(section_cls).items():
             default = getattr(defaults, key)
             lines.append(f"  --{section}.{key} ({_type_name(expected)}, default {default!r})")
             lines.append(f"      {docs.get(key, '')}")
@@ -222,11 +272,11 @@ def reference_markdown() -> str:
         "`python -m pipekit.config.dump --reference`. Precedence: command line",
         "(`--section.key value`) > TOML file > these defaults.",
     ]
-    for section, section_cls in _sections().items():
+    for section, section_cls in _flat_sections():
         lines += ["", f"## [{section}]", "", inspect.getdoc(section_cls) or "", ""]
         lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         defaults, docs = section_cls(), field_docs(section_cls)
-        for key, expected in _field_types(section_cls).items():
+        for key, expected in _plain_fields(section_cls).items():
             default = getattr(defaults, key)
             lines.append(
                 f"| `{key}` | {_type_name(expected)} | `{default!r}` | {docs.get(key, '')} |"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,9 +17,10 @@ from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 
 if TYPE_CHECKING:
+    from models.registry import ModelSpec
     from pipekit.distributed.parallel_dims import ParallelDims
 
-__all__ = ["validate_job_config"]
+__all__ = ["job_model", "validate_job_config"]
 
 _CHOICES = {
     ("model", "attention_backend"): ("auto", "cpu", "flex"),
@@ -84,16 +85,31 @@ def _check_choices_and_ranges(config: JobConfig) -> None:
         )
 
 
+def job_model(config: JobConfig) -> tuple[ModelSpec, Any]:
+    """The model family and args the job builds: the flavor, or the MoE [model.upcycle] makes of
+    it."""
+    from models.registry import resolve_model  # lazy: pipekit imports no model at import time
+
+    upcycle = config.model.upcycle
+    try:
+        return resolve_model(
+            config.model.name, config.model.flavor, upcycle.to_spec() if upcycle.enabled else None
+        )
+    except ValueError as error:
+        section = "[model.upcycle]" if upcycle.enabled else "[model]"
+        raise ConfigError(f"{section}: {error}") from None
+
+
 def _check_model(config: JobConfig) -> None:
-    from models.registry import get_model_spec  # lazy: pipekit imports no model at import time
     from pipekit.train.data.tokenizer import build_tokenizer
 
+    spec, args = job_model(config)
     try:
-        spec = get_model_spec(config.model.name)
-        args = spec.flavor(config.model.flavor)
         tokenizer_vocab = build_tokenizer(config.data.tokenizer).vocab_size
     except (ValueError, ImportError) as error:
-        raise ConfigError(f"[model]/[data]: {error}") from None
+        raise ConfigError(f"[data]: {error}") from None
+    if config.model.upcycle.enabled:
+        _check_upcycle(config)
     hf_uses = {
         "[checkpoint] initial_load_path": (config.checkpoint.initial_load_path, spec.load_hf),
         "[checkpoint] export_hf_at_end": (config.checkpoint.export_hf_at_end, spec.save_hf),
@@ -109,6 +125,26 @@ def _check_model(config: JobConfig) -> None:
             f"[data] tokenizer={config.data.tokenizer!r} has {tokenizer_vocab} ids but model "
             f"{config.model.name} flavor {config.model.flavor} has vocab_size={args.vocab_size}; "
             "choose a flavor with a larger vocabulary or a matching tokenizer"
+        )
+
+
+def _check_upcycle(config: JobConfig) -> None:
+    """Upcycling reads the dense checkpoint shard by shard while the model is built."""
+    if not config.checkpoint.initial_load_path:
+        raise ConfigError(
+            "[model.upcycle] num_experts > 0 upcycles the dense checkpoint of [checkpoint] "
+            "initial_load_path, which is empty; set it to a Hugging Face Llama directory"
+        )
+    if job_model(config)[1].tie_embeddings:
+        raise ConfigError(
+            f"[model.upcycle]: flavor {config.model.flavor} ties the embedding and output weights, "
+            "which the sharded online upcycling does not handle yet; upcycle offline with "
+            "`python -m pipekit.upcycle` and load the result, or use an untied flavor"
+        )
+    if config.parallelism.vocab_parallel:
+        raise ConfigError(
+            "[model.upcycle] does not combine with [parallelism] vocab_parallel yet (the "
+            "vocabulary shards are initialised from the full rows); set vocab_parallel = false"
         )
 
 
@@ -161,10 +197,8 @@ def _check_parallelism(config: JobConfig, world_size: int) -> None:
 
 
 def _check_expert_parallel(config: JobConfig, dims: ParallelDims) -> None:
-    from models.registry import get_model_spec
-
     ep = dims.ep
-    moe = getattr(get_model_spec(config.model.name).flavor(config.model.flavor), "moe", None)
+    moe = getattr(job_model(config)[1], "moe", None)
     if moe is None:
         raise ConfigError(
             f"[parallelism] ep={ep} needs a mixture-of-experts model; model "
@@ -183,17 +217,16 @@ def _check_expert_parallel(config: JobConfig, dims: ParallelDims) -> None:
 
 
 def _check_pipeline(config: JobConfig, local_batch_size: int) -> None:
-    from models.registry import get_model_spec
     from pipekit.pipelining.plan import plan_pipeline
     from pipekit.pipelining.stage_split import validate_stage_module_names
 
-    args = get_model_spec(config.model.name).flavor(config.model.flavor)
+    spec, args = job_model(config)
     try:
         plan = plan_pipeline(
             config.parallelism, args.n_layers, local_batch_size, config.training.seq_len
         )
         with torch.device("meta"):
-            model = get_model_spec(config.model.name).build(args)
+            model = spec.build(args)
         validate_stage_module_names(model, plan.module_names_per_stage, plan.modules_outside_stages)
     except ValueError as error:
         raise ConfigError(f"[parallelism] {error}") from None
@@ -221,10 +254,9 @@ def _check_vocab_parallel(config: JobConfig, pp: int) -> None:
             "[parallelism] vocab_parallel = true splits the vocabulary across pipeline ranks; set "
             "pipeline_parallel_degree >= 2 or vocab_parallel = false"
         )
-    from models.registry import get_model_spec
     from pipekit.layers.vocab_parallel import dtensor_shard_sizes
 
-    vocab_size = get_model_spec(config.model.name).flavor(config.model.flavor).vocab_size
+    vocab_size = job_model(config)[1].vocab_size
     try:
         dtensor_shard_sizes(vocab_size, pp)
     except ValueError as error:

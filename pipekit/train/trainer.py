@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from pipekit.attention.context import CausalAttention
 from pipekit.checkpoint.dcp import (
@@ -31,7 +32,10 @@ from pipekit.checkpoint.dcp import (
     capture_rng_state,
     restore_rng_state,
 )
+from pipekit.checkpoint.safetensors_io import TensorRead
+from pipekit.checkpoint.upcycle import upcycle_into
 from pipekit.config.job_config import JobConfig
+from pipekit.config.validate import job_model
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.distributed.parallel_dims import ParallelDims
@@ -82,8 +86,6 @@ class Trainer:
     """One training job, built from a validated JobConfig inside an initialised process group."""
 
     def __init__(self, config: JobConfig) -> None:
-        from models.registry import get_model_spec
-
         self.config = config
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -93,8 +95,9 @@ class Trainer:
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         self.output_dir = Path(config.job.output_dir)
-        self.spec = get_model_spec(config.model.name)
-        self.model_args = self.spec.flavor(config.model.flavor)
+        self.spec, self.model_args = job_model(config)
+        upcycle = config.model.upcycle
+        self.upcycle = upcycle.to_spec() if upcycle.enabled else None
         self.checkpoints = CheckpointManager(
             self.output_dir / config.checkpoint.folder, keep_last=config.checkpoint.keep_last
         )
@@ -150,11 +153,41 @@ class Trainer:
         self.peak_flops = config.metrics.peak_flops or self._measured_peak_flops()
 
     def _materialize(self, model: nn.Module, load_hf: bool) -> None:
-        """Move off meta and initialise from the job seed, or load the Hugging Face weights."""
+        """Move off meta and initialise from the job seed, or load the Hugging Face weights
+        (upcycled: this rank's blocks of the dense checkpoint)."""
         model.to_empty(device=self.device)
+        if load_hf and self.upcycle is not None:
+            self._load_upcycled(model)
+            return
         model.init_weights(seed=self.config.job.seed)
         if load_hf and self.config.checkpoint.initial_load_path:
             self.spec.load_hf(self.config.checkpoint.initial_load_path, model, self.model_args)
+
+    def _load_upcycled(self, model: nn.Module) -> None:
+        """Fill `model`'s local blocks (whatever placement it has by now) from the dense
+        checkpoint: experts copied from the FFN blocks, router drawn from the job seed."""
+        from models.registry import get_model_spec
+
+        dense_spec = get_model_spec(self.config.model.name)
+        assert dense_spec.upcycler is not None and self.upcycle is not None  # validated
+        reads: list[TensorRead] = []
+        path = self.config.checkpoint.initial_load_path
+        upcycle_into(
+            model,
+            path,
+            dense_spec.upcycler,
+            self.model_args,
+            self.upcycle,
+            self.config.job.seed,
+            read_log=reads,
+        )
+        owned = sum(local.numel() * local.element_size() for local in _local_tensors(model))
+        read = sum(block.nbytes for block in reads)
+        print(
+            f"[rank {self.rank}] upcycled {path}: read {read / 2**20:.1f} MiB for "
+            f"{owned / 2**20:.1f} MiB of local parameters",
+            flush=True,
+        )
 
     def _parallelize(self, model: nn.Module) -> None:
         """Expert parallelism, activation checkpointing, then data parallelism, in place."""
@@ -183,8 +216,16 @@ class Trainer:
     def _build_model(self, load_hf: bool) -> nn.Module:
         with torch.device("meta"):
             model = self.spec.build(self.model_args)
-        self._materialize(model, load_hf)
+        if self.upcycle is None:
+            self._materialize(model, load_hf)
+            self._parallelize(model)
+            return model
+        # An upcycled model is sharded before it exists, so no rank ever holds more than its
+        # own blocks (a resume then overwrites them from DCP).
         self._parallelize(model)
+        model.to_empty(device=self.device)
+        if load_hf:
+            self._load_upcycled(model)
         return model
 
     def _build_pipeline(self, load_hf: bool) -> tuple[nn.Module, PipelineRunner]:
@@ -376,8 +417,15 @@ class Trainer:
         config = self.config
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            model = f"{config.model.name}/{config.model.flavor}"
+            if self.upcycle is not None:
+                upcycle = self.upcycle
+                model += (
+                    f" upcycled to {self.spec.name} ({upcycle.total_experts} experts, "
+                    f"top-{upcycle.routed_experts})"
+                )
             print(
-                f"training {config.model.name}/{config.model.flavor} on {self.world_size} rank(s), "
+                f"training {model} on {self.world_size} rank(s), "
                 f"steps {self.step + 1}..{config.training.steps}",
                 flush=True,
             )
@@ -423,6 +471,12 @@ class Trainer:
             self.spec.save_hf(plain, self.model_args, str(directory))
         if dist.is_initialized():
             dist.barrier()
+
+
+def _local_tensors(model: nn.Module) -> list[Tensor]:
+    return [
+        param.to_local() if isinstance(param, DTensor) else param for param in model.parameters()
+    ]
 
 
 class _TrainerProgress:
