@@ -29,6 +29,9 @@ class ModelSpec:
     """Copy a Hugging Face checkpoint into a materialised model."""
     save_hf: Callable[[nn.Module, Any, str], None] | None = None
     """Write a model (full, unsharded tensors) in Hugging Face layout."""
+    check_hf_layout: Callable[[Any], None] | None = None
+    """Raise ValueError (naming the fix) when models with these args have no Hugging Face
+    layout, so a job finds out before it trains rather than when it exports."""
     upcycler: Upcycler | None = None
     """How a dense model of this family becomes a mixture of experts (None: it cannot)."""
 
@@ -68,7 +71,12 @@ def _register_builtin() -> None:
     from models.llama.hf_config import read_hf_llama_args
     from models.llama.state_dict_adapter import load_hf_llama, save_hf_llama
     from models.llama_moe import LlamaMoE, llama_moe_flavor
-    from models.llama_moe.hf_mixtral import load_hf_mixtral, read_hf_mixtral_args, save_hf_mixtral
+    from models.llama_moe.hf_mixtral import (
+        check_mixtral_compatible,
+        load_hf_mixtral,
+        read_hf_mixtral_args,
+        save_hf_mixtral,
+    )
     from models.llama_moe.upcycle import LLAMA_UPCYCLER
 
     register_model(
@@ -94,5 +102,6 @@ def _register_builtin() -> None:
             save_hf=lambda model, args, directory: save_hf_mixtral(
                 model, args, directory, overwrite=True
             ),
+            check_hf_layout=check_mixtral_compatible,
         )
     )

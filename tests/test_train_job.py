@@ -391,8 +391,9 @@ UPCYCLE_CONFIG = str(REPO_ROOT / "configs" / "debug_upcycle.toml")
 
 def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_path: Path) -> None:
     """configs/debug_upcycle.toml (ep = 2, FSDP2, E8T2, capacity 4) from a dense checkpoint: the
-    first loss is the dense job's (the Mixtral router keeps the first forward); training goes on
-    and resumes exactly from its own (MoE) checkpoint; the export is a Mixtral checkpoint."""
+    first loss is the dense job's (the Mixtral router keeps the first forward), also on 2
+    pipeline ranks; training goes on and resumes exactly from its own (MoE) checkpoint; the
+    export is a Mixtral checkpoint."""
     import torch
 
     from models.llama.state_dict_adapter import save_hf_llama
@@ -414,9 +415,53 @@ def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_p
     upcycled = _train(tmp_path / "upcycled", *common, *steps, config=UPCYCLE_CONFIG)
     assert upcycled[1] == pytest.approx(dense[1], rel=1e-5)
     assert upcycled[3] < upcycled[1]
+    pipeline = (
+        "--parallelism.ep", "1",
+        "--parallelism.dp_shard", "1",
+        "--parallelism.pipeline_parallel_degree", "2",
+        "--checkpoint.enable", "false",
+        "--checkpoint.export_hf_at_end", "false",
+    )  # fmt: skip
+    staged = _train(
+        tmp_path / "pp", *common, "--training.steps", "2", *pipeline, config=UPCYCLE_CONFIG
+    )
+    assert staged[1] == pytest.approx(dense[1], rel=1e-5)  # each stage upcycles its own layers
     exported = read_hf_mixtral_args(tmp_path / "upcycled" / "hf")
     assert (exported.moe.num_experts, exported.moe.top_k) == (8, 2)
     resumed_dir = tmp_path / "resumed"
     _train(resumed_dir, *common, "--training.steps", "2", config=UPCYCLE_CONFIG)
     resumed = _train(resumed_dir, *common, *steps, config=UPCYCLE_CONFIG)
     assert resumed[3] == pytest.approx(upcycled[3], rel=1e-5)
+
+
+def test_bad_upcycling_input_gives_one_error_line_and_exit_2(tmp_path: Path) -> None:
+    """Each mistake is named before any rank reads a weight (a dense checkpoint of another
+    shape is refused when its header is read, before training)."""
+    import torch
+
+    from models.llama import Llama, LlamaArgs
+    from models.llama.state_dict_adapter import save_hf_llama
+
+    other = LlamaArgs(dim=64, n_layers=2, n_heads=4, vocab_size=258, ffn_dim=96)
+    with torch.device("meta"):
+        dense = Llama(other)
+    dense.to_empty(device="cpu")
+    dense.init_weights(seed=0)
+    save_hf_llama(dense, other, tmp_path / "other")
+    upcycle = (
+        "--config",
+        UPCYCLE_CONFIG,
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "other"),
+    )
+    cases = [
+        ((*upcycle, "--model.upcycle.num_experts", "3"), 2, "ep=2 must divide the 3 experts"),
+        ((*upcycle, "--model.upcycle.granularity", "5"), 2, "granularity=5 must divide"),
+        ((*upcycle, "--model.upcycle.layers", "some"), 2, "layers='some' must be"),
+        ((*upcycle, "--model.name", "llama_moe"), 2, "model 'llama_moe' cannot be upcycled"),
+        ((*upcycle, "--checkpoint.initial_load_path", ""), 2, "initial_load_path, which is empty"),
+        ((*upcycle, "--parallelism.ep", "1"), None, "does not match the model's LlamaArgs"),
+        (("--config", MOE_CONFIG, "--checkpoint.export_hf_at_end", "true"), 2, "moe_every=2"),
+    ]
+    for overrides, world_size, message in cases:
+        assert message in _single_process_error(tmp_path / "job", *overrides, world_size=world_size)

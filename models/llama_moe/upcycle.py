@@ -160,7 +160,7 @@ def _mixtral_tensor(
     if entry.expert is None:
         return to_hf_tensor(entry.param_name, source.read_all(), args).to(dtype)
     index = (slice(entry.expert, entry.expert + 1), *(slice(0, n) for n in source.shape[1:]))
-    return source.read(index)[0].to(dtype)
+    return source.read(index)[0].to(dtype, copy=True)  # experts may share one dense block
 
 
 LLAMA_UPCYCLER = Upcycler(

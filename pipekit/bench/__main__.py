@@ -29,6 +29,10 @@ _BENCHMARKS = {
         "pipekit.bench.vocab_parallel",
         "peak memory and output-layer time per rank, vocabulary-parallel pipeline vs not",
     ),
+    "upcycle": (
+        "pipekit.bench.upcycle",
+        "online upcycling on N ranks: peak RSS and bytes read vs owned, time vs a plain read",
+    ),
 }
 
 

@@ -155,8 +155,10 @@ class SafetensorsCheckpoint:
     def read_block(self, name: str, index: Sequence[slice]) -> torch.Tensor:
         """The block `index` of one tensor (a step-1 slice per leading dim; the rest whole).
 
-        Rows are contiguous on disk; a block narrower than the full width in a later dim reads
-        only its own elements of each row (safetensors copies them out of the memory map).
+        Rows are contiguous on disk, so a block of rows touches only its own bytes; a block
+        narrower than the full width in a later dim reads its elements of each row. The result
+        may be a view of the file's memory map: its pages are read when it is first used (and
+        count towards the process's resident memory while the map is open).
         """
         path = self._file_of(name)
         tensor_slice = self._slice(path, name)

@@ -175,6 +175,10 @@ class ExpertCopies(BlockSource):
                 block[self.split_dim] = slice(offset + hidden.start, offset + hidden.stop)
                 values = self.source.read(tuple(block))
                 pieces[piece] = values if self.scale == 1 else values * self.scale
+        count = experts.stop - experts.start
+        if len(pieces) == 1:  # the same piece for every expert: a broadcast view, no stacked copy
+            (piece,) = pieces.values()
+            return piece.unsqueeze(0).expand(count, *piece.shape)
         return torch.stack(
             [pieces[expert % self.granularity] for expert in range(experts.start, experts.stop)]
         )

@@ -120,6 +120,11 @@ def _check_model(config: JobConfig) -> None:
                 f"{name}: model {config.model.name} has no Hugging Face layout adapter yet; "
                 "turn it off (DCP checkpoints still save and resume)"
             )
+    if config.checkpoint.export_hf_at_end and spec.check_hf_layout is not None:
+        try:
+            spec.check_hf_layout(args)
+        except ValueError as error:
+            raise ConfigError(f"[checkpoint] export_hf_at_end: {error}") from None
     if tokenizer_vocab > args.vocab_size:
         raise ConfigError(
             f"[data] tokenizer={config.data.tokenizer!r} has {tokenizer_vocab} ids but model "

@@ -1,0 +1,437 @@
+"""`python -m pipekit.bench upcycle --layers 16 --dim 2048 --ep 2`: online upcycling on N ranks.
+
+A dense Llama checkpoint in Hugging Face layout (seeded random weights, written by pipekit's
+streaming writer in 512 MB shards) becomes an E-expert top-k MoE on `--ep` fresh gloo ranks:
+experts split over the ranks (expert parallelism), everything else sharded by FSDP2 (dp_shard =
+ep), each rank filling only its own blocks (`upcycle_llama`). Per rank it measures:
+
+- bytes read (the blocks the rank read, `TensorRead.nbytes`) against bytes owned (its local
+  shards of every parameter): below 1 because the E/ep local experts copy one dense FFN read;
+- peak RSS of the rank process (`ru_maxrss`) right after its first upcycle, and its RSS before
+  (the interpreter, torch and the process group). RSS counts the checkpoint pages the rank has
+  mapped (safetensors reads through a memory map) as well as its own tensors;
+- wall time of `upcycle_llama` (meta build, parallelize, materialise, fill) against a plain read
+  of exactly the same blocks (the rank's read log replayed through `read_block`, each block
+  copied into a fresh tensor, all held until the last is read).
+
+Timing order on every rank, all ranks together: upcycle, plain read, upcycle (ABA); the page
+cache is emptied of the checkpoint (`posix_fadvise(DONTNEED)` after the writer's fsync) before
+each, and the upcycle time is the mean of the two. How much of the checkpoint is still cached
+after eviction is measured with mincore(2), and a warm plain read (no eviction) is timed too, so
+the output says how cold "cold" was. Ranks read concurrently and both read every dense FFN
+whole, so a block one rank has just read may be cached for the other: alike for both sides.
+
+RESULT: peak_rss_vs_owned, read_bytes_vs_owned and time_vs_plain_read (upcycle / plain read),
+each the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import gc
+import json
+import mmap
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from models.llama.args import LlamaArgs
+from models.llama.hf_config import CONFIG_FILE, args_to_hf_config
+from models.llama.state_dict_adapter import llama_param_shapes, to_hf_name
+from models.llama_moe.upcycle import upcycle_llama
+from pipekit.bench._pipeline_launch import run_ranks
+from pipekit.bench._report import print_result, print_table
+from pipekit.checkpoint import PendingTensor, SafetensorsCheckpoint, TensorRead, save_safetensors
+from pipekit.checkpoint.upcycle import UpcycleSpec
+from pipekit.distributed.fsdp import apply_data_parallel
+from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.moe.expert_parallel import apply_expert_parallel, expert_mesh
+
+__all__ = ["main"]
+
+_GIB = 2**30
+_MAX_SHARD_BYTES = 512_000_000
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DEFAULT_SHAPE = {
+    "layers": 16,
+    "dim": 2048,
+    "heads": 16,
+    "kv_heads": 8,
+    "vocab": 32000,
+    "ffn_dim": None,
+    "dtype": "bfloat16",
+}
+_DEFAULT_SIZE_RANGE = (1e9, 2e9)  # bytes the default dense checkpoint must take
+_INIT_STD = 0.02
+_MAX_SEQ_LEN = 4096
+
+
+def _llama_ffn_dim(dim: int) -> int:
+    """Llama's SwiGLU width: 8/3 of the model dim, rounded up to a multiple of 256."""
+    return -(-round(8 * dim / 3) // 256) * 256
+
+
+def _dense_args(spec: dict[str, Any]) -> LlamaArgs:
+    return LlamaArgs(
+        dim=spec["dim"],
+        n_layers=spec["layers"],
+        n_heads=spec["heads"],
+        n_kv_heads=spec["kv_heads"],
+        ffn_dim=spec["ffn_dim"],
+        vocab_size=spec["vocab"],
+        rope_theta=500000.0,
+        rope_scaling=None,
+        max_seq_len=_MAX_SEQ_LEN,
+        tie_embeddings=False,
+    )
+
+
+def _random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=dtype).mul_(_INIT_STD)
+
+
+def _write_dense(args: LlamaArgs, dtype: torch.dtype, directory: Path) -> None:
+    """Stream a random dense checkpoint into `directory` (one shard in memory at a time)."""
+    tensors = {
+        to_hf_name(name): PendingTensor(
+            shape, dtype, functools.partial(_random_tensor, shape, dtype, seed)
+        )
+        for seed, (name, shape) in enumerate(llama_param_shapes(args).items())
+    }
+    config = json.dumps(args_to_hf_config(args, dtype), indent=2) + "\n"
+    save_safetensors(
+        tensors, directory, max_shard_bytes=_MAX_SHARD_BYTES, extra_files={CONFIG_FILE: config}
+    )
+
+
+def _checkpoint_files(directory: str | os.PathLike[str]) -> list[Path]:
+    return SafetensorsCheckpoint(directory).files
+
+
+def _evict(paths: list[Path]) -> None:
+    """Ask the kernel to drop the files' clean pages from the page cache."""
+    for path in paths:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    return libc
+
+
+def _resident_fraction(paths: list[Path]) -> float:
+    """Fraction of the files' pages in the page cache (mincore(2) on a fresh map; no reads)."""
+    libc, resident, total = _libc(), 0, 0
+    for path in paths:
+        size = path.stat().st_size
+        pages = -(-size // mmap.PAGESIZE)
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, descriptor, 0)
+            if address in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+            try:
+                vector = (ctypes.c_ubyte * pages)()
+                if libc.mincore(address, size, vector):
+                    raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+                resident += int(torch.frombuffer(vector, dtype=torch.uint8).bitwise_and(1).sum())
+            finally:
+                libc.munmap(address, size)
+        finally:
+            os.close(descriptor)
+        total += pages
+    return resident / total
+
+
+def _current_rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * mmap.PAGESIZE
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _parallelizer(num_ranks: int, dtype: torch.dtype):
+    """Expert parallelism over all ranks, FSDP2 (dp_shard = ranks) over everything else."""
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=num_ranks, cp=1, tp=1, pp=1, ep=num_ranks, world_size=num_ranks
+    )
+    mesh = dims.build_mesh("cpu")
+    ep_mesh = expert_mesh("cpu", num_ranks, num_ranks)["ep"]
+
+    def parallelize(model: nn.Module) -> None:
+        apply_expert_parallel(model, ep_mesh)
+        experts = {param for name, param in model.named_parameters() if ".experts." in name}
+        apply_data_parallel(
+            model, mesh, dims, param_dtype=dtype, reduce_dtype=dtype, ignored_params=experts
+        )
+
+    return parallelize
+
+
+def _cold_start(files: list[Path]) -> float:
+    """Evict the checkpoint on every rank, then meet; returns the fraction still cached."""
+    _evict(files)
+    dist.barrier()
+    resident = _resident_fraction(files)
+    dist.barrier()
+    return resident
+
+
+def _timed_upcycle(directory: str, spec: dict[str, Any], parallelize, reads: list[TensorRead]):
+    upcycle = UpcycleSpec(num_experts=spec["experts"], top_k=spec["top_k"])
+    started = time.perf_counter()
+    model, _ = upcycle_llama(
+        directory, upcycle, dtype=_DTYPES[spec["dtype"]], parallelize=parallelize, read_log=reads
+    )
+    return model, time.perf_counter() - started
+
+
+def _plain_read(directory: str, reads: list[TensorRead]) -> float:
+    """Seconds to read the blocks of `reads` again, each copied into a fresh tensor.
+
+    `read_block` hands back a view of the file's memory map (safetensors reads lazily), so the
+    copy is what brings the bytes in; the blocks are held until the last one is read.
+    """
+    started = time.perf_counter()
+    with SafetensorsCheckpoint(directory) as checkpoint:
+        blocks = []
+        for read in reads:
+            view = checkpoint.read_block(read.name, tuple(slice(*bounds) for bounds in read.bounds))
+            blocks.append(torch.empty(view.shape, dtype=view.dtype).copy_(view))
+    seconds = time.perf_counter() - started
+    del blocks
+    return seconds
+
+
+def _owned_bytes(model: nn.Module) -> int:
+    return sum(
+        (param.to_local() if isinstance(param, DTensor) else param).numel() * param.itemsize
+        for param in model.parameters()
+    )
+
+
+def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
+    directory = spec["directory"]
+    files = _checkpoint_files(directory)
+    parallelize = _parallelizer(num_ranks, _DTYPES[spec["dtype"]])
+    rss_before = _current_rss()
+    cached_before = _resident_fraction(files)
+
+    reads: list[TensorRead] = []
+    cached_cold = [_cold_start(files)]
+    model, first_s = _timed_upcycle(directory, spec, parallelize, reads)
+    peak_rss = _peak_rss()
+    owned = _owned_bytes(model)
+    del model
+    gc.collect()
+
+    cached_cold.append(_cold_start(files))
+    plain_s = _plain_read(directory, reads)
+    dist.barrier()
+    warm_s = _plain_read(directory, reads)
+
+    again: list[TensorRead] = []
+    cached_cold.append(_cold_start(files))
+    model, second_s = _timed_upcycle(directory, spec, parallelize, again)
+    assert [read.nbytes for read in again] == [read.nbytes for read in reads]
+    del model
+    return {
+        "owned": owned,
+        "read": sum(read.nbytes for read in reads),
+        "rss_before": rss_before,
+        "peak_rss": peak_rss,
+        "upcycle_s": [first_s, second_s],
+        "plain_s": plain_s,
+        "warm_s": warm_s,
+        "cached_before": cached_before,
+        "cached_cold": max(cached_cold),
+    }
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipekit.bench upcycle", description=__doc__.split("\n\n")[1]
+    )
+    parser.add_argument("--ep", type=int, default=2, help="ranks: expert parallel = FSDP2 shard")
+    parser.add_argument("--experts", type=int, default=8, help="experts per MoE layer (E)")
+    parser.add_argument("--top-k", type=int, default=2, help="experts per token (k)")
+    model = parser.add_argument_group("dense Llama (random weights)")
+    model.add_argument("--layers", type=int, default=_DEFAULT_SHAPE["layers"], help="blocks")
+    model.add_argument("--dim", type=int, default=_DEFAULT_SHAPE["dim"], help="model dim D")
+    model.add_argument(
+        "--ffn-dim", type=int, default=None, help="SwiGLU width (default: 8/3 D up to 256s)"
+    )
+    model.add_argument("--heads", type=int, default=_DEFAULT_SHAPE["heads"], help="query heads")
+    model.add_argument("--kv-heads", type=int, default=_DEFAULT_SHAPE["kv_heads"], help="K/V heads")
+    model.add_argument("--vocab", type=int, default=_DEFAULT_SHAPE["vocab"], help="vocabulary")
+    model.add_argument("--dtype", choices=sorted(_DTYPES), default=_DEFAULT_SHAPE["dtype"])
+    parser.add_argument(
+        "--dir", default=None, help="dense checkpoint folder (default: a temporary one, deleted)"
+    )
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for all ranks")
+    options = parser.parse_args(argv)
+    if options.ep < 1 or options.experts % options.ep:
+        parser.error(f"--ep {options.ep} must be >= 1 and divide --experts {options.experts}")
+    if not 1 <= options.top_k <= options.experts:
+        parser.error(f"--top-k {options.top_k} must be between 1 and --experts {options.experts}")
+    if options.dir is not None and Path(options.dir).exists():
+        parser.error(f"--dir {options.dir} already exists; name a new folder")
+    try:
+        _dense_args(_spec(options))
+    except ValueError as error:
+        parser.error(str(error))
+    return options
+
+
+def _spec(options: argparse.Namespace) -> dict[str, Any]:
+    shape = {key: getattr(options, key) for key in _DEFAULT_SHAPE}
+    return shape | {
+        "ffn_dim": options.ffn_dim or _llama_ffn_dim(options.dim),
+        "experts": options.experts,
+        "top_k": options.top_k,
+    }
+
+
+def main(argv: list[str]) -> None:
+    options = _parse(argv)
+    spec = _spec(options)
+    args = _dense_args(spec)
+    dtype = _DTYPES[spec["dtype"]]
+    parent = None if options.dir else tempfile.mkdtemp(prefix="pipekit-upcycle-")
+    directory = Path(options.dir) if options.dir else Path(parent, "dense")
+    try:
+        started = time.perf_counter()
+        _write_dense(args, dtype, directory)
+        write_s = time.perf_counter() - started
+        files = _checkpoint_files(directory)
+        size = sum(path.stat().st_size for path in files)
+        if all(getattr(options, key) == value for key, value in _DEFAULT_SHAPE.items()):
+            low, high = _DEFAULT_SIZE_RANGE
+            if not low <= size <= high:
+                raise RuntimeError(f"the default dense checkpoint is {size} bytes, not 1-2 GB")
+        print(
+            f"dense Llama: D={args.dim}, {args.n_layers} layers, {args.n_heads} heads "
+            f"({args.num_kv_heads} kv), ffn {args.ffn_dim}, vocab {args.vocab_size}, "
+            f"{spec['dtype']}; written in {write_s:.1f} s: {size / 1e9:.4g} GB "
+            f"({size / _GIB:.4g} GiB) in {len(files)} safetensors file(s)"
+            + (" + index" if len(files) > 1 else "")
+            + " + config.json"
+        )
+        print(
+            f"upcycled: E={spec['experts']} top-{spec['top_k']} in every layer, {options.ep} "
+            f"gloo ranks (1 thread each): expert parallel {options.ep}, FSDP2 dp_shard "
+            f"{options.ep}; order per rank: evict, upcycle, evict, plain read, warm plain read, "
+            "evict, upcycle\n",
+            flush=True,
+        )
+        results = run_ranks(
+            "pipekit.bench.upcycle:_rank_worker",
+            options.ep,
+            spec | {"directory": str(directory)},
+            timeout=options.timeout,
+        )
+    finally:
+        if parent is not None:
+            shutil.rmtree(parent, ignore_errors=True)
+    _report(results)
+
+
+def _report(results: list[dict[str, Any]]) -> None:
+    rows, figures = [], {"peak": [], "read": [], "time": []}
+    for rank, result in enumerate(results):
+        owned, read = result["owned"], result["read"]
+        upcycle_s = statistics.mean(result["upcycle_s"])
+        figures["peak"].append(result["peak_rss"] / owned)
+        figures["read"].append(read / owned)
+        figures["time"].append(upcycle_s / result["plain_s"])
+        rows.append(
+            [
+                rank,
+                owned / _GIB,
+                read / _GIB,
+                read / owned,
+                result["rss_before"] / _GIB,
+                result["peak_rss"] / _GIB,
+                result["peak_rss"] / owned,
+                (result["peak_rss"] - result["rss_before"]) / owned,
+                "/".join(f"{seconds:.2f}" for seconds in result["upcycle_s"]),
+                upcycle_s,
+                result["plain_s"],
+                upcycle_s / result["plain_s"],
+                result["warm_s"],
+            ]
+        )
+    print_table(
+        [
+            "rank",
+            "owned GiB",
+            "read GiB",
+            "read/owned",
+            "RSS before GiB",
+            "peak RSS GiB",
+            "peak/owned",
+            "growth/owned",
+            "upcycle s 1st/2nd",
+            "upcycle s",
+            "plain read s",
+            "ratio",
+            "warm read s",
+        ],
+        rows,
+    )
+    cached_before = max(result["cached_before"] for result in results)
+    cached_cold = max(result["cached_cold"] for result in results)
+    print(
+        "\nupcycle s: mean of the two upcycles around the plain read; ratio = upcycle s / plain "
+        "read s.\ngrowth/owned: (peak RSS - RSS before) / owned. peak RSS includes the mapped "
+        "checkpoint pages the rank touched.\n"
+        f"page cache (mincore): {cached_before:.1%} of the checkpoint cached before the first "
+        f"eviction, at most {cached_cold:.1%} right after each eviction: "
+        + _eviction_verdict(cached_before, cached_cold)
+    )
+    print_result(
+        peak_rss_vs_owned=max(figures["peak"]),
+        read_bytes_vs_owned=max(figures["read"]),
+        time_vs_plain_read=max(figures["time"]),
+    )
+
+
+def _eviction_verdict(cached_before: float, cached_cold: float) -> str:
+    if cached_cold >= 0.01:
+        return "eviction did NOT empty the page cache; the cold timings are partly warm."
+    start = "eviction worked" if cached_before >= 0.01 else "nothing was cached to evict"
+    return (
+        f"{start}; each timed read started from the (virtual) disk as this kernel sees it "
+        "(a host below it may still cache)."
+    )

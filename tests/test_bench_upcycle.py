@@ -1,0 +1,34 @@
+"""The upcycle bench at a tiny shape: it prints its table and a RESULT line in which each rank
+read less than it owns (E/ep local experts copy one dense FFN read)."""
+
+import re
+
+import pytest
+
+from pipekit.bench.__main__ import main
+
+_TINY = ["--layers", "2", "--dim", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "128"]
+
+
+def test_upcycle_bench_reads_less_than_it_owns_and_prints_result(capsys):
+    main(["upcycle", *_TINY, "--ffn-dim", "128", "--ep", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    header = next(line for line in lines if line.startswith("rank "))
+    assert "read/owned" in header and "peak/owned" in header and "plain read s" in header
+    assert sum(bool(re.match(r"[01] ", line)) for line in lines) == 2, "one table row per rank"
+    assert any(line.startswith("page cache (mincore)") for line in lines)
+    match = re.fullmatch(
+        r"RESULT peak_rss_vs_owned=(\S+) read_bytes_vs_owned=(\S+) time_vs_plain_read=(\S+)",
+        lines[-1],
+    )
+    assert match is not None, lines[-1]
+    peak, read, time_ratio = map(float, match.groups())
+    assert 0 < read < 1
+    assert peak > 1 and time_ratio > 0
+
+
+def test_upcycle_bench_rejects_experts_not_divisible_by_ep(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["upcycle", *_TINY, "--ep", "3", "--experts", "8"])
+    assert exit_.value.code == 2
+    assert "divide --experts 8" in capsys.readouterr().err
