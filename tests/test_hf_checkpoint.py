@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import LLAMA3_ROPE, TINY_HF_CONFIG, rewrite_weights, save_transformers_model
 from safetensors.torch import load_file, save_file
 
 import models.llama.state_dict_adapter as adapter
@@ -31,38 +32,15 @@ from pipekit.layers.rope import RotaryEmbedding, apply_rotary
 transformers = pytest.importorskip("transformers")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TINY_HF_CONFIG = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=100,
-    intermediate_size=96,
-    max_position_embeddings=256,
-)
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
 TOKENS = [1, 5, 17, 99, 42, 0, 63, 8, 3, 3, 77, 12, 50, 2, 9, 31]
 PARITY_TOLERANCE = 1e-4
 
 
 def _save_hf_llama(directory: Path, max_shard_size: int | None = None, **overrides: object):
     """A tiny random transformers Llama saved with save_pretrained; returns the HF model."""
-    torch.manual_seed(0)
     config = transformers.LlamaConfig(**(TINY_HF_CONFIG | overrides))
-    hf_model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # large random values everywhere, so every mapping mistake shows
-        for name, param in hf_model.named_parameters():
-            param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.1)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    hf_model.save_pretrained(directory, **kwargs)
-    return hf_model
+    return save_transformers_model(transformers.LlamaForCausalLM, config, directory, **kwargs)
 
 
 def _hf_logits(hf_model) -> torch.Tensor:
@@ -243,14 +221,6 @@ def test_crash_while_saving_leaves_no_checkpoint(
 # (c) errors a user meets
 
 
-def _rewrite_weights(directory: Path, edit) -> None:
-    """Apply `edit` to the state dict in directory/model.safetensors."""
-    path = directory / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 def test_missing_unexpected_and_misshapen_tensors_are_all_listed(
     hf_checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -262,7 +232,7 @@ def test_missing_unexpected_and_misshapen_tensors_are_all_listed(
         tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(8)  # ignored
         tensors["model.norm.weight"] = torch.ones(65)
 
-    _rewrite_weights(directory, edit)
+    rewrite_weights(directory, edit)
     args = read_hf_llama_args(directory)
     model = _empty_model(args)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -302,10 +272,10 @@ def test_tied_checkpoint_with_different_lm_head_is_refused(tmp_path: Path) -> No
     directory = tmp_path / "tied"
     _save_hf_llama(directory, tie_word_embeddings=True)
     args = read_hf_llama_args(directory)
-    _rewrite_weights(directory, lambda t: t.update({"lm_head.weight": torch.zeros(100, 64)}))
+    rewrite_weights(directory, lambda t: t.update({"lm_head.weight": torch.zeros(100, 64)}))
     with pytest.raises(CheckpointError, match=r"lm_head\.weight differs"):
         load_hf_llama(directory, _empty_model(args), args)
-    _rewrite_weights(
+    rewrite_weights(
         directory, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()})
     )
     load_hf_llama(directory, _empty_model(args), args)  # an identical lm_head is fine

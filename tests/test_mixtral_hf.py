@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from hf_reference import (
+    LLAMA3_ROPE,
+    TINY_HF_CONFIG,
+    rewrite_weights,
+    save_transformers_model,
+    spread_weights,
+)
 
 import models.llama_moe.hf_mixtral as hf_mixtral
 from models.llama.args import RopeScaling
@@ -44,25 +50,9 @@ TINY = LlamaMoEArgs(
 TIED_LLAMA3 = TINY.with_updates(
     tie_embeddings=True, rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=16)
 )
-TINY_HF_CONFIG = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    intermediate_size=96,
-    max_position_embeddings=256,
-    num_local_experts=4,
-    num_experts_per_tok=2,
+TINY_MIXTRAL_CONFIG = TINY_HF_CONFIG | dict(
+    vocab_size=128, num_local_experts=4, num_experts_per_tok=2
 )
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
 TOKENS = torch.tensor([[1, 5, 17, 99, 42, 0, 63, 8, 3, 3, 77, 12, 50, 2, 9, 31, 127, 64]])
 PARITY_TOLERANCE = 1e-5  # float32; measured at most 1.4e-6 with logits up to 3.4
 
@@ -73,18 +63,6 @@ def _model(args: LlamaMoEArgs, seed: int = 0, dtype: torch.dtype = torch.float32
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
     return model.to(dtype).eval()
-
-
-def _spread_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Larger random weights than the init's, so every mapping mistake shows in the logits."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.rand(param.shape, generator=generator, dtype=param.dtype)
-            if "norm" in name:
-                param.copy_(0.5 + noise)
-            else:
-                param.copy_((noise - 0.5) * 0.3)
 
 
 def _our_logits(model: LlamaMoE) -> torch.Tensor:
@@ -99,19 +77,8 @@ def _hf_logits(hf_model) -> torch.Tensor:
 
 def _transformers_mixtral(directory: Path, **overrides: object):
     """A tiny random transformers Mixtral written by its own save_pretrained; returns it."""
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(**(TINY_HF_CONFIG | overrides))
-    hf_model = transformers.MixtralForCausalLM(config).eval()
-    _spread_weights(hf_model)
-    hf_model.save_pretrained(directory)
-    return hf_model
-
-
-def _rewrite_weights(directory: Path, edit) -> None:
-    path = directory / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
+    config = transformers.MixtralConfig(**(TINY_MIXTRAL_CONFIG | overrides))
+    return save_transformers_model(transformers.MixtralForCausalLM, config, directory)
 
 
 # (a) parity with transformers' own forward
@@ -122,7 +89,7 @@ def _rewrite_weights(directory: Path, edit) -> None:
 def test_saved_model_gives_transformers_logits(tmp_path: Path, args, spread: bool) -> None:
     model = _model(args)
     if spread:
-        _spread_weights(model)
+        spread_weights(model)
         model.tie_weights()
     save_hf_mixtral(model, args, tmp_path / "hf")
     hf_model = transformers.MixtralForCausalLM.from_pretrained(
@@ -141,7 +108,7 @@ def test_wrong_expert_names_or_rope_order_break_parity(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, breakage: str
 ) -> None:
     model = _model(TINY)
-    _spread_weights(model)
+    spread_weights(model)
     if breakage == "swap_gate_and_up":
         monkeypatch.setitem(hf_mixtral._EXPERT_WEIGHTS, "experts.w1_EFD", "w3")
         monkeypatch.setitem(hf_mixtral._EXPERT_WEIGHTS, "experts.w3_EFD", "w1")
@@ -311,7 +278,7 @@ def test_missing_expert_tensor_is_refused_by_name(tmp_path: Path) -> None:
     model = _model(TINY)
     save_hf_mixtral(model, TINY, tmp_path / "hf")
     missing = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
-    _rewrite_weights(tmp_path / "hf", lambda tensors: tensors.pop(missing))
+    rewrite_weights(tmp_path / "hf", lambda tensors: tensors.pop(missing))
     target = _model(TINY, seed=1)
     before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
     with pytest.raises(CheckpointError, match=rf"missing tensors \(1\): {missing}"):

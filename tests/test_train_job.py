@@ -292,10 +292,8 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
         assert losses == pytest.approx({step: reference[step] for step in (3, 4)}, rel=1e-5)
 
 
-def test_pipelines_start_from_hugging_face_weights(tmp_path):
-    """`[checkpoint] initial_load_path` into pipeline stages (each loads the modules it holds)
-    and into vocabulary shards (each keeps its rows): the same losses as the FSDP job that
-    loads the same checkpoint, and not those of a fresh initialisation."""
+def _debug_llama_checkpoint(directory: Path, seed: int = 11) -> None:
+    """The debug Llama, initialised from `seed`, in Hugging Face layout."""
     import torch
 
     from models.llama.state_dict_adapter import save_hf_llama
@@ -306,8 +304,15 @@ def test_pipelines_start_from_hugging_face_weights(tmp_path):
     with torch.device("meta"):
         model = spec.build(args)
     model.to_empty(device="cpu")
-    model.init_weights(seed=11)
-    save_hf_llama(model, args, tmp_path / "hf")
+    model.init_weights(seed=seed)
+    save_hf_llama(model, args, directory)
+
+
+def test_pipelines_start_from_hugging_face_weights(tmp_path):
+    """`[checkpoint] initial_load_path` into pipeline stages (each loads the modules it holds)
+    and into vocabulary shards (each keeps its rows): the same losses as the FSDP job that
+    loads the same checkpoint, and not those of a fresh initialisation."""
+    _debug_llama_checkpoint(tmp_path / "hf")
     common = (*SHORT_RUN[2:10], "--training.steps", "2", "--checkpoint.enable", "false")
     load = ("--checkpoint.initial_load_path", str(tmp_path / "hf"))
     runs = {}
@@ -394,19 +399,9 @@ def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_p
     first loss is the dense job's (the Mixtral router keeps the first forward), also on 2
     pipeline ranks; training goes on and resumes exactly from its own (MoE) checkpoint; the
     export is a Mixtral checkpoint."""
-    import torch
-
-    from models.llama.state_dict_adapter import save_hf_llama
     from models.llama_moe.hf_mixtral import read_hf_mixtral_args
-    from models.registry import get_model_spec
 
-    spec = get_model_spec("llama")
-    args = spec.flavor("debug")
-    with torch.device("meta"):
-        model = spec.build(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=11)
-    save_hf_llama(model, args, tmp_path / "dense")
+    _debug_llama_checkpoint(tmp_path / "dense")
     common = (*SHORT_RUN[2:10], "--checkpoint.initial_load_path", str(tmp_path / "dense"))
     dense = _train(
         tmp_path / "dense_job", *common, "--training.steps", "2", "--checkpoint.enable", "false"

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import rewrite_weights
+from tiny_models import TINY_LLAMA
 from torch import nn
 
 from models.llama import Llama, LlamaArgs
@@ -16,17 +18,7 @@ from pipekit.checkpoint import CheckpointError, TensorRead
 from pipekit.checkpoint import upcycle as upcycle_module
 from pipekit.checkpoint.upcycle import UpcycleSpec
 
-DENSE = LlamaArgs(
-    dim=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    vocab_size=64,
-    ffn_dim=48,
-    rope_scaling=None,
-    rope_theta=10000.0,
-    max_seq_len=64,
-)
+DENSE = TINY_LLAMA
 TOKENS = torch.tensor(
     [[1, 5, 17, 60, 42, 0, 63, 8, 3, 3, 33, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 1, 2]]
 )
@@ -173,12 +165,7 @@ def test_bad_input_is_named(tmp_path: Path) -> None:
         upcycle_llama(directory, UpcycleSpec(num_experts=2, top_k=1))
     # a dense FFN tensor missing
     directory = write_dense(tmp_path / "dense2", torch.float32)
-    from safetensors.torch import load_file, save_file
-
-    weights = directory / "model.safetensors"
-    tensors = load_file(weights)
-    del tensors["model.layers.1.mlp.up_proj.weight"]
-    save_file(tensors, weights, metadata={"format": "pt"})
+    rewrite_weights(directory, lambda tensors: tensors.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensors \(1\): model.layers.1.mlp.up_proj"):
         upcycle_llama(directory, UpcycleSpec(num_experts=2, top_k=1))
 

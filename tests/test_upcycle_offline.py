@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from hf_reference import LLAMA3_ROPE, TINY_HF_CONFIG, rewrite_weights, save_transformers_model
 from test_upcycle import write_dense
 
 from models.llama_moe.hf_mixtral import load_hf_mixtral, read_hf_mixtral_args
@@ -19,35 +19,14 @@ from pipekit.upcycle import main, upcycle_offline
 
 transformers = pytest.importorskip("transformers")
 
-DENSE_CONFIG = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=100,
-    intermediate_size=96,
-    max_position_embeddings=256,
-)
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
 TOKENS = torch.tensor([[1, 5, 17, 99, 42, 0, 63, 8, 3, 3, 77, 12, 50, 2, 9, 31]])
 
 
 def _transformers_dense(directory: Path, dtype: torch.dtype, **overrides: object) -> None:
     """A random Llama written by transformers' save_pretrained (sharded), in `dtype`."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**(DENSE_CONFIG | overrides))
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # weights large enough that a mapping mistake shows in the logits
-        for name, param in model.named_parameters():
-            param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.1)
-    model.to(dtype).save_pretrained(directory, max_shard_size="40KB")
+    config = transformers.LlamaConfig(**(TINY_HF_CONFIG | overrides))
+    model_class = transformers.LlamaForCausalLM
+    save_transformers_model(model_class, config, directory, dtype, max_shard_size="40KB")
 
 
 def _logits(model_class, directory: Path) -> torch.Tensor:
@@ -117,10 +96,7 @@ def test_bad_input_is_one_line_and_writes_nothing(
     status, error = _run([*base, "--granularity", "5"], capsys)
     assert status == 2 and "granularity=5 must divide" in error and not out.exists()
 
-    weights = dense / "model.safetensors"
-    tensors = load_file(weights)
-    del tensors["model.layers.0.mlp.gate_proj.weight"]
-    save_file(tensors, weights, metadata={"format": "pt"})
+    rewrite_weights(dense, lambda tensors: tensors.pop("model.layers.0.mlp.gate_proj.weight"))
     status, error = _run(base, capsys)
     assert status == 2 and "model.layers.0.mlp.gate_proj.weight" in error and not out.exists()
 
