@@ -397,8 +397,8 @@ UPCYCLE_CONFIG = str(REPO_ROOT / "configs" / "debug_upcycle.toml")
 def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_path: Path) -> None:
     """configs/debug_upcycle.toml (ep = 2, FSDP2, E8T2, capacity 4) from a dense checkpoint: the
     first loss is the dense job's (the Mixtral router keeps the first forward), also on 2
-    pipeline ranks; training goes on and resumes exactly from its own (MoE) checkpoint; the
-    export is a Mixtral checkpoint."""
+    pipeline ranks x 2 FSDP ranks; training goes on and resumes exactly from its own (MoE)
+    checkpoint; the export is a Mixtral checkpoint."""
     from models.llama_moe.hf_mixtral import read_hf_mixtral_args
 
     _debug_llama_checkpoint(tmp_path / "dense")
@@ -406,25 +406,26 @@ def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_p
     dense = _train(
         tmp_path / "dense_job", *common, "--training.steps", "2", "--checkpoint.enable", "false"
     )
-    steps = ("--training.steps", "3", "--checkpoint.interval", "2")
+    steps = ("--training.steps", "3", "--checkpoint.interval", "2", "--optimizer.lr", "3e-3")
     upcycled = _train(tmp_path / "upcycled", *common, *steps, config=UPCYCLE_CONFIG)
     assert upcycled[1] == pytest.approx(dense[1], rel=1e-5)
     assert upcycled[3] < upcycled[1]
     pipeline = (
         "--parallelism.ep", "1",
-        "--parallelism.dp_shard", "1",
+        "--parallelism.dp_shard", "2",
         "--parallelism.pipeline_parallel_degree", "2",
         "--checkpoint.enable", "false",
         "--checkpoint.export_hf_at_end", "false",
     )  # fmt: skip
     staged = _train(
-        tmp_path / "pp", *common, "--training.steps", "2", *pipeline, config=UPCYCLE_CONFIG
+        tmp_path / "pp", *common, "--training.steps", "2", *pipeline, nproc=4, config=UPCYCLE_CONFIG
     )
-    assert staged[1] == pytest.approx(dense[1], rel=1e-5)  # each stage upcycles its own layers
+    # each stage is sharded by FSDP2 on meta, then fills its own blocks
+    assert staged[1] == pytest.approx(dense[1], rel=1e-5)
     exported = read_hf_mixtral_args(tmp_path / "upcycled" / "hf")
     assert (exported.moe.num_experts, exported.moe.top_k) == (8, 2)
     resumed_dir = tmp_path / "resumed"
-    _train(resumed_dir, *common, "--training.steps", "2", config=UPCYCLE_CONFIG)
+    _train(resumed_dir, *common, *steps[2:], "--training.steps", "2", config=UPCYCLE_CONFIG)
     resumed = _train(resumed_dir, *common, *steps, config=UPCYCLE_CONFIG)
     assert resumed[3] == pytest.approx(upcycled[3], rel=1e-5)
 

@@ -15,10 +15,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from models.llama.state_dict_adapter import to_hf_name
 from models.llama_moe.upcycle import upcycle_llama
 from pipekit._torch_private import local_shape_and_offset
 from pipekit.checkpoint import SafetensorsCheckpoint, TensorRead, local_shards
+from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.checkpoint.upcycle import UpcycleSpec
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
@@ -51,7 +51,13 @@ def _expected_fsdp_reads(directory: Path, rank: int, granularity: int) -> set:
 
 
 def _ep_fsdp_run(
-    rank: int, world_size: int, directory: Path, dtype, granularity: int, break_offsets: bool
+    rank: int,
+    world_size: int,
+    directory: Path,
+    dtype: torch.dtype,
+    granularity: int,
+    router: str = "topk_softmax",
+    break_offsets: bool = False,
 ) -> dict:
     if break_offsets:  # ablation: every rank fills its shards with the first block
         real = local_shards.local_block
@@ -69,19 +75,20 @@ def _ep_fsdp_run(
             model, mesh, dims, param_dtype=dtype, reduce_dtype=dtype, ignored_params=experts
         )
 
+    return _upcycle_on_rank(
+        directory, UpcycleSpec(4, 2, granularity, router=router), dtype, parallelize
+    )
+
+
+def _upcycle_on_rank(directory: Path, spec: UpcycleSpec, dtype: torch.dtype, parallelize) -> dict:
     reads: list[TensorRead] = []
-    spec = UpcycleSpec(num_experts=2, top_k=2, granularity=granularity)
     model, _ = upcycle_llama(
         directory, spec, seed=5, dtype=dtype, parallelize=parallelize, read_log=reads
-    )
-    owned = sum(
-        (p.to_local() if isinstance(p, DTensor) else p).numel() * dtype.itemsize
-        for p in model.parameters()
     )
     return {
         "logits": logits(model),
         "reads": [_bounds(read) for read in reads],
-        "owned": owned,
+        "owned": local_nbytes(model),
         "read_bytes": sum(read.nbytes for read in reads),
     }
 
@@ -93,8 +100,9 @@ def _ep_fsdp_run(
 def test_expert_parallel_fsdp_upcycling_reads_own_blocks_and_keeps_dense_logits(
     tmp_path: Path, dtype: torch.dtype, granularity: int, tolerance: float
 ) -> None:
+    """4 copies, top-2 (x G): each rank holds 2 copies' experts and half of every other weight."""
     directory = write_dense(tmp_path / "dense", dtype)
-    results = run_on_ranks(_ep_fsdp_run, 2, directory, dtype, granularity, False, timeout=120)
+    results = run_on_ranks(_ep_fsdp_run, 2, directory, dtype, granularity, timeout=120)
     reference = dense_logits(directory, dtype)
     for rank, result in enumerate(results):
         torch.testing.assert_close(result["logits"], reference, rtol=0, atol=tolerance)
@@ -103,12 +111,61 @@ def test_expert_parallel_fsdp_upcycling_reads_own_blocks_and_keeps_dense_logits(
         assert result["read_bytes"] < result["owned"]
 
 
-def test_ignoring_the_shard_offsets_breaks_the_logits(tmp_path: Path) -> None:
-    """Ablation: ranks that fill their shards from the tensors' first blocks give other logits."""
+@pytest.mark.parametrize("ablation", ["shard offsets ignored", "softmax then top-k"])
+def test_expert_parallel_ablations_move_the_logits(tmp_path: Path, ablation: str) -> None:
+    """Ranks that fill their shards from the tensors' first blocks, or the ST router (weights
+    summing to less than 1), give logits far from the dense ones under the same layout."""
     directory = write_dense(tmp_path / "dense", torch.float64)
-    results = run_on_ranks(_ep_fsdp_run, 2, directory, torch.float64, 1, True, timeout=120)
+    router = "softmax_topk" if ablation == "softmax then top-k" else "topk_softmax"
+    broken = ablation == "shard offsets ignored"
+    results = run_on_ranks(
+        _ep_fsdp_run, 2, directory, torch.float64, 1, router, broken, timeout=120
+    )
     gap = (results[1]["logits"] - dense_logits(directory, torch.float64)).abs().max()
-    assert gap > 1e-3
+    assert gap > 1e-3, f"{ablation}: the logits moved by only {gap:.2e}"
+
+
+def _fsdp3_run(rank: int, world_size: int, directory: Path) -> dict:
+    """FSDP2 alone over 3 ranks: uneven row shards everywhere, wq/wk shards off head
+    boundaries, and the 4 experts (and router rows) split 2, 2, 0."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=3, cp=1, tp=1, pp=1, ep=1, world_size=world_size)
+    mesh = dims.build_mesh("cpu")
+
+    def parallelize(model: nn.Module) -> None:
+        apply_data_parallel(model, mesh, dims, param_dtype=torch.float64)
+
+    spec = UpcycleSpec(num_experts=4, top_k=2)
+    return _upcycle_on_rank(directory, spec, torch.float64, parallelize)
+
+
+def _expected_fsdp3_reads(directory: Path, rank: int) -> set:
+    """Rows [r·c, (r+1)·c) with c = ceil(R/3); wq/wk widened to whole heads; each dense FFN
+    whole on the ranks that hold experts (0 and 1), nothing on rank 2."""
+    expected, head_dim = set(), DENSE.per_head_dim
+    with SafetensorsCheckpoint(directory) as checkpoint:
+        for name in checkpoint.names:
+            shape = checkpoint.info(name).shape
+            rest = tuple((0, size) for size in shape[1:])
+            if ".mlp." in name:
+                if rank < 2:
+                    expected.add((name, ((0, shape[0]), *rest)))
+                continue
+            rows = math.ceil(shape[0] / 3)
+            start, stop = rank * rows, min(shape[0], (rank + 1) * rows)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                start, stop = start // head_dim * head_dim, math.ceil(stop / head_dim) * head_dim
+            expected.add((name, ((start, stop), *rest)))
+    return expected
+
+
+def test_uneven_and_empty_shards_read_their_blocks_and_keep_dense_logits(tmp_path: Path) -> None:
+    directory = write_dense(tmp_path / "dense", torch.float64)
+    results = run_on_ranks(_fsdp3_run, 3, directory, timeout=120)
+    reference = dense_logits(directory, torch.float64)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["logits"], reference, rtol=0, atol=1e-10)
+        assert len(result["reads"]) == len(set(result["reads"])), "a block was read twice"
+        assert set(result["reads"]) == _expected_fsdp3_reads(directory, rank)
 
 
 def _tp_placements(name: str) -> list:
@@ -157,24 +214,24 @@ def test_tensor_parallel_placements_read_only_their_rows_and_columns(tmp_path: P
     single, _ = upcycle_llama(directory, UpcycleSpec(num_experts=4, top_k=2), seed=5)
     for name, param in single.named_parameters():
         assert torch.equal(results[0]["full"][name], param), name
-    half_rows, half_columns = DENSE.ffn_dim // 2, DENSE.dim // 2
     for rank, result in enumerate(results):
-        reads = dict.fromkeys(result["reads"])
-        assert len(reads) == len(result["reads"]), "a block was read twice"
-        hf = to_hf_name
-        up = (
-            hf("layers.0.feed_forward.w1.weight"),
-            ((rank * half_rows, (rank + 1) * half_rows), (0, DENSE.dim)),
-        )
-        down = (
-            hf("layers.0.feed_forward.w2.weight"),
-            ((0, DENSE.dim), (rank * half_rows, (rank + 1) * half_rows)),
-        )
-        out = (
-            hf("layers.0.attention.wo.weight"),
-            ((0, DENSE.dim), (rank * half_columns, (rank + 1) * half_columns)),
-        )
-        norm = (hf("layers.0.attention_norm.weight"), ((0, DENSE.dim),))
-        assert {up, down, out, norm} <= reads.keys()
-        # the 4 experts of a layer share one read of each dense FFN block
-        assert sum(name == up[0] for name, _ in reads) == 1
+        assert len(result["reads"]) == len(set(result["reads"])), "a block was read twice"
+        assert set(result["reads"]) == _expected_tp_reads(directory, rank)
+
+
+def _expected_tp_reads(directory: Path, rank: int) -> set:
+    """Halves by rows (q/k/v, the FFN's gate and up rows the experts are cut along, vocabulary)
+    or by columns (o, the FFN's down columns); norms whole. The 4 experts of a layer share one
+    read of each FFN half."""
+    by_columns = ("o_proj.weight", "down_proj.weight")
+    replicated = ("norm.weight", "layernorm.weight")
+    expected = set()
+    with SafetensorsCheckpoint(directory) as checkpoint:
+        for name in checkpoint.names:
+            bounds = [(0, size) for size in checkpoint.info(name).shape]
+            if not name.endswith(replicated):
+                dim = 1 if name.endswith(by_columns) else 0
+                half = bounds[dim][1] // 2
+                bounds[dim] = (rank * half, (rank + 1) * half)
+            expected.add((name, tuple(bounds)))
+    return expected

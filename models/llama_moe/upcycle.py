@@ -142,25 +142,22 @@ def mixtral_layout(
     sources: Mapping[str, BlockSource], args: LlamaMoEArgs
 ) -> tuple[dict[str, PendingTensor], dict[str, Any]]:
     """The upcycled model's Mixtral checkpoint, each tensor produced from `sources` when written
-    (an expert's block is that one expert), and its config.json."""
+    (an expert's block is that one expert) in its source's dtype, and its config.json."""
     check_mixtral_compatible(args)
-    dtype = sources["tok_embeddings.weight"].dtype
     tensors = {}
     for entry in mixtral_tensor_layout(args):
         source = sources[entry.param_name]
         tensors[entry.hf_name] = PendingTensor(
-            entry.hf_shape, dtype, functools.partial(_mixtral_tensor, source, entry, args, dtype)
+            entry.hf_shape, source.dtype, functools.partial(_mixtral_tensor, source, entry, args)
         )
-    return tensors, args_to_mixtral_config(args, dtype)
+    return tensors, args_to_mixtral_config(args, sources["tok_embeddings.weight"].dtype)
 
 
-def _mixtral_tensor(
-    source: BlockSource, entry: MixtralTensor, args: LlamaMoEArgs, dtype: torch.dtype
-) -> torch.Tensor:
+def _mixtral_tensor(source: BlockSource, entry: MixtralTensor, args: LlamaMoEArgs) -> torch.Tensor:
     if entry.expert is None:
-        return to_hf_tensor(entry.param_name, source.read_all(), args).to(dtype)
+        return to_hf_tensor(entry.param_name, source.read_all(), args)
     index = (slice(entry.expert, entry.expert + 1), *(slice(0, n) for n in source.shape[1:]))
-    return source.read(index)[0].to(dtype, copy=True)  # experts may share one dense block
+    return source.read(index)[0].clone()  # experts may share one dense block
 
 
 LLAMA_UPCYCLER = Upcycler(

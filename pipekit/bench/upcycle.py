@@ -45,7 +45,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from models.llama.args import LlamaArgs
 from models.llama.hf_config import CONFIG_FILE, args_to_hf_config
@@ -54,6 +53,7 @@ from models.llama_moe.upcycle import upcycle_llama
 from pipekit.bench._pipeline_launch import run_ranks
 from pipekit.bench._report import print_result, print_table
 from pipekit.checkpoint import PendingTensor, SafetensorsCheckpoint, TensorRead, save_safetensors
+from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.checkpoint.upcycle import UpcycleSpec
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
@@ -234,13 +234,6 @@ def _plain_read(directory: str, reads: list[TensorRead]) -> float:
     return seconds
 
 
-def _owned_bytes(model: nn.Module) -> int:
-    return sum(
-        (param.to_local() if isinstance(param, DTensor) else param).numel() * param.itemsize
-        for param in model.parameters()
-    )
-
-
 def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     directory = spec["directory"]
     files = _checkpoint_files(directory)
@@ -252,7 +245,7 @@ def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, A
     cached_cold = [_cold_start(files)]
     model, first_s = _timed_upcycle(directory, spec, parallelize, reads)
     peak_rss = _peak_rss()
-    owned = _owned_bytes(model)
+    owned = local_nbytes(model)
     del model
     gc.collect()
 

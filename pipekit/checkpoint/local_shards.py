@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from pipekit._torch_private import local_shape_and_offset
 
-__all__ = ["BlockReader", "load_local_blocks", "local_block"]
+__all__ = ["BlockReader", "load_local_blocks", "local_block", "local_nbytes"]
 
 BlockReader = Callable[[str, tuple[slice, ...]], Tensor]
 """(parameter name, block of its global tensor) -> that block's values."""
@@ -31,13 +31,20 @@ def local_block(param: Tensor) -> tuple[slice, ...]:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
-def load_local_blocks(model: nn.Module, read_block: BlockReader) -> list[str]:
-    """Copy each parameter's local block from `read_block`; returns the names filled.
+def local_nbytes(model: nn.Module) -> int:
+    """Bytes of the parameter shards this rank holds."""
+    return sum(
+        (param.to_local() if isinstance(param, DTensor) else param).nbytes
+        for param in model.parameters()
+    )
+
+
+def load_local_blocks(model: nn.Module, read_block: BlockReader) -> None:
+    """Copy each parameter's local block from `read_block`.
 
     Parameters must be materialised (`to_empty`); a rank holding an empty shard reads nothing
     for it. Every block's shape is checked before it is copied.
     """
-    filled = []
     with torch.no_grad():
         for name, param in model.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
@@ -45,7 +52,6 @@ def load_local_blocks(model: nn.Module, read_block: BlockReader) -> list[str]:
                 raise ValueError(
                     f"{name} is on the meta device; call model.to_empty(device=...) first"
                 )
-            filled.append(name)
             if local.numel() == 0:
                 continue
             index = local_block(param)
@@ -56,4 +62,3 @@ def load_local_blocks(model: nn.Module, read_block: BlockReader) -> list[str]:
                     f"{[(part.start, part.stop) for part in index]} of shape {list(local.shape)}"
                 )
             local.copy_(block)
-    return filled

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -144,8 +145,9 @@ class ExpertCopies(BlockSource):
     """`[E, ...]` experts, expert c·G + g being piece g of copy c of a dense `source` tensor.
 
     `split_dim` is the source's hidden (F) dim: 0 for gate/up `[F, D]`, 1 for down `[D, F]`.
-    `scale` multiplies every piece (G for the down projections of granular upcycling; exact
-    for powers of two, otherwise rounded to the source dtype).
+    `scale` multiplies every piece (G for the down projections of granular upcycling). A power
+    of two is exact in any dtype; another scale is applied in at least float32, and the pieces
+    stay in float32 (`dtype`) rather than being rounded back to a half-precision source.
     """
 
     def __init__(
@@ -162,7 +164,8 @@ class ExpertCopies(BlockSource):
         self.split_dim, self.scale = split_dim, scale
         self.piece_size = piece_shape[split_dim]
         self.shape = (copies * granularity, *piece_shape)
-        self.dtype = source.dtype
+        exact = math.frexp(scale)[0] == 0.5  # a power of two
+        self.dtype = source.dtype if exact else torch.promote_types(source.dtype, torch.float32)
 
     def read(self, index: Sequence[slice]) -> Tensor:
         experts, block = index[0], list(index[1:])
@@ -174,7 +177,7 @@ class ExpertCopies(BlockSource):
                 offset = piece * self.piece_size
                 block[self.split_dim] = slice(offset + hidden.start, offset + hidden.stop)
                 values = self.source.read(tuple(block))
-                pieces[piece] = values if self.scale == 1 else values * self.scale
+                pieces[piece] = values if self.scale == 1 else values.to(self.dtype) * self.scale
         count = experts.stop - experts.start
         if len(pieces) == 1:  # the same piece for every expert: a broadcast view, no stacked copy
             (piece,) = pieces.values()

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from pipekit.attention.context import CausalAttention
 from pipekit.checkpoint.dcp import (
@@ -32,6 +31,7 @@ from pipekit.checkpoint.dcp import (
     capture_rng_state,
     restore_rng_state,
 )
+from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.checkpoint.safetensors_io import TensorRead
 from pipekit.checkpoint.upcycle import upcycle_into
 from pipekit.config.job_config import JobConfig
@@ -153,19 +153,23 @@ class Trainer:
         self.peak_flops = config.metrics.peak_flops or self._measured_peak_flops()
 
     def _materialize(self, model: nn.Module, load_hf: bool) -> None:
-        """Move off meta and initialise from the job seed, or load the Hugging Face weights
-        (upcycled: this rank's blocks of the dense checkpoint)."""
+        """Move off meta and initialise from the job seed, or load the Hugging Face weights."""
         model.to_empty(device=self.device)
-        if load_hf and self.upcycle is not None:
-            self._load_upcycled(model)
-            return
         model.init_weights(seed=self.config.job.seed)
         if load_hf and self.config.checkpoint.initial_load_path:
             self.spec.load_hf(self.config.checkpoint.initial_load_path, model, self.model_args)
 
+    def _parallelize_upcycled(self, model: nn.Module, load_hf: bool) -> None:
+        """An upcycled model (or stage) is sharded on meta before it has storage, then each rank
+        fills its own blocks, so none holds more (a resume overwrites them from DCP)."""
+        self._parallelize(model)
+        model.to_empty(device=self.device)
+        if load_hf:
+            self._load_upcycled(model)
+
     def _load_upcycled(self, model: nn.Module) -> None:
-        """Fill `model`'s local blocks (whatever placement it has by now) from the dense
-        checkpoint: experts copied from the FFN blocks, router drawn from the job seed."""
+        """Fill `model`'s local blocks from the dense checkpoint: experts copied from the FFN
+        blocks, router drawn from the job seed."""
         from models.registry import get_model_spec
 
         dense_spec = get_model_spec(self.config.model.name)
@@ -181,8 +185,7 @@ class Trainer:
             self.config.job.seed,
             read_log=reads,
         )
-        owned = sum(local.numel() * local.element_size() for local in _local_tensors(model))
-        read = sum(block.nbytes for block in reads)
+        owned, read = local_nbytes(model), sum(block.nbytes for block in reads)
         print(
             f"[rank {self.rank}] upcycled {path}: read {read / 2**20:.1f} MiB for "
             f"{owned / 2**20:.1f} MiB of local parameters",
@@ -216,16 +219,11 @@ class Trainer:
     def _build_model(self, load_hf: bool) -> nn.Module:
         with torch.device("meta"):
             model = self.spec.build(self.model_args)
-        if self.upcycle is None:
-            self._materialize(model, load_hf)
-            self._parallelize(model)
+        if self.upcycle is not None:
+            self._parallelize_upcycled(model, load_hf)
             return model
-        # An upcycled model is sharded before it exists, so no rank ever holds more than its
-        # own blocks (a resume then overwrites them from DCP).
+        self._materialize(model, load_hf)
         self._parallelize(model)
-        model.to_empty(device=self.device)
-        if load_hf:
-            self._load_upcycled(model)
         return model
 
     def _build_pipeline(self, load_hf: bool) -> tuple[nn.Module, PipelineRunner]:
@@ -249,7 +247,11 @@ class Trainer:
             **placement,
             outside_stages=plan.modules_outside_stages,
         )
-        self._materialize(rank_model, load_hf)
+        parallelize = self._parallelize
+        if self.upcycle is None:
+            self._materialize(rank_model, load_hf)
+        else:  # each stage is sharded on meta, then filled (no vocab parallelism: validated)
+            parallelize = functools.partial(self._parallelize_upcycled, load_hf=load_hf)
         vocab_group = None
         if plan.vocab_parallel:  # this rank's rows, under the full model's names
             # the output passes' collectives get their own group: on NCCL a pipeline send
@@ -278,7 +280,7 @@ class Trainer:
             shapes=shapes,
             num_slices=plan.num_slices,
             device=self.device,
-            parallelize=self._parallelize,
+            parallelize=parallelize,
             group=pp_mesh.get_group(),
             backend=config.model.attention_backend,
         )
@@ -471,12 +473,6 @@ class Trainer:
             self.spec.save_hf(plain, self.model_args, str(directory))
         if dist.is_initialized():
             dist.barrier()
-
-
-def _local_tensors(model: nn.Module) -> list[Tensor]:
-    return [
-        param.to_local() if isinstance(param, DTensor) else param for param in model.parameters()
-    ]
 
 
 class _TrainerProgress:
