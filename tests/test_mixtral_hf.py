@@ -110,8 +110,8 @@ def test_wrong_expert_names_or_rope_order_break_parity(
     model = _model(TINY)
     spread_weights(model)
     if breakage == "swap_gate_and_up":
-        monkeypatch.setitem(hf_mixtral._EXPERT_WEIGHTS, "experts.w1_EFD", "w3")
-        monkeypatch.setitem(hf_mixtral._EXPERT_WEIGHTS, "experts.w3_EFD", "w1")
+        monkeypatch.setitem(hf_mixtral.EXPERT_WEIGHTS, "experts.w1_EFD", "w3")
+        monkeypatch.setitem(hf_mixtral.EXPERT_WEIGHTS, "experts.w3_EFD", "w1")
     else:
         monkeypatch.setattr(hf_mixtral, "to_hf_tensor", lambda name, tensor, args: tensor)
     save_hf_mixtral(model, TINY, tmp_path / "hf")

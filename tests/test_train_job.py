@@ -431,33 +431,39 @@ def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_p
 
 
 def test_bad_upcycling_input_gives_one_error_line_and_exit_2(tmp_path: Path) -> None:
-    """Each mistake is named before any rank reads a weight (a dense checkpoint of another
-    shape is refused when its header is read, before training)."""
-    import torch
+    """Each mistake is named at validation, before any process group, model or read: bad
+    [model.upcycle] keys, and a dense checkpoint that is not the flavor's (its config.json and
+    tensor headers are checked)."""
+    from hf_reference import rewrite_weights
 
-    from models.llama import Llama, LlamaArgs
-    from models.llama.state_dict_adapter import save_hf_llama
-
-    other = LlamaArgs(dim=64, n_layers=2, n_heads=4, vocab_size=258, ffn_dim=96)
-    with torch.device("meta"):
-        dense = Llama(other)
-    dense.to_empty(device="cpu")
-    dense.init_weights(seed=0)
-    save_hf_llama(dense, other, tmp_path / "other")
+    _debug_llama_checkpoint(tmp_path / "dense")
+    _debug_llama_checkpoint(tmp_path / "missing_ffn")
+    rewrite_weights(
+        tmp_path / "missing_ffn", lambda tensors: tensors.pop("model.layers.2.mlp.up_proj.weight")
+    )
     upcycle = (
         "--config",
         UPCYCLE_CONFIG,
         "--checkpoint.initial_load_path",
-        str(tmp_path / "other"),
+        str(tmp_path / "dense"),
     )
     cases = [
-        ((*upcycle, "--model.upcycle.num_experts", "3"), 2, "ep=2 must divide the 3 experts"),
-        ((*upcycle, "--model.upcycle.granularity", "5"), 2, "granularity=5 must divide"),
-        ((*upcycle, "--model.upcycle.layers", "some"), 2, "layers='some' must be"),
-        ((*upcycle, "--model.name", "llama_moe"), 2, "model 'llama_moe' cannot be upcycled"),
-        ((*upcycle, "--checkpoint.initial_load_path", ""), 2, "initial_load_path, which is empty"),
-        ((*upcycle, "--parallelism.ep", "1"), None, "does not match the model's LlamaArgs"),
-        (("--config", MOE_CONFIG, "--checkpoint.export_hf_at_end", "true"), 2, "moe_every=2"),
+        (("--model.upcycle.num_experts", "3"), "ep=2 must divide the 3 experts of [model.upcycle]"),
+        (("--model.upcycle.granularity", "5"), "granularity=5 must divide"),
+        (("--model.upcycle.layers", "some"), "layers='some' must be"),
+        (("--model.upcycle.layers", "0"), "layers=0 must be"),
+        (("--model.upcycle.capacity_factor", "-1"), "capacity_factor=-1.0 must be > 0"),
+        (("--model.name", "llama_moe"), "model 'llama_moe' cannot be upcycled"),
+        (("--checkpoint.initial_load_path", ""), "initial_load_path, which is empty"),
+        (("--model.upcycle.num_experts", "0"), "turns upcycling off, but other"),
+        (("--model.flavor", "1B"), "does not match the model's LlamaArgs"),
+        (
+            ("--checkpoint.initial_load_path", str(tmp_path / "missing_ffn")),
+            "missing tensors (1): model.layers.2.mlp.up_proj.weight",
+        ),
     ]
-    for overrides, world_size, message in cases:
-        assert message in _single_process_error(tmp_path / "job", *overrides, world_size=world_size)
+    for overrides, message in cases:
+        error = _single_process_error(tmp_path / "job", *upcycle, *overrides, world_size=2)
+        assert message in error, error
+    moe_export = ("--config", MOE_CONFIG, "--checkpoint.export_hf_at_end", "true")
+    assert "moe_every=2" in _single_process_error(tmp_path / "job", *moe_export, world_size=2)

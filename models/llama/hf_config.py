@@ -31,6 +31,7 @@ __all__ = [
     "args_to_hf_config",
     "build_args",
     "hf_config_to_args",
+    "is_int",
     "llama_config_fields",
     "llama_config_keys",
     "read_config_json",
@@ -130,7 +131,7 @@ def llama_config_fields(
     problems += [
         f"{key}={config[key]!r} must be an integer"
         for key in (*_REQUIRED_INTS, "num_key_value_heads", "head_dim")
-        if config.get(key) is not None and not _is_int(config[key])
+        if config.get(key) is not None and not is_int(config[key])
     ]
     rope_theta, rope_scaling = _rope(config, model_type, problems)
     if problems:
@@ -264,5 +265,6 @@ def _max_position_embeddings(config: Mapping[str, Any], model_type: HFModelType)
     return int(config.get("max_position_embeddings", model_type.max_position_embeddings))
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """A JSON integer (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -34,6 +34,7 @@ from models.llama.hf_config import (
     CONFIG_FILE,
     HFModelType,
     build_args,
+    is_int,
     llama_config_fields,
     llama_config_keys,
     read_config_json,
@@ -57,6 +58,7 @@ from pipekit.checkpoint.safetensors_io import (
 from pipekit.moe import MoEArgs
 
 __all__ = [
+    "EXPERT_WEIGHTS",
     "MIXTRAL_MODEL_TYPE",
     "MixtralTensor",
     "args_to_mixtral_config",
@@ -91,7 +93,9 @@ _DEFAULT_AUX_LOSS_COEF = 0.001
 
 _MOE_PARAM = re.compile(r"layers\.(\d+)\.feed_forward\.(.+)")
 _GATE = "router.gate.weight"
-_EXPERT_WEIGHTS = {"experts.w1_EFD": "w1", "experts.w2_EDF": "w2", "experts.w3_EFD": "w3"}
+EXPERT_WEIGHTS = {"experts.w1_EFD": "w1", "experts.w2_EDF": "w2", "experts.w3_EFD": "w3"}
+"""Expert parameter -> the SwiGLU weight it stacks (Mixtral's per-expert name, and the dense
+FFN weight it is upcycled from)."""
 
 
 class MixtralTensor(NamedTuple):
@@ -196,8 +200,8 @@ def to_mixtral_names(name: str, args: LlamaMoEArgs) -> list[str]:
     prefix = f"model.layers.{match[1]}.block_sparse_moe"
     if match[2] == _GATE:
         return [f"{prefix}.gate.weight"]
-    if match[2] in _EXPERT_WEIGHTS:
-        short = _EXPERT_WEIGHTS[match[2]]
+    if match[2] in EXPERT_WEIGHTS:
+        short = EXPERT_WEIGHTS[match[2]]
         return [f"{prefix}.experts.{j}.{short}.weight" for j in range(args.moe.num_experts)]
     raise ValueError(
         f"{name!r} is not a parameter of a Mixtral-layout Llama-MoE (every layer MoE with the "
@@ -302,7 +306,7 @@ def save_hf_mixtral(
 
 def _is_expert_weight(name: str) -> bool:
     match = _MOE_PARAM.fullmatch(name)
-    return match is not None and match[2] in _EXPERT_WEIGHTS
+    return match is not None and match[2] in EXPERT_WEIGHTS
 
 
 def _comparable(args: LlamaMoEArgs) -> dict[str, object]:
@@ -323,7 +327,7 @@ def _mixtral_problems(config: Mapping[str, Any]) -> list[str]:
     problems = []
     experts = config.get("num_local_experts", _DEFAULT_NUM_EXPERTS)
     top_k = config.get("num_experts_per_tok", _DEFAULT_TOP_K)
-    if not (_is_int(experts) and _is_int(top_k) and 1 <= top_k <= experts):
+    if not (is_int(experts) and is_int(top_k) and 1 <= top_k <= experts):
         problems.append(
             f"num_local_experts={experts!r}, num_experts_per_tok={top_k!r} must be integers "
             "with 1 <= num_experts_per_tok <= num_local_experts"
@@ -336,7 +340,7 @@ def _mixtral_problems(config: Mapping[str, Any]) -> list[str]:
         "max_position_embeddings", MIXTRAL_MODEL_TYPE.max_position_embeddings
     )
     if window is not None and not (
-        _is_int(window) and _is_int(max_positions) and window >= max_positions
+        is_int(window) and is_int(max_positions) and window >= max_positions
     ):
         problems.append(
             f"sliding_window={window!r} is shorter than max_position_embeddings="
@@ -344,7 +348,3 @@ def _mixtral_problems(config: Mapping[str, Any]) -> list[str]:
             "a checkpoint with sliding_window null, or at least max_position_embeddings, loads)"
         )
     return problems
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -27,6 +27,7 @@ from models.llama.state_dict_adapter import (
 )
 from models.llama_moe.args import LlamaMoEArgs
 from models.llama_moe.hf_mixtral import (
+    EXPERT_WEIGHTS,
     MixtralTensor,
     args_to_mixtral_config,
     check_mixtral_compatible,
@@ -54,12 +55,8 @@ __all__ = [
 ]
 
 _ROUTERS_KEEPING_OR_ABLATING = ("topk_softmax", "softmax_topk")
-# experts param -> (dense FFN param, split dim of the dense [F, D] / [D, F] weight)
-_EXPERT_SOURCES = {
-    "experts.w1_EFD": ("w1.weight", 0),
-    "experts.w3_EFD": ("w3.weight", 0),
-    "experts.w2_EDF": ("w2.weight", 1),
-}
+# The hidden (F) dim of each dense FFN weight: gate/up are [F, D], down is [D, F].
+_HIDDEN_DIM = {"w1": 0, "w3": 0, "w2": 1}
 
 
 def upcycled_args(dense: LlamaArgs, spec: UpcycleSpec) -> LlamaMoEArgs:
@@ -114,12 +111,14 @@ def upcycle_sources(
                 seed,
                 dtype,
             )
-        elif rest in _EXPERT_SOURCES:
-            dense_name, split_dim = _EXPERT_SOURCES[rest]
-            dense_ffn = _dense_block(checkpoint, f"layers.{layer}.feed_forward.{dense_name}", dense)
-            scale = spec.granularity if rest == "experts.w2_EDF" else 1
+        elif rest in EXPERT_WEIGHTS:
+            weight = EXPERT_WEIGHTS[rest]
+            dense_ffn = _dense_block(
+                checkpoint, f"layers.{layer}.feed_forward.{weight}.weight", dense
+            )
+            scale = spec.granularity if weight == "w2" else 1  # the pieces' outputs sum to f
             sources[name] = ExpertCopies(
-                dense_ffn, spec.num_experts, spec.granularity, split_dim, scale
+                dense_ffn, spec.num_experts, spec.granularity, _HIDDEN_DIM[weight], scale
             )
         else:
             sources[name] = _dense_block(checkpoint, name, dense)
@@ -164,6 +163,7 @@ LLAMA_UPCYCLER = Upcycler(
     moe_model="llama_moe",
     moe_args=upcycled_args,
     sources=upcycle_sources,
+    check_dense=check_hf_llama_checkpoint,
     hf_layout=mixtral_layout,
 )
 

@@ -82,7 +82,9 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class TensorRead:
-    """One block read from a checkpoint: tensor, (start, stop) per dim, bytes copied out."""
+    """One block read from a checkpoint: tensor, (start, stop) per dim, and the block's size in
+    bytes (the bytes that come off disk when it is used; a block narrower than its rows touches
+    whole pages of each row)."""
 
     name: str
     bounds: tuple[tuple[int, int], ...]
@@ -170,7 +172,7 @@ class SafetensorsCheckpoint:
         return block
 
     def close(self) -> None:
-        """Drop the open file handles (the memory maps go with them)."""
+        """Drop the open file handles; a memory map lives on while a block read from it does."""
         self._handles.clear()
 
     def __enter__(self) -> SafetensorsCheckpoint:

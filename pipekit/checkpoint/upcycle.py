@@ -72,11 +72,23 @@ class UpcycleSpec:
                 f"upcycling needs num_experts >= 1 and 1 <= top_k <= num_experts; got "
                 f"num_experts={self.num_experts}, top_k={self.top_k}"
             )
-        if self.granularity < 1 or self.moe_every < 1 or self.router_init_std <= 0:
-            raise ValueError(
-                f"upcycling needs granularity >= 1, moe_every >= 1 and router_init_std > 0; got "
-                f"{self.granularity}, {self.moe_every}, {self.router_init_std}"
+        problems = [
+            f"{name}={value} must be {rule}"
+            for name, value, rule, ok in (
+                ("granularity", self.granularity, ">= 1", self.granularity >= 1),
+                ("moe_every", self.moe_every, ">= 1 (every k-th layer)", self.moe_every >= 1),
+                ("router_init_std", self.router_init_std, "> 0", self.router_init_std > 0),
+                (
+                    "capacity_factor",
+                    self.capacity_factor,
+                    "> 0, or None for dropless",
+                    self.capacity_factor is None or self.capacity_factor > 0,
+                ),
             )
+            if not ok
+        ]
+        if problems:
+            raise ValueError(f"upcycling: {'; '.join(problems)}")
 
     @property
     def total_experts(self) -> int:
@@ -228,6 +240,9 @@ class Upcycler:
     """(dense model args, spec) -> the upcycled model's args."""
     sources: Callable[[SafetensorsCheckpoint, Any, UpcycleSpec, int], dict[str, BlockSource]]
     """(dense checkpoint, upcycled args, spec, seed) -> a source for every parameter."""
+    check_dense: Callable[[SafetensorsCheckpoint, Any], None]
+    """(dense checkpoint, dense args) -> CheckpointError unless the checkpoint is a dense model
+    of those args; reads only config.json and the file headers (job validation uses it)."""
     hf_layout: Callable[[Mapping[str, BlockSource], Any], tuple[dict[str, PendingTensor], dict]]
     """(sources, upcycled args) -> the upcycled family's Hugging Face tensors, produced on
     demand, and its config.json (offline upcycling)."""

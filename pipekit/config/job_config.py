@@ -69,8 +69,8 @@ class UpcycleConfig:
         """The `UpcycleSpec` this section describes (ValueError naming the bad key)."""
         from pipekit.checkpoint.upcycle import UpcycleSpec
 
-        if self.layers != "all" and not isinstance(self.layers, int):
-            raise ValueError(f'layers={self.layers!r} must be "all" or an integer k')
+        if self.layers != "all" and not (isinstance(self.layers, int) and self.layers >= 1):
+            raise ValueError(f'layers={self.layers!r} must be "all" or an integer k >= 1')
         return UpcycleSpec(
             num_experts=self.num_experts,
             top_k=self.top_k,

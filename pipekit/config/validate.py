@@ -101,7 +101,15 @@ def job_model(config: JobConfig) -> tuple[ModelSpec, Any]:
 
 
 def _check_model(config: JobConfig) -> None:
+    from pipekit.config.job_config import UpcycleConfig
     from pipekit.train.data.tokenizer import build_tokenizer
+
+    upcycle = config.model.upcycle
+    if not upcycle.enabled and upcycle != UpcycleConfig(num_experts=upcycle.num_experts):
+        raise ConfigError(
+            f"[model.upcycle] num_experts={upcycle.num_experts} turns upcycling off, but other "
+            "[model.upcycle] keys are set; set num_experts > 0 to upcycle, or remove them"
+        )
 
     spec, args = job_model(config)
     try:
@@ -134,12 +142,27 @@ def _check_model(config: JobConfig) -> None:
 
 
 def _check_upcycle(config: JobConfig) -> None:
-    """Upcycling reads the dense checkpoint shard by shard while the model is built."""
-    if not config.checkpoint.initial_load_path:
+    """Upcycling reads the dense checkpoint shard by shard while the model is built, so the
+    checkpoint's config and tensor headers are checked against the flavor here, before that."""
+    from models.registry import get_model_spec
+    from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint
+
+    path = config.checkpoint.initial_load_path
+    if not path:
         raise ConfigError(
             "[model.upcycle] num_experts > 0 upcycles the dense checkpoint of [checkpoint] "
             "initial_load_path, which is empty; set it to a Hugging Face Llama directory"
         )
+    dense = get_model_spec(config.model.name)
+    assert dense.upcycler is not None  # job_model checked it
+    try:
+        with SafetensorsCheckpoint(path) as checkpoint:
+            dense.upcycler.check_dense(checkpoint, dense.flavor(config.model.flavor))
+    except ValueError as error:  # CheckpointError included
+        raise ConfigError(
+            f"[checkpoint] initial_load_path: {error} ([model] flavor={config.model.flavor!r} "
+            "must describe the dense checkpoint that is upcycled)"
+        ) from None
     if job_model(config)[1].tie_embeddings:
         raise ConfigError(
             f"[model.upcycle]: flavor {config.model.flavor} ties the embedding and output weights, "
@@ -210,9 +233,16 @@ def _check_expert_parallel(config: JobConfig, dims: ParallelDims) -> None:
             f"{config.model.name!r} has no experts (use llama_moe, or set ep = 1)"
         )
     if moe.num_experts % ep:
+        upcycle = config.model.upcycle
+        source = (
+            f"[model.upcycle] num_experts x granularity = {upcycle.num_experts} x "
+            f"{upcycle.granularity}"
+            if upcycle.enabled
+            else f"{config.model.name} {config.model.flavor}"
+        )
         raise ConfigError(
-            f"[parallelism] ep={ep} must divide the {moe.num_experts} experts of "
-            f"{config.model.name} {config.model.flavor}; choose a divisor of {moe.num_experts}"
+            f"[parallelism] ep={ep} must divide the {moe.num_experts} experts of {source}; "
+            f"choose a divisor of {moe.num_experts}"
         )
     if dims.pp > 1:
         raise ConfigError(
