@@ -456,7 +456,8 @@ def test_bad_upcycling_input_gives_one_error_line_and_exit_2(tmp_path: Path) -> 
         (("--model.name", "llama_moe"), "model 'llama_moe' cannot be upcycled"),
         (("--checkpoint.initial_load_path", ""), "initial_load_path, which is empty"),
         (("--model.upcycle.num_experts", "0"), "turns upcycling off, but other"),
-        (("--model.flavor", "1B"), "does not match the model's LlamaArgs"),
+        (("--model.flavor", "8B"), "does not match the model's LlamaArgs"),
+        (("--model.flavor", "1B"), "flavor 1B ties the embedding and output weights"),
         (
             ("--checkpoint.initial_load_path", str(tmp_path / "missing_ffn")),
             "missing tensors (1): model.layers.2.mlp.up_proj.weight",

@@ -153,16 +153,6 @@ def _check_upcycle(config: JobConfig) -> None:
             "[model.upcycle] num_experts > 0 upcycles the dense checkpoint of [checkpoint] "
             "initial_load_path, which is empty; set it to a Hugging Face Llama directory"
         )
-    dense = get_model_spec(config.model.name)
-    assert dense.upcycler is not None  # job_model checked it
-    try:
-        with SafetensorsCheckpoint(path) as checkpoint:
-            dense.upcycler.check_dense(checkpoint, dense.flavor(config.model.flavor))
-    except ValueError as error:  # CheckpointError included
-        raise ConfigError(
-            f"[checkpoint] initial_load_path: {error} ([model] flavor={config.model.flavor!r} "
-            "must describe the dense checkpoint that is upcycled)"
-        ) from None
     if job_model(config)[1].tie_embeddings:
         raise ConfigError(
             f"[model.upcycle]: flavor {config.model.flavor} ties the embedding and output weights, "
@@ -174,6 +164,16 @@ def _check_upcycle(config: JobConfig) -> None:
             "[model.upcycle] does not combine with [parallelism] vocab_parallel yet (the "
             "vocabulary shards are initialised from the full rows); set vocab_parallel = false"
         )
+    dense = get_model_spec(config.model.name)
+    assert dense.upcycler is not None  # job_model checked it
+    try:
+        with SafetensorsCheckpoint(path) as checkpoint:
+            dense.upcycler.check_dense(checkpoint, dense.flavor(config.model.flavor))
+    except ValueError as error:  # CheckpointError included
+        raise ConfigError(
+            f"[checkpoint] initial_load_path: {error} ([model] flavor={config.model.flavor!r} "
+            "must describe the dense checkpoint that is upcycled)"
+        ) from None
 
 
 def _check_paths(config: JobConfig) -> None:
