@@ -292,15 +292,15 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
         assert losses == pytest.approx({step: reference[step] for step in (3, 4)}, rel=1e-5)
 
 
-def _debug_llama_checkpoint(directory: Path, seed: int = 11) -> None:
-    """The debug Llama, initialised from `seed`, in Hugging Face layout."""
+def _debug_llama_checkpoint(directory: Path, seed: int = 11, flavor: str = "debug") -> None:
+    """A debug Llama flavor, initialised from `seed`, in Hugging Face layout."""
     import torch
 
     from models.llama.state_dict_adapter import save_hf_llama
     from models.registry import get_model_spec
 
     spec = get_model_spec("llama")
-    args = spec.flavor("debug")
+    args = spec.flavor(flavor)
     with torch.device("meta"):
         model = spec.build(args)
     model.to_empty(device="cpu")
@@ -457,7 +457,6 @@ def test_bad_upcycling_input_gives_one_error_line_and_exit_2(tmp_path: Path) -> 
         (("--checkpoint.initial_load_path", ""), "initial_load_path, which is empty"),
         (("--model.upcycle.num_experts", "0"), "turns upcycling off, but other"),
         (("--model.flavor", "8B"), "does not match the model's LlamaArgs"),
-        (("--model.flavor", "1B"), "flavor 1B ties the embedding and output weights"),
         (
             ("--checkpoint.initial_load_path", str(tmp_path / "missing_ffn")),
             "missing tensors (1): model.layers.2.mlp.up_proj.weight",
@@ -468,3 +467,20 @@ def test_bad_upcycling_input_gives_one_error_line_and_exit_2(tmp_path: Path) -> 
         assert message in error, error
     moe_export = ("--config", MOE_CONFIG, "--checkpoint.export_hf_at_end", "true")
     assert "moe_every=2" in _single_process_error(tmp_path / "job", *moe_export, world_size=2)
+
+
+def test_upcycled_job_with_tied_embeddings_starts_at_the_dense_loss(tmp_path: Path) -> None:
+    """Tied embedding and output weights (as Llama 3.2 1B/3B) stay one parameter through FSDP2
+    on meta and `to_empty`: the upcycled job's first loss is the dense job's."""
+    _debug_llama_checkpoint(tmp_path / "dense", flavor="debug_tied")
+    common = (
+        *SHORT_RUN[2:10],
+        "--model.flavor", "debug_tied",
+        "--checkpoint.initial_load_path", str(tmp_path / "dense"),
+        "--training.steps", "2",
+        "--checkpoint.enable", "false",
+    )  # fmt: skip
+    dense = _train(tmp_path / "dense_job", *common)
+    no_export = ("--checkpoint.export_hf_at_end", "false")
+    upcycled = _train(tmp_path / "upcycled", *common, *no_export, config=UPCYCLE_CONFIG)
+    assert upcycled[1] == pytest.approx(dense[1], rel=1e-5)

@@ -94,14 +94,20 @@ def _upcycle_on_rank(directory: Path, spec: UpcycleSpec, dtype: torch.dtype, par
 
 
 @pytest.mark.parametrize(
-    ("dtype", "granularity", "tolerance"),
-    [(torch.float64, 1, 1e-10), (torch.float32, 1, 1e-5), (torch.float64, 2, 1e-10)],
+    ("dtype", "granularity", "tolerance", "tied"),
+    [
+        (torch.float64, 1, 1e-10, False),
+        (torch.float32, 1, 1e-5, False),
+        (torch.float64, 2, 1e-10, False),
+        (torch.float64, 1, 1e-10, True),
+    ],
 )
 def test_expert_parallel_fsdp_upcycling_reads_own_blocks_and_keeps_dense_logits(
-    tmp_path: Path, dtype: torch.dtype, granularity: int, tolerance: float
+    tmp_path: Path, dtype: torch.dtype, granularity: int, tolerance: float, tied: bool
 ) -> None:
-    """4 copies, top-2 (x G): each rank holds 2 copies' experts and half of every other weight."""
-    directory = write_dense(tmp_path / "dense", dtype)
+    """4 copies, top-2 (x G): each rank holds 2 copies' experts and half of every other weight
+    (tied: the embedding rows serve the output layer too)."""
+    directory = write_dense(tmp_path / "dense", dtype, DENSE.with_updates(tie_embeddings=tied))
     results = run_on_ranks(_ep_fsdp_run, 2, directory, dtype, granularity, timeout=120)
     reference = dense_logits(directory, dtype)
     for rank, result in enumerate(results):

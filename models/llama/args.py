@@ -126,6 +126,8 @@ LLAMA_FLAVORS: dict[str, LlamaArgs] = {
         rope_scaling=_LLAMA31_SCALING,
     ),
 }
+# The debug shape with tied embedding and output weights, as Llama 3.2 1B and 3B have.
+LLAMA_FLAVORS["debug_tied"] = LLAMA_FLAVORS["debug"].with_updates(tie_embeddings=True)
 
 
 def llama_flavor(name: str) -> LlamaArgs:

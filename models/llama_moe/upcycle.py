@@ -182,17 +182,13 @@ def upcycle_llama(
 
     The model is built on the meta device and handed to `parallelize` (expert parallelism,
     FSDP2, ...) before it has any storage, so each rank materialises and reads only its own
-    blocks. Tied embeddings need an unparallelized model (to_empty unties them; we re-tie).
+    blocks. Tied embeddings stay one parameter (re-tied after `to_empty`, which unties plain
+    modules; FSDP2 keeps the tie itself).
     """
     args = upcycled_args(read_hf_llama_args(directory), spec)
     with torch.device("meta"):
         model = LlamaMoE(args).to(dtype)
     if parallelize is not None:
-        if args.tie_embeddings:
-            raise ValueError(
-                "upcycling a checkpoint with tied embeddings into a parallelized model is not "
-                "supported yet; upcycle it offline (python -m pipekit.upcycle) or untie it"
-            )
         parallelize(model)
     model.to_empty(device=device)
     model.tie_weights()

@@ -153,12 +153,6 @@ def _check_upcycle(config: JobConfig) -> None:
             "[model.upcycle] num_experts > 0 upcycles the dense checkpoint of [checkpoint] "
             "initial_load_path, which is empty; set it to a Hugging Face Llama directory"
         )
-    if job_model(config)[1].tie_embeddings:
-        raise ConfigError(
-            f"[model.upcycle]: flavor {config.model.flavor} ties the embedding and output weights, "
-            "which the sharded online upcycling does not handle yet; upcycle offline with "
-            "`python -m pipekit.upcycle` and load the result, or use an untied flavor"
-        )
     if config.parallelism.vocab_parallel:
         raise ConfigError(
             "[model.upcycle] does not combine with [parallelism] vocab_parallel yet (the "

@@ -164,6 +164,7 @@ class Trainer:
         fills its own blocks, so none holds more (a resume overwrites them from DCP)."""
         self._parallelize(model)
         model.to_empty(device=self.device)
+        model.tie_weights()  # FSDP2 keeps a tie through to_empty; a plain module does not
         if load_hf:
             self._load_upcycled(model)
 
