@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 import torch._dynamo
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 from torch.distributed._composable import checkpoint as _composable_checkpoint
 from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,6 +25,7 @@ __all__ = [
     "flatten_mesh",
     "fsdp_replicate",
     "grouped_mm",
+    "inductor_cache_dir",
     "local_shape_and_offset",
     "more_recompiles",
 ]
@@ -49,12 +51,24 @@ local_shape_and_offset = compute_local_shape_and_global_offset
 
 @contextlib.contextmanager
 def more_recompiles(limit: int) -> Iterator[None]:
-    """Raise dynamo's per-function recompile limit (default 8) inside the block.
+    """Raise dynamo's per-function recompile limit (default 8) to at least `limit` inside the
+    block (an enclosing block's higher limit stays).
 
     A compiled kernel recompiles per distinct mask_mod and shape; past the limit dynamo silently
     runs the function eagerly, which for FlexAttention materialises the full score matrix.
     """
-    with torch._dynamo.config.patch(recompile_limit=limit):
+    with torch._dynamo.config.patch(
+        recompile_limit=max(limit, torch._dynamo.config.recompile_limit)
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def inductor_cache_dir(directory: str) -> Iterator[None]:
+    """Compile into and load from `directory` inside the block (in-memory caches are cleared on
+    entry and exit). Setting TORCHINDUCTOR_CACHE_DIR after torch has compiled anything is not
+    enough: inductor writes the resolved directory back into the environment on first use."""
+    with temporary_cache_dir(directory):
         yield
 
 

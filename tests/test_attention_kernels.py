@@ -1,8 +1,15 @@
 """Every attention backend against the float64 reference: out, lse and (where it has a
-backward) every gradient, for causal, offset-causal, document, sliding-window and GQA cases."""
+backward) every gradient, for causal, offset-causal, document, sliding-window and GQA cases;
+the guard that keeps compiled FlexAttention on CPU from returning wrong values."""
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from attention_reference import dense_allowed, reference_attention
 
 from pipekit.attention import (
@@ -16,9 +23,14 @@ from pipekit.attention import (
     sliding_window_mask,
     use_backend,
 )
+from pipekit.attention import flex as flex_module
 from pipekit.attention.cpu_flash import CpuFlashBackend
+from pipekit.attention.flex import MIN_CPU_HEAD_DIM, FlexKernelMismatchError
 
 BATCH, Q_LEN, KV_LEN, HEAD_DIM = 2, 24, 24, 8
+# Compiled FlexAttention on CPU is tested at the head dims its guard admits; 24 is not a
+# multiple of the kernel's blocks, 128 is.
+FLEX_HEAD_DIMS = (32, 64)
 DOCS_BS = torch.tensor([[0] * 7 + [1] * 12 + [2] * 5, [0] * 20 + [1] * 4])
 
 CASES = {
@@ -36,11 +48,11 @@ CASES = {
 TILED_CPU = CpuFlashBackend(q_block=8, kv_block=5)
 
 
-def _inputs(heads, kv_heads, kv_len, dtype=torch.float64, seed=0):
+def _inputs(heads, kv_heads, kv_len, dtype=torch.float64, seed=0, head_dim=HEAD_DIM, q_len=Q_LEN):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(BATCH, heads, Q_LEN, HEAD_DIM, generator=gen, dtype=dtype)
-    k = torch.randn(BATCH, kv_heads, kv_len, HEAD_DIM, generator=gen, dtype=dtype)
-    v = torch.randn(BATCH, kv_heads, kv_len, HEAD_DIM, generator=gen, dtype=dtype)
+    q = torch.randn(BATCH, heads, q_len, head_dim, generator=gen, dtype=dtype)
+    k = torch.randn(BATCH, kv_heads, kv_len, head_dim, generator=gen, dtype=dtype)
+    v = torch.randn(BATCH, kv_heads, kv_len, head_dim, generator=gen, dtype=dtype)
     return q, k, v
 
 
@@ -62,21 +74,145 @@ def test_cpu_backend_matches_reference_fp64(case, backend):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=f"d{name} differs")
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_compiled_flex_forward_on_cpu_matches_reference_and_cpu_backend(case):
-    mask, heads, kv_heads, kv_len = CASES[case]
-    q, k, v = _inputs(heads, kv_heads, kv_len, dtype=torch.float32)
-    allowed = dense_allowed(mask, BATCH, heads, Q_LEN, kv_len)
+def _check_flex_on_cpu(mask, heads, kv_heads, q_len, kv_len, head_dim, allowed):
+    q, k, v = _inputs(heads, kv_heads, kv_len, torch.float32, head_dim=head_dim, q_len=q_len)
     with torch.no_grad():
         out, lse = attention(q, k, v, mask, backend="flex")
         cpu_out, cpu_lse = attention(q, k, v, mask, backend="cpu")
     ref_out, ref_lse = reference_attention(
-        q.double(), k.double(), v.double(), allowed, HEAD_DIM**-0.5
+        q.double(), k.double(), v.double(), allowed, head_dim**-0.5
     )
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, cpu_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_compiled_flex_forward_on_cpu_matches_reference_unaligned_length(case):
+    mask, heads, kv_heads, kv_len = CASES[case]
+    allowed = dense_allowed(mask, BATCH, heads, Q_LEN, kv_len)
+    for head_dim in FLEX_HEAD_DIMS if case in ("causal", "gqa_causal") else FLEX_HEAD_DIMS[:1]:
+        _check_flex_on_cpu(mask, heads, kv_heads, Q_LEN, kv_len, head_dim, allowed)
+
+
+@pytest.mark.parametrize("head_dim", FLEX_HEAD_DIMS)
+def test_compiled_flex_forward_on_cpu_matches_reference_aligned_length(head_dim):
+    length = 128
+    allowed = dense_allowed(None, 1, 1, length, length).expand(BATCH, 4, -1, -1)
+    causal_allowed = allowed.tril()
+    _check_flex_on_cpu(None, 4, 4, length, length, head_dim, allowed)
+    _check_flex_on_cpu(causal_mask, 4, 2, length, length, head_dim, causal_allowed)
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, MIN_CPU_HEAD_DIM - 1])
+def test_flex_on_cpu_refuses_head_dims_its_kernel_gets_wrong(head_dim):
+    q, k, v = _inputs(4, 4, KV_LEN, torch.float32, head_dim=head_dim)
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"head_dim={head_dim}.*backend='cpu'"):
+        attention(q, k, v, causal_mask, backend="flex")
+
+
+def _corrupting_kernel(corrupt):
+    """Ablation: a stand-in for compiled FlexAttention that is right except where `corrupt`
+    changes its output (SDPA underneath, so nothing compiles)."""
+
+    def kernel(q, k, v, *, block_mask, scale, enable_gqa):
+        assert block_mask is None
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=enable_gqa)
+        return corrupt(out.clone())
+
+    return lambda: kernel
+
+
+def _row_5_copies_row_0(out):
+    return out.index_copy_(2, torch.tensor([5]), out[:, :, :1])
+
+
+def _row_7_is_nan(out):
+    return out.index_fill_(2, torch.tensor([7]), float("nan"))
+
+
+def _one_percent_too_large(out):
+    return out.mul_(1.01)
+
+
+@pytest.mark.parametrize("corrupt", [_row_5_copies_row_0, _row_7_is_nan, _one_percent_too_large])
+def test_flex_output_check_catches_a_wrong_kernel(monkeypatch, corrupt):
+    q, k, v = _inputs(4, 2, KV_LEN, torch.float32, head_dim=32)
+    monkeypatch.setattr(flex_module, "compiled_flex_attention", _corrupting_kernel(lambda o: o))
+    with torch.no_grad():  # the uncorrupted stand-in passes the check
+        torch.testing.assert_close(
+            attention(q, k, v, None, backend="flex")[0],
+            attention(q, k, v, None, backend="cpu")[0],
+        )
+    monkeypatch.setattr(flex_module, "compiled_flex_attention", _corrupting_kernel(corrupt))
+    with torch.no_grad(), pytest.raises(FlexKernelMismatchError, match="backend='cpu'"):
+        attention(q, k, v, None, backend="flex")
+
+
+# Run in a fresh process with AVX2 code generation (ATEN_CPU_CAPABILITY also steers inductor),
+# which reproduces, on any x86 CPU with AVX2, the kernel bug of AVX2-only machines. That process
+# gets its own inductor cache: torch 2.13's cache key leaves out ATEN_CPU_CAPABILITY, and a
+# kernel compiled for one capability and loaded under the other gave wrong values and crashes
+# here (so never share an inductor cache between machines of different ISAs). The bug reads
+# memory it never wrote, so a given call may come out right: the probe makes 24 calls at head
+# dims 8 and 16 (in six runs of it, 3 to 21 of them were wrong) and 8 at head dim 32, and
+# prints, per call, whether the output is truly wrong (against float64) and whether the check
+# flagged it.
+_AVX2_PROBE = textwrap.dedent(
+    """
+    import torch
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from pipekit.attention import causal_mask
+    from pipekit.attention.cpu_flash import CpuFlashBackend
+    from pipekit.attention.flex import FlexKernelMismatchError, check_flex_against_reference
+
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+    torch._dynamo.config.recompile_limit = 64
+    kernel = torch.compile(flex_attention, dynamic=False)
+    for head_dim, lengths in ((8, (8, 24, 40, 72)), (16, (8, 24, 40, 72)), (32, (24, 72))):
+        for length in lengths:
+            block_mask = create_block_mask(causal_mask, None, None, length, length, device="cpu")
+            for seed in range(3 if head_dim < 32 else 4):
+                gen = torch.Generator().manual_seed(seed)
+                q, k, v = (torch.randn(2, 4, length, head_dim, generator=gen) for _ in range(3))
+                out = kernel(q, k, v, block_mask=block_mask)
+                exact = torch.nn.functional.scaled_dot_product_attention(
+                    q.double(), k.double(), v.double(), is_causal=True
+                )
+                error = ((out.double() - exact).abs() / v.abs().max()).nan_to_num(1.0).max()
+                reference = CpuFlashBackend().forward_chunk(q, k, v, causal_mask, head_dim**-0.5)
+                try:
+                    check_flex_against_reference(out, reference[0], v)
+                    flagged = False
+                except FlexKernelMismatchError:
+                    flagged = True
+                print(head_dim, int(error > 1e-3), int(flagged))
+    """
+)
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="AVX2 code generation needs an x86 CPU with AVX2",
+)
+def test_output_check_flags_exactly_the_wrong_outputs_of_the_avx2_kernel(tmp_path):
+    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    result = subprocess.run(
+        [sys.executable, "-c", _AVX2_PROBE],
+        env={**os.environ, **avx2, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    calls = [tuple(map(int, line.split())) for line in result.stdout.splitlines()]
+    assert len(calls) == 32
+    assert all(wrong == flagged for _, wrong, flagged in calls), calls
+    assert not any(wrong for head_dim, wrong, _ in calls if head_dim >= MIN_CPU_HEAD_DIM), calls
+    # not vacuous: the bug showed (if torch fixes it, this fails and the guard can be relaxed)
+    assert any(wrong for head_dim, wrong, _ in calls if head_dim < MIN_CPU_HEAD_DIM), calls
 
 
 def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_finite_grads():
@@ -89,8 +225,9 @@ def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_finite_grads():
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert all(torch.isfinite(g).all() for g in grads)
     assert torch.all(grads[0][:, :, :4] == 0)
+    q, k, v = _inputs(2, 2, 10, torch.float32, head_dim=32)
     with torch.no_grad():
-        flex_out, flex_lse = attention(q.float(), k.float(), v.float(), mask, backend="flex")
+        flex_out, flex_lse = attention(q, k, v, mask, backend="flex")
     assert torch.all(flex_out[:, :, :4] == 0) and torch.all(torch.isneginf(flex_lse[:, :, :4]))
 
 
@@ -108,12 +245,13 @@ def test_flex_refuses_to_train_on_cpu():
 
 def test_automatic_backend_choice_and_override():
     q, k, v = _inputs(2, 2, KV_LEN, dtype=torch.float32)
-    assert select_backend("auto", q, k, v).name == "flex"  # CPU inference
+    # On CPU flex runs the cpu kernel too (lse, output check): auto never picks it there.
+    assert select_backend("auto", q, k, v).name == "cpu"  # CPU inference
     assert select_backend("auto", q.requires_grad_(), k, v).name == "cpu"  # CPU training
     with torch.no_grad():
-        assert select_backend("auto", q, k, v).name == "flex"
-    with use_backend("cpu"), torch.no_grad():
         assert select_backend("auto", q, k, v).name == "cpu"
+    with use_backend("flex"), torch.no_grad():
+        assert select_backend("auto", q, k, v).name == "flex"
     assert select_backend("flex", q, k, v).name == "flex"
     with pytest.raises(ValueError, match=r"unknown attention backend 'fast'.*cpu"):
         select_backend("fast", q, k, v)

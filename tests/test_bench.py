@@ -2,11 +2,13 @@
 
 import re
 
+import pytest
+
 from pipekit.bench.__main__ import main
 
 
 def test_attention_bench_prints_table_and_result(capsys):
-    main(["attention", "--seq", "64", "--heads", "2", "--head-dim", "8", "--repeats", "1"])
+    main(["attention", "--seq", "64", "--heads", "2", "--head-dim", "32", "--repeats", "1"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith("flex (compiled)") for line in lines)
     assert re.fullmatch(
@@ -16,6 +18,13 @@ def test_attention_bench_prints_table_and_result(capsys):
     )
     max_err = float(re.search(r" max_err=(\S+)", lines[-1]).group(1))
     assert max_err < 1e-5
+
+
+def test_attention_bench_refuses_head_dims_flex_refuses(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["attention", "--head-dim", "8"])
+    assert exit_.value.code == 2
+    assert "--head-dim 8: flex on CPU refuses head dims below 32" in capsys.readouterr().err
 
 
 def test_unknown_benchmark_exits_with_usage(capsys):

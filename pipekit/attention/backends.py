@@ -7,8 +7,10 @@ in one of two ways, declared by `lse_has_grad`:
 - False: lse has no gradient; the backend also provides `backward_chunk`, and attention over
   chunks is one autograd function that calls it with the merged out and lse (`cpu`).
 
-`"auto"` picks `flex` on CUDA, `cpu` on CPU when a gradient is needed, and `flex` for CPU
-inference. `use_backend(name)` overrides the automatic choice for a region of code.
+`"auto"` picks `flex` on CUDA and `cpu` on CPU: on CPU, flex runs the CPU kernel as well (for
+its lse and to check its output), so it is never the faster choice there, and it refuses head
+dims its kernel gets wrong (`pipekit.attention.flex`). `use_backend(name)` overrides the
+automatic choice for a region of code.
 `ring_backend` turns a backend of the first kind into one of the second (`AutogradRingBackend`),
 for code that needs per-chunk backwards (context exchange).
 """
@@ -148,10 +150,7 @@ def select_backend(name: str, *tensors: Tensor) -> AttentionBackend:
         return get_backend(name)
     if _forced_backend is not None:
         return get_backend(_forced_backend)
-    if tensors[0].device.type == "cuda":
-        return _BACKENDS["flex"]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return _BACKENDS["cpu"] if needs_grad else _BACKENDS["flex"]
+    return _BACKENDS["flex" if tensors[0].device.type == "cuda" else "cpu"]
 
 
 @contextlib.contextmanager

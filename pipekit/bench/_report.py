@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-__all__ = ["print_result", "print_table", "time_call"]
+import torch
+
+__all__ = ["machine_description", "print_result", "print_table", "time_call"]
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine_description() -> str:
+    """The CPU and the kernels torch picked for it: figures differ between AVX2 and AVX-512."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (
+        f"CPU {_cpu_model()} ({platform.machine()}, torch CPU capability {capability}), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
 
 
 def time_call(fn: Callable[[], object], warmup: int = 2, repeats: int = 5) -> float:

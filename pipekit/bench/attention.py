@@ -2,10 +2,11 @@
 
 One causal problem (default B=1, H=8, S=2048, D=64, float32). Forward time per call of the CPU
 training backend and of compiled FlexAttention (forward only on CPU: the inference path; its lse
-comes from an extra CPU-kernel pass, included in its time; the bare kernel is timed too), and
-forward+backward of the CPU backend,
+comes from an extra CPU-kernel pass, included in its time, which also checks its output; the
+bare kernel is timed too), and forward+backward of the CPU backend,
 each beside `scaled_dot_product_attention` on the same tensors; max abs error of the output
-against a float64 dense reference.
+against a float64 dense reference. Head dims below 32 are refused: flex on CPU refuses them
+(its kernel is wrong there on AVX2 CPUs), so there would be nothing to compare.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from pipekit.attention import attention, causal_mask, get_backend
-from pipekit.attention.flex import compiled_flex_attention
-from pipekit.bench._report import print_result, print_table, time_call
+from pipekit.attention.flex import MIN_CPU_HEAD_DIM, compiled_flex_attention
+from pipekit.bench._report import machine_description, print_result, print_table, time_call
 
 __all__ = ["main"]
 
@@ -37,6 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    if args.head_dim < MIN_CPU_HEAD_DIM:
+        parser.error(
+            f"--head-dim {args.head_dim}: flex on CPU refuses head dims below "
+            f"{MIN_CPU_HEAD_DIM}; pick {MIN_CPU_HEAD_DIM} or more"
+        )
 
     gen = torch.Generator().manual_seed(0)
     shape = (args.batch, args.heads, args.seq, args.head_dim)
@@ -79,9 +85,10 @@ def main(argv: list[str] | None = None) -> None:
         repeats=args.repeats,
     )
 
+    print(machine_description())
     print(
         f"causal attention B={args.batch} H={args.heads} S={args.seq} D={args.head_dim} float32, "
-        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+        f"median of {args.repeats}"
     )
     print_table(
         ["kernel", "pass", "ms/call", "vs sdpa", "max abs err vs fp64"],
