@@ -7,6 +7,10 @@ import sys
 
 _BENCHMARKS = {
     "attention": ("pipekit.bench.attention", "attention kernels vs torch SDPA (time, error)"),
+    "flex-cpu": (
+        "pipekit.bench.flex_cpu",
+        "where compiled FlexAttention is wrong on this CPU, and whether the guard covers it",
+    ),
     "step": ("pipekit.bench.step", "training step of a config: tokens/s and MFU"),
     "pipeline-memory": (
         "pipekit.bench.pipeline_memory",
