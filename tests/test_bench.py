@@ -27,6 +27,14 @@ def test_attention_bench_refuses_head_dims_flex_refuses(capsys):
     assert "--head-dim 8: flex on CPU refuses head dims below 32" in capsys.readouterr().err
 
 
+def test_flex_cpu_bench_finds_no_wrong_case_the_guard_admits(capsys):
+    sweep = ["--head-dims", "8,32", "--lengths", "24", "--masks", "causal", "--calls", "1"]
+    main(["flex-cpu", *sweep])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("CPU ") and "capability" in lines[0]
+    assert re.fullmatch(r"RESULT capability=\S+ cases=2 wrong=[012] wrong_admitted=0", lines[-1])
+
+
 def test_unknown_benchmark_exits_with_usage(capsys):
     try:
         main(["nope"])
