@@ -2,6 +2,8 @@
 
 Bad input (config, data paths, checkpoints) ends with one error line and exit status 2, before any
 process group or model exists where that is possible; a diverging run ends with status 1.
+`--print-config` prints the resolved config, checked for the world size torchrun gives (every
+launch-independent rule when run without torchrun), and exits.
 """
 
 from __future__ import annotations
@@ -10,28 +12,40 @@ import os
 import sys
 
 from pipekit.checkpoint.safetensors_io import CheckpointError
-from pipekit.config import ConfigError, help_text, load_job_config, validate_job_config
+from pipekit.config import ConfigError, help_text, load_job_config, to_dict
+from pipekit.config.dump import dump_toml
+from pipekit.train.job import plan_job
+from pipekit.train.log import setup_logging
 
 
 def main(argv: list[str]) -> int:
     if not argv or "--help" in argv or "-h" in argv:
         print(help_text())
         return 0 if argv else 2
+    print_config = "--print-config" in argv
+    argv = [arg for arg in argv if arg != "--print-config"]
     rank = int(os.environ.get("RANK", "0"))
+    launched = "WORLD_SIZE" in os.environ  # torchrun; plain `python train.py` is one process
+    world_size = int(os.environ["WORLD_SIZE"]) if launched else None if print_config else 1
     try:
         config = load_job_config(argv)
-        validate_job_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        job = plan_job(config, world_size)
     except ConfigError as error:
         if rank == 0:
             print(f"config error: {error}", file=sys.stderr)
         return 2
+    if print_config:
+        if rank == 0:
+            print(dump_toml(to_dict(config)), end="")
+        return 0
 
     from pipekit.distributed.process_group import destroy_distributed, init_distributed
     from pipekit.train.trainer import NonFiniteLossError, Trainer
 
+    setup_logging(rank)
     init_distributed(timeout_s=config.parallelism.collective_timeout_s)
     try:
-        Trainer(config).train()
+        Trainer(job).train()
     except (CheckpointError, ValueError, OSError) as error:
         print(f"error (rank {rank}): {error}", file=sys.stderr)
         destroy_distributed(wait_for_peers=False)

@@ -1,8 +1,9 @@
 """`python -m pipekit.upcycle --dense DIR --out DIR --experts 8 --top-k 2 [--granularity G]`.
 
 Offline upcycling: reads a dense Hugging Face checkpoint tensor block by tensor block and writes
-the upcycled mixture of experts in the Hugging Face layout of its family (Llama -> Mixtral:
-sharded safetensors, index, config.json), one shard in memory at a time, with a progress bar.
+the upcycled mixture of experts in the Hugging Face layout of its family (Llama -> Mixtral,
+Qwen3 -> Qwen3-MoE: sharded safetensors, index, config.json), one shard in memory at a time,
+with a progress bar. The dense family is the one that reads the checkpoint's config.json.
 It asks the same sources as online upcycling (`[model.upcycle]` in a training config), so with
 the same seed both give the same weights. Bad input prints one error line and exits with 2.
 """
@@ -23,6 +24,7 @@ from pipekit.checkpoint.safetensors_io import (
     save_safetensors,
 )
 from pipekit.checkpoint.upcycle import UpcycleSpec
+from pipekit.models.registry import get_model_spec, known_models, spec_for_checkpoint
 
 __all__ = ["main", "upcycle_offline"]
 
@@ -39,20 +41,25 @@ def upcycle_offline(
     out: str | Path,
     spec: UpcycleSpec,
     *,
-    model: str = "llama",
+    model: str | None = None,
     seed: int = 0,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Write the MoE that `spec` makes of the dense checkpoint `dense` to `out`; returns `out`."""
-    from models.registry import get_model_spec  # lazy: pipekit imports no model at import time
-
-    dense_spec = get_model_spec(model)
-    if dense_spec.upcycler is None or dense_spec.read_hf_args is None:
-        raise ValueError(f"model {model!r} has no upcycler; known dense families: llama")
+    """Write the MoE that `spec` makes of the dense checkpoint `dense` to `out`; returns `out`.
+    `model` names the dense family (default: the one that reads its config.json)."""
+    dense_spec = spec_for_checkpoint(dense) if model is None else get_model_spec(model)
+    model = dense_spec.name
+    if dense_spec.upcycler is None or dense_spec.hf is None:
+        upcyclable = [name for name in known_models() if get_model_spec(name).upcycler]
+        layout = f" (model_type={dense_spec.hf.model_types[0]!r})" if dense_spec.hf else ""
+        raise ValueError(
+            f"{dense}: model {model!r}{layout} has no upcycler; upcycle a checkpoint of a dense "
+            f"family: {upcyclable}"
+        )
     upcycler = dense_spec.upcycler
-    args = upcycler.moe_args(dense_spec.read_hf_args(str(dense)), spec)
+    args = upcycler.moe_args(dense_spec.hf.read_args(str(dense)), spec)
     with SafetensorsCheckpoint(dense) as checkpoint:
         sources = upcycler.sources(checkpoint, args, spec, seed)
         tensors, config = upcycler.hf_layout(sources, args)
@@ -87,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--router-init-std", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0, help="seed of the router init")
-    parser.add_argument("--model", default="llama", help="dense model family")
+    parser.add_argument(
+        "--model", default=None, help="dense model family (default: read from config.json)"
+    )
     parser.add_argument(
         "--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 1e9, help="shard size"
     )

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pipekit.bench.schedules import attention_to_linear_ratio, main
-from pipekit.pipelining.actions import sliced_pipeline_actions
-from pipekit.pipelining.simulate import CostModel, simulate
-from pipekit.pipelining.torch_actions import torch_schedule_actions
+from pipekit.pipelining.schedules.simulate import CostModel, simulate
+from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
+from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
 
 
 def _result_figures(output: str) -> dict[str, str]:

@@ -15,9 +15,10 @@ from torch import Tensor, nn
 
 from pipekit.attention import ChunkedKVCache, attention, offset_causal_mask
 from pipekit.attention.context import AttentionContext, CausalAttention
+from pipekit.memory.tracker import SAVED, ActivationMemoryTracker
 from pipekit.pipelining._torch_runtime import FORWARD
-from pipekit.pipelining.actions import sliced_pipeline_actions, unit_microbatch_and_slice
-from pipekit.pipelining.memory import SAVED, ActivationMemoryTracker
+from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
+from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
 
 BATCH, MODEL_DIM, HEADS, KV_HEADS, HEAD_DIM, SEQ_LEN = 2, 16, 4, 2, 8, 24
 SCALE, LAYER, TOLERANCE = HEAD_DIM**-0.5, "layer0", 1e-10

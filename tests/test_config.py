@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pipekit.config import ConfigError, JobConfig, help_text, load_job_config, validate_job_config
+from pipekit.config import ConfigError, JobConfig, help_text, load_job_config
 from pipekit.config.dump import dump_toml
 from pipekit.config.loader import field_docs, to_dict
+from pipekit.train.job import plan_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,15 +115,16 @@ def test_dump_round_trips(tmp_path):
     assert load_job_config(["--config", path]) == config
 
 
-def test_dump_command_prints_resolved_config():
+def test_print_config_prints_the_checked_resolved_config():
     result = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "pipekit.config.dump",
+            "train.py",
+            "--config",
             "configs/debug_model.toml",
             "--training.steps",
             "50",
+            "--print-config",
         ],
         cwd=REPO_ROOT,
         capture_output=True,
@@ -146,7 +148,10 @@ def test_dump_command_prints_resolved_config():
         (["--data.source", "/no/such/*.jsonl"], 1, "matches no file"),
         (["--data.tokenizer", "/no/tokenizer.json"], 1, "is not a file"),
         (["--checkpoint.initial_load_path", "/no/dir"], 1, "has no config.json"),
-        (["--model.flavor", "9B"], 1, "unknown Llama flavor '9B'"),
+        (["--model.flavor", "9B"], 1, "unknown llama flavor '9B'"),
+        (["--model.name", "gpt5"], 1, r"unknown model 'gpt5'; known models: \['llama'"),
+        (["--model.module", "no_such_pkg.model"], 1, "module='no_such_pkg.model' cannot be"),
+        (["--training.seq_len", "9000"], 1, "seq_len=9000 is longer than model llama"),
         (["--model.attention_backend", "fast"], 1, "attention_backend='fast' is not one of"),
         (["--lr_scheduler.warmup_steps", "500", "--training.steps", "10"], 1, "warmup_steps=500"),
         (["--training.seq_len", "0"], 1, "seq_len=0 must be positive"),
@@ -155,25 +160,25 @@ def test_dump_command_prints_resolved_config():
 def test_cross_field_rules_say_how_to_fix(argv, world_size, message):
     config = load_job_config(argv)
     with pytest.raises(ConfigError, match=message):
-        validate_job_config(config, world_size=world_size)
+        plan_job(config, world_size=world_size)
 
 
 def test_shipped_configs_load_and_debug_configs_validate():
     for path in sorted((REPO_ROOT / "configs").glob("*.toml")):
         config = load_job_config(["--config", str(path)])
         if path.name.startswith("debug") and not config.checkpoint.initial_load_path:
-            validate_job_config(config, world_size=2)  # the others name files not shipped
+            plan_job(config, world_size=2)  # the others name files not shipped
 
 
 def test_paper_upcycling_config_names_what_the_trainer_lacks():
     """configs/llama3_8b_e8t2_upcycle.toml is the paper's layout; the trainer refuses tp > 1."""
-    from pipekit.config.validate import _check_parallelism
+    from pipekit.train.job import _parallel_dims
 
     config = load_job_config(["--config", str(REPO_ROOT / "configs/llama3_8b_e8t2_upcycle.toml")])
     spec = config.model.upcycle.to_spec()
     assert (spec.num_experts, spec.top_k, spec.capacity_factor) == (8, 2, 4.0)
     with pytest.raises(ConfigError, match="tp=2: the trainer does not support tp > 1 yet"):
-        _check_parallelism(config, world_size=512)
+        _parallel_dims(config, world_size=512)
 
 
 def test_config_reference_doc_is_current():
@@ -181,5 +186,5 @@ def test_config_reference_doc_is_current():
 
     current = (REPO_ROOT / "docs" / "config.md").read_text()
     assert current == reference_markdown(), (
-        "docs/config.md is stale: python -m pipekit.config.dump --reference > docs/config.md"
+        "docs/config.md is stale: python -m pipekit.config.reference > docs/config.md"
     )

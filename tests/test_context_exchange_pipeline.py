@@ -10,7 +10,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from distributed_helpers import RankFailedError, run_on_ranks
 from test_sliced_pipeline import (
     BATCH,
@@ -22,12 +21,11 @@ from test_sliced_pipeline import (
     _reference,
     step_loss_and_grads,
 )
-from tiny_models import tiny_pipeline_stages
+from tiny_models import pp_mesh, tiny_pipeline
 
 from pipekit.attention.context_exchange import LoanRequest
-from pipekit.pipelining.context_exchange import PipelineContextExchange, serving_calls
-from pipekit.pipelining.schedule import build_pipeline_runner
-from pipekit.pipelining.stage_split import llama_layers_per_stage, llama_stage_module_names
+from pipekit.pipelining.features.context_exchange import PipelineContextExchange, serving_calls
+from pipekit.pipelining.runtime.runner import make_schedule
 
 
 def _run(
@@ -40,25 +38,26 @@ def _run(
     drop_remote_kv_grads: bool = False,
     checkpoint_activations: bool = False,
 ) -> tuple:
-    num_stages = world * v
-    stages = tiny_pipeline_stages(
-        rank,
-        world,
-        schedule="sliced",
-        num_stages=num_stages,
-        num_layers=num_layers,
-        rows_per_unit=BATCH // m,
-        slice_length=SEQ_LEN // n,
+    runner = tiny_pipeline(
+        pp_mesh(world),
+        stages_per_rank=v,
+        microbatches=m,
         num_slices=n,
+        rows=BATCH,
+        seq_len=SEQ_LEN,
         seed=SEED,
+        num_layers=num_layers,
+        context_exchange=True,
         checkpoint_activations=checkpoint_activations,
     )
-    exchange = PipelineContextExchange(
-        dist.new_group(list(range(world))),
-        llama_layers_per_stage(llama_stage_module_names(num_layers, num_stages)),
-        drop_remote_kv_grads=drop_remote_kv_grads,
-    )
-    runner = build_pipeline_runner("sliced", stages, m, n, exchange=exchange)
+    exchange = runner.extension("context_exchange")
+    assert isinstance(exchange, PipelineContextExchange)
+    if drop_remote_kv_grads:  # ablation: the same plan, lent chunks' dK/dV dropped
+        exchange = PipelineContextExchange(
+            exchange.group, exchange.layers_per_stage, drop_remote_kv_grads=True
+        )
+        runner.schedule = make_schedule("sliced", runner.stages, m, n, extensions=[exchange])
+        runner.extensions = [exchange]
     loss, grads = step_loss_and_grads(runner, _batch())
     return loss, grads, len(exchange.plan.transfers)
 

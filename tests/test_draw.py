@@ -18,17 +18,19 @@ import torch
 import torch.distributed as dist
 from distributed_helpers import run_on_ranks
 from tensordict import TensorDict
-from tiny_models import TINY_LLAMA, tiny_pipeline_stages
+from tiny_models import TINY_LLAMA, pp_mesh, tiny_pipeline
 
-from pipekit.config import ConfigError, load_job_config, validate_job_config
+from pipekit.config import ConfigError, load_job_config
+from pipekit.layers.loss import count_label_tokens
 from pipekit.pipelining._torch_runtime import Action, ComputationType, validate_actions
-from pipekit.pipelining.actions import sliced_pipeline_actions
-from pipekit.pipelining.draw import main, save_timeline, timeline_svg
-from pipekit.pipelining.schedule import build_pipeline_runner
-from pipekit.pipelining.timeline import ScheduledAction, chrome_trace
-from pipekit.pipelining.torch_actions import torch_schedule_actions
-from pipekit.pipelining.trace import gather_timeline, record_pipeline_step, record_schedule
-from pipekit.train.loss import count_label_tokens
+from pipekit.pipelining.schedules.events import ScheduledAction
+from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
+from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
+from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
+from pipekit.pipelining.tools.draw import main, save_timeline, timeline_svg
+from pipekit.pipelining.tools.timeline import chrome_trace
+from pipekit.pipelining.tools.trace import gather_timeline, record_pipeline_step, record_schedule
+from pipekit.train.job import plan_job
 from pipekit.train.trainer import Trainer
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -135,7 +137,7 @@ def test_png_without_matplotlib_names_the_extra(tmp_path, monkeypatch) -> None:
 
 def test_svg_and_trace_need_no_matplotlib() -> None:
     code = (
-        "import sys; import pipekit.pipelining.draw, pipekit.pipelining.trace; "
+        "import sys; import pipekit.pipelining.tools.draw, pipekit.pipelining.tools.trace; "
         "assert 'matplotlib' not in sys.modules, 'imported matplotlib'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -181,13 +183,15 @@ def test_torch_schedule_actions_run_every_unit_once_forward_and_once_backward(
             assert kinds in ({F, B}, {F, INPUT_GRAD, WEIGHT_GRAD}), (stage, microbatch, kinds)
 
 
-def test_torch_schedule_actions_refuse_a_wrong_shape() -> None:
-    with pytest.raises(ValueError, match="stages_per_rank=1"):
-        torch_schedule_actions("1F1B", 2, 4, 2)
-    with pytest.raises(ValueError, match="stages_per_rank=2"):
-        torch_schedule_actions("ZBVZeroBubble", 2, 4, 1)
-    with pytest.raises(ValueError, match="not one of torch's"):
-        torch_schedule_actions("sliced", 2, 4)
+def test_the_registry_refuses_a_wrong_shape_before_any_list_is_made() -> None:
+    with pytest.raises(ValueError, match="set stages_per_rank=1"):
+        get_schedule("1F1B").check(ScheduleShape(2, 4, stages_per_rank=2))
+    with pytest.raises(ValueError, match="set stages_per_rank=2"):
+        get_schedule("ZBVZeroBubble").check(ScheduleShape(2, 4, stages_per_rank=1))
+    with pytest.raises(ValueError, match="'GPipe' cannot carry context_exchange"):
+        get_schedule("GPipe").check(ScheduleShape(2, 4), frozenset({"context_exchange"}))
+    with pytest.raises(ValueError, match="pipeline_schedule='sliced2' is not known"):
+        get_schedule("sliced2")
 
 
 def test_cli_draws_a_simulated_schedule_and_a_user_csv(tmp_path: Path, capsys) -> None:
@@ -226,18 +230,17 @@ def _batch() -> TensorDict:
 
 
 def _runner(rank: int, world: int, schedule: str, v: int, m: int, n: int):
-    stages = tiny_pipeline_stages(
-        rank,
-        world,
+    return tiny_pipeline(
+        pp_mesh(world),
         schedule=schedule,
-        num_stages=world * v,
-        rows_per_unit=BATCH // m,
-        slice_length=SEQ_LEN // n,
+        stages_per_rank=v,
+        microbatches=m,
         num_slices=n,
+        rows=BATCH,
+        seq_len=SEQ_LEN,
         dtype=torch.float32,
         seed=0,
     )
-    return build_pipeline_runner(schedule, stages, m, n)
 
 
 def _record(rank: int, world: int, configs: list[tuple], output_dir: Path) -> list:
@@ -289,8 +292,7 @@ def _train_with_trace(rank: int, world: int, output_dir: Path) -> None:
             "--metrics.peak_flops", "1e9", "--metrics.pipeline_trace_step", "2",
         ]
     )  # fmt: skip
-    validate_job_config(config, world_size=world)
-    Trainer(config).train()
+    Trainer(plan_job(config, world_size=world)).train()
 
 
 def test_trainer_writes_the_timeline_of_the_chosen_step(tmp_path: Path) -> None:
@@ -306,4 +308,4 @@ def test_trace_step_without_a_pipeline_is_refused(tmp_path: Path) -> None:
         ["--config", "configs/debug_model.toml", "--metrics.pipeline_trace_step", "1"]
     )
     with pytest.raises(ConfigError, match="pipeline_parallel_degree=1"):
-        validate_job_config(config, world_size=1)
+        plan_job(config, world_size=1)

@@ -10,14 +10,15 @@ import itertools
 import pytest
 
 from pipekit.pipelining._torch_runtime import FORWARD
-from pipekit.pipelining.actions import sliced_pipeline_actions, unit_microbatch_and_slice
-from pipekit.pipelining.exchange_plan import (
+from pipekit.pipelining.features.exchange_plan import (
     balance_work,
     eq2_exchanged_slices,
     plan_context_exchange,
 )
-from pipekit.pipelining.simulate import CostModel, simulate
-from pipekit.pipelining.torch_actions import torch_schedule_actions
+from pipekit.pipelining.schedules.simulate import CostModel, simulate
+from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
+from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
+from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
 
 SHAPES = [(p, n, m) for p, m in itertools.product((2, 3, 4), (1, 2, 3)) for n in (p, 2 * p, 4 * p)]
 

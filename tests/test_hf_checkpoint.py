@@ -13,19 +13,18 @@ import torch
 from hf_reference import LLAMA3_ROPE, TINY_HF_CONFIG, rewrite_weights, save_transformers_model
 from safetensors.torch import load_file, save_file
 
-import models.llama.state_dict_adapter as adapter
+import models.decoder.hf_layout as hf_layout
+from models.decoder.hf_layout import permute_from_hf, permute_to_hf
 from models.llama.args import LlamaArgs, RopeScaling, llama_flavor
-from models.llama.hf_config import hf_config_to_args, read_hf_llama_args
-from models.llama.model import Llama
-from models.llama.state_dict_adapter import (
+from models.llama.hf import (
+    LLAMA_HF,
     build_llama_from_hf,
-    from_hf_state_dict,
+    hf_config_to_args,
     load_hf_llama,
-    permute_from_hf,
-    permute_to_hf,
-    read_hf_tensor,
+    read_hf_llama_args,
     save_hf_llama,
 )
+from models.llama.model import Llama
 from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, save_safetensors
 from pipekit.layers.rope import RotaryEmbedding, apply_rotary
 
@@ -94,7 +93,7 @@ def test_skipping_the_rope_permutation_breaks_parity(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hf_model = _save_hf_llama(tmp_path / "hf")
-    monkeypatch.setattr(adapter, "permute_from_hf", lambda w_RD, head_dim: w_RD)
+    monkeypatch.setattr(hf_layout, "permute_from_hf", lambda w_RD, head_dim: w_RD)
     model, _ = build_llama_from_hf(tmp_path / "hf")
     assert (_our_logits(model) - _hf_logits(hf_model)).abs().max() > 0.1
 
@@ -184,13 +183,17 @@ def test_load_save_load_is_bit_exact(tmp_path: Path, tied: bool) -> None:
     assert torch.equal(_hf_logits(hf_reloaded), _hf_logits(hf_model))
 
 
-def test_from_hf_state_dict_equals_loaded_model(tmp_path: Path) -> None:
+def test_tensor_list_maps_every_parameter_onto_the_transformers_state_dict(
+    tmp_path: Path,
+) -> None:
     hf_model = _save_hf_llama(tmp_path / "hf", tie_word_embeddings=True)
     model, args = build_llama_from_hf(tmp_path / "hf")
-    converted = from_hf_state_dict(hf_model.state_dict(), args)
-    assert converted.keys() == model.state_dict().keys()
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(converted[name], tensor), name
+    theirs = hf_model.state_dict()
+    listed = LLAMA_HF.tensors(args)
+    assert {entry.hf_name for entry in listed} | {"lm_head.weight"} == set(theirs)
+    for entry in listed:
+        ours = LLAMA_HF.to_hf(entry.param_name, model.get_parameter(entry.param_name), args)
+        assert torch.equal(ours, theirs[entry.hf_name]), entry.hf_name
 
 
 def test_crash_while_saving_leaves_no_checkpoint(
@@ -451,16 +454,16 @@ def test_head_aligned_row_slice_equals_slice_of_full_tensor(hf_checkpoint: Path,
     args = read_hf_llama_args(hf_checkpoint)
     head_dim = args.per_head_dim
     with SafetensorsCheckpoint(hf_checkpoint) as checkpoint:
-        full = read_hf_tensor(checkpoint, name, args)
+        full = LLAMA_HF.read(checkpoint, name, args)
         assert torch.equal(
-            read_hf_tensor(checkpoint, name, args, slice(head_dim, 2 * head_dim)),
+            LLAMA_HF.read(checkpoint, name, args, slice(head_dim, 2 * head_dim)),
             full[head_dim : 2 * head_dim],
         )
         assert torch.equal(
-            read_hf_tensor(checkpoint, name, args, slice(0, head_dim)), full[:head_dim]
+            LLAMA_HF.read(checkpoint, name, args, slice(0, head_dim)), full[:head_dim]
         )
         with pytest.raises(ValueError, match="whole heads"):
-            read_hf_tensor(checkpoint, name, args, slice(4, head_dim + 4))
+            LLAMA_HF.read(checkpoint, name, args, slice(4, head_dim + 4))
 
 
 def test_listing_reads_headers_only(hf_checkpoint: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipekit.pipelining.memory import (
+from pipekit.memory.tracker import (
     KV_CACHE,
     SAVED,
     STAGE_INPUTS,

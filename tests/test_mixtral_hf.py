@@ -15,11 +15,11 @@ from hf_reference import (
     spread_weights,
 )
 
-import models.llama_moe.hf_mixtral as hf_mixtral
+import models.decoder.hf_layout as hf_layout
 from models.llama.args import RopeScaling
-from models.llama.state_dict_adapter import to_hf_tensor
 from models.llama_moe import LlamaMoE, LlamaMoEArgs
 from models.llama_moe.hf_mixtral import (
+    MIXTRAL_HF,
     args_to_mixtral_config,
     load_hf_mixtral,
     mixtral_config_to_args,
@@ -28,8 +28,8 @@ from models.llama_moe.hf_mixtral import (
     save_hf_mixtral,
     to_mixtral_names,
 )
-from models.registry import get_model_spec
 from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint
+from pipekit.models import get_model_spec
 from pipekit.moe import MoEArgs
 
 transformers = pytest.importorskip("transformers")
@@ -110,10 +110,10 @@ def test_wrong_expert_names_or_rope_order_break_parity(
     model = _model(TINY)
     spread_weights(model)
     if breakage == "swap_gate_and_up":
-        monkeypatch.setitem(hf_mixtral.EXPERT_WEIGHTS, "experts.w1_EFD", "w3")
-        monkeypatch.setitem(hf_mixtral.EXPERT_WEIGHTS, "experts.w3_EFD", "w1")
+        monkeypatch.setitem(MIXTRAL_HF.layout.expert_names, "w1", "w3")
+        monkeypatch.setitem(MIXTRAL_HF.layout.expert_names, "w3", "w1")
     else:
-        monkeypatch.setattr(hf_mixtral, "to_hf_tensor", lambda name, tensor, args: tensor)
+        monkeypatch.setattr(hf_layout, "permute_to_hf", lambda w_RD, head_dim: w_RD)
     save_hf_mixtral(model, TINY, tmp_path / "hf")
     hf_model = transformers.MixtralForCausalLM.from_pretrained(
         tmp_path / "hf", torch_dtype=torch.float32
@@ -170,7 +170,9 @@ def test_tensor_layout_is_the_checkpoint_in_file_order(tmp_path: Path) -> None:
         for hf_name, hf_shape, param_name, expert in layout:
             assert theirs.info(hf_name).shape == hf_shape, hf_name
             param = model.get_parameter(param_name)
-            hf_tensor = to_hf_tensor(param_name, param, TINY) if expert is None else param[expert]
+            hf_tensor = (
+                MIXTRAL_HF.to_hf(param_name, param, TINY) if expert is None else param[expert]
+            )
             assert torch.equal(ours.read(hf_name), hf_tensor), hf_name
     gate_entries = [entry for entry in layout if entry.param_name.endswith("experts.w1_EFD")]
     assert [entry.expert for entry in gate_entries] == [0, 1, 2, 3, 0, 1, 2, 3]
@@ -298,15 +300,14 @@ def test_config_that_differs_from_model_lists_fields(tmp_path: Path) -> None:
 
 
 def test_llama_moe_is_registered_with_the_mixtral_layout(tmp_path: Path) -> None:
-    """The trainer's initial_load_path and export_hf_at_end go through these (and job validation
-    refuses them only for a family whose load_hf or save_hf is None)."""
-    spec = get_model_spec("llama_moe")
-    assert spec.load_hf is load_hf_mixtral and spec.read_hf_args is read_hf_mixtral_args
-    assert spec.save_hf is not None
+    """The trainer's initial_load_path and export_hf_at_end go through the family's Hugging
+    Face adapter (job validation refuses them for a family without one)."""
+    hf = get_model_spec("llama_moe").hf
+    assert hf is not None and hf.model_types == ("mixtral",)
     model = _model(TINY)
     for _ in range(2):  # an export overwrites the previous one
-        spec.save_hf(model, TINY, str(tmp_path / "hf"))
+        hf.save(model, TINY, str(tmp_path / "hf"))
     loaded = _model(TINY, seed=1)
-    spec.load_hf(str(tmp_path / "hf"), loaded, spec.read_hf_args(str(tmp_path / "hf")))
+    hf.load(str(tmp_path / "hf"), loaded, hf.read_args(str(tmp_path / "hf")))
     assert torch.equal(_our_logits(loaded), _our_logits(model))
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "mixtral"

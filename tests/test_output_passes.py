@@ -13,15 +13,15 @@ from pipekit.pipelining._torch_runtime import (
     ComputationType,
     insert_after_compute,
 )
-from pipekit.pipelining.actions import sliced_pipeline_actions
-from pipekit.pipelining.output_passes import (
+from pipekit.pipelining.features.output_passes import (
     OUTPUT_PASS,
     check_output_passes,
     output_pass_positions,
     with_output_passes,
 )
-from pipekit.pipelining.simulate import ScheduleDeadlockError
-from pipekit.pipelining.torch_actions import torch_schedule_actions
+from pipekit.pipelining.schedules.simulate import ScheduleDeadlockError
+from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
+from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
 
 
 def _passes_in_order(placed: dict[int, list[Action]], num_units: int) -> None:

@@ -5,13 +5,16 @@ import pytest
 
 from pipekit.config.job_config import JobConfig, ParallelismConfig
 from pipekit.config.loader import ConfigError
-from pipekit.config.validate import validate_job_config
+from pipekit.models import get_model_spec
 from pipekit.pipelining.plan import plan_pipeline
+from pipekit.train.job import plan_job
 
 
 def _plan(num_layers: int = 8, local_batch: int = 4, seq_len: int = 64, **keys):
     config = ParallelismConfig(pipeline_parallel_degree=keys.pop("pp", 2), **keys)
-    return plan_pipeline(config, num_layers, local_batch, seq_len)
+    llama = get_model_spec("llama")
+    shape = llama.shape(llama.flavor("debug").with_updates(n_layers=num_layers))
+    return plan_pipeline(config, llama.structure, shape, local_batch, seq_len)
 
 
 def test_defaults_resolve_to_two_slices_per_rank_and_one_sequence_per_microbatch():
@@ -43,7 +46,7 @@ def test_explicit_stage_modules_are_parsed_per_stage():
         ({"num_slices": 3}, "num_slices=3 must be a multiple of pipeline_parallel_degree=2"),
         ({"num_slices": 6}, "seq_len=64 does not split into num_slices=6"),
         ({"microbatches": 3}, "microbatches=3 must divide the local batch of 4"),
-        ({"pipeline_schedule": "1F1B", "num_slices": 4}, "needs pipeline_schedule='sliced'"),
+        ({"pipeline_schedule": "1F1B", "num_slices": 4}, "num_slices=4 needs a sliced schedule"),
         ({"pipeline_schedule": "1F1B", "stages_per_rank": 2}, "set stages_per_rank=1"),
         ({"pipeline_schedule": "ZBVZeroBubble"}, "set stages_per_rank=2"),
         ({"pipeline_schedule": "Zero"}, "pipeline_schedule='Zero' is not known"),
@@ -73,21 +76,21 @@ def _job(**parallelism) -> JobConfig:
 
 
 def test_job_validation_checks_the_pipeline_before_any_process_group():
-    validate_job_config(_job(), world_size=2)
+    plan_job(_job(), world_size=2)
     with pytest.raises(ConfigError, match=r"\[parallelism\] num_slices=3 must be a multiple"):
-        validate_job_config(_job(num_slices=3), world_size=2)
+        plan_job(_job(num_slices=3), world_size=2)
     bad_modules = ["tok_embeddings,layers.0,layers.1", "layers.3,layers.2,norm,output,extra"]
     with pytest.raises(ConfigError, match="unknown module names"):
-        validate_job_config(_job(pipeline_stage_modules=bad_modules), world_size=2)
+        plan_job(_job(pipeline_stage_modules=bad_modules), world_size=2)
     config = _job()
     config.training.mixed_precision_param = "bfloat16"
     with pytest.raises(ConfigError, match="not supported with pipeline_parallel_degree > 1"):
-        validate_job_config(config, world_size=2)
+        plan_job(config, world_size=2)
 
 
 def test_context_exchange_needs_sliced_passes_and_a_layer_on_every_stage():
     assert _plan(context_exchange=True).context_exchange
-    with pytest.raises(ValueError, match="context_exchange = true needs sliced passes"):
+    with pytest.raises(ValueError, match="'1F1B' cannot carry context_exchange"):
         _plan(context_exchange=True, pipeline_schedule="1F1B")
     entries = ["tok_embeddings", "layers.0,layers.1,norm,output"]
     with pytest.raises(ValueError, match=r"stages \[0\] hold no transformer layer"):

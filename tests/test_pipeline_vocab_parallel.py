@@ -13,14 +13,13 @@ import torch
 import torch.distributed as dist
 from distributed_helpers import run_on_ranks
 from test_sliced_pipeline import BATCH, SEED, SEQ_LEN, TOLERANCE, _batch, _reference
-from tiny_models import TINY_LLAMA, tiny_pipeline_stages, tiny_vocab_parallel
+from tiny_models import TINY_LLAMA, pp_mesh, tiny_pipeline
 from torch import Tensor
 
 from models.llama import Llama
-from pipekit.pipelining import vocab_parallel
-from pipekit.pipelining.schedule import build_pipeline_runner
-from pipekit.pipelining.vocab_parallel import PipelineVocabParallel
-from pipekit.train.loss import count_label_tokens
+from pipekit.layers.loss import count_label_tokens
+from pipekit.pipelining.features import vocab_parallel
+from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
 
 
 def _run(
@@ -33,27 +32,32 @@ def _run(
     ablation: str = "",
     vocab_size: int = TINY_LLAMA.vocab_size,
 ):
-    stages = tiny_pipeline_stages(
-        rank,
-        world,
+    runner = tiny_pipeline(
+        pp_mesh(world),
         schedule=schedule,
-        num_stages=world * v,
-        rows_per_unit=BATCH // m,
-        slice_length=SEQ_LEN // n,
+        stages_per_rank=v,
+        microbatches=m,
         num_slices=n,
+        rows=BATCH,
+        seq_len=SEQ_LEN,
         seed=SEED,
         vocab_parallel=True,
         vocab_size=vocab_size,
     )
-    vocab = tiny_vocab_parallel(stages, world * v, seed=SEED)
+    vocab = runner.extension("vocab_parallel")
+    assert isinstance(vocab, PipelineVocabParallel)
     if ablation == "hidden_grad_last_rank_only" and rank != vocab.last_rank:
         vocab.output.register_full_backward_hook(lambda _, grad_in, __: (grad_in[0] * 0,))
     if ablation == "embedding_grad_first_rank_only":
         _skip_embedding_gradient_broadcast(vocab)
-    runner = build_pipeline_runner(schedule, stages, m, n, vocab=vocab)
     batch = _batch(vocab_size)
     loss = runner.step(batch, count_label_tokens(batch["labels"]))
-    grads = {name: p.grad.clone() for s in stages for name, p in s.submod.named_parameters()}
+    grads = {
+        name: p.grad.clone()
+        for s in runner.stages
+        for name, p in s.submod.named_parameters()
+        if not name.startswith(("tok_embeddings.", "output."))
+    }
     rows = {}
     for name, shard in (
         ("tok_embeddings.weight", vocab.embedding),
@@ -142,8 +146,9 @@ def test_dropping_a_ranks_share_breaks_parity(ablation: str) -> None:
 
 
 def _load_hf_into_shards(rank: int, world: int, directory: str) -> tuple[int, int, dict]:
-    from models.llama.state_dict_adapter import load_hf_llama
-    from pipekit.pipelining.vocab_parallel import copy_full_vocab_rows, vocab_shard_modules
+    from models.decoder.model import DECODER_STRUCTURE
+    from models.llama.hf import load_hf_llama
+    from pipekit.pipelining.features.vocab_parallel import copy_full_vocab_rows, vocab_shard_modules
 
     args = TINY_LLAMA.with_updates(vocab_size=TINY_LLAMA.vocab_size + 1)
     embedding, output = vocab_shard_modules(args.vocab_size, args.dim, dist.group.WORLD)
@@ -154,7 +159,7 @@ def _load_hf_into_shards(rank: int, world: int, directory: str) -> tuple[int, in
 
     with torch.device("meta"):
         model = Llama(args)
-    copy_full_vocab_rows(embedding, output, materialize, model)
+    copy_full_vocab_rows(embedding, output, materialize, model, DECODER_STRUCTURE)
     rows = {
         "tok_embeddings.weight": embedding.weight.detach().clone(),
         "output.weight": output.weight.detach().clone(),
@@ -164,7 +169,7 @@ def _load_hf_into_shards(rank: int, world: int, directory: str) -> tuple[int, in
 
 def test_hugging_face_weights_fill_the_vocabulary_shards(tmp_path) -> None:
     """Each rank keeps its rows of the checkpoint's embedding and head (uneven: 65 rows over 2)."""
-    from models.llama.state_dict_adapter import save_hf_llama
+    from models.llama.hf import save_hf_llama
 
     args = TINY_LLAMA.with_updates(vocab_size=TINY_LLAMA.vocab_size + 1)
     full = Llama(args)

@@ -6,9 +6,9 @@ import itertools
 import pytest
 
 from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action
-from pipekit.pipelining.actions import sliced_pipeline_actions
-from pipekit.pipelining.simulate import CostModel, ScheduleDeadlockError, simulate
-from pipekit.pipelining.torch_actions import torch_schedule_actions
+from pipekit.pipelining.schedules.simulate import CostModel, ScheduleDeadlockError, simulate
+from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
+from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
 
 
 def _first_rank_activations(result) -> float:

@@ -18,14 +18,13 @@ from fractions import Fraction
 import pytest
 
 from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action, lower_to_comms
-from pipekit.pipelining.actions import (
+from pipekit.pipelining.schedules.sliced import (
     peak_units_in_flight,
-    read_actions_csv,
     sliced_pipeline_actions,
     sliced_warmup_forwards,
-    unit_microbatch_and_slice,
-    write_actions_csv,
 )
+from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
+from pipekit.pipelining.schedules.user import read_actions_csv, write_actions_csv
 
 CONFIGS = [
     (num_ranks, num_microbatches, num_slices, stages_per_rank)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from distributed_helpers import run_on_ranks
 from tensordict import TensorDict
-from tiny_models import TINY_LLAMA, tiny_pipeline_stages
+from tiny_models import TINY_LLAMA, pp_mesh, tiny_pipeline
 from torch import Tensor, nn
 
 from models.llama import Llama
@@ -20,8 +20,8 @@ from pipekit.attention.context import CausalAttention
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
-from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
-from pipekit.train.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
+from pipekit.layers.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
+from pipekit.pipelining.runtime.runner import PipelineRunner
 
 BATCH, SEQ_LEN, SEED, TOLERANCE = 6, 32, 3, 1e-10
 
@@ -80,20 +80,20 @@ def _run_pipeline(
     drop_kv_grads: bool = False,
     checkpoint_activations: bool = False,
 ) -> tuple[float | None, dict[str, Tensor]]:
-    stages = tiny_pipeline_stages(
-        rank,
-        world,
+    runner = tiny_pipeline(
+        pp_mesh(world),
         schedule=schedule,
-        num_stages=world * v,
-        rows_per_unit=BATCH // m,
-        slice_length=SEQ_LEN // n,
+        stages_per_rank=v,
+        microbatches=m,
         num_slices=n,
+        rows=BATCH,
+        seq_len=SEQ_LEN,
         seed=SEED,
         checkpoint_activations=checkpoint_activations,
     )
-    for stage in stages:
+    for stage in runner.stages:
         stage.kv_cache.drop_cached_gradients = drop_kv_grads
-    return step_loss_and_grads(build_pipeline_runner(schedule, stages, m, n), _batch())
+    return step_loss_and_grads(runner, _batch())
 
 
 def step_loss_and_grads(
@@ -181,22 +181,27 @@ def _run_pipeline_with_fsdp(rank: int, world: int, m: int, n: int) -> tuple[floa
     )
     mesh = dims.build_mesh("cpu")
     rows = BATCH // 2
-    stages = tiny_pipeline_stages(
-        dims.mesh("pp").get_local_rank(),
-        2,
-        schedule="sliced",
-        num_stages=2,
-        rows_per_unit=rows // m,
-        slice_length=SEQ_LEN // n,
-        num_slices=n,
-        seed=SEED,
-        group=dims.mesh("pp").get_group(),
-    )
-    for stage in stages:
+
+    def parallelize(stage_module: nn.Module) -> None:
         apply_data_parallel(
-            stage.submod, mesh, dims, param_dtype=torch.float64, reduce_dtype=torch.float64
+            stage_module,
+            mesh,
+            dims,
+            blocks=list(stage_module.layers.values()),
+            param_dtype=torch.float64,
+            reduce_dtype=torch.float64,
         )
-    runner = build_pipeline_runner("sliced", stages, m, n)
+
+    runner = tiny_pipeline(
+        mesh,
+        microbatches=m,
+        num_slices=n,
+        rows=rows,
+        seq_len=SEQ_LEN,
+        seed=SEED,
+        parallelize=parallelize,
+    )
+    stages = runner.stages
     batch = _batch()
     dp_rank = dims.dp_rank(mesh)
     loss = runner.step(

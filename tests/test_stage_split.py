@@ -8,18 +8,27 @@ import pytest
 import torch
 from tiny_models import TINY_LLAMA
 
+from models.decoder.model import DECODER_STRUCTURE
 from models.llama import Llama
-from pipekit.pipelining.stage_split import (
-    build_stage_module,
-    llama_stage_module_names,
+from pipekit.models import ModelStructure
+from pipekit.pipelining.model_split.partition import (
+    blocks_per_stage,
     partition_layers,
+    stage_module_names,
     stage_to_rank,
     stages_of_rank,
+)
+from pipekit.pipelining.model_split.stage_module import (
+    build_stage_module,
     validate_stage_module_names,
 )
 
 ARGS = TINY_LLAMA.with_updates(n_layers=4)
 SEED = 3
+
+
+def llama_stage_module_names(num_layers: int, num_stages: int, **options) -> list[list[str]]:
+    return stage_module_names(DECODER_STRUCTURE, num_layers, num_stages, **options)
 
 
 def _stage_costs(counts, embedding_weight, output_weight):
@@ -80,6 +89,22 @@ def test_llama_stage_names_cover_the_model_in_order():
         ["layers.2", "layers.3", "norm", "output"],
     ]
     validate_stage_module_names(_meta_llama(), names)
+
+
+def test_stage_names_follow_any_model_structure():
+    structure = ModelStructure(
+        blocks="blocks",
+        embedding="wte",
+        output="head",
+        before_blocks=("wpe",),
+        after_blocks=("l",),
+    )
+    names = stage_module_names(structure, 4, 2, 0.0, 0.0)
+    assert names == [["wte", "wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "l", "head"]]
+    # vocabulary parallelism takes the embedding and the head out; positions stay on stage 0
+    parallel = stage_module_names(structure, 4, 2, vocab_parallel=True)
+    assert parallel == [["wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "l"]]
+    assert blocks_per_stage(structure, parallel) == {0: 2, 1: 2}
 
 
 def test_stage_to_rank_loop_and_v():
@@ -179,7 +204,7 @@ def test_unknown_names_list_the_valid_ones():
 
 def test_tied_embeddings_cannot_be_split_across_stages():
     tied = _meta_llama(ARGS.with_updates(tie_embeddings=True))
-    with pytest.raises(ValueError, match="tied embeddings across pipeline stages"):
+    with pytest.raises(ValueError, match=r"share a weight \(tied embeddings\)"):
         build_stage_module(tied, llama_stage_module_names(ARGS.n_layers, 2)[0])
     whole = _materialise(build_stage_module(tied, llama_stage_module_names(ARGS.n_layers, 1)[0]))
     assert whole.output.weight is whole.tok_embeddings.weight

@@ -296,8 +296,8 @@ def _debug_llama_checkpoint(directory: Path, seed: int = 11, flavor: str = "debu
     """A debug Llama flavor, initialised from `seed`, in Hugging Face layout."""
     import torch
 
-    from models.llama.state_dict_adapter import save_hf_llama
-    from models.registry import get_model_spec
+    from models.llama.hf import save_hf_llama
+    from pipekit.models import get_model_spec
 
     spec = get_model_spec("llama")
     args = spec.flavor(flavor)

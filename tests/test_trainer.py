@@ -6,9 +6,11 @@ import pytest
 import torch
 from distributed_helpers import run_on_ranks
 
+import pipekit.train.model_setup as model_setup
 import pipekit.train.trainer as trainer_module
-from models.llama.state_dict_adapter import build_llama_from_hf, save_hf_llama
-from pipekit.config import load_job_config, validate_job_config
+from models.llama.hf import build_llama_from_hf, save_hf_llama
+from pipekit.config import load_job_config
+from pipekit.train.job import plan_job
 from pipekit.train.trainer import NonFiniteLossError, Trainer
 
 STEPS = 3
@@ -23,8 +25,7 @@ BASE = [
 
 def _config(output_dir, *overrides, world_size=1):
     config = load_job_config([*BASE, "--job.output_dir", str(output_dir), *overrides])
-    validate_job_config(config, world_size=world_size)
-    return config
+    return plan_job(config, world_size=world_size)
 
 
 def _losses_on_ranks(rank, world_size, output_dir, overrides):
@@ -53,9 +54,9 @@ def test_data_parallel_losses_equal_single_process(tmp_path, single_process_loss
 
 def test_mean_reduction_breaks_data_parallel_parity(tmp_path, single_process_losses, monkeypatch):
     """Ablation: FSDP's default mean reduction with the global-token loss halves the gradients."""
-    real_apply = trainer_module.apply_data_parallel
+    real_apply = model_setup.apply_data_parallel
     monkeypatch.setattr(
-        trainer_module,
+        model_setup,
         "apply_data_parallel",
         lambda *args, **kwargs: real_apply(*args, **kwargs, sum_gradients=False),
     )
@@ -82,7 +83,7 @@ def test_full_activation_checkpointing_keeps_the_losses(tmp_path, single_process
 
 def test_initial_load_from_hugging_face_and_export(tmp_path):
     source = Trainer(_config(tmp_path / "a", "--parallelism.dp_shard", "1"))
-    save_hf_llama(source.model, source.model_args, tmp_path / "hf")
+    save_hf_llama(source.model, source.job.args, tmp_path / "hf")
     loaded = Trainer(
         _config(
             tmp_path / "b", "--parallelism.dp_shard", "1",

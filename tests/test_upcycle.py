@@ -11,7 +11,7 @@ from tiny_models import TINY_LLAMA
 from torch import nn
 
 from models.llama import Llama, LlamaArgs
-from models.llama.state_dict_adapter import build_llama_from_hf, load_hf_llama, save_hf_llama
+from models.llama.hf import build_llama_from_hf, load_hf_llama, save_hf_llama
 from models.llama_moe.upcycle import upcycle_llama, upcycled_args
 from pipekit.attention.backends import use_backend
 from pipekit.checkpoint import CheckpointError, TensorRead

@@ -13,24 +13,19 @@ import pytest
 import torch
 from distributed_helpers import RankFailedError, run_on_ranks
 from test_sliced_pipeline import SEQ_LEN, _batch, _max_relative_difference, step_loss_and_grads
-from tiny_models import tiny_pipeline_stages
+from tiny_models import pp_mesh, tiny_pipeline
 
 from pipekit.config.job_config import JobConfig, ParallelismConfig
 from pipekit.config.loader import ConfigError
-from pipekit.config.validate import validate_job_config
+from pipekit.layers.loss import token_sum_cross_entropy
+from pipekit.models import get_model_spec
 from pipekit.pipelining._torch_runtime import Action, PipelineScheduleRuntime
-from pipekit.pipelining.actions import sliced_pipeline_actions
 from pipekit.pipelining.plan import plan_pipeline
-from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
-from pipekit.pipelining.simulate import ScheduleDeadlockError
-from pipekit.pipelining.user_schedule import (
-    ScheduleError,
-    Task,
-    check_schedule,
-    load_schedule_file,
-    tasks_to_actions,
-)
-from pipekit.train.loss import token_sum_cross_entropy
+from pipekit.pipelining.schedules.check import ScheduleError, check_schedule
+from pipekit.pipelining.schedules.simulate import ScheduleDeadlockError
+from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
+from pipekit.pipelining.schedules.user import Task, load_schedule_file, tasks_to_actions
+from pipekit.train.job import plan_job
 
 SCHEDULES = Path(__file__).resolve().parents[1] / "configs" / "schedules"
 ONE_F_ONE_B_CSV = SCHEDULES / "1f1b_p2_m4.csv"
@@ -203,11 +198,17 @@ def test_deadlock_is_found_before_running_and_names_the_rank_and_action():
 # -- config ----------------------------------------------------------------------------------
 
 
+def _plan(parallelism: ParallelismConfig):
+    llama = get_model_spec("llama")
+    shape = llama.shape(llama.flavor("debug"))
+    return plan_pipeline(parallelism, llama.structure, shape, local_batch_size=8, seq_len=64)
+
+
 def test_plan_reads_the_file_and_places_stages_where_it_runs_them(tmp_path):
     parallelism = ParallelismConfig(
         pipeline_parallel_degree=2, microbatches=4, pipeline_schedule_file=str(ONE_F_ONE_B_CSV)
     )
-    plan = plan_pipeline(parallelism, num_layers=4, local_batch_size=8, seq_len=64)
+    plan = _plan(parallelism)
     assert (plan.schedule, plan.num_slices, plan.num_microbatches) == ("user", 1, 4)
     assert [plan.stage_indices(rank) for rank in (0, 1)] == [[0], [1]]
     assert plan.actions_by_rank == load_schedule_file(ONE_F_ONE_B_CSV)
@@ -215,9 +216,9 @@ def test_plan_reads_the_file_and_places_stages_where_it_runs_them(tmp_path):
     v_placed.write_text("0F0,3F0,3B0,0B0\n1F0,2F0,2B0,1B0\n")
     parallelism.pipeline_schedule_file, parallelism.microbatches = str(v_placed), 1
     with pytest.raises(ValueError, match=r"runs 4 stages .* set stages_per_rank = 2"):
-        plan_pipeline(parallelism, num_layers=4, local_batch_size=8, seq_len=64)
+        _plan(parallelism)
     parallelism.stages_per_rank = 2
-    plan = plan_pipeline(parallelism, num_layers=4, local_batch_size=8, seq_len=64)
+    plan = _plan(parallelism)
     assert [plan.stage_indices(rank) for rank in (0, 1)] == [[0, 3], [1, 2]]
 
 
@@ -228,17 +229,17 @@ def test_a_bad_schedule_file_fails_config_validation_with_its_name(tmp_path):
         dp_shard=1, pipeline_parallel_degree=2, microbatches=4, pipeline_schedule_file="none.csv"
     )
     with pytest.raises(ConfigError, match=r"schedule file 'none\.csv' does not exist"):
-        validate_job_config(config, world_size=2)
+        plan_job(config, world_size=2)
     broken = tmp_path / "broken.csv"
     broken.write_text("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3\n")
     config.parallelism.pipeline_schedule_file = str(broken)
     with pytest.raises(ConfigError, match=r"broken.csv.*stage=1 mb=3 \(rank 1\) has no backward"):
-        validate_job_config(config, world_size=2)
+        plan_job(config, world_size=2)
     config.parallelism.pipeline_schedule_file = str(ONE_F_ONE_B_CSV)
-    validate_job_config(config, world_size=2)
+    plan_job(config, world_size=2)
     config.parallelism.microbatches = 2
     with pytest.raises(ConfigError, match=r"runs 4 microbatches .* set microbatches = 4"):
-        validate_job_config(config, world_size=2)
+        plan_job(config, world_size=2)
 
 
 # -- runs ------------------------------------------------------------------------------------
@@ -256,25 +257,23 @@ def _run(
 ) -> tuple[float | None, dict[str, torch.Tensor]]:
     """One step of the tiny Llama (one layer per stage) on the parity batch's first ROWS
     sequences; a user schedule's stages are placed where its lists run them."""
-    stages = tiny_pipeline_stages(
-        rank,
-        world,
-        schedule=schedule,
-        num_stages=num_stages,
-        rows_per_unit=ROWS // m,
-        slice_length=SEQ_LEN // n,
+    runner = tiny_pipeline(
+        pp_mesh(world),
+        schedule=schedule if checked else "sliced",
+        stages_per_rank=num_stages // world,
+        microbatches=m,
         num_slices=n,
-        stage_indices=None if actions is None else sorted({a.stage_index for a in actions[rank]}),
+        rows=ROWS,
+        seq_len=SEQ_LEN,
+        user_actions=actions if checked else None,
     )
-    if checked:
-        runner = build_pipeline_runner(schedule, stages, m, n, actions_by_rank=actions)
-    else:  # what UserPipelineSchedule does, without check_schedule
+    if not checked:  # what UserPipelineSchedule does, without check_schedule
         unchecked = PipelineScheduleRuntime(
-            stages, m * n, loss_fn=token_sum_cross_entropy, scale_grads=False
+            runner.stages, m * n, loss_fn=token_sum_cross_entropy, scale_grads=False
         )
         unchecked.pipeline_order = dict(actions)
         unchecked._prepare_schedule_with_comms(actions)
-        runner = PipelineRunner(unchecked, stages, m, n)
+        runner.schedule = unchecked
     return step_loss_and_grads(runner, _batch()[:ROWS])
 
 

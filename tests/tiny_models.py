@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from models.llama import Llama, LlamaArgs
+from pipekit._torch_private import checkpoint_module_activations
+from pipekit.config.job_config import ParallelismConfig
+from pipekit.models import get_model_spec
+from pipekit.pipelining import PipelineRunner, StageSetup, build_pipeline, plan_pipeline
 
 TINY_LLAMA = LlamaArgs(
     dim=32,
@@ -29,100 +34,68 @@ def tiny_llama(seed: int = 0, tied: bool = False) -> nn.Module:
     return model
 
 
-def tiny_pipeline_stages(
-    rank: int,
-    world: int,
+def pp_mesh(world: int) -> DeviceMesh:
+    """A 1-D "pp" mesh over the whole world (every rank a pipeline rank)."""
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+
+
+def tiny_pipeline(
+    mesh: DeviceMesh,
     *,
-    schedule: str,
-    num_stages: int,
-    rows_per_unit: int,
-    slice_length: int,
+    schedule: str = "sliced",
+    stages_per_rank: int = 1,
+    microbatches: int,
     num_slices: int,
+    rows: int,
+    seq_len: int,
     dtype: torch.dtype = torch.float64,
     seed: int = 3,
-    stage_indices: list[int] | None = None,
-    group=None,
-    checkpoint_activations: bool = False,
-    vocab_parallel: bool = False,
-    vocab_size: int = TINY_LLAMA.vocab_size,
     num_layers: int | None = None,
-) -> list:
-    """This rank's stages of TINY_LLAMA with one layer per stage (`num_layers` split evenly
-    otherwise), initialised from `seed` in
-    `dtype`, placed as `schedule` places them (or at `stage_indices`), cpu attention; optionally
-    with every block's activations checkpointed, or without the embedding and output layer
-    (`vocab_parallel`, see `tiny_vocab_parallel`)."""
-    from pipekit._torch_private import checkpoint_module_activations
-    from pipekit.pipelining.build import build_rank_stages
-    from pipekit.pipelining.schedule import V_SHAPED_SCHEDULES
-    from pipekit.pipelining.stage import StageShapes
-    from pipekit.pipelining.stage_split import llama_stage_module_names
+    vocab_size: int = TINY_LLAMA.vocab_size,
+    vocab_parallel: bool = False,
+    context_exchange: bool = False,
+    user_actions: dict | None = None,
+    checkpoint_activations: bool = False,
+    parallelize=None,
+) -> PipelineRunner:
+    """This rank's pipeline runner of TINY_LLAMA with one layer per stage (`num_layers` split
+    evenly otherwise), initialised from `seed` in `dtype`, cpu attention, built by pipekit's one
+    builder from a plan (`rows` is the local batch, `mesh` the world mesh with a "pp" dim);
+    optionally with every block's activations checkpointed, vocabulary parallelism, context
+    exchange, a user schedule (`user_actions`), or `parallelize` applied to each stage."""
+    num_ranks = mesh["pp"].size()
+    num_layers = num_layers or num_ranks * stages_per_rank
+    args = TINY_LLAMA.with_updates(n_layers=num_layers, max_seq_len=64, vocab_size=vocab_size)
+    parallelism = ParallelismConfig(
+        dp_shard=1,
+        pipeline_parallel_degree=num_ranks,
+        pipeline_schedule=schedule,
+        num_slices=num_slices,
+        stages_per_rank=stages_per_rank,
+        microbatches=microbatches,
+        vocab_parallel=vocab_parallel,
+        context_exchange=context_exchange,
+    )
+    spec = get_model_spec("llama")
+    plan = plan_pipeline(
+        parallelism, spec.structure, spec.shape(args), rows, seq_len, user_actions=user_actions
+    )
 
     def materialize(module: nn.Module) -> None:
         module.to_empty(device="cpu")
         module.init_weights(seed=seed)
         module.to(dtype)
         if checkpoint_activations:
-            for block in (module.layers or {}).values():
+            for block in spec.structure.blocks_of(module):
                 checkpoint_module_activations(block)
 
-    num_layers = num_layers or num_stages
-    with torch.device("meta"):
-        model = Llama(
-            TINY_LLAMA.with_updates(n_layers=num_layers, max_seq_len=64, vocab_size=vocab_size)
-        )
-    shapes = StageShapes(
-        rows_per_unit,
-        slice_length,
-        TINY_LLAMA.dim,
-        vocab_size,
-        dtype,
-        vocab_parallel=vocab_parallel,
-    )
-    return build_rank_stages(
-        model,
-        llama_stage_module_names(num_layers, num_stages, vocab_parallel=vocab_parallel),
-        outside_stages=("tok_embeddings", "output") if vocab_parallel else (),
-        rank=rank,
-        num_ranks=world,
-        stage_style="v" if schedule in V_SHAPED_SCHEDULES else "loop",
-        stage_indices=stage_indices,
-        shapes=shapes,
-        num_slices=num_slices,
+    setup = StageSetup(
         device=torch.device("cpu"),
         materialize=materialize,
-        group=group,
-        backend="cpu",
+        parallelize=parallelize or (lambda module: None),
+        attention_backend="cpu",
+        message_dtype=dtype,
     )
-
-
-def tiny_vocab_parallel(stages: list, num_stages: int, seed: int = 3, group=None):
-    """This rank's `PipelineVocabParallel` for `tiny_pipeline_stages(vocab_parallel=True)`
-    (same seed and dtype): the rows of TINY_LLAMA's embedding and output this rank holds."""
-    import torch.distributed as dist
-
-    from pipekit.pipelining.vocab_parallel import PipelineVocabParallel, vocab_shard_modules
-
-    group = group or dist.new_group()  # its own: not the group the stages send over
-    shapes = stages[0].shapes
-    full = Llama(
-        TINY_LLAMA.with_updates(n_layers=num_stages, max_seq_len=64, vocab_size=shapes.vocab_size)
-    )
-    full.init_weights(seed=seed)
-    embedding, output = vocab_shard_modules(shapes.vocab_size, TINY_LLAMA.dim, group)
-    embedding.load_full_weight(full.tok_embeddings.weight.detach())
-    output.load_full_weight(full.output.weight.detach())
-    embedding.to(shapes.dtype)
-    output.to(shapes.dtype)
-    held = {stage.stage_index: stage.group_rank for stage in stages}
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, held, group=group)
-    owner = {index: rank for part in everyone for index, rank in part.items()}
-    return PipelineVocabParallel(
-        embedding,
-        output,
-        shapes,
-        first_rank=owner[0],
-        last_rank=owner[num_stages - 1],
-        group=group,
-    )
+    with torch.device("meta"):
+        model = spec.build(args)
+    return build_pipeline(plan, model, mesh, setup)

@@ -5,7 +5,7 @@ transformers takes a softmax over all experts, keeps the top k and renormalises 
 the same weights as a softmax over the top-k logits. Mixtral runs dropless; a model trained with
 a `capacity_factor` still saves, and transformers computes it as pipekit would without capacity
 (outputs differ only for assignments the capacity drops). Attention, norms, embeddings and the
-RoPE row order of wq/wk are the Llama adapter's (`models.llama.state_dict_adapter`); the MoE
+RoPE row order of wq/wk are the shared decoder format's (`models.decoder.hf_layout`); the MoE
 blocks map as
 
     pipekit: layers.L.feed_forward.     Hugging Face: model.layers.L.block_sparse_moe.
@@ -23,55 +23,39 @@ Legend: E experts, F expert hidden dim, D model dim.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from models.llama.hf_config import (
+from models.decoder.hf_config import (
     CONFIG_FILE,
     HFModelType,
     build_args,
+    decoder_config_fields,
+    decoder_config_keys,
     is_int,
-    llama_config_fields,
-    llama_config_keys,
     read_config_json,
 )
-from models.llama.state_dict_adapter import (
-    comparable_fields,
-    config_differences,
-    llama_param_shapes,
-    load_hf_weights,
-    read_hf_tensor,
-    save_hf_weights,
-    to_hf_name,
-    to_hf_tensor,
-)
+from models.decoder.hf_layout import DENSE_LAYER_NAMES, DecoderHF, DecoderLayout
 from models.llama_moe.args import LlamaMoEArgs
-from pipekit.checkpoint.safetensors_io import (
-    DEFAULT_MAX_SHARD_BYTES,
-    CheckpointError,
-    SafetensorsCheckpoint,
-)
+from models.llama_moe.model import LlamaMoE
+from pipekit.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES
+from pipekit.models.spec import HFTensor
 from pipekit.moe import MoEArgs
 
 __all__ = [
-    "EXPERT_WEIGHTS",
+    "MIXTRAL_HF",
     "MIXTRAL_MODEL_TYPE",
-    "MixtralTensor",
     "args_to_mixtral_config",
     "check_mixtral_compatible",
     "load_hf_mixtral",
     "mixtral_config_to_args",
-    "mixtral_param_shapes",
     "mixtral_tensor_layout",
     "read_hf_mixtral_args",
-    "read_mixtral_tensor",
     "save_hf_mixtral",
     "to_mixtral_names",
-    "to_mixtral_state_dict",
 ]
 
 MIXTRAL_MODEL_TYPE = HFModelType(
@@ -91,22 +75,6 @@ _DEFAULT_NUM_EXPERTS = 8
 _DEFAULT_TOP_K = 2
 _DEFAULT_AUX_LOSS_COEF = 0.001
 
-_MOE_PARAM = re.compile(r"layers\.(\d+)\.feed_forward\.(.+)")
-_GATE = "router.gate.weight"
-EXPERT_WEIGHTS = {"experts.w1_EFD": "w1", "experts.w2_EDF": "w2", "experts.w3_EFD": "w3"}
-"""Expert parameter -> the SwiGLU weight it stacks (Mixtral's per-expert name, and the dense
-FFN weight it is upcycled from)."""
-
-
-class MixtralTensor(NamedTuple):
-    """One tensor of a Mixtral checkpoint and the pipekit parameter (or expert of it) it holds."""
-
-    hf_name: str
-    hf_shape: tuple[int, ...]
-    param_name: str
-    expert: int | None
-    """Index into the parameter's leading expert dim; None: the whole parameter."""
-
 
 def read_hf_mixtral_args(directory: str | os.PathLike[str]) -> LlamaMoEArgs:
     """LlamaMoEArgs described by `directory/config.json`, with errors that name the file."""
@@ -124,7 +92,7 @@ def mixtral_config_to_args(config: Mapping[str, Any], *, source: str = CONFIG_FI
     `router_jitter_noise` perturbs training only and is not carried over.
     """
     problems = _mixtral_problems(config)
-    fields = llama_config_fields(
+    fields = decoder_config_fields(
         config, source=source, model_type=MIXTRAL_MODEL_TYPE, problems=problems
     )
     moe = MoEArgs(
@@ -143,7 +111,7 @@ def args_to_mixtral_config(
 ) -> dict[str, Any]:
     """The config.json of a Mixtral with `args` whose weights are `dtype` (published dialect)."""
     check_mixtral_compatible(args)
-    return llama_config_keys(args, dtype, MIXTRAL_MODEL_TYPE) | {
+    return decoder_config_keys(args, dtype, MIXTRAL_MODEL_TYPE) | {
         "intermediate_size": args.moe_ffn_dim,
         "num_local_experts": args.moe.num_experts,
         "num_experts_per_tok": args.moe.top_k,
@@ -171,85 +139,31 @@ def check_mixtral_compatible(args: LlamaMoEArgs) -> None:
         raise ValueError(f"the LlamaMoEArgs have no Mixtral layout: {'; '.join(problems)}")
 
 
-def mixtral_param_shapes(args: LlamaMoEArgs) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter of a pipekit Llama-MoE whose every layer is MoE, as in
-    Mixtral (`output.weight` even when tied)."""
-    experts, dim, hidden = args.moe.num_experts, args.dim, args.moe_ffn_dim
-    moe_shapes = {
-        _GATE: (experts, dim),
-        "experts.w1_EFD": (experts, hidden, dim),
-        "experts.w2_EDF": (experts, dim, hidden),
-        "experts.w3_EFD": (experts, hidden, dim),
-    }
-    shapes = {}
-    for name, shape in llama_param_shapes(args).items():
-        if ".feed_forward." not in name:
-            shapes[name] = shape
-        elif name.endswith(".feed_forward.w1.weight"):  # the dense FFN's place: the MoE block
-            prefix = name.removesuffix("w1.weight")
-            shapes |= {prefix + suffix: moe_shape for suffix, moe_shape in moe_shapes.items()}
-    return shapes
+MIXTRAL_HF = DecoderHF(
+    layout=DecoderLayout(
+        MIXTRAL_MODEL_TYPE,
+        layer_names={k: v for k, v in DENSE_LAYER_NAMES.items() if "feed_forward" not in k},
+        moe_block="block_sparse_moe",
+        expert_names={"w1": "w1", "w2": "w2", "w3": "w3"},
+    ),
+    build=LlamaMoE,
+    config_to_args=lambda config, source: mixtral_config_to_args(config, source=source),
+    args_to_config=args_to_mixtral_config,
+    check_layout=check_mixtral_compatible,
+)
+"""The Llama-MoE family's Hugging Face format (Mixtral)."""
+
+
+def mixtral_tensor_layout(args: LlamaMoEArgs) -> list[HFTensor]:
+    """Every tensor of the Mixtral checkpoint of a model with `args`, in the order
+    `save_hf_mixtral` writes them (a tied `lm_head.weight` left out, as transformers does)."""
+    return MIXTRAL_HF.tensors(args)
 
 
 def to_mixtral_names(name: str, args: LlamaMoEArgs) -> list[str]:
     """Hugging Face names of a pipekit parameter: one per expert for an expert weight
     (expert j's at index j), else one."""
-    match = _MOE_PARAM.fullmatch(name)
-    if match is None:
-        return [to_hf_name(name)]
-    prefix = f"model.layers.{match[1]}.block_sparse_moe"
-    if match[2] == _GATE:
-        return [f"{prefix}.gate.weight"]
-    if match[2] in EXPERT_WEIGHTS:
-        short = EXPERT_WEIGHTS[match[2]]
-        return [f"{prefix}.experts.{j}.{short}.weight" for j in range(args.moe.num_experts)]
-    raise ValueError(
-        f"{name!r} is not a parameter of a Mixtral-layout Llama-MoE (every layer MoE with the "
-        f"{_MIXTRAL_ROUTER} router)"
-    )
-
-
-def mixtral_tensor_layout(args: LlamaMoEArgs) -> list[MixtralTensor]:
-    """Every tensor of the Mixtral checkpoint of a model with `args`, in the order
-    `save_hf_mixtral` writes them (shards fill in this order); a tied `lm_head.weight` is left
-    out, as transformers does."""
-    check_mixtral_compatible(args)
-    layout = []
-    for name, shape in mixtral_param_shapes(args).items():
-        if args.tie_embeddings and name == "output.weight":
-            continue
-        hf_names = to_mixtral_names(name, args)
-        if _is_expert_weight(name):
-            layout += [MixtralTensor(hf, shape[1:], name, j) for j, hf in enumerate(hf_names)]
-        else:
-            layout.append(MixtralTensor(hf_names[0], shape, name, None))
-    return layout
-
-
-def to_mixtral_state_dict(
-    state_dict: Mapping[str, torch.Tensor], args: LlamaMoEArgs
-) -> dict[str, torch.Tensor]:
-    """Hugging Face names, row order and per-expert tensors of the parameters in `state_dict`
-    (all of the model's, or those of some modules); a tied `output.weight` is dropped."""
-    return {
-        entry.hf_name: to_hf_tensor(entry.param_name, tensor, args)
-        if entry.expert is None
-        else tensor[entry.expert]
-        for entry in mixtral_tensor_layout(args)
-        if (tensor := state_dict.get(entry.param_name)) is not None
-    }
-
-
-def read_mixtral_tensor(
-    checkpoint: SafetensorsCheckpoint, name: str, args: LlamaMoEArgs
-) -> torch.Tensor:
-    """pipekit parameter `name` read from a Mixtral checkpoint (experts stacked on dim 0)."""
-    if _MOE_PARAM.fullmatch(name) is None:
-        return read_hf_tensor(checkpoint, name, args)  # RoPE order, tied output
-    hf_names = to_mixtral_names(name, args)
-    if _is_expert_weight(name):
-        return torch.stack([checkpoint.read(hf_name) for hf_name in hf_names])
-    return checkpoint.read(hf_names[0])
+    return MIXTRAL_HF.layout.hf_names(name, args)
 
 
 def load_hf_mixtral(
@@ -261,20 +175,7 @@ def load_hf_mixtral(
     auxiliary-loss weights). Every name and shape is checked before the first parameter is
     written, so a failed load leaves the model untouched.
     """
-    check_mixtral_compatible(args)
-    differences = config_differences(
-        _comparable(read_hf_mixtral_args(directory)), _comparable(args)
-    )
-    if differences:
-        raise CheckpointError(
-            f"{os.path.join(directory, CONFIG_FILE)} does not match the model's LlamaMoEArgs: "
-            f"{'; '.join(differences)}; build the model from read_hf_mixtral_args(directory) "
-            "or load a checkpoint of this shape"
-        )
-    hf_shapes = {entry.hf_name: entry.hf_shape for entry in mixtral_tensor_layout(args)}
-    load_hf_weights(
-        directory, model, args, mixtral_param_shapes(args), hf_shapes, read_mixtral_tensor
-    )
+    MIXTRAL_HF.load(directory, model, args)
 
 
 def save_hf_mixtral(
@@ -291,35 +192,7 @@ def save_hf_mixtral(
     `topk_softmax`. A capacity factor is allowed: Mixtral runs dropless, which is the same
     weights without dropping. Tensors keep the model's dtype, so save -> load is bit-exact.
     """
-    check_mixtral_compatible(args)
-    save_hf_weights(
-        model,
-        args,
-        directory,
-        param_shapes=mixtral_param_shapes(args),
-        to_hf=to_mixtral_state_dict,
-        hf_config=args_to_mixtral_config,
-        max_shard_bytes=max_shard_bytes,
-        overwrite=overwrite,
-    )
-
-
-def _is_expert_weight(name: str) -> bool:
-    match = _MOE_PARAM.fullmatch(name)
-    return match is not None and match[2] in EXPERT_WEIGHTS
-
-
-def _comparable(args: LlamaMoEArgs) -> dict[str, object]:
-    """Fields that change what the weights compute: the Llama ones, the experts' hidden size
-    (Mixtral's `intermediate_size`; no dense FFN is left) and the expert count and top-k."""
-    values = comparable_fields(args)
-    for training_or_unused in ("moe", "ffn_dim", "expert_ffn_dim"):
-        del values[training_or_unused]
-    return values | {
-        "moe_ffn_dim": args.moe_ffn_dim,
-        "moe.num_experts": args.moe.num_experts,
-        "moe.top_k": args.moe.top_k,
-    }
+    MIXTRAL_HF.save(model, args, directory, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 
 
 def _mixtral_problems(config: Mapping[str, Any]) -> list[str]:

@@ -2,7 +2,8 @@
 
 In a sliced pipeline with context exchange (SlimPipe §4.2) a heavy pass lends part of its
 attention to a pass that runs at the same time on a light rank, and the light pass serves it
-(`pipekit.pipelining.exchange_plan` decides who, `pipekit.attention.exchange` moves the data).
+(`pipekit.pipelining.features.exchange_plan` decides who, `pipekit.attention.exchange` moves
+the data).
 This context does both for one slice on one stage, layer by layer:
 
 - **Lending.** Each layer's query attends to the slice's own chunk here and to its earlier KV

@@ -15,6 +15,7 @@ Legend: B batch rows, S sequence.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -30,19 +31,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
-from models.llama import Llama, LlamaArgs
-from pipekit.pipelining.actions import check_sliced_shape
-from pipekit.pipelining.build import build_rank_stages
-from pipekit.pipelining.context_exchange import PipelineContextExchange
-from pipekit.pipelining.schedule import PipelineRunner, build_pipeline_runner
-from pipekit.pipelining.stage import StageShapes
-from pipekit.pipelining.stage_split import llama_layers_per_stage, llama_stage_module_names
-from pipekit.pipelining.vocab_parallel import (
-    VOCAB_MODULE_NAMES,
-    PipelineVocabParallel,
-    vocab_shard_modules,
-)
+from pipekit.config.job_config import ParallelismConfig
+from pipekit.models.registry import get_model_spec
+from pipekit.pipelining.build import StageSetup, build_pipeline
+from pipekit.pipelining.plan import plan_pipeline
+from pipekit.pipelining.runtime.runner import PipelineRunner
+from pipekit.pipelining.schedules.sliced import check_sliced_shape
 
 __all__ = [
     "RankFailedError",
@@ -205,7 +202,7 @@ def describe_model(spec: Mapping[str, int]) -> str:
     """One line: the model's shape and parameter count."""
     args = _llama_args(spec)
     with torch.device("meta"):
-        params = sum(p.numel() for p in Llama(args).parameters())
+        params = sum(p.numel() for p in get_model_spec("llama").build(args).parameters())
     return (
         f"Llama dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads "
         f"({args.num_kv_heads} kv, head dim {args.per_head_dim}), ffn {args.ffn_dim}, "
@@ -213,8 +210,10 @@ def describe_model(spec: Mapping[str, int]) -> str:
     )
 
 
-def _llama_args(spec: Mapping[str, int]) -> LlamaArgs:
-    return LlamaArgs(**spec, rope_scaling=None, rope_theta=10000.0)
+def _llama_args(spec: Mapping[str, int]) -> Any:
+    """The registered Llama's args of `spec`'s shape (plain RoPE, theta 10000)."""
+    debug = get_model_spec("llama").flavor("debug")
+    return dataclasses.replace(debug, **spec, rope_scaling=None, rope_theta=10000.0)
 
 
 def check_pipeline_shape(
@@ -263,73 +262,41 @@ def build_runner(
     vocab_parallel: bool = False,
     context_exchange: bool = False,
 ) -> PipelineRunner:
-    """This rank's runner of `schedule` over an evenly split model (equal layers per stage).
+    """This rank's runner of `schedule` over an evenly split Llama (equal layers per stage), by
+    the one pipeline builder; every rank of the world calls it together.
 
     `rows` is the local batch; every stage gets the same seeded weights whatever the schedule.
     Embedding and output get no extra weight in the split: SlimPipe's Table 2 compares equal
     stages, and so do the throughput figures. With `vocab_parallel` the embedding and output
-    rows are split over the ranks instead (their own random init). With `context_exchange`
-    the sliced passes exchange attention context over a group of their own.
+    rows are split over the ranks instead. With `context_exchange` the sliced passes exchange
+    attention context.
     """
+    del rank  # the mesh knows it
+    family = get_model_spec("llama")
     args = _llama_args(spec)
-    num_stages = num_ranks * stages_per_rank
+    parallelism = ParallelismConfig(
+        dp_shard=1,
+        pipeline_parallel_degree=num_ranks,
+        pipeline_schedule=schedule,
+        num_slices=num_slices,
+        stages_per_rank=stages_per_rank,
+        microbatches=microbatches,
+        pipeline_embedding_cost=0.0,
+        pipeline_output_cost=0.0,
+        vocab_parallel=vocab_parallel,
+        context_exchange=context_exchange,
+    )
+    plan = plan_pipeline(parallelism, family.structure, family.shape(args), rows, args.max_seq_len)
+    mesh = init_device_mesh("cpu", (num_ranks,), mesh_dim_names=("pp",))
     with torch.device("meta"):
-        model = Llama(args)
+        model = family.build(args)
 
-    def materialize(module: torch.nn.Module) -> None:
+    def materialize(module: nn.Module) -> None:
         module.to_empty(device="cpu")
         module.init_weights(seed=_SEED)
 
-    seq_len = spec["max_seq_len"]
-    shapes = StageShapes(
-        rows // microbatches,
-        seq_len // num_slices,
-        args.dim,
-        args.vocab_size,
-        torch.float32,
-        vocab_parallel=vocab_parallel,
-    )
-    stage_module_names = llama_stage_module_names(
-        args.n_layers,
-        num_stages,
-        embedding_weight=0.0,
-        output_weight=0.0,
-        vocab_parallel=vocab_parallel,
-    )
-    stages = build_rank_stages(
-        model,
-        stage_module_names,
-        rank=rank,
-        num_ranks=num_ranks,
-        stage_style="loop",
-        shapes=shapes,
-        num_slices=num_slices,
-        device=torch.device("cpu"),
-        materialize=materialize,
-        group=None,
-        backend="cpu",
-        outside_stages=VOCAB_MODULE_NAMES if vocab_parallel else (),
-    )
-    vocab = None
-    if vocab_parallel:
-        vocab_group = dist.new_group()  # its own, apart from the stages' sends
-        embedding, output = vocab_shard_modules(args.vocab_size, args.dim, vocab_group)
-        vocab = PipelineVocabParallel(
-            embedding,
-            output,
-            shapes,
-            first_rank=0,
-            last_rank=(num_stages - 1) % num_ranks,
-            group=vocab_group,
-        )
-    exchange = None
-    if context_exchange:
-        exchange = PipelineContextExchange(
-            dist.new_group(), llama_layers_per_stage(stage_module_names)
-        )
-    return build_pipeline_runner(
-        schedule, stages, microbatches, num_slices, vocab=vocab, exchange=exchange
-    )
+    setup = StageSetup(device=torch.device("cpu"), materialize=materialize, attention_backend="cpu")
+    return build_pipeline(plan, model, mesh, setup)
 
 
 def synthetic_batch(rows: int, seq_len: int, vocab_size: int) -> TensorDict:

@@ -1,11 +1,12 @@
 """`python -m pipekit.bench context-exchange --pp 4 --slices 16 --seq 65536 --simulate`, and
 measured: `python -m pipekit.bench context-exchange --pp 2 --slices 8 --microbatches 2 --seq 8192`.
 
-Attention context exchange on the sliced schedule, simulated (`pipekit.pipelining.simulate`):
+Attention context exchange on the sliced schedule, simulated
+(`pipekit.pipelining.schedules.simulate`):
 
 - per lockstep step, each rank's pass and its attention work (in forward-slice units, a backward
   slice weighing `--backward-ratio`) before and after the exchange plan
-  (`pipekit.pipelining.exchange_plan`);
+  (`pipekit.pipelining.features.exchange_plan`);
 - the bubble fraction with and without exchange under causal-attention costs at `--seq` for a
   Llama-like model of width `--dim` (attention / linear forward FLOPs = S / (12 d), as in the
   `schedules` bench), counted over all ranks: (p x makespan - busy) / busy. The exchange's own
@@ -36,9 +37,9 @@ from pipekit.bench._pipeline_launch import (
 from pipekit.bench._report import print_result, print_table
 from pipekit.bench.pipeline_throughput import FAIR_ALLOCATOR
 from pipekit.bench.schedules import attention_to_linear_ratio
-from pipekit.pipelining.actions import sliced_pipeline_actions
-from pipekit.pipelining.exchange_plan import eq2_exchanged_slices, plan_context_exchange
-from pipekit.pipelining.simulate import CostModel, SimulationResult, simulate
+from pipekit.pipelining.features.exchange_plan import eq2_exchanged_slices, plan_context_exchange
+from pipekit.pipelining.schedules.simulate import CostModel, SimulationResult, simulate
+from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
 
 __all__ = ["main"]
 

@@ -36,8 +36,8 @@ from pipekit.bench._pipeline_launch import (
     synthetic_batch,
 )
 from pipekit.bench._report import print_result, print_table
-from pipekit.pipelining.actions import peak_units_in_flight
-from pipekit.pipelining.memory import ActivationMemoryTracker
+from pipekit.memory.tracker import ActivationMemoryTracker
+from pipekit.pipelining.schedules.sliced import peak_units_in_flight
 
 __all__ = ["main"]
 

@@ -2,8 +2,9 @@
 [--contexts 32768 131072 524288] [--dim 5120]`.
 
 Simulated bubble fraction and peak activation memory of pipeline schedules beside SlimPipe's
-Table 2 (seed 000), by `pipekit.pipelining.simulate` on the schedules' own action lists (torch's
-for GPipe, 1F1B, Interleaved1F1B and ZB-V; pipekit's for the sliced schedule, n = k·p slices).
+Table 2 (seed 000), by `pipekit.pipelining.schedules.simulate` on the schedules' own action
+lists (torch's for GPipe, 1F1B, Interleaved1F1B and ZB-V; pipekit's for the sliced schedule,
+n = k·p slices).
 
 (a) Uniform costs: every (stage, microbatch) forward costs the same, backward twice that (ZB-V's
 I and W one forward each). Table 2's formulas are exact here once their premises hold (m >= p;
@@ -27,9 +28,9 @@ from dataclasses import dataclass
 
 from pipekit.bench._report import print_result, print_table
 from pipekit.pipelining._torch_runtime import Action
-from pipekit.pipelining.actions import sliced_pipeline_actions
-from pipekit.pipelining.simulate import CostModel, SimulationResult, simulate
-from pipekit.pipelining.torch_actions import torch_schedule_actions
+from pipekit.pipelining.schedules.simulate import CostModel, SimulationResult, simulate
+from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
+from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
 
 __all__ = [
     "attention_to_linear_ratio",

@@ -14,7 +14,8 @@ import time
 import torch
 
 from pipekit.bench._report import print_result, print_table
-from pipekit.config import load_job_config, validate_job_config
+from pipekit.config import load_job_config
+from pipekit.train.job import plan_job
 from pipekit.train.metrics import measure_matmul_flops
 
 __all__ = ["main"]
@@ -47,8 +48,7 @@ def main(argv: list[str] | None = None) -> None:
                 "0",
             ]
         )
-        validate_job_config(config, world_size=1)
-        trainer = Trainer(config)
+        trainer = Trainer(plan_job(config, world_size=1))
         for _ in range(options.warmup):
             trainer.train_step()
         tokens, start = 0, time.perf_counter()

@@ -3,14 +3,15 @@
 A dense Llama checkpoint in Hugging Face layout (seeded random weights, written by pipekit's
 streaming writer in 512 MB shards) becomes an E-expert top-k MoE on `--ep` fresh gloo ranks:
 experts split over the ranks (expert parallelism), everything else sharded by FSDP2 (dp_shard =
-ep), each rank filling only its own blocks (`upcycle_llama`). Per rank it measures:
+ep), each rank filling only its own blocks (`upcycle_model` with the registered Llama). Per
+rank it measures:
 
 - bytes read (the blocks the rank read, `TensorRead.nbytes`) against bytes owned (its local
   shards of every parameter): below 1 because the E/ep local experts copy one dense FFN read;
 - peak RSS of the rank process (`ru_maxrss`) right after its first upcycle, and its RSS before
   (the interpreter, torch and the process group). RSS counts the checkpoint pages the rank has
   mapped (safetensors reads through a memory map) as well as its own tensors;
-- wall time of `upcycle_llama` (meta build, parallelize, materialise, fill) against a plain read
+- wall time of `upcycle_model` (meta build, parallelize, materialise, fill) against a plain read
   of exactly the same blocks (the rank's read log replayed through `read_block`, each block
   copied into a fresh tensor, all held until the last is read).
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import functools
 import gc
 import json
@@ -46,17 +48,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.llama.args import LlamaArgs
-from models.llama.hf_config import CONFIG_FILE, args_to_hf_config
-from models.llama.state_dict_adapter import llama_param_shapes, to_hf_name
-from models.llama_moe.upcycle import upcycle_llama
 from pipekit.bench._pipeline_launch import run_ranks
 from pipekit.bench._report import print_result, print_table
 from pipekit.checkpoint import PendingTensor, SafetensorsCheckpoint, TensorRead, save_safetensors
 from pipekit.checkpoint.local_shards import local_nbytes
-from pipekit.checkpoint.upcycle import UpcycleSpec
+from pipekit.checkpoint.upcycle import UpcycleSpec, upcycle_model
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.models.registry import get_model_spec
 from pipekit.moe.expert_parallel import apply_expert_parallel, expert_mesh
 
 __all__ = ["main"]
@@ -83,8 +82,10 @@ def _llama_ffn_dim(dim: int) -> int:
     return -(-round(8 * dim / 3) // 256) * 256
 
 
-def _dense_args(spec: dict[str, Any]) -> LlamaArgs:
-    return LlamaArgs(
+def _dense_args(spec: dict[str, Any]) -> Any:
+    """The registered Llama's args of this shape."""
+    return dataclasses.replace(
+        get_model_spec("llama").flavor("debug"),
         dim=spec["dim"],
         n_layers=spec["layers"],
         n_heads=spec["heads"],
@@ -103,17 +104,19 @@ def _random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tor
     return torch.randn(shape, generator=generator, dtype=dtype).mul_(_INIT_STD)
 
 
-def _write_dense(args: LlamaArgs, dtype: torch.dtype, directory: Path) -> None:
+def _write_dense(args: Any, dtype: torch.dtype, directory: Path) -> None:
     """Stream a random dense checkpoint into `directory` (one shard in memory at a time)."""
+    hf = get_model_spec("llama").hf
+    assert hf is not None
     tensors = {
-        to_hf_name(name): PendingTensor(
-            shape, dtype, functools.partial(_random_tensor, shape, dtype, seed)
+        entry.hf_name: PendingTensor(
+            entry.hf_shape, dtype, functools.partial(_random_tensor, entry.hf_shape, dtype, seed)
         )
-        for seed, (name, shape) in enumerate(llama_param_shapes(args).items())
+        for seed, entry in enumerate(hf.tensors(args))
     }
-    config = json.dumps(args_to_hf_config(args, dtype), indent=2) + "\n"
+    config = json.dumps(hf.config(args, dtype), indent=2) + "\n"
     save_safetensors(
-        tensors, directory, max_shard_bytes=_MAX_SHARD_BYTES, extra_files={CONFIG_FILE: config}
+        tensors, directory, max_shard_bytes=_MAX_SHARD_BYTES, extra_files={"config.json": config}
     )
 
 
@@ -210,9 +213,18 @@ def _cold_start(files: list[Path]) -> float:
 
 def _timed_upcycle(directory: str, spec: dict[str, Any], parallelize, reads: list[TensorRead]):
     upcycle = UpcycleSpec(num_experts=spec["experts"], top_k=spec["top_k"])
+    dense, moe = get_model_spec("llama"), get_model_spec("llama_moe")
+    assert dense.upcycler is not None
     started = time.perf_counter()
-    model, _ = upcycle_llama(
-        directory, upcycle, dtype=_DTYPES[spec["dtype"]], parallelize=parallelize, read_log=reads
+    model, _ = upcycle_model(
+        directory,
+        dense.upcycler,
+        _dense_args(spec),
+        moe.build,
+        upcycle,
+        dtype=_DTYPES[spec["dtype"]],
+        parallelize=parallelize,
+        read_log=reads,
     )
     return model, time.perf_counter() - started
 

@@ -35,8 +35,8 @@ from pipekit.bench._pipeline_launch import (
     synthetic_batch,
 )
 from pipekit.bench._report import print_result, print_table
-from pipekit.pipelining.actions import check_sliced_shape
-from pipekit.pipelining.memory import ActivationMemoryTracker
+from pipekit.memory.tracker import ActivationMemoryTracker
+from pipekit.pipelining.schedules.sliced import check_sliced_shape
 
 __all__ = ["main"]
 
@@ -63,8 +63,9 @@ class _ModuleTimer:
 
 def _output_module(runner: Any) -> nn.Module | None:
     """This rank's output projection: its vocabulary shard, or the last stage's whole layer."""
-    if runner.vocab is not None:
-        return runner.vocab.output
+    vocab = runner.extension("vocab_parallel")
+    if vocab is not None:
+        return vocab.output
     for stage in runner.stages:
         if getattr(stage.submod, "output", None) is not None:
             return stage.submod.output
@@ -91,9 +92,7 @@ def _measure(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     runner.step(batch, float(batch["labels"].numel()))  # warm-up: allocator, kernels
     if timer is not None:
         timer.seconds = 0.0
-    params = [p for stage in runner.stages for p in stage.submod.parameters()]
-    if runner.vocab is not None:
-        params += [*runner.vocab.embedding.parameters(), *runner.vocab.output.parameters()]
+    params = list(runner.model.parameters())  # stages and vocabulary shards
     dist.barrier()
     with ActivationMemoryTracker(exclude=params) as tracker:
         started = time.perf_counter()

@@ -1,9 +1,11 @@
 """`python -m pipekit.checkpoint.inspect DIR [--tokens 1,2,3 --out FILE]`: what a checkpoint holds.
 
 Lists every tensor (name, dtype, shape) from the file headers alone, the total size, and the
-LlamaArgs its config.json describes. With --tokens it also runs pipekit's Llama on those token ids
-(CPU, float32) and writes the logits, so our numbers can be compared with any other
-implementation's. Bad input prints one error line and exits with status 2.
+model args its config.json describes, read by the registered family whose Hugging Face adapter
+reads that `model_type` (Llama, Mixtral, Qwen3, Qwen3-MoE, or a family of your own). With
+--tokens it also runs pipekit's model on those token ids (CPU, float32) and writes the logits,
+so our numbers can be compared with any other implementation's. Bad input prints one error line
+and exits with status 2.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from safetensors.torch import save_file
 
 from pipekit.attention.backends import use_backend
 from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint
+from pipekit.models.registry import spec_for_checkpoint
 
 __all__ = ["main"]
 
@@ -70,8 +73,6 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _describe(directory: Path, *, running: bool) -> None:
-    from models.llama.hf_config import read_hf_llama_args  # lazy: pipekit needs no model to import
-
     with SafetensorsCheckpoint(directory) as checkpoint:
         infos = checkpoint.infos()
         file_count = len(checkpoint.files)
@@ -85,11 +86,13 @@ def _describe(directory: Path, *, running: bool) -> None:
         f"({total_bytes / 2**30:.3f} GiB)"
     )
     try:
-        print(read_hf_llama_args(directory))
+        family = spec_for_checkpoint(directory)
+        assert family.hf is not None
+        print(family.hf.read_args(str(directory)))
     except ValueError as error:
         if running:
             raise
-        print(f"not a loadable Llama checkpoint: {error}")
+        print(f"not a checkpoint pipekit can load: {error}")
 
 
 def _natural_order(name: str) -> list[str | int]:
@@ -98,14 +101,13 @@ def _natural_order(name: str) -> list[str | int]:
 
 
 def _write_logits(directory: Path, tokens: list[int], out: Path, attention_backend: str) -> None:
-    from models.llama.hf_config import read_hf_llama_args
-    from models.llama.state_dict_adapter import build_llama_from_hf
-
-    vocab_size = read_hf_llama_args(directory).vocab_size
+    family = spec_for_checkpoint(directory)
+    assert family.hf is not None
+    vocab_size = family.shape(family.hf.read_args(str(directory))).vocab_size
     too_large = [token for token in tokens if token >= vocab_size]
     if too_large:
         raise ValueError(f"token ids {too_large} are not below vocab_size={vocab_size}")
-    model, _ = build_llama_from_hf(directory, device="cpu")
+    model, _ = family.hf.build_from_checkpoint(str(directory))
     model.eval()
     tokens_BS = torch.tensor([tokens], dtype=torch.long)
     positions_BS = torch.arange(len(tokens)).unsqueeze(0)

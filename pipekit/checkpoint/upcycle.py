@@ -22,18 +22,21 @@ Legend: N copies, G pieces per copy, E = N·G experts, F dense hidden dim, D mod
 from __future__ import annotations
 
 import abc
-import hashlib
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from pipekit.checkpoint.local_shards import load_local_blocks
 from pipekit.checkpoint.safetensors_io import PendingTensor, SafetensorsCheckpoint, TensorRead
+from pipekit.layers.init import name_seed, trunc_normal_
+
+if TYPE_CHECKING:
+    from pipekit.models.spec import ModelSpec
 
 __all__ = [
     "BlockSource",
@@ -42,8 +45,10 @@ __all__ = [
     "RouterInit",
     "UpcycleSpec",
     "Upcycler",
+    "check_dense_checkpoint",
     "read_from_sources",
     "upcycle_into",
+    "upcycle_model",
 ]
 
 
@@ -220,11 +225,9 @@ class RouterInit(BlockSource):
         self.shape, self.dtype = (copies * granularity, dim), dtype
 
     def read(self, index: Sequence[slice]) -> Tensor:
-        digest = hashlib.sha256(f"{self.seed}/{self.name}".encode()).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        generator = torch.Generator().manual_seed(name_seed(self.seed, self.name))
         rows_ND = torch.empty(self.copies, self.dim, dtype=torch.float32)
-        std = self.std
-        nn.init.trunc_normal_(rows_ND, std=std, a=-3 * std, b=3 * std, generator=generator)
+        trunc_normal_(rows_ND, self.std, generator=generator)
         rows_ED = rows_ND.repeat_interleave(self.granularity, dim=0).to(self.dtype)
         return rows_ED[tuple(index)]
 
@@ -232,7 +235,7 @@ class RouterInit(BlockSource):
 @dataclass(frozen=True)
 class Upcycler:
     """How a dense model family becomes a mixture-of-experts family (registered with the dense
-    family in `models/registry.py`)."""
+    family's `ModelSpec`)."""
 
     moe_model: str
     """Registry name of the upcycled family."""
@@ -264,6 +267,17 @@ def read_from_sources(
     return read
 
 
+def check_dense_checkpoint(
+    directory: str | os.PathLike[str], dense: ModelSpec, dense_args: Any
+) -> None:
+    """CheckpointError (or ValueError) unless `directory` holds a dense `dense` model of
+    `dense_args` that can be upcycled; reads only config.json and the file headers."""
+    if dense.upcycler is None:
+        raise ValueError(f"model {dense.name!r} cannot be upcycled")
+    with SafetensorsCheckpoint(directory) as checkpoint:
+        dense.upcycler.check_dense(checkpoint, dense_args)
+
+
 def upcycle_into(
     model: nn.Module,
     directory: str | os.PathLike[str],
@@ -280,3 +294,35 @@ def upcycle_into(
     with SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
         sources = upcycler.sources(checkpoint, args, spec, seed)
         load_local_blocks(model, read_from_sources(sources))
+
+
+def upcycle_model(
+    directory: str | os.PathLike[str],
+    upcycler: Upcycler,
+    dense_args: Any,
+    build: Callable[[Any], nn.Module],
+    spec: UpcycleSpec,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    parallelize: Callable[[nn.Module], object] | None = None,
+    read_log: list[TensorRead] | None = None,
+) -> tuple[nn.Module, Any]:
+    """Online upcycling of the dense checkpoint in `directory` (a model of `dense_args`) into
+    `build(moe args)` of `dtype`: (model, its args).
+
+    The model is built on the meta device and handed to `parallelize` (expert parallelism,
+    FSDP2, ...) before it has any storage, so each rank materialises and reads only its own
+    blocks. Tied embeddings stay one parameter (re-tied after `to_empty`, which unties plain
+    modules; FSDP2 keeps the tie itself).
+    """
+    args = upcycler.moe_args(dense_args, spec)
+    with torch.device("meta"):
+        model = build(args).to(dtype)
+    if parallelize is not None:
+        parallelize(model)
+    model.to_empty(device=device)
+    model.tie_weights()
+    upcycle_into(model, directory, upcycler, args, spec, seed, read_log=read_log)
+    return model, args

@@ -14,7 +14,7 @@ from pipekit.config.job_config import (
     TrainingConfig,
 )
 from pipekit.config.loader import ConfigError, help_text, load_job_config, to_dict
-from pipekit.config.validate import validate_job_config
+from pipekit.config.validate import check_values
 
 __all__ = [
     "CheckpointConfig",
@@ -29,8 +29,8 @@ __all__ = [
     "OptimizerConfig",
     "ParallelismConfig",
     "TrainingConfig",
+    "check_values",
     "help_text",
     "load_job_config",
     "to_dict",
-    "validate_job_config",
 ]

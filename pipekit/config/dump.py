@@ -1,16 +1,9 @@
-"""`python -m pipekit.config.dump CONFIG.toml [--section.key value ...]`: the resolved config.
-
-`python -m pipekit.config.dump --reference` prints the config reference (docs/config.md).
-"""
+"""A loaded config written back as TOML (`train.py --print-config` prints it); the loader reads
+the text back to the same config."""
 
 from __future__ import annotations
 
-import sys
-
-from pipekit.config.loader import ConfigError, load_job_config, reference_markdown, to_dict
-from pipekit.config.validate import validate_job_config
-
-__all__ = ["dump_toml", "main"]
+__all__ = ["dump_toml"]
 
 
 def _toml_value(value: object) -> str:
@@ -37,24 +30,3 @@ def dump_toml(sections: dict[str, dict[str, object]]) -> str:
     for section, values in sections.items():
         add(section, values)
     return "\n\n".join(blocks) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv == ["--reference"]:
-        print(reference_markdown(), end="")
-        return 0
-    if argv and not argv[0].startswith("--"):
-        argv = ["--config", argv[0], *argv[1:]]
-    try:
-        config = load_job_config(argv)
-        validate_job_config(config, world_size=None)
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
-    print(dump_toml(to_dict(config)), end="")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -87,9 +87,13 @@ class ModelConfig:
     """Which model to build."""
 
     name: str = "llama"
-    """Model family (a folder of models/)."""
+    """Registered model family: llama, llama_moe, qwen3, qwen3_moe, or one of your own."""
     flavor: str = "debug"
     """Named size of the model family (e.g. debug, 1B, 8B, 70B)."""
+    module: str = ""
+    """Python module imported first, which registers a model of your own
+    (pipekit.models.register_model), e.g. examples.custom_model.model; see
+    docs/custom_models.md."""
     attention_backend: str = "auto"
     """Attention kernel: auto, cpu or flex (see docs/attention.md)."""
     upcycle: UpcycleConfig = field(default_factory=UpcycleConfig)

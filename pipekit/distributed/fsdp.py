@@ -12,6 +12,8 @@ supports neither AVG nor PREMUL_SUM.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,28 +47,25 @@ def data_parallel_mesh(mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceM
     return mesh[dims] if dims else None
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks FSDP wraps one by one (a stage, or a vocabulary shard, has none)."""
-    return list((getattr(model, "layers", None) or {}).values())
-
-
 def apply_data_parallel(
     model: nn.Module,
     mesh: DeviceMesh,
     parallel_dims: ParallelDims,
     *,
+    blocks: Sequence[nn.Module] = (),
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     sum_gradients: bool = True,
     ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
-    """Wrap each block of `model.layers` and then the root (embedding, norm, output) in place.
+    """Wrap each of `blocks` (the model's transformer blocks, `ModelStructure.blocks_of`) and
+    then the root (embedding, norm, output) in place.
 
     `mesh` is the world mesh from `parallel_dims.build_mesh`. Sharded when dp_shard x cp > 1
     (HSDP if dp_replicate > 1 too); replicated with FSDP2's `replicate` when only dp_replicate
-    > 1; unchanged without data parallelism. Tied weights (output.weight is
-    tok_embeddings.weight) sit in the root's group, so they stay one parameter.
+    > 1; unchanged without data parallelism. Tied weights (the output's weight is the
+    embedding's) sit in the root's group, so they stay one parameter.
     `sum_gradients=False` keeps FSDP's mean reduction, for losses normalised per rank (see the
     module docstring). `ignored_params` stay as they are (experts already sharded over all
     data-parallel ranks by expert parallelism). Returns `model`, now of an FSDP subclass.
@@ -76,7 +75,7 @@ def apply_data_parallel(
         return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if parallel_dims.fsdp_enabled:
-        for block in _blocks(model):
+        for block in blocks:
             fully_shard(
                 block,
                 mesh=dp_mesh,
@@ -92,7 +91,7 @@ def apply_data_parallel(
             ignored_params=ignored_params,
         )
     else:
-        for block in _blocks(model):
+        for block in blocks:
             fsdp_replicate(block, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
         fsdp_replicate(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
     if sum_gradients:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from pipekit.attention.context import AttentionContext, attend
+from pipekit.layers.init import trunc_normal_
 from pipekit.layers.rope import apply_rotary
 
 __all__ = ["GroupedQueryAttention"]
@@ -27,11 +28,16 @@ class GroupedQueryAttention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
 
-    def reset_parameters(self, init_std: float, output_std: float) -> None:
+    def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
         """Truncated-normal init; `output_std` for wo lets deep models scale it down."""
         for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
-        nn.init.trunc_normal_(self.wo.weight, std=output_std, a=-3 * output_std, b=3 * output_std)
+            trunc_normal_(linear.weight, init_std)
+        trunc_normal_(self.wo.weight, init_std if output_std is None else output_std)
+
+    def transform_qk(self, q_BSHK: Tensor, k_BSGK: Tensor) -> tuple[Tensor, Tensor]:
+        """Queries and keys per head, before RoPE: unchanged here; a subclass adds what its
+        family does there (e.g. Qwen3's per-head RMSNorm)."""
+        return q_BSHK, k_BSGK
 
     def forward(
         self,
@@ -45,6 +51,7 @@ class GroupedQueryAttention(nn.Module):
         q_BSHK = self.wq(x_BSD).view(batch, seq_len, self.n_heads, self.head_dim)
         k_BSGK = self.wk(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim)
         v_BSGK = self.wv(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        q_BSHK, k_BSGK = self.transform_qk(q_BSHK, k_BSGK)
         q_BHSK = apply_rotary(q_BSHK, cos_BSF, sin_BSF).transpose(1, 2)
         k_BGSK = apply_rotary(k_BSGK, cos_BSF, sin_BSF).transpose(1, 2)
         v_BGSK = v_BSGK.transpose(1, 2)

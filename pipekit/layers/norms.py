@@ -16,7 +16,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
+        """Weight one (the stds do not apply to a norm; the signature is every module's)."""
         nn.init.ones_(self.weight)
 
     def forward(self, x_BSD: Tensor) -> Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipekit.layers.init import trunc_normal_
+
 __all__ = ["FeedForward"]
 
 
@@ -17,10 +19,11 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
-    def reset_parameters(self, init_std: float, output_std: float) -> None:
+    def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
         """Truncated-normal init; `output_std` for w2 lets deep models scale it down."""
+        output_std = init_std if output_std is None else output_std
         for linear, std in ((self.w1, init_std), (self.w3, init_std), (self.w2, output_std)):
-            nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
+            trunc_normal_(linear.weight, std)
 
     def forward(self, x_BSD: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from pipekit.layers.init import trunc_normal_
+
 __all__ = [
     "GroupLike",
     "VocabParallelEmbedding",
@@ -232,9 +234,10 @@ class VocabParallelEmbedding(_VocabShard):
         self.weight = nn.Parameter(torch.empty(self.vocab_shard, dim))
         self.reset_parameters()
 
-    def reset_parameters(self, std: float = 1.0) -> None:
-        """Normal(0, std) rows (nn.Embedding's init); `load_full_weight` copies a full matrix."""
-        nn.init.normal_(self.weight, std=std)
+    def reset_parameters(self, init_std: float = 1.0, output_std: float | None = None) -> None:
+        """Normal(0, init_std) rows (nn.Embedding's init); `load_full_weight` copies a full
+        matrix."""
+        nn.init.normal_(self.weight, std=init_std)
 
     def forward(self, ids_BS: Tensor) -> Tensor:
         local_ids_BS = ids_BS - self.vocab_start
@@ -283,10 +286,11 @@ class VocabParallelOutput(_VocabShard):
                 )
             self.weight = weight
 
-    def reset_parameters(self, std: float | None = None) -> None:
+    def reset_parameters(
+        self, init_std: float | None = None, output_std: float | None = None
+    ) -> None:
         """Truncated normal rows, std `dim**-0.5` by default (a shared weight is reset too)."""
-        std = self.dim**-0.5 if std is None else std
-        nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
+        trunc_normal_(self.weight, self.dim**-0.5 if init_std is None else init_std)
 
     def forward(self, h_BSD: Tensor) -> Tensor:
         if self.reduce_input_grad:

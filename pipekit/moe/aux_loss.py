@@ -33,6 +33,7 @@ __all__ = [
     "attach_aux_loss",
     "aux_loss_scale",
     "balance_loss",
+    "current_aux_loss_scale",
     "importance_cv2_loss",
     "router_z_loss",
     "switch_balance_loss",
@@ -49,6 +50,11 @@ def aux_loss_scale(scale: float) -> Iterator[None]:
         yield
     finally:
         _AUX_LOSS_SCALE.reset(token)
+
+
+def current_aux_loss_scale() -> float:
+    """The scale `aux_loss_scale` set around this point (1 outside any)."""
+    return _AUX_LOSS_SCALE.get()
 
 
 def switch_balance_loss(routing: Routing) -> Tensor:

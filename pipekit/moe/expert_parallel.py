@@ -25,16 +25,32 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from pipekit.moe.execution import ExpertExecution
-from pipekit.moe.layer import MoE
+from pipekit.moe.layer import MoE, MoEArgs
 from pipekit.moe.token_exchange import CollectiveExchange, TokenExchange
 
 __all__ = [
     "all_reduce_replicated_expert_grads",
     "apply_expert_parallel",
+    "check_expert_parallel",
     "expert_mesh",
     "expert_parameters",
     "set_expert_execution",
 ]
+
+
+def check_expert_parallel(moe: MoEArgs | None, ep: int, model: str) -> None:
+    """ValueError (naming the fix) unless `ep` ranks can split the experts of `moe` (the MoE
+    args of the model described by `model`; None for a dense model)."""
+    if moe is None:
+        raise ValueError(
+            f"ep={ep} needs a mixture-of-experts model; model {model} has no experts (use an "
+            "MoE family, or set ep = 1)"
+        )
+    if moe.num_experts % ep:
+        raise ValueError(
+            f"ep={ep} must divide the {moe.num_experts} experts of {model}; choose a divisor of "
+            f"{moe.num_experts}"
+        )
 
 
 def apply_expert_parallel(

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from pipekit.layers.init import trunc_normal_
 from pipekit.moe.grouped_mm import grouped_matmul, grouped_weight_grad
 
 __all__ = ["ExpertGrads", "GroupedExperts", "swiglu_backward", "swiglu_middle", "swiglu_output"]
@@ -36,14 +37,15 @@ class GroupedExperts(nn.Module):
         self.w3_EFD = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
-    def reset_parameters(self, init_std: float, output_std: float) -> None:
+    def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
         """As `FeedForward.reset_parameters`, for every expert."""
+        output_std = init_std if output_std is None else output_std
         for weight, std in (
             (self.w1_EFD, init_std),
             (self.w3_EFD, init_std),
             (self.w2_EDF, output_std),
         ):
-            nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
+            trunc_normal_(weight, std)
 
     def local_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         """(w1, w3, w2) of the experts this rank computes: the local shards of DTensors."""

@@ -70,7 +70,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, args.num_experts)
         self.execution = ExpertExecution()
 
-    def reset_parameters(self, init_std: float, output_std: float) -> None:
+    def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
         """The experts as a dense FFN would be; the router with `args.router_init_std`."""
         self.router.reset_parameters(self.args.router_init_std)
         self.experts.reset_parameters(init_std, output_std)

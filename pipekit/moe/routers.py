@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipekit.layers.init import trunc_normal_
 from pipekit.moe.routing import Routing, expert_capacity, routing_from_choices
 
 __all__ = [
@@ -61,8 +62,9 @@ class Router(nn.Module, abc.ABC):
         self.capacity_factor = capacity_factor
         self.gate = nn.Linear(dim, num_experts, bias=False)
 
-    def reset_parameters(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.gate.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
+    def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
+        """Truncated-normal gate (a router writes nothing back: `output_std` does not apply)."""
+        trunc_normal_(self.gate.weight, init_std)
 
     def logits(self, x_TD: Tensor) -> Tensor:
         dtype = torch.promote_types(x_TD.dtype, torch.float32)
@@ -105,7 +107,7 @@ class NoisyTopKRouter(TopKSoftmaxRouter):
         super().__init__(dim, num_experts, top_k, capacity_factor)
         self.noise_gate = nn.Linear(dim, num_experts, bias=False)
 
-    def reset_parameters(self, init_std: float) -> None:
+    def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
         super().reset_parameters(init_std)
         # Zero noise weights start at softplus(0) = ln 2 noise scale, learned from there.
         nn.init.zeros_(self.noise_gate.weight)

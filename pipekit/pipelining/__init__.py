@@ -1,80 +1,106 @@
-"""Pipeline parallelism: stage split, SlimPipe's sliced schedule, and torch's schedules as
-baselines."""
+"""Pipeline parallelism: SlimPipe's sliced schedule, torch's schedules as baselines, user
+schedules, features as extensions, and one builder.
 
-from pipekit.pipelining.actions import (
-    peak_units_in_flight,
-    read_actions_csv,
-    sliced_pipeline_actions,
-    sliced_warmup_forwards,
-    unit_index,
-    unit_microbatch_and_slice,
-    write_actions_csv,
+Subpackages, lowest first (each imports only those above it in this list):
+- `schedules`: action lists as data, the schedule registry, the checker and the simulator;
+- `model_split`: which blocks each stage holds, on which rank, and the stage as a module;
+- `runtime`: the sliced stage, torch's runtime fed with action lists, the extension hooks,
+  the runner;
+- `features`: vocabulary parallelism and context exchange, as extensions;
+- `plan.py` (config -> plan, pure) and `build.py` (plan + model -> runner);
+- `tools`: recorded timelines, traces and pictures.
+"""
+
+from pipekit.pipelining.build import StageSetup, build_pipeline
+from pipekit.pipelining.features.context_exchange import PipelineContextExchange
+from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
+from pipekit.pipelining.model_split.partition import (
+    blocks_per_stage,
+    partition_layers,
+    stage_module_names,
+    stage_to_rank,
+    stages_of_rank,
 )
-from pipekit.pipelining.build import build_rank_stages
-from pipekit.pipelining.memory import ActivationMemoryTracker, MemoryReport, active_memory_tracker
-from pipekit.pipelining.schedule import (
-    TORCH_SCHEDULES,
-    PipelineRunner,
+from pipekit.pipelining.model_split.stage_module import (
+    build_stage_module,
+    validate_stage_module_names,
+)
+from pipekit.pipelining.plan import PipelinePlan, plan_pipeline
+from pipekit.pipelining.runtime.action_runtime import (
+    ActionListSchedule,
     SlicedPipelineSchedule,
-    build_pipeline_runner,
+    UserPipelineSchedule,
 )
-from pipekit.pipelining.simulate import (
+from pipekit.pipelining.runtime.batch_split import split_into_units
+from pipekit.pipelining.runtime.extension import PipelineExtension
+from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
+from pipekit.pipelining.runtime.stage import SlicedPipelineStage, StageShapes
+from pipekit.pipelining.schedules.check import ScheduleError, check_schedule
+from pipekit.pipelining.schedules.registry import (
+    SCHEDULES,
+    ScheduleEntry,
+    ScheduleShape,
+    get_schedule,
+    register_schedule,
+)
+from pipekit.pipelining.schedules.simulate import (
     CostModel,
     ScheduleDeadlockError,
     SimulationResult,
     simulate,
 )
-from pipekit.pipelining.split import split_into_units
-from pipekit.pipelining.stage import SlicedPipelineStage, StageShapes
-from pipekit.pipelining.stage_split import (
-    build_stage_module,
-    llama_stage_module_names,
-    partition_layers,
-    stage_to_rank,
-    stages_of_rank,
-    validate_stage_module_names,
+from pipekit.pipelining.schedules.sliced import (
+    peak_units_in_flight,
+    sliced_pipeline_actions,
+    sliced_warmup_forwards,
 )
-from pipekit.pipelining.timeline import ScheduledAction, chrome_trace, write_chrome_trace
-from pipekit.pipelining.torch_actions import torch_schedule_actions
-from pipekit.pipelining.user_schedule import (
-    ScheduleError,
+from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
+from pipekit.pipelining.schedules.units import unit_index, unit_microbatch_and_slice
+from pipekit.pipelining.schedules.user import (
     Task,
-    UserPipelineSchedule,
-    check_schedule,
     load_schedule_file,
+    read_actions_csv,
     tasks_to_actions,
+    write_actions_csv,
 )
 
 __all__ = [
-    "TORCH_SCHEDULES",
-    "ActivationMemoryTracker",
+    "SCHEDULES",
+    "ActionListSchedule",
     "CostModel",
-    "MemoryReport",
+    "PipelineContextExchange",
+    "PipelineExtension",
+    "PipelinePlan",
     "PipelineRunner",
+    "PipelineVocabParallel",
     "ScheduleDeadlockError",
+    "ScheduleEntry",
     "ScheduleError",
-    "ScheduledAction",
+    "ScheduleShape",
     "SimulationResult",
     "SlicedPipelineSchedule",
     "SlicedPipelineStage",
+    "StageSetup",
     "StageShapes",
     "Task",
     "UserPipelineSchedule",
-    "active_memory_tracker",
-    "build_pipeline_runner",
-    "build_rank_stages",
+    "blocks_per_stage",
+    "build_pipeline",
     "build_stage_module",
     "check_schedule",
-    "chrome_trace",
-    "llama_stage_module_names",
+    "get_schedule",
     "load_schedule_file",
+    "make_schedule",
     "partition_layers",
     "peak_units_in_flight",
+    "plan_pipeline",
     "read_actions_csv",
+    "register_schedule",
     "simulate",
     "sliced_pipeline_actions",
     "sliced_warmup_forwards",
     "split_into_units",
+    "stage_module_names",
     "stage_to_rank",
     "stages_of_rank",
     "tasks_to_actions",
@@ -83,5 +109,4 @@ __all__ = [
     "unit_microbatch_and_slice",
     "validate_stage_module_names",
     "write_actions_csv",
-    "write_chrome_trace",
 ]

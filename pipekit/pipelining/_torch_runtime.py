@@ -16,6 +16,7 @@ from torch.distributed.pipelining.schedules import (
     FULL_BACKWARD,
     SEND_B,
     SEND_F,
+    PipelineScheduleSingle,
     _Action,
     _add_send_recv,
     _ComputationType,
@@ -36,6 +37,7 @@ __all__ = [
     "PipelineScheduleRuntime",
     "get_schedule_class",
     "insert_after_compute",
+    "is_single_stage_schedule",
     "lower_to_comms",
     "register_action_function",
     "run_units",
@@ -66,6 +68,12 @@ compute lists cannot be ordered without a rank waiting forever."""
 validate_actions = _validate_schedule
 """`(actions_by_rank, num_ranks, num_stages, num_microbatches) -> stage_to_rank`; torch's check
 that every (stage, microbatch) has one F and one B (or I then W), raising `AssertionError`."""
+
+
+def is_single_stage_schedule(schedule_class: type) -> bool:
+    """Whether torch's schedule class runs one stage per rank (GPipe, 1F1B): its constructor
+    takes one stage and its `pipeline_order` only describes its hand-written loop."""
+    return issubclass(schedule_class, PipelineScheduleSingle)
 
 
 def run_units(

@@ -1,158 +1,176 @@
-"""Build one rank's pipeline: split the model, materialise this rank's stages, wrap them.
+"""The one pipeline builder: a plan and a meta model in, this rank's `PipelineRunner` out.
 
-The model arrives on the meta device; a rank keeps a pruned copy holding only its stages'
-modules, so it never allocates another rank's weights. Materialising moves it off meta and
-initialises (or loads) it; with `Llama.init_weights(seed)` a part initialised alone holds exactly
-the full model's weights.
+    runner = build_pipeline(plan, model, mesh, StageSetup(device=..., materialize=...))
+
+The trainer, every bench and the tests build pipelines through here. The model arrives on the
+meta device; this rank keeps a pruned copy holding only its stages' modules (full-model names),
+so it never allocates another rank's weights. `StageSetup` says how that copy gets its values
+(`materialize`: storage plus a seeded init or a checkpoint) and how each stage is parallelized
+(activation checkpointing, expert and data parallelism). Each stage is a view sharing the rank
+copy's modules, so the optimizer, checkpoints and gradient clipping see one model. The features
+the plan turns on become the pipeline's extensions: vocabulary parallelism (its shards are
+built here, filled with the unsplit model's rows, and set on the rank model under the model's
+own names) and context exchange, each on a process group of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from pipekit.attention.backends import AttentionBackend
-from pipekit.pipelining.stage import SlicedPipelineStage, StageShapes
-from pipekit.pipelining.stage_split import (
+from pipekit.attention.exchange import DEFAULT_LOAN_TIMEOUT
+from pipekit.distributed.process_group import new_group_along
+from pipekit.pipelining.features.context_exchange import PipelineContextExchange
+from pipekit.pipelining.features.vocab_parallel import (
+    PipelineVocabParallel,
+    copy_full_vocab_rows,
+    vocab_shard_modules,
+)
+from pipekit.pipelining.model_split.partition import blocks_per_stage
+from pipekit.pipelining.model_split.stage_module import (
     build_stage_module,
-    stages_of_rank,
     validate_stage_module_names,
 )
+from pipekit.pipelining.plan import PipelinePlan
+from pipekit.pipelining.runtime.extension import PipelineExtension
+from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
+from pipekit.pipelining.runtime.stage import SlicedPipelineStage, StageShapes
 
-__all__ = ["build_rank_model", "build_rank_stages", "wrap_rank_stages"]
+__all__ = ["StageSetup", "build_pipeline"]
 
 
-def build_rank_model(
-    model: nn.Module,
-    module_names_per_stage: Sequence[Sequence[str]],
-    *,
-    rank: int,
-    num_ranks: int,
-    stage_style: str,
-    stage_indices: Sequence[int] | None = None,
-    outside_stages: Sequence[str] = (),
-) -> nn.Module:
-    """The modules of every stage `rank` holds, as one pruned copy of `model` (full-model names).
+def _unchanged(*_: nn.Module) -> None:
+    """The default of the parallelize hooks: leave the modules as they are."""
 
-    Materialise it, then `wrap_rank_stages` shares it out into stages: the optimizer,
-    checkpoints and gradient clipping work on this one module. The stages are those of
-    `stage_style` placement, or `stage_indices` when given (a user schedule's placement).
-    `outside_stages` names modules no stage holds (vocabulary parallelism's).
+
+@dataclass(frozen=True)
+class StageSetup:
+    """How this rank's part of the model becomes stages."""
+
+    device: torch.device
+    materialize: Callable[[nn.Module], None]
+    """Give a meta module storage on `device` and its values (e.g. `to_empty` then
+    `init_weights(seed)`, then a Hugging Face load). Any subset of the model's modules must come
+    out as the whole model's would: every split then starts from the same weights."""
+    parallelize: Callable[[nn.Module], None] = _unchanged
+    """Applied to each stage's module (activation checkpointing, EP, FSDP): under FSDP each
+    stage is its own root, which torch's runtime unshards, reshards and reduces."""
+    parallelize_vocab: Callable[[nn.Module, nn.Module], None] = _unchanged
+    """Applied to the vocabulary shards (embedding, output) under vocabulary parallelism."""
+    shard_first: bool = False
+    """Parallelize each stage on the meta device, then materialize it (no rank ever holds more
+    than its shards); otherwise materialize the rank's modules, then parallelize."""
+    attention_backend: str = "auto"
+    message_dtype: torch.dtype = torch.float32
+    """Dtype of the activations and gradients stages send each other."""
+    collective_timeout: timedelta = DEFAULT_LOAN_TIMEOUT
+    """How long a feature's receive waits for a peer before it names the pair and fails."""
+
+
+def build_pipeline(
+    plan: PipelinePlan, model: nn.Module, mesh: DeviceMesh, setup: StageSetup
+) -> PipelineRunner:
+    """This rank's runner of `plan` over `model` (the whole model, on the meta device).
+
+    `mesh` is the world's mesh; its "pp" dim is the pipeline. Every rank of the mesh must call
+    this together (features create process groups). Returns the runner; the rank's model (all
+    its stages' modules, vocabulary shards included) is `runner.model`.
     """
-    validate_stage_module_names(model, module_names_per_stage, outside_stages)
-    indices = _rank_stage_indices(
-        rank, num_ranks, len(module_names_per_stage), stage_style, stage_indices
+    validate_stage_module_names(model, plan.module_names_per_stage, plan.modules_outside_stages)
+    pp_mesh = mesh["pp"]
+    rank = pp_mesh.get_local_rank()
+    indices = plan.stage_indices(rank)
+    names = [name for index in indices for name in plan.module_names_per_stage[index]]
+    rank_model = build_stage_module(model, names)
+    if not setup.shard_first:
+        setup.materialize(rank_model)
+    shapes = StageShapes(
+        rows=plan.unit_rows,
+        slice_length=plan.slice_length,
+        model_dim=plan.model.dim,
+        vocab_size=plan.model.vocab_size,
+        dtype=setup.message_dtype,
+        vocab_parallel=plan.vocab_parallel,
     )
-    names = [name for index in indices for name in module_names_per_stage[index]]
-    return build_stage_module(model, names)
-
-
-def wrap_rank_stages(
-    rank_model: nn.Module,
-    module_names_per_stage: Sequence[Sequence[str]],
-    *,
-    rank: int,
-    num_ranks: int,
-    stage_style: str,
-    shapes: StageShapes,
-    num_slices: int,
-    device: torch.device,
-    parallelize: Callable[[nn.Module], None] | None = None,
-    group: dist.ProcessGroup | None = None,
-    backend: str | AttentionBackend = "auto",
-    stage_indices: Sequence[int] | None = None,
-) -> list[SlicedPipelineStage]:
-    """This rank's stages (ascending stage index), each a view sharing `rank_model`'s modules.
-
-    `parallelize` (activation checkpointing, FSDP) is applied to each stage's module: under
-    FSDP each stage is its own root, which torch's runtime unshards, reshards and reduces.
-    """
-    num_stages = len(module_names_per_stage)
-    indices = _rank_stage_indices(rank, num_ranks, num_stages, stage_style, stage_indices)
+    extensions: list[PipelineExtension] = []
+    if plan.context_exchange:  # before vocabulary parallelism: it plans on the compute lists
+        extensions.append(
+            PipelineContextExchange(
+                new_group_along(mesh, "pp"),
+                blocks_per_stage(plan.structure, plan.module_names_per_stage),
+                timeout=setup.collective_timeout,
+            )
+        )
+    if plan.vocab_parallel:
+        extensions.append(_vocab_parallel(plan, model, rank_model, mesh, setup, shapes))
     stages = []
     for stage_index in indices:
-        if len(indices) == 1 and not shapes.vocab_parallel:  # the rank model is the stage
+        if len(indices) == 1 and not plan.vocab_parallel:  # the rank model is the stage
             stage_module = rank_model
         else:
             stage_module = build_stage_module(
-                rank_model, module_names_per_stage[stage_index], share_modules=True
+                rank_model, plan.module_names_per_stage[stage_index], share_modules=True
             )
-        if parallelize is not None:
-            parallelize(stage_module)
+        setup.parallelize(stage_module)
+        if setup.shard_first:
+            setup.materialize(stage_module)
         stages.append(
             SlicedPipelineStage(
                 stage_module,
                 stage_index,
-                num_stages,
-                device,
+                plan.num_stages,
+                setup.device,
                 shapes,
-                num_slices=num_slices,
-                group=group,
-                backend=backend,
+                num_slices=plan.num_slices,
+                group=pp_mesh.get_group(),
+                backend=setup.attention_backend,
             )
         )
-    return stages
+    schedule = make_schedule(
+        plan.schedule,
+        stages,
+        plan.num_microbatches,
+        plan.num_slices,
+        actions_by_rank=plan.actions_by_rank if plan.stage_style == "user" else None,
+        extensions=extensions,
+    )
+    return PipelineRunner(
+        schedule, stages, plan.num_microbatches, plan.num_slices, extensions, model=rank_model
+    )
 
 
-def build_rank_stages(
+def _vocab_parallel(
+    plan: PipelinePlan,
     model: nn.Module,
-    module_names_per_stage: Sequence[Sequence[str]],
-    *,
-    rank: int,
-    num_ranks: int,
-    stage_style: str,
+    rank_model: nn.Module,
+    mesh: DeviceMesh,
+    setup: StageSetup,
     shapes: StageShapes,
-    num_slices: int,
-    device: torch.device,
-    materialize: Callable[[nn.Module], None],
-    group: dist.ProcessGroup | None = None,
-    backend: str | AttentionBackend = "auto",
-    stage_indices: Sequence[int] | None = None,
-    outside_stages: Sequence[str] = (),
-) -> list[SlicedPipelineStage]:
-    """`build_rank_model`, `materialize` (e.g. `to_empty` + `init_weights`), `wrap_rank_stages`."""
-    placement = {
-        "rank": rank,
-        "num_ranks": num_ranks,
-        "stage_style": stage_style,
-        "stage_indices": stage_indices,
-    }
-    rank_model = build_rank_model(
-        model, module_names_per_stage, **placement, outside_stages=outside_stages
-    )
-    materialize(rank_model)
-    return wrap_rank_stages(
-        rank_model,
-        module_names_per_stage,
-        **placement,
-        shapes=shapes,
-        num_slices=num_slices,
-        device=device,
+) -> PipelineVocabParallel:
+    """This rank's vocabulary rows, filled from the unsplit model's and set on `rank_model`
+    under the model's names (checkpoints see row shards of the full matrices); the output
+    passes' collectives get a group of their own: on NCCL a pipeline send blocks its
+    communicator until received, and a pass may sit behind one."""
+    group = new_group_along(mesh, "pp")
+    with setup.device:
+        embedding, output = vocab_shard_modules(plan.model.vocab_size, plan.model.dim, group)
+    copy_full_vocab_rows(embedding, output, setup.materialize, model, plan.structure)
+    embedding_name, output_name = plan.structure.vocabulary_modules
+    setattr(rank_model, embedding_name, embedding)
+    setattr(rank_model, output_name, output)
+    setup.parallelize_vocab(embedding, output)
+    return PipelineVocabParallel(
+        embedding,
+        output,
+        shapes,
+        first_rank=plan.stage_rank(0),
+        last_rank=plan.stage_rank(plan.num_stages - 1),
         group=group,
-        backend=backend,
+        module_names=(embedding_name, output_name),
+        lockstep=plan.context_exchange,
     )
-
-
-def _rank_stage_indices(
-    rank: int,
-    num_ranks: int,
-    num_stages: int,
-    stage_style: str,
-    stage_indices: Sequence[int] | None,
-) -> list[int]:
-    """`stage_indices` (ascending) if given, else the stages `stage_style` puts on `rank`."""
-    if stage_indices is not None:
-        indices = sorted(stage_indices)
-        if not indices or indices[0] < 0 or indices[-1] >= num_stages:
-            raise ValueError(
-                f"stage_indices={indices} must be a non-empty subset of 0..{num_stages - 1}"
-            )
-        return indices
-    if num_stages % num_ranks:
-        raise ValueError(
-            f"{num_stages} stages do not spread evenly over pipeline_parallel_degree={num_ranks}"
-        )
-    return stages_of_rank(rank, num_ranks, num_stages // num_ranks, stage_style)

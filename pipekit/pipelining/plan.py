@@ -6,26 +6,22 @@ runs the same code to build the pipeline: every rule is checked in one place.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipekit.config.job_config import ParallelismConfig
+from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.pipelining._torch_runtime import Action
-from pipekit.pipelining.actions import sliced_pipeline_actions
-from pipekit.pipelining.exchange_plan import plan_context_exchange
-from pipekit.pipelining.output_passes import with_output_passes
-from pipekit.pipelining.schedule import (
-    SINGLE_STAGE_SCHEDULES,
-    TORCH_SCHEDULES,
-    V_SHAPED_SCHEDULES,
-)
-from pipekit.pipelining.stage_split import (
-    llama_layers_per_stage,
-    llama_stage_module_names,
+from pipekit.pipelining.features.exchange_plan import plan_context_exchange
+from pipekit.pipelining.features.output_passes import with_output_passes
+from pipekit.pipelining.model_split.partition import (
+    blocks_per_stage,
+    stage_module_names,
     stages_of_rank,
 )
-from pipekit.pipelining.torch_actions import torch_schedule_actions
-from pipekit.pipelining.user_schedule import check_schedule, load_schedule_file
-from pipekit.pipelining.vocab_parallel import VOCAB_MODULE_NAMES
+from pipekit.pipelining.schedules.check import check_schedule
+from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
+from pipekit.pipelining.schedules.user import load_schedule_file
 
 __all__ = ["PipelinePlan", "plan_pipeline"]
 
@@ -35,6 +31,7 @@ class PipelinePlan:
     """Everything that fixes the shape of one rank group's pipeline."""
 
     schedule: str
+    """A name of the schedule registry ("user" for a schedule file)."""
     num_ranks: int
     stages_per_rank: int
     num_slices: int
@@ -42,16 +39,28 @@ class PipelinePlan:
     stage_style: str
     """Stage placement: "loop", "v", or "user" (where the user schedule runs each stage)."""
     module_names_per_stage: list[list[str]]
-    actions_by_rank: dict[int, list[Action]] | None = None
-    """The checked compute-only lists of a user schedule (`schedule == "user"`), else None."""
+    actions_by_rank: dict[int, list[Action]]
+    """Every rank's compute-only lists (the file's for a user schedule)."""
+    structure: ModelStructure
+    model: ModelShape
+    unit_rows: int
+    """Sequences in one unit (a microbatch)."""
+    slice_length: int
+    """Tokens of one sequence in one unit."""
     vocab_parallel: bool = False
-    context_exchange: bool = False
     """The embedding and output layer are split across the pipeline ranks, outside the stages."""
+    context_exchange: bool = False
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The pipeline features the plan turns on (registry names)."""
+        on = {"vocab_parallel": self.vocab_parallel, "context_exchange": self.context_exchange}
+        return frozenset(name for name, enabled in on.items() if enabled)
 
     @property
     def modules_outside_stages(self) -> tuple[str, ...]:
         """Modules no stage holds (vocabulary parallelism's)."""
-        return VOCAB_MODULE_NAMES if self.vocab_parallel else ()
+        return self.structure.vocabulary_modules if self.vocab_parallel else ()
 
     @property
     def num_stages(self) -> int:
@@ -60,7 +69,7 @@ class PipelinePlan:
     def stage_indices(self, rank: int) -> list[int]:
         """The stages `rank` holds, ascending: where the user schedule runs them, else by
         `stage_style`."""
-        if self.actions_by_rank is not None:
+        if self.stage_style == "user":
             return sorted({action.stage_index for action in self.actions_by_rank[rank]})
         return stages_of_rank(rank, self.num_ranks, self.stages_per_rank, self.stage_style)
 
@@ -70,53 +79,59 @@ class PipelinePlan:
 
 
 def plan_pipeline(
-    parallelism: ParallelismConfig, num_layers: int, local_batch_size: int, seq_len: int
+    parallelism: ParallelismConfig,
+    structure: ModelStructure,
+    model: ModelShape,
+    local_batch_size: int,
+    seq_len: int,
+    *,
+    user_actions: Mapping[int, Sequence[Action]] | None = None,
 ) -> PipelinePlan:
     """Resolve the defaults (0 = auto) and check every pipeline rule; ValueError names the fix.
 
-    A `pipeline_schedule_file` overrides `pipeline_schedule`: the plan's schedule is "user", and
-    the file is read and checked here (`pipekit.pipelining.user_schedule.check_schedule`).
+    A user schedule (`pipeline_schedule_file`, or every rank's compute-only `user_actions`
+    given in Python, e.g. from `tasks_to_actions`) overrides `pipeline_schedule`: the plan's
+    schedule is "user", and the lists are checked here (`schedules.check.check_schedule`). The
+    schedule's own rules come from its registry entry.
     """
     schedule_file = parallelism.pipeline_schedule_file
-    schedule = "user" if schedule_file else parallelism.pipeline_schedule
+    user = bool(schedule_file) or user_actions is not None
+    entry = get_schedule("user" if user else parallelism.pipeline_schedule)
     num_ranks, stages_per_rank = parallelism.pipeline_parallel_degree, parallelism.stages_per_rank
-    if schedule not in ("sliced", "user") and schedule not in TORCH_SCHEDULES:
-        raise ValueError(
-            f"pipeline_schedule={schedule!r} is not known; choose 'sliced' or one of "
-            f"{', '.join(TORCH_SCHEDULES)}, or give a pipeline_schedule_file"
-        )
-    if stages_per_rank < 1:
-        raise ValueError(f"stages_per_rank={stages_per_rank} must be at least 1")
-    if schedule in V_SHAPED_SCHEDULES and stages_per_rank != 2:
-        raise ValueError(
-            f"pipeline_schedule={schedule!r} places 2 stages per rank in a V; set stages_per_rank=2"
-        )
-    if schedule in SINGLE_STAGE_SCHEDULES and stages_per_rank != 1:
-        raise ValueError(
-            f"pipeline_schedule={schedule!r} runs one stage per rank; set stages_per_rank=1"
-        )
-    num_slices = parallelism.num_slices or (2 * num_ranks if schedule == "sliced" else 1)
-    if schedule not in ("sliced", "user") and num_slices != 1:
-        raise ValueError(
-            f"num_slices={num_slices} needs pipeline_schedule='sliced'; torch's {schedule!r} runs "
-            "whole microbatches (set num_slices=0 or 1)"
-        )
+    num_slices = parallelism.num_slices or (2 * num_ranks if entry.name == "sliced" else 1)
     num_microbatches = parallelism.microbatches or local_batch_size
     if num_microbatches < 1 or local_batch_size % num_microbatches:
         raise ValueError(
             f"microbatches={num_microbatches} must divide the local batch of {local_batch_size} "
             "sequences (global_batch_size / (data-parallel degree x gradient_accumulation_steps))"
         )
-    lists = None
-    if schedule == "sliced":  # checks num_slices against the degree, with the paper's rule
-        lists = sliced_pipeline_actions(num_ranks, num_microbatches, num_slices, stages_per_rank)
-    elif schedule in TORCH_SCHEDULES:  # torch's own shape rules, without a process group
-        try:
-            lists = torch_schedule_actions(schedule, num_ranks, num_microbatches, stages_per_rank)
+    shape = ScheduleShape(num_ranks, num_microbatches, num_slices, stages_per_rank)
+    features = frozenset(
+        name for name in ("vocab_parallel", "context_exchange") if getattr(parallelism, name)
+    )
+    entry.check(shape, features)
+    if entry.actions is None:
+        where = f"pipeline_schedule_file={schedule_file!r}" if schedule_file else "the schedule"
+        lists = load_schedule_file(schedule_file, num_slices) if schedule_file else user_actions
+        assert lists is not None
+        actions_by_rank = _check_user_lists(
+            {rank: list(actions) for rank, actions in lists.items()},
+            where,
+            num_ranks,
+            stages_per_rank,
+            num_microbatches,
+            num_slices,
+        )
+    elif entry.torch_class is None:  # pipekit's lists: their errors name the fix
+        actions_by_rank = entry.actions(shape)
+    else:
+        try:  # torch's own shape rules
+            actions_by_rank = entry.actions(shape)
         except (AssertionError, RuntimeError, ValueError) as error:
             raise ValueError(
-                f"pipeline_schedule={schedule!r} rejects pipeline_parallel_degree={num_ranks}, "
-                f"stages_per_rank={stages_per_rank}, microbatches={num_microbatches}: {error}"
+                f"pipeline_schedule={entry.name!r} rejects pipeline_parallel_degree={num_ranks}, "
+                f"stages_per_rank={stages_per_rank}, microbatches={num_microbatches}, "
+                f"num_slices={num_slices}: {error}"
             ) from None
     if seq_len % num_slices:
         raise ValueError(
@@ -126,8 +141,8 @@ def plan_pipeline(
     num_stages = num_ranks * stages_per_rank
     if parallelism.pipeline_stage_modules:
         names = [
-            [name.strip() for name in entry.split(",") if name.strip()]
-            for entry in parallelism.pipeline_stage_modules
+            [name.strip() for name in entry_text.split(",") if name.strip()]
+            for entry_text in parallelism.pipeline_stage_modules
         ]
         if len(names) != num_stages:
             raise ValueError(
@@ -136,52 +151,50 @@ def plan_pipeline(
                 "per stage"
             )
     else:
-        names = llama_stage_module_names(
-            num_layers,
+        names = stage_module_names(
+            structure,
+            model.num_layers,
             num_stages,
             parallelism.pipeline_embedding_cost,
             parallelism.pipeline_output_cost,
             vocab_parallel=parallelism.vocab_parallel,
         )
-    actions_by_rank = None
-    if schedule_file:
-        actions_by_rank = _user_schedule(
-            schedule_file, num_ranks, stages_per_rank, num_microbatches, num_slices
-        )
     if parallelism.context_exchange:
-        _check_context_exchange(schedule, names, actions_by_rank or lists, num_slices)
+        _check_context_exchange(structure, names, actions_by_rank, num_slices)
     if parallelism.vocab_parallel:  # the output passes must fit the schedule without deadlock
-        with_output_passes(
-            actions_by_rank or lists, num_slices, lockstep=parallelism.context_exchange
-        )
+        with_output_passes(actions_by_rank, num_slices, lockstep=parallelism.context_exchange)
     return PipelinePlan(
-        schedule=schedule,
+        schedule=entry.name,
         num_ranks=num_ranks,
         stages_per_rank=stages_per_rank,
         num_slices=num_slices,
         num_microbatches=num_microbatches,
-        stage_style="user" if schedule_file else "v" if schedule in V_SHAPED_SCHEDULES else "loop",
+        stage_style=entry.stage_style,
         module_names_per_stage=names,
         actions_by_rank=actions_by_rank,
+        structure=structure,
+        model=model,
+        unit_rows=local_batch_size // num_microbatches,
+        slice_length=seq_len // num_slices,
         vocab_parallel=parallelism.vocab_parallel,
         context_exchange=parallelism.context_exchange,
     )
 
 
 def _check_context_exchange(
-    schedule: str,
+    structure: ModelStructure,
     names: list[list[str]],
     actions_by_rank: dict[int, list[Action]],
     num_slices: int,
 ) -> None:
-    """Context exchange moves attention between slices' passes: it needs sliced passes with
-    full backwards, and every stage must hold an attention layer to serve with."""
-    if schedule not in ("sliced", "user") or num_slices < 2:
+    """Context exchange moves attention between slices' passes: it needs several slices, and
+    every stage must hold an attention layer to serve with."""
+    if num_slices < 2:
         raise ValueError(
-            f"context_exchange = true needs sliced passes: pipeline_schedule='sliced' (or a user "
-            f"schedule) with num_slices >= 2, not {schedule!r} with num_slices={num_slices}"
+            f"context_exchange = true needs sliced passes: num_slices >= 2, not {num_slices}"
         )
-    empty = [stage for stage, layers in llama_layers_per_stage(names).items() if not layers]
+    blocks = blocks_per_stage(structure, names)
+    empty = [stage for stage, count in blocks.items() if not count]
     if empty:
         raise ValueError(
             f"context_exchange = true: stages {empty} hold no transformer layer to serve "
@@ -190,12 +203,15 @@ def _check_context_exchange(
     plan_context_exchange(actions_by_rank, num_slices)
 
 
-def _user_schedule(
-    path: str, num_ranks: int, stages_per_rank: int, num_microbatches: int, num_slices: int
+def _check_user_lists(
+    actions_by_rank: dict[int, list[Action]],
+    where: str,
+    num_ranks: int,
+    stages_per_rank: int,
+    num_microbatches: int,
+    num_slices: int,
 ) -> dict[int, list[Action]]:
-    """The file's action lists, checked against the plan's p, v, m and n."""
-    actions_by_rank = load_schedule_file(path, num_slices)  # its errors name the file
-    where = f"pipeline_schedule_file={path!r}"
+    """A user schedule's action lists, checked against the plan's p, v, m and n."""
     if len(actions_by_rank) != num_ranks:
         raise ValueError(
             f"{where} has lists for {len(actions_by_rank)} ranks but pipeline_parallel_degree="

@@ -13,6 +13,7 @@ MFU = achieved FLOP/s / (peak FLOP/s per rank x ranks).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import time
@@ -22,7 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.moe.layer import MoE
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MetricsLogger",
@@ -34,18 +38,20 @@ __all__ = [
 
 
 def training_flops_per_token(
-    model: nn.Module, n_layers: int, n_heads: int, head_dim: int, seq_len: int
+    model: nn.Module, shape: ModelShape, structure: ModelStructure, seq_len: int
 ) -> float:
     """FLOPs of one trained token (see the module docstring for the formula)."""
-    embedding = getattr(model, "tok_embeddings", None)
-    skip = {id(embedding.weight)} if embedding is not None and not _is_tied(model) else set()
+    embedding = getattr(model, structure.embedding, None)
+    tied = shape.tied_embeddings
+    skip = {id(embedding.weight)} if embedding is not None and not tied else set()
     active_share = _expert_active_share(model)
     matmul_params = sum(
         p.numel() * active_share.get(id(p), 1.0)
         for p in _unique(model.parameters())
         if p.dim() >= 2 and id(p) not in skip
     )
-    return 6.0 * matmul_params + 6.0 * n_layers * n_heads * head_dim * (seq_len + 1)
+    attention = 6.0 * shape.num_layers * shape.num_heads * shape.head_dim * (seq_len + 1)
+    return 6.0 * matmul_params + attention
 
 
 def _expert_active_share(model: nn.Module) -> dict[int, float]:
@@ -58,12 +64,6 @@ def _expert_active_share(model: nn.Module) -> dict[int, float]:
             for param in module.experts.parameters():
                 shares[id(param)] = per_token / args.num_experts
     return shares
-
-
-def _is_tied(model: nn.Module) -> bool:
-    output = getattr(model, "output", None)
-    embedding = getattr(model, "tok_embeddings", None)
-    return output is not None and embedding is not None and output.weight is embedding.weight
 
 
 def _unique(params: Any) -> list[torch.Tensor]:
@@ -114,7 +114,7 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
 
 
 class MetricsLogger:
-    """Rank 0 prints one console line per logged step and appends it to a JSONL file."""
+    """Rank 0 logs one console line per logged step and appends it to a JSONL file."""
 
     def __init__(self, path: str | os.PathLike[str], enabled: bool) -> None:
         self.enabled = enabled
@@ -128,6 +128,6 @@ class MetricsLogger:
         shown = "  ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
         )
-        print(shown, flush=True)
+        logger.info("%s", shown)
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")

@@ -17,7 +17,9 @@ Legend: B local batch, S seq_len, G global batch (B * dp_world_size).
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from pipekit.train.data.corpus import iter_documents, source_files
 from pipekit.train.data.packing import TokenStream, pack_documents
 from pipekit.train.data.tokenizer import build_tokenizer
 
-__all__ = ["PackedDataLoader", "build_data_loader", "load_token_stream"]
+__all__ = ["PackedDataLoader", "build_data_loader", "check_data_config", "load_token_stream"]
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -155,6 +157,24 @@ def _fingerprint(paths: list[Path]) -> tuple:
     """(path, size, mtime) of each file: a changed file must not hit a stale cache entry."""
     stats = [(str(path), path.stat()) for path in paths]
     return tuple((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
+
+
+def check_data_config(data_config: DataConfig) -> int:
+    """Check the [data] section before anything is read; return the tokenizer's vocabulary size.
+
+    ValueError (naming the fix) when the source matches no file or the tokenizer cannot be
+    built."""
+    source = data_config.source
+    if source != "stdlib" and not (os.path.exists(source) or glob.glob(source, recursive=True)):
+        raise ValueError(
+            f"source={source!r} matches no file; give a file, a folder, a glob, or 'stdlib'"
+        )
+    tokenizer = data_config.tokenizer
+    if tokenizer != "bytes" and not Path(tokenizer).is_file():
+        raise ValueError(
+            f"tokenizer={tokenizer!r} is not a file; use 'bytes' or a tokenizer.json path"
+        )
+    return build_tokenizer(tokenizer).vocab_size
 
 
 def load_token_stream(data_config: DataConfig) -> TokenStream:

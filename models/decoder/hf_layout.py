@@ -1,0 +1,429 @@
+"""Hugging Face safetensors <-> pipekit decoder parameters: names, RoPE row order, experts.
+
+One `DecoderHF` describes one Hugging Face architecture of a decoder family (Llama, Mixtral,
+Qwen3, Qwen3-MoE): how its tensors are named (`DecoderLayout`), how its config.json maps to the
+family's args, and which pipekit model it loads into. From that it provides the checked load and
+save, the tensor list (`tensors`, the upcycling writer's and the bench's too), and single
+parameter reads (whole, or a row block of whole heads: a tensor-parallel rank reads its heads).
+
+pipekit (like Meta's reference code) rotates the interleaved pairs (x[2i], x[2i+1]) of each head;
+Hugging Face rotates (x[i], x[i + head_dim/2]) ("rotate_half"). Both compute the same model once
+the rows of every head of wq and wk (and of a per-head QK-norm weight) are reordered: pipekit
+row 2i+c of a head is Hugging Face row c*head_dim/2 + i. The reorder stays inside a head, so a
+row range of whole heads is the same row range in both layouts.
+
+An MoE FFN's experts are one pipekit parameter per weight, stacked on a leading expert dim;
+Hugging Face files hold one tensor per expert (the published per-expert layout, which
+transformers 4 loads as is and transformers 5 converts on load and writes back on save).
+
+Shape legend: R rows (output features), D model dim, E experts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.decoder.args import DecoderArgs, MoEFields
+from models.decoder.hf_config import CONFIG_FILE, HFModelType, read_config_json
+from pipekit.checkpoint.safetensors_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    CheckpointError,
+    SafetensorsCheckpoint,
+    save_safetensors,
+)
+from pipekit.models.spec import HFTensor, HuggingFaceAdapter
+
+__all__ = [
+    "DENSE_LAYER_NAMES",
+    "EXPERT_WEIGHTS",
+    "DecoderHF",
+    "DecoderLayout",
+    "permute_from_hf",
+    "permute_to_hf",
+]
+
+TOP_LEVEL_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+DENSE_LAYER_NAMES = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+"""pipekit name within a block -> Hugging Face name within `model.layers.L` (Llama's)."""
+EXPERT_WEIGHTS = {"experts.w1_EFD": "w1", "experts.w2_EDF": "w2", "experts.w3_EFD": "w3"}
+"""Expert parameter -> the SwiGLU weight it stacks (and the dense FFN weight it is upcycled
+from)."""
+_ROUTER = "router.gate.weight"
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+# Buffers some transformers versions saved; they are recomputed from config.json.
+_IGNORED_HF_SUFFIX = "rotary_emb.inv_freq"
+_TIED_HEAD = TOP_LEVEL_NAMES["output.weight"]
+_EMBEDDING = TOP_LEVEL_NAMES["tok_embeddings.weight"]
+_LISTED_NAMES = 20
+
+
+def permute_to_hf(w_RD: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorder each head's rows from interleaved RoPE pairs to rotate_half halves (a 1-D
+    per-head weight, such as a QK-norm's, is one column)."""
+    rows = w_RD.reshape(w_RD.shape[0], -1)
+    heads = _whole_heads(rows, head_dim)
+    return rows.reshape(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w_RD.shape)
+
+
+def permute_from_hf(w_RD: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of permute_to_hf: rotate_half halves back to interleaved pairs."""
+    rows = w_RD.reshape(w_RD.shape[0], -1)
+    heads = _whole_heads(rows, head_dim)
+    return rows.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w_RD.shape)
+
+
+def _whole_heads(w_RD: torch.Tensor, head_dim: int) -> int:
+    if w_RD.shape[0] % head_dim:
+        raise ValueError(
+            f"{w_RD.shape[0]} rows are not whole heads of head_dim={head_dim}; "
+            "pass rows that are multiples of head_dim"
+        )
+    return w_RD.shape[0] // head_dim
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """How one Hugging Face architecture names a pipekit decoder's weights."""
+
+    model_type: HFModelType
+    layer_names: Mapping[str, str] = field(default_factory=lambda: dict(DENSE_LAYER_NAMES))
+    """pipekit name within a block -> Hugging Face name within `model.layers.L` (attention,
+    norms, and a dense FFN's weights)."""
+    rope_permuted: tuple[str, ...] = ("attention.wq.weight", "attention.wk.weight")
+    """Names within a block whose rows are reordered per head (RoPE)."""
+    moe_block: str | None = None
+    """Hugging Face module of an MoE FFN within a layer (Mixtral's "block_sparse_moe",
+    Qwen3-MoE's "mlp"); None: no MoE layers."""
+    expert_names: Mapping[str, str] = field(default_factory=dict)
+    """SwiGLU weight ("w1", "w2", "w3") -> its name within `experts.J` of the MoE block."""
+
+    def hf_names(self, name: str, args: DecoderArgs) -> list[str]:
+        """Hugging Face names of pipekit parameter `name`: one per expert for an expert
+        weight (expert j's at index j), else one."""
+        if name in TOP_LEVEL_NAMES:
+            return [TOP_LEVEL_NAMES[name]]
+        match = _LAYER.fullmatch(name)
+        if match is not None:
+            layer, rest = match[1], match[2]
+            if rest in self.layer_names:
+                return [f"model.layers.{layer}.{self.layer_names[rest]}"]
+            moe_param = rest.removeprefix("feed_forward.")
+            if self.moe_block is not None and isinstance(args, MoEFields):
+                prefix = f"model.layers.{layer}.{self.moe_block}"
+                if moe_param == _ROUTER:
+                    return [f"{prefix}.gate.weight"]
+                if moe_param in EXPERT_WEIGHTS:
+                    short = self.expert_names[EXPERT_WEIGHTS[moe_param]]
+                    return [
+                        f"{prefix}.experts.{j}.{short}.weight" for j in range(args.moe.num_experts)
+                    ]
+        raise ValueError(
+            f"{name!r} is not a parameter of a {self.model_type.pipekit_model} in Hugging Face "
+            f"{self.model_type.model_type} layout"
+        )
+
+    def is_permuted(self, name: str) -> bool:
+        """Whether parameter `name` has its rows reordered per head."""
+        match = _LAYER.fullmatch(name)
+        return match is not None and match[2] in self.rope_permuted
+
+    @staticmethod
+    def is_expert_weight(name: str) -> bool:
+        match = _LAYER.fullmatch(name)
+        return match is not None and match[2].removeprefix("feed_forward.") in EXPERT_WEIGHTS
+
+
+@dataclass(frozen=True)
+class DecoderHF:
+    """One decoder family's Hugging Face format: tensor names, config.json, and its model."""
+
+    layout: DecoderLayout
+    build: Callable[[Any], nn.Module]
+    """Model args -> pipekit model (built on the meta device to list the parameters)."""
+    config_to_args: Callable[[Mapping[str, Any], str], Any]
+    """(config.json object, its path for messages) -> model args; CheckpointError if the file
+    describes a model the family cannot compute."""
+    args_to_config: Callable[[Any, torch.dtype], dict[str, Any]]
+    """(model args, weight dtype) -> config.json object (published dialect)."""
+    check_layout: Callable[[Any], None] | None = None
+    """ValueError (naming the fix) for args this format cannot express."""
+    training_fields: tuple[str, ...] = ("max_seq_len",)
+    """Args fields a checkpoint need not match: training choices, not what the weights compute."""
+
+    # -- config.json -------------------------------------------------------------------------
+
+    def read_args(self, directory: str | os.PathLike[str]) -> Any:
+        """The model args `directory/config.json` describes, with errors naming the file."""
+        config, source = read_config_json(directory)
+        return self.config_to_args(config, source)
+
+    def comparable(self, args: Any) -> dict[str, object]:
+        """What the weights compute, from `args` (defaults resolved, training choices out)."""
+        values = {f.name: getattr(args, f.name) for f in fields(args)}
+        values |= {"n_kv_heads": args.num_kv_heads, "head_dim": args.per_head_dim}
+        if isinstance(args, MoEFields):
+            moe = values.pop("moe")
+            values |= {
+                "moe.num_experts": moe.num_experts,
+                "moe.top_k": moe.top_k,
+                "moe.router": moe.router,
+                "expert_ffn_dim": args.moe_ffn_dim,
+            }
+            if all(args.is_moe_layer(layer) for layer in range(args.n_layers)):
+                del values["ffn_dim"]  # no dense FFN left to size
+        return {key: value for key, value in values.items() if key not in self.training_fields}
+
+    def check_config(self, directory: str | os.PathLike[str], args: Any) -> None:
+        """CheckpointError unless `directory/config.json` describes a model of `args`."""
+        theirs, ours = self.comparable(self.read_args(directory)), self.comparable(args)
+        differences = [
+            f"{key}: checkpoint {theirs[key]!r}, model {ours[key]!r}"
+            for key in theirs
+            if theirs[key] != ours.get(key)
+        ]
+        if differences:
+            raise CheckpointError(
+                f"{os.path.join(directory, CONFIG_FILE)} does not match the model's "
+                f"{type(args).__name__}: {'; '.join(differences)}; build the model from the "
+                "checkpoint's config.json or load a checkpoint of this shape"
+            )
+
+    # -- tensors -----------------------------------------------------------------------------
+
+    def tensors(self, args: Any) -> list[HFTensor]:
+        """Every tensor of the checkpoint of a model with `args`, in model order (a tied
+        `lm_head.weight` left out, as transformers does)."""
+        if self.check_layout is not None:
+            self.check_layout(args)
+        with torch.device("meta"):
+            model = self.build(args)
+        listing = []
+        for name, param in model.named_parameters():
+            if args.tie_embeddings and name == "output.weight":
+                continue
+            hf_names = self.layout.hf_names(name, args)
+            shape = tuple(param.shape)
+            if self.layout.is_expert_weight(name):
+                listing += [HFTensor(hf, shape[1:], name, j) for j, hf in enumerate(hf_names)]
+            else:
+                listing.append(HFTensor(hf_names[0], shape, name, None))
+        return listing
+
+    def to_hf(self, name: str, tensor: torch.Tensor, args: Any) -> torch.Tensor:
+        """Parameter `name` (one expert's slice for an expert weight) in Hugging Face order."""
+        return permute_to_hf(tensor, args.per_head_dim) if self.layout.is_permuted(name) else tensor
+
+    def source_name(self, name: str, args: Any) -> str:
+        """The checkpoint tensor holding non-expert parameter `name` (a tied output reads the
+        embedding)."""
+        if args.tie_embeddings and name == "output.weight":
+            return _EMBEDDING
+        return self.layout.hf_names(name, args)[0]
+
+    def read(
+        self,
+        checkpoint: SafetensorsCheckpoint,
+        name: str,
+        args: Any,
+        rows: slice | None = None,
+    ) -> torch.Tensor:
+        """Parameter `name` (or its rows `rows`) read from a checkpoint, in pipekit's layout.
+        An expert weight's rows are its experts (stacked on dim 0); a permuted weight's rows
+        must cover whole heads."""
+        if self.layout.is_expert_weight(name):
+            hf_names = self.layout.hf_names(name, args)
+            chosen = hf_names if rows is None else hf_names[rows]
+            return torch.stack([checkpoint.read(hf_name) for hf_name in chosen])
+        permuted, head_dim = self.layout.is_permuted(name), args.per_head_dim
+        if permuted and rows is not None:
+            bounds = [bound for bound in (rows.start, rows.stop) if bound is not None]
+            if any(bound % head_dim for bound in bounds):
+                raise ValueError(
+                    f"rows {rows.start}:{rows.stop} of {name} do not cover whole heads; with "
+                    f"head_dim={head_dim} start and stop must be multiples of {head_dim}"
+                )
+        tensor = checkpoint.read(self.source_name(name, args), rows)
+        return permute_from_hf(tensor, head_dim) if permuted else tensor
+
+    def check_checkpoint(self, checkpoint: SafetensorsCheckpoint, args: Any) -> None:
+        """CheckpointError unless `checkpoint` holds a model of `args`: its config.json and
+        every tensor's name and shape (from the file headers; no data read unless tied)."""
+        self.check_config(checkpoint.directory, args)
+        expected = {entry.hf_name: entry.hf_shape for entry in self.tensors(args)}
+        present = {name for name in checkpoint.names if not name.endswith(_IGNORED_HF_SUFFIX)}
+        tied_head = args.tie_embeddings and _TIED_HEAD in present
+        if tied_head:
+            expected[_TIED_HEAD] = expected[_EMBEDDING]
+        found = {name: checkpoint.info(name).shape for name in present}
+        problems = _name_and_shape_problems(found, expected)
+        if problems:
+            raise CheckpointError(f"{checkpoint.directory} does not fit the model: {problems}")
+        if tied_head and not torch.equal(checkpoint.read(_TIED_HEAD), checkpoint.read(_EMBEDDING)):
+            raise CheckpointError(
+                f"{checkpoint.directory}: config.json says tie_word_embeddings=true but "
+                "lm_head.weight differs from model.embed_tokens.weight; set "
+                "tie_word_embeddings=false in config.json if the checkpoint really has a "
+                "separate output layer"
+            )
+
+    # -- load and save -----------------------------------------------------------------------
+
+    def load(self, directory: str | os.PathLike[str], model: nn.Module, args: Any) -> None:
+        """Copy a checkpoint into `model` (laid out as `args`; a pipeline stage is loaded for
+        the modules it holds), in the model's dtype. Everything is checked before the first
+        parameter is written, so a failed load leaves the model untouched."""
+        if self.check_layout is not None:
+            self.check_layout(args)
+        params = self._parameters_matching(model, args)
+        if any(param.is_meta for param in params.values()):
+            raise ValueError(
+                "the model's parameters are on the meta device; call model.to_empty(device=...) "
+                "before loading"
+            )
+        with SafetensorsCheckpoint(directory) as checkpoint:
+            self.check_checkpoint(checkpoint, args)
+            copied: set[int] = set()
+            with torch.no_grad():
+                for name, param in params.items():
+                    if id(param) not in copied:  # a tied weight is read once
+                        param.copy_(self.read(checkpoint, name, args))
+                        copied.add(id(param))
+
+    def save(
+        self,
+        model: nn.Module,
+        args: Any,
+        directory: str | os.PathLike[str],
+        *,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        overwrite: bool = False,
+    ) -> None:
+        """Write `model` (full, unsharded tensors) with its config.json, atomically. Tensors
+        keep the model's dtype, so save -> load is bit-exact."""
+        if self.check_layout is not None:
+            self.check_layout(args)
+        params = self._parameters_matching(model, args)
+        embedding, output = params["tok_embeddings.weight"], params["output.weight"]
+        if args.tie_embeddings and not (output is embedding or torch.equal(output, embedding)):
+            raise ValueError(
+                "args.tie_embeddings=True but the model's output.weight differs from "
+                "tok_embeddings.weight; saving would drop it. Tie them or set tie_embeddings=False"
+            )
+        tensors = {
+            entry.hf_name: self.to_hf(entry.param_name, params[entry.param_name].detach(), args)
+            if entry.expert is None
+            else params[entry.param_name].detach()[entry.expert]
+            for entry in self.tensors(args)
+        }
+        config = self.args_to_config(args, embedding.dtype)
+        save_safetensors(
+            tensors,
+            directory,
+            max_shard_bytes=max_shard_bytes,
+            extra_files={CONFIG_FILE: json.dumps(config, indent=2) + "\n"},
+            overwrite=overwrite,
+        )
+
+    def build_from_checkpoint(
+        self, directory: str | os.PathLike[str], *, device: torch.device | str = "cpu"
+    ) -> tuple[nn.Module, Any]:
+        """A float32 pipekit model holding the checkpoint in `directory`: (model, its args)."""
+        args = self.read_args(directory)
+        with torch.device("meta"):
+            model = self.build(args)
+        model.to_empty(device=device)
+        model.tie_weights()  # to_empty gives tied modules separate tensors
+        self.load(directory, model, args)
+        return model, args
+
+    def adapter(self) -> HuggingFaceAdapter:
+        """This format as the model contract's Hugging Face hooks."""
+        return HuggingFaceAdapter(
+            model_types=(self.layout.model_type.model_type,),
+            read_args=self.read_args,
+            load=self.load,
+            save=lambda model, args, directory: self.save(model, args, directory, overwrite=True),
+            check_layout=self.check_layout,
+            tensors=self.tensors,
+            config=self.args_to_config,
+            build_from_checkpoint=self.build_from_checkpoint,
+        )
+
+    def _parameters_matching(self, model: nn.Module, args: Any) -> dict[str, nn.Parameter]:
+        """The model's parameters (tied ones under both names), checked against those a model
+        of `args` has. A model that holds only some modules (a pipeline stage) is checked, and
+        loaded, for those."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        with torch.device("meta"):
+            full = dict(self.build(args).named_parameters(remove_duplicate=False))
+        expected = {name: tuple(param.shape) for name, param in full.items() if _holds(model, name)}
+        problems = _name_and_shape_problems(
+            {name: tuple(param.shape) for name, param in params.items()}, expected
+        )
+        if problems:
+            raise ValueError(
+                f"the model does not have the parameters its {type(args).__name__} imply: "
+                f"{problems}"
+            )
+        return params
+
+
+def _holds(model: nn.Module, name: str) -> bool:
+    """Whether `model` holds the module of parameter `name` (a top-level module, or one block of
+    `layers`)."""
+    top, _, rest = name.partition(".")
+    module = getattr(model, top, None)
+    if module is None or top != "layers":
+        return module is not None
+    return rest.partition(".")[0] in module
+
+
+def _name_and_shape_problems(
+    found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]
+) -> str:
+    """'' when `found` has exactly the expected names and shapes, else what is wrong."""
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
+    mismatched = [
+        f"{name} expected {list(expected[name])}, got {list(found[name])}"
+        for name in sorted(expected.keys() & found.keys())
+        if found[name] != expected[name]
+    ]
+    parts = [
+        f"{label} ({len(items)}): {_listing(items)}"
+        for label, items in (
+            ("missing tensors", missing),
+            ("unexpected tensors", unexpected),
+            ("shape mismatches", mismatched),
+        )
+        if items
+    ]
+    return "; ".join(parts)
+
+
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(items[:_LISTED_NAMES])
+    hidden = len(items) - _LISTED_NAMES
+    return f"{shown}, ... ({hidden} more)" if hidden > 0 else shown

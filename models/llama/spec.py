@@ -1,0 +1,22 @@
+"""The Llama family as pipekit sees it (registered through the `pipekit.models` entry point)."""
+
+from __future__ import annotations
+
+from models.decoder.model import DECODER_STRUCTURE, decoder_shape
+from models.llama.args import LLAMA_FLAVORS
+from models.llama.hf import LLAMA_HF
+from models.llama.model import Llama
+from models.llama_moe.upcycle import LLAMA_UPCYCLER
+from pipekit.models.spec import ModelSpec
+
+__all__ = ["LLAMA"]
+
+LLAMA = ModelSpec(
+    name="llama",
+    flavors=LLAMA_FLAVORS,
+    build=Llama,
+    shape=decoder_shape,
+    structure=DECODER_STRUCTURE,
+    hf=LLAMA_HF.adapter(),
+    upcycler=LLAMA_UPCYCLER,
+)

@@ -1,0 +1,21 @@
+"""The Llama-MoE family as pipekit sees it (registered through the `pipekit.models` entry
+point); on disk it is Hugging Face's Mixtral layout."""
+
+from __future__ import annotations
+
+from models.decoder.model import DECODER_STRUCTURE, decoder_shape
+from models.llama_moe.args import LLAMA_MOE_FLAVORS
+from models.llama_moe.hf_mixtral import MIXTRAL_HF
+from models.llama_moe.model import LlamaMoE
+from pipekit.models.spec import ModelSpec
+
+__all__ = ["LLAMA_MOE"]
+
+LLAMA_MOE = ModelSpec(
+    name="llama_moe",
+    flavors=LLAMA_MOE_FLAVORS,
+    build=LlamaMoE,
+    shape=decoder_shape,
+    structure=DECODER_STRUCTURE,
+    hf=MIXTRAL_HF.adapter(),
+)

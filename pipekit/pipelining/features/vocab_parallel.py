@@ -1,0 +1,282 @@
+"""Vocabulary parallelism across pipeline ranks: embedding, output layer and loss on every rank.
+
+Without it the first stage holds the whole input embedding and the last stage the whole output
+layer with its `[B, S, V]` logits, so the last rank runs out of memory first and stalls the
+others while its vocabulary GEMM runs. With it each pipeline rank holds the rows
+`[vocab_start, vocab_end)` of both matrices (split as DTensor's `Shard(0)` splits them):
+
+- the input embedding, once per step: each rank looks up the ids it holds for every unit, and one
+  `reduce` sums them onto the first stage's rank, which feeds them to stage 0. After the schedule
+  one `broadcast` hands every rank the first stage's gradients of those embeddings, and each rank
+  backpropagates them into its rows through a second lookup (a gather is cheaper than keeping
+  the step's partial embeddings on every rank while the schedule runs).
+- the output layer and loss, once per unit, on all ranks together (an output pass): the last
+  stage's final hidden states go to every rank (`broadcast`), each rank computes its shard's
+  logits and the cross-entropy statistics (`vocab_parallel_cross_entropy`: two all-reduces), and
+  at once the backward of its shard: its weight gradient and its part of d loss / d hidden, which
+  a `reduce` sums onto the last stage. The last stage's backward then starts from that gradient.
+
+Where each rank joins an output pass is decided from the schedule (`output_passes`); the last
+stage's rank runs its part inside the last stage's loss function. The feature plugs into the
+runtime as a `PipelineExtension`: extra actions (the output passes), the loss, and the step's
+begin (embedding) and end (its backward).
+
+Legend: U units, B rows of a unit, S tokens of a unit, D model dim, V vocabulary shard.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+
+from pipekit.layers.loss import IGNORE_INDEX
+from pipekit.layers.vocab_parallel import (
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+    dtensor_shard_sizes,
+    vocab_parallel_cross_entropy,
+)
+from pipekit.models.spec import ModelStructure
+from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.features.output_passes import OUTPUT_PASS, with_output_passes
+from pipekit.pipelining.model_split.stage_module import build_stage_module
+from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
+from pipekit.pipelining.runtime.stage import StageShapes
+
+__all__ = ["PipelineVocabParallel", "copy_full_vocab_rows", "vocab_shard_modules"]
+
+
+def vocab_shard_modules(
+    vocab_size: int, dim: int, group: dist.ProcessGroup
+) -> tuple[VocabParallelEmbedding, VocabParallelOutput]:
+    """This rank's embedding and output shards for a pipeline (on the current default device,
+    e.g. meta inside `torch.device("meta")`), cut as DTensor's `Shard(0)` so checkpoints save
+    them as row shards of the full matrices."""
+    sizes = dtensor_shard_sizes(vocab_size, dist.get_world_size(group))
+    embedding = VocabParallelEmbedding(vocab_size, dim, group, sizes, reduce=False)
+    output = VocabParallelOutput(dim, vocab_size, group, sizes, reduce_input_grad=False)
+    return embedding, output
+
+
+def copy_full_vocab_rows(
+    embedding: VocabParallelEmbedding,
+    output: VocabParallelOutput,
+    materialize: Callable[[nn.Module], None],
+    model: nn.Module,
+    structure: ModelStructure,
+) -> None:
+    """Fill the shards with their rows of `model`'s embedding and output matrices (the modules
+    `structure` names).
+
+    `model` is the whole model on the meta device; a copy holding only those two modules is
+    materialised by `materialize` (e.g. `to_empty` and `init_weights(seed)`, then a Hugging Face
+    load), exactly as the unsplit model would be, so every vocabulary split starts from the
+    unsplit model's weights, in its dtype. The two full `[V, D]` matrices exist on each rank
+    meanwhile.
+    """
+    names = structure.vocabulary_modules
+    full = build_stage_module(model, list(names))
+    materialize(full)
+    with torch.no_grad():
+        for name, shard in zip(names, (embedding, output), strict=True):
+            weight = getattr(full, name).weight.detach()
+            shard.to(weight.dtype)  # the shards take the materialised model's dtype
+            shard.load_full_weight(weight)
+
+
+class _LossFromKnownGradient(torch.autograd.Function):
+    """The unit's loss as a function of the last stage's hidden states whose gradient the output
+    pass has already computed (and summed over the ranks): backward only scales it."""
+
+    @staticmethod
+    def forward(ctx, hidden_BSD: Tensor, loss: Tensor, grad_hidden_BSD: Tensor) -> Tensor:
+        ctx.save_for_backward(grad_hidden_BSD)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, None, None]:
+        (grad_hidden_BSD,) = ctx.saved_tensors
+        return grad_hidden_BSD * grad_loss, None, None
+
+
+class PipelineVocabParallel(PipelineExtension):
+    """This pipeline rank's vocabulary shards and its part in every step's vocabulary work.
+
+    `embedding` (built with `reduce=False`) and `output` (with `reduce_input_grad=False`) hold
+    this rank's rows; `first_rank` and `last_rank` are the pipeline-group ranks holding the first
+    and the last stage. `module_names` are the model's names for the two (their checkpoint
+    names). With `lockstep`, output passes go at lockstep cuts, which never part two passes of
+    one lockstep moment (context exchange pairs those).
+    """
+
+    name = "vocab_parallel"
+    action_types = (OUTPUT_PASS,)
+
+    def __init__(
+        self,
+        embedding: VocabParallelEmbedding,
+        output: VocabParallelOutput,
+        shapes: StageShapes,
+        *,
+        first_rank: int,
+        last_rank: int,
+        group: dist.ProcessGroup,
+        module_names: tuple[str, str] = ("embedding", "output"),
+        lockstep: bool = False,
+    ) -> None:
+        if embedding.reduce or output.reduce_input_grad:
+            raise ValueError(
+                "build the pipeline's shards with VocabParallelEmbedding(reduce=False) and "
+                "VocabParallelOutput(reduce_input_grad=False): the pipeline reduces onto the "
+                "first and the last stage itself"
+            )
+        self.embedding, self.output, self.shapes, self.group = embedding, output, shapes, group
+        self.module_names, self.lockstep = module_names, lockstep
+        self.rank = dist.get_rank(group)
+        self.first_rank, self.last_rank = first_rank, last_rank
+        self._tokens_UBS: Tensor | None = None
+        self._stage_inputs: list[Tensor] = []
+        self._stage_input_grads: list[Tensor | None] = []
+        self._labels: list[Tensor] = []
+        self._normaliser: Tensor | float = 1.0
+        self._passes_left = 0
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    def begin_step(
+        self, units: Sequence[TensorDict], normaliser: Tensor | float
+    ) -> list[tuple[Tensor, ...]]:
+        """Embed every unit's tokens (collective); the first stage's inputs, one per unit, on the
+        first stage's rank (no inputs elsewhere)."""
+        self._tokens_UBS = torch.stack([unit["tokens"] for unit in units])
+        self._labels = [unit["labels"] for unit in units]
+        self._normaliser = normaliser
+        self._passes_left = len(units)
+        # no graph kept: end_step looks the ids up again (cheap), so no rank holds the partial
+        # embeddings of the whole step while the schedule runs
+        with torch.no_grad():
+            summed_UBSD = self.embedding(self._tokens_UBS).to(self.shapes.dtype)
+        dist.reduce(summed_UBSD, dst=self._global(self.first_rank), group=self.group)
+        if self.rank != self.first_rank:
+            return [() for _ in units]
+        self._stage_inputs = [
+            embedded_BSD.detach().requires_grad_() for embedded_BSD in summed_UBSD.unbind(0)
+        ]
+        self._stage_input_grads = [None] * len(units)
+        for unit, stage_input_BSD in enumerate(self._stage_inputs):
+            # torch's stage hands input gradients on and clears .grad: catch them on the way
+            stage_input_BSD.register_hook(functools.partial(self._keep_stage_input_grad, unit))
+        return [(stage_input_BSD,) for stage_input_BSD in self._stage_inputs]
+
+    def _keep_stage_input_grad(self, unit: int, grad_BSD: Tensor) -> None:
+        self._stage_input_grads[unit] = grad_BSD
+
+    def end_step(self) -> None:
+        """Backpropagate the first stage's input gradients into every rank's embedding rows
+        (collective), then forget the step."""
+        if self._tokens_UBS is None:
+            raise RuntimeError("end_step without begin_step: call begin_step before the schedule")
+        grads_UBSD = torch.zeros(
+            (*self._tokens_UBS.shape, self.shapes.model_dim),
+            dtype=self.shapes.dtype,
+            device=self._tokens_UBS.device,
+        )
+        if self.rank == self.first_rank:
+            for grad_BSD, stage_input_grad_BSD in zip(
+                grads_UBSD.unbind(0), self._stage_input_grads, strict=True
+            ):
+                if stage_input_grad_BSD is None:
+                    raise RuntimeError(
+                        "the first stage produced no gradient for a unit's embeddings; its "
+                        "schedule must run every unit's backward"
+                    )
+                grad_BSD.copy_(stage_input_grad_BSD)
+        dist.broadcast(grads_UBSD, src=self._global(self.first_rank), group=self.group)
+        with torch.enable_grad():
+            self.embedding(self._tokens_UBS).to(self.shapes.dtype).backward(grads_UBSD)
+        self._tokens_UBS, self._labels = None, []
+        self._stage_inputs, self._stage_input_grads = [], []
+
+    def output_pass(
+        self, labels_BS: Tensor, hidden_BSD: Tensor | None = None
+    ) -> tuple[Tensor, Tensor] | None:
+        """One unit's output layer, loss and their backward on every rank (collective).
+
+        The last stage's rank passes the final hidden states and gets `(loss, d loss / d
+        hidden)` back, the loss already over the normaliser; the other ranks pass nothing and
+        get None. Every rank's output rows receive their weight gradient.
+        """
+        is_last = self.rank == self.last_rank
+        if is_last != (hidden_BSD is not None):
+            raise ValueError("pass hidden_BSD on the last stage's rank and only there")
+        self._passes_left -= 1
+        if isinstance(self.output, FSDPModule):  # data parallelism: sync after the last pass
+            self.output.set_requires_gradient_sync(self._passes_left == 0)
+            self.output.set_reshard_after_backward(self._passes_left == 0)
+        source_BSD = hidden_BSD if is_last else self.shapes.hidden(labels_BS.device)
+        received_BSD = source_BSD.detach().contiguous()
+        dist.broadcast(received_BSD, src=self._global(self.last_rank), group=self.group)
+        received_BSD.requires_grad_()
+        with torch.enable_grad():
+            logits_BSV = self.output(received_BSD)
+            loss = (
+                vocab_parallel_cross_entropy(
+                    logits_BSV,
+                    labels_BS,
+                    self.group,
+                    vocab_start=self.output.vocab_start,
+                    vocab_size=self.output.vocab_size,
+                    ignore_index=IGNORE_INDEX,
+                )
+                / self._normaliser
+            )
+            loss.backward()
+        grad_hidden_BSD = received_BSD.grad
+        dist.reduce(grad_hidden_BSD, dst=self._global(self.last_rank), group=self.group)
+        return (loss.detach(), grad_hidden_BSD) if is_last else None
+
+    def stage_loss(self, hidden_BSD: Tensor, labels_BS: Tensor, **_: Any) -> Tensor:
+        """The last stage's loss function: joins the unit's output pass and returns the loss,
+        whose backward hands the stage the summed gradient of its hidden states."""
+        result = self.output_pass(labels_BS, hidden_BSD)
+        assert result is not None  # the last stage's rank always gets one
+        loss, grad_hidden_BSD = result
+        return _LossFromKnownGradient.apply(hidden_BSD, loss, grad_hidden_BSD)
+
+    def loss_fn(self, loss_fn: LossFn) -> LossFn:
+        """The last stage's loss is `stage_loss`: its output pass."""
+        return self.stage_loss
+
+    def extra_actions(
+        self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int
+    ) -> dict[int, list[tuple[int, Action]]]:
+        """Every unit's output pass on the ranks without the last stage (where the last stage's
+        rank runs its share inside `stage_loss`), after the compute actions before it."""
+        placed = with_output_passes(actions_by_rank, num_slices, lockstep=self.lockstep)
+        extra: dict[int, list[tuple[int, Action]]] = {}
+        for rank, actions in placed.items():
+            if rank == self.last_rank:
+                continue
+            extra[rank], computed = [], 0
+            for action in actions:
+                if action.computation_type == OUTPUT_PASS:
+                    extra[rank].append((computed, action))
+                else:
+                    computed += 1
+        return extra
+
+    def run_action(self, action: Action, context: object) -> None:
+        """An output pass on a rank without the last stage."""
+        self.output_pass(self._labels[action.microbatch_index])
+
+    def row_sharded_parameters(self) -> dict[str, int]:
+        """The embedding's and the output's rows are split over the pipeline ranks."""
+        return {f"{name}.weight": self.embedding.vocab_size for name in self.module_names}

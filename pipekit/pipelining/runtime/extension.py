@@ -1,0 +1,92 @@
+"""Pipeline features plug into the runtime through the named hooks of `PipelineExtension`.
+
+A feature (vocabulary parallelism, context exchange, and the coming ones) is one subclass that
+overrides the hooks it needs; every hook does nothing by default. The runtime calls them at
+fixed points, so no schedule, stage or runner signature grows a keyword per feature:
+
+| hook | when | e.g. |
+| --- | --- | --- |
+| `prepare` | once, with every rank's compute-only lists | context exchange plans its loans |
+| `extra_actions` | once: actions of the feature's own types, and where | vocabulary output passes |
+| `run_action` | when the runtime reaches one of those actions | an output pass on a rank |
+| `stage_context` / `after_forward` | around each forward of a stage | wrap attention for a loan |
+| `loss_fn` | once: the last stage's loss | the vocabulary-parallel loss |
+| `begin_step` / `end_step` | around each step | embed tokens / their backward |
+| `row_sharded_parameters` | checkpointing | vocabulary rows per rank |
+
+Extensions that communicate must use a process group of their own (`group`): their messages
+must not queue behind the stages' sends (an NCCL send blocks until it is received).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import Tensor
+
+from pipekit.pipelining._torch_runtime import Action
+
+if TYPE_CHECKING:
+    from pipekit.attention.context import AttentionContext
+    from pipekit.pipelining.runtime.stage import SlicedPipelineStage
+
+__all__ = ["LossFn", "PipelineExtension"]
+
+LossFn = Callable[..., Tensor]
+"""`loss_fn(output, target, normaliser=...)`: the unit's token-sum loss over `normaliser`."""
+
+
+class PipelineExtension:
+    """A pipeline feature; override the hooks it needs (see the module docstring)."""
+
+    name = "extension"
+    group: dist.ProcessGroup | None = None
+    """The feature's own process group, if it communicates."""
+    action_types: tuple[Any, ...] = ()
+    """Computation types of the actions `extra_actions` adds (run by `run_action`)."""
+
+    def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
+        """See every rank's compute-only lists before anything runs."""
+
+    def extra_actions(
+        self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int
+    ) -> dict[int, list[tuple[int, Action]]]:
+        """Per rank, `(k, action)`: run `action` after the rank's k-th compute action and the
+        sends that follow it. In list order."""
+        return {}
+
+    def run_action(self, action: Action, context: object) -> None:
+        """Run one of the actions `extra_actions` added."""
+        raise NotImplementedError(f"{self.name} added {action} but does not run it")
+
+    def stage_context(
+        self, stage: SlicedPipelineStage, unit: int, context: AttentionContext
+    ) -> AttentionContext:
+        """The attention context of `unit`'s forward on `stage` (default: unchanged)."""
+        return context
+
+    def after_forward(
+        self, stage: SlicedPipelineStage, unit: int, context: AttentionContext
+    ) -> None:
+        """After `unit`'s forward on `stage`, with the context `stage_context` gave."""
+
+    def loss_fn(self, loss_fn: LossFn) -> LossFn:
+        """The last stage's loss function (default: unchanged)."""
+        return loss_fn
+
+    def begin_step(
+        self, units: Sequence[TensorDict], normaliser: Tensor | float
+    ) -> list[tuple[Tensor, ...]] | None:
+        """At the start of a step: the first stage's inputs per unit, or None to feed the
+        units' token ids."""
+        return None
+
+    def end_step(self) -> None:
+        """After the step's last action."""
+
+    def row_sharded_parameters(self) -> dict[str, int]:
+        """Parameters this rank holds only some rows of: name -> rows of the full matrix."""
+        return {}

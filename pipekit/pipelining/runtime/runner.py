@@ -1,0 +1,153 @@
+"""`PipelineRunner`: one rank's stages and schedule, and the step that feeds them a batch.
+
+`make_schedule` turns a schedule-registry entry into the object torch's runtime runs: the
+entry's action lists through `ActionListSchedule` (SlimPipe's, a user's, or torch's lists when a
+feature needs pipekit's runtime), or torch's own class for a featureless torch schedule (the
+baseline, exactly as torch runs it). `PipelineRunner.step` performs the two-level split itself
+(torch's `step()` can only split along the batch) and drives `_step_microbatches` with one entry
+per unit. The loss of each unit is its token-sum cross-entropy over the global label-token
+count, so the units' losses add up to the unsliced loss and no gradient scaling is needed
+(`scale_grads=False`); MoE auxiliary losses are scaled by 1/(microbatches x slices) for the same
+reason.
+
+Legend: B batch, S sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor, nn
+
+from pipekit.layers.loss import token_sum_cross_entropy
+from pipekit.moe.aux_loss import aux_loss_scale, current_aux_loss_scale
+from pipekit.pipelining._torch_runtime import (
+    Action,
+    PipelineSchedule,
+    get_schedule_class,
+    is_single_stage_schedule,
+    run_units,
+)
+from pipekit.pipelining.runtime.action_runtime import ActionListSchedule, UserPipelineSchedule
+from pipekit.pipelining.runtime.batch_split import split_into_units
+from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
+from pipekit.pipelining.runtime.stage import SlicedPipelineStage
+from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
+
+__all__ = ["PipelineRunner", "make_schedule"]
+
+
+def make_schedule(
+    schedule_name: str,
+    stages: Sequence[SlicedPipelineStage],
+    num_microbatches: int,
+    num_slices: int = 1,
+    loss_fn: LossFn = token_sum_cross_entropy,
+    *,
+    actions_by_rank: Mapping[int, Sequence[Action | None]] | None = None,
+    extensions: Sequence[PipelineExtension] = (),
+) -> PipelineSchedule:
+    """The runnable schedule `schedule_name` (a registry entry) over this rank's stages, built
+    for `num_slices`. A "user" schedule takes every rank's compute-only `actions_by_rank`."""
+    entry = get_schedule(schedule_name)
+    if (entry.actions is None) != (actions_by_rank is not None):
+        raise ValueError(
+            f"pass actions_by_rank exactly for a schedule given by its lists ({schedule_name!r})"
+        )
+    features = frozenset(extension.name for extension in extensions)
+    shape = ScheduleShape(stages[0].group_size, num_microbatches, num_slices, len(stages))
+    entry.check(shape, features)
+    if actions_by_rank is not None:
+        return UserPipelineSchedule(
+            stages, actions_by_rank, num_microbatches, num_slices, loss_fn, extensions
+        )
+    if entry.torch_class is not None and not extensions:
+        schedule_class = get_schedule_class(entry.torch_class)
+        if is_single_stage_schedule(schedule_class):
+            return schedule_class(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return schedule_class(list(stages), num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    assert entry.actions is not None
+    return ActionListSchedule(
+        stages, entry.actions(shape), num_microbatches, num_slices, loss_fn, extensions
+    )
+
+
+@dataclass
+class PipelineRunner:
+    """One rank's share of a pipeline: its stages, the schedule, and how batches are cut."""
+
+    schedule: PipelineSchedule
+    stages: list[SlicedPipelineStage]
+    num_microbatches: int
+    num_slices: int
+    extensions: list[PipelineExtension] = field(default_factory=list)
+    """The pipeline's features (vocabulary parallelism, context exchange, ...)."""
+    model: nn.Module | None = None
+    """This rank's model: every module of its stages (and vocabulary shards) under the whole
+    model's names, for the optimizer, checkpoints and gradient clipping."""
+
+    @property
+    def has_first_stage(self) -> bool:
+        """Whether this rank feeds token ids in (holds stage 0)."""
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last_stage(self) -> bool:
+        """Whether this rank computes the loss (holds the last stage)."""
+        return any(stage.is_last for stage in self.stages)
+
+    def extension(self, name: str) -> PipelineExtension | None:
+        """The feature named `name`, if the pipeline has it."""
+        return next((ext for ext in self.extensions if ext.name == name), None)
+
+    def row_sharded_parameters(self) -> dict[str, int]:
+        """Parameters this rank holds only some rows of (for checkpoints)."""
+        rows: dict[str, int] = {}
+        for extension in self.extensions:
+            rows |= extension.row_sharded_parameters()
+        return rows
+
+    def step(self, batch: TensorDict, num_label_tokens: Tensor | float) -> Tensor | None:
+        """Forward and backward of the whole batch `[B, S]` (tokens, labels, positions,
+        document_ids); returns the loss (sum over units) on the rank with the last stage, else
+        None. Gradients accumulate into the stage modules' `.grad`; MoE auxiliary losses count
+        once per batch (times any enclosing `aux_loss_scale`)."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("PipelineRunner.step needs gradients; do not call it in no_grad")
+        units = split_into_units(batch, self.num_microbatches, self.num_slices)
+        for stage in self.stages:
+            stage.has_backward = True
+            stage.clear_runtime_states()
+        arg_units = [(unit["tokens"],) if self.has_first_stage else () for unit in units]
+        for extension in self.extensions:
+            arg_units = extension.begin_step(units, num_label_tokens) or arg_units
+        kwarg_units = [_stage_kwargs(unit) for unit in units]
+        targets = [unit["labels"] for unit in units] if self.has_last_stage else None
+        losses: list[Tensor] = []
+        with aux_loss_scale(current_aux_loss_scale() / len(units)):
+            run_units(
+                self.schedule,
+                arg_units,
+                kwarg_units,
+                targets,
+                losses,
+                {"normaliser": num_label_tokens},
+            )
+        for extension in self.extensions:
+            extension.end_step()
+        for stage in self.stages:
+            stage.clear_runtime_states()
+        if not self.has_last_stage:
+            return None
+        # Detached: the losses' graphs reach the KV cache, which must not outlive the step.
+        return torch.stack([loss.detach() for loss in losses]).sum()
+
+
+def _stage_kwargs(unit: TensorDict) -> dict[str, Tensor]:
+    kwargs = {"positions": unit["positions"]}
+    if "document_ids" in unit:
+        kwargs["document_ids"] = unit["document_ids"]
+    return kwargs

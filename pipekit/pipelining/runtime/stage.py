@@ -1,0 +1,228 @@
+"""A torch `PipelineStage` that runs slices against a chunked KV cache.
+
+torch's runtime calls `forward_one_chunk(unit)` and `backward_one_chunk(unit)` with unit indices
+(`pipekit.pipelining.schedules.units`). This subclass turns a unit into (microbatch, slice),
+hands the stage's model the slice's attention context (its microbatch's KV cache, as the
+pipeline's extensions wrap it), and releases the slice's cached chunks right after its
+backward. With one slice per microbatch it is an ordinary stage with causal (document-aware)
+attention, so torch's own schedules run on it too.
+
+Shapes are given statically (every unit has the same shape), so torch never runs the extra
+metadata-inference forward that would touch the KV cache outside a real unit.
+
+Legend: B microbatch rows, S slice length, D model dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.kv_cache import ChunkedKVCache
+from pipekit.memory.tracker import track_tensor, untrack_tensor
+from pipekit.pipelining._torch_runtime import (
+    BACKWARD,
+    FORWARD,
+    INPUT_BACKWARD,
+    WEIGHT_BACKWARD,
+    Action,
+    ComputationType,
+    stage_saved_inputs,
+)
+from pipekit.pipelining.runtime.extension import PipelineExtension
+from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
+
+__all__ = ["SlicedPipelineStage", "StageShapes", "check_stage_slices"]
+
+
+class StageShapes:
+    """Static shapes of one unit at a stage boundary: tokens `[B, S]` into the first stage,
+    hidden states `[B, S, D]` between stages, logits `[B, S, V]` out of the last. With
+    `vocab_parallel` the embedding and the output layer live outside the stages, so the first
+    stage takes and the last stage gives hidden states. Floating examples require grad: torch
+    sizes the gradient buffers of a boundary only for those."""
+
+    def __init__(
+        self,
+        rows: int,
+        slice_length: int,
+        model_dim: int,
+        vocab_size: int,
+        dtype: torch.dtype,
+        *,
+        vocab_parallel: bool = False,
+    ) -> None:
+        self.rows, self.slice_length = rows, slice_length
+        self.model_dim, self.vocab_size, self.dtype = model_dim, vocab_size, dtype
+        self.vocab_parallel = vocab_parallel
+
+    def stage_input(self, is_first: bool, device: torch.device) -> torch.Tensor:
+        """The first stage takes token ids (embeddings with vocab_parallel); the others take
+        hidden states."""
+        if is_first and not self.vocab_parallel:
+            return torch.empty(self.rows, self.slice_length, dtype=torch.long, device=device)
+        return self.hidden(device)
+
+    def stage_output(self, is_last: bool, device: torch.device) -> torch.Tensor:
+        """The last stage gives logits (hidden states with vocab_parallel); the others give
+        hidden states."""
+        if is_last and not self.vocab_parallel:
+            size = (self.rows, self.slice_length, self.vocab_size)
+            return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
+        return self.hidden(device)
+
+    def hidden(self, device: torch.device) -> torch.Tensor:
+        """Hidden states of one unit, requiring grad (a boundary torch sends gradients over)."""
+        size = (self.rows, self.slice_length, self.model_dim)
+        return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
+
+
+class SlicedPipelineStage(PipelineStage):
+    """A stage whose units are slices; its model takes `(x, positions=, attention_context=)`."""
+
+    def __init__(
+        self,
+        stage_module: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        shapes: StageShapes,
+        num_slices: int = 1,
+        group: dist.ProcessGroup | None = None,
+        backend: str | AttentionBackend = "auto",
+    ) -> None:
+        meta = torch.device("meta")
+        super().__init__(
+            stage_module,
+            stage_index,
+            num_stages,
+            device,
+            input_args=shapes.stage_input(stage_index == 0, meta),
+            output_args=shapes.stage_output(stage_index == num_stages - 1, meta),
+            group=group,
+        )
+        self.num_slices, self.shapes = num_slices, shapes
+        self.kv_cache = ChunkedKVCache(backend)
+        self.extensions: Sequence[PipelineExtension] = ()
+        """Set by the schedule: the pipeline's features, asked for each forward's context."""
+        self.action_observer: Callable[[Action, float, float], None] | None = None
+        """Called with (action, start, end) after each F, B, I or W (`tools.trace`)."""
+
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
+    ) -> Any:
+        """Forward of one unit with its slice's attention context from the stage's KV cache."""
+        microbatch, slice_index = unit_microbatch_and_slice(fwd_chunk_id, self.num_slices)
+        stage_kwargs = dict(kwargs or {})
+        document_ids_BS = stage_kwargs.pop("document_ids", None)
+        context = self.kv_cache.slice_context(microbatch, slice_index, document_ids_BS)
+        for extension in self.extensions:
+            context = extension.stage_context(self, fwd_chunk_id, context)
+        stage_kwargs["attention_context"] = context
+        output = self._observed(
+            FORWARD,
+            fwd_chunk_id,
+            lambda: super(SlicedPipelineStage, self).forward_one_chunk(
+                fwd_chunk_id, args, stage_kwargs, save_forward_output
+            ),
+        )
+        for extension in self.extensions:
+            extension.after_forward(self, fwd_chunk_id, context)
+        if self.has_backward:
+            for tensor in self._stage_inputs(fwd_chunk_id):
+                track_tensor("stage_inputs", tensor)
+            for tensor in self.kv_cache.slice_tensors(microbatch, slice_index):
+                track_tensor("kv_cache", tensor)
+        return output
+
+    def backward_one_chunk(
+        self,
+        bwd_chunk_id: int,
+        loss: torch.Tensor | None = None,
+        full_backward: bool = True,
+        last_backward: bool = False,
+    ) -> None:
+        """Backward of one unit (recomputed if checkpointed), then its cached chunks are freed."""
+        if not full_backward and self.num_slices > 1:
+            raise ValueError(
+                "sliced stages need full backward actions (B): a split input/weight backward "
+                "(I/W) does not carry the KV-cache gradients; use a schedule without I/W actions"
+            )
+        microbatch, slice_index = unit_microbatch_and_slice(bwd_chunk_id, self.num_slices)
+        stage_inputs = self._stage_inputs(bwd_chunk_id)
+        self.kv_cache.recomputing = (microbatch, slice_index)  # activation checkpointing
+        try:
+            self._observed(
+                BACKWARD if full_backward else INPUT_BACKWARD,
+                bwd_chunk_id,
+                lambda: super(SlicedPipelineStage, self).backward_one_chunk(
+                    bwd_chunk_id, loss, full_backward, last_backward
+                ),
+            )
+        finally:
+            self.kv_cache.recomputing = None
+        for tensor in stage_inputs:
+            untrack_tensor("stage_inputs", tensor)
+        for tensor in self.kv_cache.slice_tensors(microbatch, slice_index):
+            untrack_tensor("kv_cache", tensor)
+        self.kv_cache.release(microbatch, slice_index)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        """Weight-gradient part of a split backward (unsliced stages only)."""
+        self._observed(
+            WEIGHT_BACKWARD,
+            bwd_chunk_id,
+            lambda: super(SlicedPipelineStage, self).backward_weight_one_chunk(
+                bwd_chunk_id, last_backward
+            ),
+        )
+
+    def _observed(self, kind: ComputationType, unit: int, run: Callable[[], Any]) -> Any:
+        """Run one action; with an observer, time it (on CUDA, between device syncs)."""
+        if self.action_observer is None:
+            return run()
+        synchronize = self.device.type == "cuda"
+        if synchronize:
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        output = run()
+        if synchronize:
+            torch.cuda.synchronize(self.device)
+        self.action_observer(Action(self.stage_index, kind, unit), start, time.perf_counter())
+        return output
+
+    def clear_runtime_states(self) -> None:
+        """Between steps: torch's per-step state and the whole KV cache."""
+        super().clear_runtime_states()
+        self.kv_cache.clear()
+
+    def _stage_inputs(self, unit: int) -> list[torch.Tensor]:
+        """The received activations of a unit (the first stage's token ids are not counted)."""
+        if self.is_first:
+            return []
+        return [
+            t
+            for t in stage_saved_inputs(self, unit)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ]
+
+
+def check_stage_slices(stages: Sequence[SlicedPipelineStage], num_slices: int) -> None:
+    """A schedule and its stages must agree on how many slices a microbatch has."""
+    for stage in stages:
+        if stage.num_slices != num_slices:
+            raise ValueError(
+                f"stage {stage.stage_index} was built for {stage.num_slices} slices, the "
+                f"schedule for {num_slices}; build both from the same num_slices"
+            )

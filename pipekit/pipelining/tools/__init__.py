@@ -1,0 +1,1 @@
+"""Looking at schedules: recorded timelines of real steps, Perfetto traces and pictures."""

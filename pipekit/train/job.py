@@ -1,0 +1,271 @@
+"""From a loaded config to a `Job`: every rule checked, everything the trainer builds resolved.
+
+`plan_job(config, world_size)` runs before any process group, file read beyond headers, or
+model exists. Each subsystem checks its own part (the config's value ranges, the model registry,
+the data sources, parallel degrees, expert parallelism, the pipeline plan, upcycling); this
+module runs them in order, adds the rules that combine sections, and turns every refusal into a
+`ConfigError` that names the section and the fix. The trainer builds from the returned `Job`,
+so what was checked is exactly what runs. `world_size=None` checks all that does not depend on
+the launch (`python -m pipekit.config.dump`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pipekit.config.job_config import JobConfig
+from pipekit.config.loader import ConfigError
+from pipekit.config.validate import check_values
+from pipekit.models.registry import get_model_spec, import_model_module, resolve_model
+from pipekit.models.spec import ModelShape, ModelSpec
+
+if TYPE_CHECKING:
+    from pipekit.checkpoint.upcycle import UpcycleSpec
+    from pipekit.distributed.parallel_dims import ParallelDims
+    from pipekit.pipelining.plan import PipelinePlan
+
+__all__ = ["Job", "plan_job"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated job: its config and what the config resolves to."""
+
+    config: JobConfig
+    spec: ModelSpec
+    """The family the job trains (the MoE family when it upcycles)."""
+    args: Any
+    """The model args (`spec.build(args)`)."""
+    shape: ModelShape
+    upcycle: UpcycleSpec | None
+    """How the dense checkpoint becomes the model, when upcycling."""
+    dims: ParallelDims | None
+    """Parallel degrees (None when checked without a world size)."""
+    pipeline: PipelinePlan | None
+    """The pipeline, when pipeline_parallel_degree > 1."""
+    local_batch_size: int
+    """Sequences per data-parallel rank and accumulation micro-step."""
+
+    @property
+    def dense_spec(self) -> ModelSpec:
+        """The family named in [model] (the dense one, when upcycling)."""
+        return get_model_spec(self.config.model.name)
+
+
+def _error(section: str, error: Exception) -> ConfigError:
+    return ConfigError(f"{section} {error}" if section else str(error))
+
+
+def plan_job(config: JobConfig, world_size: int | None) -> Job:
+    """Check `config` (for `world_size` ranks) and resolve it; ConfigError for the first rule
+    it breaks."""
+    check_values(config)
+    spec, args, upcycle = _model(config)
+    shape = spec.shape(args)
+    _check_data(config, shape)
+    _check_checkpoints(config, spec, args)
+    if upcycle is not None:
+        _check_upcycle(config)
+    if world_size is None:
+        return Job(config, spec, args, shape, upcycle, None, None, 0)
+    dims = _parallel_dims(config, world_size)
+    if dims.ep > 1:
+        _check_expert_parallel(config, args, dims.ep)
+    per_step = dims.dp_degree * config.training.gradient_accumulation_steps
+    if config.training.global_batch_size % per_step:
+        raise ConfigError(
+            f"[training] global_batch_size={config.training.global_batch_size} must be divisible "
+            f"by data-parallel degree {dims.dp_degree} x gradient_accumulation_steps="
+            f"{config.training.gradient_accumulation_steps} = {per_step}; try "
+            f"{per_step * max(1, config.training.global_batch_size // per_step)}"
+        )
+    local_batch = config.training.global_batch_size // per_step
+    pipeline = _pipeline(config, spec, args, shape, local_batch) if dims.pp > 1 else None
+    if config.parallelism.vocab_parallel:
+        _check_vocab_parallel(shape, dims.pp)
+    return Job(config, spec, args, shape, upcycle, dims, pipeline, local_batch)
+
+
+def _model(config: JobConfig) -> tuple[ModelSpec, Any, UpcycleSpec | None]:
+    from pipekit.config.job_config import UpcycleConfig
+
+    model = config.model
+    upcycle = model.upcycle
+    if not upcycle.enabled and upcycle != UpcycleConfig(num_experts=upcycle.num_experts):
+        raise ConfigError(
+            f"[model.upcycle] num_experts={upcycle.num_experts} turns upcycling off, but other "
+            "[model.upcycle] keys are set; set num_experts > 0 to upcycle, or remove them"
+        )
+    section = "[model.upcycle]" if upcycle.enabled else "[model]"
+    try:
+        if model.module:
+            import_model_module(model.module)
+        upcycle_spec = upcycle.to_spec() if upcycle.enabled else None
+        spec, args = resolve_model(model.name, model.flavor, upcycle_spec)
+    except ValueError as error:
+        raise _error(f"{section}:", error) from None
+    return spec, args, upcycle_spec
+
+
+def _check_data(config: JobConfig, shape: ModelShape) -> None:
+    from pipekit.train.data.loader import check_data_config
+
+    try:
+        tokenizer_vocab = check_data_config(config.data)
+    except (ValueError, ImportError) as error:
+        raise _error("[data]:", error) from None
+    model = config.model
+    if tokenizer_vocab > shape.vocab_size:
+        raise ConfigError(
+            f"[data] tokenizer={config.data.tokenizer!r} has {tokenizer_vocab} ids but model "
+            f"{model.name} flavor {model.flavor} has vocab_size={shape.vocab_size}; choose a "
+            "flavor with a larger vocabulary or a matching tokenizer"
+        )
+    if config.training.seq_len > shape.max_seq_len:
+        raise ConfigError(
+            f"[training] seq_len={config.training.seq_len} is longer than model {model.name} "
+            f"flavor {model.flavor} is built for (max_seq_len={shape.max_seq_len}); use "
+            f"seq_len <= {shape.max_seq_len}"
+        )
+
+
+def _check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any) -> None:
+    from pathlib import Path
+
+    checkpoint = config.checkpoint
+    initial = checkpoint.initial_load_path
+    if initial and not (Path(initial) / "config.json").is_file():
+        raise ConfigError(
+            f"[checkpoint] initial_load_path={initial!r} has no config.json; point it at a "
+            "Hugging Face checkpoint directory"
+        )
+    dense = get_model_spec(config.model.name)
+    uses = {
+        "[checkpoint] initial_load_path": (bool(initial), dense),
+        "[checkpoint] export_hf_at_end": (checkpoint.export_hf_at_end, spec),
+    }
+    for name, (used, family) in uses.items():
+        if used and family.hf is None:
+            raise ConfigError(
+                f"{name}: model {family.name} has no Hugging Face layout adapter; turn it off "
+                "(DCP checkpoints still save and resume)"
+            )
+    if checkpoint.export_hf_at_end and spec.hf is not None and spec.hf.check_layout is not None:
+        try:
+            spec.hf.check_layout(args)
+        except ValueError as error:
+            raise _error("[checkpoint] export_hf_at_end:", error) from None
+
+
+def _check_upcycle(config: JobConfig) -> None:
+    """Upcycling reads the dense checkpoint shard by shard while the model is built, so the
+    checkpoint's config and tensor headers are checked against the flavor here, before that."""
+    from pipekit.checkpoint.upcycle import check_dense_checkpoint
+
+    path = config.checkpoint.initial_load_path
+    if not path:
+        raise ConfigError(
+            "[model.upcycle] num_experts > 0 upcycles the dense checkpoint of [checkpoint] "
+            "initial_load_path, which is empty; set it to a Hugging Face checkpoint directory"
+        )
+    if config.parallelism.vocab_parallel:
+        raise ConfigError(
+            "[model.upcycle] does not combine with [parallelism] vocab_parallel yet (the "
+            "vocabulary shards are initialised from the full rows); set vocab_parallel = false"
+        )
+    dense = get_model_spec(config.model.name)
+    try:
+        check_dense_checkpoint(path, dense, dense.flavor(config.model.flavor))
+    except ValueError as error:  # CheckpointError included
+        raise ConfigError(
+            f"[checkpoint] initial_load_path: {error} ([model] flavor={config.model.flavor!r} "
+            "must describe the dense checkpoint that is upcycled)"
+        ) from None
+
+
+def _parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
+    from pipekit.distributed.parallel_dims import ParallelDims
+
+    try:
+        dims = ParallelDims.from_config(config.parallelism, world_size)
+    except ValueError as error:
+        raise _error("[parallelism]", error) from None
+    for name in ("cp", "tp"):
+        if getattr(dims, name) > 1:
+            raise ConfigError(
+                f"[parallelism] {name}={getattr(dims, name)}: the trainer does not support "
+                f"{name} > 1 yet; set {name} = 1"
+            )
+    return dims
+
+
+def _check_expert_parallel(config: JobConfig, args: Any, ep: int) -> None:
+    from pipekit.moe.expert_parallel import check_expert_parallel
+
+    model = config.model
+    upcycle = model.upcycle
+    source = (
+        f"[model.upcycle] num_experts x granularity = {upcycle.num_experts} x {upcycle.granularity}"
+        if upcycle.enabled
+        else f"{model.name} {model.flavor}"
+    )
+    try:
+        check_expert_parallel(getattr(args, "moe", None), ep, source)
+    except ValueError as error:
+        raise _error("[parallelism]", error) from None
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            f"[parallelism] ep={ep}: the trainer does not run expert parallelism inside "
+            "pipeline stages yet; set pipeline_parallel_degree = 1 or ep = 1"
+        )
+
+
+def _pipeline(
+    config: JobConfig, spec: ModelSpec, args: Any, shape: ModelShape, local_batch_size: int
+) -> PipelinePlan:
+    import torch
+
+    from pipekit.pipelining.model_split.stage_module import validate_stage_module_names
+    from pipekit.pipelining.plan import plan_pipeline
+
+    try:
+        plan = plan_pipeline(
+            config.parallelism, spec.structure, shape, local_batch_size, config.training.seq_len
+        )
+        with torch.device("meta"):
+            model = spec.build(args)
+        validate_stage_module_names(model, plan.module_names_per_stage, plan.modules_outside_stages)
+    except ValueError as error:
+        raise _error("[parallelism]", error) from None
+    if shape.tied_embeddings:
+        raise ConfigError(
+            f"[model] flavor {config.model.flavor} ties the embedding and output weights, which "
+            "pipeline stages cannot share yet; use an untied flavor or pipeline_parallel_degree=1"
+        )
+    unsupported = {
+        "[training] mixed_precision_param": config.training.mixed_precision_param != "float32",
+        "[checkpoint] export_hf_at_end": config.checkpoint.export_hf_at_end,
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise ConfigError(
+                f"{name} is not supported with pipeline_parallel_degree > 1 yet; turn it off "
+                "(the pipelined run still writes DCP checkpoints)"
+            )
+    return plan
+
+
+def _check_vocab_parallel(shape: ModelShape, pp: int) -> None:
+    """Vocabulary parallelism needs pipeline ranks to split the vocabulary over."""
+    from pipekit.layers.vocab_parallel import dtensor_shard_sizes
+
+    if pp < 2:
+        raise ConfigError(
+            "[parallelism] vocab_parallel = true splits the vocabulary across pipeline ranks; set "
+            "pipeline_parallel_degree >= 2 or vocab_parallel = false"
+        )
+    try:
+        dtensor_shard_sizes(shape.vocab_size, pp)
+    except ValueError as error:
+        raise _error("[parallelism] vocab_parallel = true:", error) from None

@@ -1,0 +1,173 @@
+"""This rank's model for a job: built on meta, given values, parallelized; or its pipeline.
+
+Order (torchtitan's): model on the meta device -> (pipeline: keep this rank's stages) ->
+materialise and initialise from the job seed, or load a Hugging Face checkpoint -> activation
+checkpointing -> expert parallelism -> data parallelism (FSDP2 / HSDP / replication; per stage
+under pipelining). Initialisation depends only on the job seed and each module's name, so any
+data-parallel or pipeline layout starts from the weights a single process would. An upcycled
+model is the exception that comes first: it is parallelized on meta, then each rank fills only
+its own blocks from the dense checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from pipekit.checkpoint.local_shards import local_nbytes
+from pipekit.checkpoint.safetensors_io import TensorRead
+from pipekit.checkpoint.upcycle import upcycle_into
+from pipekit.distributed.fsdp import apply_data_parallel
+from pipekit.moe.expert_parallel import (
+    apply_expert_parallel,
+    expert_mesh,
+    expert_parameters,
+    set_expert_execution,
+)
+from pipekit.pipelining.build import StageSetup, build_pipeline
+from pipekit.pipelining.runtime.runner import PipelineRunner
+from pipekit.train.activation_checkpoint import apply_activation_checkpointing
+from pipekit.train.job import Job
+
+__all__ = ["DTYPES", "JobModel", "build_job_model"]
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class JobModel:
+    """What the trainer trains on this rank."""
+
+    model: nn.Module
+    """The whole model, or this rank's stages' modules under the whole model's names."""
+    pipeline: PipelineRunner | None
+    expert_mesh: DeviceMesh | None
+    """`ep_replicate x ep` over the data ranks, under expert parallelism."""
+
+
+def build_job_model(
+    job: Job, mesh: DeviceMesh | None, device: torch.device, *, load_hf: bool
+) -> JobModel:
+    """This rank's model (or pipeline) for `job`; `load_hf` reads [checkpoint] initial_load_path
+    (off when resuming: the checkpoint overwrites the values anyway)."""
+    setup = _ModelSetup(job, mesh, device, load_hf)
+    with torch.device("meta"):
+        model = job.spec.build(job.args)
+    if job.pipeline is not None:
+        assert mesh is not None  # pipelines have ranks
+        runner = build_pipeline(job.pipeline, model, mesh, setup.stage_setup())
+        assert runner.model is not None
+        return JobModel(runner.model, runner, setup.expert_mesh)
+    if job.upcycle is not None:
+        setup.parallelize(model)
+        setup.materialize_upcycled(model)
+    else:
+        setup.materialize(model)
+        setup.parallelize(model)
+    return JobModel(model, None, setup.expert_mesh)
+
+
+class _ModelSetup:
+    """The job's ways to give a module values and to parallelize it."""
+
+    def __init__(
+        self, job: Job, mesh: DeviceMesh | None, device: torch.device, load_hf: bool
+    ) -> None:
+        self.job, self.mesh, self.device, self.load_hf = job, mesh, device, load_hf
+        self.expert_mesh = None
+        dims = job.dims
+        if dims is not None and dims.ep_enabled:
+            self.expert_mesh = expert_mesh(device.type, dims.dp_degree * dims.cp, dims.ep)
+        training = job.config.training
+        self.precision = {
+            "param_dtype": DTYPES[training.mixed_precision_param],
+            "reduce_dtype": DTYPES[training.mixed_precision_reduce],
+        }
+
+    def stage_setup(self) -> StageSetup:
+        config = self.job.config
+        upcycled = self.job.upcycle is not None
+        return StageSetup(
+            device=self.device,
+            materialize=self.materialize_upcycled if upcycled else self.materialize,
+            parallelize=self.parallelize,
+            parallelize_vocab=self.parallelize_vocab,
+            shard_first=upcycled,
+            attention_backend=config.model.attention_backend,
+            collective_timeout=timedelta(seconds=config.parallelism.collective_timeout_s),
+        )
+
+    def materialize(self, module: nn.Module) -> None:
+        """Storage on the device, values from the job seed, or the Hugging Face weights."""
+        module.to_empty(device=self.device)
+        module.init_weights(seed=self.job.config.job.seed)
+        path = self.job.config.checkpoint.initial_load_path
+        if self.load_hf and path:
+            assert self.job.spec.hf is not None  # validated
+            self.job.spec.hf.load(path, module, self.job.args)
+
+    def materialize_upcycled(self, module: nn.Module) -> None:
+        """Storage for the (already sharded) module, then its local blocks upcycled from the
+        dense checkpoint: experts copied from the FFN blocks, router drawn from the job seed."""
+        module.to_empty(device=self.device)
+        module.tie_weights()  # FSDP2 keeps a tie through to_empty; a plain module does not
+        if not self.load_hf:
+            return
+        job = self.job
+        dense = job.dense_spec
+        assert dense.upcycler is not None and job.upcycle is not None  # validated
+        reads: list[TensorRead] = []
+        path = job.config.checkpoint.initial_load_path
+        upcycle_into(
+            module, path, dense.upcycler, job.args, job.upcycle, job.config.job.seed, read_log=reads
+        )
+        owned, read = local_nbytes(module), sum(block.nbytes for block in reads)
+        logger.info(
+            "upcycled %s: read %.1f MiB for %.1f MiB of local parameters",
+            path,
+            read / 2**20,
+            owned / 2**20,
+        )
+
+    def parallelize(self, module: nn.Module) -> None:
+        """Activation checkpointing, expert parallelism, then data parallelism, in place."""
+        job, moe = self.job, self.job.config.moe
+        if self.expert_mesh is not None:
+            apply_expert_parallel(
+                module,
+                self.expert_mesh["ep"],
+                partitions=moe.partitions,
+                memory_reuse=moe.memory_reuse,
+            )
+        else:
+            set_expert_execution(module, moe.partitions, moe.memory_reuse)
+        blocks = job.spec.structure.blocks_of(module)
+        apply_activation_checkpointing(blocks, job.config.training)
+        if self.mesh is not None:
+            assert job.dims is not None
+            apply_data_parallel(
+                module,
+                self.mesh,
+                job.dims,
+                blocks=blocks,
+                ignored_params=expert_parameters(module) if self.expert_mesh else None,
+                **self.precision,
+            )
+
+    def parallelize_vocab(self, embedding: nn.Module, output: nn.Module) -> None:
+        """Data parallelism over the vocabulary shards. The output layer runs once per unit, so
+        it stays gathered from its forward to its backward (the vocabulary-parallel pipeline
+        syncs its gradients after the step's last pass)."""
+        if self.mesh is None:
+            return
+        assert self.job.dims is not None
+        dims = self.job.dims
+        apply_data_parallel(embedding, self.mesh, dims, **self.precision)
+        apply_data_parallel(output, self.mesh, dims, reshard_after_forward=False, **self.precision)
