@@ -1,0 +1,137 @@
+"""A model of your own, trained by pipekit: GPT-2 style (LayerNorm, learned positions, GELU
+MLP, biases) with a pipekit mixture of experts in every other block. docs/custom_models.md
+walks through it; `[model] module = "examples.custom_model.model"` makes a job import it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from pipekit.attention.context import AttentionContext, attend
+from pipekit.layers.init import seeded, trunc_normal_
+from pipekit.models import ModelShape, ModelSpec, ModelStructure, register_model
+from pipekit.moe import MoE, MoEArgs
+
+
+@dataclass(frozen=True)
+class TinyGPTArgs:
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 2
+    vocab_size: int = 258  # pipekit's byte tokenizer
+    max_seq_len: int = 1024
+    moe: MoEArgs = field(default_factory=lambda: MoEArgs(num_experts=4, top_k=2))
+
+
+class Attention(nn.Module):
+    """Causal self-attention without RoPE; the attention context decides what it attends to
+    (a KV cache of earlier slices, another rank's chunks), so pipekit can slice and exchange."""
+
+    def __init__(self, args: TinyGPTArgs) -> None:
+        super().__init__()
+        self.heads = args.n_heads
+        self.qkv, self.proj = nn.Linear(args.dim, 3 * args.dim), nn.Linear(args.dim, args.dim)
+
+    def forward(self, x_BSD: Tensor, layer_id: str, context: AttentionContext | None) -> Tensor:
+        q, k, v = (
+            t.unflatten(-1, (self.heads, -1)).transpose(1, 2)  # [B, H, S, head_dim]
+            for t in self.qkv(x_BSD).chunk(3, dim=-1)
+        )
+        out_BHSK = attend(context, layer_id, q, k, v, q.shape[-1] ** -0.5)
+        return self.proj(out_BHSK.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    def __init__(self, layer_id: int, args: TinyGPTArgs) -> None:
+        super().__init__()
+        self.layer_id = str(layer_id)
+        self.ln_1, self.ln_2 = nn.LayerNorm(args.dim), nn.LayerNorm(args.dim)
+        self.attn = Attention(args)
+        if layer_id % 2:  # pipekit's MoE: routing, experts, expert parallelism, aux losses
+            self.mlp: nn.Module = MoE(args.dim, 2 * args.dim, args.moe)
+        else:
+            self.mlp = nn.Sequential(
+                nn.Linear(args.dim, 4 * args.dim), nn.GELU(), nn.Linear(4 * args.dim, args.dim)
+            )
+
+    def reset_parameters(self) -> None:
+        dense = [] if isinstance(self.mlp, MoE) else [self.mlp[0], self.mlp[2]]
+        for linear in (self.attn.qkv, self.attn.proj, *dense):
+            trunc_normal_(linear.weight, 0.02)
+            nn.init.zeros_(linear.bias)
+        for module in (self.ln_1, self.ln_2, self.mlp if isinstance(self.mlp, MoE) else None):
+            if module is not None:
+                module.reset_parameters()
+
+    def forward(self, h_BSD: Tensor, context: AttentionContext | None) -> Tensor:
+        h_BSD = h_BSD + self.attn(self.ln_1(h_BSD), self.layer_id, context)
+        return h_BSD + self.mlp(self.ln_2(h_BSD))
+
+
+class TinyGPT(nn.Module):
+    """A pipeline stage is this model with other stages' modules set to None (blocks deleted):
+    forward applies what is present, so stages compose to the whole model."""
+
+    def __init__(self, args: TinyGPTArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.wte = nn.Embedding(args.vocab_size, args.dim)
+        self.wpe = nn.Embedding(args.max_seq_len, args.dim)
+        self.blocks = nn.ModuleDict({str(i): Block(i, args) for i in range(args.n_layers)})
+        self.ln_f = nn.LayerNorm(args.dim)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        """Nothing is tied here."""
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Each module drawn from (seed, its name) alone: any stage initialised by itself holds
+        the whole model's values."""
+        seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
+        device = next(self.parameters()).device
+        for name, module in self.named_children():
+            children = module.items() if isinstance(module, nn.ModuleDict) else [("", module)]
+            for key, child in children:
+                with seeded(seed, f"{name}.{key}" if key else name, device):
+                    if isinstance(child, nn.Embedding):
+                        nn.init.normal_(child.weight, std=0.02)
+                    elif isinstance(child, nn.Linear):
+                        trunc_normal_(child.weight, child.in_features**-0.5)
+                    else:
+                        child.reset_parameters()
+
+    def forward(
+        self,
+        tokens_or_hidden: Tensor,
+        positions: Tensor | None = None,
+        attention_context: AttentionContext | None = None,
+    ) -> Tensor:
+        h_BSD = tokens_or_hidden
+        if self.wte is not None and not h_BSD.is_floating_point():
+            h_BSD = self.wte(h_BSD)
+        if self.wpe is not None:  # the first stage adds positions (also to vocab-parallel input)
+            positions = torch.arange(h_BSD.shape[1]) if positions is None else positions
+            # positions count from each packed document's start; long ones share the last row
+            h_BSD = h_BSD + self.wpe(
+                positions.clamp(max=self.args.max_seq_len - 1).to(h_BSD.device)
+            )
+        for block in (self.blocks or {}).values():
+            h_BSD = block(h_BSD, attention_context)
+        if self.ln_f is not None:
+            h_BSD = self.ln_f(h_BSD)
+        return h_BSD if self.lm_head is None else self.lm_head(h_BSD)
+
+
+def _shape(args: TinyGPTArgs) -> ModelShape:
+    head_dim = args.dim // args.n_heads
+    sizes = (args.dim, args.n_layers, args.vocab_size, args.n_heads, args.n_heads, head_dim)
+    return ModelShape(*sizes, tied_embeddings=False, max_seq_len=args.max_seq_len)
+
+
+STRUCTURE = ModelStructure("blocks", "wte", "lm_head", ("wpe",), ("ln_f",))
+"""Blocks, token embedding, vocabulary head, then what else stage 0 and the last stage hold."""
+TINY_GPT = ModelSpec("tiny_gpt", {"debug": TinyGPTArgs()}, TinyGPT, _shape, STRUCTURE)
+register_model(TINY_GPT)

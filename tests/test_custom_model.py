@@ -1,0 +1,126 @@
+"""A model defined outside pipekit (examples/custom_model: GPT-2 style, learned positions,
+LayerNorm, GELU, MoE every other block) trains through the model contract alone: under FSDP
+(2 ranks) and under the 2-rank sliced pipeline with context exchange and vocabulary
+parallelism, its loss and every gradient equal the single-process step on the same units
+(float64, 1e-10), MoE auxiliary losses on. Ablations: the runner without its auxiliary-loss
+scaling, and a structure that puts the final norm on the wrong stage. The registry keeps the
+built-in families when a user registers first, and the job runs from its config file."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+from distributed_helpers import run_on_ranks
+from parity import (
+    data_parallel_step,
+    max_relative_difference,
+    parity_batch,
+    pipeline_step,
+    reference_step,
+)
+
+import examples.custom_model.model as custom
+from pipekit.moe import MoEArgs
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 1e-10
+ARGS = custom.TinyGPTArgs(dim=32, n_layers=4, n_heads=2, vocab_size=61, max_seq_len=32)
+NO_AUX = dataclasses.replace(ARGS, moe=MoEArgs(num_experts=4, top_k=2, load_balance_weight=0))
+ROWS, SEQ_LEN, MICROBATCHES, SLICES = 4, 16, 2, 4
+SLICED = {
+    "pipeline_schedule": "sliced",
+    "num_slices": SLICES,
+    "microbatches": MICROBATCHES,
+    "context_exchange": True,
+    "vocab_parallel": True,
+}
+
+
+def _batch():
+    return parity_batch(ARGS.vocab_size, ROWS, SEQ_LEN)
+
+
+def _cases(rank: int, world: int, ablation: str = "") -> list:
+    """FSDP, then the sliced pipeline (aux losses on, then off), on one process group."""
+    import pipekit.pipelining.runtime.runner as runner_module
+
+    spec = custom.TINY_GPT
+    if ablation == "no_aux_scaling":
+        runner_module.aux_loss_scale = lambda scale: nullcontext()
+    if ablation == "norm_on_the_first_stage":
+        wrong = dataclasses.replace(spec.structure, before_blocks=("wpe", "ln_f"), after_blocks=())
+        spec = dataclasses.replace(spec, structure=wrong)
+    return [
+        data_parallel_step(rank, world, custom.TINY_GPT, ARGS, _batch()),
+        pipeline_step(rank, world, spec, ARGS, _batch(), **SLICED),
+        pipeline_step(rank, world, spec, NO_AUX, _batch(), **SLICED),
+    ]
+
+
+@pytest.fixture(scope="module")
+def references() -> list:
+    spec = custom.TINY_GPT
+    return [
+        reference_step(spec, ARGS, _batch(), units=(2, 1)),  # each data-parallel rank's rows
+        reference_step(spec, ARGS, _batch(), units=(MICROBATCHES, SLICES)),
+        reference_step(spec, NO_AUX, _batch()),  # the whole batch at once
+    ]
+
+
+def _differences(references: list, ablation: str = "") -> list[float]:
+    per_rank = run_on_ranks(_cases, 2, ablation, timeout=180)
+    return [
+        max_relative_difference([results[index] for results in per_rank], reference)
+        for index, reference in enumerate(references)
+    ]
+
+
+def test_custom_model_matches_one_process_under_fsdp_and_the_sliced_pipeline_fp64(references):
+    fsdp, sliced, sliced_without_aux = _differences(references)
+    assert fsdp <= TOLERANCE, fsdp
+    assert sliced <= TOLERANCE, sliced
+    assert sliced_without_aux <= TOLERANCE, sliced_without_aux
+
+
+@pytest.mark.parametrize("ablation", ["no_aux_scaling", "norm_on_the_first_stage"])
+def test_breaking_the_aux_scaling_or_the_structure_breaks_parity(references, ablation: str):
+    _, sliced, sliced_without_aux = _differences(references, ablation)
+    assert sliced > 1e-6
+    if ablation == "norm_on_the_first_stage":
+        assert sliced_without_aux > 1e-6
+
+
+def test_registering_a_model_keeps_the_built_in_families() -> None:
+    program = (
+        "import examples.custom_model.model as custom\n"  # registers tiny_gpt first
+        "from pipekit.models import get_model_spec, known_models\n"
+        "print(get_model_spec('llama').name, get_model_spec('tiny_gpt').name, known_models())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[:2] == ["llama", "tiny_gpt"]
+    assert all(name in result.stdout for name in ("llama_moe", "qwen3", "qwen3_moe"))
+
+
+def test_the_example_job_trains_from_its_config(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "train.py", "--config", "examples/custom_model/debug.toml",
+        "--job.output_dir", str(tmp_path), "--training.steps", "6",
+        "--lr_scheduler.warmup_steps", "1", "--metrics.log_interval", "1",
+        "--training.seq_len", "64", "--metrics.peak_flops", "1e9",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    losses = [
+        float(line.split("loss=")[1].split()[0])
+        for line in result.stdout.splitlines()
+        if "loss=" in line
+    ]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, losses
