@@ -23,8 +23,8 @@ from pipekit.checkpoint.safetensors_io import (
     SafetensorsCheckpoint,
     save_safetensors,
 )
-from pipekit.checkpoint.upcycle import UpcycleSpec
 from pipekit.models.registry import get_model_spec, known_models, spec_for_checkpoint
+from pipekit.models.upcycling import UpcycleSpec
 
 __all__ = ["main", "upcycle_offline"]
 

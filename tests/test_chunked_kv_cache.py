@@ -1,4 +1,4 @@
-"""ChunkedKVCache (seed 000, §4.1.2): slices run forward in order and go backward one at a time,
+"""ChunkedKVCache (SlimPipe §4.1.2): slices run forward in order and go backward one at a time,
 last first, each releasing its chunk; the gradients then equal unsliced attention (float64), with
 and without packed documents, and with two microbatches interleaved as the sliced schedule runs
 them. Dropping the cached gradients must break parity. The cache saves each slice's K/V once, so

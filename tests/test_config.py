@@ -170,13 +170,17 @@ def test_shipped_configs_load_and_debug_configs_validate():
             plan_job(config, world_size=2)  # the others name files not shipped
 
 
-def test_paper_upcycling_config_names_what_the_trainer_lacks():
-    """configs/llama3_8b_e8t2_upcycle.toml is the paper's layout; the trainer refuses tp > 1."""
+def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
+    """configs/llama3_8b_e8t2_upcycle.toml: the paper's E8T2 with capacity factor 4, laid out
+    as EP 8 over FSDP2 on 512 ranks (what the trainer runs); tp > 1 is refused by name."""
     from pipekit.train.job import _parallel_dims
 
     config = load_job_config(["--config", str(REPO_ROOT / "configs/llama3_8b_e8t2_upcycle.toml")])
     spec = config.model.upcycle.to_spec()
     assert (spec.num_experts, spec.top_k, spec.capacity_factor) == (8, 2, 4.0)
+    dims = _parallel_dims(config, world_size=512)
+    assert (dims.dp_shard, dims.ep, dims.tp, dims.pp) == (512, 8, 1, 1)
+    config.parallelism.tp = 2
     with pytest.raises(ConfigError, match="tp=2: the trainer does not support tp > 1 yet"):
         _parallel_dims(config, world_size=512)
 

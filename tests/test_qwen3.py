@@ -30,8 +30,9 @@ from models.qwen3.hf import (
 )
 from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint
 from pipekit.checkpoint.inspect import main as inspect_main
-from pipekit.checkpoint.upcycle import UpcycleSpec, upcycle_model
+from pipekit.checkpoint.upcycle import upcycle_model
 from pipekit.models import get_model_spec, spec_for_checkpoint
+from pipekit.models.upcycling import UpcycleSpec
 from pipekit.moe import MoEArgs
 from pipekit.upcycle import upcycle_offline
 

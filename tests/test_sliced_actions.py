@@ -1,4 +1,4 @@
-"""SlimPipe's sliced action lists (seed 000, §4.1) as a pure function: every unit once per stage,
+"""SlimPipe's sliced action lists (§4.1) as a pure function: every unit once per stage,
 forwards in order, each microbatch's slices backward in reverse, the warm-up of
 `v*n + 2*(p-1-r)` forwards, the activation peak of SlimPipe Eq. 1 / Table 2, and deadlock-free
 lowering to sends and receives by torch. Broken lists must be caught by the same checks.

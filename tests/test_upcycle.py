@@ -16,7 +16,7 @@ from models.llama_moe.upcycle import upcycle_llama, upcycled_args
 from pipekit.attention.backends import use_backend
 from pipekit.checkpoint import CheckpointError, TensorRead
 from pipekit.checkpoint import upcycle as upcycle_module
-from pipekit.checkpoint.upcycle import UpcycleSpec
+from pipekit.models.upcycling import UpcycleSpec
 
 DENSE = TINY_LLAMA
 TOKENS = torch.tensor(

@@ -14,7 +14,7 @@ from test_upcycle import write_dense
 from models.llama_moe.hf_mixtral import load_hf_mixtral, read_hf_mixtral_args
 from models.llama_moe.model import LlamaMoE
 from models.llama_moe.upcycle import upcycle_llama
-from pipekit.checkpoint.upcycle import UpcycleSpec
+from pipekit.models.upcycling import UpcycleSpec
 from pipekit.upcycle import main, upcycle_offline
 
 transformers = pytest.importorskip("transformers")

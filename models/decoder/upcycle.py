@@ -19,15 +19,9 @@ import torch
 from models.decoder.args import DecoderArgs, MoEFields
 from models.decoder.hf_layout import EXPERT_WEIGHTS, DecoderHF, permute_from_hf
 from pipekit.checkpoint.safetensors_io import PendingTensor, SafetensorsCheckpoint
-from pipekit.checkpoint.upcycle import (
-    BlockSource,
-    CheckpointBlock,
-    ExpertCopies,
-    RouterInit,
-    Upcycler,
-    UpcycleSpec,
-)
+from pipekit.checkpoint.upcycle import BlockSource, CheckpointBlock, ExpertCopies, RouterInit
 from pipekit.models.spec import HFTensor
+from pipekit.models.upcycling import Upcycler, UpcycleSpec
 from pipekit.moe import MoEArgs
 
 __all__ = ["decoder_upcycler"]

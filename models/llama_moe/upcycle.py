@@ -18,7 +18,8 @@ from models.llama_moe.args import LlamaMoEArgs
 from models.llama_moe.hf_mixtral import MIXTRAL_HF
 from models.llama_moe.model import LlamaMoE
 from pipekit.checkpoint.safetensors_io import TensorRead
-from pipekit.checkpoint.upcycle import Upcycler, UpcycleSpec, upcycle_model
+from pipekit.checkpoint.upcycle import upcycle_model
+from pipekit.models.upcycling import Upcycler, UpcycleSpec
 
 __all__ = ["LLAMA_UPCYCLER", "upcycle_llama", "upcycled_args"]
 

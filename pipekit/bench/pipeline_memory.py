@@ -1,7 +1,7 @@
 """`python -m pipekit.bench pipeline-memory --pp 4 --slices 16 --microbatches 4 --seq 4096`.
 
 Peak activation memory of the first and the last pipeline rank for GPipe, 1F1B, interleaved
-1F1B (v=2) and the sliced schedule (v=1 and v=2), beside SlimPipe's Table 2 (seed 000), all
+1F1B (v=2) and the sliced schedule (v=1 and v=2), beside SlimPipe's Table 2, all
 relative to 1F1B's first rank: GPipe m/p, 1F1B 1, interleaved 1+(p-1)/(vp), sliced
 1/p + 2(p-1)/(nvp) (Eq. 1: (1+2(p-1)/n)/p for v=1).
 

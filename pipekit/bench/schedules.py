@@ -2,7 +2,7 @@
 [--contexts 32768 131072 524288] [--dim 5120]`.
 
 Simulated bubble fraction and peak activation memory of pipeline schedules beside SlimPipe's
-Table 2 (seed 000), by `pipekit.pipelining.schedules.simulate` on the schedules' own action
+Table 2, by `pipekit.pipelining.schedules.simulate` on the schedules' own action
 lists (torch's for GPipe, 1F1B, Interleaved1F1B and ZB-V; pipekit's for the sliced schedule,
 n = k·p slices).
 
@@ -28,9 +28,8 @@ from dataclasses import dataclass
 
 from pipekit.bench._report import print_result, print_table
 from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
 from pipekit.pipelining.schedules.simulate import CostModel, SimulationResult, simulate
-from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
-from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
 
 __all__ = [
     "attention_to_linear_ratio",
@@ -98,9 +97,9 @@ def _premises_hold(schedule: str, p: int, m: int, n: int, v: int) -> tuple[bool,
 
 
 def _actions(schedule: str, p: int, m: int, n: int, v: int) -> dict[int, list[Action]]:
-    if schedule == "sliced":
-        return sliced_pipeline_actions(p, m, n, v)
-    return torch_schedule_actions(schedule, p, m, v)
+    entry = get_schedule(schedule)
+    assert entry.actions is not None
+    return entry.actions(ScheduleShape(p, m, n, v))
 
 
 def _simulate(schedule: str, p: int, m: int, n: int, v: int, cost: CostModel) -> SimulationResult:

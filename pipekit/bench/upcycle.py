@@ -52,10 +52,11 @@ from pipekit.bench._pipeline_launch import run_ranks
 from pipekit.bench._report import print_result, print_table
 from pipekit.checkpoint import PendingTensor, SafetensorsCheckpoint, TensorRead, save_safetensors
 from pipekit.checkpoint.local_shards import local_nbytes
-from pipekit.checkpoint.upcycle import UpcycleSpec, upcycle_model
+from pipekit.checkpoint.upcycle import upcycle_model
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.models.registry import get_model_spec
+from pipekit.models.upcycling import UpcycleSpec
 from pipekit.moe.expert_parallel import apply_expert_parallel, expert_mesh
 
 __all__ = ["main"]

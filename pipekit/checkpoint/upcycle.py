@@ -25,93 +25,26 @@ import abc
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from pipekit.checkpoint.local_shards import load_local_blocks
-from pipekit.checkpoint.safetensors_io import PendingTensor, SafetensorsCheckpoint, TensorRead
+from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint, TensorRead
 from pipekit.layers.init import name_seed, trunc_normal_
-
-if TYPE_CHECKING:
-    from pipekit.models.spec import ModelSpec
+from pipekit.models.upcycling import Upcycler, UpcycleSpec
 
 __all__ = [
     "BlockSource",
     "CheckpointBlock",
     "ExpertCopies",
     "RouterInit",
-    "UpcycleSpec",
-    "Upcycler",
     "check_dense_checkpoint",
     "read_from_sources",
     "upcycle_into",
     "upcycle_model",
 ]
-
-
-@dataclass(frozen=True)
-class UpcycleSpec:
-    """What the dense model becomes: N copies (G pieces each) of every chosen FFN, top-k."""
-
-    num_experts: int
-    """Copies of each dense FFN (N); the MoE has N x granularity experts."""
-    top_k: int
-    """Copies each token is routed to (k); the MoE routes to k x granularity experts."""
-    granularity: int = 1
-    """Pieces each copy is cut into along the FFN hidden dim (G)."""
-    capacity_factor: float | None = None
-    """Expert capacity factor; None: dropless."""
-    moe_every: int = 1
-    """Every k-th layer (layers k-1, 2k-1, ...) becomes MoE; 1: all of them."""
-    router: str = "topk_softmax"
-    """Router of the MoE layers; only topk_softmax keeps the first forward equal to the dense."""
-    router_init_std: float = 0.02
-    """Std of the router's truncated-normal init (seeded by the job seed and layer name)."""
-
-    def __post_init__(self) -> None:
-        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(
-                f"upcycling needs num_experts >= 1 and 1 <= top_k <= num_experts; got "
-                f"num_experts={self.num_experts}, top_k={self.top_k}"
-            )
-        problems = [
-            f"{name}={value} must be {rule}"
-            for name, value, rule, ok in (
-                ("granularity", self.granularity, ">= 1", self.granularity >= 1),
-                ("moe_every", self.moe_every, ">= 1 (every k-th layer)", self.moe_every >= 1),
-                ("router_init_std", self.router_init_std, "> 0", self.router_init_std > 0),
-                (
-                    "capacity_factor",
-                    self.capacity_factor,
-                    "> 0, or None for dropless",
-                    self.capacity_factor is None or self.capacity_factor > 0,
-                ),
-            )
-            if not ok
-        ]
-        if problems:
-            raise ValueError(f"upcycling: {'; '.join(problems)}")
-
-    @property
-    def total_experts(self) -> int:
-        return self.num_experts * self.granularity
-
-    @property
-    def routed_experts(self) -> int:
-        """Experts each token is routed to (k x G)."""
-        return self.top_k * self.granularity
-
-    def expert_hidden_dim(self, ffn_dim: int) -> int:
-        """Hidden units of one expert; the dense FFN must split into G equal pieces."""
-        if ffn_dim % self.granularity:
-            raise ValueError(
-                f"granularity={self.granularity} must divide the dense FFN hidden dim {ffn_dim}; "
-                f"choose a divisor of {ffn_dim}"
-            )
-        return ffn_dim // self.granularity
 
 
 class BlockSource(abc.ABC):
@@ -232,25 +165,6 @@ class RouterInit(BlockSource):
         return rows_ED[tuple(index)]
 
 
-@dataclass(frozen=True)
-class Upcycler:
-    """How a dense model family becomes a mixture-of-experts family (registered with the dense
-    family's `ModelSpec`)."""
-
-    moe_model: str
-    """Registry name of the upcycled family."""
-    moe_args: Callable[[Any, UpcycleSpec], Any]
-    """(dense model args, spec) -> the upcycled model's args."""
-    sources: Callable[[SafetensorsCheckpoint, Any, UpcycleSpec, int], dict[str, BlockSource]]
-    """(dense checkpoint, upcycled args, spec, seed) -> a source for every parameter."""
-    check_dense: Callable[[SafetensorsCheckpoint, Any], None]
-    """(dense checkpoint, dense args) -> CheckpointError unless the checkpoint is a dense model
-    of those args; reads only config.json and the file headers (job validation uses it)."""
-    hf_layout: Callable[[Mapping[str, BlockSource], Any], tuple[dict[str, PendingTensor], dict]]
-    """(sources, upcycled args) -> the upcycled family's Hugging Face tensors, produced on
-    demand, and its config.json (offline upcycling)."""
-
-
 def read_from_sources(
     sources: Mapping[str, BlockSource],
 ) -> Callable[[str, Sequence[slice]], Tensor]:
@@ -268,14 +182,12 @@ def read_from_sources(
 
 
 def check_dense_checkpoint(
-    directory: str | os.PathLike[str], dense: ModelSpec, dense_args: Any
+    directory: str | os.PathLike[str], upcycler: Upcycler, dense_args: Any
 ) -> None:
-    """CheckpointError (or ValueError) unless `directory` holds a dense `dense` model of
-    `dense_args` that can be upcycled; reads only config.json and the file headers."""
-    if dense.upcycler is None:
-        raise ValueError(f"model {dense.name!r} cannot be upcycled")
+    """CheckpointError unless `directory` holds the dense model of `dense_args` that `upcycler`
+    upcycles; reads only config.json and the file headers."""
     with SafetensorsCheckpoint(directory) as checkpoint:
-        dense.upcycler.check_dense(checkpoint, dense_args)
+        upcycler.check_dense(checkpoint, dense_args)
 
 
 def upcycle_into(

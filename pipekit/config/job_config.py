@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipekit.checkpoint.upcycle import UpcycleSpec
+    from pipekit.models.upcycling import UpcycleSpec
 
 __all__ = [
     "CheckpointConfig",
@@ -67,7 +67,7 @@ class UpcycleConfig:
 
     def to_spec(self) -> UpcycleSpec:
         """The `UpcycleSpec` this section describes (ValueError naming the bad key)."""
-        from pipekit.checkpoint.upcycle import UpcycleSpec
+        from pipekit.models.upcycling import UpcycleSpec
 
         if self.layers != "all" and not (isinstance(self.layers, int) and self.layers >= 1):
             raise ValueError(f'layers={self.layers!r} must be "all" or an integer k >= 1')

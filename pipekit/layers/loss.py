@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipekit.train.data.packing import IGNORE_INDEX
-
 __all__ = ["IGNORE_INDEX", "count_label_tokens", "token_sum_cross_entropy"]
+
+IGNORE_INDEX = -100
+"""Label of a position that has no next-token target (cross-entropy skips it)."""
 
 
 def count_label_tokens(labels_BS: Tensor) -> Tensor:

@@ -18,12 +18,10 @@ import json
 import os
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipekit.models.spec import ModelSpec
-
-if TYPE_CHECKING:
-    from pipekit.checkpoint.upcycle import UpcycleSpec
+from pipekit.models.upcycling import UpcycleSpec
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from pipekit.models.upcycling import Upcycler
+
 if TYPE_CHECKING:
     from pipekit.attention.context import AttentionContext
-    from pipekit.checkpoint.upcycle import Upcycler
 
 __all__ = [
     "CausalLM",

@@ -21,8 +21,8 @@ from pipekit.models.registry import get_model_spec, import_model_module, resolve
 from pipekit.models.spec import ModelShape, ModelSpec
 
 if TYPE_CHECKING:
-    from pipekit.checkpoint.upcycle import UpcycleSpec
     from pipekit.distributed.parallel_dims import ParallelDims
+    from pipekit.models.upcycling import UpcycleSpec
     from pipekit.pipelining.plan import PipelinePlan
 
 __all__ = ["Job", "plan_job"]
@@ -175,8 +175,9 @@ def _check_upcycle(config: JobConfig) -> None:
             "vocabulary shards are initialised from the full rows); set vocab_parallel = false"
         )
     dense = get_model_spec(config.model.name)
+    assert dense.upcycler is not None  # resolve_model checked it
     try:
-        check_dense_checkpoint(path, dense, dense.flavor(config.model.flavor))
+        check_dense_checkpoint(path, dense.upcycler, dense.flavor(config.model.flavor))
     except ValueError as error:  # CheckpointError included
         raise ConfigError(
             f"[checkpoint] initial_load_path: {error} ([model] flavor={config.model.flavor!r} "

@@ -26,10 +26,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from pipekit.attention.context import AttentionContext
 from pipekit.attention.context_exchange import (
     ContextExchangeAttention,
     LoanRequest,
@@ -40,10 +40,6 @@ from pipekit.attention.exchange import DEFAULT_LOAN_TIMEOUT
 from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action
 from pipekit.pipelining.features.exchange_plan import ExchangePlan, plan_context_exchange
 from pipekit.pipelining.runtime.extension import PipelineExtension
-
-if TYPE_CHECKING:
-    from pipekit.attention.context import AttentionContext
-    from pipekit.pipelining.runtime.stage import SlicedPipelineStage
 
 __all__ = ["PipelineContextExchange", "serving_calls"]
 
@@ -134,16 +130,14 @@ class PipelineContextExchange(PipelineExtension):
         return self._exchanges.get((stage_index, unit))
 
     def stage_context(
-        self, stage: SlicedPipelineStage, unit: int, context: AttentionContext
+        self, stage_index: int, unit: int, training: bool, context: AttentionContext
     ) -> AttentionContext:
         """The unit's KV-cache context, lending or serving attention as the plan says (training
         forwards only: an inference forward has no backward to pair with)."""
-        exchange = self.slice_exchange(stage.stage_index, unit) if stage.has_backward else None
+        exchange = self.slice_exchange(stage_index, unit) if training else None
         return context if exchange is None else ContextExchangeAttention(context, exchange)
 
-    def after_forward(
-        self, stage: SlicedPipelineStage, unit: int, context: AttentionContext
-    ) -> None:
+    def after_forward(self, stage_index: int, unit: int, context: AttentionContext) -> None:
         """Every loan of the forward must have been made and served."""
         if isinstance(context, ContextExchangeAttention):
             context.check_forward_done()

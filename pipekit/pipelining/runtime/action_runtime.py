@@ -26,7 +26,7 @@ from pipekit.pipelining._torch_runtime import (
 )
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
 from pipekit.pipelining.runtime.stage import SlicedPipelineStage, check_stage_slices
-from pipekit.pipelining.schedules.check import ScheduleError, check_schedule
+from pipekit.pipelining.schedules.check import ScheduleError
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
 
 __all__ = ["ActionListSchedule", "SlicedPipelineSchedule", "UserPipelineSchedule"]
@@ -113,8 +113,9 @@ class SlicedPipelineSchedule(ActionListSchedule):
 
 
 class UserPipelineSchedule(ActionListSchedule):
-    """Runs checked user action lists (all ranks') with torch's runtime; this rank's stages must
-    be those the lists place on it."""
+    """Runs user action lists (all ranks') with torch's runtime; this rank's stages must be those
+    the lists place on it. Check the lists first (`plan_pipeline` does, or
+    `schedules.check.check_schedule`): unchecked lists can deadlock or fail mid-step."""
 
     def __init__(
         self,
@@ -131,14 +132,8 @@ class UserPipelineSchedule(ActionListSchedule):
                 f"the schedule has lists for {len(actions_by_rank)} ranks, the pipeline group "
                 f"has {num_ranks} ranks"
             )
-        owners = check_schedule(
-            actions_by_rank,
-            num_stages=stages[0].num_stages,
-            num_microbatches=num_microbatches,
-            num_slices=num_slices,
-        )
         held = sorted(stage.stage_index for stage in stages)
-        placed = [stage for stage, owner in owners.items() if owner == rank]
+        placed = sorted({a.stage_index for a in actions_by_rank[rank] if a is not None})
         if held != placed:
             raise ScheduleError(
                 f"rank {rank} holds stages {held} but the schedule runs stages {placed} on it; "

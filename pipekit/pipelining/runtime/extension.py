@@ -21,17 +21,14 @@ must not queue behind the stages' sends (an NCCL send blocks until it is receive
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
 
+from pipekit.attention.context import AttentionContext
 from pipekit.pipelining._torch_runtime import Action
-
-if TYPE_CHECKING:
-    from pipekit.attention.context import AttentionContext
-    from pipekit.pipelining.runtime.stage import SlicedPipelineStage
 
 __all__ = ["LossFn", "PipelineExtension"]
 
@@ -63,15 +60,15 @@ class PipelineExtension:
         raise NotImplementedError(f"{self.name} added {action} but does not run it")
 
     def stage_context(
-        self, stage: SlicedPipelineStage, unit: int, context: AttentionContext
+        self, stage_index: int, unit: int, training: bool, context: AttentionContext
     ) -> AttentionContext:
-        """The attention context of `unit`'s forward on `stage` (default: unchanged)."""
+        """The attention context of `unit`'s forward on stage `stage_index` (default:
+        unchanged); `training` says whether a backward will follow."""
         return context
 
-    def after_forward(
-        self, stage: SlicedPipelineStage, unit: int, context: AttentionContext
-    ) -> None:
-        """After `unit`'s forward on `stage`, with the context `stage_context` gave."""
+    def after_forward(self, stage_index: int, unit: int, context: AttentionContext) -> None:
+        """After `unit`'s forward on stage `stage_index`, with the context `stage_context`
+        gave."""
 
     def loss_fn(self, loss_fn: LossFn) -> LossFn:
         """The last stage's loss function (default: unchanged)."""

@@ -128,7 +128,9 @@ class SlicedPipelineStage(PipelineStage):
         document_ids_BS = stage_kwargs.pop("document_ids", None)
         context = self.kv_cache.slice_context(microbatch, slice_index, document_ids_BS)
         for extension in self.extensions:
-            context = extension.stage_context(self, fwd_chunk_id, context)
+            context = extension.stage_context(
+                self.stage_index, fwd_chunk_id, self.has_backward, context
+            )
         stage_kwargs["attention_context"] = context
         output = self._observed(
             FORWARD,
@@ -138,7 +140,7 @@ class SlicedPipelineStage(PipelineStage):
             ),
         )
         for extension in self.extensions:
-            extension.after_forward(self, fwd_chunk_id, context)
+            extension.after_forward(self.stage_index, fwd_chunk_id, context)
         if self.has_backward:
             for tensor in self._stage_inputs(fwd_chunk_id):
                 track_tensor("stage_inputs", tensor)

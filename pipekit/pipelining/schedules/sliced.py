@@ -1,4 +1,4 @@
-"""SlimPipe's per-rank action lists (seed 000, §4.1, Figs. 4 and 5), as a pure function.
+"""SlimPipe's per-rank action lists (§4.1, Figs. 4 and 5), as a pure function.
 
 The unit of work is one slice of one microbatch (`pipekit.pipelining.schedules.units`). On
 every rank:

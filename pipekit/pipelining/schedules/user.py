@@ -2,9 +2,9 @@
 runs (`pipekit.pipelining.schedules.check`), then run by torch's runtime like every other
 pipekit schedule.
 
-A user says what each rank computes and in which order, as JaxPP lets users declare a schedule
-and infers its communication (seed 002, §3 and Fig. 6): here torch's lowering infers the sends
-and receives. A task is a forward (F), a full backward (B), or a backward split into its input
+A user says what each rank computes and in which order, as JaxPP (MPMD pipeline parallelism, §3
+and Fig. 6) lets users declare a schedule and infers its communication: here torch's lowering
+infers the sends and receives. A task is a forward (F), a full backward (B), or a backward split into its input
 (I) and weight (W) parts, of one stage on one unit; a unit is one slice of one microbatch,
 numbered `microbatch * num_slices + slice` (`pipekit.pipelining.schedules.units`).
 

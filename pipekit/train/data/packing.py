@@ -27,13 +27,10 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from pipekit.layers.loss import IGNORE_INDEX
 from pipekit.train.data.tokenizer import Tokenizer
 
-__all__ = ["IGNORE_INDEX", "TokenStream", "pack_documents"]
-
-IGNORE_INDEX = -100
-"""Label of a position whose target is not predicted (`torch.nn.functional.cross_entropy`'s
-default `ignore_index`)."""
+__all__ = ["IGNORE_INDEX", "TokenStream", "pack_documents"]  # IGNORE_INDEX re-exported
 
 _CHUNK_CHARS = 1 << 23
 """Texts encoded per `encode_many` call: large enough to amortise the call, small enough to
