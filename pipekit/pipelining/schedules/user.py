@@ -4,8 +4,9 @@ pipekit schedule.
 
 A user says what each rank computes and in which order, as JaxPP (MPMD pipeline parallelism, §3
 and Fig. 6) lets users declare a schedule and infers its communication: here torch's lowering
-infers the sends and receives. A task is a forward (F), a full backward (B), or a backward split into its input
-(I) and weight (W) parts, of one stage on one unit; a unit is one slice of one microbatch,
+infers the sends and receives. A task is a forward (F), a full backward (B), or a backward split
+into its input (I) and weight (W) parts, of one stage on one unit; a unit is one slice of one
+microbatch,
 numbered `microbatch * num_slices + slice` (`pipekit.pipelining.schedules.units`).
 
 In Python, `Task(stage, microbatch, kind, slice)` and `tasks_to_actions`; in a file
