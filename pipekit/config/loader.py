@@ -263,13 +263,13 @@ def help_text() -> str:
 
 
 def reference_markdown() -> str:
-    """docs/config.md: every section and key (regenerate with `python -m pipekit.config.dump
-    --reference > docs/config.md`)."""
+    """docs/config.md: every section and key (regenerate with `python -m pipekit.config.reference
+    > docs/config.md`)."""
     lines = [
         "# Config reference",
         "",
         "Generated from the dataclasses in `pipekit/config/job_config.py` by",
-        "`python -m pipekit.config.dump --reference`. Precedence: command line",
+        "`python -m pipekit.config.reference`. Precedence: command line",
         "(`--section.key value`) > TOML file > these defaults.",
     ]
     for section, section_cls in _flat_sections():
