@@ -11,17 +11,16 @@ from datetime import timedelta
 import pytest
 import torch
 from distributed_helpers import RankFailedError, run_on_ranks
-from test_sliced_pipeline import (
-    BATCH,
-    SEED,
-    SEQ_LEN,
-    TOLERANCE,
-    _batch,
-    _max_relative_difference,
-    _reference,
-    step_loss_and_grads,
+from parity import max_relative_difference, runner_step
+from tiny_models import (
+    PARITY_ROWS,
+    PARITY_SEQ_LEN,
+    PARITY_TOLERANCE,
+    pp_mesh,
+    tiny_batch,
+    tiny_pipeline,
+    tiny_reference,
 )
-from tiny_models import pp_mesh, tiny_pipeline
 
 from pipekit.attention.context_exchange import LoanRequest
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange, serving_calls
@@ -43,9 +42,8 @@ def _run(
         stages_per_rank=v,
         microbatches=m,
         num_slices=n,
-        rows=BATCH,
-        seq_len=SEQ_LEN,
-        seed=SEED,
+        rows=PARITY_ROWS,
+        seq_len=PARITY_SEQ_LEN,
         num_layers=num_layers,
         context_exchange=True,
         checkpoint_activations=checkpoint_activations,
@@ -58,7 +56,7 @@ def _run(
         )
         runner.schedule = make_schedule("sliced", runner.stages, m, n, extensions=[exchange])
         runner.extensions = [exchange]
-    loss, grads = step_loss_and_grads(runner, _batch())
+    loss, grads = runner_step(runner, tiny_batch())
     return loss, grads, len(exchange.plan.transfers)
 
 
@@ -72,8 +70,8 @@ def _differences(world: int, configs: list[tuple], timeout: float) -> dict[tuple
     for index, config in enumerate(configs):
         per_rank = [results[rank][index] for rank in range(world)]
         assert per_rank[0][2] > 0, f"{config}: the plan exchanges nothing"
-        reference = _reference(config[3])
-        differences[config] = _max_relative_difference(
+        reference = tiny_reference(config[3])
+        differences[config] = max_relative_difference(
             [(loss, grads) for loss, grads, _ in per_rank], reference
         )
     return differences
@@ -86,7 +84,7 @@ def test_exchange_keeps_loss_and_every_gradient_fp64(world: int) -> None:
     if world == 2:
         configs += [(2, 2, 4, 4), (1, 2, 4, 3)]  # interleaved; stages of 2 and 1 layers
     for config, difference in _differences(world, configs, timeout=300).items():
-        assert difference <= TOLERANCE, f"{config}: max relative difference {difference:.2e}"
+        assert difference <= PARITY_TOLERANCE, f"{config}: max relative difference {difference:.2e}"
 
 
 def test_exchange_with_activation_checkpointing_fp64() -> None:
@@ -94,7 +92,7 @@ def test_exchange_with_activation_checkpointing_fp64() -> None:
     backward's lending and serving."""
     configs = [(1, 2, 4, 2, False, True), (1, 2, 8, 4, False, True)]
     for config, difference in _differences(2, configs, timeout=120).items():
-        assert difference <= TOLERANCE, f"{config}: max relative difference {difference:.2e}"
+        assert difference <= PARITY_TOLERANCE, f"{config}: max relative difference {difference:.2e}"
 
 
 def test_dropping_the_remote_kv_gradients_breaks_parity() -> None:

@@ -12,12 +12,19 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import run_on_ranks
-from test_sliced_pipeline import BATCH, SEED, SEQ_LEN, TOLERANCE, _batch, _reference
-from tiny_models import TINY_LLAMA, pp_mesh, tiny_pipeline
-from torch import Tensor
+from parity import max_relative_difference, runner_step
+from tiny_models import (
+    PARITY_ROWS,
+    PARITY_SEQ_LEN,
+    PARITY_TOLERANCE,
+    TINY_LLAMA,
+    pp_mesh,
+    tiny_batch,
+    tiny_pipeline,
+    tiny_reference,
+)
 
 from models.llama import Llama
-from pipekit.layers.loss import count_label_tokens
 from pipekit.pipelining.features import vocab_parallel
 from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
 
@@ -38,9 +45,8 @@ def _run(
         stages_per_rank=v,
         microbatches=m,
         num_slices=n,
-        rows=BATCH,
-        seq_len=SEQ_LEN,
-        seed=SEED,
+        rows=PARITY_ROWS,
+        seq_len=PARITY_SEQ_LEN,
         vocab_parallel=True,
         vocab_size=vocab_size,
     )
@@ -50,22 +56,7 @@ def _run(
         vocab.output.register_full_backward_hook(lambda _, grad_in, __: (grad_in[0] * 0,))
     if ablation == "embedding_grad_first_rank_only":
         _skip_embedding_gradient_broadcast(vocab)
-    batch = _batch(vocab_size)
-    loss = runner.step(batch, count_label_tokens(batch["labels"]))
-    grads = {
-        name: p.grad.clone()
-        for s in runner.stages
-        for name, p in s.submod.named_parameters()
-        if not name.startswith(("tok_embeddings.", "output."))
-    }
-    rows = {}
-    for name, shard in (
-        ("tok_embeddings.weight", vocab.embedding),
-        ("output.weight", vocab.output),
-    ):
-        rows[name] = (shard.vocab_start, shard.vocab_end, shard.weight.grad.clone())
-    dist.barrier()
-    return (None if loss is None else loss.item()), grads, rows
+    return runner_step(runner, tiny_batch(vocab_size))
 
 
 def _skip_embedding_gradient_broadcast(vocab: PipelineVocabParallel) -> None:
@@ -79,24 +70,6 @@ def _skip_embedding_gradient_broadcast(vocab: PipelineVocabParallel) -> None:
     vocab.end_step = without_broadcast
 
 
-def _difference(results: list, reference: tuple[float, dict[str, Tensor]]) -> float:
-    ref_loss, ref_grads = reference
-    (loss,) = [loss for loss, _, _ in results if loss is not None]
-    worst = abs(loss - ref_loss) / abs(ref_loss)
-    seen = set()
-    for _, grads, rows in results:
-        for name, grad in grads.items():
-            seen.add(name)
-            scale = ref_grads[name].abs().max()
-            worst = max(worst, ((grad - ref_grads[name]).abs().max() / scale).item())
-        for name, (start, end, grad) in rows.items():
-            seen.add(name)
-            scale = ref_grads[name].abs().max()
-            worst = max(worst, ((grad - ref_grads[name][start:end]).abs().max() / scale).item())
-    assert seen == set(ref_grads), "every parameter must be held once"
-    return worst
-
-
 def _many(rank: int, world: int, configs: list[tuple]) -> list:
     return [_run(rank, world, *config) for config in configs]
 
@@ -104,9 +77,9 @@ def _many(rank: int, world: int, configs: list[tuple]) -> list:
 def _differences(world: int, configs: list[tuple]) -> dict[tuple, float]:
     results = run_on_ranks(_many, world, configs, timeout=240)
     return {
-        config: _difference(
+        config: max_relative_difference(
             [results[rank][index] for rank in range(world)],
-            _reference(world * config[1], *config[5:6]),
+            tiny_reference(world * config[1], *config[5:6]),
         )
         for index, config in enumerate(configs)
     }
@@ -121,7 +94,7 @@ def test_vocab_parallel_sliced_pipeline_equals_single_process_fp64(world: int) -
         ("sliced", 1, 2, world, "", 67),  # uneven: 34/33 or 17/17/17/16 rows
     ]
     differences = _differences(world, configs)
-    assert max(differences.values()) < TOLERANCE, differences
+    assert max(differences.values()) < PARITY_TOLERANCE, differences
 
 
 def test_vocab_parallel_with_torch_schedules() -> None:
@@ -134,7 +107,7 @@ def test_vocab_parallel_with_torch_schedules() -> None:
         ("DualPipeV", 2, 6, 1),
     ]
     differences = _differences(2, configs)
-    assert max(differences.values()) < TOLERANCE, differences
+    assert max(differences.values()) < PARITY_TOLERANCE, differences
 
 
 @pytest.mark.parametrize(

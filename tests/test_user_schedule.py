@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_helpers import RankFailedError, run_on_ranks
-from test_sliced_pipeline import SEQ_LEN, _batch, _max_relative_difference, step_loss_and_grads
-from tiny_models import pp_mesh, tiny_pipeline
+from parity import max_relative_difference, runner_step
+from tiny_models import PARITY_SEQ_LEN, pp_mesh, tiny_batch, tiny_pipeline
 
 from pipekit.config.job_config import JobConfig, ParallelismConfig
 from pipekit.config.loader import ConfigError
@@ -264,7 +264,7 @@ def _run(
         microbatches=m,
         num_slices=n,
         rows=ROWS,
-        seq_len=SEQ_LEN,
+        seq_len=PARITY_SEQ_LEN,
         user_actions=actions if checked else None,
     )
     if not checked:  # what UserPipelineSchedule does, without check_schedule
@@ -274,7 +274,7 @@ def _run(
         unchecked.pipeline_order = dict(actions)
         unchecked._prepare_schedule_with_comms(actions)
         runner.schedule = unchecked
-    return step_loss_and_grads(runner, _batch()[:ROWS])
+    return runner_step(runner, tiny_batch()[:ROWS])
 
 
 def _run_many(rank: int, world: int, configs: list[tuple]) -> list[tuple]:
@@ -298,7 +298,7 @@ def test_user_schedules_match_torch_1f1b_fp64():
     results = run_on_ranks(_run_many, 2, configs, timeout=120)
     torch_1f1b = _merged(results, 0)
     differences = [
-        _max_relative_difference([per_rank[index] for per_rank in results], torch_1f1b)
+        max_relative_difference([per_rank[index] for per_rank in results], torch_1f1b)
         for index in range(1, len(configs))
     ]
     assert max(differences[:3]) <= PARITY, differences  # 1F1B from Tasks and CSV, ZB-H1
@@ -311,9 +311,7 @@ def test_v_placed_user_schedule_matches_torch_zbv_fp64():
         ("user", 4, 1, tasks_to_actions(_v_shaped_gpipe(4)), True, 4),
     ]
     results = run_on_ranks(_run_many, 2, configs, timeout=120)
-    difference = _max_relative_difference(
-        [per_rank[1] for per_rank in results], _merged(results, 0)
-    )
+    difference = max_relative_difference([per_rank[1] for per_rank in results], _merged(results, 0))
     assert difference <= PARITY, difference
 
 

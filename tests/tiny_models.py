@@ -1,8 +1,10 @@
-"""The tiny float32 Llama that the distributed tests share."""
+"""The tiny Llama that the distributed tests share, and its float64 parity batch and reference."""
 
 from __future__ import annotations
 
 import torch
+from parity import Result, parity_batch, reference_step
+from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -23,6 +25,7 @@ TINY_LLAMA = LlamaArgs(
     rope_theta=10000.0,
     max_seq_len=64,
 )
+PARITY_ROWS, PARITY_SEQ_LEN, PARITY_TOLERANCE = 6, 32, 1e-10
 
 
 def tiny_llama(seed: int = 0, tied: bool = False) -> nn.Module:
@@ -99,3 +102,15 @@ def tiny_pipeline(
     with torch.device("meta"):
         model = spec.build(args)
     return build_pipeline(plan, model, mesh, setup)
+
+
+def tiny_batch(vocab_size: int = TINY_LLAMA.vocab_size) -> TensorDict:
+    """The parity batch the tiny pipelines run: PARITY_ROWS packed rows of PARITY_SEQ_LEN."""
+    return parity_batch(vocab_size, PARITY_ROWS, PARITY_SEQ_LEN)
+
+
+def tiny_reference(num_layers: int, vocab_size: int = TINY_LLAMA.vocab_size) -> Result:
+    """One process, float64, the whole `tiny_batch` at once: what every tiny pipeline (seed 3)
+    must reproduce."""
+    args = TINY_LLAMA.with_updates(n_layers=num_layers, vocab_size=vocab_size)
+    return reference_step(get_model_spec("llama"), args, tiny_batch(vocab_size))

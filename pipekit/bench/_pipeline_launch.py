@@ -3,11 +3,11 @@
 `run_ranks` starts each rank as a new Python interpreter (`python -m
 pipekit.bench._pipeline_launch`), not a fork: glibc reads `GLIBC_TUNABLES` only when a process
 starts, so an allocator setting must be in a rank's environment from its first instruction
-(DESIGN "Fair CPU timing"). Ranks meet through a FileStore in a fresh temporary folder, run one
-intra-op thread each, call the worker `"module:function"(rank, num_ranks, spec)` with the
-JSON-able `spec`, meet at a barrier before the group is destroyed, and write the worker's dict as
-JSON; the parent returns those dicts in rank order. A rank that fails ends the others and raises
-with its stderr.
+(otherwise full-sequence schedules pay page faults that sliced ones avoid). Ranks meet through a
+FileStore in a fresh temporary folder, run one intra-op thread each, call the worker
+`"module:function"(rank, num_ranks, spec)` with the JSON-able `spec`, meet at a barrier before
+the group is destroyed, and write the worker's dict as JSON; the parent returns those dicts in
+rank order. A rank that fails ends the others and raises with its stderr.
 
 Legend: B batch rows, S sequence.
 """

@@ -6,7 +6,7 @@ ranks with one intra-op thread each. Both schedules are built in the same rank p
 timed alternately (a warm-up step each, then sliced, 1F1B, sliced, 1F1B, ...); the figure is
 the ratio of median step times.
 
-Fair CPU timing (DESIGN): glibc serves large tensors with fresh mmaps, so full-sequence
+Fair CPU timing: glibc serves large tensors with fresh mmaps, so full-sequence
 schedules pay page faults that sliced ones, with their smaller tensors, mostly avoid. The
 headline ratio therefore runs both schedules in ranks started with
 `GLIBC_TUNABLES=glibc.malloc.mmap_max=0` (the heap is reused instead); a second set of ranks

@@ -6,8 +6,7 @@ A user says what each rank computes and in which order, as JaxPP (MPMD pipeline 
 and Fig. 6) lets users declare a schedule and infers its communication: here torch's lowering
 infers the sends and receives. A task is a forward (F), a full backward (B), or a backward split
 into its input (I) and weight (W) parts, of one stage on one unit; a unit is one slice of one
-microbatch,
-numbered `microbatch * num_slices + slice` (`pipekit.pipelining.schedules.units`).
+microbatch, numbered `microbatch * num_slices + slice` (`pipekit.pipelining.schedules.units`).
 
 In Python, `Task(stage, microbatch, kind, slice)` and `tasks_to_actions`; in a file
 (`load_schedule_file`, or `[parallelism] pipeline_schedule_file`), one of two formats:
@@ -22,11 +21,8 @@ In Python, `Task(stage, microbatch, kind, slice)` and `tasks_to_actions`; in a f
 
   A task is its kind, then `stage=`, `mb=` (microbatch) and `slice=` (default 0) in any order.
 
-`check_schedule` proves before any process group that the lists can run: every (stage, unit)
-has one F and one B (or one I, then one W) on the one rank holding the stage, in an order that
-respects the data dependencies and, with slices, the KV cache's slice order; then a simulation
-(`schedules.simulate`) finds any deadlock and names the rank and action that would wait
-forever, and torch's lowering must place every send and receive.
+`check_schedule` (`pipekit.pipelining.schedules.check`) proves the lists can run before any
+process group exists, or names the rank and action that cannot.
 """
 
 from __future__ import annotations
