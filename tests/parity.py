@@ -1,31 +1,37 @@
 """Parity for any registered model: one process against FSDP, expert parallelism and pipelines.
 
 Every function takes a `ModelSpec` and its args, so a new family or a user's model is checked
-by the same code as Llama. The reference runs the same units (microbatches x slices) the
-parallel run does, in one process: MoE auxiliary losses take their load-balancing statistics per
-unit, so the reference must too; without auxiliary losses the unit split changes nothing and
-`units=(1, 1)` is the whole batch at once. Results are (loss or None, {name: gradient}); a
-vocabulary-parallel rank reports its rows as (start, end, gradient).
+by the same code as Llama. The reference runs the batch as row blocks (`microbatches`): MoE
+auxiliary losses take their load-balancing statistics per forward, so the reference's blocks
+must be the parallel run's microbatches (for data parallelism, each rank's rows); slices do
+not matter, since the pipeline computes those losses over the whole microbatch. Results are
+(loss or None, {name: gradient}); a vocabulary-parallel rank reports its rows as
+(start, end, gradient).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pipekit.attention.context import CausalAttention, SlicedKVCache
+from pipekit.attention.context import CausalAttention
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.layers.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
 from pipekit.models.spec import ModelSpec
 from pipekit.moe.aux_loss import aux_loss_scale
-from pipekit.moe.expert_parallel import apply_expert_parallel, expert_parameters
+from pipekit.moe.expert_parallel import (
+    all_reduce_replicated_expert_grads,
+    apply_expert_parallel,
+    expert_mesh,
+    expert_parameters,
+)
 from pipekit.pipelining import (
     PipelineVocabParallel,
     StageSetup,
@@ -69,26 +75,21 @@ def reference_step(
     args: Any,
     batch: TensorDict,
     *,
-    units: tuple[int, int] = (1, 1),
+    microbatches: int = 1,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
 ) -> Result:
-    """One process: the batch as `units` = (microbatches, slices), in order, slices against a
-    KV cache; every unit's loss over the batch's label count, aux losses over the units."""
+    """One process: the batch as `microbatches` row blocks in order, every block's loss over
+    the batch's label count, its aux losses (statistics over the block) weighted
+    1/microbatches."""
     model = build_model(spec, args, seed, dtype)
-    microbatches, slices = units
-    rows, length = batch.batch_size
     normaliser = count_label_tokens(batch["labels"])
     total = torch.zeros((), dtype=torch.float64)
-    for part in batch.split(rows // microbatches):
-        cache = SlicedKVCache(part["document_ids"], "cpu") if slices > 1 else None
-        context = cache or CausalAttention(part["document_ids"], "cpu")
-        loss = torch.zeros((), dtype=dtype)
-        for piece in part.split(length // slices, dim=1):
-            with aux_loss_scale(1.0 / (microbatches * slices)):
-                logits = model(piece["tokens"], piece["positions"], context)
-            loss = loss + token_sum_cross_entropy(logits, piece["labels"], normaliser)
-        loss.backward()  # once per microbatch: its slices share the cache's graph
+    for part in batch.split(batch.batch_size[0] // microbatches):
+        with aux_loss_scale(1.0 / microbatches):
+            logits = model(part["tokens"], part["positions"], CausalAttention(part["document_ids"]))
+        loss = token_sum_cross_entropy(logits, part["labels"], normaliser)
+        loss.backward()
         total += loss.detach()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     return total.item(), grads
@@ -102,19 +103,25 @@ def data_parallel_step(
     batch: TensorDict,
     *,
     ep: int = 1,
+    dp_replicate: int = 1,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
+    adjust: Callable[[nn.Module], None] | None = None,
 ) -> Result:
-    """FSDP2 over all ranks (experts sharded over `ep` of them, FSDP leaving them alone), each
-    rank its share of the rows; the full gradients, gathered."""
-    dims = ParallelDims.from_config(ParallelismConfig(dp_shard=world, ep=ep), world)
+    """FSDP2 over all ranks (HSDP with `dp_replicate` replicas; experts sharded over `ep` of
+    them, FSDP leaving them alone), each rank its share of the rows; the full gradients,
+    gathered. `adjust` sees the parallelized model before the step (ablations)."""
+    config = ParallelismConfig(dp_replicate=dp_replicate, dp_shard=world // dp_replicate, ep=ep)
+    dims = ParallelDims.from_config(config, world)
     mesh = dims.build_mesh("cpu")
     model = build_model(spec, args, seed, dtype)
     ignored = None
+    replicas = None
     if ep > 1:
-        ep_mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("rep", "ep"))
-        apply_expert_parallel(model, ep_mesh["ep"])
+        experts = expert_mesh("cpu", world, ep)
+        apply_expert_parallel(model, experts["ep"])
         ignored = expert_parameters(model)
+        replicas = experts["ep_replicate"].get_group() if world > ep else None
     apply_data_parallel(
         model,
         mesh,
@@ -124,12 +131,16 @@ def data_parallel_step(
         reduce_dtype=dtype,
         ignored_params=ignored,
     )
+    if adjust is not None:
+        adjust(model)
     rows = batch.batch_size[0] // world
     part = batch[rank * rows : (rank + 1) * rows]
     with aux_loss_scale(1.0 / world):
         logits = model(part["tokens"], part["positions"], CausalAttention(part["document_ids"]))
     loss = token_sum_cross_entropy(logits, part["labels"], count_label_tokens(batch["labels"]))
     loss.backward()
+    if replicas is not None:
+        all_reduce_replicated_expert_grads(model, replicas)
     total = loss.detach().clone()
     dist.all_reduce(total)
     grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
@@ -145,37 +156,79 @@ def pipeline_step(
     *,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
-    mesh: DeviceMesh | None = None,
+    dp_shard: int = 1,
+    ep: int = 1,
+    adjust: Callable[[PipelineRunner], None] | None = None,
     **parallelism: Any,
 ) -> Result:
-    """One step of this rank's pipeline, planned from `parallelism` (ParallelismConfig keys;
-    pipeline_parallel_degree = world unless a `mesh` says otherwise) and built by the one
-    builder."""
-    mesh = mesh or init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    """One step of this rank's pipeline, planned from `parallelism` (ParallelismConfig keys)
+    over `world // dp_shard` pipeline ranks and built by the one builder. With `dp_shard` > 1
+    each stage is FSDP2-sharded over its data ranks, which read their share of the rows; with
+    `ep` > 1 its experts are sharded over `ep` of them (FSDP leaving them alone). `adjust` sees
+    the runner before the step (ablations)."""
     config = ParallelismConfig(
-        dp_shard=1, pipeline_parallel_degree=mesh["pp"].size(), **parallelism
+        dp_shard=dp_shard, pipeline_parallel_degree=world // dp_shard, ep=ep, **parallelism
     )
+    dims = ParallelDims.from_config(config, world)
+    mesh = dims.build_mesh("cpu")
     rows, length = batch.batch_size
-    plan = plan_pipeline(config, spec.structure, spec.shape(args), rows, length)
+    plan = plan_pipeline(config, spec.structure, spec.shape(args), rows // dp_shard, length)
+    ep_mesh = expert_mesh("cpu", dp_shard, ep, pipeline_ranks=dims.pp)["ep"] if ep > 1 else None
 
     def materialize(module: nn.Module) -> None:
         module.to_empty(device="cpu")
         module.init_weights(seed=seed)
         module.to(dtype)
 
+    precision = {"param_dtype": dtype, "reduce_dtype": dtype}
+
+    def parallelize(module: nn.Module) -> None:
+        if ep_mesh is not None:
+            apply_expert_parallel(module, ep_mesh)
+        apply_data_parallel(
+            module,
+            mesh,
+            dims,
+            blocks=spec.structure.blocks_of(module),
+            ignored_params=expert_parameters(module) if ep_mesh is not None else None,
+            **precision,
+        )
+
+    def parallelize_vocab(embedding: nn.Module, output: nn.Module) -> None:
+        apply_data_parallel(embedding, mesh, dims, **precision)
+        apply_data_parallel(output, mesh, dims, reshard_after_forward=False, **precision)
+
     setup = StageSetup(
-        device=torch.device("cpu"), materialize=materialize, attention_backend="cpu",
-        message_dtype=dtype,
+        device=torch.device("cpu"), materialize=materialize, parallelize=parallelize,
+        parallelize_vocab=parallelize_vocab,
+        attention_backend="cpu", message_dtype=dtype,
     )  # fmt: skip
     with torch.device("meta"):
         model = spec.build(args)
     runner = build_pipeline(plan, model, mesh, setup)
-    return runner_step(runner, batch)
+    if adjust is not None:
+        adjust(runner)
+    data_group = dims.mesh("dp_shard").get_group() if dp_shard > 1 else None
+    return runner_step(runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group)
 
 
-def runner_step(runner: PipelineRunner, batch: TensorDict) -> Result:
-    """One step of `runner`: this rank's loss (None without the last stage) and gradients."""
-    loss = runner.step(batch, count_label_tokens(batch["labels"]))
+def runner_step(
+    runner: PipelineRunner,
+    batch: TensorDict,
+    *,
+    data_rank: int = 0,
+    data_group: dist.ProcessGroup | None = None,
+) -> Result:
+    """One step of `runner` on this data rank's share of `batch` (the rows split evenly over
+    `data_group`; the whole batch without one): the step's loss on one rank (None elsewhere)
+    and this rank's gradients, in full."""
+    data_ranks = dist.get_world_size(data_group) if data_group is not None else 1
+    rows = batch.batch_size[0] // data_ranks
+    part = batch[data_rank * rows : (data_rank + 1) * rows]
+    with aux_loss_scale(1.0 / data_ranks):
+        loss = runner.step(part, count_label_tokens(batch["labels"]))
+    if loss is not None and data_group is not None:
+        dist.all_reduce(loss, group=data_group)
     assert runner.model is not None
     vocab = runner.extension("vocab_parallel")
     shards = {}
@@ -191,11 +244,11 @@ def runner_step(runner: PipelineRunner, batch: TensorDict) -> Result:
             continue
         if name in shards:
             shard = shards[name]
-            grads[name] = (shard.vocab_start, shard.vocab_end, param.grad.clone())
+            grads[name] = (shard.vocab_start, shard.vocab_end, _full(param.grad))
         else:
             grads[name] = _full(param.grad)
     dist.barrier()
-    return (None if loss is None else loss.item()), grads
+    return (None if loss is None or data_rank else loss.item()), grads
 
 
 def max_relative_difference(results: list[Result], reference: Result) -> float:

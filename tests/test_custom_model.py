@@ -1,7 +1,7 @@
 """A model defined outside pipekit (examples/custom_model: GPT-2 style, learned positions,
 LayerNorm, GELU, MoE every other block) trains through the model contract alone: under FSDP
 (2 ranks) and under the 2-rank sliced pipeline with context exchange and vocabulary
-parallelism, its loss and every gradient equal the single-process step on the same units
+parallelism, its loss and every gradient equal the single-process step on the same microbatches
 (float64, 1e-10), MoE auxiliary losses on. Ablations: the runner without its auxiliary-loss
 scaling, and a structure that puts the final norm on the wrong stage. The registry keeps the
 built-in families when a user registers first, and the job runs from its config file."""
@@ -66,8 +66,8 @@ def _cases(rank: int, world: int, ablation: str = "") -> list:
 def references() -> list:
     spec = custom.TINY_GPT
     return [
-        reference_step(spec, ARGS, _batch(), units=(2, 1)),  # each data-parallel rank's rows
-        reference_step(spec, ARGS, _batch(), units=(MICROBATCHES, SLICES)),
+        reference_step(spec, ARGS, _batch(), microbatches=2),  # each data-parallel rank's rows
+        reference_step(spec, ARGS, _batch(), microbatches=MICROBATCHES),
         reference_step(spec, NO_AUX, _batch()),  # the whole batch at once
     ]
 

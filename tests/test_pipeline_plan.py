@@ -11,6 +11,7 @@ from pipekit.train.job import plan_job
 
 
 def _plan(num_layers: int = 8, local_batch: int = 4, seq_len: int = 64, **keys):
+    keys.setdefault("dp_shard", 1)
     config = ParallelismConfig(pipeline_parallel_degree=keys.pop("pp", 2), **keys)
     llama = get_model_spec("llama")
     shape = llama.shape(llama.flavor("debug").with_updates(n_layers=num_layers))
@@ -100,3 +101,21 @@ def test_context_exchange_needs_sliced_passes_and_a_layer_on_every_stage():
 def test_vocab_parallel_output_passes_fit_an_exchanging_schedule():
     plan = _plan(pp=4, context_exchange=True, vocab_parallel=True, local_batch=8)
     assert plan.context_exchange and plan.vocab_parallel
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble"])
+def test_split_backward_schedules_are_refused_on_data_parallel_stages(schedule: str) -> None:
+    """torch's runtime gives FSDP-sharded stages wrong weight gradients under I/W actions (the
+    parity matrix measured it); the plan refuses before anything runs."""
+    keys = {"pipeline_schedule": schedule, "stages_per_rank": 2, "microbatches": 2}
+    assert _plan(**keys).schedule == schedule  # one data rank: fine
+    with pytest.raises(ValueError, match="splits backwards into input and weight parts"):
+        _plan(dp_shard=2, **keys)
+    config = JobConfig()
+    config.parallelism.pipeline_parallel_degree, config.parallelism.stages_per_rank = 2, 2
+    config.parallelism.pipeline_schedule = schedule
+    config.training.global_batch_size = 8
+    with pytest.raises(ConfigError, match=r"\[parallelism\].*full backwards"):
+        plan_job(config, world_size=4)
+    config.parallelism.dp_shard = 1
+    assert plan_job(config, world_size=2).pipeline is not None

@@ -1,6 +1,6 @@
 """Qwen3 under pipekit's parallelisms equals one process (float64, loss and every gradient,
 1e-10): FSDP over 2 ranks, the sliced pipeline (with context exchange and vocabulary
-parallelism), and Qwen3-MoE with expert parallelism 2 (auxiliary losses on, per unit as the
+parallelism), and Qwen3-MoE with expert parallelism 2 (auxiliary losses on, per microbatch as the
 reference takes them). The ablation drops the QK-norm on the pipeline's ranks only."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _cases(rank: int, world: int, ablation: bool = False) -> list:
 def references() -> list:
     qwen3, qwen3_moe = get_model_spec("qwen3"), get_model_spec("qwen3_moe")
     dense = reference_step(qwen3, DENSE, _batch())
-    return [dense, dense, dense, reference_step(qwen3_moe, MOE, _batch(), units=(2, 1))]
+    return [dense, dense, dense, reference_step(qwen3_moe, MOE, _batch(), microbatches=2)]
 
 
 def _differences(references: list, ablation: bool = False) -> list[float]:

@@ -26,6 +26,7 @@ from contextvars import ContextVar
 import torch
 from torch import Tensor
 
+from pipekit.layers.sequence_statistics import loss_of_sums
 from pipekit.moe.routing import Routing
 
 __all__ = [
@@ -59,43 +60,92 @@ def current_aux_loss_scale() -> float:
 
 def switch_balance_loss(routing: Routing) -> Tensor:
     """E x sum_i f_i P_i; equals 1 when choices and probabilities are uniform."""
-    num_tokens, num_experts = routing.probs_TE.shape
-    choices = routing.chosen_TE.sum().clamp(min=1)
-    fraction_E = routing.chosen_TE.sum(0) / choices
-    mean_prob_E = routing.probs_TE.sum(0) / max(num_tokens, 1)
-    return num_experts * torch.dot(fraction_E, mean_prob_E)
+    return _switch_of_sums(_switch_sums(routing))
 
 
 def importance_cv2_loss(routing: Routing) -> Tensor:
     """Squared coefficient of variation of the experts' summed combine weights."""
-    importance_E = torch.zeros(
-        routing.num_experts, dtype=routing.weight_A.dtype, device=routing.weight_A.device
-    ).index_add(0, routing.expert_index_A, routing.weight_A)
+    return _cv2_of_sums(_importance_sums(routing))
+
+
+def router_z_loss(routing: Routing) -> Tensor:
+    return _mean_of_sums(_z_sums(routing))
+
+
+def _sum_dtype(routing: Routing) -> torch.dtype:
+    """Counts and sums in at least float32: a bf16 count stops being exact at 256."""
+    return torch.promote_types(routing.probs_TE.dtype, torch.float32)
+
+
+def _switch_sums(routing: Routing) -> Tensor:
+    """[choices per expert (E), router probability per expert (E), tokens (1)], summed."""
+    dtype = _sum_dtype(routing)
+    num_tokens = routing.probs_TE.new_full((1,), routing.probs_TE.shape[0], dtype=dtype)
+    return torch.cat(
+        [routing.chosen_TE.sum(0).to(dtype), routing.probs_TE.sum(0).to(dtype), num_tokens]
+    )
+
+
+def _switch_of_sums(sums: Tensor) -> Tensor:
+    num_experts = (sums.numel() - 1) // 2
+    choices_E, probs_E, num_tokens = sums[:num_experts], sums[num_experts:-1], sums[-1]
+    fraction_E = choices_E / choices_E.sum().clamp(min=1)
+    return num_experts * torch.dot(fraction_E, probs_E / num_tokens.clamp(min=1))
+
+
+def _importance_sums(routing: Routing) -> Tensor:
+    """Each expert's summed combine weights."""
+    weight_A = routing.weight_A.to(_sum_dtype(routing))
+    zeros_E = weight_A.new_zeros(routing.num_experts)
+    return zeros_E.index_add(0, routing.expert_index_A, weight_A)
+
+
+def _cv2_of_sums(importance_E: Tensor) -> Tensor:
     mean = importance_E.mean()
     return importance_E.var(unbiased=False) / (mean * mean).clamp(min=1e-20)
 
 
-def router_z_loss(routing: Routing) -> Tensor:
-    return torch.logsumexp(routing.logits_TE, dim=-1).square().mean()
+def _z_sums(routing: Routing) -> Tensor:
+    """[sum over tokens of logsumexp(logits)^2, tokens]."""
+    squares_T = torch.logsumexp(routing.logits_TE.to(_sum_dtype(routing)), dim=-1).square()
+    return torch.stack([squares_T.sum(), squares_T.new_tensor(float(squares_T.numel()))])
 
+
+def _mean_of_sums(sums: Tensor) -> Tensor:
+    return sums[0] / sums[1].clamp(min=1)
+
+
+_BALANCE_TERMS = {
+    "switch": (_switch_sums, _switch_of_sums),
+    "importance": (_importance_sums, _cv2_of_sums),
+}
 
 BALANCE_LOSSES = {"switch": switch_balance_loss, "importance": importance_cv2_loss}
 """Load-balancing loss name (as a config spells it) -> function of a Routing."""
 
 
 def balance_loss(
-    routing: Routing, kind: str, balance_weight: float, z_loss_weight: float
+    routing: Routing,
+    kind: str,
+    balance_weight: float,
+    z_loss_weight: float,
+    owner: object = None,
 ) -> Tensor | None:
-    """The weighted sum of the configured losses, or None when both weights are 0."""
+    """The weighted sum of the configured losses, or None when both weights are 0.
+
+    Each is a function of sums over the tokens (`pipekit.layers.sequence_statistics`): when the
+    forward runs as one slice of a sequence, its gradient is the whole sequence's, kept apart
+    per `owner` (the MoE layer)."""
     total: Tensor | None = None
     if balance_weight:
-        if kind not in BALANCE_LOSSES:
+        if kind not in _BALANCE_TERMS:
             raise ValueError(
                 f"unknown load-balancing loss {kind!r}; known: {sorted(BALANCE_LOSSES)}"
             )
-        total = balance_weight * BALANCE_LOSSES[kind](routing)
+        sums_of, loss_fn = _BALANCE_TERMS[kind]
+        total = balance_weight * loss_of_sums(sums_of(routing), loss_fn, (owner, kind))
     if z_loss_weight:
-        z_loss = z_loss_weight * router_z_loss(routing)
+        z_loss = z_loss_weight * loss_of_sums(_z_sums(routing), _mean_of_sums, (owner, "z"))
         total = z_loss if total is None else total + z_loss
     return total
 

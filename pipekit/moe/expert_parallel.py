@@ -118,17 +118,25 @@ def _experts_in_order(model: nn.Module) -> list[nn.Parameter]:
     ]
 
 
-def expert_mesh(device_type: str, data_ranks: int, ep: int) -> DeviceMesh:
-    """The 2-D mesh `ep_replicate x ep` over the world's `data_ranks` ranks (all of them).
+def expert_mesh(
+    device_type: str, data_ranks: int, ep: int, *, pipeline_ranks: int = 1
+) -> DeviceMesh:
+    """The 2-D mesh `ep_replicate x ep` over this pipeline rank's `data_ranks` ranks.
 
-    Neighbouring ranks share an ep group (the all-to-all stays within a node when it can);
-    every ep group holds all experts.
+    The world is `pipeline_ranks x data_ranks` ranks, pipeline-major (`ParallelDims`' order
+    without tensor parallelism): each pipeline rank's stages get their own expert meshes, over
+    the data ranks that hold the same stages. Neighbouring ranks share an ep group (the
+    all-to-all stays within a node when it can); every ep group holds all experts.
     """
     if data_ranks % ep:
         raise ValueError(f"ep={ep} must divide the {data_ranks} data-parallel ranks")
-    return init_device_mesh(
-        device_type, (data_ranks // ep, ep), mesh_dim_names=("ep_replicate", "ep")
+    shape = (data_ranks // ep, ep)
+    if pipeline_ranks == 1:
+        return init_device_mesh(device_type, shape, mesh_dim_names=("ep_replicate", "ep"))
+    world = init_device_mesh(
+        device_type, (pipeline_ranks, *shape), mesh_dim_names=("ep_pp", "ep_replicate", "ep")
     )
+    return world["ep_replicate", "ep"]
 
 
 @torch.no_grad()

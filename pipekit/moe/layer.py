@@ -85,6 +85,7 @@ class MoE(nn.Module):
                 self.args.load_balance,
                 self.args.load_balance_weight,
                 self.args.z_loss_weight,
+                owner=self,
             )
             out_TD = attach_aux_loss(out_TD, aux_loss)
         return out_TD.view_as(x_BSD)

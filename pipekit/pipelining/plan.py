@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.models.spec import ModelShape, ModelStructure
-from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining._torch_runtime import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
 from pipekit.pipelining.features.exchange_plan import plan_context_exchange
 from pipekit.pipelining.features.output_passes import with_output_passes
 from pipekit.pipelining.model_split.partition import (
@@ -133,6 +133,7 @@ def plan_pipeline(
                 f"stages_per_rank={stages_per_rank}, microbatches={num_microbatches}, "
                 f"num_slices={num_slices}: {error}"
             ) from None
+    _check_split_backward_without_data_parallel(actions_by_rank, parallelism, entry.name)
     if seq_len % num_slices:
         raise ValueError(
             f"training.seq_len={seq_len} does not split into num_slices={num_slices} equal slices; "
@@ -252,3 +253,29 @@ def _index_count(actions_by_rank: dict[int, list[Action]], field: str) -> int:
         getattr(action, field) or 0 for actions in actions_by_rank.values() for action in actions
     )
     return 1 + max(indices, default=-1)
+
+
+def _check_split_backward_without_data_parallel(
+    actions_by_rank: Mapping[int, Sequence[Action]], parallelism: ParallelismConfig, name: str
+) -> None:
+    """Refuse input/weight-split backwards (I/W actions) on data-parallel stages.
+
+    torch's runtime computes a W action's gradients for the stage module's registered
+    parameters; under FSDP2 those are the sharded parameters, which the graph never saw (it ran
+    on the gathered ones), so the weight gradients of every stage but the first come out wrong
+    or missing (measured: ZBVZeroBubble on 2 pipeline x 2 FSDP ranks). A degree of -1 (not
+    resolved against a world size) counts as data-parallel."""
+    data_parallel = parallelism.dp_shard != 1 or parallelism.dp_replicate != 1
+    split = any(
+        action.computation_type in (INPUT_BACKWARD, WEIGHT_BACKWARD)
+        for actions in actions_by_rank.values()
+        for action in actions
+        if action is not None
+    )
+    if split and data_parallel:
+        raise ValueError(
+            f"pipeline_schedule={name!r} splits backwards into input and weight parts (I/W), "
+            "which torch's pipeline runtime gets wrong on FSDP-sharded stages; with "
+            "dp_shard or dp_replicate > 1 use a schedule with full backwards (1F1B, "
+            "Interleaved1F1B, sliced)"
+        )

@@ -81,7 +81,7 @@ def plan_job(config: JobConfig, world_size: int | None) -> Job:
             f"{per_step * max(1, config.training.global_batch_size // per_step)}"
         )
     local_batch = config.training.global_batch_size // per_step
-    pipeline = _pipeline(config, spec, args, shape, local_batch) if dims.pp > 1 else None
+    pipeline = _pipeline(config, spec, args, shape, dims, local_batch) if dims.pp > 1 else None
     if config.parallelism.vocab_parallel:
         _check_vocab_parallel(shape, dims.pp)
     return Job(config, spec, args, shape, upcycle, dims, pipeline, local_batch)
@@ -215,24 +215,29 @@ def _check_expert_parallel(config: JobConfig, args: Any, ep: int) -> None:
         check_expert_parallel(getattr(args, "moe", None), ep, source)
     except ValueError as error:
         raise _error("[parallelism]", error) from None
-    if config.parallelism.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            f"[parallelism] ep={ep}: the trainer does not run expert parallelism inside "
-            "pipeline stages yet; set pipeline_parallel_degree = 1 or ep = 1"
-        )
 
 
 def _pipeline(
-    config: JobConfig, spec: ModelSpec, args: Any, shape: ModelShape, local_batch_size: int
+    config: JobConfig,
+    spec: ModelSpec,
+    args: Any,
+    shape: ModelShape,
+    dims: ParallelDims,
+    local_batch_size: int,
 ) -> PipelinePlan:
+    import dataclasses
+
     import torch
 
     from pipekit.pipelining.model_split.stage_module import validate_stage_module_names
     from pipekit.pipelining.plan import plan_pipeline
 
     try:
+        resolved = dataclasses.replace(
+            config.parallelism, dp_shard=dims.dp_shard, dp_replicate=dims.dp_replicate
+        )
         plan = plan_pipeline(
-            config.parallelism, spec.structure, shape, local_batch_size, config.training.seq_len
+            resolved, spec.structure, shape, local_batch_size, config.training.seq_len
         )
         with torch.device("meta"):
             model = spec.build(args)

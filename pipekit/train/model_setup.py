@@ -84,7 +84,9 @@ class _ModelSetup:
         self.expert_mesh = None
         dims = job.dims
         if dims is not None and dims.ep_enabled:
-            self.expert_mesh = expert_mesh(device.type, dims.dp_degree * dims.cp, dims.ep)
+            self.expert_mesh = expert_mesh(
+                device.type, dims.dp_degree * dims.cp, dims.ep, pipeline_ranks=dims.pp
+            )
         training = job.config.training
         self.precision = {
             "param_dtype": DTYPES[training.mixed_precision_param],

@@ -7,8 +7,9 @@ baseline, exactly as torch runs it). `PipelineRunner.step` performs the two-leve
 (torch's `step()` can only split along the batch) and drives `_step_microbatches` with one entry
 per unit. The loss of each unit is its token-sum cross-entropy over the global label-token
 count, so the units' losses add up to the unsliced loss and no gradient scaling is needed
-(`scale_grads=False`); MoE auxiliary losses are scaled by 1/(microbatches x slices) for the same
-reason.
+(`scale_grads=False`). MoE auxiliary losses are functions of the whole microbatch's statistics
+(each stage runs a microbatch's slices in one sequence scope), so each counts once per
+microbatch: they are scaled by 1/microbatches, and a sliced step equals the unsliced one.
 
 Legend: B batch, S sequence.
 """
@@ -114,7 +115,8 @@ class PipelineRunner:
         """Forward and backward of the whole batch `[B, S]` (tokens, labels, positions,
         document_ids); returns the loss (sum over units) on the rank with the last stage, else
         None. Gradients accumulate into the stage modules' `.grad`; MoE auxiliary losses count
-        once per batch (times any enclosing `aux_loss_scale`)."""
+        once per microbatch, with weight 1/microbatches (times any enclosing
+        `aux_loss_scale`)."""
         if not torch.is_grad_enabled():
             raise RuntimeError("PipelineRunner.step needs gradients; do not call it in no_grad")
         units = split_into_units(batch, self.num_microbatches, self.num_slices)
@@ -127,7 +129,7 @@ class PipelineRunner:
         kwarg_units = [_stage_kwargs(unit) for unit in units]
         targets = [unit["labels"] for unit in units] if self.has_last_stage else None
         losses: list[Tensor] = []
-        with aux_loss_scale(current_aux_loss_scale() / len(units)):
+        with aux_loss_scale(current_aux_loss_scale() / self.num_microbatches):
             run_units(
                 self.schedule,
                 arg_units,

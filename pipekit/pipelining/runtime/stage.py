@@ -3,7 +3,9 @@
 torch's runtime calls `forward_one_chunk(unit)` and `backward_one_chunk(unit)` with unit indices
 (`pipekit.pipelining.schedules.units`). This subclass turns a unit into (microbatch, slice),
 hands the stage's model the slice's attention context (its microbatch's KV cache, as the
-pipeline's extensions wrap it), and releases the slice's cached chunks right after its
+pipeline's extensions wrap it), runs the slice inside its microbatch's sequence scope (so losses
+of sums over the sequence, as MoE load balancing, are the whole sequence's:
+`pipekit.layers.sequence_statistics`), and releases the slice's cached chunks right after its
 backward. With one slice per microbatch it is an ordinary stage with causal (document-aware)
 attention, so torch's own schedules run on it too.
 
@@ -26,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.kv_cache import ChunkedKVCache
+from pipekit.layers.sequence_statistics import SequenceStatistics, sequence_scope
 from pipekit.memory.tracker import track_tensor, untrack_tensor
 from pipekit.pipelining._torch_runtime import (
     BACKWARD,
@@ -110,6 +113,8 @@ class SlicedPipelineStage(PipelineStage):
         )
         self.num_slices, self.shapes = num_slices, shapes
         self.kv_cache = ChunkedKVCache(backend)
+        self.sequence_statistics: dict[int, SequenceStatistics] = {}
+        """Per microbatch: the sums its slices recorded for losses over the whole sequence."""
         self.extensions: Sequence[PipelineExtension] = ()
         """Set by the schedule: the pipeline's features, asked for each forward's context."""
         self.action_observer: Callable[[Action, float, float], None] | None = None
@@ -132,13 +137,14 @@ class SlicedPipelineStage(PipelineStage):
                 self.stage_index, fwd_chunk_id, self.has_backward, context
             )
         stage_kwargs["attention_context"] = context
-        output = self._observed(
-            FORWARD,
-            fwd_chunk_id,
-            lambda: super(SlicedPipelineStage, self).forward_one_chunk(
-                fwd_chunk_id, args, stage_kwargs, save_forward_output
-            ),
-        )
+        with self._sequence(microbatch, slice_index):
+            output = self._observed(
+                FORWARD,
+                fwd_chunk_id,
+                lambda: super(SlicedPipelineStage, self).forward_one_chunk(
+                    fwd_chunk_id, args, stage_kwargs, save_forward_output
+                ),
+            )
         for extension in self.extensions:
             extension.after_forward(self.stage_index, fwd_chunk_id, context)
         if self.has_backward:
@@ -165,13 +171,14 @@ class SlicedPipelineStage(PipelineStage):
         stage_inputs = self._stage_inputs(bwd_chunk_id)
         self.kv_cache.recomputing = (microbatch, slice_index)  # activation checkpointing
         try:
-            self._observed(
-                BACKWARD if full_backward else INPUT_BACKWARD,
-                bwd_chunk_id,
-                lambda: super(SlicedPipelineStage, self).backward_one_chunk(
-                    bwd_chunk_id, loss, full_backward, last_backward
-                ),
-            )
+            with self._sequence(microbatch, slice_index):  # a recomputed forward records again
+                self._observed(
+                    BACKWARD if full_backward else INPUT_BACKWARD,
+                    bwd_chunk_id,
+                    lambda: super(SlicedPipelineStage, self).backward_one_chunk(
+                        bwd_chunk_id, loss, full_backward, last_backward
+                    ),
+                )
         finally:
             self.kv_cache.recomputing = None
         for tensor in stage_inputs:
@@ -190,6 +197,10 @@ class SlicedPipelineStage(PipelineStage):
             ),
         )
 
+    def _sequence(self, microbatch: int, slice_index: int) -> Any:
+        statistics = self.sequence_statistics.setdefault(microbatch, SequenceStatistics())
+        return sequence_scope(statistics, slice_index)
+
     def _observed(self, kind: ComputationType, unit: int, run: Callable[[], Any]) -> Any:
         """Run one action; with an observer, time it (on CUDA, between device syncs)."""
         if self.action_observer is None:
@@ -205,9 +216,10 @@ class SlicedPipelineStage(PipelineStage):
         return output
 
     def clear_runtime_states(self) -> None:
-        """Between steps: torch's per-step state and the whole KV cache."""
+        """Between steps: torch's per-step state, the whole KV cache, the sequences' sums."""
         super().clear_runtime_states()
         self.kv_cache.clear()
+        self.sequence_statistics.clear()
 
     def _stage_inputs(self, unit: int) -> list[torch.Tensor]:
         """The received activations of a unit (the first stage's token ids are not counted)."""

@@ -1,0 +1,231 @@
+"""The parity matrix: every parallel layout pipekit trains with, composed, against one process.
+
+Each row runs one step of a tiny model (float64, MoE with auxiliary losses on) on 4 ranks and
+compares its loss and every gradient with the single-process step on the same weights and
+batch (relative difference <= 1e-10): FSDP, HSDP, torch's 1F1B, Interleaved1F1B and ZBV,
+SlimPipe's sliced schedule (v = 1 and 2), sliced with context exchange, with vocabulary
+parallelism, expert parallelism alone and inside the sliced pipeline, and everything at once —
+for Llama-MoE and for the custom example (GPT-2 style, registered from outside pipekit).
+Pipelines run on 2 pipeline x 2 FSDP ranks. Every row has an ablation that breaks the mechanism
+the row relies on, and it must fail. All rows of a model share one process group, all
+ablations another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from distributed_helpers import run_on_ranks
+from parity import (
+    Result,
+    data_parallel_step,
+    max_relative_difference,
+    parity_batch,
+    pipeline_step,
+    reference_step,
+)
+from tiny_models import TINY_LLAMA
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+import examples.custom_model.model as custom
+from models.llama_moe.args import LlamaMoEArgs
+from pipekit.models import get_model_spec
+from pipekit.moe import MoEArgs
+from pipekit.moe.expert_parallel import expert_parameters
+from pipekit.pipelining.features.context_exchange import PipelineContextExchange
+from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
+
+WORLD, ROWS, SEQ_LEN, MICROBATCHES, SLICES = 4, 8, 16, 2, 4
+TOLERANCE, ABLATION_FLOOR = 1e-10, 1e-4
+MOE = MoEArgs(num_experts=4, top_k=2, load_balance_weight=0.01, z_loss_weight=0.001)
+MODELS = {
+    "llama_moe": LlamaMoEArgs(**{**vars(TINY_LLAMA), "n_layers": 4}, moe=MOE, moe_every=2),
+    "tiny_gpt": custom.TinyGPTArgs(dim=32, n_layers=4, n_heads=2, vocab_size=64, max_seq_len=64),
+}
+PIPELINE = {"dp_shard": 2, "microbatches": MICROBATCHES}
+SLICED = PIPELINE | {"pipeline_schedule": "sliced", "num_slices": SLICES}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One layout: how it runs (`data_parallel` or `pipeline` keywords) and its ablation."""
+
+    layout: str
+    data_parallel: dict[str, Any] | None = None
+    pipeline: dict[str, Any] = field(default_factory=dict)
+    ablation: str = ""
+    layers: int = 4
+    """Blocks of the model: a V of 2 stages on each of 4 pipeline ranks needs 8."""
+
+    @property
+    def reference_microbatches(self) -> int:
+        """The row blocks whose statistics the MoE aux losses take: each data rank's
+        microbatches (pipelines split the 2 data ranks' rows into microbatches)."""
+        if self.data_parallel is not None:
+            return WORLD
+        return self.pipeline["dp_shard"] * self.pipeline["microbatches"]
+
+
+ROWS_ = [
+    Row("FSDP", data_parallel={}, ablation="mean_reduction"),
+    Row("HSDP", data_parallel={"dp_replicate": 2}, ablation="mean_reduction"),
+    Row("1F1B", pipeline=PIPELINE | {"pipeline_schedule": "1F1B"}, ablation="cut_boundary"),
+    Row(
+        "Interleaved1F1B",
+        pipeline=PIPELINE | {"pipeline_schedule": "Interleaved1F1B", "stages_per_rank": 2},
+        ablation="cut_boundary",
+    ),
+    Row(  # I/W actions: torch's runtime cannot run them on FSDP stages (the plan refuses)
+        "ZBV",
+        pipeline={"dp_shard": 1, "microbatches": 4, "pipeline_schedule": "ZBVZeroBubble"}
+        | {"stages_per_rank": 2},
+        ablation="cut_boundary",
+        layers=8,
+    ),
+    Row("sliced v=1", pipeline=SLICED, ablation="drop_kv_cache_grads"),
+    Row("sliced v=2", pipeline=SLICED | {"stages_per_rank": 2}, ablation="drop_kv_cache_grads"),
+    Row(
+        "sliced + context exchange",
+        pipeline=SLICED | {"context_exchange": True},
+        ablation="drop_lent_kv_grads",
+    ),
+    Row(
+        "sliced + vocabulary parallel",
+        pipeline=SLICED | {"vocab_parallel": True},
+        ablation="hidden_grad_last_rank_only",
+    ),
+    Row("EP", data_parallel={"ep": 2}, ablation="misplaced_experts"),
+    Row("sliced + EP", pipeline=SLICED | {"ep": 2}, ablation="aux_statistics_per_slice"),
+    Row(
+        "sliced + EP + vocabulary parallel + context exchange",
+        pipeline=SLICED | {"ep": 2, "vocab_parallel": True, "context_exchange": True},
+        ablation="misplaced_experts",
+    ),
+]
+
+
+def _batch(model: str) -> Any:
+    return parity_batch(MODELS[model].vocab_size, ROWS, SEQ_LEN)
+
+
+def _roll_local_experts(model: nn.Module) -> None:
+    """Ablation: each rank's experts shifted by one, as if the shards were cut wrongly."""
+    with torch.no_grad():
+        for param in expert_parameters(model):
+            local = param.to_local() if isinstance(param, DTensor) else param
+            local.copy_(local.roll(1, 0))
+
+
+def _model_ablation(name: str) -> Callable[[nn.Module], None] | None:
+    if name == "mean_reduction":  # FSDP's default mean instead of pipekit's sum
+        return lambda model: [
+            module.set_gradient_divide_factor(float(WORLD))
+            for module in model.modules()
+            if isinstance(module, FSDPModule)
+        ]
+    if name == "misplaced_experts":
+        return _roll_local_experts
+    raise ValueError(name)
+
+
+class _ZeroGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.clone()  # not a view: torch's stage detaches its output in place
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return torch.zeros_like(grad)
+
+
+def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineRunner], None]:
+    def adjust(runner: PipelineRunner) -> None:
+        if name == "cut_boundary":  # no gradient crosses into a stage from the next one
+            for stage in runner.stages:
+                if not stage.is_last:
+                    stage.submod.register_forward_hook(lambda _m, _a, out: _ZeroGradient.apply(out))
+        elif name == "drop_kv_cache_grads":
+            for stage in runner.stages:
+                stage.kv_cache.drop_cached_gradients = True
+        elif name == "drop_lent_kv_grads":
+            exchange = runner.extension("context_exchange")
+            assert isinstance(exchange, PipelineContextExchange)
+            exchange = PipelineContextExchange(
+                exchange.group, exchange.layers_per_stage, drop_remote_kv_grads=True
+            )
+            runner.schedule = make_schedule(
+                "sliced", runner.stages, MICROBATCHES, SLICES, extensions=[exchange]
+            )
+            runner.extensions = [exchange]
+        elif name == "hidden_grad_last_rank_only":
+            vocab = runner.extension("vocab_parallel")
+            assert vocab is not None
+            if not runner.has_last_stage:
+                vocab.output.register_full_backward_hook(lambda _, grad, __: (grad[0] * 0,))
+        elif name == "aux_statistics_per_slice":
+            for stage in runner.stages:
+                stage._sequence = lambda *_: nullcontext()
+        elif name == "misplaced_experts":
+            assert runner.model is not None
+            _roll_local_experts(runner.model)
+        else:
+            raise ValueError(name)
+
+    return adjust
+
+
+def _args(model: str, row: Row) -> Any:
+    return dataclasses.replace(MODELS[model], n_layers=row.layers)
+
+
+def _run_row(rank: int, world: int, model: str, row: Row, ablate: bool) -> Result:
+    spec, args = get_model_spec(model), _args(model, row)
+    if row.data_parallel is not None:
+        adjust = _model_ablation(row.ablation) if ablate else None
+        return data_parallel_step(
+            rank, world, spec, args, _batch(model), adjust=adjust, **row.data_parallel
+        )
+    adjust = _runner_ablation(row.ablation, row.pipeline) if ablate else None
+    return pipeline_step(rank, world, spec, args, _batch(model), adjust=adjust, **row.pipeline)
+
+
+def _run_rows(rank: int, world: int, model: str, ablate: bool) -> list[Result]:
+    return [_run_row(rank, world, model, row, ablate) for row in ROWS_]
+
+
+def _differences(model: str, ablate: bool) -> dict[str, float]:
+    spec = get_model_spec(model)
+    per_rank = run_on_ranks(_run_rows, WORLD, model, ablate, timeout=600)
+    references: dict[tuple[int, int], Result] = {}
+    differences = {}
+    for index, row in enumerate(ROWS_):
+        key = (row.reference_microbatches, row.layers)
+        if key not in references:
+            references[key] = reference_step(
+                spec, _args(model, row), _batch(model), microbatches=key[0]
+            )
+        results = [per_rank[rank][index] for rank in range(WORLD)]
+        differences[row.layout] = max_relative_difference(results, references[key])
+    return differences
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_layout_matches_one_process_fp64(model: str) -> None:
+    differences = _differences(model, ablate=False)
+    failed = {layout: d for layout, d in differences.items() if not d <= TOLERANCE}
+    assert not failed, f"{model}: above {TOLERANCE}: {failed}"
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_layout_fails_when_its_mechanism_is_broken(model: str) -> None:
+    differences = _differences(model, ablate=True)
+    passed = {layout: d for layout, d in differences.items() if not d > ABLATION_FLOOR}
+    assert not passed, f"{model}: ablations that still match: {passed}"
