@@ -23,6 +23,7 @@ from pipekit.attention.context import CausalAttention
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.distributed.process_group import single_rank_mesh
 from pipekit.layers.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
 from pipekit.models.spec import ModelSpec
 from pipekit.moe.aux_loss import aux_loss_scale
@@ -156,6 +157,7 @@ def pipeline_step(
     *,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
+    compute_dtype: torch.dtype | None = None,
     dp_shard: int = 1,
     ep: int = 1,
     adjust: Callable[[PipelineRunner], None] | None = None,
@@ -164,8 +166,10 @@ def pipeline_step(
     """One step of this rank's pipeline, planned from `parallelism` (ParallelismConfig keys)
     over `world // dp_shard` pipeline ranks and built by the one builder. With `dp_shard` > 1
     each stage is FSDP2-sharded over its data ranks, which read their share of the rows; with
-    `ep` > 1 its experts are sharded over `ep` of them (FSDP leaving them alone). `adjust` sees
-    the runner before the step (ablations)."""
+    `ep` > 1 its experts are sharded over `ep` of them (FSDP leaving them alone). Weights are
+    kept in `dtype`; with a `compute_dtype` (bf16) FSDP2 computes in it, the stages send it and
+    gradients are reduced in `dtype` (over one rank's mesh without data parallelism). `adjust`
+    sees the runner before the step (ablations)."""
     config = ParallelismConfig(
         dp_shard=dp_shard, pipeline_parallel_degree=world // dp_shard, ep=ep, **parallelism
     )
@@ -180,7 +184,9 @@ def pipeline_step(
         module.init_weights(seed=seed)
         module.to(dtype)
 
-    precision = {"param_dtype": dtype, "reduce_dtype": dtype}
+    precision = {"param_dtype": compute_dtype or dtype, "reduce_dtype": dtype}
+    if compute_dtype is not None and dp_shard == 1:
+        precision["precision_mesh"] = single_rank_mesh("cpu")
 
     def parallelize(module: nn.Module) -> None:
         if ep_mesh is not None:
@@ -201,7 +207,7 @@ def pipeline_step(
     setup = StageSetup(
         device=torch.device("cpu"), materialize=materialize, parallelize=parallelize,
         parallelize_vocab=parallelize_vocab,
-        attention_backend="cpu", message_dtype=dtype,
+        attention_backend="cpu", message_dtype=compute_dtype or dtype,
     )  # fmt: skip
     with torch.device("meta"):
         model = spec.build(args)

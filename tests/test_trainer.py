@@ -123,10 +123,24 @@ def test_low_bit_adamw_from_torchao_trains(tmp_path):
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_bfloat16_mixed_precision_tracks_float32(tmp_path, single_process_losses, world_size):
-    overrides = ("--training.mixed_precision_param", "bfloat16",
-                 "--parallelism.dp_shard", str(world_size))  # fmt: skip
-    per_rank = run_on_ranks(_losses_on_ranks, world_size, tmp_path, overrides, timeout=120)
-    torch.testing.assert_close(per_rank[0], single_process_losses, rtol=2e-2, atol=0)
-    assert per_rank[0] != single_process_losses  # bfloat16 compute really happened
+@pytest.mark.parametrize(
+    ("world_size", "layout"),
+    [
+        (1, ("--parallelism.dp_shard", "1")),
+        (2, ("--parallelism.dp_shard", "2")),
+        (2, ("--parallelism.dp_shard", "1", "--parallelism.pipeline_parallel_degree", "2")),
+        (4, ("--parallelism.dp_shard", "2", "--parallelism.pipeline_parallel_degree", "2")),
+    ],
+    ids=["autocast", "fsdp", "sliced pipeline", "sliced pipeline x fsdp"],
+)
+def test_bfloat16_mixed_precision_tracks_float32(
+    tmp_path, single_process_losses, world_size, layout
+):
+    """bf16 compute with float32 weights and reductions: autocast on one process, FSDP2's
+    mixed precision otherwise (over one rank for a pipeline without data parallelism), the
+    pipeline's stages sending bf16."""
+    overrides = ("--training.mixed_precision_param", "bfloat16", *layout)
+    per_rank = run_on_ranks(_losses_on_ranks, world_size, tmp_path, overrides, timeout=180)
+    losses = next(losses for losses in per_rank if losses)  # the pipeline's last stage logs
+    torch.testing.assert_close(losses, single_process_losses, rtol=2e-2, atol=0)
+    assert losses != single_process_losses  # bfloat16 compute really happened

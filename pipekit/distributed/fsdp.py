@@ -58,6 +58,7 @@ def apply_data_parallel(
     reshard_after_forward: bool = True,
     sum_gradients: bool = True,
     ignored_params: set[nn.Parameter] | None = None,
+    precision_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Wrap each of `blocks` (the model's transformer blocks, `ModelStructure.blocks_of`) and
     then the root (embedding, norm, output) in place.
@@ -68,13 +69,19 @@ def apply_data_parallel(
     embedding's) sit in the root's group, so they stay one parameter.
     `sum_gradients=False` keeps FSDP's mean reduction, for losses normalised per rank (see the
     module docstring). `ignored_params` stay as they are (experts already sharded over all
-    data-parallel ranks by expert parallelism). Returns `model`, now of an FSDP subclass.
+    data-parallel ranks by expert parallelism). Without data parallelism, a `precision_mesh`
+    (`single_rank_mesh`) still gives the model FSDP2's mixed precision when `param_dtype` is not
+    float32: a pipeline stage then computes and sends in `param_dtype` as it would with FSDP.
+    Returns `model`, now of an FSDP subclass.
     """
     dp_mesh = data_parallel_mesh(mesh, parallel_dims)
+    precision_only = dp_mesh is None and precision_mesh is not None
+    if precision_only and param_dtype != torch.float32:
+        dp_mesh = precision_mesh
     if dp_mesh is None:
         return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    if parallel_dims.fsdp_enabled:
+    if parallel_dims.fsdp_enabled or precision_only:
         for block in blocks:
             fully_shard(
                 block,

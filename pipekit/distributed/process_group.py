@@ -16,7 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DistributedInfo", "destroy_distributed", "init_distributed", "new_group_along"]
+__all__ = [
+    "DistributedInfo",
+    "destroy_distributed",
+    "init_distributed",
+    "new_group_along",
+    "single_rank_mesh",
+]
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -100,6 +106,14 @@ def new_group_along(mesh: DeviceMesh, dim: str) -> dist.ProcessGroup:
             mine = group
     assert mine is not None  # this rank is in the mesh
     return mine
+
+
+def single_rank_mesh(device_type: str) -> DeviceMesh:
+    """A mesh of this rank alone: FSDP2 on it shards nothing but applies its mixed precision
+    (bf16 compute, float32 master weights). Every rank must call this together (it creates one
+    group per rank)."""
+    group, _ = dist.new_subgroups(group_size=1)
+    return DeviceMesh.from_group(group, device_type)
 
 
 def destroy_distributed(wait_for_peers: bool = True) -> None:

@@ -250,7 +250,6 @@ def _pipeline(
             "pipeline stages cannot share yet; use an untied flavor or pipeline_parallel_degree=1"
         )
     unsupported = {
-        "[training] mixed_precision_param": config.training.mixed_precision_param != "float32",
         "[checkpoint] export_hf_at_end": config.checkpoint.export_hf_at_end,
     }
     for name, used in unsupported.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.checkpoint.safetensors_io import TensorRead
 from pipekit.checkpoint.upcycle import upcycle_into
 from pipekit.distributed.fsdp import apply_data_parallel
+from pipekit.distributed.process_group import single_rank_mesh
 from pipekit.moe.expert_parallel import (
     apply_expert_parallel,
     expert_mesh,
@@ -88,10 +90,15 @@ class _ModelSetup:
                 device.type, dims.dp_degree * dims.cp, dims.ep, pipeline_ranks=dims.pp
             )
         training = job.config.training
-        self.precision = {
-            "param_dtype": DTYPES[training.mixed_precision_param],
+        self.compute_dtype = DTYPES[training.mixed_precision_param]
+        self.precision: dict[str, Any] = {
+            "param_dtype": self.compute_dtype,
             "reduce_dtype": DTYPES[training.mixed_precision_reduce],
         }
+        single_data_rank = dims is None or dims.dp_degree * dims.cp == 1
+        if job.pipeline is not None and single_data_rank and self.compute_dtype != torch.float32:
+            # FSDP2 over one rank: the stages get mixed precision as they would under FSDP
+            self.precision["precision_mesh"] = single_rank_mesh(device.type)
 
     def stage_setup(self) -> StageSetup:
         config = self.job.config
@@ -103,6 +110,7 @@ class _ModelSetup:
             parallelize_vocab=self.parallelize_vocab,
             shard_first=upcycled,
             attention_backend=config.model.attention_backend,
+            message_dtype=self.compute_dtype,
             collective_timeout=timedelta(seconds=config.parallelism.collective_timeout_s),
         )
 
