@@ -227,7 +227,7 @@ def runner_step(
 ) -> Result:
     """One step of `runner` on this data rank's share of `batch` (the rows split evenly over
     `data_group`; the whole batch without one): the step's loss on one rank (None elsewhere)
-    and this rank's gradients, in full."""
+    and this rank's gradients, in full (a tied weight once, under the embedding's name)."""
     data_ranks = dist.get_world_size(data_group) if data_group is not None else 1
     rows = batch.batch_size[0] // data_ranks
     part = batch[data_rank * rows : (data_rank + 1) * rows]
@@ -245,8 +245,9 @@ def runner_step(
             f"{output_name}.weight": vocab.output,
         }
     grads: dict[str, Any] = {}
+    duplicates = {id(param) for param in runner.duplicate_parameters()}
     for name, param in runner.model.named_parameters():
-        if param.grad is None:  # not reported: the comparison names it
+        if param.grad is None or id(param) in duplicates:  # the comparison names the missing
             continue
         if name in shards:
             shard = shards[name]

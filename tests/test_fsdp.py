@@ -150,3 +150,14 @@ def test_clip_grad_norm_equals_torch_on_plain_tensors():
         torch.testing.assert_close(norm, want)
         for param, twin in zip(params, twins, strict=True):
             torch.testing.assert_close(param.grad, twin.grad)
+
+
+def test_clip_grad_norm_counts_duplicates_once_and_still_clips_them():
+    """A tied weight's second copy (a pipeline holds one per stage) is scaled with the rest but
+    not counted: the norm is that of the distinct parameters."""
+    param, copy, other = (nn.Parameter(torch.zeros(4)) for _ in range(3))
+    param.grad, copy.grad, other.grad = torch.full((4,), 3.0), torch.full((4,), 3.0), torch.ones(4)
+    norm = clip_grad_norm_([param, copy, other], 1.0, duplicates=[copy])
+    torch.testing.assert_close(norm, torch.tensor((4 * 9.0 + 4) ** 0.5))
+    torch.testing.assert_close(copy.grad, param.grad)
+    torch.testing.assert_close(param.grad, torch.full((4,), 3.0 / norm.item()))

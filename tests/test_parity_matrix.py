@@ -5,7 +5,8 @@ its loss and every gradient with the single-process step on the same weights and
 float64 (relative difference <= 1e-10): FSDP, HSDP, torch's 1F1B, Interleaved1F1B and ZBV
 (without data parallelism: the plan refuses its I/W actions on FSDP stages), SlimPipe's sliced
 schedule (v = 1 and 2), sliced with context exchange, with vocabulary parallelism, expert
-parallelism alone and inside the sliced pipeline, and everything at once. In bf16 (FSDP2 mixed
+parallelism alone and inside the sliced pipeline, everything at once, and tied embeddings
+across stages (on two ranks, as vocabulary shards, and on one rank of a V). In bf16 (FSDP2 mixed
 precision, float32 weights and reductions, bf16 messages) against float32, within 5e-2: the
 sliced pipeline with 2 data ranks and with one. For Llama-MoE and for the custom example (GPT-2
 style, registered from outside pipekit). Pipelines run on 2 pipeline x 2 FSDP ranks unless the
@@ -69,6 +70,8 @@ class Row:
     layers: int = 4
     """Blocks of the model: a V of 2 stages on each of 4 pipeline ranks needs 8."""
     tolerance: float = TOLERANCE
+    tied: bool = False
+    """Tie the embedding and output weights (their stages hold a copy each)."""
     every_expert: bool = False
     """Route each token to every expert: bf16 rounding flips top-k choices of near-tied
     experts, a discrete change no tolerance describes; with all experts chosen the routing is
@@ -122,6 +125,21 @@ ROWS_ = [
         "sliced + EP + vocabulary parallel + context exchange",
         pipeline=SLICED | {"ep": 2, "vocab_parallel": True, "context_exchange": True},
         ablation="misplaced_experts",
+    ),
+    Row("tied x sliced", pipeline=SLICED, ablation="untied_gradients", tied=True),
+    Row(
+        "tied x sliced + vocabulary parallel",
+        pipeline=SLICED | {"vocab_parallel": True},
+        ablation="untied_gradients",
+        tied=True,
+    ),
+    Row(  # the V puts the first and the last stage on rank 0: both copies on one rank
+        "tied x ZBV",
+        pipeline={"dp_shard": 1, "microbatches": 4, "pipeline_schedule": "ZBVZeroBubble"}
+        | {"stages_per_rank": 2},
+        ablation="untied_gradients",
+        layers=8,
+        tied=True,
     ),
     Row(  # against float32; the ablation shows the looser tolerance still catches a real bug
         "bf16 x sliced",
@@ -204,6 +222,10 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
         elif name == "misplaced_experts":
             assert runner.model is not None
             _roll_local_experts(runner.model)
+        elif name == "untied_gradients":  # each copy keeps its own stage's gradient
+            tied = runner.extension("tied_weights")
+            assert tied is not None
+            tied.end_step = lambda: None
         else:
             raise ValueError(name)
 
@@ -215,7 +237,7 @@ def _args(model: str, row: Row) -> Any:
     moe = args.moe
     if row.every_expert:
         moe = dataclasses.replace(moe, top_k=moe.num_experts)
-    return dataclasses.replace(args, n_layers=row.layers, moe=moe)
+    return dataclasses.replace(args, n_layers=row.layers, moe=moe, tie_embeddings=row.tied)
 
 
 def _run_row(rank: int, world: int, model: str, row: Row, ablate: bool) -> Result:
@@ -236,10 +258,10 @@ def _run_rows(rank: int, world: int, model: str, ablate: bool) -> list[Result]:
 def _differences(model: str, ablate: bool) -> dict[str, float]:
     spec = get_model_spec(model)
     per_rank = run_on_ranks(_run_rows, WORLD, model, ablate, timeout=600)
-    references: dict[tuple[int, int, torch.dtype, bool], Result] = {}
+    references: dict[tuple[int, int, torch.dtype, bool, bool], Result] = {}
     differences = {}
     for index, row in enumerate(ROWS_):
-        key = (row.reference_microbatches, row.layers, row.dtype, row.every_expert)
+        key = (row.reference_microbatches, row.layers, row.dtype, row.every_expert, row.tied)
         if key not in references:
             references[key] = reference_step(
                 spec, _args(model, row), _batch(model), microbatches=key[0], dtype=row.dtype

@@ -11,16 +11,16 @@ from tiny_models import TINY_LLAMA
 from models.decoder.model import DECODER_STRUCTURE
 from models.llama import Llama
 from pipekit.models import ModelStructure
+from pipekit.models.stage_module import (
+    build_stage_module,
+    validate_stage_module_names,
+)
 from pipekit.pipelining.model_split.partition import (
     blocks_per_stage,
     partition_layers,
     stage_module_names,
     stage_to_rank,
     stages_of_rank,
-)
-from pipekit.pipelining.model_split.stage_module import (
-    build_stage_module,
-    validate_stage_module_names,
 )
 
 ARGS = TINY_LLAMA.with_updates(n_layers=4)

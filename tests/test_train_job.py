@@ -242,6 +242,30 @@ def test_sliced_pipeline_job_resumes_exactly(tmp_path):
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
 
 
+def test_tied_embeddings_across_pipeline_stages_match_and_resume(tmp_path):
+    """The tied debug flavor on 2 pipeline ranks (embedding on one, output on the other, a copy
+    each, gradients summed) gives the FSDP job's losses, with gradient clipping counting the
+    tied weight once; stopped at step 2 and resumed, it gives the uninterrupted run's losses."""
+    short = (*SHORT_RUN[:10], "--model.flavor", "debug_tied", "--training.max_norm", "0.1")
+    straight = (*short, "--training.steps", "4", "--checkpoint.interval", "2")
+    fsdp = _train(
+        tmp_path / "fsdp", *short, "--training.steps", "4", "--checkpoint.enable", "false"
+    )
+    pipelined = _train(tmp_path / "straight", *straight, config=SLICED_PP_CONFIG)
+    assert pipelined == pytest.approx(fsdp, rel=1e-4)
+    resumed = tmp_path / "resumed"
+    _train(
+        resumed,
+        *short,
+        "--training.steps",
+        "2",
+        "--checkpoint.interval",
+        "2",
+        config=SLICED_PP_CONFIG,
+    )
+    assert _train(resumed, *straight, config=SLICED_PP_CONFIG) == pipelined
+
+
 def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path):
     """4 ranks: 2 pipeline ranks x 2 FSDP shards, 2 stages per rank (shared rank modules, FSDP
     per stage), 2 accumulation micro-steps; the same losses as the 2-rank FSDP job, with and

@@ -23,6 +23,7 @@ class TinyGPTArgs:
     vocab_size: int = 258  # pipekit's byte tokenizer
     max_seq_len: int = 1024
     moe: MoEArgs = field(default_factory=lambda: MoEArgs(num_experts=4, top_k=2))
+    tie_embeddings: bool = False  # GPT-2 ties lm_head to wte
 
 
 class Attention(nn.Module):
@@ -82,9 +83,11 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(i, args) for i in range(args.n_layers)})
         self.ln_f = nn.LayerNorm(args.dim)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Nothing is tied here."""
+        if self.args.tie_embeddings and self.wte is not None and self.lm_head is not None:
+            self.lm_head.weight = self.wte.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -92,9 +95,14 @@ class TinyGPT(nn.Module):
         the whole model's values."""
         seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
         device = next(self.parameters()).device
+        self.tie_weights()
         for name, module in self.named_children():
             children = module.items() if isinstance(module, nn.ModuleDict) else [("", module)]
             for key, child in children:
+                if name == "lm_head" and self.args.tie_embeddings:  # wte's weight, by wte's name
+                    with seeded(seed, "wte", device):
+                        nn.init.normal_(child.weight, std=0.02)
+                    continue
                 with seeded(seed, f"{name}.{key}" if key else name, device):
                     if isinstance(child, nn.Embedding):
                         nn.init.normal_(child.weight, std=0.02)
@@ -128,7 +136,7 @@ class TinyGPT(nn.Module):
 def _shape(args: TinyGPTArgs) -> ModelShape:
     head_dim = args.dim // args.n_heads
     sizes = (args.dim, args.n_layers, args.vocab_size, args.n_heads, args.n_heads, head_dim)
-    return ModelShape(*sizes, tied_embeddings=False, max_seq_len=args.max_seq_len)
+    return ModelShape(*sizes, tied_embeddings=args.tie_embeddings, max_seq_len=args.max_seq_len)
 
 
 STRUCTURE = ModelStructure("blocks", "wte", "lm_head", ("wpe",), ("ln_f",))

@@ -28,39 +28,49 @@ def clip_grad_norm_(
     *,
     error_if_nonfinite: bool = False,
     pipeline_group: dist.ProcessGroup | None = None,
+    duplicates: Iterable[Tensor] = (),
 ) -> Tensor:
     """Scale gradients in place so their global `norm_type`-norm is at most `max_norm`.
 
     Returns the global norm before clipping as a plain scalar tensor, the same on every rank.
     Parameters without a gradient are skipped. With `pipeline_group`, the norm also covers the
     parameters of the other pipeline ranks (every rank of the group must call this).
+    `duplicates` (copies of a tied weight counted elsewhere) are clipped but not counted.
     """
-    parameters = list(parameters)
-    grads = [param.grad for param in parameters if param.grad is not None]
-    if not grads:
-        zero = torch.tensor(0.0)
-        return zero if pipeline_group is None else _combine_across(zero, norm_type, pipeline_group)
-    groups: dict[object, list[Tensor]] = {}
-    for param in parameters:
-        if param.grad is not None:
-            grad = param.grad
-            key = grad.device_mesh if isinstance(grad, DTensor) else grad.device
-            groups.setdefault(key, []).append(param)
+    with_grads = [param for param in parameters if param.grad is not None]
+    skipped = {id(param) for param in duplicates}
+    counted = _by_mesh(param for param in with_grads if id(param) not in skipped)
     group_norms = []
-    for group in groups.values():
+    for group in counted.values():
         norm = torch.nn.utils.get_total_norm(
             [param.grad for param in group], norm_type, error_if_nonfinite
         )
         group_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = group_norms[0].device
-    total_norm = torch.linalg.vector_norm(
-        torch.stack([norm.to(device) for norm in group_norms]), norm_type
-    )
+    if group_norms:
+        device = group_norms[0].device
+        total_norm = torch.linalg.vector_norm(
+            torch.stack([norm.to(device) for norm in group_norms]), norm_type
+        )
+    else:
+        total_norm = torch.tensor(0.0)
     if pipeline_group is not None:  # each pipeline rank holds other parameters
         total_norm = _combine_across(total_norm, norm_type, pipeline_group)
-    for group in groups.values():  # one foreach per mesh: foreach ops cannot mix meshes
+    for group in _by_mesh(with_grads).values():  # foreach ops cannot mix meshes
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
     return total_norm
+
+
+def _by_mesh(parameters: Iterable[Tensor]) -> dict[object, list[Tensor]]:
+    """Parameters grouped by their gradient's mesh (or device), in order of first appearance."""
+    groups: dict[object, list[Tensor]] = {}
+    for param in parameters:
+        assert param.grad is not None
+        groups.setdefault(_mesh_key(param.grad), []).append(param)
+    return groups
+
+
+def _mesh_key(grad: Tensor) -> object:
+    return grad.device_mesh if isinstance(grad, DTensor) else grad.device
 
 
 def _combine_across(norm: Tensor, norm_type: float, group: dist.ProcessGroup) -> Tensor:

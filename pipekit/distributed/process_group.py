@@ -9,6 +9,7 @@ no launcher.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -21,6 +22,7 @@ __all__ = [
     "destroy_distributed",
     "init_distributed",
     "new_group_along",
+    "new_group_between",
     "single_rank_mesh",
 ]
 
@@ -94,18 +96,33 @@ def new_group_along(mesh: DeviceMesh, dim: str) -> dist.ProcessGroup:
     """A new process group over the ranks that share `dim` of `mesh` with this rank, separate
     from the mesh's own (e.g. collectives that must not queue behind the pipeline's sends: an
     NCCL send blocks its communicator until received). Every rank of the mesh must call it."""
-    names = mesh.mesh_dim_names or ()
-    if dim not in names:
-        raise ValueError(f"mesh with dims {names} has no {dim!r} dim")
-    index = names.index(dim)
+    group = new_group_between(mesh, dim, range(mesh.mesh.shape[_dim_index(mesh, dim)]))
+    assert group is not None  # this rank is in the mesh
+    return group
+
+
+def new_group_between(
+    mesh: DeviceMesh, dim: str, positions: Sequence[int]
+) -> dist.ProcessGroup | None:
+    """A new process group over the ranks at `positions` along `dim` that share this rank's
+    other coordinates (e.g. the first and last pipeline ranks of each data-parallel replica);
+    None on a rank at another position. Every rank of the mesh must call it."""
+    index = _dim_index(mesh, dim)
     rows = mesh.mesh.movedim(index, -1).reshape(-1, mesh.mesh.shape[index]).tolist()
     mine = None
-    for ranks in rows:  # every rank creates every group, in the same order
+    for row in rows:  # every rank creates every group, in the same order
+        ranks = sorted({row[position] for position in positions})
         group = dist.new_group(ranks)
         if dist.get_rank() in ranks:
             mine = group
-    assert mine is not None  # this rank is in the mesh
     return mine
+
+
+def _dim_index(mesh: DeviceMesh, dim: str) -> int:
+    names = mesh.mesh_dim_names or ()
+    if dim not in names:
+        raise ValueError(f"mesh with dims {names} has no {dim!r} dim")
+    return names.index(dim)
 
 
 def single_rank_mesh(device_type: str) -> DeviceMesh:

@@ -11,6 +11,10 @@ Subpackages, lowest first (each imports only those above it in this list):
 - `tools`: recorded timelines, traces and pictures.
 """
 
+from pipekit.models.stage_module import (
+    build_stage_module,
+    validate_stage_module_names,
+)
 from pipekit.pipelining.build import StageSetup, build_pipeline
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
@@ -20,10 +24,6 @@ from pipekit.pipelining.model_split.partition import (
     stage_module_names,
     stage_to_rank,
     stages_of_rank,
-)
-from pipekit.pipelining.model_split.stage_module import (
-    build_stage_module,
-    validate_stage_module_names,
 )
 from pipekit.pipelining.plan import PipelinePlan, plan_pipeline
 from pipekit.pipelining.runtime.action_runtime import (

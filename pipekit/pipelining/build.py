@@ -10,7 +10,9 @@ so it never allocates another rank's weights. `StageSetup` says how that copy ge
 copy's modules, so the optimizer, checkpoints and gradient clipping see one model. The features
 the plan turns on become the pipeline's extensions: vocabulary parallelism (its shards are
 built here, filled with the unsplit model's rows, and set on the rank model under the model's
-own names) and context exchange, each on a process group of its own.
+own names) and context exchange, each on a process group of its own. A tied model's embedding
+and output get a copy each, kept equal by `TiedWeights` (a step-level extension the schedule
+does not carry).
 """
 
 from __future__ import annotations
@@ -24,18 +26,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipekit.attention.exchange import DEFAULT_LOAN_TIMEOUT
-from pipekit.distributed.process_group import new_group_along
+from pipekit.distributed.process_group import new_group_along, new_group_between
+from pipekit.models.stage_module import (
+    build_stage_module,
+    validate_stage_module_names,
+)
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
+from pipekit.pipelining.features.tied_weights import TiedWeights, untie_vocabulary
 from pipekit.pipelining.features.vocab_parallel import (
     PipelineVocabParallel,
     copy_full_vocab_rows,
     vocab_shard_modules,
 )
 from pipekit.pipelining.model_split.partition import blocks_per_stage
-from pipekit.pipelining.model_split.stage_module import (
-    build_stage_module,
-    validate_stage_module_names,
-)
 from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
@@ -82,6 +85,9 @@ def build_pipeline(
     its stages' modules, vocabulary shards included) is `runner.model`.
     """
     validate_stage_module_names(model, plan.module_names_per_stage, plan.modules_outside_stages)
+    tied = plan.model.tied_embeddings
+    if tied:  # the embedding's and the output's stages each get a copy
+        untie_vocabulary(model, plan.structure)
     pp_mesh = mesh["pp"]
     rank = pp_mesh.get_local_rank()
     indices = plan.stage_indices(rank)
@@ -89,6 +95,8 @@ def build_pipeline(
     rank_model = build_stage_module(model, names)
     if not setup.shard_first:
         setup.materialize(rank_model)
+        if tied:  # initialising a rank that holds both re-tied them
+            untie_vocabulary(rank_model, plan.structure)
     shapes = StageShapes(
         rows=plan.unit_rows,
         slice_length=plan.slice_length,
@@ -137,8 +145,10 @@ def build_pipeline(
         plan.num_microbatches,
         plan.num_slices,
         actions_by_rank=plan.actions_by_rank if plan.stage_style == "user" else None,
-        extensions=extensions,
+        extensions=tuple(extensions),
     )
+    if tied:  # a step-level feature: the schedule does not carry it
+        extensions.append(_tied_weights(plan, rank_model, mesh, extensions))
     return PipelineRunner(
         schedule, stages, plan.num_microbatches, plan.num_slices, extensions, model=rank_model
     )
@@ -174,3 +184,26 @@ def _vocab_parallel(
         module_names=(embedding_name, output_name),
         lockstep=plan.context_exchange,
     )
+
+
+def _tied_weights(
+    plan: PipelinePlan,
+    rank_model: nn.Module,
+    mesh: DeviceMesh,
+    extensions: list[PipelineExtension],
+) -> TiedWeights:
+    """The tied weight's copies on this rank (after parallelization, which replaces the
+    parameters) and the group of the two ranks that hold them; every rank calls this."""
+    vocab = next((ext for ext in extensions if isinstance(ext, PipelineVocabParallel)), None)
+    if vocab is not None:  # both row shards on every rank
+        return TiedWeights([vocab.embedding.weight, vocab.output.weight], None, counted_here=True)
+    first, last = plan.stage_rank(0), plan.stage_rank(plan.num_stages - 1)
+    group = None if first == last else new_group_between(mesh, "pp", (first, last))
+    rank = mesh["pp"].get_local_rank()
+    embedding_name, output_name = plan.structure.vocabulary_modules
+    copies = [
+        getattr(rank_model, name).weight
+        for name, holder in ((embedding_name, first), (output_name, last))
+        if holder == rank
+    ]
+    return TiedWeights(copies, group, counted_here=rank == first)

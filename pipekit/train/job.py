@@ -229,7 +229,7 @@ def _pipeline(
 
     import torch
 
-    from pipekit.pipelining.model_split.stage_module import validate_stage_module_names
+    from pipekit.models.stage_module import validate_stage_module_names
     from pipekit.pipelining.plan import plan_pipeline
 
     try:
@@ -244,11 +244,6 @@ def _pipeline(
         validate_stage_module_names(model, plan.module_names_per_stage, plan.modules_outside_stages)
     except ValueError as error:
         raise _error("[parallelism]", error) from None
-    if shape.tied_embeddings:
-        raise ConfigError(
-            f"[model] flavor {config.model.flavor} ties the embedding and output weights, which "
-            "pipeline stages cannot share yet; use an untied flavor or pipeline_parallel_degree=1"
-        )
     unsupported = {
         "[checkpoint] export_hf_at_end": config.checkpoint.export_hf_at_end,
     }

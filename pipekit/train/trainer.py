@@ -174,6 +174,7 @@ class Trainer:
             list(self.model.parameters()),
             max_norm or math.inf,
             pipeline_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None,
+            duplicates=self.pipeline.duplicate_parameters() if self.pipeline else (),
         )
         self.optimizer.step()
         self.lr_scheduler.step()

@@ -44,9 +44,9 @@ from pipekit.layers.vocab_parallel import (
     vocab_parallel_cross_entropy,
 )
 from pipekit.models.spec import ModelStructure
+from pipekit.models.stage_module import build_stage_module
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.features.output_passes import OUTPUT_PASS, with_output_passes
-from pipekit.pipelining.model_split.stage_module import build_stage_module
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
 from pipekit.pipelining.runtime.stage import StageShapes
 

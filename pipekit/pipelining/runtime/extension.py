@@ -13,6 +13,7 @@ fixed points, so no schedule, stage or runner signature grows a keyword per feat
 | `loss_fn` | once: the last stage's loss | the vocabulary-parallel loss |
 | `begin_step` / `end_step` | around each step | embed tokens / their backward |
 | `row_sharded_parameters` | checkpointing | vocabulary rows per rank |
+| `duplicate_parameters` | gradient clipping | the second copy of a tied weight |
 
 Extensions that communicate must use a process group of their own (`group`): their messages
 must not queue behind the stages' sends (an NCCL send blocks until it is received).
@@ -26,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
+from torch.nn import Parameter
 
 from pipekit.attention.context import AttentionContext
 from pipekit.pipelining._torch_runtime import Action
@@ -87,3 +89,8 @@ class PipelineExtension:
     def row_sharded_parameters(self) -> dict[str, int]:
         """Parameters this rank holds only some rows of: name -> rows of the full matrix."""
         return {}
+
+    def duplicate_parameters(self) -> list[Parameter]:
+        """Parameters this rank holds as a copy of one counted elsewhere (a tied weight's
+        second copy): a global gradient norm must not count them again."""
+        return []

@@ -111,6 +111,10 @@ class PipelineRunner:
             rows |= extension.row_sharded_parameters()
         return rows
 
+    def duplicate_parameters(self) -> list[nn.Parameter]:
+        """Copies of parameters counted elsewhere (tied weights): gradient norms skip them."""
+        return [param for ext in self.extensions for param in ext.duplicate_parameters()]
+
     def step(self, batch: TensorDict, num_label_tokens: Tensor | float) -> Tensor | None:
         """Forward and backward of the whole batch `[B, S]` (tokens, labels, positions,
         document_ids); returns the loss (sum over units) on the rank with the last stage, else
