@@ -25,6 +25,7 @@ from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import single_rank_mesh
 from pipekit.layers.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
+from pipekit.models.materialize import seeded_materializer
 from pipekit.models.spec import ModelSpec
 from pipekit.moe.aux_loss import aux_loss_scale
 from pipekit.moe.expert_parallel import (
@@ -45,11 +46,12 @@ Result = tuple[float | None, dict[str, Any]]
 
 
 def build_model(spec: ModelSpec, args: Any, seed: int, dtype: torch.dtype) -> nn.Module:
+    """The whole model in `dtype`, drawn from `seed` in that dtype (as every layout draws it)."""
     with torch.device("meta"):
-        model = spec.build(args)
+        model = spec.build(args).to(dtype)
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
-    return model.to(dtype)
+    return model
 
 
 def parity_batch(vocab_size: int, rows: int, seq_len: int, seed: int = 7) -> TensorDict:
@@ -96,6 +98,43 @@ def reference_step(
     return total.item(), grads
 
 
+def data_parallel_model(
+    world: int,
+    spec: ModelSpec,
+    args: Any,
+    *,
+    ep: int = 1,
+    dp_replicate: int = 1,
+    seed: int = 3,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[nn.Module, dist.ProcessGroup | None]:
+    """This rank's FSDP2 (HSDP, + expert-parallel) model, parallelized on the meta device and
+    then materialised shard by shard from `seed`; and the expert replicas' group, if any."""
+    config = ParallelismConfig(dp_replicate=dp_replicate, dp_shard=world // dp_replicate, ep=ep)
+    dims = ParallelDims.from_config(config, world)
+    mesh = dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = spec.build(args).to(dtype)
+    ignored = None
+    replicas = None
+    if ep > 1:
+        experts = expert_mesh("cpu", world, ep)
+        apply_expert_parallel(model, experts["ep"])
+        ignored = expert_parameters(model)
+        replicas = experts["ep_replicate"].get_group() if world > ep else None
+    apply_data_parallel(
+        model,
+        mesh,
+        dims,
+        blocks=spec.structure.blocks_of(model),
+        param_dtype=dtype,
+        reduce_dtype=dtype,
+        ignored_params=ignored,
+    )
+    seeded_materializer("cpu", seed)(model)
+    return model, replicas
+
+
 def data_parallel_step(
     rank: int,
     world: int,
@@ -112,25 +151,8 @@ def data_parallel_step(
     """FSDP2 over all ranks (HSDP with `dp_replicate` replicas; experts sharded over `ep` of
     them, FSDP leaving them alone), each rank its share of the rows; the full gradients,
     gathered. `adjust` sees the parallelized model before the step (ablations)."""
-    config = ParallelismConfig(dp_replicate=dp_replicate, dp_shard=world // dp_replicate, ep=ep)
-    dims = ParallelDims.from_config(config, world)
-    mesh = dims.build_mesh("cpu")
-    model = build_model(spec, args, seed, dtype)
-    ignored = None
-    replicas = None
-    if ep > 1:
-        experts = expert_mesh("cpu", world, ep)
-        apply_expert_parallel(model, experts["ep"])
-        ignored = expert_parameters(model)
-        replicas = experts["ep_replicate"].get_group() if world > ep else None
-    apply_data_parallel(
-        model,
-        mesh,
-        dims,
-        blocks=spec.structure.blocks_of(model),
-        param_dtype=dtype,
-        reduce_dtype=dtype,
-        ignored_params=ignored,
+    model, replicas = data_parallel_model(
+        world, spec, args, ep=ep, dp_replicate=dp_replicate, seed=seed, dtype=dtype
     )
     if adjust is not None:
         adjust(model)
@@ -163,26 +185,45 @@ def pipeline_step(
     adjust: Callable[[PipelineRunner], None] | None = None,
     **parallelism: Any,
 ) -> Result:
-    """One step of this rank's pipeline, planned from `parallelism` (ParallelismConfig keys)
-    over `world // dp_shard` pipeline ranks and built by the one builder. With `dp_shard` > 1
+    """One step of this rank's pipeline (`pipeline_layout`); `adjust` sees the runner before
+    the step (ablations)."""
+    runner, dims, mesh = pipeline_layout(
+        world, spec, args, batch.batch_size, seed=seed, dtype=dtype,
+        compute_dtype=compute_dtype, dp_shard=dp_shard, ep=ep, **parallelism,
+    )  # fmt: skip
+    if adjust is not None:
+        adjust(runner)
+    data_group = dims.mesh("dp_shard").get_group() if dp_shard > 1 else None
+    return runner_step(runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group)
+
+
+def pipeline_layout(
+    world: int,
+    spec: ModelSpec,
+    args: Any,
+    batch_shape: tuple[int, int],
+    *,
+    seed: int = 3,
+    dtype: torch.dtype = torch.float64,
+    compute_dtype: torch.dtype | None = None,
+    dp_shard: int = 1,
+    ep: int = 1,
+    **parallelism: Any,
+) -> tuple[PipelineRunner, ParallelDims, Any]:
+    """This rank's pipeline (runner, dims, mesh), planned from `parallelism` (ParallelismConfig
+    keys) over `world // dp_shard` pipeline ranks and built by the one builder. With `dp_shard` > 1
     each stage is FSDP2-sharded over its data ranks, which read their share of the rows; with
     `ep` > 1 its experts are sharded over `ep` of them (FSDP leaving them alone). Weights are
     kept in `dtype`; with a `compute_dtype` (bf16) FSDP2 computes in it, the stages send it and
-    gradients are reduced in `dtype` (over one rank's mesh without data parallelism). `adjust`
-    sees the runner before the step (ablations)."""
+    gradients are reduced in `dtype` (over one rank's mesh without data parallelism)."""
     config = ParallelismConfig(
         dp_shard=dp_shard, pipeline_parallel_degree=world // dp_shard, ep=ep, **parallelism
     )
     dims = ParallelDims.from_config(config, world)
     mesh = dims.build_mesh("cpu")
-    rows, length = batch.batch_size
+    rows, length = batch_shape
     plan = plan_pipeline(config, spec.structure, spec.shape(args), rows // dp_shard, length)
     ep_mesh = expert_mesh("cpu", dp_shard, ep, pipeline_ranks=dims.pp)["ep"] if ep > 1 else None
-
-    def materialize(module: nn.Module) -> None:
-        module.to_empty(device="cpu")
-        module.init_weights(seed=seed)
-        module.to(dtype)
 
     precision = {"param_dtype": compute_dtype or dtype, "reduce_dtype": dtype}
     if compute_dtype is not None and dp_shard == 1:
@@ -205,17 +246,14 @@ def pipeline_step(
         apply_data_parallel(output, mesh, dims, reshard_after_forward=False, **precision)
 
     setup = StageSetup(
-        device=torch.device("cpu"), materialize=materialize, parallelize=parallelize,
+        device=torch.device("cpu"), materialize=seeded_materializer("cpu", seed),
+        parallelize=parallelize,
         parallelize_vocab=parallelize_vocab,
         attention_backend="cpu", message_dtype=compute_dtype or dtype,
     )  # fmt: skip
     with torch.device("meta"):
-        model = spec.build(args)
-    runner = build_pipeline(plan, model, mesh, setup)
-    if adjust is not None:
-        adjust(runner)
-    data_group = dims.mesh("dp_shard").get_group() if dp_shard > 1 else None
-    return runner_step(runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group)
+        model = spec.build(args).to(dtype)
+    return build_pipeline(plan, model, mesh, setup), dims, mesh
 
 
 def runner_step(

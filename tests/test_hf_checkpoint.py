@@ -25,7 +25,7 @@ from models.llama.hf import (
     save_hf_llama,
 )
 from models.llama.model import Llama
-from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, save_safetensors
+from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead, save_safetensors
 from pipekit.layers.rope import RotaryEmbedding, apply_rotary
 
 transformers = pytest.importorskip("transformers")
@@ -450,20 +450,24 @@ def test_permuted_projection_rotates_like_rotate_half() -> None:
 
 
 @pytest.mark.parametrize("name", ["layers.1.attention.wq.weight", "layers.0.attention.wk.weight"])
-def test_head_aligned_row_slice_equals_slice_of_full_tensor(hf_checkpoint: Path, name: str) -> None:
+def test_any_row_block_of_a_permuted_weight_equals_that_block_of_the_whole(
+    hf_checkpoint: Path, name: str
+) -> None:
+    """A shard's rows are read as the whole heads covering them, reordered, then cut."""
     args = read_hf_llama_args(hf_checkpoint)
     head_dim = args.per_head_dim
-    with SafetensorsCheckpoint(hf_checkpoint) as checkpoint:
-        full = LLAMA_HF.read(checkpoint, name, args)
-        assert torch.equal(
-            LLAMA_HF.read(checkpoint, name, args, slice(head_dim, 2 * head_dim)),
-            full[head_dim : 2 * head_dim],
-        )
-        assert torch.equal(
-            LLAMA_HF.read(checkpoint, name, args, slice(0, head_dim)), full[:head_dim]
-        )
-        with pytest.raises(ValueError, match="whole heads"):
-            LLAMA_HF.read(checkpoint, name, args, slice(4, head_dim + 4))
+    reads: list[TensorRead] = []
+    with SafetensorsCheckpoint(hf_checkpoint, read_log=reads) as checkpoint:
+        source = LLAMA_HF.source(checkpoint, name, args)
+        full = source.read_all()
+        hf_name = LLAMA_HF.source_name(name, args)
+        assert torch.equal(full, permute_from_hf(checkpoint.read(hf_name), head_dim))
+        for start, stop in [(head_dim, 2 * head_dim), (0, head_dim), (4, head_dim + 4)]:
+            reads.clear()
+            block = source.read((slice(start, stop), slice(0, args.dim)))
+            assert torch.equal(block, full[start:stop])
+            (read,) = reads
+            assert read.bounds[0] == (start // head_dim * head_dim, -(-stop // head_dim) * head_dim)
 
 
 def test_listing_reads_headers_only(hf_checkpoint: Path) -> None:

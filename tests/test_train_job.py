@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from pipekit.models import get_model_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO_ROOT / "configs" / "debug_model.toml")
@@ -21,6 +24,7 @@ SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_sliced_pp.toml")
 VOCAB_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_vocab_parallel_pp.toml")
 EXCHANGE_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_context_exchange_pp.toml")
 MOE_CONFIG = str(REPO_ROOT / "configs" / "debug_moe.toml")
+MOE_SLICED_CONFIG = str(REPO_ROOT / "configs" / "debug_moe_sliced_pp.toml")
 
 
 def _command(output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG) -> list[str]:
@@ -420,8 +424,8 @@ UPCYCLE_CONFIG = str(REPO_ROOT / "configs" / "debug_upcycle.toml")
 
 def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_path: Path) -> None:
     """configs/debug_upcycle.toml (ep = 2, FSDP2, E8T2, capacity 4) from a dense checkpoint: the
-    first loss is the dense job's (the Mixtral router keeps the first forward), also on 2
-    pipeline ranks x 2 FSDP ranks; training goes on and resumes exactly from its own (MoE)
+    first loss is the dense job's (the Mixtral router keeps the first forward), also in the
+    sliced pipeline (2 pipeline ranks x 2 FSDP ranks splitting the experts); training goes on and resumes exactly from its own (MoE)
     checkpoint; the export is a Mixtral checkpoint."""
     from models.llama_moe.hf_mixtral import read_hf_mixtral_args
 
@@ -435,17 +439,20 @@ def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_p
     assert upcycled[1] == pytest.approx(dense[1], rel=1e-5)
     assert upcycled[3] < upcycled[1]
     pipeline = (
-        "--parallelism.ep", "1",
+        "--parallelism.ep", "2",
         "--parallelism.dp_shard", "2",
         "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.pipeline_schedule", "sliced",
+        "--parallelism.num_slices", "2",
         "--checkpoint.enable", "false",
-        "--checkpoint.export_hf_at_end", "false",
     )  # fmt: skip
     staged = _train(
         tmp_path / "pp", *common, "--training.steps", "2", *pipeline, nproc=4, config=UPCYCLE_CONFIG
     )
-    # each stage is sharded by FSDP2 on meta, then fills its own blocks
+    # upcycled x sliced + EP: each stage is sharded (experts over its 2 data ranks, the rest by
+    # FSDP2) on meta, then fills its own blocks; every rank exports its share
     assert staged[1] == pytest.approx(dense[1], rel=1e-5)
+    assert read_hf_mixtral_args(tmp_path / "pp" / "hf").moe.num_experts == 8
     exported = read_hf_mixtral_args(tmp_path / "upcycled" / "hf")
     assert (exported.moe.num_experts, exported.moe.top_k) == (8, 2)
     resumed_dir = tmp_path / "resumed"
@@ -508,3 +515,26 @@ def test_upcycled_job_with_tied_embeddings_starts_at_the_dense_loss(tmp_path: Pa
     no_export = ("--checkpoint.export_hf_at_end", "false")
     upcycled = _train(tmp_path / "upcycled", *common, *no_export, config=UPCYCLE_CONFIG)
     assert upcycled[1] == pytest.approx(dense[1], rel=1e-5)
+
+
+def test_moe_sliced_pipeline_job_trains_and_exports_what_transformers_loads(tmp_path: Path) -> None:
+    """configs/debug_moe_sliced_pp.toml (pp 2 x dp_shard 2 x ep 2, bf16, vocabulary parallel,
+    context exchange) on 4 ranks: the loss falls, and the export, each rank writing its share
+    of whole tensors, loads in transformers as a Mixtral with pipekit's logits."""
+    transformers = pytest.importorskip("transformers")
+    run = (
+        "--training.steps", "8",
+        "--training.seq_len", "64",
+        "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_interval", "1",
+        "--checkpoint.enable", "false",
+    )  # fmt: skip
+    losses = _train(tmp_path / "job", *run, nproc=4, config=MOE_SLICED_CONFIG)
+    assert losses[8] < losses[1] - 0.5, losses
+    directory = tmp_path / "job" / "hf"
+    ours, args = get_model_spec("llama_moe").hf.build_from_checkpoint(str(directory))
+    theirs = transformers.MixtralForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
+    tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        difference = (ours.eval()(tokens) - theirs.eval()(tokens).logits).abs().max()
+    assert difference < 1e-4, difference

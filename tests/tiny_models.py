@@ -12,6 +12,7 @@ from models.llama import Llama, LlamaArgs
 from pipekit._torch_private import checkpoint_module_activations
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.models import get_model_spec
+from pipekit.models.materialize import seeded_materializer
 from pipekit.pipelining import PipelineRunner, StageSetup, build_pipeline, plan_pipeline
 
 TINY_LLAMA = LlamaArgs(
@@ -84,23 +85,22 @@ def tiny_pipeline(
         parallelism, spec.structure, spec.shape(args), rows, seq_len, user_actions=user_actions
     )
 
-    def materialize(module: nn.Module) -> None:
-        module.to_empty(device="cpu")
-        module.init_weights(seed=seed)
-        module.to(dtype)
+    def parallelize_stage(module: nn.Module) -> None:
         if checkpoint_activations:
             for block in spec.structure.blocks_of(module):
                 checkpoint_module_activations(block)
+        if parallelize is not None:
+            parallelize(module)
 
     setup = StageSetup(
         device=torch.device("cpu"),
-        materialize=materialize,
-        parallelize=parallelize or (lambda module: None),
+        materialize=seeded_materializer("cpu", seed),
+        parallelize=parallelize_stage,
         attention_backend="cpu",
         message_dtype=dtype,
     )
     with torch.device("meta"):
-        model = spec.build(args)
+        model = spec.build(args).to(dtype)
     return build_pipeline(plan, model, mesh, setup)
 
 

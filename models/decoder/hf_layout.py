@@ -21,6 +21,7 @@ Shape legend: R rows (output features), D model dim, E experts.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -30,14 +31,23 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from models.decoder.args import DecoderArgs, MoEFields
 from models.decoder.hf_config import CONFIG_FILE, HFModelType, read_config_json
+from pipekit.checkpoint.block_sources import (
+    BlockSource,
+    CheckpointBlock,
+    StackedBlocks,
+    read_from_sources,
+)
+from pipekit.checkpoint.hf_export import save_hf_sharded
+from pipekit.checkpoint.local_shards import RowShard, load_local_blocks
 from pipekit.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     CheckpointError,
     SafetensorsCheckpoint,
-    save_safetensors,
+    TensorRead,
 )
 from pipekit.models.spec import HFTensor, HuggingFaceAdapter
 
@@ -242,30 +252,23 @@ class DecoderHF:
             return _EMBEDDING
         return self.layout.hf_names(name, args)[0]
 
-    def read(
-        self,
-        checkpoint: SafetensorsCheckpoint,
-        name: str,
-        args: Any,
-        rows: slice | None = None,
-    ) -> torch.Tensor:
-        """Parameter `name` (or its rows `rows`) read from a checkpoint, in pipekit's layout.
-        An expert weight's rows are its experts (stacked on dim 0); a permuted weight's rows
-        must cover whole heads."""
+    def source(self, checkpoint: SafetensorsCheckpoint, name: str, args: Any) -> BlockSource:
+        """Parameter `name` as a block source over `checkpoint`, in pipekit's layout: an expert
+        weight stacks its experts' tensors, a permuted weight reads whole heads and reorders
+        them, a tied output reads the embedding."""
         if self.layout.is_expert_weight(name):
             hf_names = self.layout.hf_names(name, args)
-            chosen = hf_names if rows is None else hf_names[rows]
-            return torch.stack([checkpoint.read(hf_name) for hf_name in chosen])
-        permuted, head_dim = self.layout.is_permuted(name), args.per_head_dim
-        if permuted and rows is not None:
-            bounds = [bound for bound in (rows.start, rows.stop) if bound is not None]
-            if any(bound % head_dim for bound in bounds):
-                raise ValueError(
-                    f"rows {rows.start}:{rows.stop} of {name} do not cover whole heads; with "
-                    f"head_dim={head_dim} start and stop must be multiples of {head_dim}"
-                )
-        tensor = checkpoint.read(self.source_name(name, args), rows)
-        return permute_from_hf(tensor, head_dim) if permuted else tensor
+            return StackedBlocks([CheckpointBlock(checkpoint, hf) for hf in hf_names])
+        source = self.source_name(name, args)
+        if not self.layout.is_permuted(name):
+            return CheckpointBlock(checkpoint, source)
+        head_dim = args.per_head_dim
+        return CheckpointBlock(
+            checkpoint,
+            source,
+            row_group=head_dim,
+            row_transform=functools.partial(permute_from_hf, head_dim=head_dim),
+        )
 
     def check_checkpoint(self, checkpoint: SafetensorsCheckpoint, args: Any) -> None:
         """CheckpointError unless `checkpoint` holds a model of `args`: its config.json and
@@ -290,26 +293,32 @@ class DecoderHF:
 
     # -- load and save -----------------------------------------------------------------------
 
-    def load(self, directory: str | os.PathLike[str], model: nn.Module, args: Any) -> None:
-        """Copy a checkpoint into `model` (laid out as `args`; a pipeline stage is loaded for
-        the modules it holds), in the model's dtype. Everything is checked before the first
-        parameter is written, so a failed load leaves the model untouched."""
+    def load(
+        self,
+        directory: str | os.PathLike[str],
+        model: nn.Module,
+        args: Any,
+        *,
+        row_shards: Mapping[str, RowShard] | None = None,
+        read_log: list[TensorRead] | None = None,
+    ) -> None:
+        """Copy a checkpoint into `model` (laid out as `args`), in the model's dtype. A sharded
+        model (FSDP2, expert parallel, a pipeline stage, vocabulary rows named in
+        `row_shards`) reads only the blocks this rank holds (appended to `read_log` when
+        given). Everything is checked before the first parameter is written, so a failed load
+        leaves the model untouched."""
         if self.check_layout is not None:
             self.check_layout(args)
-        params = self._parameters_matching(model, args)
-        if any(param.is_meta for param in params.values()):
+        params = self._parameters_matching(model, args, row_shards)
+        if any(_local(param).is_meta for param in params.values()):
             raise ValueError(
                 "the model's parameters are on the meta device; call model.to_empty(device=...) "
                 "before loading"
             )
-        with SafetensorsCheckpoint(directory) as checkpoint:
+        with SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
             self.check_checkpoint(checkpoint, args)
-            copied: set[int] = set()
-            with torch.no_grad():
-                for name, param in params.items():
-                    if id(param) not in copied:  # a tied weight is read once
-                        param.copy_(self.read(checkpoint, name, args))
-                        copied.add(id(param))
+            sources = {name: self.source(checkpoint, name, args) for name in params}
+            load_local_blocks(model, read_from_sources(sources), row_shards)
 
     def save(
         self,
@@ -317,32 +326,42 @@ class DecoderHF:
         args: Any,
         directory: str | os.PathLike[str],
         *,
+        row_shards: Mapping[str, RowShard] | None = None,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
         overwrite: bool = False,
     ) -> None:
-        """Write `model` (full, unsharded tensors) with its config.json, atomically. Tensors
-        keep the model's dtype, so save -> load is bit-exact."""
+        """Write `model` with its config.json, atomically. The model may be whole or this
+        rank's part of any layout (FSDP2 / expert-parallel shards, pipeline stages,
+        vocabulary rows named in `row_shards`): then every rank calls `save`, and each writes
+        about 1/world of the tensors, none gathering the model. Tensors keep the model's dtype,
+        so save -> load is bit-exact."""
         if self.check_layout is not None:
             self.check_layout(args)
-        params = self._parameters_matching(model, args)
-        embedding, output = params["tok_embeddings.weight"], params["output.weight"]
-        if args.tie_embeddings and not (output is embedding or torch.equal(output, embedding)):
+        params = self._parameters_matching(model, args, row_shards)
+        embedding, output = params.get("tok_embeddings.weight"), params.get("output.weight")
+        both_whole = all(
+            param is not None and not isinstance(param, DTensor) for param in (embedding, output)
+        )
+        if (
+            args.tie_embeddings
+            and both_whole
+            and not (output is embedding or torch.equal(output, embedding))
+        ):
             raise ValueError(
                 "args.tie_embeddings=True but the model's output.weight differs from "
-                "tok_embeddings.weight; saving would drop it. Tie them or set tie_embeddings=False"
+                "tok_embeddings.weight; saving would drop it. Tie them or set "
+                "tie_embeddings=False"
             )
-        tensors = {
-            entry.hf_name: self.to_hf(entry.param_name, params[entry.param_name].detach(), args)
-            if entry.expert is None
-            else params[entry.param_name].detach()[entry.expert]
-            for entry in self.tensors(args)
-        }
-        config = self.args_to_config(args, embedding.dtype)
-        save_safetensors(
-            tensors,
+        dtype = next(iter(params.values())).dtype
+        config = self.args_to_config(args, dtype)
+        save_hf_sharded(
+            model,
+            self.tensors(args),
+            lambda name, tensor: self.to_hf(name, tensor, args),
             directory,
-            max_shard_bytes=max_shard_bytes,
             extra_files={CONFIG_FILE: json.dumps(config, indent=2) + "\n"},
+            row_shards=row_shards,
+            max_shard_bytes=max_shard_bytes,
             overwrite=overwrite,
         )
 
@@ -364,21 +383,26 @@ class DecoderHF:
             model_types=(self.layout.model_type.model_type,),
             read_args=self.read_args,
             load=self.load,
-            save=lambda model, args, directory: self.save(model, args, directory, overwrite=True),
+            save=functools.partial(self.save, overwrite=True),
             check_layout=self.check_layout,
             tensors=self.tensors,
             config=self.args_to_config,
             build_from_checkpoint=self.build_from_checkpoint,
         )
 
-    def _parameters_matching(self, model: nn.Module, args: Any) -> dict[str, nn.Parameter]:
+    def _parameters_matching(
+        self, model: nn.Module, args: Any, row_shards: Mapping[str, RowShard] | None = None
+    ) -> dict[str, nn.Parameter]:
         """The model's parameters (tied ones under both names), checked against those a model
         of `args` has. A model that holds only some modules (a pipeline stage) is checked, and
-        loaded, for those."""
+        loaded, for those; a parameter in `row_shards` for its rows."""
         params = dict(model.named_parameters(remove_duplicate=False))
         with torch.device("meta"):
             full = dict(self.build(args).named_parameters(remove_duplicate=False))
         expected = {name: tuple(param.shape) for name, param in full.items() if _holds(model, name)}
+        for name, shard in (row_shards or {}).items():
+            if name in expected and name in params and expected[name][0] == shard.rows:
+                expected[name] = (params[name].shape[0], *expected[name][1:])
         problems = _name_and_shape_problems(
             {name: tuple(param.shape) for name, param in params.items()}, expected
         )
@@ -388,6 +412,10 @@ class DecoderHF:
                 f"{problems}"
             )
         return params
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _holds(model: nn.Module, name: str) -> bool:

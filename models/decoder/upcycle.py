@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from models.decoder.args import DecoderArgs, MoEFields
-from models.decoder.hf_layout import EXPERT_WEIGHTS, DecoderHF, permute_from_hf
+from models.decoder.hf_layout import EXPERT_WEIGHTS, DecoderHF
+from pipekit.checkpoint.block_sources import BlockSource
 from pipekit.checkpoint.safetensors_io import PendingTensor, SafetensorsCheckpoint
-from pipekit.checkpoint.upcycle import BlockSource, CheckpointBlock, ExpertCopies, RouterInit
+from pipekit.checkpoint.upcycle import ExpertCopies, RouterInit
 from pipekit.models.spec import HFTensor
 from pipekit.models.upcycling import Upcycler, UpcycleSpec
 from pipekit.moe import MoEArgs
@@ -96,32 +97,16 @@ def _sources(
             )
         elif rest in EXPERT_WEIGHTS:
             weight = EXPERT_WEIGHTS[rest]
-            dense_ffn = _dense_block(
-                checkpoint, f"layers.{layer}.feed_forward.{weight}.weight", dense, dense_hf
+            dense_ffn = dense_hf.source(
+                checkpoint, f"layers.{layer}.feed_forward.{weight}.weight", dense
             )
             scale = spec.granularity if weight == "w2" else 1  # the pieces' outputs sum to f
             sources[name] = ExpertCopies(
                 dense_ffn, spec.num_experts, spec.granularity, _HIDDEN_DIM[weight], scale
             )
         else:
-            sources[name] = _dense_block(checkpoint, name, dense, dense_hf)
+            sources[name] = dense_hf.source(checkpoint, name, dense)
     return sources
-
-
-def _dense_block(
-    checkpoint: SafetensorsCheckpoint, name: str, dense: DecoderArgs, dense_hf: DecoderHF
-) -> CheckpointBlock:
-    """Dense parameter `name` in pipekit's layout (permuted weights reordered per head)."""
-    source = dense_hf.source_name(name, dense)
-    if not dense_hf.layout.is_permuted(name):
-        return CheckpointBlock(checkpoint, source)
-    head_dim = dense.per_head_dim
-    return CheckpointBlock(
-        checkpoint,
-        source,
-        row_group=head_dim,
-        row_transform=functools.partial(permute_from_hf, head_dim=head_dim),
-    )
 
 
 def _hf_layout(

@@ -27,6 +27,13 @@ LLAMA_MOE_FLAVORS: dict[str, LlamaMoEArgs] = {
         moe=MoEArgs(num_experts=8, top_k=2, load_balance_weight=0.01, z_loss_weight=0.001),
         moe_every=2,
     ),
+    # CPU-sized in Mixtral's layout (every layer MoE, 4 experts top-2), so it exports to
+    # Hugging Face; configs/debug_moe_sliced_pp.toml trains it.
+    "debug_mixtral": LlamaMoEArgs(
+        **{**vars(LLAMA_FLAVORS["debug"]), "ffn_dim": 256},
+        moe=MoEArgs(num_experts=4, top_k=2, load_balance_weight=0.01, z_loss_weight=0.001),
+        moe_every=1,
+    ),
     # Mixtral 8x7B's shape.
     "8x7B": LlamaMoEArgs(
         dim=4096,

@@ -33,6 +33,10 @@ _BENCHMARKS = {
         "pipekit.bench.vocab_parallel",
         "peak memory and output-layer time per rank, vocabulary-parallel pipeline vs not",
     ),
+    "init-memory": (
+        "pipekit.bench.init_memory",
+        "peak RSS per rank: sharded init, Hugging Face export and load of a 1B-class model",
+    ),
     "upcycle": (
         "pipekit.bench.upcycle",
         "online upcycling on N ranks: peak RSS and bytes read vs owned, time vs a plain read",

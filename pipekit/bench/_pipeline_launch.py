@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipekit.config.job_config import ParallelismConfig
+from pipekit.models.materialize import seeded_materializer
 from pipekit.models.registry import get_model_spec
 from pipekit.pipelining.build import StageSetup, build_pipeline
 from pipekit.pipelining.plan import plan_pipeline
@@ -291,10 +291,7 @@ def build_runner(
     with torch.device("meta"):
         model = family.build(args)
 
-    def materialize(module: nn.Module) -> None:
-        module.to_empty(device="cpu")
-        module.init_weights(seed=_SEED)
-
+    materialize = seeded_materializer("cpu", _SEED)
     setup = StageSetup(device=torch.device("cpu"), materialize=materialize, attention_backend="cpu")
     return build_pipeline(plan, model, mesh, setup)
 

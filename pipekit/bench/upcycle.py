@@ -36,7 +36,6 @@ import gc
 import json
 import mmap
 import os
-import resource
 import shutil
 import statistics
 import tempfile
@@ -50,6 +49,7 @@ from torch import nn
 
 from pipekit.bench._pipeline_launch import run_ranks
 from pipekit.bench._report import print_result, print_table
+from pipekit.bench._rss import current_rss, peak_rss
 from pipekit.checkpoint import PendingTensor, SafetensorsCheckpoint, TensorRead, save_safetensors
 from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.checkpoint.upcycle import upcycle_model
@@ -176,15 +176,6 @@ def _resident_fraction(paths: list[Path]) -> float:
     return resident / total
 
 
-def _current_rss() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * mmap.PAGESIZE
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
 def _parallelizer(num_ranks: int, dtype: torch.dtype):
     """Expert parallelism over all ranks, FSDP2 (dp_shard = ranks) over everything else."""
     dims = ParallelDims(
@@ -251,13 +242,13 @@ def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, A
     directory = spec["directory"]
     files = _checkpoint_files(directory)
     parallelize = _parallelizer(num_ranks, _DTYPES[spec["dtype"]])
-    rss_before = _current_rss()
+    rss_before = current_rss()
     cached_before = _resident_fraction(files)
 
     reads: list[TensorRead] = []
     cached_cold = [_cold_start(files)]
     model, first_s = _timed_upcycle(directory, spec, parallelize, reads)
-    peak_rss = _peak_rss()
+    peak = peak_rss()
     owned = local_nbytes(model)
     del model
     gc.collect()
@@ -276,7 +267,7 @@ def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, A
         "owned": owned,
         "read": sum(read.nbytes for read in reads),
         "rss_before": rss_before,
-        "peak_rss": peak_rss,
+        "peak_rss": peak,
         "upcycle_s": [first_s, second_s],
         "plain_s": plain_s,
         "warm_s": warm_s,

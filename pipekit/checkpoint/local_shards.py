@@ -9,26 +9,28 @@ one block of one tensor beyond the rank's own shards.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from pipekit._torch_private import local_shape_and_offset
+from pipekit.models.materialize import local_block
 
-__all__ = ["BlockReader", "load_local_blocks", "local_block", "local_nbytes"]
+__all__ = ["BlockReader", "RowShard", "load_local_blocks", "local_block", "local_nbytes"]
 
 BlockReader = Callable[[str, tuple[slice, ...]], Tensor]
 """(parameter name, block of its global tensor) -> that block's values."""
 
 
-def local_block(param: Tensor) -> tuple[slice, ...]:
-    """The block of the global tensor that this rank holds: a slice per dim."""
-    if not isinstance(param, DTensor):
-        return tuple(slice(0, size) for size in param.shape)
-    shape, offset = local_shape_and_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+@dataclass(frozen=True)
+class RowShard:
+    """A plain parameter holding rows `[start, start + its rows)` of a `rows`-row whole, its
+    split known to the layout rather than to a DTensor (vocabulary rows over pipeline ranks)."""
+
+    start: int
+    rows: int
 
 
 def local_nbytes(model: nn.Module) -> int:
@@ -39,12 +41,16 @@ def local_nbytes(model: nn.Module) -> int:
     )
 
 
-def load_local_blocks(model: nn.Module, read_block: BlockReader) -> None:
-    """Copy each parameter's local block from `read_block`.
+def load_local_blocks(
+    model: nn.Module, read_block: BlockReader, row_shards: Mapping[str, RowShard] | None = None
+) -> None:
+    """Copy each parameter's local block from `read_block` (a parameter in `row_shards` holds
+    rows of a larger whole: its block is shifted to them).
 
     Parameters must be materialised (`to_empty`); a rank holding an empty shard reads nothing
     for it. Every block's shape is checked before it is copied.
     """
+    row_shards = row_shards or {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
@@ -55,6 +61,9 @@ def load_local_blocks(model: nn.Module, read_block: BlockReader) -> None:
             if local.numel() == 0:
                 continue
             index = local_block(param)
+            if name in row_shards:
+                start = row_shards[name].start
+                index = (slice(index[0].start + start, index[0].stop + start), *index[1:])
             block = read_block(name, index)
             if block.shape != local.shape:
                 raise ValueError(

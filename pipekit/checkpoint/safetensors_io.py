@@ -15,8 +15,7 @@ import math
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -36,7 +35,13 @@ __all__ = [
     "SafetensorsCheckpoint",
     "TensorInfo",
     "TensorRead",
+    "discard_staging",
+    "new_staging_directory",
+    "publish_directory",
     "save_safetensors",
+    "shard_file_names",
+    "split_into_shards",
+    "write_index",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -303,14 +308,11 @@ def save_safetensors(
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
     sizes = {name: _planned_nbytes(name, tensor) for name, tensor in state_dict.items()}
-    shards = _split_into_shards(sizes, max_shard_bytes)
-    count = len(shards)
-    file_names = (
-        [SINGLE_FILE]
-        if count == 1
-        else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-    )
-    with _atomic_directory(Path(directory), overwrite) as staging:
+    shards = split_into_shards(sizes, max_shard_bytes)
+    file_names = shard_file_names(len(shards))
+    target = Path(directory)
+    staging = new_staging_directory(target, overwrite)
+    try:
         for file_name, shard in zip(file_names, shards, strict=True):
             tensors = {}
             for name in shard:
@@ -319,18 +321,19 @@ def save_safetensors(
                     on_tensor(name, sizes[name])
             save_file(tensors, str(staging / file_name), metadata={"format": "pt"})
             del tensors
-        if count > 1:
-            index = {
-                "metadata": {"total_size": sum(sizes.values())},
-                "weight_map": {
-                    name: file_name
-                    for file_name, shard in zip(file_names, shards, strict=True)
-                    for name in shard
-                },
+        if len(shards) > 1:
+            weight_map = {
+                name: file_name
+                for file_name, shard in zip(file_names, shards, strict=True)
+                for name in shard
             }
-            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            write_index(staging, weight_map, sum(sizes.values()))
         for file_name, text in (extra_files or {}).items():
             (staging / file_name).write_text(text)
+        publish_directory(staging, target)
+    except BaseException:
+        discard_staging(staging)
+        raise
     return [Path(directory) / file_name for file_name in file_names]
 
 
@@ -356,7 +359,8 @@ def _host_tensor(name: str, tensor: torch.Tensor | PendingTensor) -> torch.Tenso
     return tensor.detach().to("cpu").contiguous()
 
 
-def _split_into_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+def split_into_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Names in order, cut into files of at most `max_shard_bytes` (a larger tensor alone)."""
     shards: list[list[str]] = [[]]
     shard_bytes = 0
     for name, size in sizes.items():
@@ -368,9 +372,22 @@ def _split_into_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list
     return shards
 
 
-@contextmanager
-def _atomic_directory(target: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield an empty staging directory next to `target`; rename it to `target` on success."""
+def shard_file_names(count: int) -> list[str]:
+    """Hugging Face's file names for `count` tensor files (one: `model.safetensors`)."""
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_index(staging: Path, weight_map: Mapping[str, str], total_size: int) -> None:
+    """The index of a sharded checkpoint: tensor name -> file, and the tensors' total bytes."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
+    (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def new_staging_directory(target: Path, overwrite: bool) -> Path:
+    """An empty hidden folder next to `target` to write a checkpoint into; CheckpointError if
+    `target` exists and may not be replaced."""
     if target.exists() and not overwrite:
         raise CheckpointError(
             f"{target} already exists; pass overwrite=True or choose a new directory"
@@ -378,21 +395,26 @@ def _atomic_directory(target: Path, overwrite: bool) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
-    try:
-        yield staging
-        for path in staging.iterdir():
-            fsync_path(path)
-        fsync_path(staging)
-        if target.exists():
-            # Move the old copy aside first: a crash between the two renames leaves no target
-            # (and the old copy intact under a hidden name), never a half-written one.
-            retired = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            target.rename(retired)
-            staging.rename(target)
-            shutil.rmtree(retired)
-        else:
-            staging.rename(target)
-        fsync_path(target.parent)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    return staging
+
+
+def publish_directory(staging: Path, target: Path) -> None:
+    """Flush `staging`'s files, then rename it to `target` (replacing an old copy)."""
+    for path in staging.iterdir():
+        fsync_path(path)
+    fsync_path(staging)
+    if target.exists():
+        # Move the old copy aside first: a crash between the two renames leaves no target
+        # (and the old copy intact under a hidden name), never a half-written one.
+        retired = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        target.rename(retired)
+        staging.rename(target)
+        shutil.rmtree(retired)
+    else:
+        staging.rename(target)
+    fsync_path(target.parent)
+
+
+def discard_staging(staging: Path) -> None:
+    """Remove an unfinished checkpoint's staging folder."""
+    shutil.rmtree(staging, ignore_errors=True)

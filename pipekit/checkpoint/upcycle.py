@@ -1,12 +1,12 @@
 """Sparse upcycling: a dense checkpoint's FFNs become N experts, read block by block.
 
-Every parameter of the upcycled MoE is a `BlockSource`: something that can produce any block of
-it on demand. Copied weights read the same block of the dense tensor; experts read only the
-dense FFN rows (or columns) their block covers, once per distinct piece however many local
-experts copy it; the router is drawn from a generator seeded by (seed, parameter name), so every
-rank and the offline writer draw the same router. The online loader
-(`pipekit.checkpoint.local_shards`) and the offline writer (`python -m pipekit.upcycle`) ask the
-same sources for different blocks, so their weights agree by construction.
+Every parameter of the upcycled MoE is a `BlockSource` (`pipekit.checkpoint.block_sources`):
+something that can produce any block of it on demand. Copied weights read the same block of the
+dense tensor; experts read only the dense FFN rows (or columns) their block covers, once per
+distinct piece however many local experts copy it; the router is drawn from a generator seeded
+by (seed, parameter name), so every rank and the offline writer draw the same router. The online
+loader (`pipekit.checkpoint.local_shards`) and the offline writer (`python -m pipekit.upcycle`)
+ask the same sources for different blocks, so their weights agree by construction.
 
 Granular upcycling (He et al., "Upcycling large language models into mixture of experts") cuts
 each dense FFN into G pieces along its hidden dim: expert `c·G + g` is piece g of copy c, there
@@ -21,74 +21,27 @@ Legend: N copies, G pieces per copy, E = N·G experts, F dense hidden dim, D mod
 
 from __future__ import annotations
 
-import abc
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from pipekit.checkpoint.block_sources import BlockSource, read_from_sources
 from pipekit.checkpoint.local_shards import load_local_blocks
 from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint, TensorRead
 from pipekit.layers.init import name_seed, trunc_normal_
 from pipekit.models.upcycling import Upcycler, UpcycleSpec
 
 __all__ = [
-    "BlockSource",
-    "CheckpointBlock",
     "ExpertCopies",
     "RouterInit",
     "check_dense_checkpoint",
-    "read_from_sources",
     "upcycle_into",
     "upcycle_model",
 ]
-
-
-class BlockSource(abc.ABC):
-    """One parameter of the upcycled model, any block of which can be produced on demand."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @abc.abstractmethod
-    def read(self, index: Sequence[slice]) -> Tensor:
-        """The block `index` (a step-1 slice per dim) of this parameter, on CPU."""
-
-    def read_all(self) -> Tensor:
-        return self.read(tuple(slice(0, size) for size in self.shape))
-
-
-class CheckpointBlock(BlockSource):
-    """A dense checkpoint tensor copied as it is, or with its rows reordered within groups.
-
-    `row_transform` (e.g. RoPE's per-head reorder) mixes rows only inside groups of
-    `row_group` rows, so a block is read as the whole groups that cover it, then cut.
-    """
-
-    def __init__(
-        self,
-        checkpoint: SafetensorsCheckpoint,
-        name: str,
-        *,
-        row_group: int = 1,
-        row_transform: Callable[[Tensor], Tensor] | None = None,
-    ) -> None:
-        info = checkpoint.info(name)
-        self.checkpoint, self.name = checkpoint, name
-        self.shape, self.dtype = info.shape, info.dtype
-        self.row_group, self.row_transform = row_group, row_transform
-
-    def read(self, index: Sequence[slice]) -> Tensor:
-        if self.row_transform is None:
-            return self.checkpoint.read_block(self.name, index)
-        rows, rest = index[0], tuple(index[1:])
-        first = rows.start // self.row_group * self.row_group
-        last = -(-rows.stop // self.row_group) * self.row_group
-        groups = self.checkpoint.read_block(self.name, (slice(first, last), *rest))
-        return self.row_transform(groups)[rows.start - first : rows.stop - first]
 
 
 class ExpertCopies(BlockSource):
@@ -163,22 +116,6 @@ class RouterInit(BlockSource):
         trunc_normal_(rows_ND, self.std, generator=generator)
         rows_ED = rows_ND.repeat_interleave(self.granularity, dim=0).to(self.dtype)
         return rows_ED[tuple(index)]
-
-
-def read_from_sources(
-    sources: Mapping[str, BlockSource],
-) -> Callable[[str, Sequence[slice]], Tensor]:
-    """A block reader (`pipekit.checkpoint.local_shards`) over one source per parameter."""
-
-    def read(name: str, index: Sequence[slice]) -> Tensor:
-        if name not in sources:
-            raise ValueError(
-                f"the upcycled model has parameter {name!r}, which no upcycling source produces; "
-                "the model and its upcycler disagree"
-            )
-        return sources[name].read(index)
-
-    return read
 
 
 def check_dense_checkpoint(

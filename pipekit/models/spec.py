@@ -134,10 +134,15 @@ class HuggingFaceAdapter:
     """The config.json `model_type`s this adapter reads (tools pick the family by it)."""
     read_args: Callable[[str], Any]
     """Checkpoint directory -> model args (from its config.json)."""
-    load: Callable[[str, nn.Module, Any], None]
-    """Copy a checkpoint into a materialised model (or stage) of these args."""
-    save: Callable[[nn.Module, Any, str], None]
-    """Write a model (full, unsharded tensors) with config.json."""
+    load: Callable[..., None]
+    """`load(directory, model, args)`: copy a checkpoint into a materialised model of these
+    args, whole or this rank's part (shards, pipeline stages): each rank reads only its
+    blocks."""
+    save: Callable[..., None]
+    """`save(model, args, directory, *, row_shards=None)`: write the checkpoint with its
+    config.json, replacing `directory`. A sharded model (or pipeline stage) is saved by every
+    rank calling it with its part; `row_shards` (`pipekit.checkpoint.hf_export.RowShard`) names
+    parameters of which the rank holds a row range (vocabulary parallelism)."""
     tensors: Callable[[Any], list[HFTensor]]
     """Model args -> every tensor of their checkpoint, in writing order."""
     config: Callable[[Any, torch.dtype], dict[str, Any]]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-__all__ = ["build_stage_module", "validate_stage_module_names"]
+__all__ = ["build_stage_module", "model_units", "validate_stage_module_names"]
 
 
 def build_stage_module(
@@ -48,7 +48,7 @@ def build_stage_module(
 def _shallow_copy(model: nn.Module) -> nn.Module:
     """A new module object of the same class whose registries (modules, parameters, hooks) are
     copies of `model`'s, so pruning or wrapping the copy leaves `model` untouched."""
-    stage = type(model).__new__(type(model))
+    stage = object.__new__(type(model))  # not the class's __new__ (FSDP's re-runs __init__)
     stage.__dict__.update(
         {
             key: copy.copy(value) if isinstance(value, dict) else value
@@ -88,7 +88,8 @@ def validate_stage_module_names(
             if unit in owner:
                 raise ValueError(f"module {unit!r} is in stage {owner[unit]} and stage {stage}")
             owner[unit] = stage
-    missing = [unit for unit in _units(model) if unit not in owner and unit not in outside_stages]
+    placed = set(owner) | set(outside_stages)
+    missing = [unit for unit in model_units(model) if unit not in placed]
     if missing:
         raise ValueError(f"modules {missing} are in no stage; add each to exactly one stage")
     for name, child in model.named_children():
@@ -122,7 +123,7 @@ def _name_table(model: nn.Module) -> dict[str, list[str]]:
     return table
 
 
-def _units(model: nn.Module) -> list[str]:
+def model_units(model: nn.Module) -> list[str]:
     """The stateful modules of `model` in model order; each belongs to exactly one stage."""
     table = _name_table(model)
     return [unit for name, _ in model.named_children() for unit in table[name]]
@@ -159,7 +160,7 @@ def _check_shared_parameters(model: nn.Module, kept: set[str]) -> None:
     """A parameter shared by a kept module and a dropped one (tied embeddings split across
     stages) would become two independent copies: refuse it."""
     owner: dict[int, str] = {}
-    for unit in _units(model):
+    for unit in model_units(model):
         for param in model.get_submodule(unit).parameters():
             other = owner.setdefault(id(param), unit)
             if other != unit and (other in kept) != (unit in kept):

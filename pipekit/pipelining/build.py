@@ -4,9 +4,10 @@
 
 The trainer, every bench and the tests build pipelines through here. The model arrives on the
 meta device; this rank keeps a pruned copy holding only its stages' modules (full-model names),
-so it never allocates another rank's weights. `StageSetup` says how that copy gets its values
-(`materialize`: storage plus a seeded init or a checkpoint) and how each stage is parallelized
-(activation checkpointing, expert and data parallelism). Each stage is a view sharing the rank
+so it never allocates another rank's weights. `StageSetup` says how each stage is parallelized
+(activation checkpointing, expert and data parallelism), which happens on the meta device, and
+how it then gets storage and values (`materialize`: a seeded init or a checkpoint, shard by
+shard). Each stage is a view sharing the rank
 copy's modules, so the optimizer, checkpoints and gradient clipping see one model. The features
 the plan turns on become the pipeline's extensions: vocabulary parallelism (its shards are
 built here, filled with the unsplit model's rows, and set on the rank model under the model's
@@ -57,17 +58,17 @@ class StageSetup:
 
     device: torch.device
     materialize: Callable[[nn.Module], None]
-    """Give a meta module storage on `device` and its values (e.g. `to_empty` then
-    `init_weights(seed)`, then a Hugging Face load). Any subset of the model's modules must come
+    """Give a module storage on `device` and its values: a stage, already parallelized on the
+    meta device (its parameters may be DTensors), or an unsharded vocabulary module whose rows
+    the shards copy. `pipekit.models.materialize_sharded(module, device, init)` does it unit by
+    unit for a seeded init or a checkpoint read. Any subset of the model's modules must come
     out as the whole model's would: every split then starts from the same weights."""
     parallelize: Callable[[nn.Module], None] = _unchanged
-    """Applied to each stage's module (activation checkpointing, EP, FSDP): under FSDP each
-    stage is its own root, which torch's runtime unshards, reshards and reduces."""
+    """Applied to each stage's module on the meta device, before `materialize` (activation
+    checkpointing, EP, FSDP), so no rank allocates more than its shards: under FSDP each stage
+    is its own root, which torch's runtime unshards, reshards and reduces."""
     parallelize_vocab: Callable[[nn.Module, nn.Module], None] = _unchanged
     """Applied to the vocabulary shards (embedding, output) under vocabulary parallelism."""
-    shard_first: bool = False
-    """Parallelize each stage on the meta device, then materialize it (no rank ever holds more
-    than its shards); otherwise materialize the rank's modules, then parallelize."""
     attention_backend: str = "auto"
     message_dtype: torch.dtype = torch.float32
     """Dtype of the activations and gradients stages send each other."""
@@ -93,10 +94,6 @@ def build_pipeline(
     indices = plan.stage_indices(rank)
     names = [name for index in indices for name in plan.module_names_per_stage[index]]
     rank_model = build_stage_module(model, names)
-    if not setup.shard_first:
-        setup.materialize(rank_model)
-        if tied:  # initialising a rank that holds both re-tied them
-            untie_vocabulary(rank_model, plan.structure)
     shapes = StageShapes(
         rows=plan.unit_rows,
         slice_length=plan.slice_length,
@@ -124,9 +121,8 @@ def build_pipeline(
             stage_module = build_stage_module(
                 rank_model, plan.module_names_per_stage[stage_index], share_modules=True
             )
-        setup.parallelize(stage_module)
-        if setup.shard_first:
-            setup.materialize(stage_module)
+        setup.parallelize(stage_module)  # on the meta device
+        setup.materialize(stage_module)
         stages.append(
             SlicedPipelineStage(
                 stage_module,

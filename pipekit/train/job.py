@@ -244,15 +244,6 @@ def _pipeline(
         validate_stage_module_names(model, plan.module_names_per_stage, plan.modules_outside_stages)
     except ValueError as error:
         raise _error("[parallelism]", error) from None
-    unsupported = {
-        "[checkpoint] export_hf_at_end": config.checkpoint.export_hf_at_end,
-    }
-    for name, used in unsupported.items():
-        if used:
-            raise ConfigError(
-                f"{name} is not supported with pipeline_parallel_degree > 1 yet; turn it off "
-                "(the pipelined run still writes DCP checkpoints)"
-            )
     return plan
 
 

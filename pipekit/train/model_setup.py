@@ -1,12 +1,13 @@
 """This rank's model for a job: built on meta, given values, parallelized; or its pipeline.
 
 Order (torchtitan's): model on the meta device -> (pipeline: keep this rank's stages) ->
-materialise and initialise from the job seed, or load a Hugging Face checkpoint -> activation
-checkpointing -> expert parallelism -> data parallelism (FSDP2 / HSDP / replication; per stage
-under pipelining). Initialisation depends only on the job seed and each module's name, so any
-data-parallel or pipeline layout starts from the weights a single process would. An upcycled
-model is the exception that comes first: it is parallelized on meta, then each rank fills only
-its own blocks from the dense checkpoint.
+activation checkpointing -> expert parallelism -> data parallelism (FSDP2 / HSDP / replication;
+per stage under pipelining), all still on the meta device -> storage for this rank's shards ->
+values, one init unit at a time (`pipekit.models.materialize_sharded`): each unit's parameters
+stand in full while it is initialised from the job seed or read from a Hugging Face
+checkpoint, then each rank keeps its block. No rank holds more than its shards plus one unit's
+full tensors, and any layout starts from the weights a single process would. An upcycled model
+fills its shards straight from the dense checkpoint's local blocks instead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pipekit.checkpoint.safetensors_io import TensorRead
 from pipekit.checkpoint.upcycle import upcycle_into
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.process_group import single_rank_mesh
+from pipekit.models.materialize import materialize_sharded
 from pipekit.moe.expert_parallel import (
     apply_expert_parallel,
     expert_mesh,
@@ -67,12 +69,11 @@ def build_job_model(
         runner = build_pipeline(job.pipeline, model, mesh, setup.stage_setup())
         assert runner.model is not None
         return JobModel(runner.model, runner, setup.expert_mesh)
+    setup.parallelize(model)
     if job.upcycle is not None:
-        setup.parallelize(model)
         setup.materialize_upcycled(model)
     else:
         setup.materialize(model)
-        setup.parallelize(model)
     return JobModel(model, None, setup.expert_mesh)
 
 
@@ -108,16 +109,17 @@ class _ModelSetup:
             materialize=self.materialize_upcycled if upcycled else self.materialize,
             parallelize=self.parallelize,
             parallelize_vocab=self.parallelize_vocab,
-            shard_first=upcycled,
             attention_backend=config.model.attention_backend,
             message_dtype=self.compute_dtype,
             collective_timeout=timedelta(seconds=config.parallelism.collective_timeout_s),
         )
 
     def materialize(self, module: nn.Module) -> None:
-        """Storage on the device, values from the job seed, or the Hugging Face weights."""
-        module.to_empty(device=self.device)
-        module.init_weights(seed=self.job.config.job.seed)
+        """Storage on the device for the (sharded) module, values from the job seed unit by
+        unit (buffers too), then the local blocks of the Hugging Face checkpoint if the job
+        loads one (each rank reads only the bytes of its shards)."""
+        seed = self.job.config.job.seed
+        materialize_sharded(module, self.device, lambda unit: unit.init_weights(seed=seed))
         path = self.job.config.checkpoint.initial_load_path
         if self.load_hf and path:
             assert self.job.spec.hf is not None  # validated

@@ -120,9 +120,10 @@ class Trainer:
 
     def _checkpoint_state(self) -> dict[str, Any]:
         row_shards = self.pipeline.row_sharded_parameters() if self.pipeline else {}
+        full_rows = {name: shard.rows for name, shard in row_shards.items()}
         return {
             "model_and_optimizer": ModelOptimizerState(
-                self.model, self.optimizer, row_shards=row_shards, mesh=self.mesh
+                self.model, self.optimizer, row_shards=full_rows, mesh=self.mesh
             ),
             "lr_scheduler": self.lr_scheduler,
             "data": self.data,
@@ -245,21 +246,13 @@ class Trainer:
         return losses
 
     def export_hf(self, directory: Path) -> None:
-        """Write the current weights in Hugging Face layout (gathered to rank 0)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+        """Write the current weights in Hugging Face layout: every rank writes its share of
+        whole tensors from the shards and stages it holds (nothing gathered on one rank)."""
         hf = self.job.spec.hf
         assert hf is not None  # validated
-        full = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.rank == 0:
-            plain = self.job.spec.build(self.job.args)
-            plain.load_state_dict(full)
-            hf.save(plain, self.job.args, str(directory))
-            logger.info("exported %s layout to %s", self.job.spec.name, directory)
-        if dist.is_initialized():
-            dist.barrier()
+        row_shards = self.pipeline.row_sharded_parameters() if self.pipeline else {}
+        hf.save(self.model, self.job.args, str(directory), row_shards=row_shards)
+        logger.info("exported %s layout to %s", self.job.spec.name, directory)
 
 
 class _TrainerProgress:

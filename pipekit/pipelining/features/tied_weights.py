@@ -63,9 +63,8 @@ class TiedWeights(PipelineExtension):
 
 
 def untie_vocabulary(model: nn.Module, structure: ModelStructure) -> None:
-    """Give the output module a copy of the embedding's weight as its own (before the stage
-    split, on the meta device, and again after a rank holding both was initialised, which
-    re-ties them): the pipeline keeps the two copies equal itself."""
+    """Give the output module a copy of the embedding's weight as its own (on the meta device,
+    before the stage split): the pipeline keeps the two copies equal itself."""
     embedding_name, output_name = structure.vocabulary_modules
     embedding = getattr(model, embedding_name, None)
     output = getattr(model, output_name, None)

@@ -36,6 +36,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
+from pipekit.checkpoint.local_shards import RowShard
 from pipekit.layers.loss import IGNORE_INDEX
 from pipekit.layers.vocab_parallel import (
     VocabParallelEmbedding,
@@ -75,20 +76,19 @@ def copy_full_vocab_rows(
     """Fill the shards with their rows of `model`'s embedding and output matrices (the modules
     `structure` names).
 
-    `model` is the whole model on the meta device; a copy holding only those two modules is
-    materialised by `materialize` (e.g. `to_empty` and `init_weights(seed)`, then a Hugging Face
-    load), exactly as the unsplit model would be, so every vocabulary split starts from the
-    unsplit model's weights, in its dtype. The two full `[V, D]` matrices exist on each rank
-    meanwhile.
+    `model` is the whole model on the meta device; a copy holding only one of the two modules
+    is materialised by `materialize` (a seeded init, a Hugging Face load), exactly as the
+    unsplit model's would be, so every vocabulary split starts from the unsplit model's
+    weights, in its dtype. One full `[V, D]` matrix exists on the rank at a time.
     """
-    names = structure.vocabulary_modules
-    full = build_stage_module(model, list(names))
-    materialize(full)
-    with torch.no_grad():
-        for name, shard in zip(names, (embedding, output), strict=True):
+    for name, shard in zip(structure.vocabulary_modules, (embedding, output), strict=True):
+        full = build_stage_module(model, [name])
+        materialize(full)
+        with torch.no_grad():
             weight = getattr(full, name).weight.detach()
             shard.to(weight.dtype)  # the shards take the materialised model's dtype
             shard.load_full_weight(weight)
+        del full, weight
 
 
 class _LossFromKnownGradient(torch.autograd.Function):
@@ -277,6 +277,7 @@ class PipelineVocabParallel(PipelineExtension):
         """An output pass on a rank without the last stage."""
         self.output_pass(self._labels[action.microbatch_index])
 
-    def row_sharded_parameters(self) -> dict[str, int]:
+    def row_sharded_parameters(self) -> dict[str, RowShard]:
         """The embedding's and the output's rows are split over the pipeline ranks."""
-        return {f"{name}.weight": self.embedding.vocab_size for name in self.module_names}
+        rows = RowShard(self.embedding.vocab_start, self.embedding.vocab_size)
+        return {f"{name}.weight": rows for name in self.module_names}

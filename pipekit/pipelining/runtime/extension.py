@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from pipekit.attention.context import AttentionContext
+from pipekit.checkpoint.local_shards import RowShard
 from pipekit.pipelining._torch_runtime import Action
 
 __all__ = ["LossFn", "PipelineExtension"]
@@ -86,8 +87,8 @@ class PipelineExtension:
     def end_step(self) -> None:
         """After the step's last action."""
 
-    def row_sharded_parameters(self) -> dict[str, int]:
-        """Parameters this rank holds only some rows of: name -> rows of the full matrix."""
+    def row_sharded_parameters(self) -> dict[str, RowShard]:
+        """Parameters this rank holds only some rows of: name -> which rows of how many."""
         return {}
 
     def duplicate_parameters(self) -> list[Parameter]:

@@ -23,6 +23,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
 
+from pipekit.checkpoint.local_shards import RowShard
 from pipekit.layers.loss import token_sum_cross_entropy
 from pipekit.moe.aux_loss import aux_loss_scale, current_aux_loss_scale
 from pipekit.pipelining._torch_runtime import (
@@ -104,9 +105,9 @@ class PipelineRunner:
         """The feature named `name`, if the pipeline has it."""
         return next((ext for ext in self.extensions if ext.name == name), None)
 
-    def row_sharded_parameters(self) -> dict[str, int]:
-        """Parameters this rank holds only some rows of (for checkpoints)."""
-        rows: dict[str, int] = {}
+    def row_sharded_parameters(self) -> dict[str, RowShard]:
+        """Parameters this rank holds only some rows of (for checkpoints and export)."""
+        rows: dict[str, RowShard] = {}
         for extension in self.extensions:
             rows |= extension.row_sharded_parameters()
         return rows
