@@ -477,3 +477,29 @@ def test_listing_reads_headers_only(hf_checkpoint: Path) -> None:
     assert infos["model.embed_tokens.weight"].nbytes == 100 * 64 * 4
     assert {info.dtype for info in infos.values()} == {torch.float32}
     assert len(infos) == 2 * 9 + 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_row_blocks_are_read_from_the_file_and_other_blocks_through_the_map(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """A block of whole rows is one byte range (`pread`, no memory map); a narrower block goes
+    through safetensors' slicing. Both equal the block of the whole tensor, in several files."""
+    tensors = {
+        "a": torch.arange(7 * 5 * 3).reshape(7, 5, 3).to(dtype),
+        "b": torch.arange(11 * 4).reshape(11, 4).to(dtype),
+        "scalar": torch.tensor(3).to(dtype),
+    }
+    save_safetensors(tensors, tmp_path / "ckpt", max_shard_bytes=200)
+    with SafetensorsCheckpoint(tmp_path / "ckpt") as checkpoint:
+        assert len(checkpoint.files) > 1
+        for name, whole in tensors.items():
+            assert torch.equal(checkpoint.read(name), whole), name
+        assert torch.equal(checkpoint.read("a", slice(2, 6)), tensors["a"][2:6])
+        assert torch.equal(checkpoint.read("b", slice(10, 11)), tensors["b"][10:11])
+        columns = checkpoint.read_block("a", (slice(1, 4), slice(2, 5), slice(0, 2)))
+        assert torch.equal(columns, tensors["a"][1:4, 2:5, 0:2])
+        # the row path hands back memory of its own, not a view of the file
+        rows = checkpoint.read("b", slice(0, 5))
+        rows.add_(1)
+        assert torch.equal(checkpoint.read("b", slice(0, 5)), tensors["b"][0:5])

@@ -425,8 +425,8 @@ UPCYCLE_CONFIG = str(REPO_ROOT / "configs" / "debug_upcycle.toml")
 def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_path: Path) -> None:
     """configs/debug_upcycle.toml (ep = 2, FSDP2, E8T2, capacity 4) from a dense checkpoint: the
     first loss is the dense job's (the Mixtral router keeps the first forward), also in the
-    sliced pipeline (2 pipeline ranks x 2 FSDP ranks splitting the experts); training goes on and resumes exactly from its own (MoE)
-    checkpoint; the export is a Mixtral checkpoint."""
+    sliced pipeline (2 pipeline ranks x 2 FSDP ranks splitting the experts); training goes on
+    and resumes exactly from its own (MoE) checkpoint; the export is a Mixtral checkpoint."""
     from models.llama_moe.hf_mixtral import read_hf_mixtral_args
 
     _debug_llama_checkpoint(tmp_path / "dense")

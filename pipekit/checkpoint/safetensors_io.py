@@ -113,6 +113,7 @@ class SafetensorsCheckpoint:
             what = "is not a directory" if self.directory.exists() else "does not exist"
             raise CheckpointError(f"checkpoint directory {self.directory} {what}")
         self._handles: dict[Path, safe_open] = {}
+        self._offsets: dict[Path, dict[str, int]] = {}
         self._weight_map: dict[str, Path] | None = None
         index_path = self.directory / INDEX_FILE
         if index_path.is_file():
@@ -162,19 +163,62 @@ class SafetensorsCheckpoint:
     def read_block(self, name: str, index: Sequence[slice]) -> torch.Tensor:
         """The block `index` of one tensor (a step-1 slice per leading dim; the rest whole).
 
-        Rows are contiguous on disk, so a block of rows touches only its own bytes; a block
-        narrower than the full width in a later dim reads its elements of each row. The result
-        may be a view of the file's memory map: its pages are read when it is first used (and
-        count towards the process's resident memory while the map is open).
+        Rows are contiguous on disk, so a block of whole rows is one byte range, read with
+        `pread` into a fresh tensor: it never maps the file, so the checkpoint's pages do not
+        count towards the process's resident memory. A block narrower than the full width in a
+        later dim reads its elements of each row through the file's memory map (safetensors'
+        slicing); those pages count while the map is open.
         """
         path = self._file_of(name)
         tensor_slice = self._slice(path, name)
         shape = tuple(tensor_slice.get_shape())
         bounds = _block_bounds(name, shape, index)
-        block = tensor_slice[tuple(slice(start, stop) for start, stop in bounds)]
+        if all(bound == (0, size) for bound, size in zip(bounds[1:], shape[1:], strict=True)):
+            block = self._read_rows(path, name, shape, bounds)
+        else:
+            block = tensor_slice[tuple(slice(start, stop) for start, stop in bounds)]
         if self.read_log is not None:
             self.read_log.append(TensorRead(name, bounds, block.numel() * block.element_size()))
         return block
+
+    def _read_rows(
+        self, path: Path, name: str, shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...]
+    ) -> torch.Tensor:
+        """Rows `bounds[0]` of a tensor (every other dim whole), read straight from the file."""
+        dtype = self.info(name).dtype
+        begin = self._data_offsets(path)[name]
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        first = bounds[0][0] if bounds else 0
+        block = torch.empty([stop - start for start, stop in bounds], dtype=dtype)
+        buffer = block.view(-1).view(torch.uint8).numpy()
+        offset, done = begin + first * row_bytes, 0
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            while done < buffer.size:
+                count = os.preadv(descriptor, [buffer[done:]], offset + done)
+                if count == 0:
+                    raise CheckpointError(
+                        f"{path} ends inside tensor {name!r}; the file is truncated, download "
+                        "or save it again"
+                    )
+                done += count
+        finally:
+            os.close(descriptor)
+        return block
+
+    def _data_offsets(self, path: Path) -> dict[str, int]:
+        """Where each tensor's data starts in `path` (from its header, read once)."""
+        if path not in self._offsets:
+            with open(path, "rb") as handle:
+                header_size = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(header_size))
+            start = 8 + header_size
+            self._offsets[path] = {
+                name: start + entry["data_offsets"][0]
+                for name, entry in header.items()
+                if name != "__metadata__"
+            }
+        return self._offsets[path]
 
     def close(self) -> None:
         """Drop the open file handles; a memory map lives on while a block read from it does."""
