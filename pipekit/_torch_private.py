@@ -28,6 +28,7 @@ __all__ = [
     "inductor_cache_dir",
     "local_shape_and_offset",
     "more_recompiles",
+    "simulated_rank",
 ]
 
 # (q, k, v, dropout_p=0., is_causal=False, *, attn_mask=None, scale=None) -> (out, logsumexp).
@@ -47,6 +48,21 @@ grouped_mm = getattr(torch, "_grouped_mm", None)
 # (global_shape, mesh, placements) -> (local shape, global offset) of this rank's DTensor shard,
 # uneven shards included (a rank outside the mesh or past the end gets size 0).
 local_shape_and_offset = compute_local_shape_and_global_offset
+
+
+@contextlib.contextmanager
+def simulated_rank(rank: int, world_size: int) -> Iterator[None]:
+    """A default process group in which this process is `rank` of `world_size` and every
+    collective returns at once without moving data (torch's "fake" backend, from its test
+    utilities): enough to build a rank's meshes and shard its model on the meta device."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

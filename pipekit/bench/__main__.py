@@ -37,6 +37,10 @@ _BENCHMARKS = {
         "pipekit.bench.init_memory",
         "peak RSS per rank: sharded init, Hugging Face export and load of a 1B-class model",
     ),
+    "plan-accuracy": (
+        "pipekit.bench.plan_accuracy",
+        "the memory planner's per-rank peak against measured peaks of the debug configs",
+    ),
     "upcycle": (
         "pipekit.bench.upcycle",
         "online upcycling on N ranks: peak RSS and bytes read vs owned, time vs a plain read",

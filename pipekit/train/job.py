@@ -57,16 +57,17 @@ def _error(section: str, error: Exception) -> ConfigError:
     return ConfigError(f"{section} {error}" if section else str(error))
 
 
-def plan_job(config: JobConfig, world_size: int | None) -> Job:
+def plan_job(config: JobConfig, world_size: int | None, *, check_files: bool = True) -> Job:
     """Check `config` (for `world_size` ranks) and resolve it; ConfigError for the first rule
-    it breaks."""
+    it breaks. `check_files=False` skips what reads the files the config names (data,
+    tokenizer, checkpoints): planning a job for machines that hold them."""
     check_values(config)
     spec, args, upcycle = _model(config)
     shape = spec.shape(args)
-    _check_data(config, shape)
-    _check_checkpoints(config, spec, args)
+    _check_data(config, shape, check_files)
+    _check_checkpoints(config, spec, args, check_files)
     if upcycle is not None:
-        _check_upcycle(config)
+        _check_upcycle(config, check_files)
     if world_size is None:
         return Job(config, spec, args, shape, upcycle, None, None, 0)
     dims = _parallel_dims(config, world_size)
@@ -108,13 +109,15 @@ def _model(config: JobConfig) -> tuple[ModelSpec, Any, UpcycleSpec | None]:
     return spec, args, upcycle_spec
 
 
-def _check_data(config: JobConfig, shape: ModelShape) -> None:
+def _check_data(config: JobConfig, shape: ModelShape, check_files: bool) -> None:
     from pipekit.train.data.loader import check_data_config
 
-    try:
-        tokenizer_vocab = check_data_config(config.data)
-    except (ValueError, ImportError) as error:
-        raise _error("[data]:", error) from None
+    tokenizer_vocab = 0
+    if check_files:
+        try:
+            tokenizer_vocab = check_data_config(config.data)
+        except (ValueError, ImportError) as error:
+            raise _error("[data]:", error) from None
     model = config.model
     if tokenizer_vocab > shape.vocab_size:
         raise ConfigError(
@@ -130,12 +133,12 @@ def _check_data(config: JobConfig, shape: ModelShape) -> None:
         )
 
 
-def _check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any) -> None:
+def _check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any, check_files: bool) -> None:
     from pathlib import Path
 
     checkpoint = config.checkpoint
     initial = checkpoint.initial_load_path
-    if initial and not (Path(initial) / "config.json").is_file():
+    if check_files and initial and not (Path(initial) / "config.json").is_file():
         raise ConfigError(
             f"[checkpoint] initial_load_path={initial!r} has no config.json; point it at a "
             "Hugging Face checkpoint directory"
@@ -158,7 +161,7 @@ def _check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any) -> None:
             raise _error("[checkpoint] export_hf_at_end:", error) from None
 
 
-def _check_upcycle(config: JobConfig) -> None:
+def _check_upcycle(config: JobConfig, check_files: bool) -> None:
     """Upcycling reads the dense checkpoint shard by shard while the model is built, so the
     checkpoint's config and tensor headers are checked against the flavor here, before that."""
     from pipekit.checkpoint.upcycle import check_dense_checkpoint
@@ -174,6 +177,8 @@ def _check_upcycle(config: JobConfig) -> None:
             "[model.upcycle] does not combine with [parallelism] vocab_parallel yet (the "
             "vocabulary shards are initialised from the full rows); set vocab_parallel = false"
         )
+    if not check_files:
+        return
     dense = get_model_spec(config.model.name)
     assert dense.upcycler is not None  # resolve_model checked it
     try:

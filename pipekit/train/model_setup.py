@@ -57,11 +57,17 @@ class JobModel:
 
 
 def build_job_model(
-    job: Job, mesh: DeviceMesh | None, device: torch.device, *, load_hf: bool
+    job: Job,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    *,
+    load_hf: bool,
+    on_meta: bool = False,
 ) -> JobModel:
     """This rank's model (or pipeline) for `job`; `load_hf` reads [checkpoint] initial_load_path
-    (off when resuming: the checkpoint overwrites the values anyway)."""
-    setup = _ModelSetup(job, mesh, device, load_hf)
+    (off when resuming: the checkpoint overwrites the values anyway). `on_meta` leaves every
+    parameter on the meta device, parallelized exactly as training would (memory planning)."""
+    setup = _ModelSetup(job, mesh, device, load_hf and not on_meta, allocate=not on_meta)
     with torch.device("meta"):
         model = job.spec.build(job.args)
     if job.pipeline is not None:
@@ -81,9 +87,16 @@ class _ModelSetup:
     """The job's ways to give a module values and to parallelize it."""
 
     def __init__(
-        self, job: Job, mesh: DeviceMesh | None, device: torch.device, load_hf: bool
+        self,
+        job: Job,
+        mesh: DeviceMesh | None,
+        device: torch.device,
+        load_hf: bool,
+        *,
+        allocate: bool = True,
     ) -> None:
         self.job, self.mesh, self.device, self.load_hf = job, mesh, device, load_hf
+        self.allocate = allocate
         self.expert_mesh = None
         dims = job.dims
         if dims is not None and dims.ep_enabled:
@@ -118,6 +131,8 @@ class _ModelSetup:
         """Storage on the device for the (sharded) module, values from the job seed unit by
         unit (buffers too), then the local blocks of the Hugging Face checkpoint if the job
         loads one (each rank reads only the bytes of its shards)."""
+        if not self.allocate:
+            return
         seed = self.job.config.job.seed
         materialize_sharded(module, self.device, lambda unit: unit.init_weights(seed=seed))
         path = self.job.config.checkpoint.initial_load_path
@@ -128,6 +143,8 @@ class _ModelSetup:
     def materialize_upcycled(self, module: nn.Module) -> None:
         """Storage for the (already sharded) module, then its local blocks upcycled from the
         dense checkpoint: experts copied from the FFN blocks, router drawn from the job seed."""
+        if not self.allocate:
+            return
         module.to_empty(device=self.device)
         module.tie_weights()  # FSDP2 keeps a tie through to_empty; a plain module does not
         if not self.load_hf:

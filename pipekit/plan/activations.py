@@ -1,0 +1,143 @@
+"""Activation bytes per token of a model's blocks and of its head, measured, not modelled.
+
+Each distinct kind of block (a dense block, an MoE block: blocks whose parameters have the same
+names and shapes are one kind) is run at the model's real width on two short sequences in the
+compute dtype, on the CPU: the bytes autograd saves for its backward (`ActivationMemoryTracker`,
+by storage, weights excluded) grow linearly with the tokens (the attention kernels save q, k, v,
+the output and the log-sum-exp, never the score matrix), and the slope between the two lengths
+is the per-token cost at any length; what does not grow with the tokens (a RoPE table, a CPU
+kernel's packed copy of a weight) drops out. Large weights are a constant (their values change
+no tensor's size); small ones (routers) are random, so an MoE block routes as in training.
+The head (the blocks' successors and the output layer, with the loss) is measured over its
+forward and the backward to its input (`PeakTensorMemory`; its weight gradients are a term of
+their own): its logits, their float32 loss copy and their gradient are its peak. One block of
+a kind exists at a time, so probing a 70B-class model needs one block's weights in the compute
+dtype (about 1.7 GB) and the head's (about 2 GB), not the model's; it takes about a minute for
+an 8B model on 2 CPU cores (bf16 matrix products on a CPU without bf16 units are slow).
+
+Legend: D model dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipekit.layers.loss import token_sum_cross_entropy
+from pipekit.memory.live_tensors import PeakTensorMemory
+from pipekit.memory.tracker import SAVED, ActivationMemoryTracker
+from pipekit.models.spec import ModelSpec
+from pipekit.models.stage_module import build_stage_module
+
+__all__ = ["ActivationProfile", "profile_activations"]
+
+_PROBE_TOKENS = (2, 6)
+"""Two sequence lengths; bytes per token is the slope between them."""
+_INIT_STD = 0.02
+_RANDOM_UP_TO = 1 << 20
+"""Parameters of at most this many elements (routers) are drawn at random."""
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Measured bytes per token (compute dtype)."""
+
+    block_bytes: dict[str, float]
+    """Block name -> bytes it saves for backward per token."""
+    head_bytes_per_row: float
+    """Peak bytes of the head's forward and backward per token and per output row."""
+    input_bytes: int
+    """Bytes of one token's hidden state (what a checkpointed block keeps)."""
+    kv_bytes: dict[str, float]
+    """Block name -> bytes of its K and V per token (what a KV cache holds)."""
+
+
+def profile_activations(
+    spec: ModelSpec, args: object, dtype: torch.dtype, tokens: tuple[int, int] = _PROBE_TOKENS
+) -> ActivationProfile:
+    """Measure `spec.build(args)`'s blocks and head in `dtype` at the two lengths `tokens`."""
+    with torch.device("meta"):
+        model = spec.build(args).to(dtype)
+    structure = spec.structure
+    shape = spec.shape(args)
+    names = [structure.block_name(index) for index in range(shape.num_layers)]
+    kinds: dict[tuple, float] = {}
+    block_bytes = {}
+    for name in names:
+        kind = _kind(model.get_submodule(name))
+        if kind not in kinds:
+            kinds[kind] = _probe_block(model, name, shape.dim, dtype, tokens)
+        block_bytes[name] = kinds[kind]
+    kv = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+    head = _probe_head(model, spec, shape.dim, shape.vocab_size, dtype, tokens)
+    return ActivationProfile(
+        block_bytes=block_bytes,
+        head_bytes_per_row=head / shape.vocab_size,
+        input_bytes=shape.dim * dtype.itemsize,
+        kv_bytes=dict.fromkeys(names, float(kv)),
+    )
+
+
+def _kind(block: nn.Module) -> tuple:
+    return tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+
+
+def _give_weights(module: nn.Module) -> None:
+    module.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.ndim == 1:  # norm weights
+                param.fill_(1.0)
+            elif param.numel() <= _RANDOM_UP_TO:
+                param.normal_(0.0, _INIT_STD, generator=generator)
+            else:
+                param.fill_(_INIT_STD)
+
+
+def _slope(measure, tokens: tuple[int, int]) -> float:
+    """Bytes per token between the two lengths."""
+    short, long = tokens
+    return (measure(long) - measure(short)) / (long - short)
+
+
+def _probe_block(
+    model: nn.Module, name: str, dim: int, dtype: torch.dtype, tokens: tuple[int, int]
+) -> float:
+    """Bytes per token the block saves for its backward."""
+    block = build_stage_module(model, [name])
+    _give_weights(block)
+
+    def saved_bytes(length: int) -> int:
+        hidden_BSD = torch.randn(1, length, dim, dtype=dtype, requires_grad=True)
+        with ActivationMemoryTracker(exclude=list(block.parameters())) as tracker:
+            block(hidden_BSD)
+        return tracker.peak_bytes(SAVED)
+
+    return _slope(saved_bytes, tokens)
+
+
+def _probe_head(
+    model: nn.Module,
+    spec: ModelSpec,
+    dim: int,
+    vocab: int,
+    dtype: torch.dtype,
+    tokens: tuple[int, int],
+) -> float:
+    structure = spec.structure
+    head = build_stage_module(model, [*structure.after_blocks, structure.output])
+    _give_weights(head)
+    head.requires_grad_(False)  # weight gradients are a term of their own, not activations
+
+    def peak_bytes(length: int) -> int:
+        hidden_BSD = torch.randn(1, length, dim, dtype=dtype, requires_grad=True)
+        labels_BS = torch.randint(0, vocab, (1, length))
+        with PeakTensorMemory() as memory:
+            loss = token_sum_cross_entropy(head(hidden_BSD), labels_BS, length)
+            loss.backward()
+        return memory.peak_bytes
+
+    return _slope(peak_bytes, tokens)

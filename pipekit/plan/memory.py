@@ -1,0 +1,182 @@
+"""Each rank's memory for one training step, before launch: the terms, the peak, and whether it
+fits.
+
+Terms per rank (bytes):
+- parameters: the local shards, in their storage dtype (float32 master weights), from the
+  rank's real layout (`pipekit.plan.layout`);
+- gradients: the same shards' gradients (FSDP2 reduces into sharded float32 gradients);
+- optimizer: AdamW's two moments per element in the parameters' dtype (torchao's 8-bit and
+  4-bit AdamW: 1 and 0.5 bytes per moment, plus a float32 scale per 256 / 128 elements);
+- activations: what the step keeps for backward at its fullest, from measured bytes per token
+  (`pipekit.plan.activations`): without a pipeline, every block's activations for the
+  micro-step's tokens (a checkpointed block keeps its input, and one block is recomputed at a
+  time) plus the head's logits and their gradient; with a pipeline, the units the schedule
+  keeps in flight on the rank (simulated from its action lists), each holding its stage's
+  activations, K/V cache and received input for one unit of tokens, plus one head pass.
+
+Not counted yet (so the plan is low by what they take): a block's backward working set beyond
+what it saved (its activations' gradients and their temporaries), expert parallelism's
+all-to-all buffers, and the pipeline's gradient messages. The plan-accuracy bench measures the
+difference on the debug configs;
+- buffers: FSDP2's unsharded parameters of the largest unit, twice (the unit in use and the
+  one prefetched) in the compute dtype, and its unsharded gradients in the reduce dtype.
+
+Peak: parameters + optimizer + the larger of (activations + buffers) and (gradients + the
+optimizer step's temporaries, one parameter-sized list for foreach AdamW). Gradients add to the
+activations where they coexist: under a pipeline (a stage's gradients accumulate while later
+units are in flight) or gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipekit.pipelining.schedules.simulate import CostModel, simulate
+from pipekit.plan.activations import ActivationProfile, profile_activations
+from pipekit.plan.layout import RankLayout, rank_layouts
+from pipekit.train.job import Job
+from pipekit.train.model_setup import DTYPES
+
+__all__ = ["MemoryPlan", "RankMemory", "plan_memory"]
+
+_LOW_BIT = {"AdamW8bit": (1.0, 256), "AdamW4bit": (0.5, 128)}
+"""Optimizer -> (bytes per moment element, elements per float32 scale)."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's terms, in bytes."""
+
+    layout: RankLayout
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    buffers: int
+    optimizer_step: int
+    gradients_overlap_activations: bool
+
+    @property
+    def peak(self) -> int:
+        backward = self.activations + self.buffers
+        if self.gradients_overlap_activations:
+            backward += self.gradients
+        update = self.gradients + self.optimizer_step
+        return self.parameters + self.optimizer + max(backward, update)
+
+    def terms(self) -> dict[str, int]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer states": self.optimizer,
+            "activations": self.activations,
+            "communication buffers": self.buffers,
+        }
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every representative rank's memory, and the profile it came from."""
+
+    ranks: list[RankMemory]
+    profile: ActivationProfile
+
+    @property
+    def peak(self) -> int:
+        return max(rank.peak for rank in self.ranks)
+
+
+def plan_memory(job: Job, probe_tokens: tuple[int, int] = (2, 6)) -> MemoryPlan:
+    """The memory plan of a validated `job` (planned for a world size)."""
+    training = job.config.training
+    compute = DTYPES[training.mixed_precision_param]
+    profile = profile_activations(job.spec, job.args, compute, probe_tokens)
+    ranks = [_rank_memory(job, layout, profile) for layout in rank_layouts(job)]
+    return MemoryPlan(ranks, profile)
+
+
+def _rank_memory(job: Job, layout: RankLayout, profile: ActivationProfile) -> RankMemory:
+    training, optimizer = job.config.training, job.config.optimizer
+    compute = DTYPES[training.mixed_precision_param]
+    reduce = DTYPES[training.mixed_precision_reduce]
+    element = layout.param_bytes // max(layout.param_numel, 1)
+    if optimizer.name in _LOW_BIT:
+        moment, block = _LOW_BIT[optimizer.name]
+        states = int(2 * layout.param_numel * (moment + 4 / block))
+        step = 0
+    else:
+        states = 2 * layout.param_numel * element
+        step = layout.param_bytes
+    unit = layout.largest_unit_numel
+    buffers = unit * (2 * compute.itemsize + reduce.itemsize)
+    pipelined = job.pipeline is not None
+    if pipelined:
+        activations = _pipeline_activations(job, layout, profile, compute)
+    else:
+        activations = _step_activations(job, layout, profile)
+    return RankMemory(
+        layout=layout,
+        parameters=layout.param_bytes,
+        gradients=layout.param_bytes,
+        optimizer=states,
+        activations=int(activations),
+        buffers=buffers,
+        optimizer_step=step,
+        gradients_overlap_activations=pipelined or training.gradient_accumulation_steps > 1,
+    )
+
+
+def _block_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile) -> float:
+    """Bytes per token the blocks keep for backward, checkpointed ones keeping their input."""
+    training = job.config.training
+    if training.activation_checkpoint == "none":
+        return sum(profile.block_bytes[name] for name in names)
+    every = 1 if training.activation_checkpoint == "full" else training.activation_checkpoint_every
+    kept = 0.0
+    for name in names:
+        index = int(name.rsplit(".", 1)[1])
+        checkpointed = index % every == every - 1
+        kept += profile.input_bytes if checkpointed else profile.block_bytes[name]
+    return kept
+
+
+def _recompute_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile) -> float:
+    """One checkpointed block's activations, rebuilt during backward."""
+    if job.config.training.activation_checkpoint == "none" or not names:
+        return 0.0
+    return max(profile.block_bytes[name] for name in names)
+
+
+def _step_activations(job: Job, layout: RankLayout, profile: ActivationProfile) -> float:
+    tokens = job.local_batch_size * job.config.training.seq_len
+    names = layout.block_names
+    per_token = _block_bytes(job, names, profile) + _recompute_bytes(job, names, profile)
+    head = profile.head_bytes_per_row * layout.output_rows
+    return (per_token + head) * tokens
+
+
+def _pipeline_activations(
+    job: Job, layout: RankLayout, profile: ActivationProfile, compute: torch.dtype
+) -> float:
+    """Units in flight on the rank (simulated from the plan's action lists) times its stages'
+    bytes per unit, plus one head pass and one recomputed block."""
+    plan = job.pipeline
+    assert plan is not None
+    unit_tokens = plan.unit_rows * plan.slice_length
+    stages = max(len(layout.stages), 1)
+    per_unit = _block_bytes(job, layout.block_names, profile) * unit_tokens / stages
+    kv = sum(profile.kv_bytes[name] for name in layout.block_names) * unit_tokens / stages
+    if plan.num_slices == 1:
+        kv = 0.0  # no cache: K/V are among the saved activations
+    boundary = plan.unit_rows * job.config.training.seq_len * job.shape.dim * compute.itemsize
+    scale = plan.num_stages * plan.num_slices
+    cost = CostModel(
+        activation_bytes=per_unit * scale, kv_cache_bytes=kv * scale, boundary_bytes=boundary
+    )
+    result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
+    in_flight = result.peak_memory[layout.pipeline_rank]["total"]
+    head = profile.head_bytes_per_row * layout.output_rows * unit_tokens
+    recompute = _recompute_bytes(job, layout.block_names, profile) * unit_tokens
+    return in_flight + head + recompute

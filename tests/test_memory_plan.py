@@ -1,0 +1,83 @@
+"""The memory planner: layouts from a simulated process group, measured activations, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipekit.config.loader import load_job_config
+from pipekit.models import get_model_spec
+from pipekit.plan.__main__ import main, parse_bytes
+from pipekit.plan.activations import profile_activations
+from pipekit.plan.layout import rank_layouts
+from pipekit.train.job import plan_job
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _job(config: str, world: int, *overrides: str):
+    argv = ["--config", str(REPO_ROOT / config), *overrides]
+    return plan_job(load_job_config(argv), world, check_files=False)
+
+
+def test_the_large_configs_validate_for_the_world_they_are_written_for() -> None:
+    for config, world in [
+        ("configs/llama3_8b.toml", 64),
+        ("configs/llama3_70b.toml", 128),
+        ("configs/llama3_8b_e8t2_upcycle.toml", 512),
+    ]:
+        job = _job(config, world)
+        assert job.dims is not None and job.dims.world_size == world
+        assert job.local_batch_size == 1  # one 8192-token sequence per rank and micro-step
+
+
+def test_layouts_are_the_ranks_real_shards() -> None:
+    """FSDP2 over 2 ranks holds half the model; a 2-stage pipeline's ranks hold their stages'
+    modules (the first the embedding, the second the output), all on the meta device."""
+    llama = get_model_spec("llama")
+    with torch.device("meta"):
+        total = sum(p.numel() for p in llama.build(llama.flavor("debug")).parameters())
+    (fsdp,) = rank_layouts(_job("configs/debug_model.toml", 2))
+    assert fsdp.param_numel == pytest.approx(total / 2, abs=64)
+    assert fsdp.largest_unit_numel > 0 and len(fsdp.block_names) == 4
+    first, last = rank_layouts(_job("configs/debug_sliced_pp.toml", 2))
+    assert (first.stages, last.stages) == ((0,), (1,))
+    assert first.param_numel + last.param_numel == total
+    assert first.output_rows == 0 and last.output_rows == llama.flavor("debug").vocab_size
+    assert set(first.block_names).isdisjoint(last.block_names)
+
+
+def test_activation_bytes_per_token_do_not_depend_on_the_probe_length() -> None:
+    """What a block saves grows linearly with the tokens, so the slope is the same between any
+    two lengths (the constant parts, such as RoPE tables, drop out)."""
+    llama = get_model_spec("llama")
+    args = llama.flavor("debug")
+    short = profile_activations(llama, args, torch.float32, (2, 6))
+    longer = profile_activations(llama, args, torch.float32, (16, 48))
+    assert short.block_bytes == longer.block_bytes
+    assert short.block_bytes["layers.0"] > 8 * args.dim * 4  # more than a few hidden states
+    assert short.head_bytes_per_row == pytest.approx(longer.head_bytes_per_row, rel=1e-6)
+
+
+def test_a_plan_that_does_not_fit_is_refused_naming_the_term(capsys) -> None:
+    argv = ["--config", str(REPO_ROOT / "configs/debug_model.toml"), "--world-size", "2"]
+    main([*argv, "--device-memory", "1GiB"])
+    assert "fits: peak" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--device-memory", "40MiB"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "largest term is activations" in error and "activation_checkpoint" in error
+    with pytest.raises(SystemExit):
+        main([*argv, "--device-memory", "2MiB"])
+    assert "parameters, gradients and optimizer states alone" in capsys.readouterr().err
+
+
+def test_sizes_are_read_with_their_units() -> None:
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("141 GB") == 141 * 10**9
+    assert parse_bytes("1.5e9") == 1_500_000_000
+    with pytest.raises(ValueError, match=r"write e\.g\. 80GiB"):
+        parse_bytes("eighty")
