@@ -58,6 +58,8 @@ def test_activation_bytes_per_token_do_not_depend_on_the_probe_length() -> None:
     longer = profile_activations(llama, args, torch.float32, (16, 48))
     assert short.block_bytes == longer.block_bytes
     assert short.block_bytes["layers.0"] > 8 * args.dim * 4  # more than a few hidden states
+    # a backward needs at least the gradient of the block's output and of its input
+    assert short.backward_bytes == longer.backward_bytes >= 2 * args.dim * 4
     assert short.head_bytes_per_row == pytest.approx(longer.head_bytes_per_row, rel=1e-6)
 
 

@@ -5,9 +5,11 @@ names and shapes are one kind) is run at the model's real width on two short seq
 compute dtype, on the CPU: the bytes autograd saves for its backward (`ActivationMemoryTracker`,
 by storage, weights excluded) grow linearly with the tokens (the attention kernels save q, k, v,
 the output and the log-sum-exp, never the score matrix), and the slope between the two lengths
-is the per-token cost at any length; what does not grow with the tokens (a RoPE table, a CPU
-kernel's packed copy of a weight) drops out. Large weights are a constant (their values change
-no tensor's size); small ones (routers) are random, so an MoE block routes as in training.
+is the per-token cost at any length. The same slope of the peak over its forward and its
+backward to the input (`PeakTensorMemory`) gives what a block's backward adds. What does not
+grow with the tokens (a RoPE table, a CPU kernel's packed copy of a weight) drops out. Large
+weights are a constant (their values change no tensor's size); small ones (routers) are random,
+so an MoE block routes as in training.
 The head (the blocks' successors and the output layer, with the loss) is measured over its
 forward and the backward to its input (`PeakTensorMemory`; its weight gradients are a term of
 their own): its logits, their float32 loss copy and their gradient are its peak. One block of
@@ -20,6 +22,7 @@ Legend: D model dim, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +49,9 @@ class ActivationProfile:
 
     block_bytes: dict[str, float]
     """Block name -> bytes it saves for backward per token."""
+    backward_bytes: float
+    """Most bytes per token one block's backward needs beyond what it saved (its activations'
+    gradients and their temporaries; weight gradients are a term of their own)."""
     head_bytes_per_row: float
     """Peak bytes of the head's forward and backward per token and per output row."""
     input_bytes: int
@@ -55,25 +61,31 @@ class ActivationProfile:
 
 
 def profile_activations(
-    spec: ModelSpec, args: object, dtype: torch.dtype, tokens: tuple[int, int] = _PROBE_TOKENS
+    spec: ModelSpec,
+    args: object,
+    dtype: torch.dtype,
+    tokens: tuple[int, int] = _PROBE_TOKENS,
+    configure: Callable[[nn.Module], object] | None = None,
 ) -> ActivationProfile:
-    """Measure `spec.build(args)`'s blocks and head in `dtype` at the two lengths `tokens`."""
+    """Measure `spec.build(args)`'s blocks and head in `dtype` at the two lengths `tokens`;
+    `configure(block)` sets a block up as the job runs it (its MoE execution)."""
     with torch.device("meta"):
         model = spec.build(args).to(dtype)
     structure = spec.structure
     shape = spec.shape(args)
     names = [structure.block_name(index) for index in range(shape.num_layers)]
-    kinds: dict[tuple, float] = {}
+    kinds: dict[tuple, tuple[float, float]] = {}
     block_bytes = {}
     for name in names:
         kind = _kind(model.get_submodule(name))
         if kind not in kinds:
-            kinds[kind] = _probe_block(model, name, shape.dim, dtype, tokens)
-        block_bytes[name] = kinds[kind]
+            kinds[kind] = _probe_block(model, name, shape.dim, dtype, tokens, configure)
+        block_bytes[name] = kinds[kind][0]
     kv = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
     head = _probe_head(model, spec, shape.dim, shape.vocab_size, dtype, tokens)
     return ActivationProfile(
         block_bytes=block_bytes,
+        backward_bytes=max(working - saved for saved, working in kinds.values()),
         head_bytes_per_row=head / shape.vocab_size,
         input_bytes=shape.dim * dtype.itemsize,
         kv_bytes=dict.fromkeys(names, float(kv)),
@@ -104,11 +116,20 @@ def _slope(measure, tokens: tuple[int, int]) -> float:
 
 
 def _probe_block(
-    model: nn.Module, name: str, dim: int, dtype: torch.dtype, tokens: tuple[int, int]
-) -> float:
-    """Bytes per token the block saves for its backward."""
+    model: nn.Module,
+    name: str,
+    dim: int,
+    dtype: torch.dtype,
+    tokens: tuple[int, int],
+    configure: Callable[[nn.Module], object] | None,
+) -> tuple[float, float]:
+    """(bytes per token the block saves, peak bytes per token over its forward and its
+    backward to the input). Weights take no gradient here: their gradients' sizes do not grow
+    with the tokens, and would move the peak to a moment that does not."""
     block = build_stage_module(model, [name])
     _give_weights(block)
+    if configure is not None:
+        configure(block)
 
     def saved_bytes(length: int) -> int:
         hidden_BSD = torch.randn(1, length, dim, dtype=dtype, requires_grad=True)
@@ -116,7 +137,15 @@ def _probe_block(
             block(hidden_BSD)
         return tracker.peak_bytes(SAVED)
 
-    return _slope(saved_bytes, tokens)
+    def working_bytes(length: int) -> int:
+        with PeakTensorMemory() as memory:  # the input counts, as it does among the saved
+            hidden_BSD = torch.randn(1, length, dim, dtype=dtype, requires_grad=True)
+            block(hidden_BSD).backward(torch.ones(1, length, dim, dtype=dtype))
+        return memory.peak_bytes
+
+    saved = _slope(saved_bytes, tokens)
+    block.requires_grad_(False)
+    return saved, _slope(working_bytes, tokens)
 
 
 def _probe_head(

@@ -5,12 +5,18 @@ For one representative rank per pipeline rank (data-parallel coordinates 0), the
 (or pipeline) is built by the trainer's own code under torch's "fake" process group, leaving
 every parameter on the meta device: the local shard shapes, the stages and the FSDP2 units are
 the real ones, for any world size, on any machine, in seconds. Ranks of one pipeline rank hold
-equal shares (FSDP2 rows differ by at most one row), so one stands for all.
+equal shares (FSDP2 rows differ by at most one row), so one stands for all. Each simulated rank
+lives in a forked child process: the process groups and meshes it creates leave global state
+in torch.distributed that a later real job in the same process must not inherit.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -22,6 +28,8 @@ from pipekit.train.job import Job
 from pipekit.train.model_setup import build_job_model
 
 __all__ = ["RankLayout", "rank_layouts"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,37 @@ def rank_layouts(job: Job) -> list[RankLayout]:
     """One layout per pipeline rank (one for a job without a pipeline)."""
     assert job.dims is not None, "plan the job for a world size"
     world = job.dims.world_size
-    return [_layout(job, rank, world) for rank in _representative_ranks(job)]
+    ranks = _in_child(_representative_ranks, job)
+    return [_in_child(_layout, job, rank, world) for rank in ranks]
+
+
+def _in_child(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` in a forked child; its result, or its exception raised here."""
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_child_main, args=(sender, fn, args), daemon=True)
+    child.start()
+    sender.close()
+    try:
+        ok, value = receiver.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(
+            f"the process simulating a rank died (exit code {child.exitcode})"
+        ) from None
+    child.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _child_main(sender: Connection, fn: Callable[..., object], args: tuple) -> None:
+    try:
+        sender.send((True, fn(*args)))
+    except BaseException as error:  # handed to the parent, which raises it
+        sender.send((False, error))
+    finally:
+        sender.close()
 
 
 def _representative_ranks(job: Job) -> list[int]:

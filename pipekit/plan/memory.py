@@ -9,15 +9,15 @@ Terms per rank (bytes):
   4-bit AdamW: 1 and 0.5 bytes per moment, plus a float32 scale per 256 / 128 elements);
 - activations: what the step keeps for backward at its fullest, from measured bytes per token
   (`pipekit.plan.activations`): without a pipeline, every block's activations for the
-  micro-step's tokens (a checkpointed block keeps its input, and one block is recomputed at a
-  time) plus the head's logits and their gradient; with a pipeline, the units the schedule
-  keeps in flight on the rank (simulated from its action lists), each holding its stage's
-  activations, K/V cache and received input for one unit of tokens, plus one head pass.
+  micro-step's tokens (a checkpointed block keeps its input), one block's backward (its working
+  set, after rebuilding its activations if it is checkpointed) and the head's logits and their
+  gradient; with a pipeline, the units the schedule keeps in flight on the rank (simulated from
+  its action lists), each holding its stage's activations, K/V cache and received input for one
+  unit of tokens, plus one block's backward and one head pass for a unit.
 
-Not counted yet (so the plan is low by what they take): a block's backward working set beyond
-what it saved (its activations' gradients and their temporaries), expert parallelism's
-all-to-all buffers, and the pipeline's gradient messages. The plan-accuracy bench measures the
-difference on the debug configs;
+Not counted yet (so the plan is low by what they take): expert parallelism's all-to-all
+buffers and the pipeline's gradient messages. The plan-accuracy bench measures the difference
+on the debug configs;
 - buffers: FSDP2's unsharded parameters of the largest unit, twice (the unit in use and the
   one prefetched) in the compute dtype, and its unsharded gradients in the reduce dtype.
 
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipekit.moe.expert_parallel import set_expert_execution
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.plan.activations import ActivationProfile, profile_activations
 from pipekit.plan.layout import RankLayout, rank_layouts
@@ -90,9 +91,15 @@ class MemoryPlan:
 
 def plan_memory(job: Job, probe_tokens: tuple[int, int] = (2, 6)) -> MemoryPlan:
     """The memory plan of a validated `job` (planned for a world size)."""
-    training = job.config.training
+    training, moe = job.config.training, job.config.moe
     compute = DTYPES[training.mixed_precision_param]
-    profile = profile_activations(job.spec, job.args, compute, probe_tokens)
+    profile = profile_activations(
+        job.spec,
+        job.args,
+        compute,
+        probe_tokens,
+        configure=lambda block: set_expert_execution(block, moe.partitions, moe.memory_reuse),
+    )
     ranks = [_rank_memory(job, layout, profile) for layout in rank_layouts(job)]
     return MemoryPlan(ranks, profile)
 
@@ -142,17 +149,21 @@ def _block_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile) -
     return kept
 
 
-def _recompute_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile) -> float:
-    """One checkpointed block's activations, rebuilt during backward."""
-    if job.config.training.activation_checkpoint == "none" or not names:
+def _backward_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile) -> float:
+    """Per token, what one block's backward adds: its working set, and its activations rebuilt
+    first if it is checkpointed."""
+    if not names:
         return 0.0
-    return max(profile.block_bytes[name] for name in names)
+    rebuilt = 0.0
+    if job.config.training.activation_checkpoint != "none":
+        rebuilt = max(profile.block_bytes[name] for name in names)
+    return profile.backward_bytes + rebuilt
 
 
 def _step_activations(job: Job, layout: RankLayout, profile: ActivationProfile) -> float:
     tokens = job.local_batch_size * job.config.training.seq_len
     names = layout.block_names
-    per_token = _block_bytes(job, names, profile) + _recompute_bytes(job, names, profile)
+    per_token = _block_bytes(job, names, profile) + _backward_bytes(job, names, profile)
     head = profile.head_bytes_per_row * layout.output_rows
     return (per_token + head) * tokens
 
@@ -161,7 +172,7 @@ def _pipeline_activations(
     job: Job, layout: RankLayout, profile: ActivationProfile, compute: torch.dtype
 ) -> float:
     """Units in flight on the rank (simulated from the plan's action lists) times its stages'
-    bytes per unit, plus one head pass and one recomputed block."""
+    bytes per unit, plus one head pass and one block's backward."""
     plan = job.pipeline
     assert plan is not None
     unit_tokens = plan.unit_rows * plan.slice_length
@@ -178,5 +189,5 @@ def _pipeline_activations(
     result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
     in_flight = result.peak_memory[layout.pipeline_rank]["total"]
     head = profile.head_bytes_per_row * layout.output_rows * unit_tokens
-    recompute = _recompute_bytes(job, layout.block_names, profile) * unit_tokens
-    return in_flight + head + recompute
+    backward = _backward_bytes(job, layout.block_names, profile) * unit_tokens
+    return in_flight + head + backward
