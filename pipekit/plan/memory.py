@@ -13,7 +13,8 @@ Terms per rank (bytes):
   set, after rebuilding its activations if it is checkpointed) and the head's logits and their
   gradient; with a pipeline, the units the schedule keeps in flight on the rank (simulated from
   its action lists), each holding its stage's activations, K/V cache and received input for one
-  unit of tokens, plus one block's backward and one head pass for a unit.
+  unit of tokens, plus one block's backward and one head pass for a unit, and under slicing the
+  K/V gradients the cache accumulates for the microbatch in backward.
 
 Not counted yet (so the plan is low by what they take): expert parallelism's all-to-all
 buffers and the pipeline's gradient messages. The plan-accuracy bench measures the difference
@@ -190,4 +191,7 @@ def _pipeline_activations(
     in_flight = result.peak_memory[layout.pipeline_rank]["total"]
     head = profile.head_bytes_per_row * layout.output_rows * unit_tokens
     backward = _backward_bytes(job, layout.block_names, profile) * unit_tokens
-    return in_flight + head + backward
+    # the KV cache's gradient accumulators: later slices' backwards leave dK/dV on the cached
+    # slices of the microbatch in backward, up to the whole microbatch's K/V
+    kv_gradients = kv * plan.num_slices
+    return in_flight + head + backward + kv_gradients
