@@ -27,8 +27,9 @@ from tiny_models import TINY_LLAMA
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.llama.hf import LLAMA_HF
 from models.llama_moe.args import LlamaMoEArgs
-from pipekit.checkpoint import SafetensorsCheckpoint, TensorRead
+from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.models import get_model_spec
 from pipekit.models.materialize import local_block
@@ -73,6 +74,8 @@ def _export_and_load(rank: int, world: int, folder: str) -> dict[str, Any]:
         directory = Path(folder, f"case{number}")
         model, rows = _layout(rank, case, SEED)
         hf.save(model, args, str(directory), row_shards=rows)
+        if number == 0:  # rank 0's refusal to replace a checkpoint reaches every rank
+            report["refused_overwrite"] = _refused_overwrite(model, args, directory)
         reference = build_model(get_model_spec(family), args, SEED, torch.float32)
         reads: list[TensorRead] = []
         loaded, rows = _layout(rank, case, OTHER_SEED)
@@ -100,6 +103,14 @@ def _export_and_load(rank: int, world: int, folder: str) -> dict[str, Any]:
             )
         dist.barrier()
     return report
+
+
+def _refused_overwrite(model: nn.Module, args: Any, directory: Path) -> str:
+    try:
+        LLAMA_HF.save(model, args, directory, overwrite=False)
+    except CheckpointError as error:
+        return str(error)
+    return ""
 
 
 def _refused(hf: Any, model: nn.Module, args: Any, rows: dict, directory: Path) -> str:
@@ -171,6 +182,11 @@ def test_every_rank_writes_a_share_of_the_files(exported) -> None:
             f"model-{i:05d}-of-{WORLD:05d}.safetensors" for i in range(1, WORLD + 1)
         ]
         assert (folder / f"case{number}" / "model.safetensors.index.json").exists()
+
+
+def test_an_existing_checkpoint_is_not_replaced_unless_asked(exported) -> None:
+    _, reports = exported
+    assert all("already exists" in report["refused_overwrite"] for report in reports)
 
 
 def test_ablation_vocabulary_shards_without_their_row_offsets(exported) -> None:

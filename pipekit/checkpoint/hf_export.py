@@ -35,6 +35,7 @@ from pipekit.checkpoint._durable import fsync_path
 from pipekit.checkpoint.local_shards import RowShard
 from pipekit.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
+    CheckpointError,
     discard_staging,
     new_staging_directory,
     publish_directory,
@@ -233,12 +234,20 @@ def _file_of_each_tensor(
 
 
 def _shared_staging(target: Path, overwrite: bool, rank: int, world: int) -> Path:
-    """Rank 0's fresh staging folder, its path told to every rank."""
-    paths: list[Path | None] = [new_staging_directory(target, overwrite) if rank == 0 else None]
+    """Rank 0's fresh staging folder, its path told to every rank (or its refusal, raised on
+    every rank, so none waits for a folder that will not come)."""
+    made: list[Path | CheckpointError | None] = [None]
+    if rank == 0:
+        try:
+            made[0] = new_staging_directory(target, overwrite)
+        except CheckpointError as error:
+            made[0] = error
     if world > 1:
-        dist.broadcast_object_list(paths, src=0)
-    assert paths[0] is not None
-    return paths[0]
+        dist.broadcast_object_list(made, src=0)
+    if isinstance(made[0], CheckpointError):
+        raise made[0]
+    assert made[0] is not None
+    return made[0]
 
 
 def _write_own_files(
