@@ -49,6 +49,7 @@ from pipekit.checkpoint.safetensors_io import (
     SafetensorsCheckpoint,
     TensorRead,
 )
+from pipekit.models.materialize import local_tensor
 from pipekit.models.spec import HFTensor, HuggingFaceAdapter
 
 __all__ = [
@@ -310,7 +311,7 @@ class DecoderHF:
         if self.check_layout is not None:
             self.check_layout(args)
         params = self._parameters_matching(model, args, row_shards)
-        if any(_local(param).is_meta for param in params.values()):
+        if any(local_tensor(param).is_meta for param in params.values()):
             raise ValueError(
                 "the model's parameters are on the meta device; call model.to_empty(device=...) "
                 "before loading"
@@ -412,10 +413,6 @@ class DecoderHF:
                 f"{problems}"
             )
         return params
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _holds(model: nn.Module, name: str) -> bool:

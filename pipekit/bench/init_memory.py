@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from pipekit.bench._pipeline_launch import run_ranks
 from pipekit.bench._report import machine_description, print_result, print_table
@@ -47,7 +46,7 @@ from pipekit.checkpoint import TensorRead
 from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
-from pipekit.models.materialize import seeded_materializer
+from pipekit.models.materialize import local_tensor, seeded_materializer
 from pipekit.models.registry import get_model_spec
 
 __all__ = ["main"]
@@ -87,10 +86,7 @@ def _sharded_on_meta(args: Any, num_ranks: int) -> nn.Module:
 
 
 def _checksums(model: nn.Module) -> dict[str, float]:
-    return {
-        name: float((p.to_local() if isinstance(p, DTensor) else p).double().sum())
-        for name, p in model.named_parameters()
-    }
+    return {name: float(local_tensor(p).double().sum()) for name, p in model.named_parameters()}
 
 
 def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:

@@ -20,16 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from pipekit.bench._pipeline_launch import run_ranks
 from pipekit.bench._report import machine_description, print_result, print_table
-from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.config.loader import load_job_config
 from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.models.registry import get_model_spec
 from pipekit.plan.memory import plan_memory
 from pipekit.train.job import plan_job
+from pipekit.train.metrics import tensor_bytes
 
 __all__ = ["main"]
 
@@ -64,23 +63,13 @@ def _argv(name: str, options: argparse.Namespace, folder: str, dense: str) -> li
     ]
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                local = value.to_local() if isinstance(value, DTensor) else value
-                total += local.numel() * local.element_size()
-    return total
-
-
 def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     from pipekit.train.trainer import Trainer
 
     job = plan_job(load_job_config(spec["argv"]), num_ranks)
     trainer = Trainer(job)
     trainer.train_step()
-    static = local_nbytes(trainer.model) + _state_bytes(trainer.optimizer)
+    static = tensor_bytes(trainer.model, trainer.optimizer)  # no gradients between steps
     with PeakTensorMemory() as memory:
         trainer.train_step()
     pipeline_rank = trainer.pipeline.stages[0].group_rank if trainer.pipeline else 0

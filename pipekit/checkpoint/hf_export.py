@@ -29,10 +29,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from pipekit.checkpoint._durable import fsync_path
-from pipekit.checkpoint.local_shards import RowShard
+from pipekit.checkpoint.local_shards import RowShard, global_block
 from pipekit.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     CheckpointError,
@@ -43,7 +42,7 @@ from pipekit.checkpoint.safetensors_io import (
     split_into_shards,
     write_index,
 )
-from pipekit.models.materialize import local_block
+from pipekit.models.materialize import local_tensor
 from pipekit.models.spec import HFTensor
 
 __all__ = ["save_hf_sharded"]
@@ -58,7 +57,7 @@ class _BlockInfo:
     param: str
     shape: tuple[int, ...]
     bounds: Bounds
-    dtype: str
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -151,20 +150,15 @@ def _local_blocks(
     """This rank's non-empty block of each parameter (a tied parameter under its first name)."""
     blocks = {}
     for name, param in model.named_parameters():
-        values = param.to_local() if isinstance(param, DTensor) else param
+        values = local_tensor(param)
         if values.is_meta:
             raise ValueError(f"{name} is on the meta device; materialise the model before export")
         if values.numel() == 0:
             continue
-        shape = tuple(param.shape)
-        bounds = tuple((part.start, part.stop) for part in local_block(param))
-        if name in row_shards:
-            shard = row_shards[name]
-            (first, last), rest = bounds[0], bounds[1:]
-            bounds = ((first + shard.start, last + shard.start), *rest)
-            shape = (shard.rows, *shape[1:])
-        info = _BlockInfo(name, shape, bounds, str(values.dtype).removeprefix("torch."))
-        blocks[name] = (info, values.detach())
+        shard = row_shards.get(name)
+        shape = tuple(param.shape) if shard is None else (shard.rows, *param.shape[1:])
+        bounds = tuple((part.start, part.stop) for part in global_block(param, shard))
+        blocks[name] = (_BlockInfo(name, shape, bounds, values.dtype), values.detach())
     return blocks
 
 
@@ -173,7 +167,7 @@ def _plan(entries: Sequence[HFTensor], every_rank: list[list[_BlockInfo]]) -> li
     the parameter that no rank holds whole)."""
     holders: dict[str, dict[Bounds, int]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, str] = {}
+    dtypes: dict[str, torch.dtype] = {}
     for rank, infos in enumerate(every_rank):
         for info in infos:
             holders.setdefault(info.param, {}).setdefault(info.bounds, rank)
@@ -202,7 +196,7 @@ def _plan(entries: Sequence[HFTensor], every_rank: list[list[_BlockInfo]]) -> li
                 f"{_volume(region)} elements for {entry.hf_name}; its shards overlap or one is "
                 "missing (export from every rank, with the same model layout)"
             )
-        dtype = getattr(torch, dtypes[entry.param_name])
+        dtype = dtypes[entry.param_name]
         writer = loads.index(min(loads))
         assignment = _Assignment(entry, writer, region, dtype, tuple(pieces))
         loads[writer] += assignment.nbytes

@@ -14,11 +14,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
-from pipekit.models.materialize import local_block
+from pipekit.models.materialize import local_block, local_tensor
 
-__all__ = ["BlockReader", "RowShard", "load_local_blocks", "local_block", "local_nbytes"]
+__all__ = [
+    "BlockReader",
+    "RowShard",
+    "global_block",
+    "load_local_blocks",
+    "local_block",
+    "local_nbytes",
+]
 
 BlockReader = Callable[[str, tuple[slice, ...]], Tensor]
 """(parameter name, block of its global tensor) -> that block's values."""
@@ -35,10 +41,17 @@ class RowShard:
 
 def local_nbytes(model: nn.Module) -> int:
     """Bytes of the parameter shards this rank holds."""
-    return sum(
-        (param.to_local() if isinstance(param, DTensor) else param).nbytes
-        for param in model.parameters()
-    )
+    return sum(local_tensor(param).nbytes for param in model.parameters())
+
+
+def global_block(param: Tensor, row_shard: RowShard | None = None) -> tuple[slice, ...]:
+    """The block of the whole tensor this rank holds of `param`: its DTensor block, shifted to
+    its rows when the parameter itself is a row shard of a larger whole."""
+    index = local_block(param)
+    if row_shard is None:
+        return index
+    rows = index[0]
+    return (slice(rows.start + row_shard.start, rows.stop + row_shard.start), *index[1:])
 
 
 def load_local_blocks(
@@ -53,17 +66,14 @@ def load_local_blocks(
     row_shards = row_shards or {}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
+            local = local_tensor(param)
             if local.is_meta:
                 raise ValueError(
                     f"{name} is on the meta device; call model.to_empty(device=...) first"
                 )
             if local.numel() == 0:
                 continue
-            index = local_block(param)
-            if name in row_shards:
-                start = row_shards[name].start
-                index = (slice(index[0].start + start, index[0].stop + start), *index[1:])
+            index = global_block(param, row_shards.get(name))
             block = read_block(name, index)
             if block.shape != local.shape:
                 raise ValueError(

@@ -141,13 +141,18 @@ class SafetensorsCheckpoint:
         """Dtype and shape of one tensor, from its file's header."""
         path = self._file_of(name)
         tensor_slice = self._slice(path, name)
-        code = tensor_slice.get_dtype()
+        dtype = self._dtype(path, name, tensor_slice.get_dtype())
+        return TensorInfo(name, dtype, tuple(tensor_slice.get_shape()), path)
+
+    @staticmethod
+    def _dtype(path: Path, name: str, code: str) -> torch.dtype:
+        """The torch dtype of a header's dtype code, or a CheckpointError naming it."""
         if code not in _DTYPES:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has dtype {code}, which pipekit does not read; "
                 f"supported: {sorted(_DTYPES)}"
             )
-        return TensorInfo(name, _DTYPES[code], tuple(tensor_slice.get_shape()), path)
+        return _DTYPES[code]
 
     def infos(self) -> dict[str, TensorInfo]:
         """TensorInfo of every tensor, by name (opens every file's header)."""
@@ -174,7 +179,8 @@ class SafetensorsCheckpoint:
         shape = tuple(tensor_slice.get_shape())
         bounds = _block_bounds(name, shape, index)
         if all(bound == (0, size) for bound, size in zip(bounds[1:], shape[1:], strict=True)):
-            block = self._read_rows(path, name, shape, bounds)
+            dtype = self._dtype(path, name, tensor_slice.get_dtype())
+            block = self._read_rows(path, name, dtype, shape, bounds)
         else:
             block = tensor_slice[tuple(slice(start, stop) for start, stop in bounds)]
         if self.read_log is not None:
@@ -182,10 +188,14 @@ class SafetensorsCheckpoint:
         return block
 
     def _read_rows(
-        self, path: Path, name: str, shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...]
+        self,
+        path: Path,
+        name: str,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        bounds: tuple[tuple[int, int], ...],
     ) -> torch.Tensor:
         """Rows `bounds[0]` of a tensor (every other dim whole), read straight from the file."""
-        dtype = self.info(name).dtype
         begin = self._data_offsets(path)[name]
         row_bytes = math.prod(shape[1:]) * dtype.itemsize
         first = bounds[0][0] if bounds else 0

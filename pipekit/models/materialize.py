@@ -30,6 +30,7 @@ __all__ = [
     "full_parameters",
     "init_units",
     "local_block",
+    "local_tensor",
     "materialize_sharded",
     "seeded_materializer",
 ]
@@ -96,6 +97,11 @@ def full_parameters(module: nn.Module) -> Iterator[None]:
                 if local.numel():
                     local.copy_(full_of[id(param)][local_block(param)])
                 submodule._parameters[name] = param
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's part of `tensor`: a DTensor's local shard, a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def local_block(param: Tensor) -> tuple[slice, ...]:

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from pipekit._torch_private import simulated_rank
+from pipekit.models.materialize import local_tensor
 from pipekit.train.job import Job
 from pipekit.train.model_setup import build_job_model
 
@@ -117,7 +118,7 @@ def _layout(job: Job, rank: int, world: int) -> RankLayout:
 def _measure(job: Job, rank: int, built) -> RankLayout:
     model, pipeline = built.model, built.pipeline
     params = list(model.parameters())
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    local = [local_tensor(p) for p in params]
     structure = job.spec.structure
     blocks = tuple(
         name

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch import nn
 
+from pipekit.models.materialize import local_tensor
 from pipekit.models.spec import ModelStructure
 from pipekit.pipelining.runtime.extension import PipelineExtension
 
@@ -46,7 +46,7 @@ class TiedWeights(PipelineExtension):
 
     @torch.no_grad()
     def end_step(self) -> None:
-        grads = [_local(param.grad) for param in self.copies if param.grad is not None]
+        grads = [local_tensor(param.grad) for param in self.copies if param.grad is not None]
         if len(grads) != len(self.copies):
             missing = len(self.copies) - len(grads)
             raise RuntimeError(f"tied weights: {missing} of this rank's copies got no gradient")
@@ -70,7 +70,3 @@ def untie_vocabulary(model: nn.Module, structure: ModelStructure) -> None:
     output = getattr(model, output_name, None)
     if embedding is not None and output is not None and output.weight is embedding.weight:
         output.weight = nn.Parameter(embedding.weight.detach().clone())
-
-
-def _local(grad: Tensor) -> Tensor:
-    return grad.to_local() if isinstance(grad, DTensor) else grad
