@@ -81,11 +81,14 @@ def reference_step(
     microbatches: int = 1,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
+    model: nn.Module | None = None,
 ) -> Result:
     """One process: the batch as `microbatches` row blocks in order, every block's loss over
     the batch's label count, its aux losses (statistics over the block) weighted
-    1/microbatches."""
-    model = build_model(spec, args, seed, dtype)
+    1/microbatches. The model is `model` if given (its weights made elsewhere, e.g. upcycled),
+    else drawn from `seed`."""
+    if model is None:
+        model = build_model(spec, args, seed, dtype)
     normaliser = count_label_tokens(batch["labels"])
     total = torch.zeros((), dtype=torch.float64)
     for part in batch.split(batch.batch_size[0] // microbatches):
@@ -182,6 +185,7 @@ def pipeline_step(
     compute_dtype: torch.dtype | None = None,
     dp_shard: int = 1,
     ep: int = 1,
+    materialize: Callable[[nn.Module], None] | None = None,
     adjust: Callable[[PipelineRunner], None] | None = None,
     **parallelism: Any,
 ) -> Result:
@@ -189,7 +193,8 @@ def pipeline_step(
     the step (ablations)."""
     runner, dims, mesh = pipeline_layout(
         world, spec, args, batch.batch_size, seed=seed, dtype=dtype,
-        compute_dtype=compute_dtype, dp_shard=dp_shard, ep=ep, **parallelism,
+        compute_dtype=compute_dtype, dp_shard=dp_shard, ep=ep, materialize=materialize,
+        **parallelism,
     )  # fmt: skip
     if adjust is not None:
         adjust(runner)
@@ -208,6 +213,7 @@ def pipeline_layout(
     compute_dtype: torch.dtype | None = None,
     dp_shard: int = 1,
     ep: int = 1,
+    materialize: Callable[[nn.Module], None] | None = None,
     **parallelism: Any,
 ) -> tuple[PipelineRunner, ParallelDims, Any]:
     """This rank's pipeline (runner, dims, mesh), planned from `parallelism` (ParallelismConfig
@@ -215,7 +221,9 @@ def pipeline_layout(
     each stage is FSDP2-sharded over its data ranks, which read their share of the rows; with
     `ep` > 1 its experts are sharded over `ep` of them (FSDP leaving them alone). Weights are
     kept in `dtype`; with a `compute_dtype` (bf16) FSDP2 computes in it, the stages send it and
-    gradients are reduced in `dtype` (over one rank's mesh without data parallelism)."""
+    gradients are reduced in `dtype` (over one rank's mesh without data parallelism). Each
+    stage's storage and values come from `materialize` if given (e.g. upcycling a checkpoint),
+    else from `seed`."""
     config = ParallelismConfig(
         dp_shard=dp_shard, pipeline_parallel_degree=world // dp_shard, ep=ep, **parallelism
     )
@@ -246,7 +254,7 @@ def pipeline_layout(
         apply_data_parallel(output, mesh, dims, reshard_after_forward=False, **precision)
 
     setup = StageSetup(
-        device=torch.device("cpu"), materialize=seeded_materializer("cpu", seed),
+        device=torch.device("cpu"), materialize=materialize or seeded_materializer("cpu", seed),
         parallelize=parallelize,
         parallelize_vocab=parallelize_vocab,
         attention_backend="cpu", message_dtype=compute_dtype or dtype,

@@ -6,7 +6,9 @@ float64 (relative difference <= 1e-10): FSDP, HSDP, torch's 1F1B, Interleaved1F1
 (without data parallelism: the plan refuses its I/W actions on FSDP stages), SlimPipe's sliced
 schedule (v = 1 and 2), sliced with context exchange, with vocabulary parallelism, expert
 parallelism alone and inside the sliced pipeline, everything at once, and tied embeddings
-across stages (on two ranks, as vocabulary shards, and on one rank of a V). In bf16 (FSDP2 mixed
+across stages (on two ranks, as vocabulary shards, and on one rank of a V), and a MoE upcycled
+from a dense Hugging Face checkpoint inside the sliced pipeline with expert parallelism (each
+rank reading only its stages' local blocks; Llama only). In bf16 (FSDP2 mixed
 precision, float32 weights and reductions, bf16 messages) against float32, within 5e-2: the
 sliced pipeline with 2 data ranks and with one. For Llama-MoE and for the custom example (GPT-2
 style, registered from outside pipekit). Pipelines run on 2 pipeline x 2 FSDP ranks unless the
@@ -17,9 +19,11 @@ it must fail. All rows of a model share one process group, all ablations another
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +31,7 @@ import torch
 from distributed_helpers import run_on_ranks
 from parity import (
     Result,
+    build_model,
     data_parallel_step,
     max_relative_difference,
     parity_batch,
@@ -40,7 +45,10 @@ from torch.distributed.tensor import DTensor
 
 import examples.custom_model.model as custom
 from models.llama_moe.args import LlamaMoEArgs
+from models.llama_moe.upcycle import LLAMA_UPCYCLER
+from pipekit.checkpoint.upcycle import materialize_upcycled, upcycle_model
 from pipekit.models import get_model_spec
+from pipekit.models.upcycling import UpcycleSpec
 from pipekit.moe import MoEArgs
 from pipekit.moe.expert_parallel import expert_parameters
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
@@ -53,6 +61,10 @@ MODELS = {
     "llama_moe": LlamaMoEArgs(**{**vars(TINY_LLAMA), "n_layers": 4}, moe=MOE, moe_every=2),
     "tiny_gpt": custom.TinyGPTArgs(dim=32, n_layers=4, n_heads=2, vocab_size=64, max_seq_len=64),
 }
+DENSE_LLAMA = dataclasses.replace(TINY_LLAMA, n_layers=4)
+UPCYCLE = UpcycleSpec(num_experts=2, top_k=1, granularity=2)
+"""Two copies of each dense FFN in two pieces: 4 experts, 2 per token, 2 per EP rank."""
+UPCYCLE_SEED = 3
 PIPELINE = {"dp_shard": 2, "microbatches": MICROBATCHES}
 SLICED = PIPELINE | {"pipeline_schedule": "sliced", "num_slices": SLICES}
 BF16 = {"dtype": torch.float32, "compute_dtype": torch.bfloat16}
@@ -76,6 +88,9 @@ class Row:
     """Route each token to every expert: bf16 rounding flips top-k choices of near-tied
     experts, a discrete change no tolerance describes; with all experts chosen the routing is
     continuous and bf16 error stays small."""
+    upcycled: bool = False
+    """The MoE is upcycled from a dense Llama checkpoint (`DENSE_LLAMA`, `UPCYCLE`), every
+    rank filling its stages' local blocks from the file; Llama-MoE only."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,7 +170,18 @@ ROWS_ = [
         tolerance=BF16_TOLERANCE,
         every_expert=True,
     ),
+    Row(
+        "upcycled x sliced + EP",
+        pipeline=SLICED | {"ep": 2},
+        ablation="router_seed_per_rank",
+        upcycled=True,
+    ),
 ]
+
+
+def _rows(model: str) -> list[Row]:
+    """The rows `model` runs: upcycling starts from a dense Llama, so only Llama-MoE has it."""
+    return [row for row in ROWS_ if not row.upcycled or model == "llama_moe"]
 
 
 def _batch(model: str) -> Any:
@@ -222,6 +248,8 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
         elif name == "misplaced_experts":
             assert runner.model is not None
             _roll_local_experts(runner.model)
+        elif name == "router_seed_per_rank":
+            pass  # applied when the stages are materialised (`_run_row`)
         elif name == "untied_gradients":  # each copy keeps its own stage's gradient
             tied = runner.extension("tied_weights")
             assert tied is not None
@@ -233,6 +261,8 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
 
 
 def _args(model: str, row: Row) -> Any:
+    if row.upcycled:
+        return LLAMA_UPCYCLER.moe_args(DENSE_LLAMA, UPCYCLE)
     args = MODELS[model]
     moe = args.moe
     if row.every_expert:
@@ -240,7 +270,15 @@ def _args(model: str, row: Row) -> Any:
     return dataclasses.replace(args, n_layers=row.layers, moe=moe, tie_embeddings=row.tied)
 
 
-def _run_row(rank: int, world: int, model: str, row: Row, ablate: bool) -> Result:
+def _write_dense_llama(directory: Path) -> None:
+    """The dense Llama the upcycled row starts from, in Hugging Face layout, in float64."""
+    llama = get_model_spec("llama")
+    assert llama.hf is not None
+    dense = build_model(llama, DENSE_LLAMA, seed=11, dtype=torch.float64)
+    llama.hf.save(dense, DENSE_LLAMA, str(directory))
+
+
+def _run_row(rank: int, world: int, model: str, row: Row, ablate: bool, dense: Path) -> Result:
     spec, args = get_model_spec(model), _args(model, row)
     if row.data_parallel is not None:
         adjust = _model_ablation(row.ablation) if ablate else None
@@ -248,43 +286,66 @@ def _run_row(rank: int, world: int, model: str, row: Row, ablate: bool) -> Resul
             rank, world, spec, args, _batch(model), adjust=adjust, **row.data_parallel
         )
     adjust = _runner_ablation(row.ablation, row.pipeline) if ablate else None
-    return pipeline_step(rank, world, spec, args, _batch(model), adjust=adjust, **row.pipeline)
+    materialize = None
+    if row.upcycled:  # the ablation draws each rank's routers from a seed of its own
+        seed = UPCYCLE_SEED + (rank if ablate else 0)
+        materialize = functools.partial(
+            materialize_upcycled, device="cpu", directory=dense, upcycler=LLAMA_UPCYCLER,
+            args=args, spec=UPCYCLE, seed=seed,
+        )  # fmt: skip
+    return pipeline_step(
+        rank, world, spec, args, _batch(model), adjust=adjust, materialize=materialize,
+        **row.pipeline,
+    )  # fmt: skip
 
 
-def _run_rows(rank: int, world: int, model: str, ablate: bool) -> list[Result]:
-    return [_run_row(rank, world, model, row, ablate) for row in ROWS_]
+def _run_rows(rank: int, world: int, model: str, ablate: bool, dense: Path) -> list[Result]:
+    return [_run_row(rank, world, model, row, ablate, dense) for row in _rows(model)]
 
 
-def _differences(model: str, ablate: bool) -> dict[str, float]:
-    spec = get_model_spec(model)
-    per_rank = run_on_ranks(_run_rows, WORLD, model, ablate, timeout=600)
-    references: dict[tuple[int, int, torch.dtype, bool, bool], Result] = {}
+def _reference(model: str, row: Row, dense: Path) -> Result:
+    spec, args, batch = get_model_spec(model), _args(model, row), _batch(model)
+    microbatches = row.reference_microbatches
+    if not row.upcycled:
+        return reference_step(spec, args, batch, microbatches=microbatches, dtype=row.dtype)
+    upcycled, _ = upcycle_model(
+        dense, LLAMA_UPCYCLER, DENSE_LLAMA, spec.build, UPCYCLE, seed=UPCYCLE_SEED,
+        dtype=row.dtype,
+    )  # fmt: skip
+    return reference_step(spec, args, batch, microbatches=microbatches, model=upcycled)
+
+
+def _differences(model: str, ablate: bool, dense: Path) -> dict[str, float]:
+    rows = _rows(model)
+    if any(row.upcycled for row in rows):
+        _write_dense_llama(dense)
+    per_rank = run_on_ranks(_run_rows, WORLD, model, ablate, dense, timeout=600)
+    references: dict[tuple[Any, ...], Result] = {}
     differences = {}
-    for index, row in enumerate(ROWS_):
-        key = (row.reference_microbatches, row.layers, row.dtype, row.every_expert, row.tied)
+    for index, row in enumerate(rows):
+        key = (row.reference_microbatches, row.layers, row.dtype, row.every_expert, row.tied,
+               row.upcycled)  # fmt: skip
         if key not in references:
-            references[key] = reference_step(
-                spec, _args(model, row), _batch(model), microbatches=key[0], dtype=row.dtype
-            )
+            references[key] = _reference(model, row, dense)
         results = [per_rank[rank][index] for rank in range(WORLD)]
         differences[row.layout] = max_relative_difference(results, references[key])
     return differences
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_every_layout_matches_one_process_fp64(model: str) -> None:
-    differences = _differences(model, ablate=False)
+def test_every_layout_matches_one_process_fp64(model: str, tmp_path: Path) -> None:
+    differences = _differences(model, ablate=False, dense=tmp_path / "dense")
     tolerances = {row.layout: row.tolerance for row in ROWS_}
     failed = {layout: d for layout, d in differences.items() if not d <= tolerances[layout]}
     assert not failed, f"{model}: above the row's tolerance: {failed}"
-    low_precision = [row.layout for row in ROWS_ if "compute_dtype" in row.pipeline]
+    low_precision = [row.layout for row in _rows(model) if "compute_dtype" in row.pipeline]
     float32_like = {layout: differences[layout] for layout in low_precision}
     assert min(float32_like.values()) > 1e-4, f"bf16 compute did not happen: {float32_like}"
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_every_layout_fails_when_its_mechanism_is_broken(model: str) -> None:
-    differences = _differences(model, ablate=True)
+def test_every_layout_fails_when_its_mechanism_is_broken(model: str, tmp_path: Path) -> None:
+    differences = _differences(model, ablate=True, dense=tmp_path / "dense")
     floors = {row.layout: max(ABLATION_FLOOR, 4 * row.tolerance) for row in ROWS_}
     passed = {layout: d for layout, d in differences.items() if not d > floors[layout]}
     assert not passed, f"{model}: ablations that still match: {passed}"

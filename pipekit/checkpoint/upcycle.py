@@ -39,6 +39,7 @@ __all__ = [
     "ExpertCopies",
     "RouterInit",
     "check_dense_checkpoint",
+    "materialize_upcycled",
     "upcycle_into",
     "upcycle_model",
 ]
@@ -145,6 +146,25 @@ def upcycle_into(
         load_local_blocks(model, read_from_sources(sources))
 
 
+def materialize_upcycled(
+    module: nn.Module,
+    device: torch.device | str,
+    directory: str | os.PathLike[str],
+    upcycler: Upcycler,
+    args: Any,
+    spec: UpcycleSpec,
+    seed: int,
+    *,
+    read_log: list[TensorRead] | None = None,
+) -> None:
+    """Storage on `device` for `module` (a meta model of `args`, or one of its pipeline stages,
+    parallelized or not), then its local blocks upcycled from `directory`. Ties are restored
+    after `to_empty`, which unties plain modules (FSDP2 keeps a tie itself)."""
+    module.to_empty(device=device)
+    module.tie_weights()
+    upcycle_into(module, directory, upcycler, args, spec, seed, read_log=read_log)
+
+
 def upcycle_model(
     directory: str | os.PathLike[str],
     upcycler: Upcycler,
@@ -163,15 +183,12 @@ def upcycle_model(
 
     The model is built on the meta device and handed to `parallelize` (expert parallelism,
     FSDP2, ...) before it has any storage, so each rank materialises and reads only its own
-    blocks. Tied embeddings stay one parameter (re-tied after `to_empty`, which unties plain
-    modules; FSDP2 keeps the tie itself).
+    blocks (`materialize_upcycled`).
     """
     args = upcycler.moe_args(dense_args, spec)
     with torch.device("meta"):
         model = build(args).to(dtype)
     if parallelize is not None:
         parallelize(model)
-    model.to_empty(device=device)
-    model.tie_weights()
-    upcycle_into(model, directory, upcycler, args, spec, seed, read_log=read_log)
+    materialize_upcycled(model, device, directory, upcycler, args, spec, seed, read_log=read_log)
     return model, args

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.checkpoint.safetensors_io import TensorRead
-from pipekit.checkpoint.upcycle import upcycle_into
+from pipekit.checkpoint.upcycle import materialize_upcycled
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.process_group import single_rank_mesh
 from pipekit.models.materialize import materialize_sharded
@@ -145,18 +145,19 @@ class _ModelSetup:
         dense checkpoint: experts copied from the FFN blocks, router drawn from the job seed."""
         if not self.allocate:
             return
-        module.to_empty(device=self.device)
-        module.tie_weights()  # FSDP2 keeps a tie through to_empty; a plain module does not
-        if not self.load_hf:
+        if not self.load_hf:  # a DCP checkpoint fills the storage
+            module.to_empty(device=self.device)
+            module.tie_weights()  # FSDP2 keeps a tie through to_empty; a plain module does not
             return
         job = self.job
         dense = job.dense_spec
         assert dense.upcycler is not None and job.upcycle is not None  # validated
         reads: list[TensorRead] = []
         path = job.config.checkpoint.initial_load_path
-        upcycle_into(
-            module, path, dense.upcycler, job.args, job.upcycle, job.config.job.seed, read_log=reads
-        )
+        materialize_upcycled(
+            module, self.device, path, dense.upcycler, job.args, job.upcycle,
+            job.config.job.seed, read_log=reads,
+        )  # fmt: skip
         owned, read = local_nbytes(module), sum(block.nbytes for block in reads)
         logger.info(
             "upcycled %s: read %.1f MiB for %.1f MiB of local parameters",
