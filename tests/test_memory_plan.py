@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipekit.bench import plan_accuracy
 from pipekit.config.loader import load_job_config
 from pipekit.models import get_model_spec
 from pipekit.plan.__main__ import main, parse_bytes
@@ -61,6 +62,39 @@ def test_activation_bytes_per_token_do_not_depend_on_the_probe_length() -> None:
     # a backward needs at least the gradient of the block's output and of its input
     assert short.backward_bytes == longer.backward_bytes >= 2 * args.dim * 4
     assert short.head_bytes_per_row == pytest.approx(longer.head_bytes_per_row, rel=1e-6)
+
+
+def test_moe_backward_bytes_are_those_of_the_fastest_growing_moment() -> None:
+    """An MoE block's backward allocates weight-sized gradient buffers: at a few tokens they
+    make the peak, at real lengths the per-token tensors do. The probe at 2 and 6 tokens must
+    give the per-token working set measured at 512 and 1024 tokens (the peak's own slope at
+    2 and 6 tokens is a quarter lower for this block)."""
+    moe = get_model_spec("llama_moe")
+    args = moe.flavor("debug")
+    short = profile_activations(moe, args, torch.float32, (2, 6))
+    long = profile_activations(moe, args, torch.float32, (512, 1024))
+    assert short.backward_bytes == long.backward_bytes
+    assert short.block_bytes == long.block_bytes
+
+
+def test_the_head_saves_its_float32_log_probabilities_not_its_logits() -> None:
+    llama = get_model_spec("llama")
+    args = llama.flavor("debug")
+    profile = profile_activations(llama, args, torch.float32)
+    saved_per_token = profile.head_saved_bytes_per_row * args.vocab_size
+    log_probabilities = 4 * args.vocab_size
+    assert log_probabilities <= saved_per_token < log_probabilities + 4 * args.dim * 2
+    assert profile.head_bytes_per_row > profile.head_saved_bytes_per_row
+
+
+def test_the_plan_is_within_ten_percent_of_measured_peaks(capsys) -> None:
+    """The planner against two ranks' measured peaks on the four debug configs (FSDP2, the
+    sliced pipeline, expert parallelism, an upcycled MoE): `python -m pipekit.bench
+    plan-accuracy`."""
+    plan_accuracy.main([])
+    result = capsys.readouterr().out.strip().splitlines()[-1]
+    error = float(result.removeprefix("RESULT plan_max_rel_err="))
+    assert error <= 0.10, result
 
 
 def test_a_plan_that_does_not_fit_is_refused_naming_the_term(capsys) -> None:

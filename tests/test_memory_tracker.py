@@ -1,4 +1,5 @@
-"""ActivationMemoryTracker against byte counts worked out by hand (float64: 8 bytes an element)."""
+"""ActivationMemoryTracker and PeakTensorMemory against byte counts worked out by hand (float64: 8
+bytes an element unless a test says otherwise)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.memory.tracker import (
     KV_CACHE,
     SAVED,
@@ -180,3 +182,23 @@ def test_report_format_and_rss():
     if sys.platform.startswith("linux"):
         assert report.rss_now_bytes is not None and report.rss_peak_bytes is not None
         assert report.rss_peak_bytes >= report.rss_now_bytes > 0
+
+
+def test_peak_tensor_memory_counts_allocations_not_views_of_outside_tensors():
+    """A weight's transposed view, a slice of a dataset and an in-place update of a gradient
+    allocate nothing; new results do, once per storage, until freed."""
+    weight, data = torch.randn(4, 8), torch.arange(100)
+    with PeakTensorMemory(timeline=True) as memory:
+        weight.t()
+        data[10:20]
+        weight.mul_(2.0)
+        x = torch.randn(3, 8)  # 96 bytes
+        y = x @ weight.t()  # 48 bytes
+        y.view(-1)
+        del x
+        z = torch.ones(2, 2)  # 16 bytes, after x is freed
+    assert memory.peak_bytes == 96 + 48
+    assert memory.current_bytes == 48 + 16
+    assert memory.timeline is not None and memory.timeline[-1] == 48 + 16
+    assert max(memory.timeline) == memory.peak_bytes
+    del y, z

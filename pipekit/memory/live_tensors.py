@@ -1,11 +1,15 @@
 """Peak bytes of the tensors a block of code allocates, counted by storage, on any device.
 
 `PeakTensorMemory` is a dispatch mode: every tensor an operator returns is looked at, and a
-storage not seen before is counted (views and in-place results share a storage and count once)
-until it is freed. The peak of that sum is what the block needed on top of what existed before
-it: on CPU, where no caching allocator keeps statistics, it is the figure that says how much
-activation and buffer memory a step takes. Tensors the block receives from outside (parameters,
-gradients that already exist) are not counted.
+storage not seen before is counted until it is freed. A result that shares a storage with one of
+the operator's inputs (a view, an in-place or `out=` result) is no allocation and counts once, if
+at all: when the storage was allocated inside the block it was counted then, and when it came
+from outside (a parameter and its transposed view, an existing gradient accumulated into, the
+dataset a batch is sliced from) it is not counted. The peak of that sum is what the block needed
+on top of what existed before it: on CPU, where no caching allocator keeps statistics, it is the
+figure that says how much activation and buffer memory a step takes. With `timeline=True` the
+live bytes after every operator are kept too (`timeline`), so two runs of the same code at two
+sizes can be compared moment by moment.
 """
 
 from __future__ import annotations
@@ -21,21 +25,31 @@ __all__ = ["PeakTensorMemory"]
 class PeakTensorMemory(TorchDispatchMode):
     """`with PeakTensorMemory() as memory: ...`; then `memory.peak_bytes`."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, timeline: bool = False) -> None:
         super().__init__()
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.timeline: list[int] | None = [] if timeline else None
+        """Live bytes after each operator (with `timeline=True`)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {
+            leaf.untyped_storage()._cdata
+            for leaf in tree_leaves((args, kwargs))
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"
+        }
         grew = False
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            allocated = isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"
+            if allocated and leaf.untyped_storage()._cdata not in inputs:
                 grew |= self._track(leaf)
-        if grew:
+        if grew or self.timeline is not None:
             self._release_freed()
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        if self.timeline is not None:
+            self.timeline.append(self.current_bytes)
         return out
 
     def _track(self, tensor: torch.Tensor) -> bool:

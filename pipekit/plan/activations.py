@@ -5,17 +5,22 @@ names and shapes are one kind) is run at the model's real width on two short seq
 compute dtype, on the CPU: the bytes autograd saves for its backward (`ActivationMemoryTracker`,
 by storage, weights excluded) grow linearly with the tokens (the attention kernels save q, k, v,
 the output and the log-sum-exp, never the score matrix), and the slope between the two lengths
-is the per-token cost at any length. The same slope of the peak over its forward and its
-backward to the input (`PeakTensorMemory`) gives what a block's backward adds. What does not
+is the per-token cost at any length. What a block's backward adds comes from its live bytes over
+its forward and its backward to the input (`PeakTensorMemory`), moment by moment: the largest
+slope of any moment. The peak's own slope would not do: at a few tokens the peak is the moment
+with the largest constant (an MoE backward's weight-sized gradient buffers), at real lengths the
+moment whose bytes grow fastest, and only the latter matters. What does not
 grow with the tokens (a RoPE table, a CPU kernel's packed copy of a weight) drops out. Large
 weights are a constant (their values change no tensor's size); small ones (routers) are random,
 so an MoE block routes as in training.
-The head (the blocks' successors and the output layer, with the loss) is measured over its
-forward and the backward to its input (`PeakTensorMemory`; its weight gradients are a term of
-their own): its logits, their float32 loss copy and their gradient are its peak. One block of
-a kind exists at a time, so probing a 70B-class model needs one block's weights in the compute
-dtype (about 1.7 GB) and the head's (about 2 GB), not the model's; it takes about a minute for
-an 8B model on 2 CPU cores (bf16 matrix products on a CPU without bf16 units are slow).
+The head (the blocks' successors and the output layer, with the loss) is measured the same two
+ways: what it saves for backward (the final norm's input, the loss's float32 log-probabilities)
+and its peak over its forward and the backward to its input (`PeakTensorMemory`; its weight
+gradients are a term of their own): its logits, their float32 loss copy and their gradient.
+One block of a kind exists at a time, so probing a 70B-class model needs one block's weights in
+the compute dtype (about 1.7 GB) and the head's (about 2 GB), not the model's; it takes about a
+minute for an 8B model on 2 CPU cores (bf16 matrix products on a CPU without bf16 units are
+slow).
 
 Legend: D model dim, V vocabulary.
 """
@@ -54,6 +59,9 @@ class ActivationProfile:
     gradients and their temporaries; weight gradients are a term of their own)."""
     head_bytes_per_row: float
     """Peak bytes of the head's forward and backward per token and per output row."""
+    head_saved_bytes_per_row: float
+    """Bytes the head (with the loss) saves for backward per token and per output row; the
+    logits themselves are not among them (the loss keeps its log-probabilities)."""
     input_bytes: int
     """Bytes of one token's hidden state (what a checkpointed block keeps)."""
     kv_bytes: dict[str, float]
@@ -82,11 +90,12 @@ def profile_activations(
             kinds[kind] = _probe_block(model, name, shape.dim, dtype, tokens, configure)
         block_bytes[name] = kinds[kind][0]
     kv = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
-    head = _probe_head(model, spec, shape.dim, shape.vocab_size, dtype, tokens)
+    head_saved, head_peak = _probe_head(model, spec, shape.dim, shape.vocab_size, dtype, tokens)
     return ActivationProfile(
         block_bytes=block_bytes,
         backward_bytes=max(working - saved for saved, working in kinds.values()),
-        head_bytes_per_row=head / shape.vocab_size,
+        head_bytes_per_row=head_peak / shape.vocab_size,
+        head_saved_bytes_per_row=head_saved / shape.vocab_size,
         input_bytes=shape.dim * dtype.itemsize,
         kv_bytes=dict.fromkeys(names, float(kv)),
     )
@@ -115,6 +124,21 @@ def _slope(measure, tokens: tuple[int, int]) -> float:
     return (measure(long) - measure(short)) / (long - short)
 
 
+def _largest_moment_slope(measure, tokens: tuple[int, int]) -> float:
+    """Bytes per token of the moment whose live bytes grow fastest between the two lengths
+    (`measure(length)` -> a `PeakTensorMemory` with a timeline); the peak's slope if the two
+    runs did not dispatch the same operators."""
+    short, long = tokens
+    for length in tokens:  # a first run at a length sets up caches: more operators
+        measure(length)
+    at_short, at_long = measure(short), measure(long)
+    assert at_short.timeline is not None and at_long.timeline is not None
+    if len(at_short.timeline) != len(at_long.timeline):
+        return (at_long.peak_bytes - at_short.peak_bytes) / (long - short)
+    growth = (b - a for a, b in zip(at_short.timeline, at_long.timeline, strict=True))
+    return max(growth) / (long - short)
+
+
 def _probe_block(
     model: nn.Module,
     name: str,
@@ -137,15 +161,16 @@ def _probe_block(
             block(hidden_BSD)
         return tracker.peak_bytes(SAVED)
 
-    def working_bytes(length: int) -> int:
-        with PeakTensorMemory() as memory:  # the input counts, as it does among the saved
+    def working_bytes(length: int) -> PeakTensorMemory:
+        # the input counts, as it does among the saved
+        with PeakTensorMemory(timeline=True) as memory:
             hidden_BSD = torch.randn(1, length, dim, dtype=dtype, requires_grad=True)
             block(hidden_BSD).backward(torch.ones(1, length, dim, dtype=dtype))
-        return memory.peak_bytes
+        return memory
 
     saved = _slope(saved_bytes, tokens)
     block.requires_grad_(False)
-    return saved, _slope(working_bytes, tokens)
+    return saved, _largest_moment_slope(working_bytes, tokens)
 
 
 def _probe_head(
@@ -155,11 +180,20 @@ def _probe_head(
     vocab: int,
     dtype: torch.dtype,
     tokens: tuple[int, int],
-) -> float:
+) -> tuple[float, float]:
+    """(bytes per token the head and loss save, their peak bytes per token over the forward
+    and the backward to the input)."""
     structure = spec.structure
     head = build_stage_module(model, [*structure.after_blocks, structure.output])
     _give_weights(head)
     head.requires_grad_(False)  # weight gradients are a term of their own, not activations
+
+    def saved_bytes(length: int) -> int:
+        hidden_BSD = torch.randn(1, length, dim, dtype=dtype, requires_grad=True)
+        labels_BS = torch.randint(0, vocab, (1, length))
+        with ActivationMemoryTracker(exclude=list(head.parameters())) as tracker:
+            token_sum_cross_entropy(head(hidden_BSD), labels_BS, length)
+        return tracker.peak_bytes(SAVED)
 
     def peak_bytes(length: int) -> int:
         hidden_BSD = torch.randn(1, length, dim, dtype=dtype, requires_grad=True)
@@ -169,4 +203,4 @@ def _probe_head(
             loss.backward()
         return memory.peak_bytes
 
-    return _slope(peak_bytes, tokens)
+    return _slope(saved_bytes, tokens), _slope(peak_bytes, tokens)

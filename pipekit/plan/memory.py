@@ -12,9 +12,12 @@ Terms per rank (bytes):
   micro-step's tokens (a checkpointed block keeps its input), one block's backward (its working
   set, after rebuilding its activations if it is checkpointed) and the head's logits and their
   gradient; with a pipeline, the units the schedule keeps in flight on the rank (simulated from
-  its action lists), each holding its stage's activations, K/V cache and received input for one
-  unit of tokens, plus one block's backward and one head pass for a unit, and under slicing the
-  K/V gradients the cache accumulates for the microbatch in backward.
+  its action lists), each holding, for one unit of tokens, its stage's activations (a stage's
+  first block keeps the received input), its K/V cache and its output until the unit's
+  backward (the hidden state sent on; on the last stage the logits, with what the head and the
+  loss save, unless the output layer is vocabulary-parallel, whose passes run forward and
+  backward at once), plus one block's backward and one head pass for a unit, and under slicing
+  the K/V gradients the cache accumulates for the microbatch in backward.
 
 Not counted yet (so the plan is low by what they take): expert parallelism's all-to-all
 buffers and the pipeline's gradient messages. The plan-accuracy bench measures the difference
@@ -169,6 +172,20 @@ def _step_activations(job: Job, layout: RankLayout, profile: ActivationProfile) 
     return (per_token + head) * tokens
 
 
+def _stage_output_bytes(
+    job: Job, stage: int, layout: RankLayout, profile: ActivationProfile, compute: torch.dtype
+) -> float:
+    """Per token, what a unit's forward leaves on the stage until its backward besides the
+    blocks' saved activations: the output it sent (kept for the backward's gradient); on a
+    last stage that computes its logits, those and what the head and the loss save."""
+    plan = job.pipeline
+    assert plan is not None
+    if stage < plan.num_stages - 1 or plan.vocab_parallel:
+        return job.shape.dim * compute.itemsize
+    rows = layout.output_rows
+    return rows * (compute.itemsize + profile.head_saved_bytes_per_row)
+
+
 def _pipeline_activations(
     job: Job, layout: RankLayout, profile: ActivationProfile, compute: torch.dtype
 ) -> float:
@@ -178,18 +195,19 @@ def _pipeline_activations(
     assert plan is not None
     unit_tokens = plan.unit_rows * plan.slice_length
     stages = max(len(layout.stages), 1)
-    per_unit = _block_bytes(job, layout.block_names, profile) * unit_tokens / stages
+    outputs = sum(_stage_output_bytes(job, s, layout, profile, compute) for s in layout.stages)
+    per_unit = (_block_bytes(job, layout.block_names, profile) + outputs) * unit_tokens / stages
     kv = sum(profile.kv_bytes[name] for name in layout.block_names) * unit_tokens / stages
     if plan.num_slices == 1:
         kv = 0.0  # no cache: K/V are among the saved activations
-    boundary = plan.unit_rows * job.config.training.seq_len * job.shape.dim * compute.itemsize
     scale = plan.num_stages * plan.num_slices
-    cost = CostModel(
-        activation_bytes=per_unit * scale, kv_cache_bytes=kv * scale, boundary_bytes=boundary
-    )
+    cost = CostModel(activation_bytes=per_unit * scale, kv_cache_bytes=kv * scale)
     result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
     in_flight = result.peak_memory[layout.pipeline_rank]["total"]
-    head = profile.head_bytes_per_row * layout.output_rows * unit_tokens
+    head_pass = profile.head_bytes_per_row
+    if not plan.vocab_parallel:  # what the head saved is held with the unit (above)
+        head_pass -= profile.head_saved_bytes_per_row
+    head = head_pass * layout.output_rows * unit_tokens
     backward = _backward_bytes(job, layout.block_names, profile) * unit_tokens
     # the KV cache's gradient accumulators: later slices' backwards leave dK/dV on the cached
     # slices of the microbatch in backward, up to the whole microbatch's K/V
