@@ -29,10 +29,8 @@ from pipekit.models.materialize import seeded_materializer
 from pipekit.models.spec import ModelSpec
 from pipekit.moe.aux_loss import aux_loss_scale
 from pipekit.moe.expert_parallel import (
-    all_reduce_replicated_expert_grads,
     apply_expert_parallel,
     expert_mesh,
-    expert_parameters,
 )
 from pipekit.pipelining import (
     PipelineVocabParallel,
@@ -110,21 +108,19 @@ def data_parallel_model(
     dp_replicate: int = 1,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
-) -> tuple[nn.Module, dist.ProcessGroup | None]:
+) -> nn.Module:
     """This rank's FSDP2 (HSDP, + expert-parallel) model, parallelized on the meta device and
-    then materialised shard by shard from `seed`; and the expert replicas' group, if any."""
+    then materialised shard by shard from `seed`."""
     config = ParallelismConfig(dp_replicate=dp_replicate, dp_shard=world // dp_replicate, ep=ep)
     dims = ParallelDims.from_config(config, world)
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
         model = spec.build(args).to(dtype)
-    ignored = None
-    replicas = None
+    experts_mesh = None
     if ep > 1:
         experts = expert_mesh("cpu", world, ep)
         apply_expert_parallel(model, experts["ep"])
-        ignored = expert_parameters(model)
-        replicas = experts["ep_replicate"].get_group() if world > ep else None
+        experts_mesh = experts["ep_replicate"]
     apply_data_parallel(
         model,
         mesh,
@@ -132,10 +128,10 @@ def data_parallel_model(
         blocks=spec.structure.blocks_of(model),
         param_dtype=dtype,
         reduce_dtype=dtype,
-        ignored_params=ignored,
+        experts_mesh=experts_mesh,
     )
     seeded_materializer("cpu", seed)(model)
-    return model, replicas
+    return model
 
 
 def data_parallel_step(
@@ -152,9 +148,9 @@ def data_parallel_step(
     adjust: Callable[[nn.Module], None] | None = None,
 ) -> Result:
     """FSDP2 over all ranks (HSDP with `dp_replicate` replicas; experts sharded over `ep` of
-    them, FSDP leaving them alone), each rank its share of the rows; the full gradients,
+    them and by FSDP2 over the ep groups), each rank its share of the rows; the full gradients,
     gathered. `adjust` sees the parallelized model before the step (ablations)."""
-    model, replicas = data_parallel_model(
+    model = data_parallel_model(
         world, spec, args, ep=ep, dp_replicate=dp_replicate, seed=seed, dtype=dtype
     )
     if adjust is not None:
@@ -165,8 +161,6 @@ def data_parallel_step(
         logits = model(part["tokens"], part["positions"], CausalAttention(part["document_ids"]))
     loss = token_sum_cross_entropy(logits, part["labels"], count_label_tokens(batch["labels"]))
     loss.backward()
-    if replicas is not None:
-        all_reduce_replicated_expert_grads(model, replicas)
     total = loss.detach().clone()
     dist.all_reduce(total)
     grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
@@ -231,21 +225,21 @@ def pipeline_layout(
     mesh = dims.build_mesh("cpu")
     rows, length = batch_shape
     plan = plan_pipeline(config, spec.structure, spec.shape(args), rows // dp_shard, length)
-    ep_mesh = expert_mesh("cpu", dp_shard, ep, pipeline_ranks=dims.pp)["ep"] if ep > 1 else None
+    experts = expert_mesh("cpu", dp_shard, ep, pipeline_ranks=dims.pp) if ep > 1 else None
 
     precision = {"param_dtype": compute_dtype or dtype, "reduce_dtype": dtype}
     if compute_dtype is not None and dp_shard == 1:
         precision["precision_mesh"] = single_rank_mesh("cpu")
 
     def parallelize(module: nn.Module) -> None:
-        if ep_mesh is not None:
-            apply_expert_parallel(module, ep_mesh)
+        if experts is not None:
+            apply_expert_parallel(module, experts["ep"])
         apply_data_parallel(
             module,
             mesh,
             dims,
             blocks=spec.structure.blocks_of(module),
-            ignored_params=expert_parameters(module) if ep_mesh is not None else None,
+            experts_mesh=None if experts is None else experts["ep_replicate"],
             **precision,
         )
 

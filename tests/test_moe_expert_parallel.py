@@ -8,8 +8,14 @@ import pytest
 import torch
 from distributed_helpers import run_on_ranks
 from moe_reference import DIM, EXPERTS, reference_moe_forward, small_moe
+from parity import data_parallel_model
+from tiny_models import TINY_LLAMA
 from torch.distributed.device_mesh import init_device_mesh
 
+from models.llama_moe.args import LlamaMoEArgs
+from pipekit.models import get_model_spec
+from pipekit.models.materialize import local_tensor
+from pipekit.moe import MoEArgs
 from pipekit.moe import dispatch_plan as dispatch_plan_module
 from pipekit.moe.dispatch_plan import plan_partitions
 from pipekit.moe.expert_parallel import apply_expert_parallel
@@ -160,3 +166,19 @@ def test_dispatch_then_combine_is_the_identity(paced: bool) -> None:
     assert sum(r["received_rows"] for r in results) > 0
     if paced:  # the emulated link holds each transfer for at least its paced duration
         assert all(r["elapsed"] >= r["paced_floor"] for r in results)
+
+
+def _parameter_shares(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
+    args = LlamaMoEArgs(**vars(TINY_LLAMA), moe=MoEArgs(num_experts=4, top_k=2))
+    model = data_parallel_model(world_size, get_model_spec("llama_moe"), args, ep=2)
+    return {name: (local_tensor(p).numel(), p.numel()) for name, p in model.named_parameters()}
+
+
+def test_experts_are_sharded_over_the_ep_groups_that_hold_them() -> None:
+    """4 ranks, ep = 2: the two ep groups hold the same experts, and FSDP2 splits each rank's
+    experts again over them, so every rank holds a quarter of every expert tensor, as of
+    every dense one (replicated experts would be half)."""
+    for shares in run_on_ranks(_parameter_shares, 4):
+        assert any(".experts." in name for name in shares)
+        for name, (local, total) in shares.items():
+            assert local * 4 == total, (name, local, total)

@@ -390,9 +390,10 @@ def test_expert_parallel_moe_job_matches_fsdp_experts_and_resumes(tmp_path: Path
     assert resumed[4] == pytest.approx(expert_parallel[4], rel=1e-5)
 
 
-def test_expert_groups_replicated_over_data_ranks_match_fsdp_experts(tmp_path: Path) -> None:
-    """4 ranks, ep = 2: two ep groups each hold all 8 experts and sum their expert gradients
-    (ep_replicate); the losses equal those of the experts under FSDP over the 4 ranks."""
+def test_experts_sharded_over_ep_and_ep_groups_match_fsdp_experts(tmp_path: Path) -> None:
+    """4 ranks, ep = 2: two ep groups each hold all 8 experts, FSDP2 shards them over the two
+    groups (ep_replicate) and reduce-scatters their gradients there; the losses equal those of
+    the experts under FSDP over the 4 ranks."""
     short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.enable", "false")
     replicated = _train(tmp_path / "ep2", *short, nproc=4, config=MOE_CONFIG)
     fsdp = _train(tmp_path / "ep1", *short, "--parallelism.ep", "1", nproc=4, config=MOE_CONFIG)

@@ -66,14 +66,14 @@ def _ep_fsdp_run(
         )
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, world_size=world_size)
     mesh = dims.build_mesh("cpu")
-    ep_mesh = expert_mesh("cpu", 2, 2)["ep"]
+    experts = expert_mesh("cpu", 2, 2)
 
     def parallelize(model: nn.Module) -> None:
-        apply_expert_parallel(model, ep_mesh)
-        experts = {p for name, p in model.named_parameters() if ".experts." in name}
+        apply_expert_parallel(model, experts["ep"])
         apply_data_parallel(
-            model, mesh, dims, param_dtype=dtype, reduce_dtype=dtype, ignored_params=experts
-        )
+            model, mesh, dims, param_dtype=dtype, reduce_dtype=dtype,
+            experts_mesh=experts["ep_replicate"],
+        )  # fmt: skip
 
     return _upcycle_on_rank(
         directory, UpcycleSpec(4, 2, granularity, router=router), dtype, parallelize

@@ -182,14 +182,14 @@ def _parallelizer(num_ranks: int, dtype: torch.dtype):
         dp_replicate=1, dp_shard=num_ranks, cp=1, tp=1, pp=1, ep=num_ranks, world_size=num_ranks
     )
     mesh = dims.build_mesh("cpu")
-    ep_mesh = expert_mesh("cpu", num_ranks, num_ranks)["ep"]
+    experts = expert_mesh("cpu", num_ranks, num_ranks)
 
     def parallelize(model: nn.Module) -> None:
-        apply_expert_parallel(model, ep_mesh)
-        experts = {param for name, param in model.named_parameters() if ".experts." in name}
+        apply_expert_parallel(model, experts["ep"])
         apply_data_parallel(
-            model, mesh, dims, param_dtype=dtype, reduce_dtype=dtype, ignored_params=experts
-        )
+            model, mesh, dims, param_dtype=dtype, reduce_dtype=dtype,
+            experts_mesh=experts["ep_replicate"],
+        )  # fmt: skip
 
     return parallelize
 

@@ -8,6 +8,13 @@ per-rank mean loss: with uneven token counts (padding, packed documents, ignored
 of means weights tokens unequally, while sum / global count is exactly the single-process loss.
 Reducing with a plain SUM (divide factor 1, sum-only collectives) also works on gloo, which
 supports neither AVG nor PREMUL_SUM.
+
+Experts under expert parallelism are their own FSDP2 units on a mesh of their own: the `ep`
+ranks already split the experts, so each expert tensor is sharded further only over the ep
+groups that hold the same experts (`ep_replicate`), FSDP2 composing with the `ep` placement as it
+does with tensor parallelism. It shards the experts' second dim (`Shard(1)`: hidden rows of the
+gate and up projections, model-dim rows of the down projection), so a rank's block of an expert
+tensor stays one rectangle of whole experts.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from pipekit._torch_private import concatenate_meshes, fsdp_replicate
 from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.moe.layer import MoE
 
 __all__ = ["apply_data_parallel", "data_parallel_mesh"]
 
@@ -57,7 +66,7 @@ def apply_data_parallel(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     sum_gradients: bool = True,
-    ignored_params: set[nn.Parameter] | None = None,
+    experts_mesh: DeviceMesh | None = None,
     precision_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Wrap each of `blocks` (the model's transformer blocks, `ModelStructure.blocks_of`) and
@@ -68,8 +77,9 @@ def apply_data_parallel(
     > 1; unchanged without data parallelism. Tied weights (the output's weight is the
     embedding's) sit in the root's group, so they stay one parameter.
     `sum_gradients=False` keeps FSDP's mean reduction, for losses normalised per rank (see the
-    module docstring). `ignored_params` stay as they are (experts already sharded over all
-    data-parallel ranks by expert parallelism). Without data parallelism, a `precision_mesh`
+    module docstring). Under expert parallelism `experts_mesh` is the expert mesh's
+    `ep_replicate` dim: every MoE layer's experts (sharded over `ep` already) become a unit
+    sharded over it (see the module docstring). Without data parallelism, a `precision_mesh`
     (`single_rank_mesh`) still gives the model FSDP2's mixed precision when `param_dtype` is not
     float32: a pipeline stage then computes and sends in `param_dtype` as it would with FSDP.
     Returns `model`, now of an FSDP subclass.
@@ -81,26 +91,23 @@ def apply_data_parallel(
     if dp_mesh is None:
         return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    resharding = reshard_after_forward
+    if experts_mesh is not None:
+        for module in model.modules():
+            if isinstance(module, MoE):
+                fully_shard(
+                    module.experts,
+                    mesh=experts_mesh,
+                    mp_policy=mp_policy,
+                    reshard_after_forward=resharding,
+                    shard_placement_fn=lambda _: Shard(1),
+                )
     if parallel_dims.fsdp_enabled or precision_only:
-        for block in blocks:
-            fully_shard(
-                block,
-                mesh=dp_mesh,
-                mp_policy=mp_policy,
-                reshard_after_forward=reshard_after_forward,
-                ignored_params=ignored_params,
-            )
-        fully_shard(
-            model,
-            mesh=dp_mesh,
-            mp_policy=mp_policy,
-            reshard_after_forward=reshard_after_forward,
-            ignored_params=ignored_params,
-        )
+        for unit in [*blocks, model]:
+            fully_shard(unit, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=resharding)
     else:
-        for block in blocks:
-            fsdp_replicate(block, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
-        fsdp_replicate(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
+        for unit in [*blocks, model]:
+            fsdp_replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)
     if sum_gradients:
         for module in model.modules():
             if isinstance(module, FSDPModule):

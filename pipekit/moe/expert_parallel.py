@@ -4,22 +4,19 @@
 its three expert weights become DTensors sharded on the expert dim over the 1-D `ep_mesh`
 (rank r keeps experts [r E/ep, (r+1) E/ep)), and its `ExpertExecution` becomes the pipelined
 all-to-all over that mesh's group. The layer's router stays replicated: FSDP treats it like any
-dense weight. Call it on a materialised model whose ranks hold the same full weights (the
-trainer's seeded init does), before data parallelism; pass `expert_parameters(model)` to FSDP
-as ignored parameters, since every expert already lives on exactly one rank of the ep group.
+dense weight. Call it before data parallelism, on the meta device (then each rank materialises
+only its experts) or on a materialised model whose ranks hold the same full weights.
 
-Gradients need no extra reduction when the ep group spans all data-parallel ranks: the
-all-to-all's backward already brings each expert the gradient of every rank's tokens. With fewer
-ep ranks than data ranks, each ep group holds all experts and the groups are replicas of each
-other (`expert_mesh`: dims `ep_replicate` x `ep`); `all_reduce_replicated_expert_grads` then sums
-expert gradients over `ep_replicate` after the backward, as data parallelism does for replicated
-weights.
+The all-to-all's backward brings each expert the gradient of every token its ep group routed
+to it. With fewer ep ranks than data ranks, each ep group holds all experts and the groups hold
+the same experts (`expert_mesh`: dims `ep_replicate` x `ep`, EP borrowing from the data ranks):
+data parallelism then shards every expert tensor over `ep_replicate` too and reduce-scatters its
+gradients there (`apply_data_parallel(..., experts_mesh=mesh["ep_replicate"])`), so no rank holds
+more than 1 / (ep x ep_replicate) of the experts.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -29,7 +26,6 @@ from pipekit.moe.layer import MoE, MoEArgs
 from pipekit.moe.token_exchange import CollectiveExchange, TokenExchange
 
 __all__ = [
-    "all_reduce_replicated_expert_grads",
     "apply_expert_parallel",
     "check_expert_parallel",
     "expert_mesh",
@@ -105,17 +101,13 @@ def set_expert_execution(
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The expert weights of every MoE layer (FSDP must leave them alone under EP)."""
-    return set(_experts_in_order(model))
-
-
-def _experts_in_order(model: nn.Module) -> list[nn.Parameter]:
-    return [
+    """The expert weights of every MoE layer."""
+    return {
         param
         for module in model.modules()
         if isinstance(module, MoE)
         for param in module.experts.parameters()
-    ]
+    }
 
 
 def expert_mesh(
@@ -137,16 +129,3 @@ def expert_mesh(
         device_type, (pipeline_ranks, *shape), mesh_dim_names=("ep_pp", "ep_replicate", "ep")
     )
     return world["ep_replicate", "ep"]
-
-
-@torch.no_grad()
-def all_reduce_replicated_expert_grads(
-    model: nn.Module, replicate_group: dist.ProcessGroup
-) -> None:
-    """Sum each expert gradient over the ep groups that hold the same experts (call after the
-    step's last backward). Module order, so every rank reduces the same tensor at once."""
-    for param in _experts_in_order(model):
-        if param.grad is not None:
-            grad = param.grad
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            dist.all_reduce(local, group=replicate_group)

@@ -3,7 +3,9 @@
 `GroupedExperts` holds E experts as three stacked weights in Hugging Face's per-expert layout
 (`w1_EFD`, `w3_EFD` gate/up `[F, D]`, `w2_EDF` down `[D, F]`), so expert e is exactly a Llama
 FFN and upcycling copies tensors without transposes. Under expert parallelism the weights are
-DTensors sharded on dim 0 over the `ep` mesh and each rank computes with its local experts.
+DTensors sharded on dim 0 over the `ep` mesh and each rank computes with its local experts. The
+module's forward runs the layer's expert execution on them, so FSDP2 can shard the experts
+further (over the ep groups holding the same experts) and gather them around that call.
 
 The backward is written by hand (`swiglu_backward`) rather than left to autograd because the
 pipelined MoE (`pipekit.moe.pipelined`) runs it per token partition with activations it
@@ -15,6 +17,7 @@ Legend: A assignments (rows grouped by expert), E experts, D model dim, F expert
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,10 @@ from torch.distributed.tensor import DTensor
 
 from pipekit.layers.init import trunc_normal_
 from pipekit.moe.grouped_mm import grouped_matmul, grouped_weight_grad
+
+if TYPE_CHECKING:
+    from pipekit.moe.execution import ExpertExecution
+    from pipekit.moe.routing import Routing
 
 __all__ = ["ExpertGrads", "GroupedExperts", "swiglu_backward", "swiglu_middle", "swiglu_output"]
 
@@ -46,6 +53,11 @@ class GroupedExperts(nn.Module):
             (self.w2_EDF, output_std),
         ):
             trunc_normal_(weight, std)
+
+    def forward(self, x_TD: Tensor, routing: Routing, execution: ExpertExecution) -> Tensor:
+        """The routed tokens through their experts, by `execution` (one rank, or the
+        all-to-all over the ep group), combined per token."""
+        return execution.run(x_TD, routing, self.local_weights())
 
     def local_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         """(w1, w3, w2) of the experts this rank computes: the local shards of DTensors."""

@@ -78,7 +78,7 @@ class MoE(nn.Module):
     def forward(self, x_BSD: Tensor) -> Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routing = self.router(x_TD)
-        out_TD = self.execution.run(x_TD, routing, self.experts.local_weights())
+        out_TD = self.experts(x_TD, routing, self.execution)
         if self.training:
             aux_loss = balance_loss(
                 routing,

@@ -25,7 +25,6 @@ from torch.distributed.tensor import DTensor
 
 from pipekit._torch_private import simulated_rank
 from pipekit.models.materialize import local_tensor
-from pipekit.moe.expert_parallel import expert_parameters
 from pipekit.train.job import Job
 from pipekit.train.model_setup import build_job_model
 
@@ -137,26 +136,27 @@ def _measure(job: Job, rank: int, built) -> RankLayout:
         stages=stages,
         param_numel=sum(t.numel() for t in local),
         param_bytes=sum(t.numel() * t.element_size() for t in local),
-        largest_unit_numel=_largest_fsdp_unit(model, expert_parallel=job.config.parallelism.ep > 1),
+        largest_unit_numel=_largest_fsdp_unit(model),
         block_names=blocks,
         output_rows=_output_rows(model, structure.output),
     )
 
 
-def _largest_fsdp_unit(model: nn.Module, *, expert_parallel: bool) -> int:
-    """Global elements of the largest FSDP2 unit: the parameters each FSDP module manages
-    (those not under a nested FSDP module; with expert parallelism FSDP2 leaves the experts
-    alone, so they are never gathered)."""
+def _largest_fsdp_unit(model: nn.Module) -> int:
+    """Elements of the largest FSDP2 unit as FSDP2 gathers it: the parameters each FSDP module
+    manages (those not under a nested FSDP module), unsharded over FSDP's mesh dims but not
+    over the `ep` dim that shards experts too (their unit gathers one ep rank's experts)."""
     units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     if not units:
         return 0
-    ignored = {id(param) for param in expert_parameters(model)} if expert_parallel else set()
     sizes = dict.fromkeys(units, 0)
     for name, param in model.named_parameters():
-        if not isinstance(param, DTensor) or id(param) in ignored:
+        if not isinstance(param, DTensor):
             continue
         owner = max((unit for unit in units if unit == "" or name.startswith(f"{unit}.")), key=len)
-        sizes[owner] += param.numel()
+        dims = list(param.device_mesh.mesh_dim_names or ())
+        ep = param.device_mesh.size(dims.index("ep")) if "ep" in dims else 1
+        sizes[owner] += param.numel() // ep
     return max(sizes.values())
 
 

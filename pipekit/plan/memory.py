@@ -20,10 +20,11 @@ Terms per rank (bytes):
   the K/V gradients the cache accumulates for the microbatch in backward.
 
 Not counted yet (so the plan is low by what they take): expert parallelism's all-to-all
-buffers and the pipeline's gradient messages. The plan-accuracy bench measures the difference
-on the debug configs;
+buffers and the pipeline's gradient messages; routing is assumed even over the expert ranks.
+The plan-accuracy bench measures the difference on the debug configs;
 - buffers: FSDP2's unsharded parameters of the largest unit, twice (the unit in use and the
-  one prefetched) in the compute dtype, and its unsharded gradients in the reduce dtype.
+  one prefetched) in the compute dtype, and its unsharded gradients in the reduce dtype (under
+  expert parallelism without the experts, which FSDP2 leaves sharded).
 
 Peak: parameters + optimizer + the larger of (activations + buffers) and (gradients + the
 optimizer step's temporaries, one parameter-sized list for foreach AdamW). Gradients add to the

@@ -30,7 +30,6 @@ from pipekit.models.materialize import materialize_sharded
 from pipekit.moe.expert_parallel import (
     apply_expert_parallel,
     expert_mesh,
-    expert_parameters,
     set_expert_execution,
 )
 from pipekit.pipelining.build import StageSetup, build_pipeline
@@ -52,8 +51,6 @@ class JobModel:
     model: nn.Module
     """The whole model, or this rank's stages' modules under the whole model's names."""
     pipeline: PipelineRunner | None
-    expert_mesh: DeviceMesh | None
-    """`ep_replicate x ep` over the data ranks, under expert parallelism."""
 
 
 def build_job_model(
@@ -74,13 +71,13 @@ def build_job_model(
         assert mesh is not None  # pipelines have ranks
         runner = build_pipeline(job.pipeline, model, mesh, setup.stage_setup())
         assert runner.model is not None
-        return JobModel(runner.model, runner, setup.expert_mesh)
+        return JobModel(runner.model, runner)
     setup.parallelize(model)
     if job.upcycle is not None:
         setup.materialize_upcycled(model)
     else:
         setup.materialize(model)
-    return JobModel(model, None, setup.expert_mesh)
+    return JobModel(model, None)
 
 
 class _ModelSetup:
@@ -187,7 +184,7 @@ class _ModelSetup:
                 self.mesh,
                 job.dims,
                 blocks=blocks,
-                ignored_params=expert_parameters(module) if self.expert_mesh else None,
+                experts_mesh=None if self.expert_mesh is None else self.expert_mesh["ep_replicate"],
                 **self.precision,
             )
 

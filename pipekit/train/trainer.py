@@ -31,7 +31,6 @@ from pipekit.checkpoint.dcp import (
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.layers.loss import count_label_tokens, token_sum_cross_entropy
 from pipekit.moe.aux_loss import aux_loss_scale
-from pipekit.moe.expert_parallel import all_reduce_replicated_expert_grads
 from pipekit.pipelining.tools.trace import record_pipeline_step
 from pipekit.train.data import build_data_loader
 from pipekit.train.job import Job
@@ -76,7 +75,6 @@ class Trainer:
         torch.manual_seed(config.job.seed)
         built = build_job_model(job, self.mesh, self.device, load_hf=resume_step is None)
         self.model, self.pipeline = built.model, built.pipeline
-        self._expert_mesh = built.expert_mesh
         self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.training.steps, config.lr_scheduler
@@ -161,9 +159,6 @@ class Trainer:
                     loss = self._forward_backward(batch, global_tokens)
                 if loss is not None:  # pipelined: only the rank with the last stage has a loss
                     loss_sum += loss.detach()
-        if self._expert_mesh is not None and self._expert_mesh["ep_replicate"].size() > 1:
-            replicas = self._expert_mesh["ep_replicate"].get_group()
-            all_reduce_replicated_expert_grads(self.model, replicas)
         global_loss = float(self._all_reduce_sum(loss_sum))
         if not math.isfinite(global_loss):
             raise NonFiniteLossError(
