@@ -40,7 +40,6 @@ __all__ = [
     "RouterInit",
     "check_dense_checkpoint",
     "materialize_upcycled",
-    "upcycle_into",
     "upcycle_model",
 ]
 
@@ -128,24 +127,6 @@ def check_dense_checkpoint(
         upcycler.check_dense(checkpoint, dense_args)
 
 
-def upcycle_into(
-    model: nn.Module,
-    directory: str | os.PathLike[str],
-    upcycler: Upcycler,
-    args: Any,
-    spec: UpcycleSpec,
-    seed: int,
-    *,
-    read_log: list[TensorRead] | None = None,
-) -> None:
-    """Online upcycling: fill the local blocks of `model` (built from `args`, parallelized or
-    not, materialised) from the dense checkpoint in `directory`. Blocks read are appended to
-    `read_log` when given."""
-    with SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
-        sources = upcycler.sources(checkpoint, args, spec, seed)
-        load_local_blocks(model, read_from_sources(sources))
-
-
 def materialize_upcycled(
     module: nn.Module,
     device: torch.device | str,
@@ -157,12 +138,15 @@ def materialize_upcycled(
     *,
     read_log: list[TensorRead] | None = None,
 ) -> None:
-    """Storage on `device` for `module` (a meta model of `args`, or one of its pipeline stages,
-    parallelized or not), then its local blocks upcycled from `directory`. Ties are restored
-    after `to_empty`, which unties plain modules (FSDP2 keeps a tie itself)."""
+    """Online upcycling: storage on `device` for `module` (a meta model of `args`, or one of
+    its pipeline stages, parallelized or not), then its local blocks filled from the dense
+    checkpoint in `directory`; blocks read are appended to `read_log` when given. Ties are
+    restored after `to_empty`, which unties plain modules (FSDP2 keeps a tie itself)."""
     module.to_empty(device=device)
     module.tie_weights()
-    upcycle_into(module, directory, upcycler, args, spec, seed, read_log=read_log)
+    with SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
+        sources = upcycler.sources(checkpoint, args, spec, seed)
+        load_local_blocks(module, read_from_sources(sources))
 
 
 def upcycle_model(
