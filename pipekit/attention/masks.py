@@ -30,6 +30,7 @@ __all__ = [
     "offset_causal_mask",
     "or_masks",
     "sliding_window_mask",
+    "token_order_mask",
 ]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -131,3 +132,26 @@ def causal_within_documents(document_ids_BS: Tensor | None) -> MaskMod:
 def documents_or_all(q_docs_BS: Tensor | None, kv_docs_BK: Tensor | None) -> MaskMod | None:
     """A query block against an earlier KV chunk: within documents if ids are given, else all."""
     return None if q_docs_BS is None else document_mask(q_docs_BS, kv_docs_BK)
+
+
+def token_order_mask(
+    q_tokens_S: Tensor,
+    kv_tokens_K: Tensor,
+    q_document_ids_BS: Tensor | None = None,
+    kv_document_ids_BK: Tensor | None = None,
+) -> MaskMod:
+    """Causal attention between blocks whose tokens are not contiguous: a query attends to a key
+    whose index in the sequence is not later (`q_tokens_S`, `kv_tokens_K`: each row's index),
+    within its document if ids are given. Context parallelism's load-balanced shards need it."""
+    if q_tokens_S.dim() != 1 or kv_tokens_K.dim() != 1:
+        raise ValueError(
+            "token_order_mask expects 1-D token-index tensors, got shapes "
+            f"{tuple(q_tokens_S.shape)} and {tuple(kv_tokens_K.shape)}"
+        )
+
+    def not_later(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return q_tokens_S[q_idx] >= kv_tokens_K[kv_idx]
+
+    if q_document_ids_BS is None or kv_document_ids_BK is None:
+        return not_later
+    return and_masks(not_later, document_mask(q_document_ids_BS, kv_document_ids_BK))

@@ -1,0 +1,285 @@
+"""Context parallelism on the (out, lse) primitive: load-balanced shards, KV all-gather, and
+SlimPipe's commutated context parallelism for a chunked KV cache.
+
+A sequence is split over `cp` ranks in 2·cp equal pieces, rank r holding pieces r and
+2·cp-1-r (`load_balanced_indices`): under a causal mask an early piece has little to attend to
+and a late one much, so the pairs give every rank the same work. Queries and keys then hold
+tokens that are not contiguous, and masks compare the tokens' indices in the sequence
+(`token_order_mask`), within packed documents when ids are given. Both variants below work with
+every attention backend: the `cpu` kernel, and FlexAttention through `ring_backend`.
+
+- `all_gather_context_attention` moves keys and values: every rank gathers all ranks' K/V
+  and attends its queries to them, one chunk per source rank; in backward, each source's dK/dV
+  goes back to it (an all-to-all, then a sum). Per layer and rank it moves (cp-1)/cp of the
+  sequence's K/V.
+- `commutated_context_attention` (SlimPipe, "Commutated Context Parallelism") moves queries:
+  each rank keeps its part of the K/V cache at home. A new slice's local queries go to every
+  peer; each computes the partial attention of all ranks' queries against its own cached
+  chunks and sends back the output and the log-sum-exp, which the owner merges. In backward the
+  output gradient (with the merged output and lse) goes out, each peer runs its chunks' kernel
+  backward with them (the ring identity) and sends the query gradient back, while dK/dV stay
+  where the cache is. Per slice the traffic does not grow with the cache.
+
+Under the sliced schedule, KV passing would send the whole cache again for every later slice;
+with grouped-query attention, though, queries and outputs can be larger than K/V
+(`context_parallel_bytes`), so `choose_context_parallel` picks, per slice, the variant that
+moves fewer bytes.
+
+Legend: B batch, H query heads, G kv heads, S local queries, K keys, D head dim, C cp ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipekit.attention.backends import AttentionBackend, RingBackend, ring_backend, select_backend
+from pipekit.attention.chunked import KVChunk, attention_over_chunks
+from pipekit.attention.masks import token_order_mask
+from pipekit.attention.merge import merge_attention
+
+__all__ = [
+    "CachedShard",
+    "TokenShard",
+    "all_gather_context_attention",
+    "choose_context_parallel",
+    "commutated_context_attention",
+    "context_parallel_bytes",
+    "load_balanced_indices",
+]
+
+
+def load_balanced_indices(length: int, cp: int, start: int = 0) -> Tensor:
+    """`[cp, length // cp]`: the sequence indices rank r holds of the tokens
+    `[start, start + length)`, cut into 2·cp equal pieces: pieces r and 2·cp-1-r."""
+    if cp < 1 or length % (2 * cp):
+        raise ValueError(
+            f"context parallelism over cp={cp} ranks cuts each sequence (or slice) into 2 x cp "
+            f"= {2 * cp} equal pieces; length {length} is not a multiple of {2 * cp}: choose "
+            "seq_len divisible by 2 x cp x num_slices"
+        )
+    pieces = torch.arange(start, start + length).view(2 * cp, -1)
+    return torch.stack([torch.cat([pieces[rank], pieces[2 * cp - 1 - rank]]) for rank in range(cp)])
+
+
+@dataclass(frozen=True)
+class TokenShard:
+    """Which tokens of the sequence a rank's block holds: their indices (one per row of the
+    block, the same for every batch row) and, for packed documents, their document ids."""
+
+    tokens_S: Tensor
+    document_ids_BS: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class CachedShard:
+    """One chunk of a rank's KV cache: keys, values and the tokens they belong to."""
+
+    k_BGKD: Tensor
+    v_BGKD: Tensor
+    shard: TokenShard
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None) -> list[Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(_group_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def _exchange(parts: Sequence[Tensor], group: dist.ProcessGroup | None) -> list[Tensor]:
+    """All-to-all of equally shaped tensors: `parts[r]` goes to rank r; returns what each rank
+    sent here, by source."""
+    send = torch.stack([part.contiguous() for part in parts])
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return list(received.unbind(0))
+
+
+def _gather_shards(shard: TokenShard, group: dist.ProcessGroup | None) -> list[TokenShard]:
+    tokens = _all_gather(shard.tokens_S, group)
+    if shard.document_ids_BS is None:
+        return [TokenShard(t) for t in tokens]
+    documents = _all_gather(shard.document_ids_BS, group)
+    return [TokenShard(t, d) for t, d in zip(tokens, documents, strict=True)]
+
+
+def _mask(q: TokenShard, kv: TokenShard):
+    return token_order_mask(q.tokens_S, kv.tokens_S, q.document_ids_BS, kv.document_ids_BS)
+
+
+class _GatherKV(torch.autograd.Function):
+    """All ranks' K and V; in backward each source's gradients return to it and are summed."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup | None, k_BGKD: Tensor, v_BGKD: Tensor):
+        ctx.group = group
+        return (*_all_gather(k_BGKD, group), *_all_gather(v_BGKD, group))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        ranks = len(grads) // 2
+        zeros = [torch.zeros_like(g) if g is None else g for g in grads]
+        grad_k = torch.stack(_exchange(zeros[:ranks], ctx.group)).sum(0)
+        grad_v = torch.stack(_exchange(zeros[ranks:], ctx.group)).sum(0)
+        return None, grad_k, grad_v
+
+
+def all_gather_context_attention(
+    q_BHSD: Tensor,
+    k_BGSD: Tensor,
+    v_BGSD: Tensor,
+    shard: TokenShard,
+    group: dist.ProcessGroup | None = None,
+    *,
+    scale: float | None = None,
+    backend: str | AttentionBackend = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Causal attention of this rank's queries over every rank's keys (KV passing by
+    all-gather): `(out_BHSD, lse_BHS)` with exact gradients for q, k and v."""
+    gathered = _GatherKV.apply(group, k_BGSD, v_BGSD)
+    ranks = len(gathered) // 2
+    shards = _gather_shards(shard, group)
+    chunks = [
+        KVChunk(gathered[rank], gathered[ranks + rank], _mask(shard, shards[rank]))
+        for rank in range(ranks)
+    ]
+    return attention_over_chunks(q_BHSD, chunks, scale, backend)
+
+
+def _partial(
+    backend: RingBackend,
+    q_BHSD: Tensor,
+    q_shard: TokenShard,
+    cache: Sequence[CachedShard],
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """One rank's queries against this rank's cached chunks, merged."""
+    return merge_attention(
+        [
+            backend.forward_chunk(q_BHSD, c.k_BGKD, c.v_BGKD, _mask(q_shard, c.shard), scale)
+            for c in cache
+        ]
+    )
+
+
+class _CommutatedAttention(torch.autograd.Function):
+    """Forward: queries out, partial (out, lse) back, merged. Backward: dO with the merged
+    (O, lse) out, each peer's dQ share back; dK/dV of the local cache stay here."""
+
+    @staticmethod
+    def forward(ctx, settings: tuple, q_BHSD: Tensor, *kv_tensors: Tensor):
+        backend, group, scale, shard, cache_shards, drop_remote = settings
+        cache = [
+            CachedShard(k, v, s)
+            for k, v, s in zip(kv_tensors[0::2], kv_tensors[1::2], cache_shards, strict=True)
+        ]
+        queries, shards = _all_gather(q_BHSD, group), _gather_shards(shard, group)
+        partials = [
+            _partial(backend, q, s, cache, scale) for q, s in zip(queries, shards, strict=True)
+        ]
+        outs = _exchange([out for out, _ in partials], group)
+        lses = _exchange([lse for _, lse in partials], group)
+        if drop_remote:  # ablation: keep only this rank's own cache
+            rank = dist.get_rank(group)
+            outs, lses = outs[rank : rank + 1], lses[rank : rank + 1]
+        out_BHSD, lse_BHS = merge_attention(list(zip(outs, lses, strict=True)))
+        ctx.settings, ctx.cache_shards = settings, cache_shards
+        ctx.save_for_backward(q_BHSD, out_BHSD, lse_BHS, *kv_tensors)
+        ctx.mark_non_differentiable(lse_BHS)
+        return out_BHSD, lse_BHS
+
+    @staticmethod
+    def backward(ctx, grad_out_BHSD: Tensor, _grad_lse: Tensor | None):
+        backend, group, scale, shard, _, _ = ctx.settings
+        q_BHSD, out_BHSD, lse_BHS, *kv_tensors = ctx.saved_tensors
+        grad_out_BHSD = grad_out_BHSD.contiguous()
+        queries, shards = _all_gather(q_BHSD, group), _gather_shards(shard, group)
+        grad_outs, outs = _all_gather(grad_out_BHSD, group), _all_gather(out_BHSD, group)
+        lses = _all_gather(lse_BHS, group)
+        kv_grads = [torch.zeros_like(t) for t in kv_tensors]
+        grad_queries = []
+        for q, s, grad_out, out, lse in zip(queries, shards, grad_outs, outs, lses, strict=True):
+            grad_q = torch.zeros_like(q)
+            for index, cached in enumerate(ctx.cache_shards):
+                k, v = kv_tensors[2 * index], kv_tensors[2 * index + 1]
+                dq, dk, dv = backend.backward_chunk(
+                    grad_out, q, k, v, out, lse, _mask(s, cached), scale
+                )
+                grad_q += dq
+                kv_grads[2 * index] += dk
+                kv_grads[2 * index + 1] += dv
+            grad_queries.append(grad_q)
+        grad_q_BHSD = torch.stack(_exchange(grad_queries, group)).sum(0)
+        return None, grad_q_BHSD, *kv_grads
+
+
+def commutated_context_attention(
+    q_BHSD: Tensor,
+    shard: TokenShard,
+    cache: Sequence[CachedShard],
+    group: dist.ProcessGroup | None = None,
+    *,
+    scale: float | None = None,
+    backend: str | AttentionBackend = "auto",
+    drop_remote: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Causal attention of this rank's queries (`shard`) over every rank's KV cache, the cache
+    staying where it is (`cache`: this rank's chunks, the current slice's included):
+    `(out_BHSD, lse_BHS)`, exact gradients for q and for the local chunks' k and v. Every rank
+    of `group` calls it with queries of the same shape. `drop_remote` (an ablation) merges only
+    this rank's partial."""
+    if not cache:
+        raise ValueError("commutated_context_attention needs the local KV cache (a chunk)")
+    scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
+    kv_tensors = [t for c in cache for t in (c.k_BGKD, c.v_BGKD)]
+    if isinstance(backend, str):
+        backend = select_backend(backend, q_BHSD, *kv_tensors)
+    settings = (
+        ring_backend(backend),
+        group,
+        scale,
+        shard,
+        tuple(c.shard for c in cache),
+        drop_remote,
+    )
+    return _CommutatedAttention.apply(settings, q_BHSD, *kv_tensors)
+
+
+def context_parallel_bytes(
+    variant: str,
+    *,
+    slice_index: int,
+    slice_tokens: int,
+    cp: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    element_bytes: int = 2,
+) -> float:
+    """Bytes one rank sends for one layer's attention of slice `slice_index` (0-based) of
+    `slice_tokens` tokens over `cp` ranks, forward only. Commutated: its queries out and the
+    peers' partial outputs and lse back, `(cp-1)/cp · T · (2·h_q·d + h_q)` elements, constant
+    over slices. KV passing: the keys and values of the slice and of every cached one,
+    `(cp-1)/cp · (j+1) · T · 2·h_kv·d`."""
+    share = (cp - 1) / cp * slice_tokens * element_bytes
+    if variant == "commutated":
+        return share * (2 * q_heads * head_dim + q_heads)
+    if variant == "kv":
+        return share * (slice_index + 1) * 2 * kv_heads * head_dim
+    raise ValueError(f"context parallel variant {variant!r}: choose 'commutated' or 'kv'")
+
+
+def choose_context_parallel(**shape: int) -> str:
+    """'commutated' or 'kv', whichever moves fewer bytes for this slice
+    (`context_parallel_bytes`' keywords); KV passing on a tie, as it needs no merge."""
+    commutated = context_parallel_bytes("commutated", **shape)
+    return "commutated" if commutated < context_parallel_bytes("kv", **shape) else "kv"

@@ -1,0 +1,177 @@
+"""Context parallelism against one process: load-balanced shards, KV all-gather and commutated
+attention over a chunked KV cache, float64, outputs and the gradients of q, k and v, packed
+documents included; each with an ablation that must fail; and the per-slice choice by bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from attention_reference import reference_attention
+from distributed_helpers import run_on_ranks
+
+from pipekit.attention.context_parallel import (
+    CachedShard,
+    TokenShard,
+    all_gather_context_attention,
+    choose_context_parallel,
+    commutated_context_attention,
+    context_parallel_bytes,
+    load_balanced_indices,
+)
+
+BATCH, HEADS, KV_HEADS, LENGTH, HEAD_DIM = 2, 4, 2, 32, 8
+SLICES = 4
+TOLERANCE = 1e-12
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    """The same full sequence on every rank: q, k, v, the upstream gradient and two packed
+    documents per row (split at a row-dependent point)."""
+    generator = torch.Generator().manual_seed(5)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.float64, generator=generator)
+
+    split_B1 = torch.tensor([[11], [20]])
+    return {
+        "q": draw(BATCH, HEADS, LENGTH, HEAD_DIM),
+        "k": draw(BATCH, KV_HEADS, LENGTH, HEAD_DIM),
+        "v": draw(BATCH, KV_HEADS, LENGTH, HEAD_DIM),
+        "upstream": draw(BATCH, HEADS, LENGTH, HEAD_DIM),
+        "documents": (torch.arange(LENGTH) >= split_B1).long(),
+    }
+
+
+def _reference(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One process: causal attention within documents, its output and gradients."""
+    q, k, v = (inputs[name].clone().requires_grad_() for name in "qkv")
+    tokens = torch.arange(LENGTH)
+    documents = inputs["documents"]
+    allowed_BSK = (tokens[:, None] >= tokens[None, :]) & (
+        documents[:, :, None] == documents[:, None, :]
+    )
+    allowed = allowed_BSK[:, None].expand(BATCH, HEADS, LENGTH, LENGTH)
+    out, _ = reference_attention(q, k, v, allowed, HEAD_DIM**-0.5)
+    (out * inputs["upstream"]).sum().backward()
+    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+
+
+def _leaves(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: inputs[name].clone().requires_grad_() for name in "qkv"}
+
+
+def _summed_grads(leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each rank's gradients cover its own tokens; their sum is the whole sequence's."""
+    grads = {}
+    for name, leaf in leaves.items():
+        grad = leaf.grad.clone()
+        dist.all_reduce(grad)
+        grads[name] = grad
+    return grads
+
+
+def _all_gather_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
+    inputs = _inputs()
+    leaves = _leaves(inputs)
+    tokens = load_balanced_indices(LENGTH, world)[rank]
+    # ablation: each rank's tokens treated as if they were the first of the sequence
+    shard = TokenShard(
+        torch.arange(len(tokens)) if ablate else tokens, inputs["documents"][:, tokens]
+    )
+    local = {name: leaves[name][:, :, tokens] for name in "qkv"}
+    out, _ = all_gather_context_attention(local["q"], local["k"], local["v"], shard, backend="cpu")
+    (out * inputs["upstream"][:, :, tokens]).sum().backward()
+    full_out = torch.zeros_like(inputs["q"])
+    full_out[:, :, tokens] = out.detach()
+    dist.all_reduce(full_out)
+    return {"out": full_out, **_summed_grads(leaves)}
+
+
+def _commutated_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
+    """The sequence in SLICES slices, each sliced over the ranks; every rank caches the K/V of
+    its tokens of every slice so far and never sends them."""
+    inputs = _inputs()
+    leaves = _leaves(inputs)
+    slice_length = LENGTH // SLICES
+    cache: list[CachedShard] = []
+    full_out = torch.zeros_like(inputs["q"])
+    loss = torch.zeros((), dtype=torch.float64)
+    for index in range(SLICES):
+        tokens = load_balanced_indices(slice_length, world, start=index * slice_length)[rank]
+        shard = TokenShard(tokens, inputs["documents"][:, tokens])
+        k, v = leaves["k"][:, :, tokens], leaves["v"][:, :, tokens]
+        cache.append(CachedShard(k, v, shard))
+        out, _ = commutated_context_attention(
+            leaves["q"][:, :, tokens], shard, cache, backend="cpu", drop_remote=ablate
+        )
+        loss = loss + (out * inputs["upstream"][:, :, tokens]).sum()
+        full_out[:, :, tokens] = out.detach()
+    loss.backward()
+    dist.all_reduce(full_out)
+    return {"out": full_out, **_summed_grads(leaves)}
+
+
+def _worst_difference(results: list[dict[str, torch.Tensor]]) -> float:
+    reference = _reference(_inputs())
+    worst = 0.0
+    for result in results:
+        for name, want in reference.items():
+            scale = want.abs().max()
+            worst = max(worst, ((result[name] - want).abs().max() / scale).item())
+    return worst
+
+
+def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Every case on one process group: the variants and their ablations."""
+    return {
+        f"{name}{' ablated' if ablate else ''}": run(rank, world, ablate)
+        for name, run in (("all-gather", _all_gather_run), ("commutated", _commutated_run))
+        for ablate in (False, True)
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_attention_matches_one_process_fp64(world: int) -> None:
+    """Both variants equal single-process attention in output and every gradient; the ablations
+    (shards masked as if their tokens came first; commutated attention merging only the local
+    cache's partial) do not."""
+    per_rank = run_on_ranks(_runs, world, timeout=120)
+    for case in per_rank[0]:
+        difference = _worst_difference([results[case] for results in per_rank])
+        if case.endswith("ablated"):
+            assert difference > 1e-3, (case, difference)
+        else:
+            assert difference <= TOLERANCE, (case, difference)
+
+
+def test_load_balanced_shards_cover_the_sequence_and_share_causal_work() -> None:
+    for cp in (1, 2, 4):
+        indices = load_balanced_indices(32, cp, start=64)
+        assert sorted(indices.flatten().tolist()) == list(range(64, 96))
+        keys_attended = (indices - 64 + 1).sum(dim=1)  # causal: token t sees t + 1 keys
+        assert keys_attended.unique().numel() == 1
+    with pytest.raises(ValueError, match=r"length 36 is not a multiple of 8: choose seq_len"):
+        load_balanced_indices(36, 4)
+
+
+def test_the_cheaper_variant_depends_on_grouped_query_attention_and_the_slice() -> None:
+    """Llama 3 70B (64 query heads, 8 kv heads): the query and output of a slice weigh as
+    much as about 8 slices of K/V, so KV passing is cheaper for the first 8 slices and
+    commutated attention after; with as many kv heads as query heads it wins from slice 1."""
+    gqa = {"slice_tokens": 1024, "cp": 4, "q_heads": 64, "kv_heads": 8, "head_dim": 128}
+    choices = [choose_context_parallel(slice_index=j, **gqa) for j in range(12)]
+    assert choices == ["kv"] * 8 + ["commutated"] * 4
+    mha = gqa | {"kv_heads": 64}
+    assert [choose_context_parallel(slice_index=j, **mha) for j in range(3)] == [
+        "kv",
+        "commutated",
+        "commutated",
+    ]
+    commutated = [context_parallel_bytes("commutated", slice_index=j, **gqa) for j in range(4)]
+    assert len(set(commutated)) == 1  # constant per slice
+    assert context_parallel_bytes("kv", slice_index=3, **gqa) == 4 * context_parallel_bytes(
+        "kv", slice_index=0, **gqa
+    )
+    with pytest.raises(ValueError, match="choose 'commutated' or 'kv'"):
+        context_parallel_bytes("ring", slice_index=0, **gqa)
