@@ -20,11 +20,13 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from pipekit.attention.context import CausalAttention
+from pipekit.attention.context_parallel import ContextParallelAttention, load_balanced_indices
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import single_rank_mesh
 from pipekit.layers.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
+from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.models.materialize import seeded_materializer
 from pipekit.models.spec import ModelSpec
 from pipekit.moe.aux_loss import aux_loss_scale
@@ -106,12 +108,15 @@ def data_parallel_model(
     *,
     ep: int = 1,
     dp_replicate: int = 1,
+    cp: int = 1,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
-) -> nn.Module:
-    """This rank's FSDP2 (HSDP, + expert-parallel) model, parallelized on the meta device and
-    then materialised shard by shard from `seed`."""
-    config = ParallelismConfig(dp_replicate=dp_replicate, dp_shard=world // dp_replicate, ep=ep)
+) -> tuple[nn.Module, ParallelDims, Any]:
+    """This rank's FSDP2 (HSDP, + expert-parallel, + context-parallel) model, parallelized on
+    the meta device and then materialised shard by shard from `seed`; its dims and mesh."""
+    config = ParallelismConfig(
+        dp_replicate=dp_replicate, dp_shard=world // (dp_replicate * cp), cp=cp, ep=ep
+    )
     dims = ParallelDims.from_config(config, world)
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
@@ -131,7 +136,7 @@ def data_parallel_model(
         experts_mesh=experts_mesh,
     )
     seeded_materializer("cpu", seed)(model)
-    return model
+    return model, dims, mesh
 
 
 def data_parallel_step(
@@ -143,22 +148,31 @@ def data_parallel_step(
     *,
     ep: int = 1,
     dp_replicate: int = 1,
+    cp: int = 1,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
     adjust: Callable[[nn.Module], None] | None = None,
 ) -> Result:
     """FSDP2 over all ranks (HSDP with `dp_replicate` replicas; experts sharded over `ep` of
-    them and by FSDP2 over the ep groups), each rank its share of the rows; the full gradients,
+    them and by FSDP2 over the ep groups), each data rank its share of the rows, each of its
+    `cp` context-parallel ranks its load-balanced share of their tokens; the full gradients,
     gathered. `adjust` sees the parallelized model before the step (ablations)."""
-    model = data_parallel_model(
-        world, spec, args, ep=ep, dp_replicate=dp_replicate, seed=seed, dtype=dtype
+    model, dims, mesh = data_parallel_model(
+        world, spec, args, ep=ep, dp_replicate=dp_replicate, cp=cp, seed=seed, dtype=dtype
     )
     if adjust is not None:
         adjust(model)
-    rows = batch.batch_size[0] // world
-    part = batch[rank * rows : (rank + 1) * rows]
-    with aux_loss_scale(1.0 / world):
-        logits = model(part["tokens"], part["positions"], CausalAttention(part["document_ids"]))
+    rows = batch.batch_size[0] // dims.dp_degree
+    data_rank = dims.dp_rank(mesh)
+    part = batch[data_rank * rows : (data_rank + 1) * rows]
+    context: Any = CausalAttention(part["document_ids"])
+    cp_group = mesh["cp"].get_group() if cp > 1 else None
+    if cp > 1:
+        tokens_S = load_balanced_indices(batch.batch_size[1], cp)[mesh["cp"].get_local_rank()]
+        part = part[:, tokens_S]
+        context = ContextParallelAttention(tokens_S, part["document_ids"], cp_group)
+    with aux_loss_scale(1.0 / dims.dp_degree), statistics_group(cp_group):
+        logits = model(part["tokens"], part["positions"], context)
     loss = token_sum_cross_entropy(logits, part["labels"], count_label_tokens(batch["labels"]))
     loss.backward()
     total = loss.detach().clone()

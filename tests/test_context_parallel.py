@@ -1,17 +1,32 @@
 """Context parallelism against one process: load-balanced shards, KV all-gather and commutated
 attention over a chunked KV cache, float64, outputs and the gradients of q, k and v, packed
-documents included; each with an ablation that must fail; and the per-slice choice by bytes."""
+documents included; whole models under FSDP2 x context parallelism against one process; each
+with an ablation that must fail; and the per-slice choice by bytes."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+import parity
 import pytest
 import torch
 import torch.distributed as dist
 from attention_reference import reference_attention
 from distributed_helpers import run_on_ranks
+from parity import (
+    Result,
+    data_parallel_step,
+    max_relative_difference,
+    parity_batch,
+    reference_step,
+)
+from tiny_models import TINY_LLAMA
 
+import examples.custom_model.model as custom
+from pipekit.attention import attention, token_order_mask
 from pipekit.attention.context_parallel import (
     CachedShard,
+    ContextParallelAttention,
     TokenShard,
     all_gather_context_attention,
     choose_context_parallel,
@@ -19,6 +34,8 @@ from pipekit.attention.context_parallel import (
     context_parallel_bytes,
     load_balanced_indices,
 )
+from pipekit.layers.sequence_statistics import statistics_group
+from pipekit.models import get_model_spec
 
 BATCH, HEADS, KV_HEADS, LENGTH, HEAD_DIM = 2, 4, 2, 32, 8
 SLICES = 4
@@ -175,3 +192,56 @@ def test_the_cheaper_variant_depends_on_grouped_query_attention_and_the_slice() 
     )
     with pytest.raises(ValueError, match="choose 'commutated' or 'kv'"):
         context_parallel_bytes("ring", slice_index=0, **gqa)
+
+
+_MODELS = {
+    "llama": TINY_LLAMA,
+    "tiny_gpt": custom.TinyGPTArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=64),
+}
+
+
+class _LocalKeysOnly(ContextParallelAttention):
+    """Ablation: each cp rank attends only to its own keys."""
+
+    def attend(self, layer_id, q_BHSD, k_BGSD, v_BGSD, scale):
+        mask = token_order_mask(
+            self.shard.tokens_S, self.shard.tokens_S, self.shard.document_ids_BS,
+            self.shard.document_ids_BS,
+        )  # fmt: skip
+        return attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, self.backend)[0]
+
+
+def _model_runs(rank: int, world: int) -> dict[str, Result]:
+    results = {}
+    for name, args in _MODELS.items():
+        batch = parity_batch(args.vocab_size, 8, LENGTH)
+        spec = get_model_spec(name)
+        results[name] = data_parallel_step(rank, world, spec, args, batch, cp=2)
+        parity.ContextParallelAttention = _LocalKeysOnly
+        results[f"{name} ablated"] = data_parallel_step(rank, world, spec, args, batch, cp=2)
+        parity.ContextParallelAttention = ContextParallelAttention
+    # ablation: the MoE's load-balancing statistics of each cp rank's tokens alone
+    parity.statistics_group = lambda group: nullcontext()
+    batch = parity_batch(_MODELS["tiny_gpt"].vocab_size, 8, LENGTH)
+    spec, args = get_model_spec("tiny_gpt"), _MODELS["tiny_gpt"]
+    results["statistics per rank"] = data_parallel_step(rank, world, spec, args, batch, cp=2)
+    parity.statistics_group = statistics_group
+    return results
+
+
+def test_fsdp_with_context_parallelism_matches_one_process_fp64() -> None:
+    """Llama and the custom example (an MoE with a load-balancing loss) on 4 ranks, FSDP2 over
+    dp_shard 2 x cp 2 (each data rank's rows, each cp rank its load-balanced half of their
+    tokens and packed documents): loss and every gradient equal the single process's. Attending
+    only to a rank's own keys does not, nor do load-balancing statistics of a rank's tokens
+    alone (the MoE's statistics are added over the cp ranks)."""
+    per_rank = run_on_ranks(_model_runs, 4, timeout=300)
+    for name, args in _MODELS.items():
+        batch = parity_batch(args.vocab_size, 8, LENGTH)
+        reference = reference_step(get_model_spec(name), args, batch, microbatches=2)
+        results = [results[name] for results in per_rank]
+        assert max_relative_difference(results, reference) <= 1e-10, name
+        ablated = [results[f"{name} ablated"] for results in per_rank]
+        assert max_relative_difference(ablated, reference) > 1e-3, name
+    per_rank_statistics = [results["statistics per rank"] for results in per_rank]
+    assert max_relative_difference(per_rank_statistics, reference) > 1e-3

@@ -62,7 +62,7 @@ def _layout(rank: int, case: str, seed: int) -> tuple[nn.Module, dict]:
             WORLD, spec, args, (8, 16), seed=seed, dtype=torch.float32, **options
         )
         return runner.model, runner.row_sharded_parameters()
-    model = data_parallel_model(WORLD, spec, args, seed=seed, dtype=torch.float32, **options)
+    model, _, _ = data_parallel_model(WORLD, spec, args, seed=seed, dtype=torch.float32, **options)
     return model, {}
 
 

@@ -170,7 +170,7 @@ def test_dispatch_then_combine_is_the_identity(paced: bool) -> None:
 
 def _parameter_shares(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
     args = LlamaMoEArgs(**vars(TINY_LLAMA), moe=MoEArgs(num_experts=4, top_k=2))
-    model = data_parallel_model(world_size, get_model_spec("llama_moe"), args, ep=2)
+    model, _, _ = data_parallel_model(world_size, get_model_spec("llama_moe"), args, ep=2)
     return {name: (local_tensor(p).numel(), p.numel()) for name, p in model.named_parameters()}
 
 

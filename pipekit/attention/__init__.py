@@ -9,6 +9,12 @@ from pipekit.attention.backends import (
     use_backend,
 )
 from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
+from pipekit.attention.context_parallel import (
+    ContextParallelAttention,
+    all_gather_context_attention,
+    commutated_context_attention,
+    load_balanced_indices,
+)
 from pipekit.attention.exchange import (
     AttentionLoan,
     Lending,
@@ -27,6 +33,7 @@ from pipekit.attention.masks import (
     offset_causal_mask,
     or_masks,
     sliding_window_mask,
+    token_order_mask,
 )
 from pipekit.attention.merge import merge_attention
 
@@ -34,12 +41,14 @@ __all__ = [
     "AttentionBackend",
     "AttentionLoan",
     "ChunkedKVCache",
+    "ContextParallelAttention",
     "KVChunk",
     "Lending",
     "LentChunk",
     "MaskMod",
     "RingBackend",
     "SliceAttention",
+    "all_gather_context_attention",
     "and_masks",
     "attention",
     "attention_over_chunks",
@@ -47,8 +56,10 @@ __all__ = [
     "available_backends",
     "causal_mask",
     "causal_within_documents",
+    "commutated_context_attention",
     "document_mask",
     "get_backend",
+    "load_balanced_indices",
     "merge_attention",
     "offset_causal_mask",
     "or_masks",
@@ -56,5 +67,6 @@ __all__ = [
     "serve_attention_loan",
     "serve_attention_loan_backward",
     "sliding_window_mask",
+    "token_order_mask",
     "use_backend",
 ]

@@ -45,6 +45,7 @@ from pipekit.attention.merge import merge_attention
 
 __all__ = [
     "CachedShard",
+    "ContextParallelAttention",
     "TokenShard",
     "all_gather_context_attention",
     "choose_context_parallel",
@@ -153,6 +154,29 @@ def all_gather_context_attention(
         for rank in range(ranks)
     ]
     return attention_over_chunks(q_BHSD, chunks, scale, backend)
+
+
+class ContextParallelAttention:
+    """The attention context of a context-parallel rank: its load-balanced share of each
+    sequence (`tokens_S`, with their document ids) attends causally to every cp rank's keys
+    (`all_gather_context_attention` over `group`). Not a dataclass, so FSDP2's input handling
+    passes it through as it is."""
+
+    def __init__(
+        self,
+        tokens_S: Tensor,
+        document_ids_BS: Tensor | None,
+        group: dist.ProcessGroup | None,
+        backend: str | AttentionBackend = "auto",
+    ) -> None:
+        self.shard, self.group, self.backend = TokenShard(tokens_S, document_ids_BS), group, backend
+
+    def attend(
+        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+    ) -> Tensor:
+        return all_gather_context_attention(
+            q_BHSD, k_BGSD, v_BGSD, self.shard, self.group, scale=scale, backend=self.backend
+        )[0]
 
 
 def _partial(

@@ -15,6 +15,13 @@ sums under `owner` (e.g. the MoE layer), and its backward hands its sums the gra
 `loss_fn(sum over all the sequence's slices)`: the slices' backwards together give exactly the
 gradient of the whole sequence's loss, counted once. A recomputed forward (activation
 checkpointing) records the same sums again, which changes nothing.
+
+Context parallelism splits a forward's tokens over ranks instead. Inside
+`statistics_group(group)` each rank's sums are added over the group before the loss (an
+all-reduce in forward; the identity in backward): every rank's loss is the whole sequence's,
+and each rank's backward carries that loss's gradient into its own tokens' sums, so the ranks'
+gradients, summed by data parallelism, are the whole sequence's, counted once. Both compose: a
+slice's sums are first added over the group.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["SequenceStatistics", "loss_of_sums", "sequence_scope"]
+__all__ = ["SequenceStatistics", "loss_of_sums", "sequence_scope", "statistics_group"]
 
 LossOfSums = Callable[[Tensor], Tensor]
 
@@ -60,9 +68,38 @@ def sequence_scope(statistics: SequenceStatistics, slice_index: int) -> Iterator
         _SCOPE.reset(token)
 
 
+_GROUP: ContextVar[dist.ProcessGroup | None] = ContextVar("statistics_group", default=None)
+
+
+@contextlib.contextmanager
+def statistics_group(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Run forwards whose tokens are split over the ranks of `group` (context parallelism)."""
+    token = _GROUP.set(group)
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, sums_K: Tensor, group: dist.ProcessGroup) -> Tensor:
+        total_K = sums_K.clone()
+        dist.all_reduce(total_K, group=group)
+        return total_K
+
+    @staticmethod
+    def backward(ctx, grad_K: Tensor) -> tuple[Tensor, None]:
+        return grad_K, None
+
+
 def loss_of_sums(sums_K: Tensor, loss_fn: LossOfSums, owner: object) -> Tensor:
     """`loss_fn(sums_K)`; inside a sequence scope, a loss whose gradient is that of
-    `loss_fn` at the whole sequence's sums (its value is this slice's own, for display)."""
+    `loss_fn` at the whole sequence's sums (its value is this slice's own, for display);
+    inside a statistics group, of the sums added over the group."""
+    group = _GROUP.get()
+    if group is not None:
+        sums_K = _SumOverGroup.apply(sums_K, group)
     scope = _SCOPE.get()
     if scope is None:
         return loss_fn(sums_K)
