@@ -144,7 +144,7 @@ def test_print_config_prints_the_checked_resolved_config():
             "global_batch_size=6 must be divisible by data-parallel degree 4",
         ),
         (["--parallelism.dp_shard", "2", "--parallelism.dp_replicate", "2"], 2, "world size"),
-        (["--parallelism.tp", "2"], 2, "tp > 1"),
+        (["--parallelism.tp", "2"], 2, "tp=2: the trainer does not support tensor parallelism yet"),
         (["--data.source", "/no/such/*.jsonl"], 1, "matches no file"),
         (["--data.tokenizer", "/no/tokenizer.json"], 1, "is not a file"),
         (["--checkpoint.initial_load_path", "/no/dir"], 1, "has no config.json"),
@@ -186,8 +186,17 @@ def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
     dims = _parallel_dims(config, world_size=512)
     assert (dims.dp_shard, dims.ep, dims.tp, dims.pp) == (512, 8, 1, 1)
     config.parallelism.tp = 2
-    with pytest.raises(ConfigError, match="tp=2: the trainer does not support tp > 1 yet"):
+    with pytest.raises(ConfigError, match="tp=2: the trainer does not support tensor paral"):
         _parallel_dims(config, world_size=512)
+
+
+def test_context_parallelism_outside_pipelines_only():
+    from pipekit.train.job import _parallel_dims
+
+    config = load_job_config(["--config", str(REPO_ROOT / "configs/debug_sliced_pp.toml")])
+    config.parallelism.cp = 2
+    with pytest.raises(ConfigError, match="context parallelism inside pipeline stages is not"):
+        _parallel_dims(config, world_size=4)
 
 
 def test_config_reference_doc_is_current():

@@ -203,6 +203,10 @@ def _single_process_error(output_dir: Path, *overrides: str, world_size: int | N
             "vocab_parallel = true splits the vocabulary across pipeline ranks",
         ),
         (("--parallelism.ep", "2"), "ep=2 needs a mixture-of-experts model"),
+        (
+            ("--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--training.seq_len", "250"),
+            "seq_len=250 must be a multiple of 2 x cp = 4",
+        ),
         (("--moe.partitions", "0"), "partitions=0 must be a positive integer or 'auto'"),
         (("--moe.memory_reuse", "S9"), "memory_reuse='S9' is not one of"),
     ],
@@ -217,6 +221,19 @@ def test_unreadable_checkpoint_gives_one_error_line(tmp_path):
     (step / ".metadata").write_bytes(b"not a checkpoint")
     (step / "COMPLETE").write_text("")
     assert "step-4" in _single_process_error(tmp_path, "--parallelism.dp_shard", "1")
+
+
+def test_context_parallel_job_matches_the_data_parallel_job(tmp_path: Path) -> None:
+    """cp = 2 on 2 ranks (each rank its load-balanced half of every sequence, both reading the
+    whole batch) against FSDP2 over 2 ranks (each half of the rows): the same losses up to
+    float32 rounding."""
+    short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.enable", "false")
+    data_parallel = _train(tmp_path / "dp", *short)
+    context_parallel = _train(
+        tmp_path / "cp", *short, "--parallelism.dp_shard", "1", "--parallelism.cp", "2"
+    )
+    assert sorted(context_parallel) == [1, 2, 3]
+    assert context_parallel == pytest.approx(data_parallel, rel=1e-5)
 
 
 def test_sliced_pipeline_job_matches_the_data_parallel_job(tmp_path):

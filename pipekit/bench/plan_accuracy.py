@@ -1,6 +1,7 @@
 """`python -m pipekit.bench plan-accuracy`: the memory planner against measured peaks.
 
-For each debug config (FSDP2, the sliced pipeline, expert parallelism, an upcycled MoE), the
+For each debug config (FSDP2, context parallelism, the sliced pipeline, expert parallelism,
+an upcycled MoE), the
 planner's per-rank peak (`python -m pipekit.plan`) is compared with what the ranks of a real run
 hold: each rank, in a fresh process, builds the trainer, runs one step (so optimizer states
 exist), then measures the second step with `PeakTensorMemory` (every tensor the step creates:
@@ -34,11 +35,17 @@ __all__ = ["main"]
 
 _REPO = Path(__file__).resolve().parents[2]
 _CONFIGS = {
-    "fsdp": ("configs/debug_model.toml", 2),
-    "sliced pipeline": ("configs/debug_sliced_pp.toml", 2),
-    "expert parallel": ("configs/debug_moe.toml", 2),
-    "upcycled": ("configs/debug_upcycle.toml", 2),
+    "fsdp": ("configs/debug_model.toml", 2, ()),
+    "context parallel": (
+        "configs/debug_model.toml",
+        2,
+        ("--parallelism.dp_shard", "1", "--parallelism.cp", "2"),
+    ),
+    "sliced pipeline": ("configs/debug_sliced_pp.toml", 2, ()),
+    "expert parallel": ("configs/debug_moe.toml", 2, ()),
+    "upcycled": ("configs/debug_upcycle.toml", 2, ()),
 }
+"""Name -> (config, ranks, overrides)."""
 _MIB = 2**20
 
 
@@ -54,12 +61,13 @@ def _overrides(folder: str, seq_len: int, dense: str) -> list[str]:
 
 
 def _argv(name: str, options: argparse.Namespace, folder: str, dense: str) -> list[str]:
-    path, _ = _CONFIGS[name]
+    path, _, extra = _CONFIGS[name]
     upcycled = name == "upcycled"
     return [
         "--config",
         str(_REPO / path),
         *_overrides(folder, options.seq_len, dense if upcycled else ""),
+        *extra,
     ]
 
 
@@ -101,7 +109,7 @@ def main(argv: list[str]) -> None:
     try:
         dense = str(Path(folder, "dense"))
         _dense_checkpoint(Path(dense))
-        for name, (_, ranks) in _CONFIGS.items():
+        for name, (_, ranks, _) in _CONFIGS.items():
             argv_ = _argv(name, options, str(Path(folder, name.replace(" ", "_"))), dense)
             plan = plan_memory(plan_job(load_job_config(argv_), ranks, check_files=False))
             planned = {memory.layout.pipeline_rank: memory for memory in plan.ranks}

@@ -11,13 +11,15 @@ Terms per rank (bytes):
   (`pipekit.plan.activations`): without a pipeline, every block's activations for the
   micro-step's tokens (a checkpointed block keeps its input), one block's backward (its working
   set, after rebuilding its activations if it is checkpointed) and the head's logits and their
-  gradient; with a pipeline, the units the schedule keeps in flight on the rank (simulated from
-  its action lists), each holding, for one unit of tokens, its stage's activations (a stage's
-  first block keeps the received input), its K/V cache and its output until the unit's
-  backward (the hidden state sent on; on the last stage the logits, with what the head and the
-  loss save, unless the output layer is vocabulary-parallel, whose passes run forward and
-  backward at once), plus one block's backward and one head pass for a unit, and under slicing
-  the K/V gradients the cache accumulates for the microbatch in backward.
+  gradient (under context parallelism, for the rank's share of the tokens, each block also
+  keeping the other ranks' gathered keys and values); with a pipeline, the units the schedule
+  keeps in flight on the rank (simulated from its action lists), each holding, for one unit of
+  tokens, its stage's activations (a stage's first block keeps the received input), its K/V
+  cache and its output until the unit's backward (the hidden state sent on; on the last stage
+  the logits, with what the head and the loss save, unless the output layer is
+  vocabulary-parallel, whose passes run forward and backward at once), plus one block's backward
+  and one head pass for a unit, and under slicing the K/V gradients the cache accumulates for
+  the microbatch in backward.
 
 Not counted yet (so the plan is low by what they take): expert parallelism's all-to-all
 buffers and the pipeline's gradient messages; routing is assumed even over the expert ranks.
@@ -140,17 +142,25 @@ def _rank_memory(job: Job, layout: RankLayout, profile: ActivationProfile) -> Ra
     )
 
 
-def _block_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile) -> float:
-    """Bytes per token the blocks keep for backward, checkpointed ones keeping their input."""
+def _checkpointed(job: Job, name: str) -> bool:
+    """Whether block `name` keeps only its input (activation checkpointing)."""
     training = job.config.training
     if training.activation_checkpoint == "none":
-        return sum(profile.block_bytes[name] for name in names)
+        return False
     every = 1 if training.activation_checkpoint == "full" else training.activation_checkpoint_every
+    return int(name.rsplit(".", 1)[1]) % every == every - 1
+
+
+def _block_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile) -> float:
+    """Bytes per token the blocks keep for backward, checkpointed ones keeping their input;
+    under context parallelism a block also keeps the other cp ranks' keys and values."""
+    gathered = (job.dims.cp - 1) if job.dims is not None else 0
     kept = 0.0
     for name in names:
-        index = int(name.rsplit(".", 1)[1])
-        checkpointed = index % every == every - 1
-        kept += profile.input_bytes if checkpointed else profile.block_bytes[name]
+        if _checkpointed(job, name):
+            kept += profile.input_bytes
+        else:
+            kept += profile.block_bytes[name] + gathered * profile.kv_bytes[name]
     return kept
 
 
@@ -166,7 +176,8 @@ def _backward_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile
 
 
 def _step_activations(job: Job, layout: RankLayout, profile: ActivationProfile) -> float:
-    tokens = job.local_batch_size * job.config.training.seq_len
+    cp = job.dims.cp if job.dims is not None else 1
+    tokens = job.local_batch_size * job.config.training.seq_len // cp
     names = layout.block_names
     per_token = _block_bytes(job, names, profile) + _backward_bytes(job, names, profile)
     head = profile.head_bytes_per_row * layout.output_rows

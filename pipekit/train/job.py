@@ -197,13 +197,31 @@ def _parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
         dims = ParallelDims.from_config(config.parallelism, world_size)
     except ValueError as error:
         raise _error("[parallelism]", error) from None
-    for name in ("cp", "tp"):
-        if getattr(dims, name) > 1:
-            raise ConfigError(
-                f"[parallelism] {name}={getattr(dims, name)}: the trainer does not support "
-                f"{name} > 1 yet; set {name} = 1"
-            )
+    if dims.tp > 1:
+        raise ConfigError(
+            f"[parallelism] tp={dims.tp}: the trainer does not support tensor parallelism yet; "
+            "set tp = 1"
+        )
+    if dims.cp > 1:
+        _check_context_parallel(config, dims.cp, dims.pp)
     return dims
+
+
+def _check_context_parallel(config: JobConfig, cp: int, pp: int) -> None:
+    if pp > 1:
+        raise ConfigError(
+            f"[parallelism] cp={cp} with pipeline_parallel_degree={pp}: context parallelism "
+            "inside pipeline stages is not supported yet; set cp = 1 or "
+            "pipeline_parallel_degree = 1"
+        )
+    seq_len, pieces = config.training.seq_len, 2 * cp
+    if seq_len % pieces:
+        nearest = max(pieces, seq_len // pieces * pieces)
+        raise ConfigError(
+            f"[training] seq_len={seq_len} must be a multiple of 2 x cp = {pieces}: context "
+            f"parallelism cuts every sequence into {pieces} equal pieces (two per rank, for "
+            f"equal causal work); try seq_len = {nearest}"
+        )
 
 
 def _check_expert_parallel(config: JobConfig, args: Any, ep: int) -> None:

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
 
-from pipekit.attention.context import CausalAttention
+from pipekit.attention.context import AttentionContext, CausalAttention
+from pipekit.attention.context_parallel import ContextParallelAttention, load_balanced_indices
 from pipekit.checkpoint.dcp import (
     CheckpointManager,
     ModelOptimizerState,
@@ -30,6 +31,7 @@ from pipekit.checkpoint.dcp import (
 )
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.layers.loss import count_label_tokens, token_sum_cross_entropy
+from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.moe.aux_loss import aux_loss_scale
 from pipekit.pipelining.tools.trace import record_pipeline_step
 from pipekit.train.data import build_data_loader
@@ -67,6 +69,13 @@ class Trainer:
         )
         self.dims = job.dims
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        self._context_parallel: tuple[Tensor, dist.ProcessGroup] | None = None
+        if self.dims.cp_enabled:  # this rank's load-balanced tokens of every sequence, its group
+            assert self.mesh is not None
+            cp_mesh = self.mesh["cp"]
+            tokens_S = load_balanced_indices(config.training.seq_len, self.dims.cp)
+            local_tokens_S = tokens_S[cp_mesh.get_local_rank()].to(self.device)
+            self._context_parallel = (local_tokens_S, cp_mesh.get_group())
         self.output_dir = Path(config.job.output_dir)
         self.checkpoints = CheckpointManager(
             self.output_dir / config.checkpoint.folder, keep_last=config.checkpoint.keep_last
@@ -142,7 +151,7 @@ class Trainer:
     def train_step(self) -> tuple[float, float, int]:
         """One optimizer step: returns (loss, grad norm, global label tokens)."""
         micro_batches = [
-            next(self.data).to(self.device)
+            self._context_shard(next(self.data).to(self.device))
             for _ in range(self.config.training.gradient_accumulation_steps)
         ]
         local_tokens = sum(count_label_tokens(batch["labels"]) for batch in micro_batches)
@@ -178,14 +187,23 @@ class Trainer:
         self.step += 1
         return global_loss, float(grad_norm), int(global_tokens)
 
+    def _context_shard(self, batch: TensorDict) -> TensorDict:
+        """Under context parallelism, this rank's load-balanced tokens of the batch's rows."""
+        if self._context_parallel is None:
+            return batch
+        return batch[:, self._context_parallel[0]]
+
     def _forward_backward(self, batch: TensorDict, global_tokens: Tensor) -> Tensor | None:
         """Loss of one micro-batch (token sum over the global count), gradients accumulated."""
         if self.pipeline is not None:
             return self.pipeline.step(batch, global_tokens)
-        context = CausalAttention(
-            batch["document_ids"], backend=self.config.model.attention_backend
-        )
-        with self._autocast():
+        backend = self.config.model.attention_backend
+        context: AttentionContext = CausalAttention(batch["document_ids"], backend=backend)
+        cp_group = None
+        if self._context_parallel is not None:
+            tokens_S, cp_group = self._context_parallel
+            context = ContextParallelAttention(tokens_S, batch["document_ids"], cp_group, backend)
+        with self._autocast(), statistics_group(cp_group):
             logits_BSV = self.model(batch["tokens"], batch["positions"], context)
         loss = token_sum_cross_entropy(logits_BSV, batch["labels"], global_tokens)
         loss.backward()  # data parallelism sums gradients (pipekit.distributed.fsdp)
