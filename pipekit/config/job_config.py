@@ -177,9 +177,10 @@ class ParallelismConfig:
     dp_shard: int = -1
     """FSDP2 shard degree (-1 = the rest of the world size)."""
     cp: int = 1
-    """Context-parallel degree."""
+    """Context-parallel degree: each sequence split over this many ranks, load-balanced
+    (seq_len a multiple of 2 x cp; not inside pipelines yet; docs/context_parallel.md)."""
     tp: int = 1
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree (not supported by the trainer yet)."""
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel degree p (the `pp` mesh dim)."""
     pipeline_schedule: str = "sliced"
