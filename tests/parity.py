@@ -20,7 +20,11 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from pipekit.attention.context import CausalAttention
-from pipekit.attention.context_parallel import ContextParallelAttention, load_balanced_indices
+from pipekit.attention.context_parallel import (
+    ContextParallelAttention,
+    context_parallel_tokens,
+    load_balanced_indices,
+)
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
@@ -193,6 +197,7 @@ def pipeline_step(
     compute_dtype: torch.dtype | None = None,
     dp_shard: int = 1,
     ep: int = 1,
+    cp: int = 1,
     materialize: Callable[[nn.Module], None] | None = None,
     adjust: Callable[[PipelineRunner], None] | None = None,
     **parallelism: Any,
@@ -201,13 +206,21 @@ def pipeline_step(
     the step (ablations)."""
     runner, dims, mesh = pipeline_layout(
         world, spec, args, batch.batch_size, seed=seed, dtype=dtype,
-        compute_dtype=compute_dtype, dp_shard=dp_shard, ep=ep, materialize=materialize,
+        compute_dtype=compute_dtype, dp_shard=dp_shard, ep=ep, cp=cp, materialize=materialize,
         **parallelism,
     )  # fmt: skip
     if adjust is not None:
         adjust(runner)
     data_group = dims.mesh("dp_shard").get_group() if dp_shard > 1 else None
-    return runner_step(runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group)
+    context = None
+    if cp > 1:
+        tokens_S = context_parallel_tokens(
+            batch.batch_size[1], cp, mesh["cp"].get_local_rank(), runner.num_slices
+        )
+        context = (tokens_S, mesh["cp"].get_group())
+    return runner_step(
+        runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group, context=context
+    )
 
 
 def pipeline_layout(
@@ -221,6 +234,7 @@ def pipeline_layout(
     compute_dtype: torch.dtype | None = None,
     dp_shard: int = 1,
     ep: int = 1,
+    cp: int = 1,
     materialize: Callable[[nn.Module], None] | None = None,
     **parallelism: Any,
 ) -> tuple[PipelineRunner, ParallelDims, Any]:
@@ -233,8 +247,9 @@ def pipeline_layout(
     stage's storage and values come from `materialize` if given (e.g. upcycling a checkpoint),
     else from `seed`."""
     config = ParallelismConfig(
-        dp_shard=dp_shard, pipeline_parallel_degree=world // dp_shard, ep=ep, **parallelism
-    )
+        dp_shard=dp_shard, pipeline_parallel_degree=world // (dp_shard * cp), ep=ep, cp=cp,
+        **parallelism,
+    )  # fmt: skip
     dims = ParallelDims.from_config(config, world)
     mesh = dims.build_mesh("cpu")
     rows, length = batch_shape
@@ -278,17 +293,24 @@ def runner_step(
     *,
     data_rank: int = 0,
     data_group: dist.ProcessGroup | None = None,
+    context: tuple[Tensor, dist.ProcessGroup] | None = None,
 ) -> Result:
     """One step of `runner` on this data rank's share of `batch` (the rows split evenly over
-    `data_group`; the whole batch without one): the step's loss on one rank (None elsewhere)
+    `data_group`; the whole batch without one; under context parallelism, `context` = (this cp
+    rank's token indices, the cp group)): the step's loss on one rank (None elsewhere)
     and this rank's gradients, in full (a tied weight once, under the embedding's name)."""
     data_ranks = dist.get_world_size(data_group) if data_group is not None else 1
     rows = batch.batch_size[0] // data_ranks
     part = batch[data_rank * rows : (data_rank + 1) * rows]
-    with aux_loss_scale(1.0 / data_ranks):
+    cp_group = None
+    if context is not None:  # this cp rank's tokens of every slice
+        tokens_S, cp_group = context
+        part = part[:, tokens_S]
+    with aux_loss_scale(1.0 / data_ranks), statistics_group(cp_group):
         loss = runner.step(part, count_label_tokens(batch["labels"]))
-    if loss is not None and data_group is not None:
-        dist.all_reduce(loss, group=data_group)
+    for group in (data_group, cp_group):
+        if loss is not None and group is not None:
+            dist.all_reduce(loss, group=group)
     assert runner.model is not None
     vocab = runner.extension("vocab_parallel")
     shards = {}

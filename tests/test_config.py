@@ -190,13 +190,19 @@ def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
         _parallel_dims(config, world_size=512)
 
 
-def test_context_parallelism_outside_pipelines_only():
-    from pipekit.train.job import _parallel_dims
-
-    config = load_job_config(["--config", str(REPO_ROOT / "configs/debug_sliced_pp.toml")])
-    config.parallelism.cp = 2
-    with pytest.raises(ConfigError, match="context parallelism inside pipeline stages is not"):
-        _parallel_dims(config, world_size=4)
+def test_context_parallel_pipelines_are_checked_before_launch():
+    """cp inside the sliced pipeline is planned; a seq_len the slices and cp ranks do not
+    divide, and context exchange with cp, are refused with the fix."""
+    argv = ["--config", str(REPO_ROOT / "configs/debug_sliced_pp.toml"), "--parallelism.cp", "2"]
+    job = plan_job(load_job_config(argv), world_size=4, check_files=False)
+    assert job.pipeline is not None and job.pipeline.context_parallel == 2
+    assert job.pipeline.slice_length == 256 // 4 // 2
+    for overrides, message in [
+        (("--training.seq_len", "248"), "seq_len=248 must be a multiple of 2 x cp x num_slices"),
+        (("--parallelism.context_exchange", "true"), "does not combine with context parall"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            plan_job(load_job_config([*argv, *overrides]), world_size=4, check_files=False)
 
 
 def test_config_reference_doc_is_current():

@@ -4,11 +4,12 @@ Each row runs one step of a tiny model (MoE with auxiliary losses on) on 4 ranks
 its loss and every gradient with the single-process step on the same weights and batch. In
 float64 (relative difference <= 1e-10): FSDP, HSDP, torch's 1F1B, Interleaved1F1B and ZBV
 (without data parallelism: the plan refuses its I/W actions on FSDP stages), SlimPipe's sliced
-schedule (v = 1 and 2), sliced with context exchange, with vocabulary parallelism, expert
-parallelism alone and inside the sliced pipeline, everything at once, and tied embeddings
-across stages (on two ranks, as vocabulary shards, and on one rank of a V), and a MoE upcycled
-from a dense Hugging Face checkpoint inside the sliced pipeline with expert parallelism (each
-rank reading only its stages' local blocks; Llama only). In bf16 (FSDP2 mixed
+schedule (v = 1 and 2), sliced with context exchange, with context parallelism (SlimPipe's
+commutated attention over the chunked KV cache, on 2 pipeline x 2 cp ranks), with vocabulary
+parallelism, expert parallelism alone and inside the sliced pipeline, everything at once, and
+tied embeddings across stages (on two ranks, as vocabulary shards, and on one rank of a V), and
+a MoE upcycled from a dense Hugging Face checkpoint inside the sliced pipeline with expert
+parallelism (each rank reading only its stages' local blocks; Llama only). In bf16 (FSDP2 mixed
 precision, float32 weights and reductions, bf16 messages) against float32, within 5e-2: the
 sliced pipeline with 2 data ranks and with one. For Llama-MoE and for the custom example (GPT-2
 style, registered from outside pipekit). Pipelines run on 2 pipeline x 2 FSDP ranks unless the
@@ -52,6 +53,7 @@ from pipekit.models.upcycling import UpcycleSpec
 from pipekit.moe import MoEArgs
 from pipekit.moe.expert_parallel import expert_parameters
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
+from pipekit.pipelining.features.context_parallel import PipelineContextParallel
 from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
 
 WORLD, ROWS, SEQ_LEN, MICROBATCHES, SLICES = 4, 8, 16, 2, 4
@@ -170,6 +172,11 @@ ROWS_ = [
         tolerance=BF16_TOLERANCE,
         every_expert=True,
     ),
+    Row(  # 2 pipeline x 2 context-parallel ranks: every slice split over the cp ranks
+        "sliced + context parallel (commutated)",
+        pipeline=SLICED | {"dp_shard": 1, "cp": 2},
+        ablation="local_kv_cache_only",
+    ),
     Row(
         "upcycled x sliced + EP",
         pipeline=SLICED | {"ep": 2},
@@ -248,6 +255,10 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
         elif name == "misplaced_experts":
             assert runner.model is not None
             _roll_local_experts(runner.model)
+        elif name == "local_kv_cache_only":  # queries never reach the other cp rank's cache
+            parallel = runner.extension("context_parallel")
+            assert isinstance(parallel, PipelineContextParallel)
+            parallel.drop_remote = True
         elif name == "router_seed_per_rank":
             pass  # applied when the stages are materialised (`_run_row`)
         elif name == "untied_gradients":  # each copy keeps its own stage's gradient

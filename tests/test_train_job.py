@@ -236,6 +236,19 @@ def test_context_parallel_job_matches_the_data_parallel_job(tmp_path: Path) -> N
     assert context_parallel == pytest.approx(data_parallel, rel=1e-5)
 
 
+def test_commutated_context_parallelism_in_the_sliced_pipeline_matches_it(tmp_path: Path) -> None:
+    """configs/debug_sliced_pp.toml with cp = 2 on 4 ranks (every slice split over 2 cp ranks,
+    SlimPipe's commutated attention over the chunked KV cache) against the same pipeline on 2
+    ranks: the same losses up to float32 rounding."""
+    short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.enable", "false")
+    pipeline = _train(tmp_path / "pp", *short, config=SLICED_PP_CONFIG)
+    context_parallel = _train(
+        tmp_path / "pp_cp", *short, "--parallelism.cp", "2", nproc=4, config=SLICED_PP_CONFIG
+    )
+    assert sorted(context_parallel) == [1, 2, 3]
+    assert context_parallel == pytest.approx(pipeline, rel=1e-5)
+
+
 def test_sliced_pipeline_job_matches_the_data_parallel_job(tmp_path):
     """configs/debug_sliced_pp.toml (2 pipeline ranks, 4 slices) against debug_model.toml (2
     FSDP ranks) on the same global batches: equal losses step for step (float32 tolerance)."""

@@ -51,6 +51,7 @@ __all__ = [
     "choose_context_parallel",
     "commutated_context_attention",
     "context_parallel_bytes",
+    "context_parallel_tokens",
     "load_balanced_indices",
 ]
 
@@ -66,6 +67,21 @@ def load_balanced_indices(length: int, cp: int, start: int = 0) -> Tensor:
         )
     pieces = torch.arange(start, start + length).view(2 * cp, -1)
     return torch.stack([torch.cat([pieces[rank], pieces[2 * cp - 1 - rank]]) for rank in range(cp)])
+
+
+def context_parallel_tokens(length: int, cp: int, rank: int, num_slices: int = 1) -> Tensor:
+    """The sequence indices cp rank `rank` holds of a sequence of `length` tokens cut into
+    `num_slices` slices, each slice load-balanced over the cp ranks: slice by slice, so the
+    rank's tokens of slice j are its j-th `length / (num_slices x cp)` tokens."""
+    if length % num_slices:
+        raise ValueError(f"sequence length {length} does not split into {num_slices} slices")
+    slice_length = length // num_slices
+    return torch.cat(
+        [
+            load_balanced_indices(slice_length, cp, start=index * slice_length)[rank]
+            for index in range(num_slices)
+        ]
+    )
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from pipekit.models.stage_module import (
     validate_stage_module_names,
 )
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
+from pipekit.pipelining.features.context_parallel import PipelineContextParallel
 from pipekit.pipelining.features.tied_weights import TiedWeights, untie_vocabulary
 from pipekit.pipelining.features.vocab_parallel import (
     PipelineVocabParallel,
@@ -109,6 +110,14 @@ def build_pipeline(
                 new_group_along(mesh, "pp"),
                 blocks_per_stage(plan.structure, plan.module_names_per_stage),
                 timeout=setup.collective_timeout,
+            )
+        )
+    if plan.context_parallel > 1:
+        extensions.append(
+            PipelineContextParallel(
+                mesh["cp"].get_group(),
+                plan.slice_length * plan.context_parallel,
+                setup.attention_backend,
             )
         )
     if plan.vocab_parallel:

@@ -50,11 +50,17 @@ class PipelinePlan:
     vocab_parallel: bool = False
     """The embedding and output layer are split across the pipeline ranks, outside the stages."""
     context_exchange: bool = False
+    context_parallel: int = 1
+    """cp ranks sharing every slice (`slice_length` is one rank's share)."""
 
     @property
     def features(self) -> frozenset[str]:
         """The pipeline features the plan turns on (registry names)."""
-        on = {"vocab_parallel": self.vocab_parallel, "context_exchange": self.context_exchange}
+        on = {
+            "vocab_parallel": self.vocab_parallel,
+            "context_exchange": self.context_exchange,
+            "context_parallel": self.context_parallel > 1,
+        }
         return frozenset(name for name, enabled in on.items() if enabled)
 
     @property
@@ -108,7 +114,7 @@ def plan_pipeline(
     shape = ScheduleShape(num_ranks, num_microbatches, num_slices, stages_per_rank)
     features = frozenset(
         name for name in ("vocab_parallel", "context_exchange") if getattr(parallelism, name)
-    )
+    ) | ({"context_parallel"} if parallelism.cp > 1 else set())
     entry.check(shape, features)
     if entry.actions is None:
         where = f"pipeline_schedule_file={schedule_file!r}" if schedule_file else "the schedule"
@@ -162,6 +168,8 @@ def plan_pipeline(
         )
     if parallelism.context_exchange:
         _check_context_exchange(structure, names, actions_by_rank, num_slices)
+    if parallelism.cp > 1:
+        _check_context_parallel(parallelism, seq_len, num_slices)
     if parallelism.vocab_parallel:  # the output passes must fit the schedule without deadlock
         with_output_passes(actions_by_rank, num_slices, lockstep=parallelism.context_exchange)
     return PipelinePlan(
@@ -176,10 +184,28 @@ def plan_pipeline(
         structure=structure,
         model=model,
         unit_rows=local_batch_size // num_microbatches,
-        slice_length=seq_len // num_slices,
+        slice_length=seq_len // num_slices // parallelism.cp,
         vocab_parallel=parallelism.vocab_parallel,
         context_exchange=parallelism.context_exchange,
+        context_parallel=parallelism.cp,
     )
+
+
+def _check_context_parallel(parallelism: ParallelismConfig, seq_len: int, num_slices: int) -> None:
+    """Every slice is cut into 2 x cp equal pieces; context exchange lends KV-cache chunks a
+    context-parallel rank does not hold whole."""
+    pieces = 2 * parallelism.cp * num_slices
+    if seq_len % pieces:
+        raise ValueError(
+            f"training.seq_len={seq_len} must be a multiple of 2 x cp x num_slices = {pieces} "
+            f"(each of the {num_slices} slices is cut into 2 x cp = {2 * parallelism.cp} equal "
+            "pieces for the cp ranks); choose seq_len, cp or num_slices to fit"
+        )
+    if parallelism.context_exchange:
+        raise ValueError(
+            f"context_exchange = true with cp={parallelism.cp}: context exchange does not "
+            "combine with context parallelism yet; turn one off"
+        )
 
 
 def _check_context_exchange(

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from pipekit.attention.context import AttentionContext, CausalAttention
-from pipekit.attention.context_parallel import ContextParallelAttention, load_balanced_indices
+from pipekit.attention.context_parallel import ContextParallelAttention, context_parallel_tokens
 from pipekit.checkpoint.dcp import (
     CheckpointManager,
     ModelOptimizerState,
@@ -70,12 +70,14 @@ class Trainer:
         self.dims = job.dims
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         self._context_parallel: tuple[Tensor, dist.ProcessGroup] | None = None
-        if self.dims.cp_enabled:  # this rank's load-balanced tokens of every sequence, its group
+        if self.dims.cp_enabled:  # this rank's tokens of every sequence (slice by slice), group
             assert self.mesh is not None
             cp_mesh = self.mesh["cp"]
-            tokens_S = load_balanced_indices(config.training.seq_len, self.dims.cp)
-            local_tokens_S = tokens_S[cp_mesh.get_local_rank()].to(self.device)
-            self._context_parallel = (local_tokens_S, cp_mesh.get_group())
+            num_slices = job.pipeline.num_slices if job.pipeline is not None else 1
+            tokens_S = context_parallel_tokens(
+                config.training.seq_len, self.dims.cp, cp_mesh.get_local_rank(), num_slices
+            )
+            self._context_parallel = (tokens_S.to(self.device), cp_mesh.get_group())
         self.output_dir = Path(config.job.output_dir)
         self.checkpoints = CheckpointManager(
             self.output_dir / config.checkpoint.folder, keep_last=config.checkpoint.keep_last
@@ -195,13 +197,14 @@ class Trainer:
 
     def _forward_backward(self, batch: TensorDict, global_tokens: Tensor) -> Tensor | None:
         """Loss of one micro-batch (token sum over the global count), gradients accumulated."""
+        cp_group = None if self._context_parallel is None else self._context_parallel[1]
         if self.pipeline is not None:
-            return self.pipeline.step(batch, global_tokens)
+            with statistics_group(cp_group):
+                return self.pipeline.step(batch, global_tokens)
         backend = self.config.model.attention_backend
         context: AttentionContext = CausalAttention(batch["document_ids"], backend=backend)
-        cp_group = None
         if self._context_parallel is not None:
-            tokens_S, cp_group = self._context_parallel
+            tokens_S = self._context_parallel[0]
             context = ContextParallelAttention(tokens_S, batch["document_ids"], cp_group, backend)
         with self._autocast(), statistics_group(cp_group):
             logits_BSV = self.model(batch["tokens"], batch["positions"], context)

@@ -30,7 +30,7 @@ __all__ = [
     "schedule_names",
 ]
 
-FEATURES = ("vocab_parallel", "context_exchange")
+FEATURES = ("vocab_parallel", "context_exchange", "context_parallel")
 """The pipeline features a schedule may support (`pipelining.features`)."""
 
 
@@ -96,19 +96,20 @@ def _sliced(shape: ScheduleShape) -> dict[int, list[Action]]:
 
 def _torch_entry(name: str, **rules: object) -> ScheduleEntry:
     """torch's schedule `name`: its own class without features; its lists (read from that
-    class) with vocabulary parallelism, whose output passes go between its actions. Context
-    exchange needs sliced passes, which torch's schedules do not run."""
+    class) with vocabulary parallelism, whose output passes go between its actions, or with
+    context parallelism, which wraps each pass's attention. Context exchange needs sliced
+    passes, which torch's schedules do not run."""
 
     def actions(shape: ScheduleShape) -> dict[int, list[Action]]:
         return torch_schedule_actions(
             name, shape.num_ranks, shape.num_microbatches, shape.stages_per_rank
         )
 
-    features = frozenset({"vocab_parallel"})
+    features = frozenset({"vocab_parallel", "context_parallel"})
     return ScheduleEntry(name, actions, features=features, torch_class=name, **rules)
 
 
-_BOTH = frozenset(FEATURES)
+_ALL = frozenset(FEATURES)
 
 SCHEDULES: dict[str, ScheduleEntry] = {}
 
@@ -126,7 +127,7 @@ for _entry in (
         "sliced",
         _sliced,
         sliced=True,
-        features=_BOTH,
+        features=_ALL,
         description="SlimPipe: sequence slices, 1F1B over slices, chunked KV cache",
     ),
     ScheduleEntry(
@@ -134,7 +135,7 @@ for _entry in (
         None,
         stage_style="user",
         sliced=True,
-        features=_BOTH,
+        features=_ALL,
         description="a schedule file (pipeline_schedule_file): per-rank task lists",
     ),
     _torch_entry("GPipe", stages_per_rank=1),

@@ -1,0 +1,111 @@
+"""Context parallelism inside pipeline stages: SlimPipe's commutated attention on the KV cache.
+
+With `cp` context-parallel ranks per pipeline rank, every slice of a sequence is split over the
+cp ranks, load-balanced within the slice (`context_parallel_tokens`): each cp rank runs the
+same pipeline schedule on its share of every slice, so the stages, the messages between them and
+the KV cache hold `1/cp` of the tokens. A slice's queries must still attend to all earlier
+tokens, which lie in the other cp ranks' caches. `PipelineContextParallel` wraps each unit's
+KV-cache context in `CommutatedSliceAttention`, which caches the rank's K/V as usual and then
+runs `commutated_context_attention`: the queries travel, the cache stays home, and the gradients
+the other ranks' queries leave on this rank's cached chunks accumulate where the cache is (and
+reach the owning slice's projections in its backward, as without context parallelism).
+
+The cp ranks of a stage call their collectives in the same order, since they run the same
+action lists; they use the mesh's `cp` group, which no other feature or FSDP2 uses.
+
+Legend: B batch, H query heads, G kv heads, S local slice length, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch.distributed as dist
+from torch import Tensor
+
+from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.context import AttentionContext
+from pipekit.attention.context_parallel import (
+    CachedShard,
+    TokenShard,
+    commutated_context_attention,
+    load_balanced_indices,
+)
+from pipekit.attention.kv_cache import SliceAttention
+from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.runtime.extension import PipelineExtension
+from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
+
+__all__ = ["CommutatedSliceAttention", "PipelineContextParallel"]
+
+
+class CommutatedSliceAttention:
+    """A slice's attention context under context parallelism: `inner` (the stage's KV-cache
+    context of the unit) caches this rank's K/V; attention runs over every cp rank's cache."""
+
+    def __init__(
+        self, inner: SliceAttention, extension: PipelineContextParallel, slice_index: int
+    ) -> None:
+        self.inner, self.extension, self.slice_index = inner, extension, slice_index
+
+    def attend(
+        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+    ) -> Tensor:
+        earlier, own = self.inner.chunks(layer_id, k_BGSD, v_BGSD)
+        tokens = self.extension.slice_tokens
+        cache = [
+            CachedShard(c.k_BGSD, c.v_BGSD, TokenShard(tokens(index), c.document_ids_BS))
+            for index, c in enumerate(earlier)
+        ]
+        shard = TokenShard(tokens(self.slice_index), self.inner.document_ids_BS)
+        cache.append(CachedShard(own.k_BGKD, own.v_BGKD, shard))
+        out_BHSD, _ = commutated_context_attention(
+            q_BHSD,
+            shard,
+            cache,
+            self.extension.group,
+            scale=scale,
+            backend=self.inner.cache.backend,
+            drop_remote=self.extension.drop_remote,
+        )
+        return out_BHSD
+
+
+class PipelineContextParallel(PipelineExtension):
+    """Commutated context parallelism over `group` (the mesh's `cp` dim) for slices of
+    `slice_length` tokens (the whole slice, all cp ranks' shares)."""
+
+    name = "context_parallel"
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        slice_length: int,
+        backend: str | AttentionBackend = "auto",
+        drop_remote: bool = False,
+    ) -> None:
+        self.group, self.backend = group, backend
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.slice_length = slice_length
+        self.drop_remote = drop_remote
+        """Ablation: attend to this rank's cache only."""
+        self.num_slices = 1
+
+    def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
+        self.num_slices = num_slices
+
+    def slice_tokens(self, slice_index: int) -> Tensor:
+        """This rank's sequence indices in slice `slice_index`."""
+        start = slice_index * self.slice_length
+        return load_balanced_indices(self.slice_length, self.cp, start=start)[self.rank]
+
+    def stage_context(
+        self, stage_index: int, unit: int, training: bool, context: AttentionContext
+    ) -> AttentionContext:
+        if not isinstance(context, SliceAttention):
+            raise TypeError(
+                f"context parallelism wraps the stage's KV-cache context, got {context!r}; "
+                "it does not combine with context exchange"
+            )
+        _, slice_index = unit_microbatch_and_slice(unit, self.num_slices)
+        return CommutatedSliceAttention(context, self, slice_index)
