@@ -5,6 +5,7 @@ with an ablation that must fail; and the per-slice choice by bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import parity
@@ -28,10 +29,10 @@ from pipekit.attention.context_parallel import (
     CachedShard,
     ContextParallelAttention,
     TokenShard,
-    all_gather_context_attention,
     choose_context_parallel,
     commutated_context_attention,
     context_parallel_bytes,
+    kv_passing_context_attention,
     load_balanced_indices,
 )
 from pipekit.layers.sequence_statistics import statistics_group
@@ -88,7 +89,8 @@ def _summed_grads(leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _all_gather_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
+def _whole_sequence_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
+    """KV passing over the unsliced sequence (the trainer's context outside pipelines)."""
     inputs = _inputs()
     leaves = _leaves(inputs)
     tokens = load_balanced_indices(LENGTH, world)[rank]
@@ -97,7 +99,8 @@ def _all_gather_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tens
         torch.arange(len(tokens)) if ablate else tokens, inputs["documents"][:, tokens]
     )
     local = {name: leaves[name][:, :, tokens] for name in "qkv"}
-    out, _ = all_gather_context_attention(local["q"], local["k"], local["v"], shard, backend="cpu")
+    context = ContextParallelAttention(shard.tokens_S, shard.document_ids_BS, None, "cpu")
+    out = context.attend("0", local["q"], local["k"], local["v"], HEAD_DIM**-0.5)
     (out * inputs["upstream"][:, :, tokens]).sum().backward()
     full_out = torch.zeros_like(inputs["q"])
     full_out[:, :, tokens] = out.detach()
@@ -105,28 +108,32 @@ def _all_gather_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tens
     return {"out": full_out, **_summed_grads(leaves)}
 
 
-def _commutated_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
-    """The sequence in SLICES slices, each sliced over the ranks; every rank caches the K/V of
-    its tokens of every slice so far and never sends them."""
-    inputs = _inputs()
-    leaves = _leaves(inputs)
-    slice_length = LENGTH // SLICES
-    cache: list[CachedShard] = []
-    full_out = torch.zeros_like(inputs["q"])
-    loss = torch.zeros((), dtype=torch.float64)
-    for index in range(SLICES):
-        tokens = load_balanced_indices(slice_length, world, start=index * slice_length)[rank]
-        shard = TokenShard(tokens, inputs["documents"][:, tokens])
-        k, v = leaves["k"][:, :, tokens], leaves["v"][:, :, tokens]
-        cache.append(CachedShard(k, v, shard))
-        out, _ = commutated_context_attention(
-            leaves["q"][:, :, tokens], shard, cache, backend="cpu", drop_remote=ablate
-        )
-        loss = loss + (out * inputs["upstream"][:, :, tokens]).sum()
-        full_out[:, :, tokens] = out.detach()
-    loss.backward()
-    dist.all_reduce(full_out)
-    return {"out": full_out, **_summed_grads(leaves)}
+def _sliced_run(attend) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
+    """The sequence in SLICES slices, each split over the ranks; every rank caches the K/V of
+    its tokens of every slice so far and calls `attend` (a variant) for each slice; the
+    ablation attends to the rank's own cache only."""
+
+    def run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
+        inputs = _inputs()
+        leaves = _leaves(inputs)
+        slice_length = LENGTH // SLICES
+        cache: list[CachedShard] = []
+        full_out = torch.zeros_like(inputs["q"])
+        loss = torch.zeros((), dtype=torch.float64)
+        for index in range(SLICES):
+            tokens = load_balanced_indices(slice_length, world, start=index * slice_length)[rank]
+            shard = TokenShard(tokens, inputs["documents"][:, tokens])
+            k, v = leaves["k"][:, :, tokens], leaves["v"][:, :, tokens]
+            cache.append(CachedShard(k, v, shard))
+            q = leaves["q"][:, :, tokens]
+            out, _ = attend(q, shard, cache, backend="cpu", drop_remote=ablate)
+            loss = loss + (out * inputs["upstream"][:, :, tokens]).sum()
+            full_out[:, :, tokens] = out.detach()
+        loss.backward()
+        dist.all_reduce(full_out)
+        return {"out": full_out, **_summed_grads(leaves)}
+
+    return run
 
 
 def _worst_difference(results: list[dict[str, torch.Tensor]]) -> float:
@@ -143,16 +150,20 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
     """Every case on one process group: the variants and their ablations."""
     return {
         f"{name}{' ablated' if ablate else ''}": run(rank, world, ablate)
-        for name, run in (("all-gather", _all_gather_run), ("commutated", _commutated_run))
+        for name, run in (
+            ("kv passing, whole sequence", _whole_sequence_run),
+            ("kv passing, sliced", _sliced_run(kv_passing_context_attention)),
+            ("commutated, sliced", _sliced_run(commutated_context_attention)),
+        )
         for ablate in (False, True)
     }
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_attention_matches_one_process_fp64(world: int) -> None:
-    """Both variants equal single-process attention in output and every gradient; the ablations
-    (shards masked as if their tokens came first; commutated attention merging only the local
-    cache's partial) do not."""
+    """Both variants, over the whole sequence and over a chunked cache of slices, equal
+    single-process attention in output and every gradient; the ablations (shards masked as if
+    their tokens came first; attending to the local cache only) do not."""
     per_rank = run_on_ranks(_runs, world, timeout=120)
     for case in per_rank[0]:
         difference = _worst_difference([results[case] for results in per_rank])
@@ -178,19 +189,19 @@ def test_the_cheaper_variant_depends_on_grouped_query_attention_and_the_slice() 
     commutated attention after; with as many kv heads as query heads it wins from slice 1."""
     gqa = {"slice_tokens": 1024, "cp": 4, "q_heads": 64, "kv_heads": 8, "head_dim": 128}
     choices = [choose_context_parallel(slice_index=j, **gqa) for j in range(12)]
-    assert choices == ["kv"] * 8 + ["commutated"] * 4
+    assert choices == ["kv_passing"] * 8 + ["commutated"] * 4
     mha = gqa | {"kv_heads": 64}
     assert [choose_context_parallel(slice_index=j, **mha) for j in range(3)] == [
-        "kv",
+        "kv_passing",
         "commutated",
         "commutated",
     ]
     commutated = [context_parallel_bytes("commutated", slice_index=j, **gqa) for j in range(4)]
     assert len(set(commutated)) == 1  # constant per slice
-    assert context_parallel_bytes("kv", slice_index=3, **gqa) == 4 * context_parallel_bytes(
-        "kv", slice_index=0, **gqa
+    assert context_parallel_bytes("kv_passing", slice_index=3, **gqa) == 4 * context_parallel_bytes(
+        "kv_passing", slice_index=0, **gqa
     )
-    with pytest.raises(ValueError, match="choose 'commutated' or 'kv'"):
+    with pytest.raises(ValueError, match="choose 'commutated' or 'kv_passing'"):
         context_parallel_bytes("ring", slice_index=0, **gqa)
 
 

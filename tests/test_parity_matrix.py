@@ -5,16 +5,17 @@ its loss and every gradient with the single-process step on the same weights and
 float64 (relative difference <= 1e-10): FSDP, HSDP, torch's 1F1B, Interleaved1F1B and ZBV
 (without data parallelism: the plan refuses its I/W actions on FSDP stages), SlimPipe's sliced
 schedule (v = 1 and 2), sliced with context exchange, with context parallelism (SlimPipe's
-commutated attention over the chunked KV cache, on 2 pipeline x 2 cp ranks), with vocabulary
-parallelism, expert parallelism alone and inside the sliced pipeline, everything at once, and
-tied embeddings across stages (on two ranks, as vocabulary shards, and on one rank of a V), and
-a MoE upcycled from a dense Hugging Face checkpoint inside the sliced pipeline with expert
-parallelism (each rank reading only its stages' local blocks; Llama only). In bf16 (FSDP2 mixed
-precision, float32 weights and reductions, bf16 messages) against float32, within 5e-2: the
-sliced pipeline with 2 data ranks and with one. For Llama-MoE and for the custom example (GPT-2
-style, registered from outside pipekit). Pipelines run on 2 pipeline x 2 FSDP ranks unless the
-row says otherwise. Every row has an ablation that breaks the mechanism the row relies on, and
-it must fail. All rows of a model share one process group, all ablations another.
+commutated attention over the chunked KV cache, KV passing, and the choice per slice, on 2
+pipeline x 2 cp ranks), with vocabulary parallelism, expert parallelism alone and inside the
+sliced pipeline, everything at once, and tied embeddings across stages (on two ranks, as
+vocabulary shards, and on one rank of a V), and a MoE upcycled from a dense Hugging Face
+checkpoint inside the sliced pipeline with expert parallelism (each rank reading only its
+stages' local blocks; Llama only). In bf16 (FSDP2 mixed precision, float32 weights and
+reductions, bf16 messages) against float32, within 5e-2: the sliced pipeline with 2 data ranks
+and with one. For Llama-MoE and for the custom example (GPT-2 style, registered from outside
+pipekit). Pipelines run on 2 pipeline x 2 FSDP ranks unless the row says otherwise. Every row
+has an ablation that breaks the mechanism the row relies on, and it must fail. All rows of a
+model share one process group, all ablations another.
 """
 
 from __future__ import annotations
@@ -172,10 +173,14 @@ ROWS_ = [
         tolerance=BF16_TOLERANCE,
         every_expert=True,
     ),
-    Row(  # 2 pipeline x 2 context-parallel ranks: every slice split over the cp ranks
-        "sliced + context parallel (commutated)",
-        pipeline=SLICED | {"dp_shard": 1, "cp": 2},
-        ablation="local_kv_cache_only",
+    *(  # 2 pipeline x 2 context-parallel ranks: every slice split over the cp ranks; "auto"
+        # switches from passing K/V to passing queries mid-sequence at these shapes
+        Row(
+            f"sliced + context parallel ({variant})",
+            pipeline=SLICED | {"dp_shard": 1, "cp": 2, "cp_variant": variant},
+            ablation="local_kv_cache_only",
+        )
+        for variant in ("commutated", "kv_passing", "auto")
     ),
     Row(
         "upcycled x sliced + EP",

@@ -11,8 +11,8 @@ from pipekit.attention.backends import (
 from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
 from pipekit.attention.context_parallel import (
     ContextParallelAttention,
-    all_gather_context_attention,
     commutated_context_attention,
+    kv_passing_context_attention,
     load_balanced_indices,
 )
 from pipekit.attention.exchange import (
@@ -48,7 +48,6 @@ __all__ = [
     "MaskMod",
     "RingBackend",
     "SliceAttention",
-    "all_gather_context_attention",
     "and_masks",
     "attention",
     "attention_over_chunks",
@@ -59,6 +58,7 @@ __all__ = [
     "commutated_context_attention",
     "document_mask",
     "get_backend",
+    "kv_passing_context_attention",
     "load_balanced_indices",
     "merge_attention",
     "offset_causal_mask",

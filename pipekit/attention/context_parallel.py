@@ -8,10 +8,11 @@ tokens that are not contiguous, and masks compare the tokens' indices in the seq
 (`token_order_mask`), within packed documents when ids are given. Both variants below work with
 every attention backend: the `cpu` kernel, and FlexAttention through `ring_backend`.
 
-- `all_gather_context_attention` moves keys and values: every rank gathers all ranks' K/V
-  and attends its queries to them, one chunk per source rank; in backward, each source's dK/dV
-  goes back to it (an all-to-all, then a sum). Per layer and rank it moves (cp-1)/cp of the
-  sequence's K/V.
+- `kv_passing_context_attention` moves keys and values: every rank gathers all ranks' K/V
+  (of each chunk of its cache) and attends its queries to them, one chunk per source rank; in
+  backward, each source's dK/dV goes back to it (an all-to-all, then a sum). Per layer and rank
+  it receives (cp-1)/cp of the K/V it attends to: for slice j of a sliced sequence, j+1
+  slices' worth, the whole cache again.
 - `commutated_context_attention` (SlimPipe, "Commutated Context Parallelism") moves queries:
   each rank keeps its part of the K/V cache at home. A new slice's local queries go to every
   peer; each computes the partial attention of all ranks' queries against its own cached
@@ -44,16 +45,21 @@ from pipekit.attention.masks import token_order_mask
 from pipekit.attention.merge import merge_attention
 
 __all__ = [
+    "CONTEXT_PARALLEL_VARIANTS",
     "CachedShard",
     "ContextParallelAttention",
     "TokenShard",
-    "all_gather_context_attention",
     "choose_context_parallel",
     "commutated_context_attention",
     "context_parallel_bytes",
     "context_parallel_tokens",
+    "kv_passing_context_attention",
     "load_balanced_indices",
 ]
+
+
+CONTEXT_PARALLEL_VARIANTS = ("auto", "commutated", "kv_passing")
+"""How a sliced pipeline's cp ranks exchange attention; "auto" picks per slice by bytes."""
 
 
 def load_balanced_indices(length: int, cp: int, start: int = 0) -> Tensor:
@@ -150,32 +156,39 @@ class _GatherKV(torch.autograd.Function):
         return None, grad_k, grad_v
 
 
-def all_gather_context_attention(
+def kv_passing_context_attention(
     q_BHSD: Tensor,
-    k_BGSD: Tensor,
-    v_BGSD: Tensor,
     shard: TokenShard,
+    cache: Sequence[CachedShard],
     group: dist.ProcessGroup | None = None,
     *,
     scale: float | None = None,
     backend: str | AttentionBackend = "auto",
+    drop_remote: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Causal attention of this rank's queries over every rank's keys (KV passing by
-    all-gather): `(out_BHSD, lse_BHS)` with exact gradients for q, k and v."""
-    gathered = _GatherKV.apply(group, k_BGSD, v_BGSD)
-    ranks = len(gathered) // 2
-    shards = _gather_shards(shard, group)
-    chunks = [
-        KVChunk(gathered[rank], gathered[ranks + rank], _mask(shard, shards[rank]))
-        for rank in range(ranks)
-    ]
+    """Causal attention of this rank's queries (`shard`) over every rank's KV cache, passing
+    the keys and values: every chunk of `cache` (this rank's, the current slice's or the whole
+    sequence's included) is gathered from all ranks. `(out_BHSD, lse_BHS)` with exact gradients
+    for q and for the local chunks' k and v (each source's dK/dV returns to it).
+    `drop_remote` (an ablation) attends to this rank's chunks only."""
+    rank = dist.get_rank(group)
+    chunks = []
+    for cached in cache:
+        gathered = _GatherKV.apply(group, cached.k_BGKD, cached.v_BGKD)
+        ranks = len(gathered) // 2
+        sources = _gather_shards(cached.shard, group)
+        chunks += [
+            KVChunk(gathered[source], gathered[ranks + source], _mask(shard, sources[source]))
+            for source in range(ranks)
+            if not drop_remote or source == rank
+        ]
     return attention_over_chunks(q_BHSD, chunks, scale, backend)
 
 
 class ContextParallelAttention:
     """The attention context of a context-parallel rank: its load-balanced share of each
     sequence (`tokens_S`, with their document ids) attends causally to every cp rank's keys
-    (`all_gather_context_attention` over `group`). Not a dataclass, so FSDP2's input handling
+    (`kv_passing_context_attention` over `group`). Not a dataclass, so FSDP2's input handling
     passes it through as it is."""
 
     def __init__(
@@ -190,8 +203,9 @@ class ContextParallelAttention:
     def attend(
         self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
     ) -> Tensor:
-        return all_gather_context_attention(
-            q_BHSD, k_BGSD, v_BGSD, self.shard, self.group, scale=scale, backend=self.backend
+        cache = [CachedShard(k_BGSD, v_BGSD, self.shard)]
+        return kv_passing_context_attention(
+            q_BHSD, self.shard, cache, self.group, scale=scale, backend=self.backend
         )[0]
 
 
@@ -313,13 +327,14 @@ def context_parallel_bytes(
     share = (cp - 1) / cp * slice_tokens * element_bytes
     if variant == "commutated":
         return share * (2 * q_heads * head_dim + q_heads)
-    if variant == "kv":
+    if variant == "kv_passing":
         return share * (slice_index + 1) * 2 * kv_heads * head_dim
-    raise ValueError(f"context parallel variant {variant!r}: choose 'commutated' or 'kv'")
+    raise ValueError(f"context parallel variant {variant!r}: choose 'commutated' or 'kv_passing'")
 
 
 def choose_context_parallel(**shape: int) -> str:
-    """'commutated' or 'kv', whichever moves fewer bytes for this slice
+    """'commutated' or 'kv_passing', whichever moves fewer bytes for this slice
     (`context_parallel_bytes`' keywords); KV passing on a tie, as it needs no merge."""
     commutated = context_parallel_bytes("commutated", **shape)
-    return "commutated" if commutated < context_parallel_bytes("kv", **shape) else "kv"
+    cheaper = commutated < context_parallel_bytes("kv_passing", **shape)
+    return "commutated" if cheaper else "kv_passing"

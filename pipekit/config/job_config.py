@@ -177,8 +177,12 @@ class ParallelismConfig:
     dp_shard: int = -1
     """FSDP2 shard degree (-1 = the rest of the world size)."""
     cp: int = 1
-    """Context-parallel degree: each sequence split over this many ranks, load-balanced
-    (seq_len a multiple of 2 x cp; not inside pipelines yet; docs/context_parallel.md)."""
+    """Context-parallel degree: each sequence (each slice, in a pipeline) split over this many
+    ranks, load-balanced (seq_len a multiple of 2 x cp x num_slices; docs/context_parallel.md)."""
+    cp_variant: str = "auto"
+    """How pipeline stages exchange attention under cp: "commutated" (queries travel, the KV
+    cache stays home), "kv_passing" (the cache travels), or "auto" (per slice, whichever moves
+    fewer bytes)."""
     tp: int = 1
     """Tensor-parallel degree (not supported by the trainer yet)."""
     pipeline_parallel_degree: int = 1

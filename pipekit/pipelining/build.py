@@ -118,6 +118,7 @@ def build_pipeline(
                 mesh["cp"].get_group(),
                 plan.slice_length * plan.context_parallel,
                 setup.attention_backend,
+                plan.context_parallel_variant,
             )
         )
     if plan.vocab_parallel:

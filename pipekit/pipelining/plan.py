@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pipekit.attention.context_parallel import CONTEXT_PARALLEL_VARIANTS
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.pipelining._torch_runtime import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
@@ -52,6 +53,8 @@ class PipelinePlan:
     context_exchange: bool = False
     context_parallel: int = 1
     """cp ranks sharing every slice (`slice_length` is one rank's share)."""
+    context_parallel_variant: str = "auto"
+    """"commutated", "kv_passing" or "auto" (per slice, by bytes)."""
 
     @property
     def features(self) -> frozenset[str]:
@@ -188,12 +191,18 @@ def plan_pipeline(
         vocab_parallel=parallelism.vocab_parallel,
         context_exchange=parallelism.context_exchange,
         context_parallel=parallelism.cp,
+        context_parallel_variant=parallelism.cp_variant,
     )
 
 
 def _check_context_parallel(parallelism: ParallelismConfig, seq_len: int, num_slices: int) -> None:
     """Every slice is cut into 2 x cp equal pieces; context exchange lends KV-cache chunks a
     context-parallel rank does not hold whole."""
+    if parallelism.cp_variant not in CONTEXT_PARALLEL_VARIANTS:
+        raise ValueError(
+            f"cp_variant={parallelism.cp_variant!r} is not one of "
+            f"{', '.join(CONTEXT_PARALLEL_VARIANTS)}"
+        )
     pieces = 2 * parallelism.cp * num_slices
     if seq_len % pieces:
         raise ValueError(

@@ -1,14 +1,19 @@
-"""Context parallelism inside pipeline stages: SlimPipe's commutated attention on the KV cache.
+"""Context parallelism inside pipeline stages: SlimPipe's commutated attention on the KV cache,
+or KV passing, chosen per slice.
 
 With `cp` context-parallel ranks per pipeline rank, every slice of a sequence is split over the
 cp ranks, load-balanced within the slice (`context_parallel_tokens`): each cp rank runs the
 same pipeline schedule on its share of every slice, so the stages, the messages between them and
 the KV cache hold `1/cp` of the tokens. A slice's queries must still attend to all earlier
 tokens, which lie in the other cp ranks' caches. `PipelineContextParallel` wraps each unit's
-KV-cache context in `CommutatedSliceAttention`, which caches the rank's K/V as usual and then
-runs `commutated_context_attention`: the queries travel, the cache stays home, and the gradients
-the other ranks' queries leave on this rank's cached chunks accumulate where the cache is (and
-reach the owning slice's projections in its backward, as without context parallelism).
+KV-cache context in `ContextParallelSliceAttention`, which caches the rank's K/V as usual and
+then runs, per slice, `commutated_context_attention` (the queries travel, the cache stays home)
+or `kv_passing_context_attention` (the cache travels): "auto" takes whichever moves fewer bytes
+for the slice (`choose_context_parallel`: with grouped-query attention KV passing is cheaper
+for the first slices, whose caches are small). Either way the gradients the other ranks'
+queries leave on this rank's cached chunks accumulate where the cache is, and reach the owning
+slice's projections in its backward, as without context parallelism. The choice depends on
+shapes only, so every cp rank makes the same one.
 
 The cp ranks of a stage call their collectives in the same order, since they run the same
 action lists; they use the mesh's `cp` group, which no other feature or FSDP2 uses.
@@ -28,7 +33,9 @@ from pipekit.attention.context import AttentionContext
 from pipekit.attention.context_parallel import (
     CachedShard,
     TokenShard,
+    choose_context_parallel,
     commutated_context_attention,
+    kv_passing_context_attention,
     load_balanced_indices,
 )
 from pipekit.attention.kv_cache import SliceAttention
@@ -36,10 +43,15 @@ from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
 
-__all__ = ["CommutatedSliceAttention", "PipelineContextParallel"]
+__all__ = ["ContextParallelSliceAttention", "PipelineContextParallel"]
+
+_VARIANTS = {
+    "commutated": commutated_context_attention,
+    "kv_passing": kv_passing_context_attention,
+}
 
 
-class CommutatedSliceAttention:
+class ContextParallelSliceAttention:
     """A slice's attention context under context parallelism: `inner` (the stage's KV-cache
     context of the unit) caches this rank's K/V; attention runs over every cp rank's cache."""
 
@@ -59,7 +71,8 @@ class CommutatedSliceAttention:
         ]
         shard = TokenShard(tokens(self.slice_index), self.inner.document_ids_BS)
         cache.append(CachedShard(own.k_BGKD, own.v_BGKD, shard))
-        out_BHSD, _ = commutated_context_attention(
+        variant = self.extension.variant_of(self.slice_index, q_BHSD, k_BGSD)
+        out_BHSD, _ = _VARIANTS[variant](
             q_BHSD,
             shard,
             cache,
@@ -72,8 +85,8 @@ class CommutatedSliceAttention:
 
 
 class PipelineContextParallel(PipelineExtension):
-    """Commutated context parallelism over `group` (the mesh's `cp` dim) for slices of
-    `slice_length` tokens (the whole slice, all cp ranks' shares)."""
+    """Context parallelism over `group` (the mesh's `cp` dim) for slices of `slice_length`
+    tokens (the whole slice, all cp ranks' shares), by `variant` ("auto" chooses per slice)."""
 
     name = "context_parallel"
 
@@ -82,9 +95,10 @@ class PipelineContextParallel(PipelineExtension):
         group: dist.ProcessGroup,
         slice_length: int,
         backend: str | AttentionBackend = "auto",
+        variant: str = "auto",
         drop_remote: bool = False,
     ) -> None:
-        self.group, self.backend = group, backend
+        self.group, self.backend, self.variant = group, backend, variant
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.slice_length = slice_length
         self.drop_remote = drop_remote
@@ -93,6 +107,20 @@ class PipelineContextParallel(PipelineExtension):
 
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
         self.num_slices = num_slices
+
+    def variant_of(self, slice_index: int, q_BHSD: Tensor, k_BGSD: Tensor) -> str:
+        """The variant slice `slice_index` uses."""
+        if self.variant != "auto":
+            return self.variant
+        return choose_context_parallel(
+            slice_index=slice_index,
+            slice_tokens=self.slice_length,
+            cp=self.cp,
+            q_heads=q_BHSD.shape[1],
+            kv_heads=k_BGSD.shape[1],
+            head_dim=q_BHSD.shape[-1],
+            element_bytes=q_BHSD.element_size(),
+        )
 
     def slice_tokens(self, slice_index: int) -> Tensor:
         """This rank's sequence indices in slice `slice_index`."""
@@ -108,4 +136,4 @@ class PipelineContextParallel(PipelineExtension):
                 "it does not combine with context exchange"
             )
         _, slice_index = unit_microbatch_and_slice(unit, self.num_slices)
-        return CommutatedSliceAttention(context, self, slice_index)
+        return ContextParallelSliceAttention(context, self, slice_index)
