@@ -67,3 +67,15 @@ def test_moe_bench_rejects_experts_not_divisible_by_ep(capsys):
     else:
         raise AssertionError("--ep 3 with 8 experts must exit with status 2")
     assert "divide --experts 8" in capsys.readouterr().err
+
+
+def test_context_parallel_bench_counts_the_bytes_the_formula_predicts(capsys):
+    """The bytes the collectives carry (counted) are the formula's, within the few token
+    indices and float32 lse it leaves out; "auto" never moves more than either variant."""
+    sizes = ["--measure-slice-tokens", "64", "--measure-heads", "8", "--head-dim", "32"]
+    main(["context-parallel", "--slices", "6", "--measure-slices", "4", *sizes])
+    result = capsys.readouterr().out.strip().splitlines()[-1]
+    figures = dict(item.split("=") for item in result.removeprefix("RESULT ").split())
+    assert set(figures) == {"auto_vs_commutated", "auto_vs_kv_passing", "measured_vs_formula"}
+    assert float(figures["measured_vs_formula"]) < 0.05
+    assert float(figures["auto_vs_commutated"]) <= 1 and float(figures["auto_vs_kv_passing"]) <= 1

@@ -25,6 +25,10 @@ _BENCHMARKS = {
         "pipekit.bench.context_exchange",
         "attention context exchange: balance, bubbles and traffic (simulated)",
     ),
+    "context-parallel": (
+        "pipekit.bench.context_parallel",
+        "context parallelism: bytes per slice, commutated vs KV passing, and the choice",
+    ),
     "moe": (
         "pipekit.bench.moe",
         "MoE all-to-all pipelining (native and emulated link) and memory reuse vs Eq. 6",

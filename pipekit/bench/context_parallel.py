@@ -1,0 +1,196 @@
+"""`python -m pipekit.bench context-parallel`: bytes per slice of commutated attention against KV
+passing, the choice per slice, and both measured on gloo ranks.
+
+Part 1, formula: for a model shape (default Llama 3 70B: 64 query heads, 8 kv heads, head dim
+128) and a sliced sequence on `cp` ranks, the bytes one rank sends per layer for each slice
+(`context_parallel_bytes`), which variant "auto" takes, and the totals over the sequence.
+
+Part 2, measured (`--measure-ranks`, default 2; 0 skips it): a small shape on gloo ranks. Each
+variant attends slice after slice over a chunked KV cache, forward and backward. The bytes each
+rank sent are counted at the collectives, and compared with the formula (forward), beside the
+wall time per slice. Timings with as many ranks as cores say little about a GPU; the bytes are
+what carry over.
+
+RESULT: auto_vs_commutated and auto_vs_kv_passing (the formula's total bytes of "auto" over
+each fixed variant's), measured_vs_formula (the largest |measured - formula| / formula of the
+forward bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from pipekit.bench._pipeline_launch import run_ranks
+from pipekit.bench._report import machine_description, print_result, print_table
+
+__all__ = ["main"]
+
+_MIB = 2**20
+
+
+def _formula_rows(options: argparse.Namespace) -> tuple[list[list[Any]], dict[str, float]]:
+    from pipekit.attention.context_parallel import choose_context_parallel, context_parallel_bytes
+
+    shape = {
+        "slice_tokens": options.slice_tokens,
+        "cp": options.cp,
+        "q_heads": options.heads,
+        "kv_heads": options.kv_heads,
+        "head_dim": options.head_dim,
+        "element_bytes": 2,
+    }
+    rows, totals = [], {"commutated": 0.0, "kv_passing": 0.0, "auto": 0.0}
+    for index in range(options.slices):
+        sent = {
+            v: context_parallel_bytes(v, slice_index=index, **shape) for v in totals if v != "auto"
+        }
+        choice = choose_context_parallel(slice_index=index, **shape)
+        for variant, size in sent.items():
+            totals[variant] += size
+        totals["auto"] += sent[choice]
+        rows.append([index, sent["commutated"] / _MIB, sent["kv_passing"] / _MIB, choice])
+    return rows, totals
+
+
+def _measure_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Each variant over the slices of one sequence: bytes sent (forward, backward) and time."""
+    import pipekit.attention.context_parallel as cp_module
+    from pipekit.attention.context_parallel import (
+        CachedShard,
+        TokenShard,
+        commutated_context_attention,
+        kv_passing_context_attention,
+        load_balanced_indices,
+    )
+
+    sent = [0]
+    gather, exchange = cp_module._all_gather, cp_module._exchange
+
+    def counted_gather(tensor, group):
+        sent[0] += tensor.nbytes * (num_ranks - 1)  # one copy to every peer
+        return gather(tensor, group)
+
+    def counted_exchange(parts, group):
+        sent[0] += sum(part.nbytes for index, part in enumerate(parts) if index != rank)
+        return exchange(parts, group)
+
+    cp_module._all_gather, cp_module._exchange = counted_gather, counted_exchange
+    heads, kv_heads, head_dim = spec["heads"], spec["kv_heads"], spec["head_dim"]
+    slice_tokens, slices = spec["slice_tokens"], spec["slices"]
+    local = slice_tokens // num_ranks
+    generator = torch.Generator().manual_seed(rank)
+    results: dict[str, Any] = {}
+    for name, attend in (
+        ("commutated", commutated_context_attention),
+        ("kv_passing", kv_passing_context_attention),
+    ):
+        cache: list[CachedShard] = []
+        forward_bytes, backward_bytes, seconds = [], [], []
+        for index in range(slices):
+            tokens = load_balanced_indices(slice_tokens, num_ranks, start=index * slice_tokens)
+            shard = TokenShard(tokens[rank])
+
+            def draw(count: int) -> torch.Tensor:
+                size = (1, count, local, head_dim)
+                return torch.randn(size, generator=generator, dtype=torch.bfloat16)
+
+            q = draw(heads).requires_grad_()
+            k, v = draw(kv_heads).requires_grad_(), draw(kv_heads).requires_grad_()
+            cache.append(CachedShard(k, v, shard))
+            torch.distributed.barrier()
+            start, sent[0] = time.perf_counter(), 0
+            out, _ = attend(q, shard, cache, backend="cpu")
+            forward_bytes.append(sent[0])
+            sent[0] = 0
+            out.float().sum().backward()
+            backward_bytes.append(sent[0])
+            seconds.append(time.perf_counter() - start)
+        results[name] = {"forward": forward_bytes, "backward": backward_bytes, "s": seconds}
+    return results
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipekit.bench context-parallel", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--heads", type=int, default=64, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--cp", type=int, default=4, help="context-parallel ranks (formula)")
+    parser.add_argument("--slices", type=int, default=16, help="slices per sequence")
+    parser.add_argument("--slice-tokens", type=int, default=8192, help="tokens per slice")
+    parser.add_argument("--measure-ranks", type=int, default=2, help="gloo ranks (0: skip)")
+    parser.add_argument("--measure-heads", type=int, default=16)
+    parser.add_argument("--measure-kv-heads", type=int, default=2)
+    parser.add_argument("--measure-slice-tokens", type=int, default=256)
+    parser.add_argument("--measure-slices", type=int, default=12)
+    options = parser.parse_args(argv)
+    print(machine_description(), flush=True)
+    print(
+        f"formula: {options.heads} query heads, {options.kv_heads} kv heads, head dim "
+        f"{options.head_dim}, bf16, cp {options.cp}, {options.slices} slices of "
+        f"{options.slice_tokens} tokens; MiB one rank sends per layer (forward)"
+    )
+    rows, totals = _formula_rows(options)
+    print_table(["slice", "commutated MiB", "kv passing MiB", "auto takes"], rows)
+    print(
+        "totals over the sequence (MiB): "
+        + ", ".join(f"{name} {size / _MIB:.1f}" for name, size in totals.items())
+    )
+    figures: dict[str, Any] = {
+        "auto_vs_commutated": totals["auto"] / totals["commutated"],
+        "auto_vs_kv_passing": totals["auto"] / totals["kv_passing"],
+    }
+    if options.measure_ranks > 1:
+        figures["measured_vs_formula"] = _measure(options)
+    print_result(**figures)
+
+
+def _measure(options: argparse.Namespace) -> float:
+    from pipekit.attention.context_parallel import context_parallel_bytes
+
+    ranks = options.measure_ranks
+    spec = {
+        "heads": options.measure_heads,
+        "kv_heads": options.measure_kv_heads,
+        "head_dim": options.head_dim,
+        "slice_tokens": options.measure_slice_tokens,
+        "slices": options.measure_slices,
+    }
+    print(
+        f"\nmeasured: {ranks} gloo ranks, {spec['heads']} query heads, {spec['kv_heads']} kv "
+        f"heads, head dim {spec['head_dim']}, bf16, {spec['slices']} slices of "
+        f"{spec['slice_tokens']} tokens; rank 0's bytes sent (KiB) and time per slice"
+    )
+    result = run_ranks("pipekit.bench.context_parallel:_measure_worker", ranks, spec)[0]
+    shape = {
+        "slice_tokens": spec["slice_tokens"],
+        "cp": ranks,
+        "q_heads": spec["heads"],
+        "kv_heads": spec["kv_heads"],
+        "head_dim": spec["head_dim"],
+        "element_bytes": 2,
+    }
+    rows, worst = [], 0.0
+    for index in range(spec["slices"]):
+        row: list[Any] = [index]
+        for variant in ("commutated", "kv_passing"):
+            measured = result[variant]["forward"][index]
+            formula = context_parallel_bytes(variant, slice_index=index, **shape)
+            worst = max(worst, abs(measured - formula) / formula)
+            row += [
+                measured / 1024,
+                formula / 1024,
+                result[variant]["backward"][index] / 1024,
+                result[variant]["s"][index] * 1e3,
+            ]
+        rows.append(row)
+    headers = ["slice"]
+    for variant in ("commutated", "kv"):
+        headers += [f"{variant} fwd KiB", "formula KiB", "bwd KiB", "ms"]
+    print_table(headers, rows)
+    return worst
