@@ -19,9 +19,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from pipekit.attention.context import CausalAttention
+from pipekit.attention.context import CausalAttention, ContextParallelAttention
 from pipekit.attention.context_parallel import (
-    ContextParallelAttention,
     context_parallel_tokens,
     load_balanced_indices,
 )

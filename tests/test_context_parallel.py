@@ -25,9 +25,9 @@ from tiny_models import TINY_LLAMA
 
 import examples.custom_model.model as custom
 from pipekit.attention import attention, token_order_mask
+from pipekit.attention.context import ContextParallelAttention
 from pipekit.attention.context_parallel import (
     CachedShard,
-    ContextParallelAttention,
     TokenShard,
     choose_context_parallel,
     commutated_context_attention,
@@ -35,6 +35,7 @@ from pipekit.attention.context_parallel import (
     kv_passing_context_attention,
     load_balanced_indices,
 )
+from pipekit.attention.ring import ring_context_attention
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.models import get_model_spec
 
@@ -89,18 +90,37 @@ def _summed_grads(leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _whole_sequence_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
-    """KV passing over the unsliced sequence (the trainer's context outside pipelines)."""
+def _whole_sequence_run(variant: str) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
+    """The trainer's context outside pipelines, by `variant`, over the unsliced sequence; the
+    ablation masks each rank's tokens as if they were the first of the sequence."""
+
+    def run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
+        inputs = _inputs()
+        leaves = _leaves(inputs)
+        tokens = load_balanced_indices(LENGTH, world)[rank]
+        masked_tokens = torch.arange(len(tokens)) if ablate else tokens
+        context = ContextParallelAttention(
+            masked_tokens, inputs["documents"][:, tokens], None, "cpu", variant
+        )
+        local = {name: leaves[name][:, :, tokens] for name in "qkv"}
+        out = context.attend("0", local["q"], local["k"], local["v"], HEAD_DIM**-0.5)
+        (out * inputs["upstream"][:, :, tokens]).sum().backward()
+        full_out = torch.zeros_like(inputs["q"])
+        full_out[:, :, tokens] = out.detach()
+        dist.all_reduce(full_out)
+        return {"out": full_out, **_summed_grads(leaves)}
+
+    return run
+
+
+def _ring_rotation_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
+    """Ring KV passing called directly; the ablation stops the rotation (own chunk only)."""
     inputs = _inputs()
     leaves = _leaves(inputs)
     tokens = load_balanced_indices(LENGTH, world)[rank]
-    # ablation: each rank's tokens treated as if they were the first of the sequence
-    shard = TokenShard(
-        torch.arange(len(tokens)) if ablate else tokens, inputs["documents"][:, tokens]
-    )
-    local = {name: leaves[name][:, :, tokens] for name in "qkv"}
-    context = ContextParallelAttention(shard.tokens_S, shard.document_ids_BS, None, "cpu")
-    out = context.attend("0", local["q"], local["k"], local["v"], HEAD_DIM**-0.5)
+    shard = TokenShard(tokens, inputs["documents"][:, tokens])
+    q, k, v = (leaves[name][:, :, tokens] for name in "qkv")
+    out, _ = ring_context_attention(q, k, v, shard, backend="cpu", isolated=ablate)
     (out * inputs["upstream"][:, :, tokens]).sum().backward()
     full_out = torch.zeros_like(inputs["q"])
     full_out[:, :, tokens] = out.detach()
@@ -151,7 +171,11 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
     return {
         f"{name}{' ablated' if ablate else ''}": run(rank, world, ablate)
         for name, run in (
-            ("kv passing, whole sequence", _whole_sequence_run),
+            *(
+                (f"{variant}, whole sequence", _whole_sequence_run(variant))
+                for variant in ("kv_passing", "ring", "commutated")
+            ),
+            ("ring rotation", _ring_rotation_run),
             ("kv passing, sliced", _sliced_run(kv_passing_context_attention)),
             ("commutated, sliced", _sliced_run(commutated_context_attention)),
         )
@@ -161,9 +185,10 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_attention_matches_one_process_fp64(world: int) -> None:
-    """Both variants, over the whole sequence and over a chunked cache of slices, equal
-    single-process attention in output and every gradient; the ablations (shards masked as if
-    their tokens came first; attending to the local cache only) do not."""
+    """Every variant over the whole sequence (KV all-gather, ring, commutated) and over a
+    chunked cache of slices (KV passing, commutated) equals single-process attention in output
+    and every gradient; the ablations (shards masked as if their tokens came first; attending
+    to the local cache only) do not."""
     per_rank = run_on_ranks(_runs, world, timeout=120)
     for case in per_rank[0]:
         difference = _worst_difference([results[case] for results in per_rank])

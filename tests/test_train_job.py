@@ -225,15 +225,18 @@ def test_unreadable_checkpoint_gives_one_error_line(tmp_path):
 
 def test_context_parallel_job_matches_the_data_parallel_job_and_resumes(tmp_path: Path) -> None:
     """cp = 2 on 2 ranks (each rank its load-balanced half of every sequence, both reading the
-    whole batch) against FSDP2 over 2 ranks (each half of the rows): the same losses up to
-    float32 rounding; stopped at step 2 and resumed from its checkpoint, the cp job gives its
-    uninterrupted losses."""
+    whole batch; K/V gathered, or passed around the ring) against FSDP2 over 2 ranks (each half
+    of the rows): the same losses up to float32 rounding; stopped at step 2 and resumed from
+    its checkpoint, the cp job gives its uninterrupted losses."""
     short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
     data_parallel = _train(tmp_path / "dp", *short, "--checkpoint.enable", "false")
     cp = ("--parallelism.dp_shard", "1", "--parallelism.cp", "2")
     context_parallel = _train(tmp_path / "cp", *short, *cp)
     assert sorted(context_parallel) == [1, 2, 3, 4]
     assert context_parallel == pytest.approx(data_parallel, rel=1e-5)
+    ring_options = ("--parallelism.cp_variant", "ring", "--checkpoint.enable", "false")
+    ring = _train(tmp_path / "ring", *short, *cp, *ring_options)
+    assert ring == pytest.approx(data_parallel, rel=1e-5)
     resumed_dir = tmp_path / "resumed"
     _train(resumed_dir, *short[:-4], "--training.steps", "2", *short[-2:], *cp)
     resumed = _train(resumed_dir, *short, *cp)

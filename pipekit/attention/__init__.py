@@ -9,8 +9,8 @@ from pipekit.attention.backends import (
     use_backend,
 )
 from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
+from pipekit.attention.context import ContextParallelAttention
 from pipekit.attention.context_parallel import (
-    ContextParallelAttention,
     commutated_context_attention,
     kv_passing_context_attention,
     load_balanced_indices,
@@ -36,6 +36,7 @@ from pipekit.attention.masks import (
     token_order_mask,
 )
 from pipekit.attention.merge import merge_attention
+from pipekit.attention.ring import ring_context_attention
 
 __all__ = [
     "AttentionBackend",
@@ -63,6 +64,7 @@ __all__ = [
     "merge_attention",
     "offset_causal_mask",
     "or_masks",
+    "ring_context_attention",
     "select_backend",
     "serve_attention_loan",
     "serve_attention_loan_backward",

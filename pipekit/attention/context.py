@@ -14,13 +14,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import torch.distributed as dist
 from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
+from pipekit.attention.context_parallel import (
+    CachedShard,
+    TokenShard,
+    choose_context_parallel,
+    commutated_context_attention,
+    kv_passing_context_attention,
+)
 from pipekit.attention.masks import causal_mask, causal_within_documents, documents_or_all
+from pipekit.attention.ring import ring_context_attention
 
-__all__ = ["AttentionContext", "CausalAttention", "SlicedKVCache", "attend"]
+__all__ = [
+    "AttentionContext",
+    "CausalAttention",
+    "ContextParallelAttention",
+    "SlicedKVCache",
+    "attend",
+]
 
 
 @runtime_checkable
@@ -94,6 +109,51 @@ class SlicedKVCache:
         kv_chunks.append(KVChunk(k_BGSD, v_BGSD, causal_within_documents(q_documents)))
         past.append((q_start, k_BGSD, v_BGSD))
         return attention_over_chunks(q_BHSD, kv_chunks, scale, self.backend)[0]
+
+
+class ContextParallelAttention:
+    """The attention context of a context-parallel rank: its load-balanced share of each
+    sequence (`tokens_S`, with their document ids) attends causally to every cp rank's keys
+    over `group`, by `variant`: "kv_passing" (all-gather), "ring" (overlapped), "commutated"
+    (the queries travel), or "auto" (whichever moves fewer bytes). Not a dataclass, so FSDP2's
+    input handling passes it through as it is."""
+
+    def __init__(
+        self,
+        tokens_S: Tensor,
+        document_ids_BS: Tensor | None,
+        group: dist.ProcessGroup | None,
+        backend: str | AttentionBackend = "auto",
+        variant: str = "auto",
+    ) -> None:
+        self.shard, self.group = TokenShard(tokens_S, document_ids_BS), group
+        self.backend, self.variant = backend, variant
+
+    def attend(
+        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+    ) -> Tensor:
+        options = {"scale": scale, "backend": self.backend}
+        variant, ranks = self.variant, dist.get_world_size(self.group)
+        if variant == "auto":
+            variant = choose_context_parallel(
+                slice_index=0,
+                slice_tokens=q_BHSD.shape[2] * ranks,
+                cp=ranks,
+                q_heads=q_BHSD.shape[1],
+                kv_heads=k_BGSD.shape[1],
+                head_dim=q_BHSD.shape[-1],
+                element_bytes=q_BHSD.element_size(),
+            )
+        if variant == "ring":
+            ring = ring_context_attention(q_BHSD, k_BGSD, v_BGSD, self.shard, self.group, **options)
+            return ring[0]
+        cache = [CachedShard(k_BGSD, v_BGSD, self.shard)]
+        exchange = (
+            commutated_context_attention
+            if variant == "commutated"
+            else kv_passing_context_attention
+        )
+        return exchange(q_BHSD, self.shard, cache, self.group, **options)[0]
 
 
 def attend(

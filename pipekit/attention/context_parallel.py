@@ -12,7 +12,8 @@ every attention backend: the `cpu` kernel, and FlexAttention through `ring_backe
   (of each chunk of its cache) and attends its queries to them, one chunk per source rank; in
   backward, each source's dK/dV goes back to it (an all-to-all, then a sum). Per layer and rank
   it receives (cp-1)/cp of the K/V it attends to: for slice j of a sliced sequence, j+1
-  slices' worth, the whole cache again.
+  slices' worth, the whole cache again. (`pipekit.attention.ring` passes the same bytes around
+  a ring instead, overlapped with the attention, holding two chunks at a time.)
 - `commutated_context_attention` (SlimPipe, "Commutated Context Parallelism") moves queries:
   each rank keeps its part of the K/V cache at home. A new slice's local queries go to every
   peer; each computes the partial attention of all ranks' queries against its own cached
@@ -41,25 +42,27 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend, RingBackend, ring_backend, select_backend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
-from pipekit.attention.masks import token_order_mask
+from pipekit.attention.masks import MaskMod, token_order_mask
 from pipekit.attention.merge import merge_attention
 
 __all__ = [
     "CONTEXT_PARALLEL_VARIANTS",
     "CachedShard",
-    "ContextParallelAttention",
     "TokenShard",
     "choose_context_parallel",
     "commutated_context_attention",
     "context_parallel_bytes",
     "context_parallel_tokens",
+    "gather_token_shards",
     "kv_passing_context_attention",
     "load_balanced_indices",
+    "shard_mask",
 ]
 
 
-CONTEXT_PARALLEL_VARIANTS = ("auto", "commutated", "kv_passing")
-"""How a sliced pipeline's cp ranks exchange attention; "auto" picks per slice by bytes."""
+CONTEXT_PARALLEL_VARIANTS = ("auto", "commutated", "kv_passing", "ring")
+"""How cp ranks exchange attention; "auto" picks per slice by bytes; "ring" (whole sequences
+only, `pipekit.attention.ring`) passes K/V around the ranks with overlap."""
 
 
 def load_balanced_indices(length: int, cp: int, start: int = 0) -> Tensor:
@@ -113,8 +116,9 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
 
 
 def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None) -> list[Tensor]:
+    tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(_group_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    dist.all_gather(parts, tensor, group=group)
     return parts
 
 
@@ -127,7 +131,8 @@ def _exchange(parts: Sequence[Tensor], group: dist.ProcessGroup | None) -> list[
     return list(received.unbind(0))
 
 
-def _gather_shards(shard: TokenShard, group: dist.ProcessGroup | None) -> list[TokenShard]:
+def gather_token_shards(shard: TokenShard, group: dist.ProcessGroup | None) -> list[TokenShard]:
+    """Every rank's `shard`, by rank."""
     tokens = _all_gather(shard.tokens_S, group)
     if shard.document_ids_BS is None:
         return [TokenShard(t) for t in tokens]
@@ -135,7 +140,8 @@ def _gather_shards(shard: TokenShard, group: dist.ProcessGroup | None) -> list[T
     return [TokenShard(t, d) for t, d in zip(tokens, documents, strict=True)]
 
 
-def _mask(q: TokenShard, kv: TokenShard):
+def shard_mask(q: TokenShard, kv: TokenShard) -> MaskMod:
+    """Causal attention of `q`'s tokens to `kv`'s, within documents if ids are given."""
     return token_order_mask(q.tokens_S, kv.tokens_S, q.document_ids_BS, kv.document_ids_BS)
 
 
@@ -176,37 +182,13 @@ def kv_passing_context_attention(
     for cached in cache:
         gathered = _GatherKV.apply(group, cached.k_BGKD, cached.v_BGKD)
         ranks = len(gathered) // 2
-        sources = _gather_shards(cached.shard, group)
+        sources = gather_token_shards(cached.shard, group)
         chunks += [
-            KVChunk(gathered[source], gathered[ranks + source], _mask(shard, sources[source]))
+            KVChunk(gathered[source], gathered[ranks + source], shard_mask(shard, sources[source]))
             for source in range(ranks)
             if not drop_remote or source == rank
         ]
     return attention_over_chunks(q_BHSD, chunks, scale, backend)
-
-
-class ContextParallelAttention:
-    """The attention context of a context-parallel rank: its load-balanced share of each
-    sequence (`tokens_S`, with their document ids) attends causally to every cp rank's keys
-    (`kv_passing_context_attention` over `group`). Not a dataclass, so FSDP2's input handling
-    passes it through as it is."""
-
-    def __init__(
-        self,
-        tokens_S: Tensor,
-        document_ids_BS: Tensor | None,
-        group: dist.ProcessGroup | None,
-        backend: str | AttentionBackend = "auto",
-    ) -> None:
-        self.shard, self.group, self.backend = TokenShard(tokens_S, document_ids_BS), group, backend
-
-    def attend(
-        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
-    ) -> Tensor:
-        cache = [CachedShard(k_BGSD, v_BGSD, self.shard)]
-        return kv_passing_context_attention(
-            q_BHSD, self.shard, cache, self.group, scale=scale, backend=self.backend
-        )[0]
 
 
 def _partial(
@@ -219,7 +201,7 @@ def _partial(
     """One rank's queries against this rank's cached chunks, merged."""
     return merge_attention(
         [
-            backend.forward_chunk(q_BHSD, c.k_BGKD, c.v_BGKD, _mask(q_shard, c.shard), scale)
+            backend.forward_chunk(q_BHSD, c.k_BGKD, c.v_BGKD, shard_mask(q_shard, c.shard), scale)
             for c in cache
         ]
     )
@@ -236,7 +218,7 @@ class _CommutatedAttention(torch.autograd.Function):
             CachedShard(k, v, s)
             for k, v, s in zip(kv_tensors[0::2], kv_tensors[1::2], cache_shards, strict=True)
         ]
-        queries, shards = _all_gather(q_BHSD, group), _gather_shards(shard, group)
+        queries, shards = _all_gather(q_BHSD, group), gather_token_shards(shard, group)
         partials = [
             _partial(backend, q, s, cache, scale) for q, s in zip(queries, shards, strict=True)
         ]
@@ -256,7 +238,7 @@ class _CommutatedAttention(torch.autograd.Function):
         backend, group, scale, shard, _, _ = ctx.settings
         q_BHSD, out_BHSD, lse_BHS, *kv_tensors = ctx.saved_tensors
         grad_out_BHSD = grad_out_BHSD.contiguous()
-        queries, shards = _all_gather(q_BHSD, group), _gather_shards(shard, group)
+        queries, shards = _all_gather(q_BHSD, group), gather_token_shards(shard, group)
         grad_outs, outs = _all_gather(grad_out_BHSD, group), _all_gather(out_BHSD, group)
         lses = _all_gather(lse_BHS, group)
         kv_grads = [torch.zeros_like(t) for t in kv_tensors]
@@ -266,7 +248,7 @@ class _CommutatedAttention(torch.autograd.Function):
             for index, cached in enumerate(ctx.cache_shards):
                 k, v = kv_tensors[2 * index], kv_tensors[2 * index + 1]
                 dq, dk, dv = backend.backward_chunk(
-                    grad_out, q, k, v, out, lse, _mask(s, cached), scale
+                    grad_out, q, k, v, out, lse, shard_mask(s, cached), scale
                 )
                 grad_q += dq
                 kv_grads[2 * index] += dk

@@ -180,9 +180,9 @@ class ParallelismConfig:
     """Context-parallel degree: each sequence (each slice, in a pipeline) split over this many
     ranks, load-balanced (seq_len a multiple of 2 x cp x num_slices; docs/context_parallel.md)."""
     cp_variant: str = "auto"
-    """How pipeline stages exchange attention under cp: "commutated" (queries travel, the KV
-    cache stays home), "kv_passing" (the cache travels), or "auto" (per slice, whichever moves
-    fewer bytes)."""
+    """How cp ranks exchange attention: "commutated" (queries travel, the KV cache stays
+    home), "kv_passing" (K/V gathered), "ring" (K/V passed around the ranks, overlapped;
+    outside pipelines), or "auto" (per slice, whichever moves fewer bytes)."""
     tp: int = 1
     """Tensor-parallel degree (not supported by the trainer yet)."""
     pipeline_parallel_degree: int = 1

@@ -203,6 +203,11 @@ def _check_context_parallel(parallelism: ParallelismConfig, seq_len: int, num_sl
             f"cp_variant={parallelism.cp_variant!r} is not one of "
             f"{', '.join(CONTEXT_PARALLEL_VARIANTS)}"
         )
+    if parallelism.cp_variant == "ring":
+        raise ValueError(
+            "cp_variant='ring' passes a whole sequence's K/V around the ranks; inside a "
+            "pipeline use commutated, kv_passing or auto"
+        )
     pieces = 2 * parallelism.cp * num_slices
     if seq_len % pieces:
         raise ValueError(

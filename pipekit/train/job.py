@@ -208,6 +208,14 @@ def _parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
 
 
 def _check_context_parallel(config: JobConfig, cp: int, pp: int) -> None:
+    from pipekit.attention.context_parallel import CONTEXT_PARALLEL_VARIANTS
+
+    variant = config.parallelism.cp_variant
+    if variant not in CONTEXT_PARALLEL_VARIANTS:
+        raise ConfigError(
+            f"[parallelism] cp_variant={variant!r} is not one of "
+            f"{', '.join(CONTEXT_PARALLEL_VARIANTS)}"
+        )
     if pp > 1:  # the pipeline plan checks its slices
         return
     seq_len, pieces = config.training.seq_len, 2 * cp

@@ -21,8 +21,12 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
 
-from pipekit.attention.context import AttentionContext, CausalAttention
-from pipekit.attention.context_parallel import ContextParallelAttention, context_parallel_tokens
+from pipekit.attention.context import (
+    AttentionContext,
+    CausalAttention,
+    ContextParallelAttention,
+)
+from pipekit.attention.context_parallel import context_parallel_tokens
 from pipekit.checkpoint.dcp import (
     CheckpointManager,
     ModelOptimizerState,
@@ -205,7 +209,10 @@ class Trainer:
         context: AttentionContext = CausalAttention(batch["document_ids"], backend=backend)
         if self._context_parallel is not None:
             tokens_S = self._context_parallel[0]
-            context = ContextParallelAttention(tokens_S, batch["document_ids"], cp_group, backend)
+            variant = self.config.parallelism.cp_variant
+            context = ContextParallelAttention(
+                tokens_S, batch["document_ids"], cp_group, backend, variant
+            )
         with self._autocast(), statistics_group(cp_group):
             logits_BSV = self.model(batch["tokens"], batch["positions"], context)
         loss = token_sum_cross_entropy(logits_BSV, batch["labels"], global_tokens)
