@@ -28,6 +28,7 @@ from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import single_rank_mesh
+from pipekit.distributed.tensor_parallel import apply_tensor_parallel
 from pipekit.layers.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.models.materialize import seeded_materializer
@@ -112,18 +113,24 @@ def data_parallel_model(
     ep: int = 1,
     dp_replicate: int = 1,
     cp: int = 1,
+    tp: int = 1,
+    tp_plan: ModelSpec | None = None,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[nn.Module, ParallelDims, Any]:
-    """This rank's FSDP2 (HSDP, + expert-parallel, + context-parallel) model, parallelized on
-    the meta device and then materialised shard by shard from `seed`; its dims and mesh."""
+    """This rank's FSDP2 (HSDP, + expert-, context- and tensor-parallel) model, parallelized on
+    the meta device and then materialised shard by shard from `seed`; its dims and mesh.
+    `tp_plan`: the spec whose tensor-parallel plan applies (default: `spec`'s)."""
     config = ParallelismConfig(
-        dp_replicate=dp_replicate, dp_shard=world // (dp_replicate * cp), cp=cp, ep=ep
-    )
+        dp_replicate=dp_replicate, dp_shard=world // (dp_replicate * cp * tp), cp=cp, tp=tp,
+        ep=ep,
+    )  # fmt: skip
     dims = ParallelDims.from_config(config, world)
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
         model = spec.build(args).to(dtype)
+    if tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], tp_plan or spec)
     experts_mesh = None
     if ep > 1:
         experts = expert_mesh("cpu", world, ep)
@@ -152,6 +159,8 @@ def data_parallel_step(
     ep: int = 1,
     dp_replicate: int = 1,
     cp: int = 1,
+    tp: int = 1,
+    tp_plan: ModelSpec | None = None,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
     adjust: Callable[[nn.Module], None] | None = None,
@@ -161,8 +170,9 @@ def data_parallel_step(
     `cp` context-parallel ranks its load-balanced share of their tokens; the full gradients,
     gathered. `adjust` sees the parallelized model before the step (ablations)."""
     model, dims, mesh = data_parallel_model(
-        world, spec, args, ep=ep, dp_replicate=dp_replicate, cp=cp, seed=seed, dtype=dtype
-    )
+        world, spec, args, ep=ep, dp_replicate=dp_replicate, cp=cp, tp=tp, tp_plan=tp_plan,
+        seed=seed, dtype=dtype,
+    )  # fmt: skip
     if adjust is not None:
         adjust(model)
     rows = batch.batch_size[0] // dims.dp_degree
@@ -180,6 +190,7 @@ def data_parallel_step(
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
+    total /= tp  # every tensor-parallel rank computed the whole loss of its rows
     grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
     return (total.item() if rank == 0 else None), grads
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from models.decoder.model import DECODER_STRUCTURE, decoder_shape
+from models.decoder.parallelize import decoder_tensor_parallel_plan
 from models.llama.args import LLAMA_FLAVORS
 from models.llama.hf import LLAMA_HF
 from models.llama.model import Llama
@@ -19,4 +20,5 @@ LLAMA = ModelSpec(
     structure=DECODER_STRUCTURE,
     hf=LLAMA_HF.adapter(),
     upcycler=LLAMA_UPCYCLER,
+    tensor_parallel_plan=decoder_tensor_parallel_plan,
 )

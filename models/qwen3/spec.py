@@ -8,6 +8,7 @@ from models.decoder.upcycle import decoder_upcycler
 from models.qwen3.args import QWEN3_FLAVORS, QWEN3_MOE_FLAVORS, Qwen3Args, Qwen3MoEArgs
 from models.qwen3.hf import QWEN3_HF, QWEN3_MOE_HF
 from models.qwen3.model import Qwen3, Qwen3MoE
+from models.qwen3.parallelize import qwen3_tensor_parallel_plan
 from pipekit.models.spec import ModelSpec
 
 __all__ = ["QWEN3", "QWEN3_MOE"]
@@ -20,6 +21,7 @@ QWEN3 = ModelSpec(
     structure=DECODER_STRUCTURE,
     hf=QWEN3_HF.adapter(),
     upcycler=decoder_upcycler(QWEN3_HF, QWEN3_MOE_HF, "qwen3_moe", Qwen3Args, Qwen3MoEArgs),
+    tensor_parallel_plan=qwen3_tensor_parallel_plan,
 )
 
 QWEN3_MOE = ModelSpec(

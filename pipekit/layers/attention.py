@@ -48,9 +48,10 @@ class GroupedQueryAttention(nn.Module):
     ) -> Tensor:
         batch, seq_len, _ = x_BSD.shape
         cos_BSF, sin_BSF = rope_cos_sin
-        q_BSHK = self.wq(x_BSD).view(batch, seq_len, self.n_heads, self.head_dim)
-        k_BSGK = self.wk(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        v_BSGK = self.wv(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        # heads by count of what the projections return: under tensor parallelism, this rank's
+        q_BSHK = self.wq(x_BSD).view(batch, seq_len, -1, self.head_dim)
+        k_BSGK = self.wk(x_BSD).view(batch, seq_len, -1, self.head_dim)
+        v_BSGK = self.wv(x_BSD).view(batch, seq_len, -1, self.head_dim)
         q_BSHK, k_BSGK = self.transform_qk(q_BSHK, k_BSGK)
         q_BHSK = apply_rotary(q_BSHK, cos_BSF, sin_BSF).transpose(1, 2)
         k_BGSK = apply_rotary(k_BSGK, cos_BSF, sin_BSF).transpose(1, 2)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from pipekit.models.upcycling import Upcycler
 
@@ -171,6 +172,10 @@ class ModelSpec:
     """Hugging Face import/export (None: DCP checkpoints only)."""
     upcycler: Upcycler | None = None
     """How a dense model of this family becomes a mixture of experts (None: it cannot)."""
+    tensor_parallel_plan: Callable[[nn.Module], Mapping[str, ParallelStyle]] | None = None
+    """A transformer block -> its tensor-parallel plan (submodule path -> DTensor parallel
+    style, for `parallelize_module`); None: the family has no tensor parallelism. Attention must
+    take its head count from what its projections return (`view(..., -1, head_dim)`)."""
 
     def flavor(self, name: str) -> Any:
         """The args of flavor `name`, with an error that lists the known ones."""
