@@ -144,7 +144,7 @@ def test_print_config_prints_the_checked_resolved_config():
             "global_batch_size=6 must be divisible by data-parallel degree 4",
         ),
         (["--parallelism.dp_shard", "2", "--parallelism.dp_replicate", "2"], 2, "world size"),
-        (["--parallelism.tp", "2"], 2, "tp=2: the trainer does not support tensor parallelism yet"),
+        (["--parallelism.tp", "3"], 3, "tp=3 must divide the model's heads"),
         (["--data.source", "/no/such/*.jsonl"], 1, "matches no file"),
         (["--data.tokenizer", "/no/tokenizer.json"], 1, "is not a file"),
         (["--checkpoint.initial_load_path", "/no/dir"], 1, "has no config.json"),
@@ -177,7 +177,7 @@ def test_shipped_configs_load_and_debug_configs_validate():
 
 def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
     """configs/llama3_8b_e8t2_upcycle.toml: the paper's E8T2 with capacity factor 4, laid out
-    as EP 8 over FSDP2 on 512 ranks (what the trainer runs); tp > 1 is refused by name."""
+    as EP 8 over FSDP2 on 512 ranks (what the trainer runs); tp > 1 is refused for MoE."""
     from pipekit.train.job import _parallel_dims
 
     config = load_job_config(["--config", str(REPO_ROOT / "configs/llama3_8b_e8t2_upcycle.toml")])
@@ -186,8 +186,8 @@ def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
     dims = _parallel_dims(config, world_size=512)
     assert (dims.dp_shard, dims.ep, dims.tp, dims.pp) == (512, 8, 1, 1)
     config.parallelism.tp = 2
-    with pytest.raises(ConfigError, match="tp=2: the trainer does not support tensor paral"):
-        _parallel_dims(config, world_size=512)
+    with pytest.raises(ConfigError, match="tensor parallelism of MoE layers is not supported"):
+        plan_job(config, world_size=512, check_files=False)
 
 
 def test_context_parallel_pipelines_are_checked_before_launch():

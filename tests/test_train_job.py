@@ -243,6 +243,32 @@ def test_context_parallel_job_matches_the_data_parallel_job_and_resumes(tmp_path
     assert resumed[4] == pytest.approx(context_parallel[4], rel=1e-6)
 
 
+def test_tensor_parallel_jobs_match_the_data_parallel_job_and_resume(tmp_path: Path) -> None:
+    """tp = 2 on 2 ranks, and FSDP2 over 2 data ranks x tp = 2 on 4 ranks, against FSDP2 over
+    2 ranks: the same losses up to float32 rounding; the tp job stopped at step 2 resumes to
+    its uninterrupted losses (2-D DTensors in the DCP checkpoint)."""
+    short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
+    data_parallel = _train(tmp_path / "dp", *short, "--checkpoint.enable", "false")
+    tp = ("--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+    tensor_parallel = _train(tmp_path / "tp", *short, *tp)
+    assert sorted(tensor_parallel) == [1, 2, 3, 4]
+    assert tensor_parallel == pytest.approx(data_parallel, rel=1e-5)
+    fsdp_tp = (
+        "--parallelism.dp_shard",
+        "2",
+        "--parallelism.tp",
+        "2",
+        "--checkpoint.enable",
+        "false",
+    )
+    both = _train(tmp_path / "fsdp_tp", *short, *fsdp_tp, nproc=4)
+    assert both == pytest.approx(data_parallel, rel=1e-5)
+    resumed_dir = tmp_path / "resumed"
+    _train(resumed_dir, *short[:-4], "--training.steps", "2", *short[-2:], *tp)
+    resumed = _train(resumed_dir, *short, *tp)
+    assert resumed[4] == pytest.approx(tensor_parallel[4], rel=1e-6)
+
+
 def test_commutated_context_parallelism_in_the_sliced_pipeline_matches_it(tmp_path: Path) -> None:
     """configs/debug_sliced_pp.toml with cp = 2 on 4 ranks (every slice split over 2 cp ranks,
     SlimPipe's commutated attention over the chunked KV cache) against the same pipeline on 2

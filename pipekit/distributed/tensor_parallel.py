@@ -22,15 +22,15 @@ __all__ = ["apply_tensor_parallel", "check_tensor_parallel"]
 
 def check_tensor_parallel(spec: ModelSpec, shape: ModelShape, tp: int, moe: bool) -> None:
     """ValueError (naming the fix) unless `tp` ranks can split the model's heads and layers."""
-    if spec.tensor_parallel_plan is None:
-        raise ValueError(
-            f"tp={tp}: model {spec.name!r} has no tensor-parallel plan; set tp = 1 (a family "
-            "gives one as ModelSpec.tensor_parallel_plan)"
-        )
     if moe:
         raise ValueError(
             f"tp={tp} with a mixture-of-experts model: tensor parallelism of MoE layers is not "
             "supported yet; set tp = 1 (use ep for the experts)"
+        )
+    if spec.tensor_parallel_plan is None:
+        raise ValueError(
+            f"tp={tp}: model {spec.name!r} has no tensor-parallel plan; set tp = 1 (a family "
+            "gives one as ModelSpec.tensor_parallel_plan)"
         )
     problems = [
         f"{name}={value}"

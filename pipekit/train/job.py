@@ -71,6 +71,8 @@ def plan_job(config: JobConfig, world_size: int | None, *, check_files: bool = T
     if world_size is None:
         return Job(config, spec, args, shape, upcycle, None, None, 0)
     dims = _parallel_dims(config, world_size)
+    if dims.tp > 1:
+        _check_tensor_parallel(dims, spec, args)
     if dims.ep > 1:
         _check_expert_parallel(config, args, dims.ep)
     per_step = dims.dp_degree * config.training.gradient_accumulation_steps
@@ -197,14 +199,26 @@ def _parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
         dims = ParallelDims.from_config(config.parallelism, world_size)
     except ValueError as error:
         raise _error("[parallelism]", error) from None
-    if dims.tp > 1:
-        raise ConfigError(
-            f"[parallelism] tp={dims.tp}: the trainer does not support tensor parallelism yet; "
-            "set tp = 1"
-        )
     if dims.cp > 1:
         _check_context_parallel(config, dims.cp, dims.pp)
     return dims
+
+
+def _check_tensor_parallel(dims: ParallelDims, spec: ModelSpec, args: Any) -> None:
+    from pipekit.distributed.tensor_parallel import check_tensor_parallel
+
+    others = [f"{name}={getattr(dims, name)}" for name in ("pp", "cp") if getattr(dims, name) > 1]
+    if others:
+        raise ConfigError(
+            f"[parallelism] tp={dims.tp} with {', '.join(others)}: tensor parallelism composes "
+            "with data parallelism only so far; set tp = 1 or the others to 1"
+        )
+    try:
+        check_tensor_parallel(
+            spec, spec.shape(args), dims.tp, getattr(args, "moe", None) is not None
+        )
+    except ValueError as error:
+        raise _error("[parallelism]", error) from None
 
 
 def _check_context_parallel(config: JobConfig, cp: int, pp: int) -> None:

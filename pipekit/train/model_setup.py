@@ -26,6 +26,7 @@ from pipekit.checkpoint.safetensors_io import TensorRead
 from pipekit.checkpoint.upcycle import materialize_upcycled
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.process_group import single_rank_mesh
+from pipekit.distributed.tensor_parallel import apply_tensor_parallel
 from pipekit.models.materialize import materialize_sharded
 from pipekit.moe.expert_parallel import (
     apply_expert_parallel,
@@ -164,8 +165,12 @@ class _ModelSetup:
         )
 
     def parallelize(self, module: nn.Module) -> None:
-        """Activation checkpointing, expert parallelism, then data parallelism, in place."""
+        """Tensor parallelism, activation checkpointing, expert parallelism, then data
+        parallelism, in place."""
         job, moe = self.job, self.job.config.moe
+        if job.dims is not None and job.dims.tp > 1:
+            assert self.mesh is not None
+            apply_tensor_parallel(module, self.mesh["tp"], job.spec)
         if self.expert_mesh is not None:
             apply_expert_parallel(
                 module,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pipekit.config.job_config import OptimizerConfig
 
@@ -14,7 +15,14 @@ __all__ = ["build_optimizer"]
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], config: OptimizerConfig
 ) -> torch.optim.Optimizer:
-    """AdamW with the config's hyper-parameters; weight decay applies to every parameter."""
+    """AdamW with the config's hyper-parameters; weight decay applies to every parameter.
+    Parameters are grouped by where they live (plain tensors, DTensors on each mesh): a foreach
+    update cannot mix them, as a tensor-parallel model without FSDP2 does."""
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for param in params:
+        mesh = param.device_mesh if isinstance(param, DTensor) else None
+        groups.setdefault(mesh, []).append(param)
+    params = [{"params": group} for group in groups.values()]
     kwargs = dict(
         lr=config.lr,
         betas=(config.beta1, config.beta2),

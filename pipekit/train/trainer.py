@@ -161,9 +161,11 @@ class Trainer:
             for _ in range(self.config.training.gradient_accumulation_steps)
         ]
         local_tokens = sum(count_label_tokens(batch["labels"]) for batch in micro_batches)
-        # The ranks of one pipeline read the same batch: count it once.
+        # The ranks of one pipeline, and of one tensor-parallel group, read the same batch:
+        # count it once.
+        same_batch = self.dims.pp * self.dims.tp
         global_tokens = self._all_reduce_sum(torch.as_tensor(local_tokens, device=self.device))
-        global_tokens = global_tokens // self.dims.pp
+        global_tokens = global_tokens // same_batch
         loss_sum = torch.zeros((), device=self.device)
         trace = self.step + 1 == self.config.metrics.pipeline_trace_step
         with record_pipeline_step(
@@ -174,7 +176,7 @@ class Trainer:
                     loss = self._forward_backward(batch, global_tokens)
                 if loss is not None:  # pipelined: only the rank with the last stage has a loss
                     loss_sum += loss.detach()
-        global_loss = float(self._all_reduce_sum(loss_sum))
+        global_loss = float(self._all_reduce_sum(loss_sum)) / self.dims.tp
         if not math.isfinite(global_loss):
             raise NonFiniteLossError(
                 f"loss is {global_loss} at step {self.step + 1}; stopping before the update. "
