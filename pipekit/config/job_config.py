@@ -184,7 +184,9 @@ class ParallelismConfig:
     home), "kv_passing" (K/V gathered), "ring" (K/V passed around the ranks, overlapped;
     outside pipelines), or "auto" (per slice, whichever moves fewer bytes)."""
     tp: int = 1
-    """Tensor-parallel degree (not supported by the trainer yet)."""
+    """Tensor-parallel degree: the blocks' projections split over this many ranks by the model
+    family's plan (dense decoders; with FSDP2 or alone, not yet with pipelines, cp or MoE;
+    docs/tensor_parallel.md)."""
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel degree p (the `pp` mesh dim)."""
     pipeline_schedule: str = "sliced"
