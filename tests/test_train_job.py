@@ -223,50 +223,45 @@ def test_unreadable_checkpoint_gives_one_error_line(tmp_path):
     assert "step-4" in _single_process_error(tmp_path, "--parallelism.dp_shard", "1")
 
 
+LAYOUT_RUN = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
+
+
+def _matches_data_parallel_and_resumes(
+    tmp_path: Path, layout: tuple[str, ...], variants: list[tuple[tuple[str, ...], int]]
+) -> None:
+    """`layout` on 2 ranks, and each (overrides, ranks) of `variants`, give FSDP2's losses on
+    2 ranks up to float32 rounding; `layout` stopped at step 2 resumes to its losses."""
+    no_checkpoints = ("--checkpoint.enable", "false")
+    data_parallel = _train(tmp_path / "dp", *LAYOUT_RUN, *no_checkpoints)
+    losses = _train(tmp_path / "layout", *LAYOUT_RUN, *layout)
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert losses == pytest.approx(data_parallel, rel=1e-5)
+    for index, (overrides, nproc) in enumerate(variants):
+        variant = _train(
+            tmp_path / f"variant{index}", *LAYOUT_RUN, *overrides, *no_checkpoints, nproc=nproc
+        )
+        assert variant == pytest.approx(data_parallel, rel=1e-5), overrides
+    resumed_dir = tmp_path / "resumed"
+    _train(resumed_dir, *LAYOUT_RUN[:-4], "--training.steps", "2", *LAYOUT_RUN[-2:], *layout)
+    resumed = _train(resumed_dir, *LAYOUT_RUN, *layout)
+    assert resumed[4] == pytest.approx(losses[4], rel=1e-6)
+
+
 def test_context_parallel_job_matches_the_data_parallel_job_and_resumes(tmp_path: Path) -> None:
     """cp = 2 on 2 ranks (each rank its load-balanced half of every sequence, both reading the
     whole batch; K/V gathered, or passed around the ring) against FSDP2 over 2 ranks (each half
-    of the rows): the same losses up to float32 rounding; stopped at step 2 and resumed from
-    its checkpoint, the cp job gives its uninterrupted losses."""
-    short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
-    data_parallel = _train(tmp_path / "dp", *short, "--checkpoint.enable", "false")
+    of the rows)."""
     cp = ("--parallelism.dp_shard", "1", "--parallelism.cp", "2")
-    context_parallel = _train(tmp_path / "cp", *short, *cp)
-    assert sorted(context_parallel) == [1, 2, 3, 4]
-    assert context_parallel == pytest.approx(data_parallel, rel=1e-5)
-    ring_options = ("--parallelism.cp_variant", "ring", "--checkpoint.enable", "false")
-    ring = _train(tmp_path / "ring", *short, *cp, *ring_options)
-    assert ring == pytest.approx(data_parallel, rel=1e-5)
-    resumed_dir = tmp_path / "resumed"
-    _train(resumed_dir, *short[:-4], "--training.steps", "2", *short[-2:], *cp)
-    resumed = _train(resumed_dir, *short, *cp)
-    assert resumed[4] == pytest.approx(context_parallel[4], rel=1e-6)
+    ring = ((*cp, "--parallelism.cp_variant", "ring"), 2)
+    _matches_data_parallel_and_resumes(tmp_path, cp, [ring])
 
 
 def test_tensor_parallel_jobs_match_the_data_parallel_job_and_resume(tmp_path: Path) -> None:
     """tp = 2 on 2 ranks, and FSDP2 over 2 data ranks x tp = 2 on 4 ranks, against FSDP2 over
-    2 ranks: the same losses up to float32 rounding; the tp job stopped at step 2 resumes to
-    its uninterrupted losses (2-D DTensors in the DCP checkpoint)."""
-    short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
-    data_parallel = _train(tmp_path / "dp", *short, "--checkpoint.enable", "false")
+    2 ranks; the tp job's checkpoint holds 2-D DTensors."""
     tp = ("--parallelism.dp_shard", "1", "--parallelism.tp", "2")
-    tensor_parallel = _train(tmp_path / "tp", *short, *tp)
-    assert sorted(tensor_parallel) == [1, 2, 3, 4]
-    assert tensor_parallel == pytest.approx(data_parallel, rel=1e-5)
-    fsdp_tp = (
-        "--parallelism.dp_shard",
-        "2",
-        "--parallelism.tp",
-        "2",
-        "--checkpoint.enable",
-        "false",
-    )
-    both = _train(tmp_path / "fsdp_tp", *short, *fsdp_tp, nproc=4)
-    assert both == pytest.approx(data_parallel, rel=1e-5)
-    resumed_dir = tmp_path / "resumed"
-    _train(resumed_dir, *short[:-4], "--training.steps", "2", *short[-2:], *tp)
-    resumed = _train(resumed_dir, *short, *tp)
-    assert resumed[4] == pytest.approx(tensor_parallel[4], rel=1e-6)
+    fsdp_tp = (("--parallelism.dp_shard", "2", "--parallelism.tp", "2"), 4)
+    _matches_data_parallel_and_resumes(tmp_path, tp, [fsdp_tp])
 
 
 def test_commutated_context_parallelism_in_the_sliced_pipeline_matches_it(tmp_path: Path) -> None:
