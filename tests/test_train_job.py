@@ -264,6 +264,20 @@ def test_tensor_parallel_jobs_match_the_data_parallel_job_and_resume(tmp_path: P
     _matches_data_parallel_and_resumes(tmp_path, tp, [fsdp_tp])
 
 
+def test_tensor_parallelism_composes_with_the_sliced_pipeline_and_cp(tmp_path: Path) -> None:
+    """tp = 2 inside the sliced pipeline (pp 2 x tp 2) and beside context parallelism (cp 2 x
+    tp 2), 4 ranks each: the data-parallel job's losses up to float32 rounding (the debug
+    pipeline config trains the same model on the same batches)."""
+    short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.enable", "false")
+    data_parallel = _train(tmp_path / "dp", *short)
+    tp = ("--parallelism.tp", "2")
+    pipeline_tp = _train(tmp_path / "pp_tp", *short, *tp, nproc=4, config=SLICED_PP_CONFIG)
+    assert pipeline_tp == pytest.approx(data_parallel, rel=1e-5)
+    cp_tp = ("--parallelism.dp_shard", "1", "--parallelism.cp", "2", *tp)
+    context_tp = _train(tmp_path / "cp_tp", *short, *cp_tp, nproc=4)
+    assert context_tp == pytest.approx(data_parallel, rel=1e-5)
+
+
 def test_commutated_context_parallelism_in_the_sliced_pipeline_matches_it(tmp_path: Path) -> None:
     """configs/debug_sliced_pp.toml with cp = 2 on 4 ranks (every slice split over 2 cp ranks,
     SlimPipe's commutated attention over the chunked KV cache) against the same pipeline on 2

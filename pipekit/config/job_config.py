@@ -185,7 +185,7 @@ class ParallelismConfig:
     outside pipelines), or "auto" (per slice, whichever moves fewer bytes)."""
     tp: int = 1
     """Tensor-parallel degree: the blocks' projections split over this many ranks by the model
-    family's plan (dense decoders; with FSDP2 or alone, not yet with pipelines, cp or MoE;
+    family's plan (dense decoders; composes with FSDP2, pipelines and cp; not with MoE yet;
     docs/tensor_parallel.md)."""
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel degree p (the `pp` mesh dim)."""

@@ -2,7 +2,8 @@
 
 `apply_tensor_parallel(model, tp_mesh, spec)` runs `parallelize_module` on every transformer
 block with the plan its family gives (`ModelSpec.tensor_parallel_plan`), on the meta device,
-before data parallelism: FSDP2 then shards the tensor-parallel DTensors over its own dims (a
+before data parallelism (on a pipeline stage's module too; attention sees a rank's heads, so
+context parallelism composes): FSDP2 then shards the tensor-parallel DTensors over its own dims (a
 2-D `dp x tp` layout) and everything else as usual. Each tensor-parallel rank computes the
 whole loss from the same batch, so the trainer counts a step's tokens and loss once per
 tensor-parallel group. `check_tensor_parallel` names what a model's shape does not allow

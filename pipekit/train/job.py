@@ -207,12 +207,6 @@ def _parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
 def _check_tensor_parallel(dims: ParallelDims, spec: ModelSpec, args: Any) -> None:
     from pipekit.distributed.tensor_parallel import check_tensor_parallel
 
-    others = [f"{name}={getattr(dims, name)}" for name in ("pp", "cp") if getattr(dims, name) > 1]
-    if others:
-        raise ConfigError(
-            f"[parallelism] tp={dims.tp} with {', '.join(others)}: tensor parallelism composes "
-            "with data parallelism only so far; set tp = 1 or the others to 1"
-        )
     try:
         check_tensor_parallel(
             spec, spec.shape(args), dims.tp, getattr(args, "moe", None) is not None
