@@ -278,6 +278,19 @@ def test_tensor_parallelism_composes_with_the_sliced_pipeline_and_cp(tmp_path: P
     assert context_tp == pytest.approx(data_parallel, rel=1e-5)
 
 
+def test_expert_parallelism_folds_over_the_context_parallel_ranks(tmp_path: Path) -> None:
+    """configs/debug_moe.toml (ep = 2) on 2 ranks that are cp ranks of one data rank: the
+    experts are split over the ranks that split the sequence (MoE parallel folding), the
+    load-balancing statistics are added over them, and the losses equal the one-rank job's
+    (experts whole, every token's statistics on one rank)."""
+    short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.enable", "false")
+    one_rank = ("--parallelism.dp_shard", "1", "--parallelism.ep", "1")
+    single = _train(tmp_path / "one", *short, *one_rank, nproc=1, config=MOE_CONFIG)
+    cp = ("--parallelism.dp_shard", "1", "--parallelism.cp", "2")
+    folded = _train(tmp_path / "cp_ep", *short, *cp, config=MOE_CONFIG)
+    assert folded == pytest.approx(single, rel=1e-5)
+
+
 def test_commutated_context_parallelism_in_the_sliced_pipeline_matches_it(tmp_path: Path) -> None:
     """configs/debug_sliced_pp.toml with cp = 2 on 4 ranks (every slice split over 2 cp ranks,
     SlimPipe's commutated attention over the chunked KV cache) against the same pipeline on 2
