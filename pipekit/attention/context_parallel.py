@@ -111,13 +111,9 @@ class CachedShard:
     shard: TokenShard
 
 
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group)
-
-
 def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None) -> list[Tensor]:
     tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(_group_size(group))]
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor, group=group)
     return parts
 
@@ -155,10 +151,9 @@ class _GatherKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        ranks = len(grads) // 2
-        zeros = [torch.zeros_like(g) if g is None else g for g in grads]
-        grad_k = torch.stack(_exchange(zeros[:ranks], ctx.group)).sum(0)
-        grad_v = torch.stack(_exchange(zeros[ranks:], ctx.group)).sum(0)
+        ranks = len(grads) // 2  # autograd gives zeros for chunks no attention used
+        grad_k = torch.stack(_exchange(grads[:ranks], ctx.group)).sum(0)
+        grad_v = torch.stack(_exchange(grads[ranks:], ctx.group)).sum(0)
         return None, grad_k, grad_v
 
 
