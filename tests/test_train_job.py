@@ -224,58 +224,65 @@ def test_unreadable_checkpoint_gives_one_error_line(tmp_path):
 
 
 LAYOUT_RUN = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
+NO_CHECKPOINTS = ("--checkpoint.enable", "false")
+
+
+@pytest.fixture(scope="module")
+def data_parallel_losses(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """FSDP2 over 2 ranks, LAYOUT_RUN: the losses the parallel layouts below must give."""
+    return _train(tmp_path_factory.mktemp("dp"), *LAYOUT_RUN, *NO_CHECKPOINTS)
 
 
 def _matches_data_parallel_and_resumes(
-    tmp_path: Path, layout: tuple[str, ...], variants: list[tuple[tuple[str, ...], int]]
+    tmp_path: Path, data_parallel: dict, layout: tuple[str, ...]
 ) -> None:
-    """`layout` on 2 ranks, and each (overrides, ranks) of `variants`, give FSDP2's losses on
-    2 ranks up to float32 rounding; `layout` stopped at step 2 resumes to its losses."""
-    no_checkpoints = ("--checkpoint.enable", "false")
-    data_parallel = _train(tmp_path / "dp", *LAYOUT_RUN, *no_checkpoints)
+    """`layout` on 2 ranks gives FSDP2's losses on 2 ranks up to float32 rounding, and stopped
+    at step 2 resumes to its losses."""
     losses = _train(tmp_path / "layout", *LAYOUT_RUN, *layout)
     assert sorted(losses) == [1, 2, 3, 4]
     assert losses == pytest.approx(data_parallel, rel=1e-5)
-    for index, (overrides, nproc) in enumerate(variants):
-        variant = _train(
-            tmp_path / f"variant{index}", *LAYOUT_RUN, *overrides, *no_checkpoints, nproc=nproc
-        )
-        assert variant == pytest.approx(data_parallel, rel=1e-5), overrides
     resumed_dir = tmp_path / "resumed"
     _train(resumed_dir, *LAYOUT_RUN[:-4], "--training.steps", "2", *LAYOUT_RUN[-2:], *layout)
     resumed = _train(resumed_dir, *LAYOUT_RUN, *layout)
     assert resumed[4] == pytest.approx(losses[4], rel=1e-6)
 
 
-def test_context_parallel_job_matches_the_data_parallel_job_and_resumes(tmp_path: Path) -> None:
+def test_context_parallel_job_matches_the_data_parallel_job_and_resumes(
+    tmp_path: Path, data_parallel_losses: dict
+) -> None:
     """cp = 2 on 2 ranks (each rank its load-balanced half of every sequence, both reading the
-    whole batch; K/V gathered, or passed around the ring) against FSDP2 over 2 ranks (each half
-    of the rows)."""
+    whole batch) against FSDP2 over 2 ranks (each half of the rows)."""
     cp = ("--parallelism.dp_shard", "1", "--parallelism.cp", "2")
-    ring = ((*cp, "--parallelism.cp_variant", "ring"), 2)
-    _matches_data_parallel_and_resumes(tmp_path, cp, [ring])
+    _matches_data_parallel_and_resumes(tmp_path, data_parallel_losses, cp)
 
 
-def test_tensor_parallel_jobs_match_the_data_parallel_job_and_resume(tmp_path: Path) -> None:
-    """tp = 2 on 2 ranks, and FSDP2 over 2 data ranks x tp = 2 on 4 ranks, against FSDP2 over
-    2 ranks; the tp job's checkpoint holds 2-D DTensors."""
+def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes(
+    tmp_path: Path, data_parallel_losses: dict
+) -> None:
+    """tp = 2 on 2 ranks against FSDP2 over 2 ranks; its checkpoint holds 2-D DTensors."""
     tp = ("--parallelism.dp_shard", "1", "--parallelism.tp", "2")
-    fsdp_tp = (("--parallelism.dp_shard", "2", "--parallelism.tp", "2"), 4)
-    _matches_data_parallel_and_resumes(tmp_path, tp, [fsdp_tp])
+    _matches_data_parallel_and_resumes(tmp_path, data_parallel_losses, tp)
 
 
-def test_tensor_parallelism_composes_with_the_sliced_pipeline_and_cp(tmp_path: Path) -> None:
-    """tp = 2 inside the sliced pipeline (pp 2 x tp 2) and beside context parallelism (cp 2 x
-    tp 2), 4 ranks each: the data-parallel job's losses up to float32 rounding (the debug
-    pipeline config trains the same model on the same batches)."""
-    short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.enable", "false")
-    data_parallel = _train(tmp_path / "dp", *short)
+def test_tensor_parallelism_composes_with_fsdp_the_sliced_pipeline_and_cp(
+    tmp_path: Path, data_parallel_losses: dict
+) -> None:
+    """On 4 ranks each: FSDP2 over 2 data ranks x tp 2, tp = 2 inside the sliced pipeline
+    (pp 2 x tp 2), and beside context parallelism with its K/V passed around the ring (cp 2 x
+    tp 2): the data-parallel job's losses up to float32 rounding (the debug pipeline config
+    trains the same model on the same batches)."""
     tp = ("--parallelism.tp", "2")
-    pipeline_tp = _train(tmp_path / "pp_tp", *short, *tp, nproc=4, config=SLICED_PP_CONFIG)
-    assert pipeline_tp == pytest.approx(data_parallel, rel=1e-5)
-    cp_tp = ("--parallelism.dp_shard", "1", "--parallelism.cp", "2", *tp)
-    context_tp = _train(tmp_path / "cp_tp", *short, *cp_tp, nproc=4)
-    assert context_tp == pytest.approx(data_parallel, rel=1e-5)
+    ring = ("--parallelism.cp_variant", "ring")
+    layouts = {
+        "fsdp_tp": (("--parallelism.dp_shard", "2", *tp), CONFIG),
+        "pp_tp": (tp, SLICED_PP_CONFIG),
+        "cp_tp": (("--parallelism.dp_shard", "1", "--parallelism.cp", "2", *tp, *ring), CONFIG),
+    }
+    for name, (overrides, config) in layouts.items():
+        losses = _train(
+            tmp_path / name, *LAYOUT_RUN, *overrides, *NO_CHECKPOINTS, nproc=4, config=config
+        )
+        assert losses == pytest.approx(data_parallel_losses, rel=1e-5), name
 
 
 def test_expert_parallelism_folds_over_the_context_parallel_ranks(tmp_path: Path) -> None:
