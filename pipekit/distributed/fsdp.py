@@ -91,7 +91,6 @@ def apply_data_parallel(
     if dp_mesh is None:
         return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    resharding = reshard_after_forward
     if experts_mesh is not None:
         for module in model.modules():
             if isinstance(module, MoE):
@@ -99,12 +98,14 @@ def apply_data_parallel(
                     module.experts,
                     mesh=experts_mesh,
                     mp_policy=mp_policy,
-                    reshard_after_forward=resharding,
+                    reshard_after_forward=reshard_after_forward,
                     shard_placement_fn=lambda _: Shard(1),
                 )
     if parallel_dims.fsdp_enabled or precision_only:
         for unit in [*blocks, model]:
-            fully_shard(unit, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=resharding)
+            fully_shard(
+                unit, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+            )
     else:
         for unit in [*blocks, model]:
             fsdp_replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)

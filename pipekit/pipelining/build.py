@@ -117,7 +117,6 @@ def build_pipeline(
             PipelineContextParallel(
                 mesh["cp"].get_group(),
                 plan.slice_length * plan.context_parallel,
-                setup.attention_backend,
                 plan.context_parallel_variant,
             )
         )

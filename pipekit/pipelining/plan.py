@@ -59,12 +59,7 @@ class PipelinePlan:
     @property
     def features(self) -> frozenset[str]:
         """The pipeline features the plan turns on (registry names)."""
-        on = {
-            "vocab_parallel": self.vocab_parallel,
-            "context_exchange": self.context_exchange,
-            "context_parallel": self.context_parallel > 1,
-        }
-        return frozenset(name for name, enabled in on.items() if enabled)
+        return _features(self.vocab_parallel, self.context_exchange, self.context_parallel)
 
     @property
     def modules_outside_stages(self) -> tuple[str, ...]:
@@ -115,9 +110,7 @@ def plan_pipeline(
             "sequences (global_batch_size / (data-parallel degree x gradient_accumulation_steps))"
         )
     shape = ScheduleShape(num_ranks, num_microbatches, num_slices, stages_per_rank)
-    features = frozenset(
-        name for name in ("vocab_parallel", "context_exchange") if getattr(parallelism, name)
-    ) | ({"context_parallel"} if parallelism.cp > 1 else set())
+    features = _features(parallelism.vocab_parallel, parallelism.context_exchange, parallelism.cp)
     entry.check(shape, features)
     if entry.actions is None:
         where = f"pipeline_schedule_file={schedule_file!r}" if schedule_file else "the schedule"
@@ -193,6 +186,16 @@ def plan_pipeline(
         context_parallel=parallelism.cp,
         context_parallel_variant=parallelism.cp_variant,
     )
+
+
+def _features(vocab_parallel: bool, context_exchange: bool, cp: int) -> frozenset[str]:
+    """The registry names of the features these settings turn on."""
+    on = {
+        "vocab_parallel": vocab_parallel,
+        "context_exchange": context_exchange,
+        "context_parallel": cp > 1,
+    }
+    return frozenset(name for name, enabled in on.items() if enabled)
 
 
 def _check_context_parallel(parallelism: ParallelismConfig, seq_len: int, num_slices: int) -> None:

@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 import torch.distributed as dist
 from torch import Tensor
 
-from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.context import AttentionContext
 from pipekit.attention.context_parallel import (
     CachedShard,
@@ -94,16 +93,16 @@ class PipelineContextParallel(PipelineExtension):
         self,
         group: dist.ProcessGroup,
         slice_length: int,
-        backend: str | AttentionBackend = "auto",
         variant: str = "auto",
         drop_remote: bool = False,
     ) -> None:
-        self.group, self.backend, self.variant = group, backend, variant
+        self.group, self.variant = group, variant
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.slice_length = slice_length
         self.drop_remote = drop_remote
         """Ablation: attend to this rank's cache only."""
         self.num_slices = 1
+        self._slice_tokens: dict[int, Tensor] = {}
 
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
         self.num_slices = num_slices
@@ -123,9 +122,13 @@ class PipelineContextParallel(PipelineExtension):
         )
 
     def slice_tokens(self, slice_index: int) -> Tensor:
-        """This rank's sequence indices in slice `slice_index`."""
-        start = slice_index * self.slice_length
-        return load_balanced_indices(self.slice_length, self.cp, start=start)[self.rank]
+        """This rank's sequence indices in slice `slice_index` (computed once per slice, not
+        per layer)."""
+        if slice_index not in self._slice_tokens:
+            start = slice_index * self.slice_length
+            tokens = load_balanced_indices(self.slice_length, self.cp, start=start)[self.rank]
+            self._slice_tokens[slice_index] = tokens
+        return self._slice_tokens[slice_index]
 
     def stage_context(
         self, stage_index: int, unit: int, training: bool, context: AttentionContext
