@@ -115,6 +115,7 @@ def data_parallel_model(
     cp: int = 1,
     tp: int = 1,
     tp_plan: ModelSpec | None = None,
+    sequence_parallel: bool = True,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[nn.Module, ParallelDims, Any]:
@@ -130,7 +131,9 @@ def data_parallel_model(
     with torch.device("meta"):
         model = spec.build(args).to(dtype)
     if tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], tp_plan or spec)
+        apply_tensor_parallel(
+            model, mesh["tp"], tp_plan or spec, sequence_parallel=sequence_parallel
+        )
     experts_mesh = None
     if ep > 1:
         experts = expert_mesh("cpu", world, ep)
@@ -161,6 +164,7 @@ def data_parallel_step(
     cp: int = 1,
     tp: int = 1,
     tp_plan: ModelSpec | None = None,
+    sequence_parallel: bool = True,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
     adjust: Callable[[nn.Module], None] | None = None,
@@ -171,7 +175,7 @@ def data_parallel_step(
     gathered. `adjust` sees the parallelized model before the step (ablations)."""
     model, dims, mesh = data_parallel_model(
         world, spec, args, ep=ep, dp_replicate=dp_replicate, cp=cp, tp=tp, tp_plan=tp_plan,
-        seed=seed, dtype=dtype,
+        sequence_parallel=sequence_parallel, seed=seed, dtype=dtype,
     )  # fmt: skip
     if adjust is not None:
         adjust(model)

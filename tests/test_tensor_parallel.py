@@ -1,7 +1,9 @@
 """Tensor parallelism against one process: Llama and Qwen3 on 4 ranks (FSDP2 over 2 data ranks
-x 2 tensor-parallel ranks), float64, loss and every gradient. Ablations that must fail: query
-heads split without their key/value heads, and Qwen3's QK-norm weights left plain (their
-gradients partial per rank). The shape rules before launch."""
+x 2 tensor-parallel ranks), with and without sequence parallelism, float64, loss and every
+gradient. Ablations that must fail: query heads split without their key/value heads, and norm
+weights left plain where a rank sees part of their input (Qwen3's QK-norms over a rank's heads,
+the sequence-parallel norms over a rank's tokens), so their gradients stay partial per rank.
+The shape rules before launch."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from distributed_helpers import run_on_ranks
 from parity import Result, data_parallel_step, max_relative_difference, parity_batch, reference_step
 from tiny_models import TINY_LLAMA
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
 
 import examples.custom_model.model as custom_model
 from models.decoder.parallelize import decoder_tensor_parallel_plan
@@ -28,11 +31,22 @@ MODELS = {
 ROWS, SEQ_LEN = 8, 16
 
 
-def _kv_heads_whole(block: nn.Module) -> Mapping[str, ParallelStyle]:
+def _kv_heads_whole(block: nn.Module, sequence_parallel: bool) -> Mapping[str, ParallelStyle]:
     """Ablation: keys and values left whole while the query heads are split."""
-    plan = dict(decoder_tensor_parallel_plan(block))
+    plan = dict(decoder_tensor_parallel_plan(block, sequence_parallel))
     del plan["attention.wk"], plan["attention.wv"]
     return plan
+
+
+def _norms_on_own_tokens(block: nn.Module, sequence_parallel: bool) -> Mapping[str, ParallelStyle]:
+    """Ablation: sequence-parallel norms with plain weights, whose gradients then cover only a
+    rank's tokens (SequenceParallel makes them replicated DTensors, reduced over the ranks)."""
+    local = PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+        output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),),
+    )  # fmt: skip
+    plan = decoder_tensor_parallel_plan(block, sequence_parallel)
+    return {**plan, "attention_norm": local, "ffn_norm": local}
 
 
 def _runs(rank: int, world: int) -> dict[str, Result]:
@@ -40,10 +54,16 @@ def _runs(rank: int, world: int) -> dict[str, Result]:
     for name, args in MODELS.items():
         spec = get_model_spec(name)
         batch = parity_batch(args.vocab_size, ROWS, SEQ_LEN)
-        results[name] = data_parallel_step(rank, world, spec, args, batch, tp=2)
-        ablated = dataclasses.replace(spec, tensor_parallel_plan=_kv_heads_whole)
-        results[f"{name} ablated"] = data_parallel_step(
-            rank, world, spec, args, batch, tp=2, tp_plan=ablated
+        for sequence_parallel in (False, True):
+            results[f"{name} sp={sequence_parallel}"] = data_parallel_step(
+                rank, world, spec, args, batch, tp=2, sequence_parallel=sequence_parallel
+            )
+    llama = get_model_spec("llama")
+    batch = parity_batch(TINY_LLAMA.vocab_size, ROWS, SEQ_LEN)
+    for ablation in (_kv_heads_whole, _norms_on_own_tokens):
+        ablated = dataclasses.replace(llama, tensor_parallel_plan=ablation)
+        results[ablation.__name__] = data_parallel_step(
+            rank, world, llama, TINY_LLAMA, batch, tp=2, tp_plan=ablated
         )
     # ablation: Qwen3's QK-norm weights left plain, so their gradients stay partial per rank
     qwen3 = get_model_spec("qwen3")
@@ -55,18 +75,21 @@ def _runs(rank: int, world: int) -> dict[str, Result]:
     return results
 
 
-def test_fsdp_with_tensor_parallelism_matches_one_process_fp64() -> None:
+def test_fsdp_with_tensor_and_sequence_parallelism_matches_one_process_fp64() -> None:
     per_rank = run_on_ranks(_runs, 4, timeout=300)
+    references = {}
     for name, args in MODELS.items():
         batch = parity_batch(args.vocab_size, ROWS, SEQ_LEN)
-        reference = reference_step(get_model_spec(name), args, batch, microbatches=2)
-        difference = max_relative_difference([r[name] for r in per_rank], reference)
-        assert difference <= 1e-10, (name, difference)
-        ablated = max_relative_difference([r[f"{name} ablated"] for r in per_rank], reference)
-        assert ablated > 1e-3, (name, ablated)
-        if name == "qwen3":
-            partial = [r["qwen3 partial norm gradients"] for r in per_rank]
-            assert max_relative_difference(partial, reference) > 1e-3
+        references[name] = reference_step(get_model_spec(name), args, batch, microbatches=2)
+        for sequence_parallel in (False, True):
+            row = f"{name} sp={sequence_parallel}"
+            difference = max_relative_difference([r[row] for r in per_rank], references[name])
+            assert difference <= 1e-10, (row, difference)
+    ablations = ("_kv_heads_whole", "_norms_on_own_tokens")
+    for row, reference in (*((a, references["llama"]) for a in ablations),
+                           ("qwen3 partial norm gradients", references["qwen3"])):  # fmt: skip
+        ablated = max_relative_difference([r[row] for r in per_rank], reference)
+        assert ablated > 1e-3, (row, ablated)
 
 
 def test_tensor_parallel_shape_rules_name_the_fix() -> None:

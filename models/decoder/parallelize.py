@@ -1,11 +1,16 @@
-"""Tensor parallelism of the decoder family (Llama, Qwen3): Megatron's column/row split.
+"""Tensor (and sequence) parallelism of the decoder family (Llama, Qwen3): Megatron's split.
 
 Queries, keys, values and the FFN's gate and up projections are split by output rows
 (`ColwiseParallel`): each tensor-parallel rank holds whole heads (query heads and their
 key/value heads together, so grouped-query attention pairs them as one process would) and a
 share of the FFN's hidden units. The attention output and the FFN's down projection are split
-by input columns (`RowwiseParallel`), whose partial outputs are summed over the ranks. Norms,
-embeddings and the output layer stay whole on every tensor-parallel rank.
+by input columns (`RowwiseParallel`), whose partial outputs are summed over the ranks.
+
+With sequence parallelism the residual stream between the projections is a DTensor sharded on
+the sequence (dim 1): the norms run on a rank's tokens (`SequenceParallel`), the attention's and
+the FFN's inputs are all-gathered (`PrepareModuleInput`), and the row-split projections
+reduce-scatter onto the sequence instead of all-reducing. Without it, norms and the residual
+stream are whole on every rank.
 """
 
 from __future__ import annotations
@@ -13,26 +18,57 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from pipekit.layers.swiglu import FeedForward
 
 __all__ = ["decoder_tensor_parallel_plan"]
 
 
-def decoder_tensor_parallel_plan(block: nn.Module) -> Mapping[str, ParallelStyle]:
+def decoder_tensor_parallel_plan(
+    block: nn.Module, sequence_parallel: bool
+) -> Mapping[str, ParallelStyle]:
     """The plan of one `TransformerBlock`: attention always, the FFN if it is dense (an MoE
     layer is left to expert parallelism)."""
+    row_split = (
+        RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        if sequence_parallel
+        else RowwiseParallel()
+    )
     plan: dict[str, ParallelStyle] = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
+        "attention.wo": row_split,
     }
+    if sequence_parallel:
+        plan |= {
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            # attention(x, rope_cos_sin, layer_id, context): only x is gathered
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
+                use_local_output=True,
+            ),
+        }
     if isinstance(block.get_submodule("feed_forward"), FeedForward):
         plan |= {
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
+            "feed_forward.w2": row_split,
         }
+        if sequence_parallel:
+            plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,
+            )
     return plan

@@ -18,11 +18,13 @@ from models.decoder.parallelize import decoder_tensor_parallel_plan
 __all__ = ["qwen3_tensor_parallel_plan"]
 
 
-def qwen3_tensor_parallel_plan(block: nn.Module) -> Mapping[str, ParallelStyle]:
+def qwen3_tensor_parallel_plan(
+    block: nn.Module, sequence_parallel: bool
+) -> Mapping[str, ParallelStyle]:
     """The decoder plan of a Qwen3 block, with its QK-norms split along the heads."""
     heads = SequenceParallel(sequence_dim=2, use_local_output=True)
     return {
-        **decoder_tensor_parallel_plan(block),
+        **decoder_tensor_parallel_plan(block, sequence_parallel),
         "attention.q_norm": heads,
         "attention.k_norm": heads,
     }

@@ -1,4 +1,4 @@
-"""Tensor parallelism, applied from outside the model with the family's plan.
+"""Tensor (and sequence) parallelism, applied from outside the model with the family's plan.
 
 `apply_tensor_parallel(model, tp_mesh, spec)` runs `parallelize_module` on every transformer
 block with the plan its family gives (`ModelSpec.tensor_parallel_plan`), on the meta device,
@@ -8,13 +8,29 @@ context parallelism composes): FSDP2 then shards the tensor-parallel DTensors ov
 whole loss from the same batch, so the trainer counts a step's tokens and loss once per
 tensor-parallel group. `check_tensor_parallel` names what a model's shape does not allow
 before any process group exists.
+
+Sequence parallelism (on by default, as Megatron pairs it with tensor parallelism) keeps the
+residual stream between blocks sharded on the sequence, a DTensor `Shard(1)` over the tp ranks:
+the embedding's output is split into the ranks' tokens (no communication; its gradient is
+all-gathered), the modules after the blocks (the final norm, position-wise) run on a rank's
+tokens, and the output layer's input is all-gathered, so the output layer and the loss stay
+whole on every rank. A pipeline stage without the embedding takes a rank's tokens `[B, S/tp,
+D]` and one without the output layer returns them: the messages between stages shrink by tp.
 """
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
+
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from pipekit.models.spec import ModelShape, ModelSpec
 
@@ -45,10 +61,60 @@ def check_tensor_parallel(spec: ModelSpec, shape: ModelShape, tp: int, moe: bool
         )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec) -> nn.Module:
-    """Split every transformer block of `model` over `tp_mesh` by the family's plan; returns
-    `model` (changed in place)."""
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec, *, sequence_parallel: bool = True
+) -> nn.Module:
+    """Split every transformer block of `model` (the whole model or a pipeline stage) over
+    `tp_mesh` by the family's plan, the residual stream over the sequence too with
+    `sequence_parallel`; returns `model` (changed in place)."""
     assert spec.tensor_parallel_plan is not None  # check_tensor_parallel
     for block in spec.structure.blocks_of(model):
-        parallelize_module(block, tp_mesh, dict(spec.tensor_parallel_plan(block)))
+        plan = spec.tensor_parallel_plan(block, sequence_parallel)
+        parallelize_module(block, tp_mesh, dict(plan))
+    if sequence_parallel:
+        _shard_residual_stream(model, tp_mesh, spec)
     return model
+
+
+def _shard_residual_stream(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec) -> None:
+    """The sequence-parallel boundaries outside the blocks (see the module docstring)."""
+    structure = spec.structure
+    plan: dict[str, Any] = {
+        name: SequenceParallel()
+        for name in structure.after_blocks
+        if getattr(model, name, None) is not None
+    }
+    if getattr(model, structure.embedding, None) is not None:
+        plan[structure.embedding] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+        )
+    else:  # a later pipeline stage: its input is this rank's tokens
+        model.register_forward_pre_hook(_SequenceShardInput(tp_mesh))
+    if getattr(model, structure.output, None) is not None:
+        plan[structure.output] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+    else:  # an earlier pipeline stage: it sends this rank's tokens
+        model.register_forward_hook(_local_output)
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+
+
+class _SequenceShardInput:
+    """Forward pre-hook: a stage's received hidden states `[B, S/tp, D]` become the DTensor
+    `[B, S, D]` sharded on the sequence that its blocks take (token ids pass unchanged)."""
+
+    def __init__(self, tp_mesh: DeviceMesh) -> None:
+        self.tp_mesh = tp_mesh
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0]
+        if not hidden.is_floating_point() or isinstance(hidden, DTensor):
+            return args
+        sharded = DTensor.from_local(hidden, self.tp_mesh, [Shard(1)], run_check=False)
+        return (sharded, *args[1:])
+
+
+def _local_output(module: nn.Module, args: Any, output: Tensor) -> Tensor:
+    """Forward hook: a stage sends its rank's tokens, a plain tensor."""
+    return output.to_local() if isinstance(output, DTensor) else output

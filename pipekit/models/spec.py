@@ -172,10 +172,14 @@ class ModelSpec:
     """Hugging Face import/export (None: DCP checkpoints only)."""
     upcycler: Upcycler | None = None
     """How a dense model of this family becomes a mixture of experts (None: it cannot)."""
-    tensor_parallel_plan: Callable[[nn.Module], Mapping[str, ParallelStyle]] | None = None
-    """A transformer block -> its tensor-parallel plan (submodule path -> DTensor parallel
-    style, for `parallelize_module`); None: the family has no tensor parallelism. Attention must
-    take its head count from what its projections return (`view(..., -1, head_dim)`)."""
+    tensor_parallel_plan: Callable[[nn.Module, bool], Mapping[str, ParallelStyle]] | None = None
+    """(a transformer block, sequence_parallel) -> its tensor-parallel plan (submodule path ->
+    DTensor parallel style, for `parallelize_module`); None: the family has no tensor
+    parallelism. Attention must take its head count from what its projections return
+    (`view(..., -1, head_dim)`). With sequence parallelism a block takes and returns a DTensor
+    sharded on the sequence (dim 1), and the plan must keep it so (norms `SequenceParallel`,
+    row-split outputs `Shard(1)`); pipekit shards it after the embedding and gathers it before
+    the output layer."""
 
     def flavor(self, name: str) -> Any:
         """The args of flavor `name`, with an error that lists the known ones."""

@@ -102,6 +102,7 @@ def build_pipeline(
         vocab_size=plan.model.vocab_size,
         dtype=setup.message_dtype,
         vocab_parallel=plan.vocab_parallel,
+        sequence_shards=plan.sequence_shards,
     )
     extensions: list[PipelineExtension] = []
     if plan.context_exchange:  # before vocabulary parallelism: it plans on the compute lists

@@ -55,6 +55,9 @@ class PipelinePlan:
     """cp ranks sharing every slice (`slice_length` is one rank's share)."""
     context_parallel_variant: str = "auto"
     """"commutated", "kv_passing" or "auto" (per slice, by bytes)."""
+    sequence_shards: int = 1
+    """Sequence parallelism's tp ranks: hidden states between stages hold `slice_length /
+    sequence_shards` tokens."""
 
     @property
     def features(self) -> frozenset[str]:
@@ -166,6 +169,9 @@ def plan_pipeline(
         _check_context_exchange(structure, names, actions_by_rank, num_slices)
     if parallelism.cp > 1:
         _check_context_parallel(parallelism, seq_len, num_slices)
+    sequence_shards = parallelism.tp if parallelism.sequence_parallel else 1
+    if sequence_shards > 1:
+        _check_sequence_parallel(parallelism, seq_len // num_slices // parallelism.cp)
     if parallelism.vocab_parallel:  # the output passes must fit the schedule without deadlock
         with_output_passes(actions_by_rank, num_slices, lockstep=parallelism.context_exchange)
     return PipelinePlan(
@@ -185,6 +191,7 @@ def plan_pipeline(
         context_exchange=parallelism.context_exchange,
         context_parallel=parallelism.cp,
         context_parallel_variant=parallelism.cp_variant,
+        sequence_shards=sequence_shards,
     )
 
 
@@ -222,6 +229,21 @@ def _check_context_parallel(parallelism: ParallelismConfig, seq_len: int, num_sl
         raise ValueError(
             f"context_exchange = true with cp={parallelism.cp}: context exchange does not "
             "combine with context parallelism yet; turn one off"
+        )
+
+
+def _check_sequence_parallel(parallelism: ParallelismConfig, slice_length: int) -> None:
+    """Each tp rank holds an equal run of every slice's tokens between the stages."""
+    if slice_length % parallelism.tp:
+        raise ValueError(
+            f"sequence_parallel = true with tp={parallelism.tp}: a slice's {slice_length} tokens "
+            "per cp rank must split evenly over the tp ranks; choose seq_len, num_slices or cp "
+            "so that seq_len / (num_slices x cp) is a multiple of tp, or sequence_parallel = false"
+        )
+    if parallelism.vocab_parallel:
+        raise ValueError(
+            "sequence_parallel = true does not combine with vocab_parallel yet (the vocabulary "
+            "shards send and take whole sequences); set sequence_parallel = false"
         )
 
 

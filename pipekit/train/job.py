@@ -73,6 +73,7 @@ def plan_job(config: JobConfig, world_size: int | None, *, check_files: bool = T
     dims = _parallel_dims(config, world_size)
     if dims.tp > 1:
         _check_tensor_parallel(dims, spec, args)
+        _check_sequence_parallel(config, dims)
     if dims.ep > 1:
         _check_expert_parallel(config, args, dims.ep)
     per_step = dims.dp_degree * config.training.gradient_accumulation_steps
@@ -213,6 +214,20 @@ def _check_tensor_parallel(dims: ParallelDims, spec: ModelSpec, args: Any) -> No
         )
     except ValueError as error:
         raise _error("[parallelism]", error) from None
+
+
+def _check_sequence_parallel(config: JobConfig, dims: ParallelDims) -> None:
+    """Outside pipelines each tp rank holds an equal run of a cp rank's tokens (the pipeline
+    plan checks its slices)."""
+    if not config.parallelism.sequence_parallel or dims.pp > 1:
+        return
+    seq_len = config.training.seq_len
+    if seq_len % (dims.cp * dims.tp):
+        raise ConfigError(
+            f"[parallelism] sequence_parallel = true with tp={dims.tp}, cp={dims.cp}: "
+            f"training.seq_len={seq_len} must be a multiple of cp x tp = {dims.cp * dims.tp}; "
+            "choose seq_len to fit, or sequence_parallel = false"
+        )
 
 
 def _check_context_parallel(config: JobConfig, cp: int, pp: int) -> None:

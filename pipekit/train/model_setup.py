@@ -170,7 +170,10 @@ class _ModelSetup:
         job, moe = self.job, self.job.config.moe
         if job.dims is not None and job.dims.tp > 1:
             assert self.mesh is not None
-            apply_tensor_parallel(module, self.mesh["tp"], job.spec)
+            sequence_parallel = job.config.parallelism.sequence_parallel
+            apply_tensor_parallel(
+                module, self.mesh["tp"], job.spec, sequence_parallel=sequence_parallel
+            )
         if self.expert_mesh is not None:
             apply_expert_parallel(
                 module,

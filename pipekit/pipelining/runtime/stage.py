@@ -61,10 +61,12 @@ class StageShapes:
         dtype: torch.dtype,
         *,
         vocab_parallel: bool = False,
+        sequence_shards: int = 1,
     ) -> None:
         self.rows, self.slice_length = rows, slice_length
         self.model_dim, self.vocab_size, self.dtype = model_dim, vocab_size, dtype
         self.vocab_parallel = vocab_parallel
+        self.sequence_shards = sequence_shards
 
     def stage_input(self, is_first: bool, device: torch.device) -> torch.Tensor:
         """The first stage takes token ids (embeddings with vocab_parallel); the others take
@@ -82,8 +84,9 @@ class StageShapes:
         return self.hidden(device)
 
     def hidden(self, device: torch.device) -> torch.Tensor:
-        """Hidden states of one unit, requiring grad (a boundary torch sends gradients over)."""
-        size = (self.rows, self.slice_length, self.model_dim)
+        """Hidden states of one unit, requiring grad (a boundary torch sends gradients over);
+        under sequence parallelism, this rank's share of its tokens."""
+        size = (self.rows, self.slice_length // self.sequence_shards, self.model_dim)
         return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
 
 
