@@ -70,6 +70,9 @@ LLAMA_FLAVORS: dict[str, LlamaArgs] = {
         rope_scaling=_LLAMA31_SCALING,
     ),
 }
+# 70B for context extension to 2M tokens (SlimPipe's longest Llama 70B runs): the 70B weights,
+# positions up to 2**21.
+LLAMA_FLAVORS["70B_2M"] = LLAMA_FLAVORS["70B"].with_updates(max_seq_len=2**21)
 # The debug shape with tied embedding and output weights, as Llama 3.2 1B and 3B have.
 LLAMA_FLAVORS["debug_tied"] = LLAMA_FLAVORS["debug"].with_updates(tie_embeddings=True)
 

@@ -1,7 +1,7 @@
 """`python -m pipekit.bench plan-accuracy`: the memory planner against measured peaks.
 
-For each debug config (FSDP2, context parallelism, the sliced pipeline, expert parallelism,
-an upcycled MoE), the
+For each debug config (FSDP2, context parallelism, tensor parallelism with and without sequence
+parallelism, the sliced pipeline, expert parallelism, an upcycled MoE), the
 planner's per-rank peak (`python -m pipekit.plan`) is compared with what the ranks of a real run
 hold: each rank, in a fresh process, builds the trainer, runs one step (so optimizer states
 exist), then measures the second step with `PeakTensorMemory` (every tensor the step creates:
@@ -40,6 +40,23 @@ _CONFIGS = {
         "configs/debug_model.toml",
         2,
         ("--parallelism.dp_shard", "1", "--parallelism.cp", "2"),
+    ),
+    "tensor parallel": (
+        "configs/debug_model.toml",
+        2,
+        (
+            "--parallelism.dp_shard",
+            "1",
+            "--parallelism.tp",
+            "2",
+            "--parallelism.sequence_parallel",
+            "false",
+        ),
+    ),
+    "tensor + sequence parallel": (
+        "configs/debug_model.toml",
+        2,
+        ("--parallelism.dp_shard", "1", "--parallelism.tp", "2"),
     ),
     "sliced pipeline": ("configs/debug_sliced_pp.toml", 2, ()),
     "expert parallel": ("configs/debug_moe.toml", 2, ()),

@@ -9,17 +9,28 @@ dataset a batch is sliced from) it is not counted. The peak of that sum is what 
 on top of what existed before it: on CPU, where no caching allocator keeps statistics, it is the
 figure that says how much activation and buffer memory a step takes. With `timeline=True` the
 live bytes after every operator are kept too (`timeline`), so two runs of the same code at two
-sizes can be compared moment by moment.
+sizes can be compared moment by moment. A DTensor counts as its local shard: what this rank
+holds.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PeakTensorMemory"]
+__all__ = ["PeakTensorMemory", "local_storage_holder"]
+
+
+def local_storage_holder(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds `tensor`'s bytes on this rank: a DTensor's local shard
+    (the wrapper has no storage of its own), any other tensor itself."""
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
 
 
 class PeakTensorMemory(TorchDispatchMode):
@@ -37,12 +48,12 @@ class PeakTensorMemory(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {
             leaf.untyped_storage()._cdata
-            for leaf in tree_leaves((args, kwargs))
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"
+            for leaf in _local_leaves((args, kwargs))
+            if leaf.device.type != "meta"
         }
         grew = False
-        for leaf in tree_leaves(out):
-            allocated = isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"
+        for leaf in _local_leaves(out):
+            allocated = leaf.device.type != "meta"
             if allocated and leaf.untyped_storage()._cdata not in inputs:
                 grew |= self._track(leaf)
         if grew or self.timeline is not None:
@@ -67,3 +78,9 @@ class PeakTensorMemory(TorchDispatchMode):
             if ref.expired():
                 del self._live[key]
                 self.current_bytes -= nbytes
+
+
+def _local_leaves(tree: object) -> list[torch.Tensor]:
+    return [
+        local_storage_holder(leaf) for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)
+    ]

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pipekit.memory.live_tensors import local_storage_holder
+
 __all__ = [
     "KV_CACHE",
     "SAVED",
@@ -232,7 +234,9 @@ def _unpack(handle: _SavedHandle) -> torch.Tensor:
 
 
 def _storage_of(tensor: torch.Tensor) -> tuple[_StorageKey, int] | None:
-    """(key, bytes) of the storage under `tensor`; None for meta, sparse or empty storages."""
+    """(key, bytes) of the storage under `tensor` (a DTensor's: its local shard's); None for
+    meta, sparse or empty storages."""
+    tensor = local_storage_holder(tensor)
     if tensor.device.type == "meta" or tensor.layout != torch.strided:
         return None
     try:

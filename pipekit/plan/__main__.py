@@ -101,11 +101,17 @@ def main(argv: list[str]) -> None:
         raise SystemExit(2) from None
     dims = job.dims
     assert dims is not None
+    extras = []
+    if dims.tp > 1 and job.config.parallelism.sequence_parallel:
+        extras.append("sequence parallel")
+    if job.pipeline is not None:
+        extras.append(f"{job.pipeline.schedule} schedule, {job.pipeline.num_slices} slices")
     print(
         f"{job.config.job.name}: {job.spec.name} {job.config.model.flavor} on {dims.world_size} "
-        f"ranks (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x pp {dims.pp}, "
-        f"ep {dims.ep}); {job.local_batch_size} x {job.config.training.seq_len} tokens per rank "
-        f"and micro-step; compute {job.config.training.mixed_precision_param}; one row per "
+        f"ranks (pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x "
+        f"cp {dims.cp} x tp {dims.tp}, ep {dims.ep}{''.join(', ' + e for e in extras)}); "
+        f"{job.local_batch_size} x {job.config.training.seq_len} tokens per data rank and "
+        f"micro-step; compute {job.config.training.mixed_precision_param}; one row per "
         "pipeline rank (its data-parallel peers hold the same)\n",
         flush=True,
     )

@@ -17,6 +17,10 @@ The head (the blocks' successors and the output layer, with the loss) is measure
 ways: what it saves for backward (the final norm's input, the loss's float32 log-probabilities)
 and its peak over its forward and the backward to its input (`PeakTensorMemory`; its weight
 gradients are a term of their own): its logits, their float32 loss copy and their gradient.
+Under tensor parallelism a block is measured as one tp rank runs it: split by the family's plan
+over a simulated tp group (torch's "fake" process group, in a forked child), so its bytes are
+one rank's heads and FFN share, and with sequence parallelism one rank's share of the residual
+stream and the norms; the head stays whole on every tp rank, as it trains.
 One block of a kind exists at a time, so probing a 70B-class model needs one block's weights in
 the compute dtype (about 1.7 GB) and the head's (about 2 GB), not the model's; it takes about a
 minute for an 8B model on 2 CPU cores (bf16 matrix products on a CPU without bf16 units are
@@ -32,20 +36,38 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
+from pipekit._torch_private import simulated_rank
+from pipekit.distributed.tensor_parallel import apply_tensor_parallel
 from pipekit.layers.loss import token_sum_cross_entropy
 from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.memory.tracker import SAVED, ActivationMemoryTracker
+from pipekit.models.materialize import local_tensor
 from pipekit.models.spec import ModelSpec
 from pipekit.models.stage_module import build_stage_module
+from pipekit.plan.forked import in_forked_child
 
-__all__ = ["ActivationProfile", "profile_activations"]
+__all__ = ["ActivationProfile", "TensorSplit", "profile_activations"]
 
 _PROBE_TOKENS = (2, 6)
 """Two sequence lengths; bytes per token is the slope between them."""
 _INIT_STD = 0.02
 _RANDOM_UP_TO = 1 << 20
 """Parameters of at most this many elements (routers) are drawn at random."""
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """How the job splits its blocks over tensor-parallel ranks."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def sequence_shards(self) -> int:
+        """Ranks the residual stream is split over by sequence."""
+        return self.tp if self.sequence_parallel else 1
 
 
 @dataclass(frozen=True)
@@ -74,9 +96,11 @@ def profile_activations(
     dtype: torch.dtype,
     tokens: tuple[int, int] = _PROBE_TOKENS,
     configure: Callable[[nn.Module], object] | None = None,
+    split: TensorSplit = TensorSplit(),
 ) -> ActivationProfile:
     """Measure `spec.build(args)`'s blocks and head in `dtype` at the two lengths `tokens`;
-    `configure(block)` sets a block up as the job runs it (its MoE execution)."""
+    `configure(block)` sets a block up as the job runs it (its MoE execution); `split`: the
+    blocks as one tensor-parallel rank runs them (bytes per token of the whole sequence)."""
     with torch.device("meta"):
         model = spec.build(args).to(dtype)
     structure = spec.structure
@@ -87,16 +111,22 @@ def profile_activations(
     for name in names:
         kind = _kind(model.get_submodule(name))
         if kind not in kinds:
-            kinds[kind] = _probe_block(model, name, shape.dim, dtype, tokens, configure)
+            block = build_stage_module(model, [name])
+            if split.tp == 1:
+                kinds[kind] = _probe_block(block, shape.dim, dtype, tokens, configure)
+            else:
+                kinds[kind] = in_forked_child(
+                    _probe_split_block, block, spec, split, shape.dim, dtype, tokens, configure
+                )
         block_bytes[name] = kinds[kind][0]
-    kv = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+    kv = 2 * shape.num_kv_heads // split.tp * shape.head_dim * dtype.itemsize
     head_saved, head_peak = _probe_head(model, spec, shape.dim, shape.vocab_size, dtype, tokens)
     return ActivationProfile(
         block_bytes=block_bytes,
         backward_bytes=max(working - saved for saved, working in kinds.values()),
         head_bytes_per_row=head_peak / shape.vocab_size,
         head_saved_bytes_per_row=head_saved / shape.vocab_size,
-        input_bytes=shape.dim * dtype.itemsize,
+        input_bytes=shape.dim * dtype.itemsize // split.sequence_shards,
         kv_bytes=dict.fromkeys(names, float(kv)),
     )
 
@@ -109,7 +139,7 @@ def _give_weights(module: nn.Module) -> None:
     module.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for param in module.parameters():
+        for param in map(local_tensor, module.parameters()):
             if param.ndim == 1:  # norm weights
                 param.fill_(1.0)
             elif param.numel() <= _RANDOM_UP_TO:
@@ -139,33 +169,56 @@ def _largest_moment_slope(measure, tokens: tuple[int, int]) -> float:
     return max(growth) / (long - short)
 
 
-def _probe_block(
-    model: nn.Module,
-    name: str,
+def _probe_split_block(
+    block: nn.Module,
+    spec: ModelSpec,
+    split: TensorSplit,
     dim: int,
     dtype: torch.dtype,
     tokens: tuple[int, int],
     configure: Callable[[nn.Module], object] | None,
 ) -> tuple[float, float]:
+    """`_probe_block` as tp rank 0 of a simulated group runs the block: its collectives
+    return at once, and give tensors of the real shapes."""
+    # in a forked child: GNU OpenMP's thread pool does not survive fork once the parent used
+    # it, and a parallel region would wait for its dead threads forever
+    torch.set_num_threads(1)
+    shards = split.sequence_shards
+    with simulated_rank(0, split.tp):
+        mesh = init_device_mesh("cpu", (split.tp,))
+        apply_tensor_parallel(block, mesh, spec, sequence_parallel=split.sequence_parallel)
+        lengths = (tokens[0] * shards, tokens[1] * shards)
+        return _probe_block(block, dim, dtype, lengths, configure, sequence_shards=shards)
+
+
+def _probe_block(
+    block: nn.Module,
+    dim: int,
+    dtype: torch.dtype,
+    tokens: tuple[int, int],
+    configure: Callable[[nn.Module], object] | None,
+    sequence_shards: int = 1,
+) -> tuple[float, float]:
     """(bytes per token the block saves, peak bytes per token over its forward and its
-    backward to the input). Weights take no gradient here: their gradients' sizes do not grow
-    with the tokens, and would move the peak to a moment that does not."""
-    block = build_stage_module(model, [name])
+    backward to the input); under sequence parallelism the block takes a rank's
+    `1/sequence_shards` of the tokens. Weights take no gradient here: their gradients' sizes
+    do not grow with the tokens, and would move the peak to a moment that does not."""
     _give_weights(block)
     if configure is not None:
         configure(block)
 
     def saved_bytes(length: int) -> int:
-        hidden_BSD = torch.randn(1, length, dim, dtype=dtype, requires_grad=True)
+        hidden_BSD = torch.randn(1, length // sequence_shards, dim, dtype=dtype)
         with ActivationMemoryTracker(exclude=list(block.parameters())) as tracker:
-            block(hidden_BSD)
+            block(hidden_BSD.requires_grad_())
         return tracker.peak_bytes(SAVED)
 
     def working_bytes(length: int) -> PeakTensorMemory:
         # the input counts, as it does among the saved
         with PeakTensorMemory(timeline=True) as memory:
-            hidden_BSD = torch.randn(1, length, dim, dtype=dtype, requires_grad=True)
-            block(hidden_BSD).backward(torch.ones(1, length, dim, dtype=dtype))
+            size = (1, length // sequence_shards, dim)
+            hidden_BSD = torch.randn(size, dtype=dtype, requires_grad=True)
+            block(hidden_BSD).backward(torch.ones(size, dtype=dtype))
         return memory
 
     saved = _slope(saved_bytes, tokens)

@@ -12,11 +12,7 @@ in torch.distributed that a later real job in the same process must not inherit.
 
 from __future__ import annotations
 
-import multiprocessing
-from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -25,12 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from pipekit._torch_private import simulated_rank
 from pipekit.models.materialize import local_tensor
+from pipekit.plan.forked import in_forked_child
 from pipekit.train.job import Job
 from pipekit.train.model_setup import build_job_model
 
 __all__ = ["RankLayout", "rank_layouts"]
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -58,37 +53,8 @@ def rank_layouts(job: Job) -> list[RankLayout]:
     """One layout per pipeline rank (one for a job without a pipeline)."""
     assert job.dims is not None, "plan the job for a world size"
     world = job.dims.world_size
-    ranks = _in_child(_representative_ranks, job)
-    return [_in_child(_layout, job, rank, world) for rank in ranks]
-
-
-def _in_child(fn: Callable[..., T], *args: object) -> T:
-    """`fn(*args)` in a forked child; its result, or its exception raised here."""
-    context = multiprocessing.get_context("fork")
-    receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_child_main, args=(sender, fn, args), daemon=True)
-    child.start()
-    sender.close()
-    try:
-        ok, value = receiver.recv()
-    except EOFError:
-        child.join()
-        raise RuntimeError(
-            f"the process simulating a rank died (exit code {child.exitcode})"
-        ) from None
-    child.join()
-    if not ok:
-        raise value
-    return value
-
-
-def _child_main(sender: Connection, fn: Callable[..., object], args: tuple) -> None:
-    try:
-        sender.send((True, fn(*args)))
-    except BaseException as error:  # handed to the parent, which raises it
-        sender.send((False, error))
-    finally:
-        sender.close()
+    ranks = in_forked_child(_representative_ranks, job)
+    return [in_forked_child(_layout, job, rank, world) for rank in ranks]
 
 
 def _representative_ranks(job: Job) -> list[int]:

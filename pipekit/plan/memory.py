@@ -42,7 +42,7 @@ import torch
 
 from pipekit.moe.expert_parallel import set_expert_execution
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
-from pipekit.plan.activations import ActivationProfile, profile_activations
+from pipekit.plan.activations import ActivationProfile, TensorSplit, profile_activations
 from pipekit.plan.layout import RankLayout, rank_layouts
 from pipekit.train.job import Job
 from pipekit.train.model_setup import DTYPES
@@ -100,12 +100,16 @@ def plan_memory(job: Job, probe_tokens: tuple[int, int] = (2, 6)) -> MemoryPlan:
     """The memory plan of a validated `job` (planned for a world size)."""
     training, moe = job.config.training, job.config.moe
     compute = DTYPES[training.mixed_precision_param]
+    split = TensorSplit()
+    if job.dims is not None and job.dims.tp > 1:
+        split = TensorSplit(job.dims.tp, job.config.parallelism.sequence_parallel)
     profile = profile_activations(
         job.spec,
         job.args,
         compute,
         probe_tokens,
         configure=lambda block: set_expert_execution(block, moe.partitions, moe.memory_reuse),
+        split=split,
     )
     ranks = [_rank_memory(job, layout, profile) for layout in rank_layouts(job)]
     return MemoryPlan(ranks, profile)
@@ -193,7 +197,7 @@ def _stage_output_bytes(
     plan = job.pipeline
     assert plan is not None
     if stage < plan.num_stages - 1 or plan.vocab_parallel:
-        return job.shape.dim * compute.itemsize
+        return job.shape.dim * compute.itemsize / plan.sequence_shards
     rows = layout.output_rows
     return rows * (compute.itemsize + profile.head_saved_bytes_per_row)
 
