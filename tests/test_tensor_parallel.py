@@ -1,6 +1,6 @@
 """Tensor parallelism against one process: Llama and Qwen3 on 4 ranks (FSDP2 over 2 data ranks
 x 2 tensor-parallel ranks), with and without sequence parallelism, float64, loss and every
-gradient. Ablations that must fail: query heads split without their key/value heads, and norm
+gradient. Ablations that must fail: query heads split while keys and values stay whole, and norm
 weights left plain where a rank sees part of their input (Qwen3's QK-norms over a rank's heads,
 the sequence-parallel norms over a rank's tokens), so their gradients stay partial per rank.
 The shape rules before launch."""
@@ -15,8 +15,12 @@ from distributed_helpers import run_on_ranks
 from parity import Result, data_parallel_step, max_relative_difference, parity_batch, reference_step
 from tiny_models import TINY_LLAMA
 from torch import nn
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInputOutput,
+)
 
 import examples.custom_model.model as custom_model
 from models.decoder.parallelize import decoder_tensor_parallel_plan
@@ -32,10 +36,11 @@ ROWS, SEQ_LEN = 8, 16
 
 
 def _kv_heads_whole(block: nn.Module, sequence_parallel: bool) -> Mapping[str, ParallelStyle]:
-    """Ablation: keys and values left whole while the query heads are split."""
-    plan = dict(decoder_tensor_parallel_plan(block, sequence_parallel))
-    del plan["attention.wk"], plan["attention.wv"]
-    return plan
+    """Ablation: keys and values whole on every rank while the query heads are split, so a
+    rank's query heads meet the wrong key/value heads."""
+    whole = ColwiseParallel(output_layouts=Replicate())
+    plan = decoder_tensor_parallel_plan(block, sequence_parallel)
+    return {**plan, "attention.wk": whole, "attention.wv": whole}
 
 
 def _norms_on_own_tokens(block: nn.Module, sequence_parallel: bool) -> Mapping[str, ParallelStyle]:

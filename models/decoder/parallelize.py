@@ -36,39 +36,34 @@ def decoder_tensor_parallel_plan(
     block: nn.Module, sequence_parallel: bool
 ) -> Mapping[str, ParallelStyle]:
     """The plan of one `TransformerBlock`: attention always, the FFN if it is dense (an MoE
-    layer is left to expert parallelism)."""
-    row_split = (
-        RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-        if sequence_parallel
-        else RowwiseParallel()
-    )
+    layer is left to expert parallelism).
+
+    The attention's and the FFN's inputs become a replicated DTensor once, before their
+    column-split projections (gathered from the rank's tokens under sequence parallelism): the
+    projections' input gradients then add up as partial sums, and one reduce-scatter (or one
+    all-reduce) per layer sums them over the ranks, not one per projection."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    row_split = RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
     plan: dict[str, ParallelStyle] = {
+        # attention(x, rope_cos_sin, layer_id, context): only x is a DTensor
+        "attention": PrepareModuleInput(
+            input_layouts=(residual, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+        ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": row_split,
     }
     if sequence_parallel:
-        plan |= {
-            "attention_norm": SequenceParallel(),
-            "ffn_norm": SequenceParallel(),
-            # attention(x, rope_cos_sin, layer_id, context): only x is gathered
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None),
-                use_local_output=True,
-            ),
-        }
+        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
     if isinstance(block.get_submodule("feed_forward"), FeedForward):
         plan |= {
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(residual,), desired_input_layouts=(Replicate(),)
+            ),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": row_split,
         }
-        if sequence_parallel:
-            plan["feed_forward"] = PrepareModuleInput(
-                input_layouts=(Shard(1),),
-                desired_input_layouts=(Replicate(),),
-                use_local_output=True,
-            )
     return plan

@@ -29,6 +29,10 @@ _BENCHMARKS = {
         "pipekit.bench.context_parallel",
         "context parallelism: bytes per slice, commutated vs KV passing, and the choice",
     ),
+    "tensor-parallel": (
+        "pipekit.bench.tensor_parallel",
+        "activations with and without sequence parallelism, TP bytes vs Megatron's formulas",
+    ),
     "moe": (
         "pipekit.bench.moe",
         "MoE all-to-all pipelining (native and emulated link) and memory reuse vs Eq. 6",
