@@ -12,8 +12,12 @@ wall time per slice. Timings with as many ranks as cores say little about a GPU;
 what carry over.
 
 RESULT: auto_vs_commutated and auto_vs_kv_passing (the formula's total bytes of "auto" over
-each fixed variant's), measured_vs_formula (the largest |measured - formula| / formula of the
-forward bytes).
+each fixed variant's), mha_commutated_vs_kv_bytes (the formula's commutated over KV-passing
+total with as many kv heads as query heads); measured: commutated_vs_kv_bytes (total forward
+bytes over the sequence, commutated over KV passing) beside `formula` (the same ratio
+predicted), chosen_vs_best (the measured bytes of the variant the rule chose per slice over the
+cheaper one's: 1 when the rule always picks the cheaper), measured_vs_formula (the largest
+|measured - formula| / formula of any slice's forward bytes).
 """
 
 from __future__ import annotations
@@ -32,7 +36,11 @@ __all__ = ["main"]
 _MIB = 2**20
 
 
-def _formula_rows(options: argparse.Namespace) -> tuple[list[list[Any]], dict[str, float]]:
+def _formula_rows(
+    options: argparse.Namespace,
+) -> tuple[list[list[Any]], dict[str, float], float]:
+    """Per slice rows, the totals of each variant and of "auto", and the commutated over
+    KV-passing total with as many kv heads as query heads (MHA)."""
     from pipekit.attention.context_parallel import choose_context_parallel, context_parallel_bytes
 
     shape = {
@@ -44,16 +52,25 @@ def _formula_rows(options: argparse.Namespace) -> tuple[list[list[Any]], dict[st
         "element_bytes": 2,
     }
     rows, totals = [], {"commutated": 0.0, "kv_passing": 0.0, "auto": 0.0}
+    mha = dict(shape, kv_heads=options.heads)
+    mha_totals = {
+        variant: sum(
+            context_parallel_bytes(variant, slice_index=index, **mha)
+            for index in range(options.slices)
+        )
+        for variant in ("commutated", "kv_passing")
+    }
+    mha_ratio = mha_totals["commutated"] / mha_totals["kv_passing"]
     for index in range(options.slices):
         sent = {
             v: context_parallel_bytes(v, slice_index=index, **shape) for v in totals if v != "auto"
         }
         choice = choose_context_parallel(slice_index=index, **shape)
-        for variant, size in sent.items():
+        for variant, size in sent.items():  # the two fixed variants
             totals[variant] += size
         totals["auto"] += sent[choice]
         rows.append([index, sent["commutated"] / _MIB, sent["kv_passing"] / _MIB, choice])
-    return rows, totals
+    return rows, totals, mha_ratio
 
 
 def _measure_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -123,35 +140,44 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--cp", type=int, default=4, help="context-parallel ranks (formula)")
     parser.add_argument("--slices", type=int, default=16, help="slices per sequence")
     parser.add_argument("--slice-tokens", type=int, default=8192, help="tokens per slice")
+    parser.add_argument(
+        "--seq", type=int, default=0, help="tokens per sequence (sets --slice-tokens to seq/slices)"
+    )
     parser.add_argument("--measure-ranks", type=int, default=2, help="gloo ranks (0: skip)")
     parser.add_argument("--measure-heads", type=int, default=16)
     parser.add_argument("--measure-kv-heads", type=int, default=2)
     parser.add_argument("--measure-slice-tokens", type=int, default=256)
     parser.add_argument("--measure-slices", type=int, default=12)
     options = parser.parse_args(argv)
+    if options.seq:
+        if options.seq % options.slices:
+            parser.error(f"--seq {options.seq} must be a multiple of --slices {options.slices}")
+        options.slice_tokens = options.seq // options.slices
     print(machine_description(), flush=True)
     print(
         f"formula: {options.heads} query heads, {options.kv_heads} kv heads, head dim "
         f"{options.head_dim}, bf16, cp {options.cp}, {options.slices} slices of "
         f"{options.slice_tokens} tokens; MiB one rank sends per layer (forward)"
     )
-    rows, totals = _formula_rows(options)
+    rows, totals, mha_ratio = _formula_rows(options)
     print_table(["slice", "commutated MiB", "kv passing MiB", "auto takes"], rows)
     print(
         "totals over the sequence (MiB): "
         + ", ".join(f"{name} {size / _MIB:.1f}" for name, size in totals.items())
+        + f"; with {options.heads} kv heads (MHA), commutated / kv passing = {mha_ratio:.3f}"
     )
     figures: dict[str, Any] = {
         "auto_vs_commutated": totals["auto"] / totals["commutated"],
         "auto_vs_kv_passing": totals["auto"] / totals["kv_passing"],
+        "mha_commutated_vs_kv_bytes": mha_ratio,
     }
     if options.measure_ranks > 1:
-        figures["measured_vs_formula"] = _measure(options)
+        figures.update(_measure(options))
     print_result(**figures)
 
 
-def _measure(options: argparse.Namespace) -> float:
-    from pipekit.attention.context_parallel import context_parallel_bytes
+def _measure(options: argparse.Namespace) -> dict[str, float]:
+    from pipekit.attention.context_parallel import choose_context_parallel, context_parallel_bytes
 
     ranks = options.measure_ranks
     spec = {
@@ -176,11 +202,18 @@ def _measure(options: argparse.Namespace) -> float:
         "element_bytes": 2,
     }
     rows, worst = [], 0.0
+    measured_total = {"commutated": 0, "kv_passing": 0, "chosen": 0, "best": 0}
+    formula_total = {"commutated": 0, "kv_passing": 0}
     for index in range(spec["slices"]):
         row: list[Any] = [index]
+        sent = {v: result[v]["forward"][index] for v in ("commutated", "kv_passing")}
+        measured_total["chosen"] += sent[choose_context_parallel(slice_index=index, **shape)]
+        measured_total["best"] += min(sent.values())
         for variant in ("commutated", "kv_passing"):
-            measured = result[variant]["forward"][index]
+            measured = sent[variant]
             formula = context_parallel_bytes(variant, slice_index=index, **shape)
+            measured_total[variant] += measured
+            formula_total[variant] += formula
             worst = max(worst, abs(measured - formula) / formula)
             row += [
                 measured / 1024,
@@ -193,4 +226,9 @@ def _measure(options: argparse.Namespace) -> float:
     for variant in ("commutated", "kv"):
         headers += [f"{variant} fwd KiB", "formula KiB", "bwd KiB", "ms"]
     print_table(headers, rows)
-    return worst
+    return {
+        "commutated_vs_kv_bytes": measured_total["commutated"] / measured_total["kv_passing"],
+        "formula": formula_total["commutated"] / formula_total["kv_passing"],
+        "chosen_vs_best": measured_total["chosen"] / measured_total["best"],
+        "measured_vs_formula": worst,
+    }

@@ -107,9 +107,10 @@ def _attribute_saved_bytes(blocks: torch.nn.Module, tracker, saved: dict[str, in
     """Hooks that add to `saved[part]` what autograd saves during each part's forward."""
     from pipekit.memory.tracker import SAVED
 
+    parts = {"attention_norm": "norms", "ffn_norm": "norms", "attention": "attention"}
+    parts["feed_forward"] = "feed_forward"
     for block in blocks.layers.values():
-        for name, part in (("attention_norm", "norms"), ("ffn_norm", "norms"),
-                           ("attention", "attention"), ("feed_forward", "feed_forward")):  # fmt: skip
+        for name, part in parts.items():
             module = block.get_submodule(name)
             before: list[int] = []
             module.register_forward_pre_hook(
