@@ -24,6 +24,8 @@ SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_sliced_pp.toml")
 VOCAB_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_vocab_parallel_pp.toml")
 EXCHANGE_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_context_exchange_pp.toml")
 MOE_CONFIG = str(REPO_ROOT / "configs" / "debug_moe.toml")
+TP_CONFIG = str(REPO_ROOT / "configs" / "debug_tp.toml")
+CP_SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_cp_sliced_pp.toml")
 MOE_SLICED_CONFIG = str(REPO_ROOT / "configs" / "debug_moe_sliced_pp.toml")
 
 
@@ -234,34 +236,45 @@ def data_parallel_losses(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _matches_data_parallel_and_resumes(
-    tmp_path: Path, data_parallel: dict, layout: tuple[str, ...]
+    tmp_path: Path,
+    data_parallel: dict,
+    layout: tuple[str, ...],
+    resume_layout: tuple[str, ...],
+    *,
+    config: str = CONFIG,
 ) -> None:
-    """`layout` on 2 ranks gives FSDP2's losses on 2 ranks up to float32 rounding, and stopped
-    at step 2 resumes to its losses."""
-    losses = _train(tmp_path / "layout", *LAYOUT_RUN, *layout)
+    """`layout` (of `config`) on 2 ranks gives FSDP2's losses on 2 ranks up to float32
+    rounding, and its checkpoint of step 2 resumed in `resume_layout` (of debug_model.toml; DCP
+    reshards) gives its step-4 loss."""
+    losses = _train(tmp_path / "layout", *LAYOUT_RUN, *layout, config=config)
     assert sorted(losses) == [1, 2, 3, 4]
     assert losses == pytest.approx(data_parallel, rel=1e-5)
     resumed_dir = tmp_path / "resumed"
-    _train(resumed_dir, *LAYOUT_RUN[:-4], "--training.steps", "2", *LAYOUT_RUN[-2:], *layout)
-    resumed = _train(resumed_dir, *LAYOUT_RUN, *layout)
-    assert resumed[4] == pytest.approx(losses[4], rel=1e-6)
+    first_half = (*LAYOUT_RUN[:-4], "--training.steps", "2", *LAYOUT_RUN[-2:])
+    _train(resumed_dir, *first_half, *layout, config=config)
+    resumed = _train(resumed_dir, *LAYOUT_RUN, *resume_layout)
+    assert resumed[4] == pytest.approx(losses[4], rel=1e-5)
 
 
 def test_context_parallel_job_matches_the_data_parallel_job_and_resumes(
     tmp_path: Path, data_parallel_losses: dict
 ) -> None:
     """cp = 2 on 2 ranks (each rank its load-balanced half of every sequence, both reading the
-    whole batch) against FSDP2 over 2 ranks (each half of the rows)."""
+    whole batch) against FSDP2 over 2 ranks (each half of the rows); its checkpoint resumed
+    under tp = 2."""
     cp = ("--parallelism.dp_shard", "1", "--parallelism.cp", "2")
-    _matches_data_parallel_and_resumes(tmp_path, data_parallel_losses, cp)
+    tp = ("--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+    _matches_data_parallel_and_resumes(tmp_path, data_parallel_losses, cp, tp)
 
 
 def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes(
     tmp_path: Path, data_parallel_losses: dict
 ) -> None:
-    """tp = 2 on 2 ranks against FSDP2 over 2 ranks; its checkpoint holds 2-D DTensors."""
-    tp = ("--parallelism.dp_shard", "1", "--parallelism.tp", "2")
-    _matches_data_parallel_and_resumes(tmp_path, data_parallel_losses, tp)
+    """configs/debug_tp.toml (tp = 2 with sequence parallelism on 2 ranks) against FSDP2 over 2
+    ranks; its checkpoint (2-D DTensors, sequence-parallel norms) resumed by FSDP2 alone."""
+    _matches_data_parallel_and_resumes(
+        tmp_path, data_parallel_losses, (), ("--parallelism.dp_shard", "2"), config=TP_CONFIG
+    )
 
 
 def test_tensor_parallelism_composes_with_fsdp_the_sliced_pipeline_and_cp(
@@ -299,16 +312,16 @@ def test_expert_parallelism_folds_over_the_context_parallel_ranks(tmp_path: Path
 
 
 def test_commutated_context_parallelism_in_the_sliced_pipeline_matches_it(tmp_path: Path) -> None:
-    """configs/debug_sliced_pp.toml with cp = 2 on 4 ranks (every slice split over 2 cp ranks,
-    SlimPipe's commutated attention over the chunked KV cache) against the same pipeline on 2
-    ranks: the same losses up to float32 rounding."""
-    short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.enable", "false")
-    pipeline = _train(tmp_path / "pp", *short, config=SLICED_PP_CONFIG)
-    context_parallel = _train(
-        tmp_path / "pp_cp", *short, "--parallelism.cp", "2", nproc=4, config=SLICED_PP_CONFIG
-    )
-    assert sorted(context_parallel) == [1, 2, 3]
-    assert context_parallel == pytest.approx(pipeline, rel=1e-5)
+    """configs/debug_cp_sliced_pp.toml on 4 ranks (every slice split over 2 cp ranks,
+    SlimPipe's commutated attention over the chunked KV cache) against the same pipeline
+    without cp on 2 ranks: the same losses up to float32 rounding; its step-2 checkpoint
+    resumed by the pipeline without cp gives them too."""
+    pipeline = _train(tmp_path / "pp", *LAYOUT_RUN, *NO_CHECKPOINTS, config=SLICED_PP_CONFIG)
+    first_half = (*LAYOUT_RUN[:-4], "--training.steps", "2", *LAYOUT_RUN[-2:])
+    context_parallel = _train(tmp_path / "pp_cp", *first_half, nproc=4, config=CP_SLICED_PP_CONFIG)
+    assert sorted(context_parallel) == [1, 2]
+    resumed = _train(tmp_path / "pp_cp", *LAYOUT_RUN, config=SLICED_PP_CONFIG)
+    assert resumed == pytest.approx(pipeline, rel=1e-5)
 
 
 def test_sliced_pipeline_job_matches_the_data_parallel_job(tmp_path):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from pipekit.config.job_config import LRSchedulerConfig
 
-__all__ = ["build_lr_scheduler", "lr_multiplier"]
+__all__ = ["StepLambdaLR", "build_lr_scheduler", "lr_multiplier"]
 
 
 def lr_multiplier(step: int, total_steps: int, config: LRSchedulerConfig) -> float:
@@ -26,8 +27,27 @@ def lr_multiplier(step: int, total_steps: int, config: LRSchedulerConfig) -> flo
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class StepLambdaLR(LambdaLR):
+    """A LambdaLR whose checkpoint holds its step alone.
+
+    The rate is a function of the step, and the base rates come from the config, one per
+    parameter group. Groups follow the layout (tensor parallelism groups parameters by mesh),
+    so a checkpoint that kept them would not load into a job of another layout."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_epoch, self._step_count = state_dict["last_epoch"], state_dict["_step_count"]
+        pairs = zip(self.base_lrs, self.lr_lambdas, strict=True)
+        rates = [base * multiplier(self.last_epoch) for base, multiplier in pairs]
+        for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        self._last_lr = list(rates)
+
+
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, total_steps: int, config: LRSchedulerConfig
-) -> LambdaLR:
-    """A LambdaLR stepping once per optimizer step (its state goes into checkpoints)."""
-    return LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, config))
+) -> StepLambdaLR:
+    """A LambdaLR stepping once per optimizer step (its step goes into checkpoints)."""
+    return StepLambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, config))
