@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor, nn
 
+from pipekit._torch_private import flatten_mesh
 from pipekit.attention.context import CausalAttention, ContextParallelAttention
 from pipekit.attention.context_parallel import (
     context_parallel_tokens,
@@ -116,12 +117,14 @@ def data_parallel_model(
     tp: int = 1,
     tp_plan: ModelSpec | None = None,
     sequence_parallel: bool = True,
+    routers: bool = True,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[nn.Module, ParallelDims, Any]:
     """This rank's FSDP2 (HSDP, + expert-, context- and tensor-parallel) model, parallelized on
     the meta device and then materialised shard by shard from `seed`; its dims and mesh.
-    `tp_plan`: the spec whose tensor-parallel plan applies (default: `spec`'s)."""
+    `tp_plan`: the spec whose tensor-parallel plan applies (default: `spec`'s); `routers=False`
+    (an ablation) leaves an MoE's routers out of the units over the tp ranks."""
     config = ParallelismConfig(
         dp_replicate=dp_replicate, dp_shard=world // (dp_replicate * cp * tp), cp=cp, tp=tp,
         ep=ep,
@@ -134,11 +137,15 @@ def data_parallel_model(
         apply_tensor_parallel(
             model, mesh["tp"], tp_plan or spec, sequence_parallel=sequence_parallel
         )
-    experts_mesh = None
-    if ep > 1:
+    experts_mesh = routers_mesh = None
+    tp_moe = tp > 1 and getattr(args, "moe", None) is not None
+    if ep > 1 or tp_moe:  # every rank holds tokens of its own (tp: sequence parallelism)
         experts = expert_mesh("cpu", world, ep)
-        apply_expert_parallel(model, experts["ep"])
+        if ep > 1:
+            apply_expert_parallel(model, experts["ep"])
         experts_mesh = experts["ep_replicate"]
+        if tp_moe and routers:
+            routers_mesh = flatten_mesh(experts, "ep_tokens")
     apply_data_parallel(
         model,
         mesh,
@@ -147,6 +154,7 @@ def data_parallel_model(
         param_dtype=dtype,
         reduce_dtype=dtype,
         experts_mesh=experts_mesh,
+        routers_mesh=routers_mesh,
     )
     seeded_materializer("cpu", seed)(model)
     return model, dims, mesh
@@ -165,6 +173,7 @@ def data_parallel_step(
     tp: int = 1,
     tp_plan: ModelSpec | None = None,
     sequence_parallel: bool = True,
+    routers: bool = True,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
     adjust: Callable[[nn.Module], None] | None = None,
@@ -175,7 +184,7 @@ def data_parallel_step(
     gathered. `adjust` sees the parallelized model before the step (ablations)."""
     model, dims, mesh = data_parallel_model(
         world, spec, args, ep=ep, dp_replicate=dp_replicate, cp=cp, tp=tp, tp_plan=tp_plan,
-        sequence_parallel=sequence_parallel, seed=seed, dtype=dtype,
+        sequence_parallel=sequence_parallel, routers=routers, seed=seed, dtype=dtype,
     )  # fmt: skip
     if adjust is not None:
         adjust(model)
@@ -184,11 +193,12 @@ def data_parallel_step(
     part = batch[data_rank * rows : (data_rank + 1) * rows]
     context: Any = CausalAttention(part["document_ids"])
     cp_group = mesh["cp"].get_group() if cp > 1 else None
+    sequence_group = dims.mesh("cp_tp").get_group() if tp > 1 and sequence_parallel else cp_group
     if cp > 1:
         tokens_S = load_balanced_indices(batch.batch_size[1], cp)[mesh["cp"].get_local_rank()]
         part = part[:, tokens_S]
         context = ContextParallelAttention(tokens_S, part["document_ids"], cp_group)
-    with aux_loss_scale(1.0 / dims.dp_degree), statistics_group(cp_group):
+    with aux_loss_scale(1.0 / dims.dp_degree), statistics_group(sequence_group):
         logits = model(part["tokens"], part["positions"], context)
     loss = token_sum_cross_entropy(logits, part["labels"], count_label_tokens(batch["labels"]))
     loss.backward()

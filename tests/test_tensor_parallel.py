@@ -24,15 +24,20 @@ from torch.distributed.tensor.parallel import (
 
 import examples.custom_model.model as custom_model
 from models.decoder.parallelize import decoder_tensor_parallel_plan
+from models.llama_moe.args import LlamaMoEArgs
 from models.qwen3.args import Qwen3Args
 from pipekit.distributed.tensor_parallel import check_tensor_parallel
 from pipekit.models import get_model_spec
+from pipekit.moe import MoEArgs
 
 MODELS = {
     "llama": TINY_LLAMA,
     "qwen3": Qwen3Args(**{**vars(TINY_LLAMA), "head_dim": 8}),
 }
 ROWS, SEQ_LEN = 8, 16
+MOE_LLAMA = LlamaMoEArgs(
+    **vars(TINY_LLAMA), moe=MoEArgs(num_experts=4, top_k=2, z_loss_weight=0.001), moe_every=1
+)
 
 
 def _kv_heads_whole(block: nn.Module, sequence_parallel: bool) -> Mapping[str, ParallelStyle]:
@@ -70,6 +75,17 @@ def _runs(rank: int, world: int) -> dict[str, Result]:
         results[ablation.__name__] = data_parallel_step(
             rank, world, llama, TINY_LLAMA, batch, tp=2, tp_plan=ablated
         )
+    # MoE (expert-TP 1): each tp rank routes its own tokens; ep 2 folded over the tp ranks,
+    # and the experts replicated over them (ep 1); ablation: routers outside the tp units
+    moe_batch = parity_batch(MOE_LLAMA.vocab_size, ROWS, SEQ_LEN)
+    llama_moe = get_model_spec("llama_moe")
+    for ep in (1, 2):
+        results[f"moe ep={ep}"] = data_parallel_step(
+            rank, world, llama_moe, MOE_LLAMA, moe_batch, tp=2, ep=ep
+        )
+    results["moe partial router gradients"] = data_parallel_step(
+        rank, world, llama_moe, MOE_LLAMA, moe_batch, tp=2, ep=2, routers=False
+    )
     # ablation: Qwen3's QK-norm weights left plain, so their gradients stay partial per rank
     qwen3 = get_model_spec("qwen3")
     plain_norms = dataclasses.replace(qwen3, tensor_parallel_plan=decoder_tensor_parallel_plan)
@@ -90,6 +106,17 @@ def test_fsdp_with_tensor_and_sequence_parallelism_matches_one_process_fp64() ->
             row = f"{name} sp={sequence_parallel}"
             difference = max_relative_difference([r[row] for r in per_rank], references[name])
             assert difference <= 1e-10, (row, difference)
+    moe_batch = parity_batch(MOE_LLAMA.vocab_size, ROWS, SEQ_LEN)
+    references["moe"] = reference_step(
+        get_model_spec("llama_moe"), MOE_LLAMA, moe_batch, microbatches=2
+    )
+    for ep in (1, 2):
+        difference = max_relative_difference(
+            [r[f"moe ep={ep}"] for r in per_rank], references["moe"]
+        )
+        assert difference <= 1e-10, (ep, difference)
+    partial = [r["moe partial router gradients"] for r in per_rank]
+    assert max_relative_difference(partial, references["moe"]) > 1e-3
     ablations = ("_kv_heads_whole", "_norms_on_own_tokens")
     for row, reference in (*((a, references["llama"]) for a in ablations),
                            ("qwen3 partial norm gradients", references["qwen3"])):  # fmt: skip
@@ -103,8 +130,9 @@ def test_tensor_parallel_shape_rules_name_the_fix() -> None:
     check_tensor_parallel(llama, shape, 2, moe=False)
     with pytest.raises(ValueError, match=r"tp=4 must divide the model's heads \(n_kv_heads=2\)"):
         check_tensor_parallel(llama, shape, 4, moe=False)
-    with pytest.raises(ValueError, match="tensor parallelism of MoE layers is not supported"):
-        check_tensor_parallel(llama, shape, 2, moe=True)
+    check_tensor_parallel(llama, shape, 2, moe=True)
+    with pytest.raises(ValueError, match="mixture-of-experts model needs sequence_parallel"):
+        check_tensor_parallel(llama, shape, 2, moe=True, sequence_parallel=False)
     custom = get_model_spec(custom_model.TINY_GPT.name)
     with pytest.raises(ValueError, match="has no tensor-parallel plan"):
         check_tensor_parallel(custom, shape, 2, moe=False)

@@ -11,6 +11,9 @@ the sequence (dim 1): the norms run on a rank's tokens (`SequenceParallel`), the
 the FFN's inputs are all-gathered (`PrepareModuleInput`), and the row-split projections
 reduce-scatter onto the sequence instead of all-reducing. Without it, norms and the residual
 stream are whole on every rank.
+
+An MoE layer is not split (expert-TP 1, Megatron's default): under sequence parallelism each
+rank routes its own tokens, and expert parallelism may fold over the tp ranks.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
 
 from pipekit.layers.swiglu import FeedForward
+from pipekit.moe import MoE
 
 __all__ = ["decoder_tensor_parallel_plan"]
 
@@ -57,7 +62,15 @@ def decoder_tensor_parallel_plan(
     }
     if sequence_parallel:
         plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
-    if isinstance(block.get_submodule("feed_forward"), FeedForward):
+    feed_forward = block.get_submodule("feed_forward")
+    if isinstance(feed_forward, MoE) and sequence_parallel:
+        # expert-TP 1: each rank routes its own tokens; experts and router are data parallel
+        # over the ranks that hold tokens (tp included), by expert parallelism and FSDP2
+        plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False,
+        )  # fmt: skip
+    if isinstance(feed_forward, FeedForward):
         plan |= {
             "feed_forward": PrepareModuleInput(
                 input_layouts=(residual,), desired_input_layouts=(Replicate(),)

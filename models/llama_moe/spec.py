@@ -4,6 +4,7 @@ point); on disk it is Hugging Face's Mixtral layout."""
 from __future__ import annotations
 
 from models.decoder.model import DECODER_STRUCTURE, decoder_shape
+from models.decoder.parallelize import decoder_tensor_parallel_plan
 from models.llama_moe.args import LLAMA_MOE_FLAVORS
 from models.llama_moe.hf_mixtral import MIXTRAL_HF
 from models.llama_moe.model import LlamaMoE
@@ -18,4 +19,5 @@ LLAMA_MOE = ModelSpec(
     shape=decoder_shape,
     structure=DECODER_STRUCTURE,
     hf=MIXTRAL_HF.adapter(),
+    tensor_parallel_plan=decoder_tensor_parallel_plan,
 )

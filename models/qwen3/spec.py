@@ -31,4 +31,5 @@ QWEN3_MOE = ModelSpec(
     shape=decoder_shape,
     structure=DECODER_STRUCTURE,
     hf=QWEN3_MOE_HF.adapter(),
+    tensor_parallel_plan=qwen3_tensor_parallel_plan,
 )

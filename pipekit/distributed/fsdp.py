@@ -15,6 +15,12 @@ groups that hold the same experts (`ep_replicate`), FSDP2 composing with the `ep
 does with tensor parallelism. It shards the experts' second dim (`Shard(1)`: hidden rows of the
 gate and up projections, model-dim rows of the down projection), so a rank's block of an expert
 tensor stays one rectangle of whole experts.
+
+Under tensor parallelism with sequence parallelism every tp rank routes its own tokens, so the
+experts and the routers are data parallel over the tp ranks too: the expert mesh then spans
+them (expert parallelism may fold over them), and each router is a unit of its own sharded
+over all the ranks that hold tokens of the stage (`routers_mesh`), whose reduce-scatter sums the
+router's gradients over the tp ranks the block's other units do not span.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ def apply_data_parallel(
     reshard_after_forward: bool = True,
     sum_gradients: bool = True,
     experts_mesh: DeviceMesh | None = None,
+    routers_mesh: DeviceMesh | None = None,
     precision_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Wrap each of `blocks` (the model's transformer blocks, `ModelStructure.blocks_of`) and
@@ -79,28 +86,38 @@ def apply_data_parallel(
     `sum_gradients=False` keeps FSDP's mean reduction, for losses normalised per rank (see the
     module docstring). Under expert parallelism `experts_mesh` is the expert mesh's
     `ep_replicate` dim: every MoE layer's experts (sharded over `ep` already) become a unit
-    sharded over it (see the module docstring). Without data parallelism, a `precision_mesh`
+    sharded over it, and with `routers_mesh` every router a unit sharded over that (see the
+    module docstring). Without data parallelism, a `precision_mesh`
     (`single_rank_mesh`) still gives the model FSDP2's mixed precision when `param_dtype` is not
     float32: a pipeline stage then computes and sends in `param_dtype` as it would with FSDP.
     Returns `model`, now of an FSDP subclass.
     """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        if experts_mesh is not None:
+            fully_shard(
+                module.experts,
+                mesh=experts_mesh,
+                mp_policy=mp_policy,
+                reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=lambda _: Shard(1),
+            )
+        if routers_mesh is not None:
+            fully_shard(
+                module.router,
+                mesh=routers_mesh,
+                mp_policy=mp_policy,
+                reshard_after_forward=reshard_after_forward,
+            )
     dp_mesh = data_parallel_mesh(mesh, parallel_dims)
     precision_only = dp_mesh is None and precision_mesh is not None
     if precision_only and param_dtype != torch.float32:
         dp_mesh = precision_mesh
     if dp_mesh is None:
+        _sum_gradients(model, sum_gradients)
         return model
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    if experts_mesh is not None:
-        for module in model.modules():
-            if isinstance(module, MoE):
-                fully_shard(
-                    module.experts,
-                    mesh=experts_mesh,
-                    mp_policy=mp_policy,
-                    reshard_after_forward=reshard_after_forward,
-                    shard_placement_fn=lambda _: Shard(1),
-                )
     if parallel_dims.fsdp_enabled or precision_only:
         for unit in [*blocks, model]:
             fully_shard(
@@ -109,9 +126,15 @@ def apply_data_parallel(
     else:
         for unit in [*blocks, model]:
             fsdp_replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)
-    if sum_gradients:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+    _sum_gradients(model, sum_gradients)
     return model
+
+
+def _sum_gradients(model: nn.Module, enabled: bool) -> None:
+    """Every FSDP2 unit of `model` reduces by plain sum (the module docstring's convention)."""
+    if not enabled:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

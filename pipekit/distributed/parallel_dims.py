@@ -44,6 +44,7 @@ _FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "cp_tp": ("cp", "tp"),
 }
 
 

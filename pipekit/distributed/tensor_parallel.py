@@ -37,12 +37,15 @@ from pipekit.models.spec import ModelShape, ModelSpec
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel"]
 
 
-def check_tensor_parallel(spec: ModelSpec, shape: ModelShape, tp: int, moe: bool) -> None:
+def check_tensor_parallel(
+    spec: ModelSpec, shape: ModelShape, tp: int, moe: bool, sequence_parallel: bool = True
+) -> None:
     """ValueError (naming the fix) unless `tp` ranks can split the model's heads and layers."""
-    if moe:
+    if moe and not sequence_parallel:
         raise ValueError(
-            f"tp={tp} with a mixture-of-experts model: tensor parallelism of MoE layers is not "
-            "supported yet; set tp = 1 (use ep for the experts)"
+            f"tp={tp} with a mixture-of-experts model needs sequence_parallel = true: each tp "
+            "rank routes its own tokens to the experts (expert-TP 1); set sequence_parallel = "
+            "true or tp = 1"
         )
     if spec.tensor_parallel_plan is None:
         raise ValueError(

@@ -72,7 +72,7 @@ def plan_job(config: JobConfig, world_size: int | None, *, check_files: bool = T
         return Job(config, spec, args, shape, upcycle, None, None, 0)
     dims = _parallel_dims(config, world_size)
     if dims.tp > 1:
-        _check_tensor_parallel(dims, spec, args)
+        _check_tensor_parallel(config, dims, spec, args)
         _check_sequence_parallel(config, dims)
     if dims.ep > 1:
         _check_expert_parallel(config, args, dims.ep)
@@ -205,12 +205,18 @@ def _parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
     return dims
 
 
-def _check_tensor_parallel(dims: ParallelDims, spec: ModelSpec, args: Any) -> None:
+def _check_tensor_parallel(
+    config: JobConfig, dims: ParallelDims, spec: ModelSpec, args: Any
+) -> None:
     from pipekit.distributed.tensor_parallel import check_tensor_parallel
 
     try:
         check_tensor_parallel(
-            spec, spec.shape(args), dims.tp, getattr(args, "moe", None) is not None
+            spec,
+            spec.shape(args),
+            dims.tp,
+            getattr(args, "moe", None) is not None,
+            config.parallelism.sequence_parallel,
         )
     except ValueError as error:
         raise _error("[parallelism]", error) from None

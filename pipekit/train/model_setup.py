@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from pipekit._torch_private import flatten_mesh
 from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.checkpoint.safetensors_io import TensorRead
 from pipekit.checkpoint.upcycle import materialize_upcycled
@@ -95,12 +96,19 @@ class _ModelSetup:
     ) -> None:
         self.job, self.mesh, self.device, self.load_hf = job, mesh, device, load_hf
         self.allocate = allocate
-        self.expert_mesh = None
+        self.expert_mesh = self.routers_mesh = None
         dims = job.dims
-        if dims is not None and dims.ep_enabled:
+        tp_moe = dims is not None and dims.tp > 1 and getattr(job.args, "moe", None) is not None
+        if dims is not None and (dims.ep_enabled or tp_moe):
+            # the ranks that hold tokens of one pipeline rank's stages (tp ranks each their own,
+            # under sequence parallelism, which tp with MoE requires)
+            token_ranks = dims.dp_degree * dims.cp * (dims.tp if tp_moe else 1)
             self.expert_mesh = expert_mesh(
-                device.type, dims.dp_degree * dims.cp, dims.ep, pipeline_ranks=dims.pp
+                device.type, token_ranks, dims.ep, pipeline_ranks=dims.pp
             )
+        if tp_moe:
+            assert self.expert_mesh is not None
+            self.routers_mesh = flatten_mesh(self.expert_mesh, "ep_tokens")
         training = job.config.training
         self.compute_dtype = DTYPES[training.mixed_precision_param]
         self.precision: dict[str, Any] = {
@@ -174,7 +182,8 @@ class _ModelSetup:
             apply_tensor_parallel(
                 module, self.mesh["tp"], job.spec, sequence_parallel=sequence_parallel
             )
-        if self.expert_mesh is not None:
+        if job.dims is not None and job.dims.ep_enabled:
+            assert self.expert_mesh is not None
             apply_expert_parallel(
                 module,
                 self.expert_mesh["ep"],
@@ -193,6 +202,7 @@ class _ModelSetup:
                 job.dims,
                 blocks=blocks,
                 experts_mesh=None if self.expert_mesh is None else self.expert_mesh["ep_replicate"],
+                routers_mesh=self.routers_mesh,
                 **self.precision,
             )
 

@@ -82,6 +82,7 @@ class Trainer:
                 config.training.seq_len, self.dims.cp, cp_mesh.get_local_rank(), num_slices
             )
             self._context_parallel = (tokens_S.to(self.device), cp_mesh.get_group())
+        self._statistics_group = self._sequence_group()
         self.output_dir = Path(config.job.output_dir)
         self.checkpoints = CheckpointManager(
             self.output_dir / config.checkpoint.folder, keep_last=config.checkpoint.keep_last
@@ -195,6 +196,14 @@ class Trainer:
         self.step += 1
         return global_loss, float(grad_norm), int(global_tokens)
 
+    def _sequence_group(self) -> dist.ProcessGroup | None:
+        """The ranks that split a sequence's tokens (cp, and tp under sequence parallelism):
+        MoE load-balancing statistics are added over them."""
+        sequence_parallel = self.dims.tp > 1 and self.config.parallelism.sequence_parallel
+        if sequence_parallel:
+            return self.dims.mesh("cp_tp").get_group()
+        return self.dims.mesh("cp").get_group() if self.dims.cp_enabled else None
+
     def _context_shard(self, batch: TensorDict) -> TensorDict:
         """Under context parallelism, this rank's load-balanced tokens of the batch's rows."""
         if self._context_parallel is None:
@@ -205,7 +214,7 @@ class Trainer:
         """Loss of one micro-batch (token sum over the global count), gradients accumulated."""
         cp_group = None if self._context_parallel is None else self._context_parallel[1]
         if self.pipeline is not None:
-            with statistics_group(cp_group):
+            with statistics_group(self._statistics_group):
                 return self.pipeline.step(batch, global_tokens)
         backend = self.config.model.attention_backend
         context: AttentionContext = CausalAttention(batch["document_ids"], backend=backend)
@@ -215,7 +224,7 @@ class Trainer:
             context = ContextParallelAttention(
                 tokens_S, batch["document_ids"], cp_group, backend, variant
             )
-        with self._autocast(), statistics_group(cp_group):
+        with self._autocast(), statistics_group(self._statistics_group):
             logits_BSV = self.model(batch["tokens"], batch["positions"], context)
         loss = token_sum_cross_entropy(logits_BSV, batch["labels"], global_tokens)
         loss.backward()  # data parallelism sums gradients (pipekit.distributed.fsdp)
