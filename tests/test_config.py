@@ -163,7 +163,11 @@ def test_cross_field_rules_say_how_to_fix(argv, world_size, message):
         plan_job(config, world_size=world_size)
 
 
-DEBUG_WORLD_SIZES = {"debug_moe_sliced_pp.toml": 4, "debug_cp_sliced_pp.toml": 4}
+DEBUG_WORLD_SIZES = {
+    "debug_moe_sliced_pp.toml": 4,
+    "debug_cp_sliced_pp.toml": 4,
+    "debug_5d.toml": 8,
+}
 """Debug configs written for other than 2 ranks."""
 
 

@@ -26,6 +26,7 @@ EXCHANGE_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_context_exchange_pp.toml
 MOE_CONFIG = str(REPO_ROOT / "configs" / "debug_moe.toml")
 TP_CONFIG = str(REPO_ROOT / "configs" / "debug_tp.toml")
 CP_SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_cp_sliced_pp.toml")
+FIVE_D_CONFIG = str(REPO_ROOT / "configs" / "debug_5d.toml")
 MOE_SLICED_CONFIG = str(REPO_ROOT / "configs" / "debug_moe_sliced_pp.toml")
 
 
@@ -277,25 +278,44 @@ def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes(
     )
 
 
-def test_tensor_parallelism_composes_with_fsdp_the_sliced_pipeline_and_cp(
+def test_tensor_parallelism_composes_with_fsdp_and_cp(
     tmp_path: Path, data_parallel_losses: dict
 ) -> None:
-    """On 4 ranks each: FSDP2 over 2 data ranks x tp 2, tp = 2 inside the sliced pipeline
-    (pp 2 x tp 2), and beside context parallelism with its K/V passed around the ring (cp 2 x
-    tp 2): the data-parallel job's losses up to float32 rounding (the debug pipeline config
-    trains the same model on the same batches)."""
+    """On 4 ranks each: FSDP2 over 2 data ranks x tp 2, and tp 2 beside context parallelism
+    with its K/V passed around the ring (cp 2 x tp 2): the data-parallel job's losses up to
+    float32 rounding. (tp inside the sliced pipeline: the 5-D test below.)"""
     tp = ("--parallelism.tp", "2")
     ring = ("--parallelism.cp_variant", "ring")
     layouts = {
-        "fsdp_tp": (("--parallelism.dp_shard", "2", *tp), CONFIG),
-        "pp_tp": (tp, SLICED_PP_CONFIG),
-        "cp_tp": (("--parallelism.dp_shard", "1", "--parallelism.cp", "2", *tp, *ring), CONFIG),
+        "fsdp_tp": ("--parallelism.dp_shard", "2", *tp),
+        "cp_tp": ("--parallelism.dp_shard", "1", "--parallelism.cp", "2", *tp, *ring),
     }
-    for name, (overrides, config) in layouts.items():
-        losses = _train(
-            tmp_path / name, *LAYOUT_RUN, *overrides, *NO_CHECKPOINTS, nproc=4, config=config
-        )
+    for name, overrides in layouts.items():
+        losses = _train(tmp_path / name, *LAYOUT_RUN, *overrides, *NO_CHECKPOINTS, nproc=4)
         assert losses == pytest.approx(data_parallel_losses, rel=1e-5), name
+
+
+def test_five_dimensional_moe_job_matches_one_rank_and_resumes_there(tmp_path: Path) -> None:
+    """configs/debug_5d.toml on 8 ranks (sliced pipeline 2 x cp 2 x tp 2 with sequence
+    parallelism, MoE with ep 2 folded over the cp x tp ranks) gives the one-rank job's losses
+    (4 accumulation steps: the pipeline's 4 microbatches, whose MoE statistics are per
+    microbatch) to float32 rounding, and its step-2 checkpoint resumed on one rank gives the
+    one-rank job's step 3."""
+    run = (*SHORT_RUN[:6], "--lr_scheduler.warmup_steps", "1", *SHORT_RUN[8:10])
+    one_rank = (
+        "--parallelism.pipeline_parallel_degree", "1", "--parallelism.pipeline_schedule", "1F1B",
+        "--parallelism.num_slices", "0", "--parallelism.microbatches", "1",
+        "--parallelism.cp", "1", "--parallelism.tp", "1", "--parallelism.ep", "1",
+        "--training.gradient_accumulation_steps", "4",
+    )  # fmt: skip
+    steps = ("--training.steps", "3", "--checkpoint.interval", "2")
+    single = _train(tmp_path / "one", *run, *steps, *one_rank, nproc=1, config=FIVE_D_CONFIG)
+    first_two = ("--training.steps", "2", "--checkpoint.interval", "2")
+    five_d = _train(tmp_path / "5d", *run, *first_two, nproc=8, config=FIVE_D_CONFIG)
+    resumed = _train(tmp_path / "5d", *run, *steps, *one_rank, nproc=1, config=FIVE_D_CONFIG)
+    assert sorted(five_d) == [1, 2]
+    assert five_d == pytest.approx({k: single[k] for k in (1, 2)}, rel=1e-5)
+    assert resumed == pytest.approx(single, rel=1e-5)
 
 
 def test_expert_parallelism_folds_over_the_context_parallel_ranks(tmp_path: Path) -> None:
