@@ -185,12 +185,12 @@ class ParallelismConfig:
     outside pipelines), or "auto" (per slice, whichever moves fewer bytes)."""
     tp: int = 1
     """Tensor-parallel degree: the blocks' projections split over this many ranks by the model
-    family's plan (dense decoders; composes with FSDP2, pipelines and cp; not with MoE yet;
-    docs/tensor_parallel.md)."""
+    family's plan (composes with FSDP2, pipelines, cp and, under sequence parallelism, MoE
+    with ep folded over the tp ranks; docs/tensor_parallel.md)."""
     sequence_parallel: bool = True
     """With tp > 1: keep the residual stream, norms and the messages between pipeline stages
     split over the tp ranks by sequence (Megatron's sequence parallelism); false keeps them
-    whole on every tp rank."""
+    whole on every tp rank (dense models only). Does not combine with vocab_parallel yet."""
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel degree p (the `pp` mesh dim)."""
     pipeline_schedule: str = "sliced"
