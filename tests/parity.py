@@ -12,12 +12,14 @@ not matter, since the pipeline computes those losses over the whole microbatch. 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
 from pipekit._torch_private import flatten_mesh
 from pipekit.attention.context import CausalAttention, ContextParallelAttention
@@ -117,6 +119,7 @@ def data_parallel_model(
     tp: int = 1,
     tp_plan: ModelSpec | None = None,
     sequence_parallel: bool = True,
+    loss_parallel: bool = False,
     routers: bool = True,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
@@ -135,8 +138,9 @@ def data_parallel_model(
         model = spec.build(args).to(dtype)
     if tp > 1:
         apply_tensor_parallel(
-            model, mesh["tp"], tp_plan or spec, sequence_parallel=sequence_parallel
-        )
+            model, mesh["tp"], tp_plan or spec, sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+        )  # fmt: skip
     experts_mesh = routers_mesh = None
     tp_moe = tp > 1 and getattr(args, "moe", None) is not None
     if ep > 1 or tp_moe:  # every rank holds tokens of its own (tp: sequence parallelism)
@@ -173,6 +177,7 @@ def data_parallel_step(
     tp: int = 1,
     tp_plan: ModelSpec | None = None,
     sequence_parallel: bool = True,
+    loss_parallel: bool = False,
     routers: bool = True,
     seed: int = 3,
     dtype: torch.dtype = torch.float64,
@@ -184,7 +189,8 @@ def data_parallel_step(
     gathered. `adjust` sees the parallelized model before the step (ablations)."""
     model, dims, mesh = data_parallel_model(
         world, spec, args, ep=ep, dp_replicate=dp_replicate, cp=cp, tp=tp, tp_plan=tp_plan,
-        sequence_parallel=sequence_parallel, routers=routers, seed=seed, dtype=dtype,
+        sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, routers=routers,
+        seed=seed, dtype=dtype,
     )  # fmt: skip
     if adjust is not None:
         adjust(model)
@@ -198,10 +204,12 @@ def data_parallel_step(
         tokens_S = load_balanced_indices(batch.batch_size[1], cp)[mesh["cp"].get_local_rank()]
         part = part[:, tokens_S]
         context = ContextParallelAttention(tokens_S, part["document_ids"], cp_group)
-    with aux_loss_scale(1.0 / dims.dp_degree), statistics_group(sequence_group):
-        logits = model(part["tokens"], part["positions"], context)
-    loss = token_sum_cross_entropy(logits, part["labels"], count_label_tokens(batch["labels"]))
-    loss.backward()
+    with loss_parallel_context() if loss_parallel else nullcontext():
+        with aux_loss_scale(1.0 / dims.dp_degree), statistics_group(sequence_group):
+            logits = model(part["tokens"], part["positions"], context)
+        normaliser = count_label_tokens(batch["labels"])
+        loss = token_sum_cross_entropy(logits, part["labels"], normaliser)
+        loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
     total /= tp  # every tensor-parallel rank computed the whole loss of its rows

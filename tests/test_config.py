@@ -181,7 +181,8 @@ def test_shipped_configs_load_and_debug_configs_validate():
 
 def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
     """configs/llama3_8b_e8t2_upcycle.toml: the paper's E8T2 with capacity factor 4, laid out
-    as EP 8 over FSDP2 on 512 ranks (what the trainer runs); tp > 1 is refused for MoE."""
+    as EP 8 over FSDP2 on 512 ranks (what the trainer runs); tp 2 with an MoE model needs
+    sequence parallelism (each tp rank routes its own tokens)."""
     from pipekit.train.job import _parallel_dims
 
     config = load_job_config(["--config", str(REPO_ROOT / "configs/llama3_8b_e8t2_upcycle.toml")])
@@ -190,7 +191,9 @@ def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
     dims = _parallel_dims(config, world_size=512)
     assert (dims.dp_shard, dims.ep, dims.tp, dims.pp) == (512, 8, 1, 1)
     config.parallelism.tp = 2
-    with pytest.raises(ConfigError, match="tensor parallelism of MoE layers is not supported"):
+    assert plan_job(config, world_size=512, check_files=False).dims.tp == 2
+    config.parallelism.sequence_parallel = False
+    with pytest.raises(ConfigError, match="mixture-of-experts model needs sequence_parallel"):
         plan_job(config, world_size=512, check_files=False)
 
 

@@ -1,18 +1,28 @@
 """Tensor parallelism against one process: Llama and Qwen3 on 4 ranks (FSDP2 over 2 data ranks
-x 2 tensor-parallel ranks), with and without sequence parallelism, float64, loss and every
-gradient. Ablations that must fail: query heads split while keys and values stay whole, and norm
-weights left plain where a rank sees part of their input (Qwen3's QK-norms over a rank's heads,
-the sequence-parallel norms over a rank's tokens), so their gradients stay partial per rank.
-The shape rules before launch."""
+x 2 tensor-parallel ranks), without sequence parallelism, and with it and loss parallelism
+(the output layer split by vocabulary, the cross-entropy on the shards), float64, loss and
+every gradient; Llama-MoE with ep 1 and 2 over the tp ranks. Ablations that must fail: query
+heads split while keys and values stay whole; norm weights left plain where a rank sees part
+of their input (Qwen3's QK-norms over a rank's heads, the sequence-parallel norms over a
+rank's tokens), so their gradients stay partial per rank; routers left out of the units over
+the tp ranks. The shape rules before launch."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from distributed_helpers import run_on_ranks
-from parity import Result, data_parallel_step, max_relative_difference, parity_batch, reference_step
+from parity import (
+    Result,
+    data_parallel_model,
+    data_parallel_step,
+    max_relative_difference,
+    parity_batch,
+    reference_step,
+)
 from tiny_models import TINY_LLAMA
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -59,15 +69,25 @@ def _norms_on_own_tokens(block: nn.Module, sequence_parallel: bool) -> Mapping[s
     return {**plan, "attention_norm": local, "ffn_norm": local}
 
 
+def _logits_layout(rank: int, world: int) -> tuple[tuple, tuple[int, ...]]:
+    """Under loss parallelism: the logits' placements and a rank's share of them."""
+    model, _, _ = data_parallel_model(world, get_model_spec("llama"), TINY_LLAMA, tp=2,
+                                      loss_parallel=True)  # fmt: skip
+    batch = parity_batch(TINY_LLAMA.vocab_size, ROWS, SEQ_LEN)
+    logits = model(batch["tokens"][:2], batch["positions"][:2])
+    return logits.placements, tuple(logits.to_local().shape)
+
+
 def _runs(rank: int, world: int) -> dict[str, Result]:
-    results = {}
+    results: dict[str, Any] = {"logits": _logits_layout(rank, world)}
     for name, args in MODELS.items():
         spec = get_model_spec(name)
         batch = parity_batch(args.vocab_size, ROWS, SEQ_LEN)
         for sequence_parallel in (False, True):
             results[f"{name} sp={sequence_parallel}"] = data_parallel_step(
-                rank, world, spec, args, batch, tp=2, sequence_parallel=sequence_parallel
-            )
+                rank, world, spec, args, batch, tp=2, sequence_parallel=sequence_parallel,
+                loss_parallel=sequence_parallel,
+            )  # fmt: skip
     llama = get_model_spec("llama")
     batch = parity_batch(TINY_LLAMA.vocab_size, ROWS, SEQ_LEN)
     for ablation in (_kv_heads_whole, _norms_on_own_tokens):
@@ -98,6 +118,8 @@ def _runs(rank: int, world: int) -> dict[str, Result]:
 
 def test_fsdp_with_tensor_and_sequence_parallelism_matches_one_process_fp64() -> None:
     per_rank = run_on_ranks(_runs, 4, timeout=300)
+    # no rank holds whole logits: each has its half of the vocabulary
+    assert per_rank[0]["logits"] == ((Shard(2),), (2, SEQ_LEN, TINY_LLAMA.vocab_size // 2))
     references = {}
     for name, args in MODELS.items():
         batch = parity_batch(args.vocab_size, ROWS, SEQ_LEN)

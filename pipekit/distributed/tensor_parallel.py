@@ -16,6 +16,12 @@ all-gathered), the modules after the blocks (the final norm, position-wise) run 
 tokens, and the output layer's input is all-gathered, so the output layer and the loss stay
 whole on every rank. A pipeline stage without the embedding takes a rank's tokens `[B, S/tp,
 D]` and one without the output layer returns them: the messages between stages shrink by tp.
+
+Loss parallelism (on by default for untied models) splits the output layer by vocabulary rows
+(`ColwiseParallel`) and leaves its logits sharded on the vocabulary: the cross-entropy runs on
+the shards under torch's `loss_parallel()` (a max and a sum all-reduced per token), so no rank
+holds a whole `[B, S, V]` logits tensor. The trainer runs forward and backward inside that
+context.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleOutput,
     SequenceParallel,
@@ -65,22 +72,42 @@ def check_tensor_parallel(
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec, *, sequence_parallel: bool = True
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    spec: ModelSpec,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
 ) -> nn.Module:
     """Split every transformer block of `model` (the whole model or a pipeline stage) over
     `tp_mesh` by the family's plan, the residual stream over the sequence too with
-    `sequence_parallel`; returns `model` (changed in place)."""
+    `sequence_parallel`, and the output layer by vocabulary rows with `loss_parallel` (its
+    logits a DTensor sharded on the vocabulary, for `torch.distributed.tensor.parallel.
+    loss_parallel`; not for tied embeddings); returns `model` (changed in place)."""
     assert spec.tensor_parallel_plan is not None  # check_tensor_parallel
     for block in spec.structure.blocks_of(model):
         plan = spec.tensor_parallel_plan(block, sequence_parallel)
         parallelize_module(block, tp_mesh, dict(plan))
-    if sequence_parallel:
-        _shard_residual_stream(model, tp_mesh, spec)
+    boundaries = _residual_stream_plan(model, tp_mesh, spec, sequence_parallel)
+    output = spec.structure.output
+    if loss_parallel and getattr(model, output, None) is not None:
+        boundaries[output] = ColwiseParallel(
+            input_layouts=Shard(1) if sequence_parallel else Replicate(),
+            output_layouts=Shard(-1),
+            use_local_output=False,
+        )
+    if boundaries:
+        parallelize_module(model, tp_mesh, boundaries)
     return model
 
 
-def _shard_residual_stream(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec) -> None:
-    """The sequence-parallel boundaries outside the blocks (see the module docstring)."""
+def _residual_stream_plan(
+    model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec, sequence_parallel: bool
+) -> dict[str, Any]:
+    """The sequence-parallel boundaries outside the blocks (see the module docstring): the
+    styles to apply, after registering a pipeline stage's hooks."""
+    if not sequence_parallel:
+        return {}
     structure = spec.structure
     plan: dict[str, Any] = {
         name: SequenceParallel()
@@ -99,8 +126,7 @@ def _shard_residual_stream(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpe
         )
     else:  # an earlier pipeline stage: it sends this rank's tokens
         model.register_forward_hook(_local_output)
-    if plan:
-        parallelize_module(model, tp_mesh, plan)
+    return plan
 
 
 class _SequenceShardInput:

@@ -31,12 +31,14 @@ Legend: D model dim, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
 
 from pipekit._torch_private import simulated_rank
 from pipekit.distributed.tensor_parallel import apply_tensor_parallel
@@ -63,6 +65,7 @@ class TensorSplit:
 
     tp: int = 1
     sequence_parallel: bool = False
+    loss_parallel: bool = False
 
     @property
     def sequence_shards(self) -> int:
@@ -120,7 +123,12 @@ def profile_activations(
                 )
         block_bytes[name] = kinds[kind][0]
     kv = 2 * shape.num_kv_heads // split.tp * shape.head_dim * dtype.itemsize
-    head_saved, head_peak = _probe_head(model, spec, shape.dim, shape.vocab_size, dtype, tokens)
+    head = build_stage_module(model, [*structure.after_blocks, structure.output])
+    head_args = (head, shape.dim, shape.vocab_size, dtype, tokens)
+    if split.tp == 1:
+        head_saved, head_peak = _probe_head(*head_args)
+    else:
+        head_saved, head_peak = in_forked_child(_probe_split_head, spec, split, *head_args)
     return ActivationProfile(
         block_bytes=block_bytes,
         backward_bytes=max(working - saved for saved, working in kinds.values()),
@@ -226,34 +234,58 @@ def _probe_block(
     return saved, _largest_moment_slope(working_bytes, tokens)
 
 
-def _probe_head(
-    model: nn.Module,
+def _probe_split_head(
     spec: ModelSpec,
+    split: TensorSplit,
+    head: nn.Module,
     dim: int,
     vocab: int,
     dtype: torch.dtype,
     tokens: tuple[int, int],
 ) -> tuple[float, float]:
+    """`_probe_head` as tp rank 0 of a simulated group runs the head: the final norm on a
+    rank's tokens under sequence parallelism, the output layer and the loss on a rank's
+    vocabulary shard under loss parallelism."""
+    torch.set_num_threads(1)  # a forked child (see `_probe_split_block`)
+    shards = split.sequence_shards
+    with simulated_rank(0, split.tp):
+        mesh = init_device_mesh("cpu", (split.tp,))
+        apply_tensor_parallel(
+            head, mesh, spec,
+            sequence_parallel=split.sequence_parallel, loss_parallel=split.loss_parallel,
+        )  # fmt: skip
+        lengths = (tokens[0] * shards, tokens[1] * shards)
+        with loss_parallel() if split.loss_parallel else contextlib.nullcontext():
+            return _probe_head(head, dim, vocab, dtype, lengths, sequence_shards=shards)
+
+
+def _probe_head(
+    head: nn.Module,
+    dim: int,
+    vocab: int,
+    dtype: torch.dtype,
+    tokens: tuple[int, int],
+    sequence_shards: int = 1,
+) -> tuple[float, float]:
     """(bytes per token the head and loss save, their peak bytes per token over the forward
-    and the backward to the input)."""
-    structure = spec.structure
-    head = build_stage_module(model, [*structure.after_blocks, structure.output])
+    and the backward to the input); under sequence parallelism the head takes a rank's
+    `1/sequence_shards` of the tokens."""
     _give_weights(head)
     head.requires_grad_(False)  # weight gradients are a term of their own, not activations
 
-    def saved_bytes(length: int) -> int:
-        hidden_BSD = torch.randn(1, length, dim, dtype=dtype, requires_grad=True)
+    def run(length: int) -> Tensor:
+        hidden_BSD = torch.randn(1, length // sequence_shards, dim, dtype=dtype)
         labels_BS = torch.randint(0, vocab, (1, length))
+        return token_sum_cross_entropy(head(hidden_BSD.requires_grad_()), labels_BS, length)
+
+    def saved_bytes(length: int) -> int:
         with ActivationMemoryTracker(exclude=list(head.parameters())) as tracker:
-            token_sum_cross_entropy(head(hidden_BSD), labels_BS, length)
+            run(length)
         return tracker.peak_bytes(SAVED)
 
     def peak_bytes(length: int) -> int:
-        hidden_BSD = torch.randn(1, length, dim, dtype=dtype, requires_grad=True)
-        labels_BS = torch.randint(0, vocab, (1, length))
         with PeakTensorMemory() as memory:
-            loss = token_sum_cross_entropy(head(hidden_BSD), labels_BS, length)
-            loss.backward()
+            run(length).backward()
         return memory.peak_bytes
 
     return _slope(saved_bytes, tokens), _slope(peak_bytes, tokens)

@@ -102,7 +102,8 @@ def plan_memory(job: Job, probe_tokens: tuple[int, int] = (2, 6)) -> MemoryPlan:
     compute = DTYPES[training.mixed_precision_param]
     split = TensorSplit()
     if job.dims is not None and job.dims.tp > 1:
-        split = TensorSplit(job.dims.tp, job.config.parallelism.sequence_parallel)
+        parallelism = job.config.parallelism
+        split = TensorSplit(job.dims.tp, parallelism.sequence_parallel, job.loss_parallel)
     profile = profile_activations(
         job.spec,
         job.args,

@@ -48,6 +48,13 @@ class Job:
     """Sequences per data-parallel rank and accumulation micro-step."""
 
     @property
+    def loss_parallel(self) -> bool:
+        """Whether the output layer is split over the tp ranks by vocabulary (untied models)."""
+        tp = self.dims.tp if self.dims is not None else 1
+        parallelism = self.config.parallelism
+        return tp > 1 and parallelism.loss_parallel and not self.shape.tied_embeddings
+
+    @property
     def dense_spec(self) -> ModelSpec:
         """The family named in [model] (the dense one, when upcycling)."""
         return get_model_spec(self.config.model.name)

@@ -180,7 +180,11 @@ class _ModelSetup:
             assert self.mesh is not None
             sequence_parallel = job.config.parallelism.sequence_parallel
             apply_tensor_parallel(
-                module, self.mesh["tp"], job.spec, sequence_parallel=sequence_parallel
+                module,
+                self.mesh["tp"],
+                job.spec,
+                sequence_parallel=sequence_parallel,
+                loss_parallel=job.loss_parallel,
             )
         if job.dims is not None and job.dims.ep_enabled:
             assert self.expert_mesh is not None

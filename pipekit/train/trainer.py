@@ -10,6 +10,7 @@ Legend: B local micro-batch, S sequence, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from pipekit.attention.context import (
     AttentionContext,
@@ -211,7 +213,15 @@ class Trainer:
         return batch[:, self._context_parallel[0]]
 
     def _forward_backward(self, batch: TensorDict, global_tokens: Tensor) -> Tensor | None:
-        """Loss of one micro-batch (token sum over the global count), gradients accumulated."""
+        """Loss of one micro-batch (token sum over the global count), gradients accumulated;
+        under loss parallelism inside torch's `loss_parallel()`, whose cross-entropy on
+        vocabulary shards needs it around forward and backward alike."""
+        with loss_parallel() if self.job.loss_parallel else contextlib.nullcontext():
+            return self._forward_backward_in_context(batch, global_tokens)
+
+    def _forward_backward_in_context(
+        self, batch: TensorDict, global_tokens: Tensor
+    ) -> Tensor | None:
         cp_group = None if self._context_parallel is None else self._context_parallel[1]
         if self.pipeline is not None:
             with statistics_group(self._statistics_group):
