@@ -230,6 +230,8 @@ def pipeline_step(
     dp_shard: int = 1,
     ep: int = 1,
     cp: int = 1,
+    tp: int = 1,
+    routers: bool = True,
     materialize: Callable[[nn.Module], None] | None = None,
     adjust: Callable[[PipelineRunner], None] | None = None,
     **parallelism: Any,
@@ -238,8 +240,8 @@ def pipeline_step(
     the step (ablations)."""
     runner, dims, mesh = pipeline_layout(
         world, spec, args, batch.batch_size, seed=seed, dtype=dtype,
-        compute_dtype=compute_dtype, dp_shard=dp_shard, ep=ep, cp=cp, materialize=materialize,
-        **parallelism,
+        compute_dtype=compute_dtype, dp_shard=dp_shard, ep=ep, cp=cp, tp=tp, routers=routers,
+        materialize=materialize, **parallelism,
     )  # fmt: skip
     if adjust is not None:
         adjust(runner)
@@ -251,8 +253,10 @@ def pipeline_step(
         )
         context = (tokens_S, mesh["cp"].get_group())
     return runner_step(
-        runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group, context=context
-    )
+        runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group, context=context,
+        sequence_group=dims.mesh("cp_tp").get_group() if tp > 1 else None,
+        loss_parallel=tp > 1 and not spec.shape(args).tied_embeddings,
+    )  # fmt: skip
 
 
 def pipeline_layout(
@@ -267,6 +271,8 @@ def pipeline_layout(
     dp_shard: int = 1,
     ep: int = 1,
     cp: int = 1,
+    tp: int = 1,
+    routers: bool = True,
     materialize: Callable[[nn.Module], None] | None = None,
     **parallelism: Any,
 ) -> tuple[PipelineRunner, ParallelDims, Any]:
@@ -277,23 +283,34 @@ def pipeline_layout(
     kept in `dtype`; with a `compute_dtype` (bf16) FSDP2 computes in it, the stages send it and
     gradients are reduced in `dtype` (over one rank's mesh without data parallelism). Each
     stage's storage and values come from `materialize` if given (e.g. upcycling a checkpoint),
-    else from `seed`."""
+    else from `seed`. With `tp` > 1 the stages are split over tp ranks with sequence and loss
+    parallelism (the trainer's defaults), an MoE's experts and routers data parallel over the
+    tp ranks too (`routers=False`, an ablation, leaves the routers out)."""
     config = ParallelismConfig(
-        dp_shard=dp_shard, pipeline_parallel_degree=world // (dp_shard * cp), ep=ep, cp=cp,
-        **parallelism,
+        dp_shard=dp_shard, pipeline_parallel_degree=world // (dp_shard * cp * tp), ep=ep, cp=cp,
+        tp=tp, **parallelism,
     )  # fmt: skip
     dims = ParallelDims.from_config(config, world)
     mesh = dims.build_mesh("cpu")
     rows, length = batch_shape
     plan = plan_pipeline(config, spec.structure, spec.shape(args), rows // dp_shard, length)
-    experts = expert_mesh("cpu", dp_shard, ep, pipeline_ranks=dims.pp) if ep > 1 else None
+    tp_moe = tp > 1 and getattr(args, "moe", None) is not None
+    token_ranks = dp_shard * cp * tp
+    experts = None
+    if ep > 1 or tp_moe:
+        experts = expert_mesh("cpu", token_ranks, ep, pipeline_ranks=dims.pp)
+    routers_mesh = flatten_mesh(experts, "ep_tokens") if tp_moe and routers else None
+    loss_parallel = tp > 1 and not spec.shape(args).tied_embeddings
 
     precision = {"param_dtype": compute_dtype or dtype, "reduce_dtype": dtype}
     if compute_dtype is not None and dp_shard == 1:
         precision["precision_mesh"] = single_rank_mesh("cpu")
 
     def parallelize(module: nn.Module) -> None:
-        if experts is not None:
+        if tp > 1:
+            apply_tensor_parallel(module, mesh["tp"], spec, loss_parallel=loss_parallel)
+        if ep > 1:
+            assert experts is not None
             apply_expert_parallel(module, experts["ep"])
         apply_data_parallel(
             module,
@@ -301,6 +318,7 @@ def pipeline_layout(
             dims,
             blocks=spec.structure.blocks_of(module),
             experts_mesh=None if experts is None else experts["ep_replicate"],
+            routers_mesh=routers_mesh,
             **precision,
         )
 
@@ -326,11 +344,15 @@ def runner_step(
     data_rank: int = 0,
     data_group: dist.ProcessGroup | None = None,
     context: tuple[Tensor, dist.ProcessGroup] | None = None,
+    sequence_group: dist.ProcessGroup | None = None,
+    loss_parallel: bool = False,
 ) -> Result:
     """One step of `runner` on this data rank's share of `batch` (the rows split evenly over
     `data_group`; the whole batch without one; under context parallelism, `context` = (this cp
     rank's token indices, the cp group)): the step's loss on one rank (None elsewhere)
-    and this rank's gradients, in full (a tied weight once, under the embedding's name)."""
+    and this rank's gradients, in full (a tied weight once, under the embedding's name).
+    `sequence_group`: the ranks that split a sequence's tokens, if not the cp group (cp x tp
+    under sequence parallelism); `loss_parallel`: the step runs in torch's `loss_parallel()`."""
     data_ranks = dist.get_world_size(data_group) if data_group is not None else 1
     rows = batch.batch_size[0] // data_ranks
     part = batch[data_rank * rows : (data_rank + 1) * rows]
@@ -338,7 +360,11 @@ def runner_step(
     if context is not None:  # this cp rank's tokens of every slice
         tokens_S, cp_group = context
         part = part[:, tokens_S]
-    with aux_loss_scale(1.0 / data_ranks), statistics_group(cp_group):
+    with (
+        loss_parallel_context() if loss_parallel else nullcontext(),
+        aux_loss_scale(1.0 / data_ranks),
+        statistics_group(sequence_group or cp_group),
+    ):
         loss = runner.step(part, count_label_tokens(batch["labels"]))
     for group in (data_group, cp_group):
         if loss is not None and group is not None:

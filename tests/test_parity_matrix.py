@@ -6,8 +6,10 @@ float64 (relative difference <= 1e-10): FSDP, HSDP, torch's 1F1B, Interleaved1F1
 (without data parallelism: the plan refuses its I/W actions on FSDP stages), SlimPipe's sliced
 schedule (v = 1 and 2), sliced with context exchange, with context parallelism (SlimPipe's
 commutated attention over the chunked KV cache, KV passing, and the choice per slice, on 2
-pipeline x 2 cp ranks), with vocabulary parallelism, expert parallelism alone and inside the
-sliced pipeline, everything at once, and tied embeddings across stages (on two ranks, as
+pipeline x 2 cp ranks), with tensor parallelism (sequence and loss parallel, 2 pipeline x 2 tp
+ranks, the MoE's experts split over the tp ranks' tokens; models with a tensor-parallel plan),
+with vocabulary parallelism, expert parallelism alone and inside the sliced pipeline, everything
+at once, and tied embeddings across stages (on two ranks, as
 vocabulary shards, and on one rank of a V), and a MoE upcycled from a dense Hugging Face
 checkpoint inside the sliced pipeline with expert parallelism (each rank reading only its
 stages' local blocks; Llama only). In bf16 (FSDP2 mixed precision, float32 weights and
@@ -91,6 +93,8 @@ class Row:
     """Route each token to every expert: bf16 rounding flips top-k choices of near-tied
     experts, a discrete change no tolerance describes; with all experts chosen the routing is
     continuous and bf16 error stays small."""
+    tensor_parallel: bool = False
+    """Needs the family's tensor-parallel plan (the custom example has none)."""
     upcycled: bool = False
     """The MoE is upcycled from a dense Llama checkpoint (`DENSE_LLAMA`, `UPCYCLE`), every
     rank filling its stages' local blocks from the file; Llama-MoE only."""
@@ -182,6 +186,12 @@ ROWS_ = [
         )
         for variant in ("commutated", "kv_passing", "auto")
     ),
+    Row(  # 2 pipeline x 2 tp ranks; the experts split over the tp ranks' tokens
+        "sliced + TP (sequence and loss parallel) + EP",
+        pipeline=SLICED | {"dp_shard": 1, "tp": 2, "ep": 2},
+        ablation="routers_outside_tp",
+        tensor_parallel=True,
+    ),
     Row(
         "upcycled x sliced + EP",
         pipeline=SLICED | {"ep": 2},
@@ -192,8 +202,14 @@ ROWS_ = [
 
 
 def _rows(model: str) -> list[Row]:
-    """The rows `model` runs: upcycling starts from a dense Llama, so only Llama-MoE has it."""
-    return [row for row in ROWS_ if not row.upcycled or model == "llama_moe"]
+    """The rows `model` runs: upcycling starts from a dense Llama, so only Llama-MoE has it;
+    tensor parallelism needs a plan, which the custom example does not give."""
+    planned = get_model_spec(model).tensor_parallel_plan is not None
+    return [
+        row
+        for row in ROWS_
+        if (not row.upcycled or model == "llama_moe") and (not row.tensor_parallel or planned)
+    ]
 
 
 def _batch(model: str) -> Any:
@@ -264,8 +280,8 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
             parallel = runner.extension("context_parallel")
             assert isinstance(parallel, PipelineContextParallel)
             parallel.drop_remote = True
-        elif name == "router_seed_per_rank":
-            pass  # applied when the stages are materialised (`_run_row`)
+        elif name in ("router_seed_per_rank", "routers_outside_tp"):
+            pass  # applied when the stages are built (`_run_row`)
         elif name == "untied_gradients":  # each copy keeps its own stage's gradient
             tied = runner.extension("tied_weights")
             assert tied is not None
@@ -309,6 +325,8 @@ def _run_row(rank: int, world: int, model: str, row: Row, ablate: bool, dense: P
             materialize_upcycled, device="cpu", directory=dense, upcycler=LLAMA_UPCYCLER,
             args=args, spec=UPCYCLE, seed=seed,
         )  # fmt: skip
+    if ablate and row.ablation == "routers_outside_tp":  # their gradients partial per tp rank
+        return pipeline_step(rank, world, spec, args, _batch(model), routers=False, **row.pipeline)
     return pipeline_step(
         rank, world, spec, args, _batch(model), adjust=adjust, materialize=materialize,
         **row.pipeline,

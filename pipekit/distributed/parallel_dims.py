@@ -14,9 +14,11 @@ most) and keeps only the dims with degree > 1, plus these flattened helper meshe
 A helper exists when at least one of its dims is in the mesh. Slicing a flattened dim back out
 of the root mesh is deprecated in torch, so every mesh is kept here and read with `mesh(name)`.
 
-Expert parallelism adds no rank: the `ep` experts' ranks are borrowed from the data-parallel and
-context-parallel ranks (torchtitan's convention), so `ep` must divide dp_replicate x dp_shard x cp
-and does not enter the product. Its meshes are built with the MoE layers.
+Expert parallelism adds no rank: the `ep` experts' ranks are borrowed from the ranks that hold
+tokens of their own, the data-parallel, context-parallel and (under sequence parallelism, which
+MoE with tp requires) tensor-parallel ranks (MoE parallel folding), so `ep` must divide
+dp_replicate x dp_shard x cp x tp and does not enter the product. Its meshes are built with
+the MoE layers.
 """
 
 from __future__ import annotations
@@ -79,11 +81,11 @@ class ParallelDims:
                 f"{self.world_size}; set dp_shard=-1 (or another degree) to take the rest, or "
                 f"launch {product} processes"
             )
-        ranks_for_experts = self.dp_replicate * self.dp_shard * self.cp
+        ranks_for_experts = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if ranks_for_experts % self.ep:
             raise ValueError(
-                f"parallelism.ep={self.ep} must divide dp_replicate x dp_shard x cp = "
-                f"{ranks_for_experts} (experts borrow data/context-parallel ranks); choose ep "
+                f"parallelism.ep={self.ep} must divide dp_replicate x dp_shard x cp x tp = "
+                f"{ranks_for_experts} (experts borrow the ranks that hold tokens); choose ep "
                 f"among the divisors of {ranks_for_experts}"
             )
 
@@ -100,7 +102,7 @@ class ParallelDims:
         if config.ep == -1:
             raise ValueError(
                 "parallelism.ep=-1 is not supported: ep is not part of the world-size product; "
-                "set it to a divisor of dp_replicate x dp_shard x cp"
+                "set it to a divisor of dp_replicate x dp_shard x cp x tp"
             )
         unresolved = [name for name, degree in degrees.items() if degree == -1]
         if len(unresolved) > 1:
