@@ -273,19 +273,20 @@ def _probe_head(
     _give_weights(head)
     head.requires_grad_(False)  # weight gradients are a term of their own, not activations
 
-    def run(length: int) -> Tensor:
+    def inputs(length: int) -> tuple[Tensor, Tensor]:
         hidden_BSD = torch.randn(1, length // sequence_shards, dim, dtype=dtype)
-        labels_BS = torch.randint(0, vocab, (1, length))
-        return token_sum_cross_entropy(head(hidden_BSD.requires_grad_()), labels_BS, length)
+        return hidden_BSD.requires_grad_(), torch.randint(0, vocab, (1, length))
 
     def saved_bytes(length: int) -> int:
+        hidden_BSD, labels_BS = inputs(length)
         with ActivationMemoryTracker(exclude=list(head.parameters())) as tracker:
-            run(length)
+            token_sum_cross_entropy(head(hidden_BSD), labels_BS, length)
         return tracker.peak_bytes(SAVED)
 
     def peak_bytes(length: int) -> int:
+        hidden_BSD, labels_BS = inputs(length)  # the stage's output: counted with the unit
         with PeakTensorMemory() as memory:
-            run(length).backward()
+            token_sum_cross_entropy(head(hidden_BSD), labels_BS, length).backward()
         return memory.peak_bytes
 
     return _slope(saved_bytes, tokens), _slope(peak_bytes, tokens)
