@@ -13,9 +13,9 @@ Sequence parallelism (on by default, as Megatron pairs it with tensor parallelis
 residual stream between blocks sharded on the sequence, a DTensor `Shard(1)` over the tp ranks:
 the embedding's output is split into the ranks' tokens (no communication; its gradient is
 all-gathered), the modules after the blocks (the final norm, position-wise) run on a rank's
-tokens, and the output layer's input is all-gathered, so the output layer and the loss stay
-whole on every rank. A pipeline stage without the embedding takes a rank's tokens `[B, S/tp,
-D]` and one without the output layer returns them: the messages between stages shrink by tp.
+tokens, and the output layer's input is all-gathered. A pipeline stage without the embedding
+takes a rank's tokens `[B, S/tp, D]` and one without the output layer returns them: the
+messages between stages shrink by tp.
 
 Loss parallelism (on by default for untied models) splits the output layer by vocabulary rows
 (`ColwiseParallel`) and leaves its logits sharded on the vocabulary: the cross-entropy runs on
