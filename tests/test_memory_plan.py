@@ -11,7 +11,7 @@ from pipekit.bench import plan_accuracy
 from pipekit.config.loader import load_job_config
 from pipekit.models import get_model_spec
 from pipekit.plan.__main__ import main, parse_bytes
-from pipekit.plan.activations import profile_activations
+from pipekit.plan.activations import TensorSplit, profile_activations
 from pipekit.plan.layout import rank_layouts
 from pipekit.train.job import plan_job
 
@@ -28,10 +28,11 @@ def test_the_large_configs_validate_for_the_world_they_are_written_for() -> None
         ("configs/llama3_8b.toml", 64),
         ("configs/llama3_70b.toml", 128),
         ("configs/llama3_8b_e8t2_upcycle.toml", 512),
+        ("configs/llama3_70b_2m_slimpipe.toml", 256),
     ]:
         job = _job(config, world)
         assert job.dims is not None and job.dims.world_size == world
-        assert job.local_batch_size == 1  # one 8192-token sequence per rank and micro-step
+        assert job.local_batch_size == 1  # one sequence per rank and micro-step
 
 
 def test_layouts_are_the_ranks_real_shards() -> None:
@@ -48,6 +49,26 @@ def test_layouts_are_the_ranks_real_shards() -> None:
     assert first.param_numel + last.param_numel == total
     assert first.output_rows == 0 and last.output_rows == llama.flavor("debug").vocab_size
     assert set(first.block_names).isdisjoint(last.block_names)
+
+
+def test_tensor_parallel_ranks_are_measured_as_they_run() -> None:
+    """Blocks and head probed as one of 2 tp ranks (a simulated group in a forked child, after
+    this process has run parallel CPU kernels, which once deadlocked the child): a rank saves
+    less than the whole block, less again with sequence parallelism (a rank's share of the
+    norms; its checkpointed input halves), and its K/V and, under loss parallelism, its
+    logits are its half."""
+    llama = get_model_spec("llama")
+    args = llama.flavor("debug").with_updates(vocab_size=8192)  # logits dominate the head
+    torch.randn(256, 256) @ torch.randn(256, 256)  # the parent's OpenMP pool is in use
+    whole = profile_activations(llama, args, torch.float32)
+    plain = profile_activations(llama, args, torch.float32, split=TensorSplit(2))
+    split = profile_activations(llama, args, torch.float32, split=TensorSplit(2, True, True))
+    block = "layers.0"
+    assert split.block_bytes[block] < plain.block_bytes[block] < whole.block_bytes[block]
+    assert split.input_bytes == plain.input_bytes // 2 == whole.input_bytes // 2
+    assert plain.kv_bytes[block] == whole.kv_bytes[block] / 2
+    assert plain.head_bytes_per_row == pytest.approx(whole.head_bytes_per_row, rel=0.05)
+    assert split.head_bytes_per_row < 0.6 * whole.head_bytes_per_row
 
 
 def test_activation_bytes_per_token_do_not_depend_on_the_probe_length() -> None:
