@@ -550,8 +550,9 @@ UPCYCLE_CONFIG = str(REPO_ROOT / "configs" / "debug_upcycle.toml")
 def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_path: Path) -> None:
     """configs/debug_upcycle.toml (ep = 2, FSDP2, E8T2, capacity 4) from a dense checkpoint: the
     first loss is the dense job's (the Mixtral router keeps the first forward), also in the
-    sliced pipeline (2 pipeline ranks x 2 FSDP ranks splitting the experts); training goes on
-    and resumes exactly from its own (MoE) checkpoint; the export is a Mixtral checkpoint."""
+    sliced pipeline (2 pipeline ranks x 2 FSDP ranks splitting the experts) and under tp 2
+    (sequence parallel, ep 2 over the tp ranks); training goes on and resumes exactly from its
+    own (MoE) checkpoint; the exports are Mixtral checkpoints."""
     from models.llama_moe.hf_mixtral import read_hf_mixtral_args
 
     _debug_llama_checkpoint(tmp_path / "dense")
@@ -578,6 +579,10 @@ def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_p
     # FSDP2) on meta, then fills its own blocks; every rank exports its share
     assert staged[1] == pytest.approx(dense[1], rel=1e-5)
     assert read_hf_mixtral_args(tmp_path / "pp" / "hf").moe.num_experts == 8
+    tp = ("--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--checkpoint.enable", "false")
+    split = _train(tmp_path / "tp", *common, "--training.steps", "2", *tp, config=UPCYCLE_CONFIG)
+    assert split[1] == pytest.approx(dense[1], rel=1e-5)  # each rank read its tp/ep blocks
+    assert read_hf_mixtral_args(tmp_path / "tp" / "hf").moe.num_experts == 8
     exported = read_hf_mixtral_args(tmp_path / "upcycled" / "hf")
     assert (exported.moe.num_experts, exported.moe.top_k) == (8, 2)
     resumed_dir = tmp_path / "resumed"
