@@ -96,21 +96,19 @@ def apply_data_parallel(
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
-        if experts_mesh is not None:
-            fully_shard(
-                module.experts,
-                mesh=experts_mesh,
-                mp_policy=mp_policy,
-                reshard_after_forward=reshard_after_forward,
-                shard_placement_fn=lambda _: Shard(1),
-            )
-        if routers_mesh is not None:
-            fully_shard(
-                module.router,
-                mesh=routers_mesh,
-                mp_policy=mp_policy,
-                reshard_after_forward=reshard_after_forward,
-            )
+        # experts keep whole experts per rank (Shard(1)); routers shard as FSDP2 does (Shard(0))
+        for unit, unit_mesh, placement in (
+            (module.experts, experts_mesh, Shard(1)),
+            (module.router, routers_mesh, Shard(0)),
+        ):
+            if unit_mesh is not None:
+                fully_shard(
+                    unit,
+                    mesh=unit_mesh,
+                    mp_policy=mp_policy,
+                    reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=lambda _, placement=placement: placement,
+                )
     dp_mesh = data_parallel_mesh(mesh, parallel_dims)
     precision_only = dp_mesh is None and precision_mesh is not None
     if precision_only and param_dtype != torch.float32:

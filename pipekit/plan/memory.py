@@ -100,10 +100,7 @@ def plan_memory(job: Job, probe_tokens: tuple[int, int] = (2, 6)) -> MemoryPlan:
     """The memory plan of a validated `job` (planned for a world size)."""
     training, moe = job.config.training, job.config.moe
     compute = DTYPES[training.mixed_precision_param]
-    split = TensorSplit()
-    if job.dims is not None and job.dims.tp > 1:
-        parallelism = job.config.parallelism
-        split = TensorSplit(job.dims.tp, parallelism.sequence_parallel, job.loss_parallel)
+    split = TensorSplit(job.tensor_parallel, job.sequence_parallel, job.loss_parallel)
     profile = profile_activations(
         job.spec,
         job.args,

@@ -48,11 +48,20 @@ class Job:
     """Sequences per data-parallel rank and accumulation micro-step."""
 
     @property
+    def tensor_parallel(self) -> int:
+        """The tp degree (1 for a job planned without a world size)."""
+        return self.dims.tp if self.dims is not None else 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the tp ranks split the residual stream by sequence."""
+        return self.tensor_parallel > 1 and self.config.parallelism.sequence_parallel
+
+    @property
     def loss_parallel(self) -> bool:
         """Whether the output layer is split over the tp ranks by vocabulary (untied models)."""
-        tp = self.dims.tp if self.dims is not None else 1
-        parallelism = self.config.parallelism
-        return tp > 1 and parallelism.loss_parallel and not self.shape.tied_embeddings
+        enabled = self.tensor_parallel > 1 and self.config.parallelism.loss_parallel
+        return enabled and not self.shape.tied_embeddings
 
     @property
     def dense_spec(self) -> ModelSpec:

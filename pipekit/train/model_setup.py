@@ -98,7 +98,7 @@ class _ModelSetup:
         self.allocate = allocate
         self.expert_mesh = self.routers_mesh = None
         dims = job.dims
-        tp_moe = dims is not None and dims.tp > 1 and getattr(job.args, "moe", None) is not None
+        tp_moe = job.tensor_parallel > 1 and getattr(job.args, "moe", None) is not None
         if dims is not None and (dims.ep_enabled or tp_moe):
             # the ranks that hold tokens of one pipeline rank's stages (tp ranks each their own,
             # under sequence parallelism, which tp with MoE requires)
@@ -176,14 +176,13 @@ class _ModelSetup:
         """Tensor parallelism, activation checkpointing, expert parallelism, then data
         parallelism, in place."""
         job, moe = self.job, self.job.config.moe
-        if job.dims is not None and job.dims.tp > 1:
+        if job.tensor_parallel > 1:
             assert self.mesh is not None
-            sequence_parallel = job.config.parallelism.sequence_parallel
             apply_tensor_parallel(
                 module,
                 self.mesh["tp"],
                 job.spec,
-                sequence_parallel=sequence_parallel,
+                sequence_parallel=job.sequence_parallel,
                 loss_parallel=job.loss_parallel,
             )
         if job.dims is not None and job.dims.ep_enabled:

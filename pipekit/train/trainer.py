@@ -201,8 +201,7 @@ class Trainer:
     def _sequence_group(self) -> dist.ProcessGroup | None:
         """The ranks that split a sequence's tokens (cp, and tp under sequence parallelism):
         MoE load-balancing statistics are added over them."""
-        sequence_parallel = self.dims.tp > 1 and self.config.parallelism.sequence_parallel
-        if sequence_parallel:
+        if self.job.sequence_parallel:
             return self.dims.mesh("cp_tp").get_group()
         return self.dims.mesh("cp").get_group() if self.dims.cp_enabled else None
 
