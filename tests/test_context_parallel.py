@@ -1,7 +1,8 @@
 """Context parallelism against one process: load-balanced shards, KV all-gather and commutated
-attention over a chunked KV cache, float64, outputs and the gradients of q, k and v, packed
-documents included; whole models under FSDP2 x context parallelism against one process; each
-with an ablation that must fail; and the per-slice choice by bytes."""
+attention over a chunked KV cache (with context exchange on top), float64, outputs and the
+gradients of q, k and v, packed documents included; whole models under FSDP2 x context
+parallelism against one process; each with an ablation that must fail; and the per-slice
+choice by bytes."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ from pipekit.attention.context_parallel import (
     context_parallel_bytes,
     kv_passing_context_attention,
     load_balanced_indices,
+)
+from pipekit.attention.exchange import (
+    AttentionLoan,
+    Lending,
+    serve_attention_loan,
+    serve_attention_loan_backward,
 )
 from pipekit.attention.ring import ring_context_attention
 from pipekit.layers.sequence_statistics import statistics_group
@@ -156,6 +163,66 @@ def _sliced_run(attend) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
     return run
 
 
+class _ZeroGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(grad)
+
+
+def _lending_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
+    """Commutated attention with context exchange on top, 2 cp x 2 pipeline ranks: cp ranks 0
+    and 1 attend the sliced sequence, lending earlier slices to their pipeline peers 2 and 3
+    (slice 0 in forward, every earlier slice in backward), which serve them for both cp
+    ranks' queries. The ablation drops the gradients of the lent chunks."""
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pipeline_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pipeline_group = pipeline_groups[rank % 2]
+    inputs = _inputs()
+    leaves = _leaves(inputs)
+    full_out = torch.zeros_like(inputs["q"])
+    if rank >= 2:  # a pipeline peer: serve every lending slice's forward, then its backward
+        loan = AttentionLoan(0, pipeline_group)
+        for _ in range(SLICES - 1):
+            serve_attention_loan(loan, HEAD_DIM**-0.5, "cpu")
+        for _ in range(SLICES - 1):
+            serve_attention_loan_backward(loan, HEAD_DIM**-0.5, "cpu")
+        for leaf in leaves.values():
+            leaf.grad = torch.zeros_like(leaf)
+        dist.all_reduce(full_out)
+        return {"out": full_out, **_summed_grads(leaves)}
+    slice_length, peer = LENGTH // SLICES, AttentionLoan(1, pipeline_group)
+    cache: list[CachedShard] = []
+    loss = torch.zeros((), dtype=torch.float64)
+    for index in range(SLICES):
+        tokens = load_balanced_indices(slice_length, 2, start=index * slice_length)[rank]
+        shard = TokenShard(tokens, inputs["documents"][:, tokens])
+        k, v = leaves["k"][:, :, tokens], leaves["v"][:, :, tokens]
+        cache.append(CachedShard(k, v, shard))
+        lent_cache = list(cache)
+        if ablate:
+            lent_cache[:index] = [
+                CachedShard(_ZeroGradient.apply(c.k_BGKD), _ZeroGradient.apply(c.v_BGKD), c.shard)
+                for c in cache[:index]
+            ]
+        lendings = (
+            Lending(((peer, (0,)),) if index else ()),
+            Lending(((peer, tuple(range(index))),) if index else ()),
+        )
+        q = leaves["q"][:, :, tokens]
+        out, _ = commutated_context_attention(
+            q, shard, lent_cache, cp_groups[0], backend="cpu", lendings=lendings, lendable=index
+        )
+        loss = loss + (out * inputs["upstream"][:, :, tokens]).sum()
+        full_out[:, :, tokens] = out.detach()
+    loss.backward()
+    dist.all_reduce(full_out)
+    return {"out": full_out, **_summed_grads(leaves)}
+
+
 def _worst_difference(results: list[dict[str, torch.Tensor]]) -> float:
     reference = _reference(_inputs())
     worst = 0.0
@@ -178,6 +245,7 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
             ("ring rotation", _ring_rotation_run),
             ("kv passing, sliced", _sliced_run(kv_passing_context_attention)),
             ("commutated, sliced", _sliced_run(commutated_context_attention)),
+            *((("commutated, sliced, exchange", _lending_run),) if world == 4 else ()),
         )
         for ablate in (False, True)
     }

@@ -186,6 +186,11 @@ ROWS_ = [
         )
         for variant in ("commutated", "kv_passing", "auto")
     ),
+    Row(  # lending slices run commutated, each pipeline peer attending all cp ranks' queries
+        "sliced + context parallel (auto) + context exchange",
+        pipeline=SLICED | {"dp_shard": 1, "cp": 2, "context_exchange": True},
+        ablation="drop_lent_kv_grads",
+    ),
     Row(  # 2 pipeline x 2 tp ranks; the experts split over the tp ranks' tokens
         "sliced + TP (sequence and loss parallel) + EP",
         pipeline=SLICED | {"dp_shard": 1, "tp": 2, "ep": 2},
@@ -258,13 +263,14 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
         elif name == "drop_lent_kv_grads":
             exchange = runner.extension("context_exchange")
             assert isinstance(exchange, PipelineContextExchange)
-            exchange = PipelineContextExchange(
+            ablated = PipelineContextExchange(
                 exchange.group, exchange.layers_per_stage, drop_remote_kv_grads=True
             )
+            extensions = [ablated if ext is exchange else ext for ext in runner.extensions]
             runner.schedule = make_schedule(
-                "sliced", runner.stages, MICROBATCHES, SLICES, extensions=[exchange]
+                "sliced", runner.stages, MICROBATCHES, SLICES, extensions=extensions
             )
-            runner.extensions = [exchange]
+            runner.extensions = extensions
         elif name == "hidden_grad_last_rank_only":
             vocab = runner.extension("vocab_parallel")
             assert vocab is not None

@@ -27,27 +27,59 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.chunked import KVChunk
 from pipekit.attention.exchange import (
     DEFAULT_LOAN_TIMEOUT,
     AttentionLoan,
     Lending,
     LentChunk,
-    attention_with_lending,
     serve_attention_loan,
     serve_attention_loan_backward,
 )
-from pipekit.attention.kv_cache import CachedSlice, SliceAttention
+from pipekit.attention.kv_cache import CachedSlice
 
-__all__ = ["ContextExchangeAttention", "LoanRequest", "PassExchange", "SliceExchange"]
+__all__ = [
+    "ContextExchangeAttention",
+    "LendingAttention",
+    "LoanRequest",
+    "PassExchange",
+    "SliceExchange",
+]
 
 Backend = str | AttentionBackend
+
+
+class LendingAttention(Protocol):
+    """The slice attention an exchange wraps: `SliceAttention` (the KV cache), or its context
+    parallel form, which lends the rank's share of each earlier slice for every cp rank's
+    queries."""
+
+    recomputing: bool
+    backend: Backend
+
+    def chunks(
+        self, layer_id: str, k_BGSD: Tensor, v_BGSD: Tensor
+    ) -> tuple[list[CachedSlice], KVChunk]: ...
+
+    def attention(
+        self, q_BHSD: Tensor, earlier: list[CachedSlice], own: KVChunk, scale: float
+    ) -> Tensor: ...
+
+    def lent_attention(
+        self,
+        q_BHSD: Tensor,
+        lendable: list[LentChunk],
+        own: KVChunk,
+        lendings: tuple[Lending, Lending],
+        scale: float,
+    ) -> Tensor: ...
 
 
 class LoanRequest(NamedTuple):
@@ -159,10 +191,10 @@ class ContextExchangeAttention:
     """AttentionContext of one slice whose forward or backward pass lends or serves attention
     (see the module doc); otherwise it attends exactly as its `SliceAttention`."""
 
-    def __init__(self, slice_attention: SliceAttention, exchange: SliceExchange) -> None:
+    def __init__(self, slice_attention: LendingAttention, exchange: SliceExchange) -> None:
         self.slice_attention, self.exchange = slice_attention, exchange
         self.forward_calls = 0
-        self._backward_serving = _BackwardServing(exchange, slice_attention.cache.backend)
+        self._backward_serving = _BackwardServing(exchange, slice_attention.backend)
 
     def __repr__(self) -> str:
         return f"ContextExchangeAttention({self.slice_attention!r})"
@@ -177,23 +209,14 @@ class ContextExchangeAttention:
         records_backward = torch.is_grad_enabled() and q_BHSD.requires_grad
         lend_forward = () if recomputing else exchange.forward.lend
         lend_backward = exchange.backward.lend if records_backward else ()
-        backend = sliced.cache.backend
         # A recompute takes the same path as the forward it repeats, lent or not: activation
         # checkpointing hands its tensors to the original autograd node by position.
         if exchange.forward.lend or lend_backward:
             lendable = [
                 self._lendable(index, cached, lend_backward) for index, cached in enumerate(earlier)
             ]
-            out_BHSD = attention_with_lending(
-                q_BHSD,
-                [own],
-                lendable,
-                exchange.lending(lend_forward),
-                exchange.lending(lend_backward),
-                q_document_ids_BS=sliced.document_ids_BS,
-                scale=scale,
-                backend=backend,
-            )[0]
+            lendings = (exchange.lending(lend_forward), exchange.lending(lend_backward))
+            out_BHSD = sliced.lent_attention(q_BHSD, lendable, own, lendings, scale)
         else:
             out_BHSD = sliced.attention(q_BHSD, earlier, own, scale)
         if not recomputing:
@@ -216,7 +239,7 @@ class ContextExchangeAttention:
             return
         if call >= len(serve):
             raise _layer_count_error("forward", call + 1, len(serve))
-        self.exchange.answer(serve[call], scale, self.slice_attention.cache.backend)
+        self.exchange.answer(serve[call], scale, self.slice_attention.backend)
 
     def _lendable(
         self,

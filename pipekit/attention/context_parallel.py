@@ -42,6 +42,7 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend, RingBackend, ring_backend, select_backend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
+from pipekit.attention.exchange import Lending, LentChunk, post_loans
 from pipekit.attention.masks import MaskMod, token_order_mask
 from pipekit.attention.merge import merge_attention
 
@@ -202,55 +203,126 @@ def _partial(
     )
 
 
+@dataclass(frozen=True)
+class _Commutated:
+    """What `_CommutatedAttention` needs besides tensors."""
+
+    backend: RingBackend
+    group: dist.ProcessGroup | None
+    scale: float
+    shard: TokenShard
+    cache_shards: tuple[TokenShard, ...]
+    drop_remote: bool
+    lendings: tuple[Lending, Lending]
+    """Forward and backward: which of the first `lendable` cached chunks pipeline peers
+    compute (context exchange)."""
+    lendable: int
+
+
+def _all_queries(
+    queries: Sequence[Tensor], shards: Sequence[TokenShard]
+) -> tuple[Tensor, Tensor | None]:
+    """Every rank's queries in one block, with their document ids: what a lent chunk's peer
+    attends, as every query attends to all of an earlier slice's keys."""
+    documents = [s.document_ids_BS for s in shards]
+    all_documents = None if documents[0] is None else torch.cat(documents, dim=1)
+    return torch.cat(list(queries), dim=2), all_documents
+
+
+def _split_by_rank(tensor: Tensor, ranks: int) -> tuple[Tensor, ...]:
+    """An all-queries block (`_all_queries`) back into each rank's queries."""
+    return tensor.chunk(ranks, dim=2)
+
+
 class _CommutatedAttention(torch.autograd.Function):
     """Forward: queries out, partial (out, lse) back, merged. Backward: dO with the merged
-    (O, lse) out, each peer's dQ share back; dK/dV of the local cache stay here."""
+    (O, lse) out, each peer's dQ share back; dK/dV of the local cache stay here. Lent chunks
+    (context exchange) are computed by a pipeline peer for every rank's queries at once."""
 
     @staticmethod
-    def forward(ctx, settings: tuple, q_BHSD: Tensor, *kv_tensors: Tensor):
-        backend, group, scale, shard, cache_shards, drop_remote = settings
-        cache = [
-            CachedShard(k, v, s)
-            for k, v, s in zip(kv_tensors[0::2], kv_tensors[1::2], cache_shards, strict=True)
-        ]
-        queries, shards = _all_gather(q_BHSD, group), gather_token_shards(shard, group)
+    def forward(ctx, settings: _Commutated, q_BHSD: Tensor, *kv_tensors: Tensor):
+        group, forward = settings.group, settings.lendings[0]
+        cache = _cache(kv_tensors, settings.cache_shards)
+        queries, shards = _all_gather(q_BHSD, group), gather_token_shards(settings.shard, group)
+        loans = None
+        if forward.parts:
+            q_all, documents_all = _all_queries(queries, shards)
+            loans = post_loans(forward, q_all, _lendable(cache, settings), documents_all)
+        kept = [cache[i] for i in forward.kept(settings.lendable)] + cache[settings.lendable :]
         partials = [
-            _partial(backend, q, s, cache, scale) for q, s in zip(queries, shards, strict=True)
+            _partial(settings.backend, q, s, kept, settings.scale)
+            for q, s in zip(queries, shards, strict=True)
         ]
+        if loans is not None:
+            for out_all, lse_all in loans.collect():
+                ranks = len(queries)
+                lent = zip(
+                    _split_by_rank(out_all, ranks), _split_by_rank(lse_all, ranks), strict=True
+                )
+                partials = [merge_attention([*pair]) for pair in zip(partials, lent, strict=True)]
         outs = _exchange([out for out, _ in partials], group)
         lses = _exchange([lse for _, lse in partials], group)
-        if drop_remote:  # ablation: keep only this rank's own cache
+        if settings.drop_remote:  # ablation: keep only this rank's own cache
             rank = dist.get_rank(group)
             outs, lses = outs[rank : rank + 1], lses[rank : rank + 1]
         out_BHSD, lse_BHS = merge_attention(list(zip(outs, lses, strict=True)))
-        ctx.settings, ctx.cache_shards = settings, cache_shards
+        ctx.settings = settings
         ctx.save_for_backward(q_BHSD, out_BHSD, lse_BHS, *kv_tensors)
         ctx.mark_non_differentiable(lse_BHS)
         return out_BHSD, lse_BHS
 
     @staticmethod
     def backward(ctx, grad_out_BHSD: Tensor, _grad_lse: Tensor | None):
-        backend, group, scale, shard, _, _ = ctx.settings
+        settings: _Commutated = ctx.settings
+        group, backward = settings.group, settings.lendings[1]
         q_BHSD, out_BHSD, lse_BHS, *kv_tensors = ctx.saved_tensors
         grad_out_BHSD = grad_out_BHSD.contiguous()
-        queries, shards = _all_gather(q_BHSD, group), gather_token_shards(shard, group)
+        queries, shards = _all_gather(q_BHSD, group), gather_token_shards(settings.shard, group)
         grad_outs, outs = _all_gather(grad_out_BHSD, group), _all_gather(out_BHSD, group)
         lses = _all_gather(lse_BHS, group)
+        loans = None
+        if backward.parts:
+            cache = _cache(kv_tensors, settings.cache_shards)
+            q_all, documents_all = _all_queries(queries, shards)
+            merged = (torch.cat(grad_outs, dim=2), torch.cat(outs, dim=2), torch.cat(lses, dim=2))
+            loans = post_loans(backward, q_all, _lendable(cache, settings), documents_all, merged)
+        own = range(settings.lendable, len(settings.cache_shards))
+        kept = [*backward.kept(settings.lendable), *own]
         kv_grads = [torch.zeros_like(t) for t in kv_tensors]
         grad_queries = []
         for q, s, grad_out, out, lse in zip(queries, shards, grad_outs, outs, lses, strict=True):
             grad_q = torch.zeros_like(q)
-            for index, cached in enumerate(ctx.cache_shards):
+            for index in kept:
                 k, v = kv_tensors[2 * index], kv_tensors[2 * index + 1]
-                dq, dk, dv = backend.backward_chunk(
-                    grad_out, q, k, v, out, lse, shard_mask(s, cached), scale
+                mask = shard_mask(s, settings.cache_shards[index])
+                dq, dk, dv = settings.backend.backward_chunk(
+                    grad_out, q, k, v, out, lse, mask, settings.scale
                 )
                 grad_q += dq
                 kv_grads[2 * index] += dk
                 kv_grads[2 * index + 1] += dv
             grad_queries.append(grad_q)
+        if loans is not None:
+            for (_, indices), remote in zip(backward.parts, loans.collect(), strict=True):
+                lent_dqs = _split_by_rank(remote[0], len(queries))
+                for grad_q, lent_dq in zip(grad_queries, lent_dqs, strict=True):
+                    grad_q += lent_dq
+                for position, index in enumerate(indices):
+                    kv_grads[2 * index] += remote[1 + 2 * position]
+                    kv_grads[2 * index + 1] += remote[2 + 2 * position]
         grad_q_BHSD = torch.stack(_exchange(grad_queries, group)).sum(0)
         return None, grad_q_BHSD, *kv_grads
+
+
+def _cache(kv_tensors: Sequence[Tensor], shards: Sequence[TokenShard]) -> list[CachedShard]:
+    pairs = zip(kv_tensors[0::2], kv_tensors[1::2], shards, strict=True)
+    return [CachedShard(k, v, shard) for k, v, shard in pairs]
+
+
+def _lendable(cache: Sequence[CachedShard], settings: _Commutated) -> list[LentChunk]:
+    return [
+        LentChunk(c.k_BGKD, c.v_BGKD, c.shard.document_ids_BS) for c in cache[: settings.lendable]
+    ]
 
 
 def commutated_context_attention(
@@ -262,25 +334,41 @@ def commutated_context_attention(
     scale: float | None = None,
     backend: str | AttentionBackend = "auto",
     drop_remote: bool = False,
+    lendings: tuple[Lending, Lending] = (Lending(), Lending()),
+    lendable: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Causal attention of this rank's queries (`shard`) over every rank's KV cache, the cache
     staying where it is (`cache`: this rank's chunks, the current slice's included):
     `(out_BHSD, lse_BHS)`, exact gradients for q and for the local chunks' k and v. Every rank
     of `group` calls it with queries of the same shape. `drop_remote` (an ablation) merges only
-    this rank's partial."""
+    this rank's partial.
+
+    Context exchange on top: the first `lendable` chunks of `cache` are earlier slices (every
+    query attends to all their keys, within documents); `lendings` (forward, backward) name
+    the pipeline peers that compute some of them, for all cp ranks' queries at once, each
+    peer calling `serve_attention_loan` (`_backward`)."""
     if not cache:
         raise ValueError("commutated_context_attention needs the local KV cache (a chunk)")
+    if not 0 <= lendable < len(cache):
+        raise ValueError(
+            f"lendable={lendable}: only earlier slices may be lent, never the last chunk (the "
+            f"slice's own, causal); give 0 to {len(cache) - 1}"
+        )
+    for lending in lendings:
+        lending.check(lendable)
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     kv_tensors = [t for c in cache for t in (c.k_BGKD, c.v_BGKD)]
     if isinstance(backend, str):
         backend = select_backend(backend, q_BHSD, *kv_tensors)
-    settings = (
+    settings = _Commutated(
         ring_backend(backend),
         group,
         scale,
         shard,
         tuple(c.shard for c in cache),
         drop_remote,
+        lendings,
+        lendable,
     )
     return _CommutatedAttention.apply(settings, q_BHSD, *kv_tensors)
 

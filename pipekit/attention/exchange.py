@@ -54,7 +54,9 @@ __all__ = [
     "AttentionLoan",
     "Lending",
     "LentChunk",
+    "LoansInFlight",
     "attention_with_lending",
+    "post_loans",
     "serve_attention_loan",
     "serve_attention_loan_backward",
 ]
@@ -266,6 +268,60 @@ class Lending:
             )
 
 
+@dataclass
+class LoansInFlight:
+    """Requests of one attention call, posted to the peers with the receives of their answers
+    (`post_loans`); `collect` waits for the answers."""
+
+    lending: Lending
+    sends: list[dist.Work]
+    answers: list[list[Tensor]]
+    receives: list[list[dist.Work]]
+
+    def collect(self) -> list[list[Tensor]]:
+        """Per part of the lending, in order: forward `[out, lse]`; backward `[dQ, dK, dV of
+        each lent chunk...]`."""
+        for (loan, _), works in zip(self.lending.parts, self.receives, strict=True):
+            loan.wait(works)
+        _wait(self.sends)
+        return self.answers
+
+
+def post_loans(
+    lending: Lending,
+    q_BHSD: Tensor,
+    lendable: Sequence[LentChunk],
+    q_document_ids_BS: Tensor | None,
+    backward: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> LoansInFlight:
+    """Send each peer its request (the query and its lent chunks; in backward also `(dO, O,
+    lse)`, the merged output's) and post the receives of every answer, so the peers compute
+    while this rank does its own chunks."""
+    sends = []
+    for loan, indices in lending.parts:
+        lent = [lendable[i] for i in indices]
+        sends += _send_request(loan, q_BHSD, lent, q_document_ids_BS, backward is not None)
+        if backward is not None:
+            sends += loan.send(*backward)
+    if backward is None:
+        lse_BHS = torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD))
+        answers = [[_buffer(q_BHSD), torch.empty_like(lse_BHS)] for _ in lending.parts]
+    else:
+        answers = [
+            [_buffer(q_BHSD), *(_buffer(t) for i in indices for t in _kv(lendable[i]))]
+            for _, indices in lending.parts
+        ]
+    receives = [
+        loan.post_receives(*answer)
+        for (loan, _), answer in zip(lending.parts, answers, strict=True)
+    ]
+    return LoansInFlight(lending, sends, answers, receives)
+
+
+def _kv(chunk: LentChunk) -> tuple[Tensor, Tensor]:
+    return chunk.k_BGKD, chunk.v_BGKD
+
+
 class _LentAttention(torch.autograd.Function):
     """Local chunks here, lent chunks on the peers; merged by LSE. See the module doc."""
 
@@ -285,25 +341,11 @@ class _LentAttention(torch.autograd.Function):
         q_docs, lendable_docs = documents
         local_kv, lendable_kv = kv_tensors[: 2 * num_local], kv_tensors[2 * num_local :]
         lendable = _lent_chunks(lendable_kv, lendable_docs)
-        sends = []  # posted first: the peers work while we do
-        for loan, indices in forward.parts:
-            lent = [lendable[i] for i in indices]
-            sends += _send_request(loan, q_BHSD, lent, q_docs, backward=False)
+        loans = post_loans(forward, q_BHSD, lendable, q_docs)
         here = list(zip(local_kv[0::2], local_kv[1::2], local_masks, strict=True))
         here += [_with_mask(q_docs, lendable[i]) for i in forward.kept(len(lendable))]
-        answers = [
-            (_buffer(q_BHSD), torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD)))
-            for _ in forward.parts
-        ]
-        receives = [
-            loan.post_receives(*answer)
-            for (loan, _), answer in zip(forward.parts, answers, strict=True)
-        ]
         partials = [backend.forward_chunk(q_BHSD, k, v, mask, scale) for k, v, mask in here]
-        for (loan, _), works in zip(forward.parts, receives, strict=True):
-            loan.wait(works)
-        partials += answers
-        _wait(sends)
+        partials += [(out, lse) for out, lse in loans.collect()]
         out_BHSD, lse_BHS = merge_attention(partials)
         ctx.backend, ctx.scale, ctx.local_masks = backend, scale, local_masks
         ctx.lendings, ctx.documents, ctx.num_local = lendings, documents, num_local
@@ -320,19 +362,7 @@ class _LentAttention(torch.autograd.Function):
         q_docs, lendable_docs = ctx.documents
         local_kv, lendable_kv = kv_tensors[: 2 * ctx.num_local], kv_tensors[2 * ctx.num_local :]
         lendable = _lent_chunks(lendable_kv, lendable_docs)
-        sends = []
-        for loan, indices in backward.parts:
-            lent = [lendable[i] for i in indices]
-            sends += _send_request(loan, q_BHSD, lent, q_docs, backward=True)
-            sends += loan.send(grad_out_BHSD, out_BHSD, lse_BHS)
-        answers = [
-            [_buffer(q_BHSD), *(_buffer(lendable_kv[2 * i + j]) for i in indices for j in (0, 1))]
-            for _, indices in backward.parts
-        ]
-        receives = [
-            loan.post_receives(*answer)
-            for (loan, _), answer in zip(backward.parts, answers, strict=True)
-        ]
+        loans = post_loans(backward, q_BHSD, lendable, q_docs, (grad_out_BHSD, out_BHSD, lse_BHS))
         kept = backward.kept(len(lendable))
         here = list(zip(local_kv[0::2], local_kv[1::2], ctx.local_masks, strict=True))
         here += [_with_mask(q_docs, lendable[i]) for i in kept]
@@ -344,8 +374,7 @@ class _LentAttention(torch.autograd.Function):
         for position, index in enumerate(kept):
             pair = here_grads[2 * (ctx.num_local + position) : 2 * (ctx.num_local + position + 1)]
             lendable_grads[2 * index : 2 * index + 2] = pair
-        for (loan, indices), remote, works in zip(backward.parts, answers, receives, strict=True):
-            loan.wait(works)
+        for (_, indices), remote in zip(backward.parts, loans.collect(), strict=True):
             grad_q_BHSD += remote[0]
             for position, index in enumerate(indices):
                 lendable_grads[2 * index : 2 * index + 2] = remote[

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
+from pipekit.attention.exchange import Lending, LentChunk, attention_with_lending
 from pipekit.attention.masks import causal_within_documents, documents_or_all
 
 __all__ = ["CachedSlice", "ChunkedKVCache", "SliceAttention"]
@@ -209,6 +210,10 @@ class SliceAttention:
         earlier, own = self.chunks(layer_id, k_BGSD, v_BGSD)
         return self.attention(q_BHSD, earlier, own, scale)
 
+    @property
+    def backend(self) -> str | AttentionBackend:
+        return self.cache.backend
+
     def attention(
         self, q_BHSD: Tensor, earlier: list[CachedSlice], own: KVChunk, scale: float
     ) -> Tensor:
@@ -222,3 +227,23 @@ class SliceAttention:
             for cached in earlier
         ]
         return attention_over_chunks(q_BHSD, [*chunks, own], scale, self.cache.backend)[0]
+
+    def lent_attention(
+        self,
+        q_BHSD: Tensor,
+        lendable: list[LentChunk],
+        own: KVChunk,
+        lendings: tuple[Lending, Lending],
+        scale: float,
+    ) -> Tensor:
+        """`attention` with some earlier slices (`lendable`) computed by pipeline peers
+        (context exchange): `lendings` says which, in forward and in backward."""
+        return attention_with_lending(
+            q_BHSD,
+            [own],
+            lendable,
+            *lendings,
+            q_document_ids_BS=self.document_ids_BS,
+            scale=scale,
+            backend=self.cache.backend,
+        )[0]

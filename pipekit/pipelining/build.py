@@ -105,20 +105,20 @@ def build_pipeline(
         sequence_shards=plan.sequence_shards,
     )
     extensions: list[PipelineExtension] = []
+    if plan.context_parallel > 1:  # first: context exchange wraps its attention
+        extensions.append(
+            PipelineContextParallel(
+                mesh["cp"].get_group(),
+                plan.slice_length * plan.context_parallel,
+                plan.context_parallel_variant,
+            )
+        )
     if plan.context_exchange:  # before vocabulary parallelism: it plans on the compute lists
         extensions.append(
             PipelineContextExchange(
                 new_group_along(mesh, "pp"),
                 blocks_per_stage(plan.structure, plan.module_names_per_stage),
                 timeout=setup.collective_timeout,
-            )
-        )
-    if plan.context_parallel > 1:
-        extensions.append(
-            PipelineContextParallel(
-                mesh["cp"].get_group(),
-                plan.slice_length * plan.context_parallel,
-                plan.context_parallel_variant,
             )
         )
     if plan.vocab_parallel:

@@ -225,10 +225,11 @@ def _check_context_parallel(parallelism: ParallelismConfig, seq_len: int, num_sl
             f"(each of the {num_slices} slices is cut into 2 x cp = {2 * parallelism.cp} equal "
             "pieces for the cp ranks); choose seq_len, cp or num_slices to fit"
         )
-    if parallelism.context_exchange:
+    if parallelism.context_exchange and parallelism.cp_variant == "kv_passing":
         raise ValueError(
-            f"context_exchange = true with cp={parallelism.cp}: context exchange does not "
-            "combine with context parallelism yet; turn one off"
+            "context_exchange = true with cp_variant='kv_passing': a lending slice hands its "
+            "peer this rank's share of earlier slices, which only the commutated variant keeps "
+            "at home; use cp_variant = 'commutated' or 'auto' (lending slices run commutated)"
         )
 
 

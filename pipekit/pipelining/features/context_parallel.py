@@ -23,11 +23,14 @@ Legend: B batch, H query heads, G kv heads, S local slice length, D head dim.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 
 import torch.distributed as dist
 from torch import Tensor
 
+from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.chunked import KVChunk
 from pipekit.attention.context import AttentionContext
 from pipekit.attention.context_parallel import (
     CachedShard,
@@ -37,7 +40,8 @@ from pipekit.attention.context_parallel import (
     kv_passing_context_attention,
     load_balanced_indices,
 )
-from pipekit.attention.kv_cache import SliceAttention
+from pipekit.attention.exchange import Lending, LentChunk
+from pipekit.attention.kv_cache import CachedSlice, SliceAttention
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
@@ -52,32 +56,79 @@ _VARIANTS = {
 
 class ContextParallelSliceAttention:
     """A slice's attention context under context parallelism: `inner` (the stage's KV-cache
-    context of the unit) caches this rank's K/V; attention runs over every cp rank's cache."""
+    context of the unit) caches this rank's K/V; attention runs over every cp rank's cache.
+    Under context exchange (which wraps this context) a lending slice runs commutated: the
+    chunks it lends are this rank's shares of earlier slices, computed by the pipeline peer
+    for every cp rank's queries."""
 
     def __init__(
         self, inner: SliceAttention, extension: PipelineContextParallel, slice_index: int
     ) -> None:
         self.inner, self.extension, self.slice_index = inner, extension, slice_index
 
+    @property
+    def recomputing(self) -> bool:
+        return self.inner.recomputing
+
+    @property
+    def backend(self) -> str | AttentionBackend:
+        return self.inner.backend
+
+    def chunks(
+        self, layer_id: str, k_BGSD: Tensor, v_BGSD: Tensor
+    ) -> tuple[list[CachedSlice], KVChunk]:
+        return self.inner.chunks(layer_id, k_BGSD, v_BGSD)
+
     def attend(
         self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
     ) -> Tensor:
-        earlier, own = self.inner.chunks(layer_id, k_BGSD, v_BGSD)
+        earlier, own = self.chunks(layer_id, k_BGSD, v_BGSD)
+        return self.attention(q_BHSD, earlier, own, scale)
+
+    def attention(
+        self, q_BHSD: Tensor, earlier: list[CachedSlice], own: KVChunk, scale: float
+    ) -> Tensor:
+        """Over every cp rank's earlier slices and this slice, by the slice's variant."""
+        variant = self.extension.variant_of(self.slice_index, q_BHSD, own.k_BGKD)
+        lendable = [LentChunk(c.k_BGSD, c.v_BGSD, c.document_ids_BS) for c in earlier]
+        return self._attention(_VARIANTS[variant], q_BHSD, lendable, own, scale)
+
+    def lent_attention(
+        self,
+        q_BHSD: Tensor,
+        lendable: list[LentChunk],
+        own: KVChunk,
+        lendings: tuple[Lending, Lending],
+        scale: float,
+    ) -> Tensor:
+        """Commutated, the peers computing the lent earlier slices (context exchange)."""
+        attention = functools.partial(
+            commutated_context_attention, lendings=lendings, lendable=len(lendable)
+        )
+        return self._attention(attention, q_BHSD, lendable, own, scale)
+
+    def _attention(
+        self,
+        attention: Callable[..., tuple[Tensor, Tensor]],
+        q_BHSD: Tensor,
+        earlier: list[LentChunk],
+        own: KVChunk,
+        scale: float,
+    ) -> Tensor:
         tokens = self.extension.slice_tokens
         cache = [
-            CachedShard(c.k_BGSD, c.v_BGSD, TokenShard(tokens(index), c.document_ids_BS))
+            CachedShard(c.k_BGKD, c.v_BGKD, TokenShard(tokens(index), c.document_ids_BK))
             for index, c in enumerate(earlier)
         ]
         shard = TokenShard(tokens(self.slice_index), self.inner.document_ids_BS)
         cache.append(CachedShard(own.k_BGKD, own.v_BGKD, shard))
-        variant = self.extension.variant_of(self.slice_index, q_BHSD, k_BGSD)
-        out_BHSD, _ = _VARIANTS[variant](
+        out_BHSD, _ = attention(
             q_BHSD,
             shard,
             cache,
             self.extension.group,
             scale=scale,
-            backend=self.inner.cache.backend,
+            backend=self.backend,
             drop_remote=self.extension.drop_remote,
         )
         return out_BHSD
@@ -136,7 +187,7 @@ class PipelineContextParallel(PipelineExtension):
         if not isinstance(context, SliceAttention):
             raise TypeError(
                 f"context parallelism wraps the stage's KV-cache context, got {context!r}; "
-                "it does not combine with context exchange"
+                "give the pipeline its context_parallel extension before context_exchange"
             )
         _, slice_index = unit_microbatch_and_slice(unit, self.num_slices)
         return ContextParallelSliceAttention(context, self, slice_index)
