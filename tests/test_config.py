@@ -198,15 +198,22 @@ def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
 
 
 def test_context_parallel_pipelines_are_checked_before_launch():
-    """cp inside the sliced pipeline is planned; a seq_len the slices and cp ranks do not
-    divide, and context exchange with cp, are refused with the fix."""
+    """cp inside the sliced pipeline is planned, with context exchange on top; a seq_len the
+    slices and cp ranks do not divide, and exchange with KV passing, are refused with the
+    fix."""
     argv = ["--config", str(REPO_ROOT / "configs/debug_sliced_pp.toml"), "--parallelism.cp", "2"]
     job = plan_job(load_job_config(argv), world_size=4, check_files=False)
     assert job.pipeline is not None and job.pipeline.context_parallel == 2
     assert job.pipeline.slice_length == 256 // 4 // 2
+    exchange = [*argv, "--parallelism.context_exchange", "true"]
+    job = plan_job(load_job_config(exchange), world_size=4, check_files=False)
+    assert job.pipeline is not None and job.pipeline.context_exchange
     for overrides, message in [
         (("--training.seq_len", "248"), "seq_len=248 must be a multiple of 2 x cp x num_slices"),
-        (("--parallelism.context_exchange", "true"), "does not combine with context parall"),
+        (
+            ("--parallelism.context_exchange", "true", "--parallelism.cp_variant", "kv_passing"),
+            "use cp_variant = 'commutated' or 'auto'",
+        ),
     ]:
         with pytest.raises(ConfigError, match=message):
             plan_job(load_job_config([*argv, *overrides]), world_size=4, check_files=False)

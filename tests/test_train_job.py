@@ -331,9 +331,10 @@ def test_expert_parallelism_folds_over_the_context_parallel_ranks(tmp_path: Path
 
 def test_commutated_context_parallelism_in_the_sliced_pipeline_matches_it(tmp_path: Path) -> None:
     """configs/debug_cp_sliced_pp.toml on 4 ranks (every slice split over 2 cp ranks,
-    SlimPipe's commutated attention over the chunked KV cache) against the same pipeline
-    without cp on 2 ranks: the same losses up to float32 rounding; its step-2 checkpoint
-    resumed by the pipeline without cp gives them too."""
+    SlimPipe's commutated attention over the chunked KV cache, context exchange between the
+    pipeline ranks) against the same pipeline without either on 2 ranks: the same losses up to
+    float32 rounding; its step-2 checkpoint resumed by the pipeline without cp gives them
+    too."""
     pipeline = _train(tmp_path / "pp", *LAYOUT_RUN, *NO_CHECKPOINTS, config=SLICED_PP_CONFIG)
     context_parallel = _train(
         tmp_path / "pp_cp", *LAYOUT_FIRST_HALF, nproc=4, config=CP_SLICED_PP_CONFIG
