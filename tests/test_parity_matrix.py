@@ -6,8 +6,8 @@ float64 (relative difference <= 1e-10): FSDP, HSDP, torch's 1F1B, Interleaved1F1
 (without data parallelism: the plan refuses its I/W actions on FSDP stages), SlimPipe's sliced
 schedule (v = 1 and 2), sliced with context exchange, with context parallelism (SlimPipe's
 commutated attention over the chunked KV cache, KV passing, and the choice per slice, on 2
-pipeline x 2 cp ranks), with tensor parallelism (sequence and loss parallel, 2 pipeline x 2 tp
-ranks, the MoE's experts split over the tp ranks' tokens; models with a tensor-parallel plan),
+pipeline x 2 cp ranks, and with context exchange on top), with tensor parallelism (sequence and
+loss parallel, 2 pipeline x 2 tp ranks, the MoE's experts split over the tp ranks' tokens),
 with vocabulary parallelism, expert parallelism alone and inside the sliced pipeline, everything
 at once, and tied embeddings across stages (on two ranks, as
 vocabulary shards, and on one rank of a V), and a MoE upcycled from a dense Hugging Face
@@ -93,8 +93,6 @@ class Row:
     """Route each token to every expert: bf16 rounding flips top-k choices of near-tied
     experts, a discrete change no tolerance describes; with all experts chosen the routing is
     continuous and bf16 error stays small."""
-    tensor_parallel: bool = False
-    """Needs the family's tensor-parallel plan (the custom example has none)."""
     upcycled: bool = False
     """The MoE is upcycled from a dense Llama checkpoint (`DENSE_LLAMA`, `UPCYCLE`), every
     rank filling its stages' local blocks from the file; Llama-MoE only."""
@@ -195,7 +193,6 @@ ROWS_ = [
         "sliced + TP (sequence and loss parallel) + EP",
         pipeline=SLICED | {"dp_shard": 1, "tp": 2, "ep": 2},
         ablation="routers_outside_tp",
-        tensor_parallel=True,
     ),
     Row(
         "upcycled x sliced + EP",
@@ -207,14 +204,8 @@ ROWS_ = [
 
 
 def _rows(model: str) -> list[Row]:
-    """The rows `model` runs: upcycling starts from a dense Llama, so only Llama-MoE has it;
-    tensor parallelism needs a plan, which the custom example does not give."""
-    planned = get_model_spec(model).tensor_parallel_plan is not None
-    return [
-        row
-        for row in ROWS_
-        if (not row.upcycled or model == "llama_moe") and (not row.tensor_parallel or planned)
-    ]
+    """The rows `model` runs: upcycling starts from a dense Llama, so only Llama-MoE has it."""
+    return [row for row in ROWS_ if not row.upcycled or model == "llama_moe"]
 
 
 def _batch(model: str) -> Any:

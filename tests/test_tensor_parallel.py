@@ -155,6 +155,6 @@ def test_tensor_parallel_shape_rules_name_the_fix() -> None:
     check_tensor_parallel(llama, shape, 2, moe=True)
     with pytest.raises(ValueError, match="mixture-of-experts model needs sequence_parallel"):
         check_tensor_parallel(llama, shape, 2, moe=True, sequence_parallel=False)
-    custom = get_model_spec(custom_model.TINY_GPT.name)
+    unplanned = dataclasses.replace(custom_model.TINY_GPT, tensor_parallel_plan=None)
     with pytest.raises(ValueError, match="has no tensor-parallel plan"):
-        check_tensor_parallel(custom, shape, 2, moe=False)
+        check_tensor_parallel(unplanned, shape, 2, moe=False)

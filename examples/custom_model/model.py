@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
 from pipekit.attention.context import AttentionContext, attend
+from pipekit.distributed.tensor_parallel_styles import gathered_input, routes_own_tokens, row_split
 from pipekit.layers.init import seeded, trunc_normal_
 from pipekit.models import ModelShape, ModelSpec, ModelStructure, register_model
 from pipekit.moe import MoE, MoEArgs
@@ -32,15 +34,16 @@ class Attention(nn.Module):
 
     def __init__(self, args: TinyGPTArgs) -> None:
         super().__init__()
-        self.heads = args.n_heads
+        self.head_dim = args.dim // args.n_heads
         self.qkv, self.proj = nn.Linear(args.dim, 3 * args.dim), nn.Linear(args.dim, args.dim)
 
     def forward(self, x_BSD: Tensor, layer_id: str, context: AttentionContext | None) -> Tensor:
-        q, k, v = (
-            t.unflatten(-1, (self.heads, -1)).transpose(1, 2)  # [B, H, S, head_dim]
-            for t in self.qkv(x_BSD).chunk(3, dim=-1)
-        )
-        out_BHSK = attend(context, layer_id, q, k, v, q.shape[-1] ** -0.5)
+        # The fused projection's rows hold each head's q, k and v together (Megatron's layout),
+        # so a tensor-parallel split by rows gives each rank whole heads; the head count comes
+        # from what the projection returns (all heads, or a rank's).
+        qkv_BSH3K = self.qkv(x_BSD).unflatten(-1, (-1, 3, self.head_dim))
+        q, k, v = (qkv_BSH3K[..., part, :].transpose(1, 2) for part in range(3))  # [B, H, S, K]
+        out_BHSK = attend(context, layer_id, q, k, v, self.head_dim**-0.5)
         return self.proj(out_BHSK.transpose(1, 2).flatten(2))
 
 
@@ -139,7 +142,38 @@ def _shape(args: TinyGPTArgs) -> ModelShape:
     return ModelShape(*sizes, tied_embeddings=args.tie_embeddings, max_seq_len=args.max_seq_len)
 
 
+def tensor_parallel_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Megatron's split of one block, from pipekit's pieces: the fused qkv and the first MLP
+    layer by output rows, the projections back to the residual stream by input columns; with
+    sequence parallelism the LayerNorms run on a rank's tokens and the MoE routes them. pipekit
+    shards the residual stream before the first block (after `wpe` is added) and gathers it
+    before `lm_head`."""
+    plan: dict[str, ParallelStyle] = {
+        "attn": gathered_input(sequence_parallel, other_args=2),  # (x, layer_id, context)
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": row_split(sequence_parallel),
+    }
+    if sequence_parallel:
+        plan |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel()}
+    if not isinstance(block.get_submodule("mlp"), MoE):
+        plan |= {
+            "mlp": gathered_input(sequence_parallel),
+            "mlp.0": ColwiseParallel(),
+            "mlp.2": row_split(sequence_parallel),
+        }
+    elif sequence_parallel:  # pipekit refuses tp with an MoE but without sequence parallelism
+        plan["mlp"] = routes_own_tokens()
+    return plan
+
+
 STRUCTURE = ModelStructure("blocks", "wte", "lm_head", ("wpe",), ("ln_f",))
 """Blocks, token embedding, vocabulary head, then what else stage 0 and the last stage hold."""
-TINY_GPT = ModelSpec("tiny_gpt", {"debug": TinyGPTArgs()}, TinyGPT, _shape, STRUCTURE)
+TINY_GPT = ModelSpec(
+    "tiny_gpt",
+    {"debug": TinyGPTArgs()},
+    TinyGPT,
+    _shape,
+    STRUCTURE,
+    tensor_parallel_plan=tensor_parallel_plan,
+)
 register_model(TINY_GPT)

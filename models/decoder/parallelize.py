@@ -21,16 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
+from pipekit.distributed.tensor_parallel_styles import (
+    gathered_input,
+    routes_own_tokens,
+    row_split,
+)
 from pipekit.layers.swiglu import FeedForward
 from pipekit.moe import MoE
 
@@ -41,42 +38,27 @@ def decoder_tensor_parallel_plan(
     block: nn.Module, sequence_parallel: bool
 ) -> Mapping[str, ParallelStyle]:
     """The plan of one `TransformerBlock`: attention always, the FFN if it is dense (an MoE
-    layer is left to expert parallelism).
-
-    The attention's and the FFN's inputs become a replicated DTensor once, before their
-    column-split projections (gathered from the rank's tokens under sequence parallelism): the
-    projections' input gradients then add up as partial sums, and one reduce-scatter (or one
-    all-reduce) per layer sums them over the ranks, not one per projection."""
-    residual = Shard(1) if sequence_parallel else Replicate()
-    row_split = RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
+    layer is left to expert parallelism). Inputs are gathered once per attention and FFN
+    (`pipekit.distributed.tensor_parallel_styles`)."""
+    back_to_residual = row_split(sequence_parallel)
     plan: dict[str, ParallelStyle] = {
         # attention(x, rope_cos_sin, layer_id, context): only x is a DTensor
-        "attention": PrepareModuleInput(
-            input_layouts=(residual, None, None, None),
-            desired_input_layouts=(Replicate(), None, None, None),
-        ),
+        "attention": gathered_input(sequence_parallel, other_args=3),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
-        "attention.wo": row_split,
+        "attention.wo": back_to_residual,
     }
     if sequence_parallel:
         plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
     feed_forward = block.get_submodule("feed_forward")
     if isinstance(feed_forward, MoE) and sequence_parallel:
-        # expert-TP 1: each rank routes its own tokens; experts and router are data parallel
-        # over the ranks that hold tokens (tp included), by expert parallelism and FSDP2
-        plan["feed_forward"] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
-            output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False,
-        )  # fmt: skip
+        plan["feed_forward"] = routes_own_tokens()
     if isinstance(feed_forward, FeedForward):
         plan |= {
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(residual,), desired_input_layouts=(Replicate(),)
-            ),
+            "feed_forward": gathered_input(sequence_parallel),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": row_split,
+            "feed_forward.w2": back_to_residual,
         }
     return plan

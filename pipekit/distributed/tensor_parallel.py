@@ -11,8 +11,9 @@ before any process group exists.
 
 Sequence parallelism (on by default, as Megatron pairs it with tensor parallelism) keeps the
 residual stream between blocks sharded on the sequence, a DTensor `Shard(1)` over the tp ranks:
-the embedding's output is split into the ranks' tokens (no communication; its gradient is
-all-gathered), the modules after the blocks (the final norm, position-wise) run on a rank's
+the first block's input is split into the ranks' tokens (no communication; its gradient is
+all-gathered), so whatever a model adds to its embedding (learned positions, a scale) runs
+whole as without tp; the modules after the blocks (the final norm, position-wise) run on a rank's
 tokens, and the output layer's input is all-gathered. A pipeline stage without the embedding
 takes a rank's tokens `[B, S/tp, D]` and one without the output layer returns them: the
 messages between stages shrink by tp.
@@ -34,7 +35,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleOutput,
     SequenceParallel,
     parallelize_module,
 )
@@ -114,19 +114,39 @@ def _residual_stream_plan(
         for name in structure.after_blocks
         if getattr(model, name, None) is not None
     }
-    if getattr(model, structure.embedding, None) is not None:
-        plan[structure.embedding] = PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
-        )
-    else:  # a later pipeline stage: its input is this rank's tokens
+    blocks = structure.blocks_of(model)
+    if getattr(model, structure.embedding, None) is None:  # its input is this rank's tokens
         model.register_forward_pre_hook(_SequenceShardInput(tp_mesh))
+    elif blocks:  # whatever the model adds to the embedding (positions...) is added whole
+        blocks[0].register_forward_pre_hook(_ShardSequence(tp_mesh))
     if getattr(model, structure.output, None) is not None:
         plan[structure.output] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         )
     else:  # an earlier pipeline stage: it sends this rank's tokens
-        model.register_forward_hook(_local_output)
+        model.register_forward_hook(_RankTokens(tp_mesh))
     return plan
+
+
+def _shard_sequence(hidden: Tensor, tp_mesh: DeviceMesh) -> DTensor:
+    """Whole hidden states, the same on every tp rank, as the DTensor sharded on the sequence
+    (each rank keeps its run of tokens; the backward all-gathers the gradient)."""
+    whole = DTensor.from_local(hidden, tp_mesh, [Replicate()], run_check=False)
+    return whole.redistribute(tp_mesh, [Shard(1)])
+
+
+class _ShardSequence:
+    """Forward pre-hook of the first stage's first block: the residual stream, whole until
+    then (embedding, learned positions, any scaling), enters the blocks sharded."""
+
+    def __init__(self, tp_mesh: DeviceMesh) -> None:
+        self.tp_mesh = tp_mesh
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0]
+        if isinstance(hidden, DTensor):
+            return args
+        return (_shard_sequence(hidden, self.tp_mesh), *args[1:])
 
 
 class _SequenceShardInput:
@@ -144,6 +164,14 @@ class _SequenceShardInput:
         return (sharded, *args[1:])
 
 
-def _local_output(module: nn.Module, args: Any, output: Tensor) -> Tensor:
-    """Forward hook: a stage sends its rank's tokens, a plain tensor."""
-    return output.to_local() if isinstance(output, DTensor) else output
+class _RankTokens:
+    """Forward hook: a stage sends its rank's tokens, a plain tensor (from a stage without
+    blocks, its rank's run of the whole embedding)."""
+
+    def __init__(self, tp_mesh: DeviceMesh) -> None:
+        self.tp_mesh = tp_mesh
+
+    def __call__(self, module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        if not isinstance(output, DTensor):
+            output = _shard_sequence(output, self.tp_mesh)
+        return output.to_local()
