@@ -16,8 +16,10 @@ from torch.distributed._composable import checkpoint as _composable_checkpoint
 from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 
 __all__ = [
+    "StridedShard",
     "checkpoint_module_activations",
     "concatenate_meshes",
     "cpu_flash_attention_backward",

@@ -139,7 +139,7 @@ def data_parallel_model(
     if tp > 1:
         apply_tensor_parallel(
             model, mesh["tp"], tp_plan or spec, sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel,
+            loss_parallel=loss_parallel, tied_embeddings=spec.shape(args).tied_embeddings,
         )  # fmt: skip
     experts_mesh = routers_mesh = None
     tp_moe = tp > 1 and getattr(args, "moe", None) is not None
@@ -255,7 +255,7 @@ def pipeline_step(
     return runner_step(
         runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group, context=context,
         sequence_group=dims.mesh("cp_tp").get_group() if tp > 1 else None,
-        loss_parallel=tp > 1 and not spec.shape(args).tied_embeddings,
+        loss_parallel=tp > 1,
     )  # fmt: skip
 
 
@@ -300,7 +300,7 @@ def pipeline_layout(
     if ep > 1 or tp_moe:
         experts = expert_mesh("cpu", token_ranks, ep, pipeline_ranks=dims.pp)
     routers_mesh = flatten_mesh(experts, "ep_tokens") if tp_moe and routers else None
-    loss_parallel = tp > 1 and not spec.shape(args).tied_embeddings
+    loss_parallel = tp > 1
 
     precision = {"param_dtype": compute_dtype or dtype, "reduce_dtype": dtype}
     if compute_dtype is not None and dp_shard == 1:
@@ -308,7 +308,10 @@ def pipeline_layout(
 
     def parallelize(module: nn.Module) -> None:
         if tp > 1:
-            apply_tensor_parallel(module, mesh["tp"], spec, loss_parallel=loss_parallel)
+            apply_tensor_parallel(
+                module, mesh["tp"], spec, loss_parallel=loss_parallel,
+                tied_embeddings=spec.shape(args).tied_embeddings,
+            )  # fmt: skip
         if ep > 1:
             assert experts is not None
             apply_expert_parallel(module, experts["ep"])

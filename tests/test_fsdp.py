@@ -161,3 +161,24 @@ def test_clip_grad_norm_counts_duplicates_once_and_still_clips_them():
     torch.testing.assert_close(norm, torch.tensor((4 * 9.0 + 4) ** 0.5))
     torch.testing.assert_close(copy.grad, param.grad)
     torch.testing.assert_close(param.grad, torch.full((4,), 3.0 / norm.item()))
+
+
+def _tensor_split_norm(rank: int, world: int) -> tuple[float, float]:
+    """Each rank: its own rows of a split parameter (rank + 1 everywhere), and a replicated one;
+    the norm with the split declared, and without (the ablation)."""
+    rows, shared = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))
+    norms = []
+    for split in (True, False):
+        rows.grad, shared.grad = torch.full((3,), rank + 1.0), torch.full((2,), 2.0)
+        declared = ([rows], dist.group.WORLD) if split else None
+        norms.append(float(clip_grad_norm_([rows, shared], 1e9, tensor_split=declared)))
+    return norms[0], norms[1]
+
+
+def test_clip_grad_norm_adds_tensor_split_parameters_over_their_group():
+    """Vocabulary rows split over tp ranks count once per rank's rows; replicated parameters
+    once. Undeclared, each rank would see only its own rows (ranks disagreeing)."""
+    per_rank = run_on_ranks(_tensor_split_norm, 2, timeout=60)
+    want = (3 * 1.0 + 3 * 4.0 + 2 * 4.0) ** 0.5
+    assert all(abs(split - want) < 1e-6 for split, _ in per_rank)
+    assert abs(per_rank[0][1] - per_rank[1][1]) > 0.5  # undeclared: each rank its own rows

@@ -57,6 +57,7 @@ from pipekit.moe import MoEArgs
 from pipekit.moe.expert_parallel import expert_parameters
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
+from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
 from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
 
 WORLD, ROWS, SEQ_LEN, MICROBATCHES, SLICES = 4, 8, 16, 2, 4
@@ -189,10 +190,17 @@ ROWS_ = [
         pipeline=SLICED | {"dp_shard": 1, "cp": 2, "context_exchange": True},
         ablation="drop_lent_kv_grads",
     ),
-    Row(  # 2 pipeline x 2 tp ranks; the experts split over the tp ranks' tokens
-        "sliced + TP (sequence and loss parallel) + EP",
+    Row(  # 2 pipeline x 2 tp ranks; the experts split over the tp ranks' tokens; the tied
+        # embedding and output split alike over tp, their copies summed over the pipeline
+        "tied x sliced + TP (sequence and loss parallel) + EP",
         pipeline=SLICED | {"dp_shard": 1, "tp": 2, "ep": 2},
         ablation="routers_outside_tp",
+        tied=True,
+    ),
+    Row(  # the vocabulary rows split over the 2 pipeline x 2 tp ranks, sequence parallel
+        "sliced + vocabulary parallel + TP + EP",
+        pipeline=SLICED | {"dp_shard": 1, "tp": 2, "ep": 2, "vocab_parallel": True},
+        ablation="tensor_ranks_not_summed",
     ),
     Row(
         "upcycled x sliced + EP",
@@ -267,6 +275,12 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
             assert vocab is not None
             if not runner.has_last_stage:
                 vocab.output.register_full_backward_hook(lambda _, grad, __: (grad[0] * 0,))
+        elif name == "tensor_ranks_not_summed":  # the last stage's hidden-state gradients
+            # from a tp rank's own vocabulary rows only (its tokens' share, as if summed)
+            vocab = runner.extension("vocab_parallel")
+            assert isinstance(vocab, PipelineVocabParallel) and vocab.tensor_group is not None
+            ranks, rank = vocab.tensor_group.size(), vocab.tensor_group.rank()
+            vocab._sum_over_tensor_ranks = lambda partial: partial.chunk(ranks, 1)[rank].clone()
         elif name == "aux_statistics_per_slice":
             for stage in runner.stages:
                 stage._sequence = lambda *_: nullcontext()

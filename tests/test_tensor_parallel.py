@@ -1,17 +1,19 @@
 """Tensor parallelism against one process: Llama and Qwen3 on 4 ranks (FSDP2 over 2 data ranks
 x 2 tensor-parallel ranks), without sequence parallelism, and with it and loss parallelism
 (the output layer split by vocabulary, the cross-entropy on the shards), float64, loss and
-every gradient; Llama-MoE with ep 1 and 2 over the tp ranks. Ablations that must fail: query
+every gradient; tied embeddings with loss parallelism (embedding and output split alike, one
+weight); Llama-MoE with ep 1 and 2 over the tp ranks. Ablations that must fail: query
 heads split while keys and values stay whole; norm weights left plain where a rank sees part
 of their input (Qwen3's QK-norms over a rank's heads, the sequence-parallel norms over a
 rank's tokens), so their gradients stay partial per rank; routers left out of the units over
-the tp ranks. The shape rules before launch."""
+the tp ranks; the tied modules left with a weight each. The shape rules before launch."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
+from unittest import mock
 
 import pytest
 from distributed_helpers import run_on_ranks
@@ -45,6 +47,7 @@ MODELS = {
     "qwen3": Qwen3Args(**{**vars(TINY_LLAMA), "head_dim": 8}),
 }
 ROWS, SEQ_LEN = 8, 16
+TIED_LLAMA = dataclasses.replace(TINY_LLAMA, tie_embeddings=True)
 MOE_LLAMA = LlamaMoEArgs(
     **vars(TINY_LLAMA), moe=MoEArgs(num_experts=4, top_k=2, z_loss_weight=0.001), moe_every=1
 )
@@ -90,6 +93,15 @@ def _runs(rank: int, world: int) -> dict[str, Result]:
             )  # fmt: skip
     llama = get_model_spec("llama")
     batch = parity_batch(TINY_LLAMA.vocab_size, ROWS, SEQ_LEN)
+    # tied embeddings under loss parallelism: embedding and output split alike, one weight;
+    # ablation: the two modules keep the DTensors parallelize_module gave each
+    results["llama tied"] = data_parallel_step(
+        rank, world, llama, TIED_LLAMA, batch, tp=2, loss_parallel=True
+    )
+    with mock.patch("pipekit.distributed.tensor_parallel._keep_tie", lambda *_: None):
+        results["tie lost"] = data_parallel_step(
+            rank, world, llama, TIED_LLAMA, batch, tp=2, loss_parallel=True
+        )
     for ablation in (_kv_heads_whole, _norms_on_own_tokens):
         ablated = dataclasses.replace(llama, tensor_parallel_plan=ablation)
         results[ablation.__name__] = data_parallel_step(
@@ -128,6 +140,14 @@ def test_fsdp_with_tensor_and_sequence_parallelism_matches_one_process_fp64() ->
             row = f"{name} sp={sequence_parallel}"
             difference = max_relative_difference([r[row] for r in per_rank], references[name])
             assert difference <= 1e-10, (row, difference)
+    batch = parity_batch(TINY_LLAMA.vocab_size, ROWS, SEQ_LEN)
+    references["tied"] = reference_step(get_model_spec("llama"), TIED_LLAMA, batch, microbatches=2)
+    tied = max_relative_difference([r["llama tied"] for r in per_rank], references["tied"])
+    assert tied <= 1e-10, tied
+    # the lost tie reports output.weight apart, each weight with its module's gradient only
+    untied = [(loss, {n: g for n, g in grads.items() if n != "output.weight"})
+              for loss, grads in (r["tie lost"] for r in per_rank)]  # fmt: skip
+    assert max_relative_difference(untied, references["tied"]) > 1e-3
     moe_batch = parity_batch(MOE_LLAMA.vocab_size, ROWS, SEQ_LEN)
     references["moe"] = reference_step(
         get_model_spec("llama_moe"), MOE_LLAMA, moe_batch, microbatches=2

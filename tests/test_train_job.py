@@ -424,9 +424,11 @@ def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path
 
 def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
     """configs/debug_vocab_parallel_pp.toml against debug_sliced_pp.toml (the same pipeline with
-    the embedding and output layer on one rank each): equal losses step for step. Its step-2
-    checkpoint (vocabulary rows saved as DTensor shards) resumes exactly, and also loads into the
-    pipeline without vocabulary parallelism, which then continues with that run's losses."""
+    the embedding and output layer on one rank each): equal losses step for step, also on 8
+    ranks with tp 2 and FSDP2 over 2 data ranks (rows over pp x tp). Its step-2 checkpoint
+    (vocabulary rows saved as DTensor shards) resumes exactly, and also loads into the pipeline
+    without vocabulary parallelism, which then continues with that run's losses; so does the
+    8-rank run's (strided shards: FSDP2 splits rows that tp split first)."""
     short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
 
     def run(name: str, config: str) -> dict[int, float]:
@@ -436,9 +438,21 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
     plain = run("plain", SLICED_PP_CONFIG)
     assert sorted(vocab_parallel) == [1, 2, 3, 4]
     assert vocab_parallel == pytest.approx(plain, rel=1e-5)
-    for name, config in (("resumed", VOCAB_PP_CONFIG), ("resharded", SLICED_PP_CONFIG)):
+    # 8 ranks, pp 2 x dp_shard 2 x tp 2: rows split over pp x tp, FSDP2 over dp inside each
+    layout = ("--parallelism.tp", "2", "--parallelism.dp_shard", "2",
+              "--parallelism.microbatches", "2")  # fmt: skip
+    first_two = (*short[:-4], "--training.steps", "2", "--checkpoint.interval", "2")
+    tensor_parallel = _train(
+        tmp_path / "tensor_parallel", *first_two, *layout, nproc=8, config=VOCAB_PP_CONFIG
+    )
+    assert tensor_parallel == pytest.approx({step: plain[step] for step in (1, 2)}, rel=1e-5)
+    for name, source, config in (
+        ("resumed", "vocab_parallel", VOCAB_PP_CONFIG),
+        ("resharded", "vocab_parallel", SLICED_PP_CONFIG),
+        ("from_tensor_parallel", "tensor_parallel", SLICED_PP_CONFIG),
+    ):
         step_2 = tmp_path / name / "checkpoints" / "step-2"
-        shutil.copytree(tmp_path / "vocab_parallel" / "checkpoints" / "step-2", step_2)
+        shutil.copytree(tmp_path / source / "checkpoints" / "step-2", step_2)
         losses = run(name, config)
         assert sorted(losses) == [3, 4]
         reference = vocab_parallel if name == "resumed" else plain

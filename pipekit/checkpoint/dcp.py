@@ -42,8 +42,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement
 from torch.optim import Optimizer
 
+from pipekit._torch_private import StridedShard
 from pipekit.checkpoint._durable import fsync_path
 from pipekit.checkpoint.safetensors_io import CheckpointError
 
@@ -87,12 +89,12 @@ class ModelOptimizerState:
     `get_state_dict`/`set_state_dict` give FSDP2 models their DTensor shards, so DCP writes and
     reads only this rank's part, and the names survive wrapping and resharding.
 
-    `row_shards` maps parameters of which each rank along the `row_dim` dim of the world `mesh`
-    holds only some rows, cut as DTensor's `Shard(0)` cuts them (vocabulary parallelism across
-    the pipeline ranks), whether plain or sharded further by FSDP, to the rows of the full
-    matrix. They and their optimizer state are saved as DTensors of the full matrix over
-    `row_dim` (and the FSDP dims), so the ranks' rows are kept apart and a run with another split
-    can load them.
+    `row_shards` maps parameters of which each rank along the `row_dims` of the world `mesh`
+    holds only some rows, cut as DTensor's `Shard(0)` cuts them on each dim in mesh order
+    (vocabulary parallelism across the pipeline ranks, and their tp ranks), whether plain or
+    sharded further by FSDP, to the rows of the full matrix. They and their optimizer state are
+    saved as DTensors of the full matrix over `row_dims` (and the FSDP dims), so the ranks' rows
+    are kept apart and a run with another split can load them.
     """
 
     def __init__(
@@ -101,13 +103,13 @@ class ModelOptimizerState:
         optimizer: Optimizer,
         row_shards: Mapping[str, int] | None = None,
         mesh: DeviceMesh | None = None,
-        row_dim: str = "pp",
+        row_dims: tuple[str, ...] = ("pp",),
     ) -> None:
         if row_shards and mesh is None:
-            raise ValueError("row_shards needs the world mesh that holds their row dim")
+            raise ValueError("row_shards needs the world mesh that holds their row dims")
         self.model = model
         self.optimizer = optimizer
-        self.row_shards, self.mesh, self.row_dim = dict(row_shards or {}), mesh, row_dim
+        self.row_shards, self.mesh, self.row_dims = dict(row_shards or {}), mesh, row_dims
         self._rows: dict[tuple[str, str], Tensor] = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -149,16 +151,28 @@ class ModelOptimizerState:
         """This rank's rows (plain, or an FSDP shard of them) as a DTensor of the full matrix,
         sharing their storage."""
         assert self.mesh is not None  # checked in __init__
-        if isinstance(rows, DTensor):
-            dims = (self.row_dim, *(rows.device_mesh.mesh_dim_names or ()))
-            placements, local = [Shard(0), *rows.placements], rows.to_local()
-        else:
-            dims, placements, local = (self.row_dim,), [Shard(0)], rows
+        outer = tuple(dim for dim in self.row_dims if dim != "tp")
+        inner = ("tp",) if "tp" in self.row_dims else ()
+        dims, placements, local = (*outer, *inner), [Shard(0)] * len(self.row_dims), rows
+        if isinstance(rows, DTensor):  # FSDP's shards of the rank's rows, over its data dims
+            split = self.mesh["tp"].size() if inner else 1
+            data = [_strided(placement, split) for placement in rows.placements]
+            dims = (*outer, *(rows.device_mesh.mesh_dim_names or ()), *inner)
+            placements = [*([Shard(0)] * len(outer)), *data, *([Shard(0)] * len(inner))]
+            local = rows.to_local()
         shape = torch.Size([full_rows, *rows.shape[1:]])
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(
             local, self.mesh[dims], placements, run_check=False, shape=shape, stride=stride
         )
+
+
+def _strided(placement: Placement, split: int) -> Placement:
+    """A data dim's `Shard(0)` of rows that tp (a later mesh dim) split first: a strided shard,
+    as FSDP2 places its shards over tensor parallelism's."""
+    if split == 1 or not isinstance(placement, Shard):
+        return placement
+    return StridedShard(0, split_factor=split)
 
 
 class CheckpointManager:

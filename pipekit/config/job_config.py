@@ -190,11 +190,11 @@ class ParallelismConfig:
     sequence_parallel: bool = True
     """With tp > 1: keep the residual stream, norms and the messages between pipeline stages
     split over the tp ranks by sequence (Megatron's sequence parallelism); false keeps them
-    whole on every tp rank (dense models only). Does not combine with vocab_parallel yet."""
+    whole on every tp rank (dense models only)."""
     loss_parallel: bool = True
     """With tp > 1: split the output layer over the tp ranks by vocabulary and compute the
-    cross-entropy on the shards (torch's loss_parallel), so no rank holds whole logits; models
-    with tied embeddings keep the output layer whole."""
+    cross-entropy on the shards (torch's loss_parallel), so no rank holds whole logits; a tied
+    embedding is split alike (false keeps both whole)."""
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel degree p (the `pp` mesh dim)."""
     pipeline_schedule: str = "sliced"

@@ -29,6 +29,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     pipeline_group: dist.ProcessGroup | None = None,
     duplicates: Iterable[Tensor] = (),
+    tensor_split: tuple[Iterable[Tensor], dist.ProcessGroup] | None = None,
 ) -> Tensor:
     """Scale gradients in place so their global `norm_type`-norm is at most `max_norm`.
 
@@ -36,16 +37,19 @@ def clip_grad_norm_(
     Parameters without a gradient are skipped. With `pipeline_group`, the norm also covers the
     parameters of the other pipeline ranks (every rank of the group must call this).
     `duplicates` (copies of a tied weight counted elsewhere) are clipped but not counted.
+    `tensor_split`: plain parameters of which the ranks of the group hold disjoint parts
+    (vocabulary rows over tp), whose norm is combined over it (every rank must call this).
     """
     with_grads = [param for param in parameters if param.grad is not None]
     skipped = {id(param) for param in duplicates}
-    counted = _by_mesh(param for param in with_grads if id(param) not in skipped)
-    group_norms = []
-    for group in counted.values():
-        norm = torch.nn.utils.get_total_norm(
-            [param.grad for param in group], norm_type, error_if_nonfinite
-        )
-        group_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    split_params, split_group = tensor_split if tensor_split is not None else ((), None)
+    split_ids = {id(param) for param in split_params}
+    counted = _by_mesh(param for param in with_grads if id(param) not in skipped | split_ids)
+    group_norms = [_norm(group, norm_type, error_if_nonfinite) for group in counted.values()]
+    if split_group is not None:
+        split = [p for p in with_grads if id(p) in split_ids and id(p) not in skipped]
+        norm = _norm(split, norm_type, error_if_nonfinite) if split else torch.tensor(0.0)
+        group_norms.append(_combine_across(norm, norm_type, split_group))
     if group_norms:
         device = group_norms[0].device
         total_norm = torch.linalg.vector_norm(
@@ -58,6 +62,13 @@ def clip_grad_norm_(
     for group in _by_mesh(with_grads).values():  # foreach ops cannot mix meshes
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
     return total_norm
+
+
+def _norm(params: list[Tensor], norm_type: float, error_if_nonfinite: bool) -> Tensor:
+    """The norm of the gradients of `params` (all on one mesh), reduced over that mesh."""
+    grads = [param.grad for param in params if param.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def _by_mesh(parameters: Iterable[Tensor]) -> dict[object, list[Tensor]]:

@@ -8,6 +8,7 @@ no launcher.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,13 +93,22 @@ def init_distributed(timeout_s: float) -> DistributedInfo:
     return DistributedInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def new_group_along(mesh: DeviceMesh, dim: str) -> dist.ProcessGroup:
-    """A new process group over the ranks that share `dim` of `mesh` with this rank, separate
-    from the mesh's own (e.g. collectives that must not queue behind the pipeline's sends: an
-    NCCL send blocks its communicator until received). Every rank of the mesh must call it."""
-    group = new_group_between(mesh, dim, range(mesh.mesh.shape[_dim_index(mesh, dim)]))
-    assert group is not None  # this rank is in the mesh
-    return group
+def new_group_along(mesh: DeviceMesh, *dims: str) -> dist.ProcessGroup:
+    """A new process group over the ranks of `mesh` that differ from this rank only along
+    `dims` (ranked in mesh order), separate from the mesh's own (e.g. collectives that must not
+    queue behind the pipeline's sends: an NCCL send blocks its communicator until received).
+    Every rank of the mesh must call it."""
+    indices = [_dim_index(mesh, dim) for dim in dims]
+    others = [index for index in range(mesh.ndim) if index not in indices]
+    size = math.prod(mesh.mesh.shape[index] for index in indices)
+    rows = mesh.mesh.permute(*others, *sorted(indices)).reshape(-1, size).tolist()
+    mine = None
+    for row in rows:  # every rank creates every group, in the same order
+        group = dist.new_group(sorted(row))
+        if dist.get_rank() in row:
+            mine = group
+    assert mine is not None  # this rank is in the mesh
+    return mine
 
 
 def new_group_between(

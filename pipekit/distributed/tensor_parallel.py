@@ -18,15 +18,17 @@ tokens, and the output layer's input is all-gathered. A pipeline stage without t
 takes a rank's tokens `[B, S/tp, D]` and one without the output layer returns them: the
 messages between stages shrink by tp.
 
-Loss parallelism (on by default for untied models) splits the output layer by vocabulary rows
+The embedding is split by vocabulary rows (`RowwiseParallel`, partial embeddings all-reduced).
+Loss parallelism (on by default) splits the output layer by vocabulary rows too
 (`ColwiseParallel`) and leaves its logits sharded on the vocabulary: the cross-entropy runs on
 the shards under torch's `loss_parallel()` (a max and a sum all-reduced per token), so no rank
 holds a whole `[B, S, V]` logits tensor. The trainer runs forward and backward inside that
-context.
+context. Tied embeddings are split alike under loss parallelism, and whole without.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from torch import Tensor, nn
@@ -35,11 +37,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
-from pipekit.models.spec import ModelShape, ModelSpec
+from pipekit.models.spec import ModelShape, ModelSpec, ModelStructure
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel"]
 
@@ -78,27 +81,74 @@ def apply_tensor_parallel(
     *,
     sequence_parallel: bool = True,
     loss_parallel: bool = False,
+    tied_embeddings: bool = False,
 ) -> nn.Module:
     """Split every transformer block of `model` (the whole model or a pipeline stage) over
     `tp_mesh` by the family's plan, the residual stream over the sequence too with
-    `sequence_parallel`, and the output layer by vocabulary rows with `loss_parallel` (its
-    logits a DTensor sharded on the vocabulary, for `torch.distributed.tensor.parallel.
-    loss_parallel`; not for tied embeddings); returns `model` (changed in place)."""
+    `sequence_parallel`, the embedding by vocabulary rows, and the output layer too with
+    `loss_parallel` (its logits a DTensor sharded on the vocabulary, for `torch.distributed.
+    tensor.parallel.loss_parallel`). `tied_embeddings` (the model's, even where a pipeline
+    stage holds one copy): both split with `loss_parallel`, both whole without, and a tie
+    within `model` kept. Returns `model` (changed in place)."""
     assert spec.tensor_parallel_plan is not None  # check_tensor_parallel
     for block in spec.structure.blocks_of(model):
         plan = spec.tensor_parallel_plan(block, sequence_parallel)
         parallelize_module(block, tp_mesh, dict(plan))
     boundaries = _residual_stream_plan(model, tp_mesh, spec, sequence_parallel)
-    output = spec.structure.output
-    if loss_parallel and getattr(model, output, None) is not None:
-        boundaries[output] = ColwiseParallel(
+    embedding, output = (getattr(model, name, None) for name in spec.structure.vocabulary_modules)
+    tied = embedding is not None and output is not None and embedding.weight is output.weight
+    if embedding is not None and (loss_parallel or not tied_embeddings):
+        # each rank looks up the tokens of its rows; the partial embeddings are all-reduced
+        boundaries[spec.structure.embedding] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate()
+        )
+    if loss_parallel and output is not None:
+        boundaries[spec.structure.output] = ColwiseParallel(
             input_layouts=Shard(1) if sequence_parallel else Replicate(),
             output_layouts=Shard(-1),
             use_local_output=False,
         )
     if boundaries:
         parallelize_module(model, tp_mesh, boundaries)
+    if embedding is not None and spec.structure.embedding in boundaries:
+        embedding.register_forward_pre_hook(_GradientAsPlaced())
+    if tied:
+        assert embedding is not None and output is not None
+        _keep_tie(embedding, output)
     return model
+
+
+class _GradientAsPlaced:
+    """Forward pre-hook of a vocabulary-split embedding. DTensor's embedding backward returns
+    its weight's gradient replicated (each rank scatters its tokens' gradients into all rows);
+    this keeps the rank's rows, as the weight is placed (a local slice, no communication), so
+    optimizers, clipping and tied copies see the weight's layout and no rank keeps a whole
+    `[V, D]` gradient. The gradient hook goes on the weight the forward uses: materialization
+    and FSDP2 replace the parameter object after `apply_tensor_parallel`."""
+
+    def __init__(self) -> None:
+        self.hooked: weakref.ref | None = None
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        weight = module.weight
+        if not isinstance(weight, DTensor) or not weight.requires_grad:
+            return
+        if self.hooked is not None and self.hooked() is weight:
+            return
+        mesh, placements = weight.device_mesh, weight.placements
+
+        def as_placed(grad: DTensor) -> DTensor:
+            same = grad.placements == placements
+            return grad if same else grad.redistribute(mesh, placements)
+
+        weight.register_hook(as_placed)
+        self.hooked = weakref.ref(weight)
+
+
+def _keep_tie(embedding: nn.Module, output: nn.Module) -> None:
+    """parallelize_module gave each of the tied modules a DTensor of its own: share one again
+    (both are whole, or both split by vocabulary rows)."""
+    output.weight = embedding.weight
 
 
 def _residual_stream_plan(
@@ -115,7 +165,7 @@ def _residual_stream_plan(
         if getattr(model, name, None) is not None
     }
     blocks = structure.blocks_of(model)
-    if getattr(model, structure.embedding, None) is None:  # its input is this rank's tokens
+    if not _is_first_stage(model, structure):  # its input is this rank's tokens
         model.register_forward_pre_hook(_SequenceShardInput(tp_mesh))
     elif blocks:  # whatever the model adds to the embedding (positions...) is added whole
         blocks[0].register_forward_pre_hook(_ShardSequence(tp_mesh))
@@ -126,6 +176,15 @@ def _residual_stream_plan(
     else:  # an earlier pipeline stage: it sends this rank's tokens
         model.register_forward_hook(_RankTokens(tp_mesh))
     return plan
+
+
+def _is_first_stage(model: nn.Module, structure: ModelStructure) -> bool:
+    """Whether `model` takes the whole sequence: it holds the embedding, or the first block
+    (the first pipeline stage under vocabulary parallelism, fed whole embeddings)."""
+    if getattr(model, structure.embedding, None) is not None:
+        return True
+    blocks = getattr(model, structure.blocks, None)
+    return blocks is not None and "0" in blocks
 
 
 def _shard_sequence(hidden: Tensor, tp_mesh: DeviceMesh) -> DTensor:

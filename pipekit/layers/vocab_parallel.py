@@ -82,11 +82,14 @@ def _shard_sizes(vocab_size: int, world: int, shard_sizes: Sequence[int] | None)
     return [base + (1 if rank < extra else 0) for rank in range(world)]
 
 
-def dtensor_shard_sizes(vocab_size: int, world: int) -> list[int]:
+def dtensor_shard_sizes(vocab_size: int, world: int | Sequence[int]) -> list[int]:
     """Rows per rank as DTensor's `Shard(0)` cuts them (`torch.chunk`: `ceil(V / world)` each,
-    the last rank the rest), so a shard can be saved and resharded as a DTensor."""
-    chunk = -(-vocab_size // world)
-    sizes = [max(0, min(chunk, vocab_size - rank * chunk)) for rank in range(world)]
+    the last rank the rest), so a shard can be saved and resharded as a DTensor. `world` may
+    give several mesh dims (`(pp, tp)`): `Shard(0)` on each, in order, the ranks listed in mesh
+    order (a pipeline rank's rows split again over its tp ranks)."""
+    sizes = [vocab_size]
+    for ranks in (world,) if isinstance(world, int) else world:
+        sizes = [piece for size in sizes for piece in _chunk_sizes(size, ranks)]
     if min(sizes) < 1:
         raise ValueError(
             f"vocab_size={vocab_size} split as DTensor's Shard(0) over {world} ranks leaves "
@@ -94,6 +97,11 @@ def dtensor_shard_sizes(vocab_size: int, world: int) -> list[int]:
             "pad the vocabulary to a multiple of the group size"
         )
     return sizes
+
+
+def _chunk_sizes(rows: int, ranks: int) -> list[int]:
+    chunk = -(-rows // ranks)
+    return [max(0, min(chunk, rows - rank * chunk)) for rank in range(ranks)]
 
 
 def vocab_shard_range(

@@ -46,7 +46,7 @@ from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
 from pipekit.pipelining.runtime.stage import SlicedPipelineStage, StageShapes
 
-__all__ = ["StageSetup", "build_pipeline"]
+__all__ = ["StageSetup", "build_pipeline", "vocabulary_row_dims"]
 
 
 def _unchanged(*_: nn.Module) -> None:
@@ -160,6 +160,13 @@ def build_pipeline(
     )
 
 
+def vocabulary_row_dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The mesh dims whose ranks split the vocabulary rows under vocabulary parallelism, in
+    mesh order: the pipeline ranks, and the tp ranks of each."""
+    tensor_parallel = "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1
+    return ("pp", "tp") if tensor_parallel else ("pp",)
+
+
 def _vocab_parallel(
     plan: PipelinePlan,
     model: nn.Module,
@@ -168,13 +175,18 @@ def _vocab_parallel(
     setup: StageSetup,
     shapes: StageShapes,
 ) -> PipelineVocabParallel:
-    """This rank's vocabulary rows, filled from the unsplit model's and set on `rank_model`
-    under the model's names (checkpoints see row shards of the full matrices); the output
-    passes' collectives get a group of their own: on NCCL a pipeline send blocks its
-    communicator until received, and a pass may sit behind one."""
+    """This rank's vocabulary rows (of a split over the pipeline x tp ranks), filled from the
+    unsplit model's and set on `rank_model` under the model's names (checkpoints see row shards
+    of the full matrices); the output passes' collectives get groups of their own: on NCCL a
+    pipeline send blocks its communicator until received, and a pass may sit behind one."""
     group = new_group_along(mesh, "pp")
+    row_dims = vocabulary_row_dims(mesh)
+    rows_group = new_group_along(mesh, *row_dims)
+    row_ranks = [mesh[dim].size() for dim in row_dims]
     with setup.device:
-        embedding, output = vocab_shard_modules(plan.model.vocab_size, plan.model.dim, group)
+        embedding, output = vocab_shard_modules(
+            plan.model.vocab_size, plan.model.dim, rows_group, row_ranks
+        )
     copy_full_vocab_rows(embedding, output, setup.materialize, model, plan.structure)
     embedding_name, output_name = plan.structure.vocabulary_modules
     setattr(rank_model, embedding_name, embedding)
@@ -187,6 +199,8 @@ def _vocab_parallel(
         first_rank=plan.stage_rank(0),
         last_rank=plan.stage_rank(plan.num_stages - 1),
         group=group,
+        tensor_group=new_group_along(mesh, "tp") if "tp" in row_dims else None,
+        sequence_parallel=plan.sequence_shards > 1,
         module_names=(embedding_name, output_name),
         lockstep=plan.context_exchange,
     )

@@ -241,11 +241,6 @@ def _check_sequence_parallel(parallelism: ParallelismConfig, slice_length: int) 
             "per cp rank must split evenly over the tp ranks; choose seq_len, num_slices or cp "
             "so that seq_len / (num_slices x cp) is a multiple of tp, or sequence_parallel = false"
         )
-    if parallelism.vocab_parallel:
-        raise ValueError(
-            "sequence_parallel = true does not combine with vocab_parallel yet (the vocabulary "
-            "shards send and take whole sequences); set sequence_parallel = false"
-        )
 
 
 def _check_context_exchange(

@@ -59,9 +59,9 @@ class Job:
 
     @property
     def loss_parallel(self) -> bool:
-        """Whether the output layer is split over the tp ranks by vocabulary (untied models)."""
-        enabled = self.tensor_parallel > 1 and self.config.parallelism.loss_parallel
-        return enabled and not self.shape.tied_embeddings
+        """Whether the output layer (and a tied embedding) is split over the tp ranks by
+        vocabulary, the cross-entropy computed on the shards."""
+        return self.tensor_parallel > 1 and self.config.parallelism.loss_parallel
 
     @property
     def dense_spec(self) -> ModelSpec:
@@ -103,7 +103,7 @@ def plan_job(config: JobConfig, world_size: int | None, *, check_files: bool = T
     local_batch = config.training.global_batch_size // per_step
     pipeline = _pipeline(config, spec, args, shape, dims, local_batch) if dims.pp > 1 else None
     if config.parallelism.vocab_parallel:
-        _check_vocab_parallel(shape, dims.pp)
+        _check_vocab_parallel(shape, dims.pp, dims.tp)
     return Job(config, spec, args, shape, upcycle, dims, pipeline, local_batch)
 
 
@@ -319,8 +319,9 @@ def _pipeline(
     return plan
 
 
-def _check_vocab_parallel(shape: ModelShape, pp: int) -> None:
-    """Vocabulary parallelism needs pipeline ranks to split the vocabulary over."""
+def _check_vocab_parallel(shape: ModelShape, pp: int, tp: int) -> None:
+    """Vocabulary parallelism needs pipeline ranks to split the vocabulary over (and their tp
+    ranks split each pipeline rank's rows)."""
     from pipekit.layers.vocab_parallel import dtensor_shard_sizes
 
     if pp < 2:
@@ -329,6 +330,6 @@ def _check_vocab_parallel(shape: ModelShape, pp: int) -> None:
             "pipeline_parallel_degree >= 2 or vocab_parallel = false"
         )
     try:
-        dtensor_shard_sizes(shape.vocab_size, pp)
+        dtensor_shard_sizes(shape.vocab_size, (pp, tp))
     except ValueError as error:
         raise _error("[parallelism] vocab_parallel = true:", error) from None

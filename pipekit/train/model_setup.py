@@ -184,6 +184,7 @@ class _ModelSetup:
                 job.spec,
                 sequence_parallel=job.sequence_parallel,
                 loss_parallel=job.loss_parallel,
+                tied_embeddings=job.shape.tied_embeddings,
             )
         if job.dims is not None and job.dims.ep_enabled:
             assert self.expert_mesh is not None

@@ -39,6 +39,7 @@ from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.layers.loss import count_label_tokens, token_sum_cross_entropy
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.moe.aux_loss import aux_loss_scale
+from pipekit.pipelining.build import vocabulary_row_dims
 from pipekit.pipelining.tools.trace import record_pipeline_step
 from pipekit.train.data import build_data_loader
 from pipekit.train.job import Job
@@ -139,7 +140,11 @@ class Trainer:
         full_rows = {name: shard.rows for name, shard in row_shards.items()}
         return {
             "model_and_optimizer": ModelOptimizerState(
-                self.model, self.optimizer, row_shards=full_rows, mesh=self.mesh
+                self.model,
+                self.optimizer,
+                row_shards=full_rows,
+                mesh=self.mesh,
+                row_dims=vocabulary_row_dims(self.mesh) if self.mesh else ("pp",),
             ),
             "lr_scheduler": self.lr_scheduler,
             "data": self.data,
@@ -191,6 +196,7 @@ class Trainer:
             max_norm or math.inf,
             pipeline_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None,
             duplicates=self.pipeline.duplicate_parameters() if self.pipeline else (),
+            tensor_split=self.pipeline.tensor_split_parameters() if self.pipeline else None,
         )
         self.optimizer.step()
         self.lr_scheduler.step()

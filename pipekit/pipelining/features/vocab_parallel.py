@@ -16,6 +16,14 @@ others while its vocabulary GEMM runs. With it each pipeline rank holds the rows
   at once the backward of its shard: its weight gradient and its part of d loss / d hidden, which
   a `reduce` sums onto the last stage. The last stage's backward then starts from that gradient.
 
+With tensor parallelism the rows are split over the pipeline x tp ranks (the cross-entropy's
+statistics over all of them), and every collective above runs per tp coordinate over the
+pipeline ranks; the first and the last stage's tp ranks then sum their partial embeddings and
+hidden-state gradients over tp. The first stage takes whole embeddings, as it would take token
+ids (it shards the sequence at its first block). Under sequence parallelism the last stage's
+rank holds its tp share of the tokens: the output pass all-gathers them after the broadcast
+and reduce-scatters the gradient back.
+
 Where each rank joins an output pass is decided from the schedule (`output_passes`); the last
 stage's rank runs its part inside the last stage's loss function. The feature plugs into the
 runtime as a `PipelineExtension`: extra actions (the output passes), the loss, and the step's
@@ -55,12 +63,13 @@ __all__ = ["PipelineVocabParallel", "copy_full_vocab_rows", "vocab_shard_modules
 
 
 def vocab_shard_modules(
-    vocab_size: int, dim: int, group: dist.ProcessGroup
+    vocab_size: int, dim: int, group: dist.ProcessGroup, mesh_dims: Sequence[int] | None = None
 ) -> tuple[VocabParallelEmbedding, VocabParallelOutput]:
     """This rank's embedding and output shards for a pipeline (on the current default device,
     e.g. meta inside `torch.device("meta")`), cut as DTensor's `Shard(0)` so checkpoints save
-    them as row shards of the full matrices."""
-    sizes = dtensor_shard_sizes(vocab_size, dist.get_world_size(group))
+    them as row shards of the full matrices; `mesh_dims`: the sizes of the mesh dims `group`
+    spans, in mesh order (default: one dim)."""
+    sizes = dtensor_shard_sizes(vocab_size, mesh_dims or dist.get_world_size(group))
     embedding = VocabParallelEmbedding(vocab_size, dim, group, sizes, reduce=False)
     output = VocabParallelOutput(dim, vocab_size, group, sizes, reduce_input_grad=False)
     return embedding, output
@@ -106,14 +115,33 @@ class _LossFromKnownGradient(torch.autograd.Function):
         return grad_hidden_BSD * grad_loss, None, None
 
 
+def _all_gather_along(local: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Every rank's `local`, concatenated along `dim` in rank order."""
+    ranks, local = dist.get_world_size(group), local.contiguous()
+    stacked = local.new_empty((ranks * local.shape[0], *local.shape[1:]))
+    dist.all_gather_single(stacked, local, group=group)
+    return torch.cat(stacked.chunk(ranks), dim=dim)
+
+
+def _reduce_scatter_along(whole: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """The sum over the ranks of `whole`, this rank's piece of it along `dim`."""
+    pieces = whole.chunk(dist.get_world_size(group), dim=dim)
+    mine = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
+    dist.reduce_scatter_single(mine, torch.cat(pieces), group=group)
+    return mine
+
+
 class PipelineVocabParallel(PipelineExtension):
     """This pipeline rank's vocabulary shards and its part in every step's vocabulary work.
 
     `embedding` (built with `reduce=False`) and `output` (with `reduce_input_grad=False`) hold
-    this rank's rows; `first_rank` and `last_rank` are the pipeline-group ranks holding the first
-    and the last stage. `module_names` are the model's names for the two (their checkpoint
-    names). With `lockstep`, output passes go at lockstep cuts, which never part two passes of
-    one lockstep moment (context exchange pairs those).
+    this rank's rows of the split over their group (the pipeline ranks, or pipeline x tp);
+    `group` is the pipeline ranks of this rank's tp coordinate, in which `first_rank` and
+    `last_rank` hold the first and the last stage. `tensor_group`: this rank's tp ranks (None
+    without tp); `sequence_parallel`: whether a stage's rank holds its tp share of the tokens.
+    `module_names` are the model's names for the two (their checkpoint names). With `lockstep`,
+    output passes go at lockstep cuts, which never part two passes of one lockstep moment
+    (context exchange pairs those).
     """
 
     name = "vocab_parallel"
@@ -128,6 +156,8 @@ class PipelineVocabParallel(PipelineExtension):
         first_rank: int,
         last_rank: int,
         group: dist.ProcessGroup,
+        tensor_group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
         module_names: tuple[str, str] = ("embedding", "output"),
         lockstep: bool = False,
     ) -> None:
@@ -138,6 +168,7 @@ class PipelineVocabParallel(PipelineExtension):
                 "first and the last stage itself"
             )
         self.embedding, self.output, self.shapes, self.group = embedding, output, shapes, group
+        self.tensor_group, self.sequence_parallel = tensor_group, sequence_parallel
         self.module_names, self.lockstep = module_names, lockstep
         self.rank = dist.get_rank(group)
         self.first_rank, self.last_rank = first_rank, last_rank
@@ -167,6 +198,8 @@ class PipelineVocabParallel(PipelineExtension):
         dist.reduce(summed_UBSD, dst=self._global(self.first_rank), group=self.group)
         if self.rank != self.first_rank:
             return [() for _ in units]
+        if self.tensor_group is not None:  # each tp rank looked up its rows' ids
+            dist.all_reduce(summed_UBSD, group=self.tensor_group)
         self._stage_inputs = [
             embedded_BSD.detach().requires_grad_() for embedded_BSD in summed_UBSD.unbind(0)
         ]
@@ -224,14 +257,14 @@ class PipelineVocabParallel(PipelineExtension):
         source_BSD = hidden_BSD if is_last else self.shapes.hidden(labels_BS.device)
         received_BSD = source_BSD.detach().contiguous()
         dist.broadcast(received_BSD, src=self._global(self.last_rank), group=self.group)
-        received_BSD.requires_grad_()
+        received_BSD = self._gather_sequence(received_BSD).requires_grad_()
         with torch.enable_grad():
             logits_BSV = self.output(received_BSD)
             loss = (
                 vocab_parallel_cross_entropy(
                     logits_BSV,
                     labels_BS,
-                    self.group,
+                    self.output.group,
                     vocab_start=self.output.vocab_start,
                     vocab_size=self.output.vocab_size,
                     ignore_index=IGNORE_INDEX,
@@ -241,7 +274,26 @@ class PipelineVocabParallel(PipelineExtension):
             loss.backward()
         grad_hidden_BSD = received_BSD.grad
         dist.reduce(grad_hidden_BSD, dst=self._global(self.last_rank), group=self.group)
-        return (loss.detach(), grad_hidden_BSD) if is_last else None
+        if not is_last:
+            return None
+        return loss.detach(), self._sum_over_tensor_ranks(grad_hidden_BSD)
+
+    def _sum_over_tensor_ranks(self, partial_BSD: Tensor) -> Tensor:
+        """On a last stage's rank: the sum of its tp ranks' `partial_BSD` (each over its tp
+        coordinate's rows), its own tokens' share under sequence parallelism."""
+        if self.tensor_group is None:
+            return partial_BSD
+        if self.sequence_parallel:
+            return _reduce_scatter_along(partial_BSD, 1, self.tensor_group)
+        dist.all_reduce(partial_BSD, group=self.tensor_group)
+        return partial_BSD
+
+    def _gather_sequence(self, local_BSD: Tensor) -> Tensor:
+        """Under sequence parallelism, every tp rank's tokens of the last stage's hidden
+        states (a rank's vocabulary rows see all of them); else `local_BSD`, already whole."""
+        if self.tensor_group is None or not self.sequence_parallel:
+            return local_BSD
+        return _all_gather_along(local_BSD, 1, self.tensor_group)
 
     def stage_loss(self, hidden_BSD: Tensor, labels_BS: Tensor, **_: Any) -> Tensor:
         """The last stage's loss function: joins the unit's output pass and returns the loss,
@@ -276,6 +328,12 @@ class PipelineVocabParallel(PipelineExtension):
     def run_action(self, action: Action, context: object) -> None:
         """An output pass on a rank without the last stage."""
         self.output_pass(self._labels[action.microbatch_index])
+
+    def tensor_split_parameters(self) -> tuple[list[nn.Parameter], dist.ProcessGroup] | None:
+        """Under tp, the tp ranks hold different rows of both matrices."""
+        if self.tensor_group is None:
+            return None
+        return [self.embedding.weight, self.output.weight], self.tensor_group
 
     def row_sharded_parameters(self) -> dict[str, RowShard]:
         """The embedding's and the output's rows are split over the pipeline ranks."""

@@ -95,3 +95,8 @@ class PipelineExtension:
         """Parameters this rank holds as a copy of one counted elsewhere (a tied weight's
         second copy): a global gradient norm must not count them again."""
         return []
+
+    def tensor_split_parameters(self) -> tuple[list[Parameter], dist.ProcessGroup] | None:
+        """Plain parameters of which this rank's tensor-parallel ranks (the group) hold
+        disjoint parts (vocabulary rows over tp): a global gradient norm adds them over it."""
+        return None

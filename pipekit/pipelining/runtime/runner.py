@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor, nn
 
@@ -115,6 +116,14 @@ class PipelineRunner:
     def duplicate_parameters(self) -> list[nn.Parameter]:
         """Copies of parameters counted elsewhere (tied weights): gradient norms skip them."""
         return [param for ext in self.extensions for param in ext.duplicate_parameters()]
+
+    def tensor_split_parameters(self) -> tuple[list[nn.Parameter], dist.ProcessGroup] | None:
+        """Plain parameters split over the tp ranks (vocabulary rows), and that group: gradient
+        norms add them over it."""
+        splits = [split for ext in self.extensions if (split := ext.tensor_split_parameters())]
+        if len(splits) > 1:
+            raise RuntimeError("two pipeline features split plain parameters over tp")
+        return splits[0] if splits else None
 
     def step(self, batch: TensorDict, num_label_tokens: Tensor | float) -> Tensor | None:
         """Forward and backward of the whole batch `[B, S]` (tokens, labels, positions,
