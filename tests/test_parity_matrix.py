@@ -275,12 +275,14 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
             assert vocab is not None
             if not runner.has_last_stage:
                 vocab.output.register_full_backward_hook(lambda _, grad, __: (grad[0] * 0,))
-        elif name == "tensor_ranks_not_summed":  # the last stage's hidden-state gradients
+        elif name == "tensor_ranks_not_summed":  # embeddings and hidden-state gradients
             # from a tp rank's own vocabulary rows only (its tokens' share, as if summed)
             vocab = runner.extension("vocab_parallel")
             assert isinstance(vocab, PipelineVocabParallel) and vocab.tensor_group is not None
             ranks, rank = vocab.tensor_group.size(), vocab.tensor_group.rank()
-            vocab._sum_over_tensor_ranks = lambda partial: partial.chunk(ranks, 1)[rank].clone()
+            vocab._sum_over_tensor_ranks = lambda partial, sequence_dim: partial.chunk(
+                ranks, sequence_dim
+            )[rank].clone()
         elif name == "aux_statistics_per_slice":
             for stage in runner.stages:
                 stage._sequence = lambda *_: nullcontext()

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipekit.config import ConfigError, load_job_config
 from pipekit.models import get_model_spec
+from pipekit.train.job import plan_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO_ROOT / "configs" / "debug_model.toml")
@@ -426,9 +428,9 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
     """configs/debug_vocab_parallel_pp.toml against debug_sliced_pp.toml (the same pipeline with
     the embedding and output layer on one rank each): equal losses step for step, also on 8
     ranks with tp 2 and FSDP2 over 2 data ranks (rows over pp x tp). Its step-2 checkpoint
-    (vocabulary rows saved as DTensor shards) resumes exactly, and also loads into the pipeline
-    without vocabulary parallelism, which then continues with that run's losses; so does the
-    8-rank run's (strided shards: FSDP2 splits rows that tp split first)."""
+    (vocabulary rows saved as DTensor shards) resumes exactly, and the 8-rank run's (strided
+    shards: FSDP2 splits rows that tp split first) loads into the pipeline without vocabulary
+    parallelism, which then continues with that run's losses."""
     short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
 
     def run(name: str, config: str) -> dict[int, float]:
@@ -448,8 +450,7 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
     assert tensor_parallel == pytest.approx({step: plain[step] for step in (1, 2)}, rel=1e-5)
     for name, source, config in (
         ("resumed", "vocab_parallel", VOCAB_PP_CONFIG),
-        ("resharded", "vocab_parallel", SLICED_PP_CONFIG),
-        ("from_tensor_parallel", "tensor_parallel", SLICED_PP_CONFIG),
+        ("resharded", "tensor_parallel", SLICED_PP_CONFIG),
     ):
         step_2 = tmp_path / name / "checkpoints" / "step-2"
         shutil.copytree(tmp_path / source / "checkpoints" / "step-2", step_2)
@@ -638,11 +639,17 @@ def test_bad_upcycling_input_gives_one_error_line_and_exit_2(tmp_path: Path) -> 
             "missing tensors (1): model.layers.2.mlp.up_proj.weight",
         ),
     ]
-    for overrides, message in cases:
-        error = _single_process_error(tmp_path / "job", *upcycle, *overrides, world_size=2)
-        assert message in error, error
+    # train.py turns these into one line and exit 2 (checked for the first); the rest in-process
+    first, message = cases[0]
+    assert message in _single_process_error(tmp_path / "job", *upcycle, *first, world_size=2)
+    base = ("--config", CONFIG, "--job.output_dir", str(tmp_path / "job"))
+    for overrides, message in cases[1:]:
+        with pytest.raises(ConfigError) as error:
+            plan_job(load_job_config([*base, *upcycle, *overrides]), world_size=2)
+        assert message in str(error.value), error.value
     moe_export = ("--config", MOE_CONFIG, "--checkpoint.export_hf_at_end", "true")
-    assert "moe_every=2" in _single_process_error(tmp_path / "job", *moe_export, world_size=2)
+    with pytest.raises(ConfigError, match="moe_every=2"):
+        plan_job(load_job_config([*base, *moe_export]), world_size=2)
 
 
 def test_upcycled_job_with_tied_embeddings_starts_at_the_dense_loss(tmp_path: Path) -> None:

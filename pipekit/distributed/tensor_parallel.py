@@ -37,12 +37,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
-from pipekit.models.spec import ModelShape, ModelSpec, ModelStructure
+from pipekit.models.spec import ModelShape, ModelSpec
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel"]
 
@@ -165,8 +166,14 @@ def _residual_stream_plan(
         if getattr(model, name, None) is not None
     }
     blocks = structure.blocks_of(model)
-    if not _is_first_stage(model, structure):  # its input is this rank's tokens
+    if getattr(model, structure.embedding, None) is None:  # its input is this rank's tokens
         model.register_forward_pre_hook(_SequenceShardInput(tp_mesh))
+        for name in structure.before_blocks:  # vocabulary parallelism's first stage: the
+            if getattr(model, name, None) is not None:  # positions it adds, split alike
+                plan[name] = PrepareModuleOutput(
+                    output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                    use_local_output=False,
+                )  # fmt: skip
     elif blocks:  # whatever the model adds to the embedding (positions...) is added whole
         blocks[0].register_forward_pre_hook(_ShardSequence(tp_mesh))
     if getattr(model, structure.output, None) is not None:
@@ -176,15 +183,6 @@ def _residual_stream_plan(
     else:  # an earlier pipeline stage: it sends this rank's tokens
         model.register_forward_hook(_RankTokens(tp_mesh))
     return plan
-
-
-def _is_first_stage(model: nn.Module, structure: ModelStructure) -> bool:
-    """Whether `model` takes the whole sequence: it holds the embedding, or the first block
-    (the first pipeline stage under vocabulary parallelism, fed whole embeddings)."""
-    if getattr(model, structure.embedding, None) is not None:
-        return True
-    blocks = getattr(model, structure.blocks, None)
-    return blocks is not None and "0" in blocks
 
 
 def _shard_sequence(hidden: Tensor, tp_mesh: DeviceMesh) -> DTensor:

@@ -19,10 +19,10 @@ others while its vocabulary GEMM runs. With it each pipeline rank holds the rows
 With tensor parallelism the rows are split over the pipeline x tp ranks (the cross-entropy's
 statistics over all of them), and every collective above runs per tp coordinate over the
 pipeline ranks; the first and the last stage's tp ranks then sum their partial embeddings and
-hidden-state gradients over tp. The first stage takes whole embeddings, as it would take token
-ids (it shards the sequence at its first block). Under sequence parallelism the last stage's
-rank holds its tp share of the tokens: the output pass all-gathers them after the broadcast
-and reduce-scatters the gradient back.
+hidden-state gradients over tp. Under sequence parallelism a stage's rank holds its tp share of
+the tokens: the embeddings are reduce-scattered onto the first stage's tp ranks and their
+gradients all-gathered before the lookup's backward; the output pass all-gathers the last
+stage's tokens after the broadcast and reduce-scatters the gradient back.
 
 Where each rank joins an output pass is decided from the schedule (`output_passes`); the last
 stage's rank runs its part inside the last stage's loss function. The feature plugs into the
@@ -198,8 +198,7 @@ class PipelineVocabParallel(PipelineExtension):
         dist.reduce(summed_UBSD, dst=self._global(self.first_rank), group=self.group)
         if self.rank != self.first_rank:
             return [() for _ in units]
-        if self.tensor_group is not None:  # each tp rank looked up its rows' ids
-            dist.all_reduce(summed_UBSD, group=self.tensor_group)
+        summed_UBSD = self._sum_over_tensor_ranks(summed_UBSD, sequence_dim=2)
         self._stage_inputs = [
             embedded_BSD.detach().requires_grad_() for embedded_BSD in summed_UBSD.unbind(0)
         ]
@@ -217,8 +216,9 @@ class PipelineVocabParallel(PipelineExtension):
         (collective), then forget the step."""
         if self._tokens_UBS is None:
             raise RuntimeError("end_step without begin_step: call begin_step before the schedule")
+        units, rows, tokens = self._tokens_UBS.shape
         grads_UBSD = torch.zeros(
-            (*self._tokens_UBS.shape, self.shapes.model_dim),
+            (units, rows, tokens // self.shapes.sequence_shards, self.shapes.model_dim),
             dtype=self.shapes.dtype,
             device=self._tokens_UBS.device,
         )
@@ -233,6 +233,7 @@ class PipelineVocabParallel(PipelineExtension):
                     )
                 grad_BSD.copy_(stage_input_grad_BSD)
         dist.broadcast(grads_UBSD, src=self._global(self.first_rank), group=self.group)
+        grads_UBSD = self._gather_sequence(grads_UBSD, sequence_dim=2)
         with torch.enable_grad():
             self.embedding(self._tokens_UBS).to(self.shapes.dtype).backward(grads_UBSD)
         self._tokens_UBS, self._labels = None, []
@@ -257,7 +258,7 @@ class PipelineVocabParallel(PipelineExtension):
         source_BSD = hidden_BSD if is_last else self.shapes.hidden(labels_BS.device)
         received_BSD = source_BSD.detach().contiguous()
         dist.broadcast(received_BSD, src=self._global(self.last_rank), group=self.group)
-        received_BSD = self._gather_sequence(received_BSD).requires_grad_()
+        received_BSD = self._gather_sequence(received_BSD, sequence_dim=1).requires_grad_()
         with torch.enable_grad():
             logits_BSV = self.output(received_BSD)
             loss = (
@@ -276,24 +277,25 @@ class PipelineVocabParallel(PipelineExtension):
         dist.reduce(grad_hidden_BSD, dst=self._global(self.last_rank), group=self.group)
         if not is_last:
             return None
-        return loss.detach(), self._sum_over_tensor_ranks(grad_hidden_BSD)
+        return loss.detach(), self._sum_over_tensor_ranks(grad_hidden_BSD, sequence_dim=1)
 
-    def _sum_over_tensor_ranks(self, partial_BSD: Tensor) -> Tensor:
-        """On a last stage's rank: the sum of its tp ranks' `partial_BSD` (each over its tp
-        coordinate's rows), its own tokens' share under sequence parallelism."""
+    def _sum_over_tensor_ranks(self, partial: Tensor, sequence_dim: int) -> Tensor:
+        """On a first or last stage's rank: the sum of its tp ranks' `partial` embeddings or
+        hidden-state gradients (each over its tp coordinate's rows), its own tokens' share
+        under sequence parallelism."""
         if self.tensor_group is None:
-            return partial_BSD
+            return partial
         if self.sequence_parallel:
-            return _reduce_scatter_along(partial_BSD, 1, self.tensor_group)
-        dist.all_reduce(partial_BSD, group=self.tensor_group)
-        return partial_BSD
+            return _reduce_scatter_along(partial, sequence_dim, self.tensor_group)
+        dist.all_reduce(partial, group=self.tensor_group)
+        return partial
 
-    def _gather_sequence(self, local_BSD: Tensor) -> Tensor:
-        """Under sequence parallelism, every tp rank's tokens of the last stage's hidden
-        states (a rank's vocabulary rows see all of them); else `local_BSD`, already whole."""
+    def _gather_sequence(self, local: Tensor, sequence_dim: int) -> Tensor:
+        """Under sequence parallelism, every tp rank's tokens (a rank's vocabulary rows see all
+        of them); else `local` itself, already whole."""
         if self.tensor_group is None or not self.sequence_parallel:
-            return local_BSD
-        return _all_gather_along(local_BSD, 1, self.tensor_group)
+            return local
+        return _all_gather_along(local, sequence_dim, self.tensor_group)
 
     def stage_loss(self, hidden_BSD: Tensor, labels_BS: Tensor, **_: Any) -> Tensor:
         """The last stage's loss function: joins the unit's output pass and returns the loss,

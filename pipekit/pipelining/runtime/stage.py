@@ -69,13 +69,10 @@ class StageShapes:
         self.sequence_shards = sequence_shards
 
     def stage_input(self, is_first: bool, device: torch.device) -> torch.Tensor:
-        """The first stage takes token ids (whole embeddings with vocab_parallel); the others
-        take hidden states."""
+        """The first stage takes token ids (embeddings with vocab_parallel); the others take
+        hidden states."""
         if is_first and not self.vocab_parallel:
             return torch.empty(self.rows, self.slice_length, dtype=torch.long, device=device)
-        if is_first:
-            size = (self.rows, self.slice_length, self.model_dim)
-            return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
         return self.hidden(device)
 
     def stage_output(self, is_last: bool, device: torch.device) -> torch.Tensor:
