@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from pipekit.layers.init import trunc_normal_
+from pipekit.layers.swiglu import swiglu, swiglu_grads
 from pipekit.moe.grouped_mm import grouped_matmul, grouped_weight_grad
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def swiglu_middle(
 
 def swiglu_output(middle_2AF: Tensor, w2_EDF: Tensor, counts_E: list[int]) -> Tensor:
     """T_DO: `w2(silu(gate) * up)` per expert."""
-    hidden_AF = F.silu(middle_2AF[0]) * middle_2AF[1]
+    hidden_AF = swiglu(middle_2AF[0], middle_2AF[1])
     return grouped_matmul(hidden_AF, w2_EDF.transpose(-2, -1), counts_E)
 
 
@@ -116,12 +116,9 @@ def swiglu_backward(
     """
     w1_EFD, w3_EFD, w2_EDF = weights
     gate_AF, up_AF = middle_2AF[0], middle_2AF[1]
-    sigmoid_AF = torch.sigmoid(gate_AF)
-    silu_AF = gate_AF * sigmoid_AF
-    grads.w2_EDF += grouped_weight_grad(grad_out_AD, silu_AF * up_AF, counts_E)
     grad_hidden_AF = grouped_matmul(grad_out_AD, w2_EDF, counts_E)
-    grad_up_AF = grad_hidden_AF * silu_AF
-    grad_gate_AF = grad_hidden_AF * up_AF * (sigmoid_AF + silu_AF * (1 - sigmoid_AF))
+    grad_gate_AF, grad_up_AF, silu_AF = swiglu_grads(grad_hidden_AF, gate_AF, up_AF)
+    grads.w2_EDF += grouped_weight_grad(grad_out_AD, silu_AF * up_AF, counts_E)
     grads.w1_EFD += grouped_weight_grad(grad_gate_AF, x_AD, counts_E)
     grads.w3_EFD += grouped_weight_grad(grad_up_AF, x_AD, counts_E)
     return grouped_matmul(grad_gate_AF, w1_EFD, counts_E) + grouped_matmul(
