@@ -6,7 +6,8 @@ A torch upgrade that moves or changes one of these touches this file only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -90,13 +91,16 @@ def inductor_cache_dir(directory: str) -> Iterator[None]:
         yield
 
 
-def checkpoint_module_activations(module: nn.Module) -> None:
-    """Recompute `module`'s forward in backward instead of saving its activations.
+def checkpoint_module_activations(
+    module: nn.Module, context_fn: Callable[[], tuple[Any, Any]] | None = None
+) -> None:
+    """Recompute `module`'s forward in backward instead of saving its activations (with
+    `context_fn`, torch's selective-checkpoint contexts: what they keep is not recomputed).
 
     The composable API installs hooks instead of wrapping the module, so parameter and
     state-dict names do not change (checkpoints and Hugging Face export stay the same).
     """
-    _composable_checkpoint(module)
+    _composable_checkpoint(module, context_fn=context_fn)
 
 
 # fsdp_replicate(module, *, mesh, mp_policy, ...), imported above: DDP built on FSDP2's

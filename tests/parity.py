@@ -27,7 +27,7 @@ from pipekit.attention.context_parallel import (
     context_parallel_tokens,
     load_balanced_indices,
 )
-from pipekit.config.job_config import ParallelismConfig
+from pipekit.config.job_config import ParallelismConfig, TrainingConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import single_rank_mesh
@@ -48,6 +48,7 @@ from pipekit.pipelining import (
     plan_pipeline,
 )
 from pipekit.pipelining.runtime.runner import PipelineRunner
+from pipekit.train.activation_checkpoint import apply_activation_checkpointing
 
 Result = tuple[float | None, dict[str, Any]]
 
@@ -274,6 +275,7 @@ def pipeline_layout(
     tp: int = 1,
     routers: bool = True,
     materialize: Callable[[nn.Module], None] | None = None,
+    activation_checkpoint: str = "none",
     **parallelism: Any,
 ) -> tuple[PipelineRunner, ParallelDims, Any]:
     """This rank's pipeline (runner, dims, mesh), planned from `parallelism` (ParallelismConfig
@@ -285,7 +287,8 @@ def pipeline_layout(
     stage's storage and values come from `materialize` if given (e.g. upcycling a checkpoint),
     else from `seed`. With `tp` > 1 the stages are split over tp ranks with sequence and loss
     parallelism (the trainer's defaults), an MoE's experts and routers data parallel over the
-    tp ranks too (`routers=False`, an ablation, leaves the routers out)."""
+    tp ranks too (`routers=False`, an ablation, leaves the routers out). The blocks are
+    checkpointed by `activation_checkpoint` (`[training] activation_checkpoint`)."""
     config = ParallelismConfig(
         dp_shard=dp_shard, pipeline_parallel_degree=world // (dp_shard * cp * tp), ep=ep, cp=cp,
         tp=tp, **parallelism,
@@ -315,6 +318,8 @@ def pipeline_layout(
         if ep > 1:
             assert experts is not None
             apply_expert_parallel(module, experts["ep"])
+        checkpointing = TrainingConfig(activation_checkpoint=activation_checkpoint)
+        apply_activation_checkpointing(spec.structure.blocks_of(module), checkpointing)
         apply_data_parallel(
             module,
             mesh,

@@ -130,6 +130,11 @@ ROWS_ = [
     ),
     Row("sliced v=1", pipeline=SLICED, ablation="drop_kv_cache_grads"),
     Row("sliced v=2", pipeline=SLICED | {"stages_per_rank": 2}, ablation="drop_kv_cache_grads"),
+    Row(  # every block recomputes its slice in backward but the matmuls and attention
+        "sliced + selective checkpointing",
+        pipeline=SLICED | {"activation_checkpoint": "selective"},
+        ablation="drop_kv_cache_grads",
+    ),
     Row(
         "sliced + context exchange",
         pipeline=SLICED | {"context_exchange": True},

@@ -142,7 +142,10 @@ class CpuFlashBackend:
         single = self._single_tile(plan, q_BHSD.shape[2], k_BGKD.shape[2])
         if single is not None:
             return self._tile_forward(single, q_BHSD, k_BGKD, v_BGKD, scale)
-        out_BHSD = q_BHSD.new_zeros(q_BHSD.shape)
+        # in [B, S, H, D] memory, as the one-tile kernel returns it: joining the heads for the
+        # output projection is then a view, not a copy the projection would save
+        batch, heads, queries, head_dim = q_BHSD.shape
+        out_BHSD = q_BHSD.new_zeros(batch, queries, heads, head_dim).transpose(1, 2)
         stat_dtype = torch.promote_types(q_BHSD.dtype, torch.float32)
         lse_BHS = torch.full(
             q_BHSD.shape[:3], float("-inf"), dtype=stat_dtype, device=q_BHSD.device

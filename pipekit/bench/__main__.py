@@ -29,6 +29,10 @@ _BENCHMARKS = {
         "pipekit.bench.context_parallel",
         "context parallelism: bytes per slice, commutated vs KV passing, and the choice",
     ),
+    "activation-memory": (
+        "pipekit.bench.activation_memory",
+        "bytes a Llama layer keeps per token: plain, memory-efficient, selective, full, every-k",
+    ),
     "tensor-parallel": (
         "pipekit.bench.tensor_parallel",
         "activations with and without sequence parallelism, TP bytes vs Megatron's formulas",

@@ -119,9 +119,15 @@ class TrainingConfig:
     mixed_precision_reduce: str = "float32"
     """Dtype of gradient reduction across data-parallel ranks: float32 or bfloat16."""
     activation_checkpoint: str = "none"
-    """Activation checkpointing: none, full (every block) or selective (every k-th block)."""
+    """Activation checkpointing: none; full (every block keeps only its input); every_k (every
+    k-th block does); selective (op-level, every block: keeps what activation_checkpoint_keep
+    names, recomputes the rest; docs/activation_memory.md)."""
     activation_checkpoint_every: int = 2
-    """With selective checkpointing, checkpoint every k-th transformer block."""
+    """With every_k, checkpoint every k-th transformer block."""
+    activation_checkpoint_keep: str = "matmuls_and_attention"
+    """With selective: the op outputs kept for backward: matmuls_and_attention (matmuls,
+    attention kernels and collectives; element-wise ops and norms are recomputed) or attention
+    (the matmuls are recomputed too)."""
 
 
 @dataclass(kw_only=True)

@@ -8,7 +8,7 @@ once), so the norm itself keeps only one float per token. The backward recovers 
 input as `output / weight` (SlimPipe §5, as Apex's memory-efficient norms do). A weight
 element that is exactly zero loses the gradient it would get from that division (its
 feature's normalised input cannot be recovered); norms start at one and do not reach zero in
-practice. `RMSNorm(memory_efficient=False)` is the autograd-op form, kept as the reference.
+practice. `rms_norm_reference` is the autograd-op form, kept as the reference.
 """
 
 from __future__ import annotations
@@ -44,12 +44,14 @@ class _RMSNorm(torch.autograd.Function):
         out_BSD, rstd_BS1, weight_D = ctx.saved_tensors
         wide = rstd_BS1.dtype
         weight_wide = weight_D.to(wide)
-        normed_BSD = torch.where(weight_wide != 0, out_BSD.to(wide) / weight_wide, 0.0)
-        grad_normed_BSD = grad_out_BSD.to(wide) * weight_wide
-        mean_BS1 = (grad_normed_BSD * normed_BSD).mean(-1, keepdim=True)
-        grad_x_BSD = rstd_BS1 * (grad_normed_BSD - normed_BSD * mean_BS1)
+        grad_wide_BSD = grad_out_BSD.to(wide)
+        # in place where possible: a block's backward peak is its norms' temporaries
+        normed_BSD = out_BSD.to(wide).div(weight_wide).nan_to_num_(nan=0.0)  # 0/0 at weight 0
         leading = tuple(range(grad_out_BSD.ndim - 1))
-        grad_weight = (grad_out_BSD.to(wide) * normed_BSD).sum(dim=leading)
+        grad_weight = (grad_wide_BSD * normed_BSD).sum(dim=leading)
+        grad_normed_BSD = grad_wide_BSD * weight_wide
+        mean_BS1 = (grad_normed_BSD * normed_BSD).mean(-1, keepdim=True)
+        grad_x_BSD = grad_normed_BSD.sub_(normed_BSD.mul_(mean_BS1)).mul_(rstd_BS1)
         return grad_x_BSD.to(ctx.input_dtype), grad_weight.to(weight_D.dtype), None
 
 
@@ -67,14 +69,14 @@ def rms_norm_reference(x_BSD: Tensor, weight_D: Tensor, eps: float) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    """`weight * x / rms(x)`, with the statistics in float32 and the result in x's dtype;
-    `memory_efficient=False` uses `rms_norm_reference` (the same values and gradients)."""
+    """`weight * x / rms(x)`, with the statistics in float32 and the result in x's dtype, by
+    `rms_norm` (`pipekit.layers.reference.set_memory_efficient` switches to the reference)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, memory_efficient: bool = True) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
-        self.norm = rms_norm if memory_efficient else rms_norm_reference
+        self.norm = rms_norm
 
     def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
         """Weight one (the stds do not apply to a norm; the signature is every module's)."""

@@ -39,10 +39,8 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu_grads(grad_out: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """`(d gate, d up, silu(gate))` of `silu(gate) * up` from its output gradient, the swish
     recomputed from the gate (the dense and the grouped-expert SwiGLU share it)."""
-    sigmoid = torch.sigmoid(gate)
-    swish = gate * sigmoid
-    # d silu(g) / dg = sigmoid(g) + silu(g) (1 - sigmoid(g))
-    grad_gate = grad_out * up * (sigmoid + swish * (1 - sigmoid))
+    grad_gate = torch.ops.aten.silu_backward(grad_out * up, gate)  # fused: no temporaries
+    swish = F.silu(gate)
     return grad_gate, grad_out * swish, swish
 
 
@@ -57,15 +55,15 @@ def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
 
 
 class FeedForward(nn.Module):
-    """Gate (w1), down (w2) and up (w3) projections without biases, as in Llama.
-    `memory_efficient=False` uses `swiglu_reference` (the same values and gradients)."""
+    """Gate (w1), down (w2) and up (w3) projections without biases, as in Llama; the gate is
+    `swiglu` (`pipekit.layers.reference.set_memory_efficient` switches to the reference)."""
 
-    def __init__(self, dim: int, hidden_dim: int, memory_efficient: bool = True) -> None:
+    def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.gate = swiglu if memory_efficient else swiglu_reference
+        self.gate = swiglu
 
     def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
         """Truncated-normal init; `output_std` for w2 lets deep models scale it down."""

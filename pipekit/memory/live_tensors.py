@@ -15,13 +15,15 @@ holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PeakTensorMemory", "local_storage_holder"]
+__all__ = ["PeakTensorMemory", "kept_bytes", "local_storage_holder"]
 
 
 def local_storage_holder(tensor: torch.Tensor) -> torch.Tensor:
@@ -63,6 +65,12 @@ class PeakTensorMemory(TorchDispatchMode):
             self.timeline.append(self.current_bytes)
         return out
 
+    def live_bytes(self) -> int:
+        """Bytes of the storages allocated inside the block that are still alive now (the
+        running count is settled lazily, when something new is allocated)."""
+        self._release_freed()
+        return self.current_bytes
+
     def _track(self, tensor: torch.Tensor) -> bool:
         storage = tensor.untyped_storage()
         key = storage._cdata
@@ -84,3 +92,13 @@ def _local_leaves(tree: object) -> list[torch.Tensor]:
     return [
         local_storage_holder(leaf) for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)
     ]
+
+
+def kept_bytes(forward: Callable[[], torch.Tensor]) -> int:
+    """Bytes that `forward()` allocates and leaves alive besides its output: what its autograd
+    graph (and any activation checkpointing around it) keeps for the backward. Feed it inputs
+    made outside, that need no gradient of their own kept here (a leaf that requires grad stays
+    alive through the graph)."""
+    with PeakTensorMemory() as memory:
+        out = forward()
+        return memory.live_bytes() - local_storage_holder(out).untyped_storage().nbytes()

@@ -40,10 +40,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from pipekit._torch_private import simulated_rank
+from pipekit._torch_private import checkpoint_module_activations, simulated_rank
 from pipekit.distributed.tensor_parallel import apply_tensor_parallel
 from pipekit.layers.loss import token_sum_cross_entropy
-from pipekit.memory.live_tensors import PeakTensorMemory
+from pipekit.memory.live_tensors import PeakTensorMemory, kept_bytes
 from pipekit.memory.tracker import SAVED, ActivationMemoryTracker
 from pipekit.models.materialize import local_tensor
 from pipekit.models.spec import ModelSpec
@@ -100,10 +100,12 @@ def profile_activations(
     tokens: tuple[int, int] = _PROBE_TOKENS,
     configure: Callable[[nn.Module], object] | None = None,
     split: TensorSplit = TensorSplit(),
+    selective: bool = False,
 ) -> ActivationProfile:
     """Measure `spec.build(args)`'s blocks and head in `dtype` at the two lengths `tokens`;
     `configure(block)` sets a block up as the job runs it (its MoE execution); `split`: the
-    blocks as one tensor-parallel rank runs them (bytes per token of the whole sequence)."""
+    blocks as one tensor-parallel rank runs them (bytes per token of the whole sequence);
+    `selective`: the blocks op-level checkpointed, their bytes what that keeps."""
     with torch.device("meta"):
         model = spec.build(args).to(dtype)
     structure = spec.structure
@@ -115,12 +117,14 @@ def profile_activations(
         kind = _kind(model.get_submodule(name))
         if kind not in kinds:
             block = build_stage_module(model, [name])
+            setup = _with_selective_checkpointing(configure) if selective else configure
             if split.tp == 1:
-                kinds[kind] = _probe_block(block, shape.dim, dtype, tokens, configure)
+                kinds[kind] = _probe_block(block, shape.dim, dtype, tokens, setup, selective)
             else:
                 kinds[kind] = in_forked_child(
-                    _probe_split_block, block, spec, split, shape.dim, dtype, tokens, configure
-                )
+                    _probe_split_block, block, spec, split, shape.dim, dtype, tokens, setup,
+                    selective,
+                )  # fmt: skip
         block_bytes[name] = kinds[kind][0]
     kv = 2 * shape.num_kv_heads // split.tp * shape.head_dim * dtype.itemsize
     head = build_stage_module(model, [*structure.after_blocks, structure.output])
@@ -137,6 +141,20 @@ def profile_activations(
         input_bytes=shape.dim * dtype.itemsize // split.sequence_shards,
         kv_bytes=dict.fromkeys(names, float(kv)),
     )
+
+
+def _with_selective_checkpointing(
+    configure: Callable[[nn.Module], object] | None,
+) -> Callable[[nn.Module], None]:
+    """`configure`, then the block checkpointed op by op as `selective` training runs it."""
+    from pipekit.train.activation_checkpoint import selective_checkpoint_context
+
+    def setup(block: nn.Module) -> None:
+        if configure is not None:
+            configure(block)
+        checkpoint_module_activations(block, selective_checkpoint_context("matmuls_and_attention"))
+
+    return setup
 
 
 def _kind(block: nn.Module) -> tuple:
@@ -185,6 +203,7 @@ def _probe_split_block(
     dtype: torch.dtype,
     tokens: tuple[int, int],
     configure: Callable[[nn.Module], object] | None,
+    kept: bool = False,
 ) -> tuple[float, float]:
     """`_probe_block` as tp rank 0 of a simulated group runs the block: its collectives
     return at once, and give tensors of the real shapes."""
@@ -196,7 +215,7 @@ def _probe_split_block(
         mesh = init_device_mesh("cpu", (split.tp,))
         apply_tensor_parallel(block, mesh, spec, sequence_parallel=split.sequence_parallel)
         lengths = (tokens[0] * shards, tokens[1] * shards)
-        return _probe_block(block, dim, dtype, lengths, configure, sequence_shards=shards)
+        return _probe_block(block, dim, dtype, lengths, configure, kept, sequence_shards=shards)
 
 
 def _probe_block(
@@ -205,18 +224,24 @@ def _probe_block(
     dtype: torch.dtype,
     tokens: tuple[int, int],
     configure: Callable[[nn.Module], object] | None,
+    kept: bool = False,
     sequence_shards: int = 1,
 ) -> tuple[float, float]:
     """(bytes per token the block saves, peak bytes per token over its forward and its
     backward to the input); under sequence parallelism the block takes a rank's
-    `1/sequence_shards` of the tokens. Weights take no gradient here: their gradients' sizes
-    do not grow with the tokens, and would move the peak to a moment that does not."""
+    `1/sequence_shards` of the tokens. With `kept` the saved bytes are all the forward keeps
+    alive (`kept_bytes`: selective checkpointing keeps op outputs outside autograd's saved
+    tensors). Weights take no gradient here: their gradients' sizes do not grow with the
+    tokens, and would move the peak to a moment that does not."""
     _give_weights(block)
     if configure is not None:
         configure(block)
 
     def saved_bytes(length: int) -> int:
         hidden_BSD = torch.randn(1, length // sequence_shards, dim, dtype=dtype)
+        if kept:
+            hidden_BSD.requires_grad_()
+            return kept_bytes(lambda: block(hidden_BSD * 1.0))
         with ActivationMemoryTracker(exclude=list(block.parameters())) as tracker:
             block(hidden_BSD.requires_grad_())
         return tracker.peak_bytes(SAVED)

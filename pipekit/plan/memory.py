@@ -108,6 +108,7 @@ def plan_memory(job: Job, probe_tokens: tuple[int, int] = (2, 6)) -> MemoryPlan:
         probe_tokens,
         configure=lambda block: set_expert_execution(block, moe.partitions, moe.memory_reuse),
         split=split,
+        selective=training.activation_checkpoint == "selective",
     )
     ranks = [_rank_memory(job, layout, profile) for layout in rank_layouts(job)]
     return MemoryPlan(ranks, profile)
@@ -145,9 +146,10 @@ def _rank_memory(job: Job, layout: RankLayout, profile: ActivationProfile) -> Ra
 
 
 def _checkpointed(job: Job, name: str) -> bool:
-    """Whether block `name` keeps only its input (activation checkpointing)."""
+    """Whether block `name` keeps only its input (full or every-k activation checkpointing;
+    under selective checkpointing the profile measured what each block keeps)."""
     training = job.config.training
-    if training.activation_checkpoint == "none":
+    if training.activation_checkpoint not in ("full", "every_k"):
         return False
     every = 1 if training.activation_checkpoint == "full" else training.activation_checkpoint_every
     return int(name.rsplit(".", 1)[1]) % every == every - 1
@@ -171,8 +173,8 @@ def _backward_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile
     first if it is checkpointed."""
     if not names:
         return 0.0
-    rebuilt = 0.0
-    if job.config.training.activation_checkpoint != "none":
+    rebuilt = 0.0  # a selectively checkpointed block's probe ran its recompute already
+    if job.config.training.activation_checkpoint in ("full", "every_k"):
         rebuilt = max(profile.block_bytes[name] for name in names)
     return profile.backward_bytes + rebuilt
 
@@ -181,9 +183,11 @@ def _step_activations(job: Job, layout: RankLayout, profile: ActivationProfile) 
     cp = job.dims.cp if job.dims is not None else 1
     tokens = job.local_batch_size * job.config.training.seq_len // cp
     names = layout.block_names
-    per_token = _block_bytes(job, names, profile) + _backward_bytes(job, names, profile)
+    # the head's forward and backward end before the first block's backward begins: the two
+    # working sets never coexist, each on top of what the blocks saved
     head = profile.head_bytes_per_row * layout.output_rows
-    return (per_token + head) * tokens
+    working = max(_backward_bytes(job, names, profile), head)
+    return (_block_bytes(job, names, profile) + working) * tokens
 
 
 def _stage_output_bytes(

@@ -1,21 +1,108 @@
-"""Activation checkpointing of transformer blocks: none, every block, or every k-th block."""
+"""Activation checkpointing of transformer blocks: none, every block, every k-th block, or
+op-level selective checkpointing of every block.
+
+- `full`: a block keeps only its input; its whole forward runs again in the backward.
+- `every_k`: the same for every k-th block (`activation_checkpoint_every`), the others keep
+  everything: a memory/compute trade between none and full.
+- `selective`: every block is checkpointed, but torch's selective-checkpoint contexts keep the
+  outputs of the ops `activation_checkpoint_keep` names, so the recompute skips them: by default
+  the matmuls, the attention kernels and the collectives (what is costly to run again), while
+  element-wise ops and norms are recomputed (what is cheap to run again but large to keep).
+
+In a sliced pipeline a recomputed forward attends to the KV cache as the first did (the cache
+knows a recompute and neither appends nor drops chunks); see `pipekit.attention.kv_cache`.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import nn
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
 
 from pipekit._torch_private import checkpoint_module_activations
 from pipekit.config.job_config import TrainingConfig
 
-__all__ = ["apply_activation_checkpointing"]
+__all__ = [
+    "ACTIVATION_CHECKPOINT_MODES",
+    "SELECTIVE_KEEP",
+    "apply_activation_checkpointing",
+    "selective_checkpoint_context",
+]
+
+ACTIVATION_CHECKPOINT_MODES = ("none", "full", "every_k", "selective")
+
+_aten = torch.ops.aten
+_MATMULS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default)
+_ATTENTION = (
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+)
+_COLLECTIVES = tuple(
+    getattr(torch.ops._c10d_functional, name).default
+    for name in (
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_reduce",
+        "all_to_all_single",
+    )
+)
+# A recompute runs inside the backward, where FSDP2 marks its hooks' work with other profiler
+# ranges than in the forward; the markers carry no data, so selective checkpointing need not
+# match them between the two runs (it refuses any op the forward did not run).
+_profiler = torch.ops.profiler
+SAC_IGNORED_OPS.update(
+    (
+        _profiler._record_function_enter.default,
+        _profiler._record_function_enter_new.default,
+        _profiler._record_function_exit.default,
+        _profiler._record_function_exit._RecordFunction,
+    )
+)
+SELECTIVE_KEEP: dict[str, frozenset[Any]] = {
+    "matmuls_and_attention": frozenset((*_MATMULS, *_ATTENTION, *_COLLECTIVES)),
+    "attention": frozenset((*_ATTENTION, *_COLLECTIVES)),
+}
+"""`activation_checkpoint_keep` -> the ops whose outputs selective checkpointing keeps."""
+
+
+def _policy(keep: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint_context(keep: str) -> Callable[[], tuple[Any, Any]]:
+    """The `context_fn` of selective checkpointing that keeps `SELECTIVE_KEEP[keep]`."""
+    if keep not in SELECTIVE_KEEP:
+        raise ValueError(
+            f"activation_checkpoint_keep={keep!r} is not one of {', '.join(SELECTIVE_KEEP)}"
+        )
+    policy = functools.partial(_policy, SELECTIVE_KEEP[keep])
+    return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], config: TrainingConfig) -> int:
     """Checkpoint the blocks the config selects; returns how many were checkpointed."""
-    if config.activation_checkpoint == "none":
+    mode = config.activation_checkpoint
+    if mode not in ACTIVATION_CHECKPOINT_MODES:
+        raise ValueError(
+            f"activation_checkpoint={mode!r} is not one of {', '.join(ACTIVATION_CHECKPOINT_MODES)}"
+        )
+    if mode == "none":
         return 0
-    every = 1 if config.activation_checkpoint == "full" else config.activation_checkpoint_every
+    every = config.activation_checkpoint_every if mode == "every_k" else 1
     chosen = [block for index, block in enumerate(blocks) if index % every == every - 1]
+    context_fn = None
+    if mode == "selective":
+        context_fn = selective_checkpoint_context(config.activation_checkpoint_keep)
     for block in chosen:
-        checkpoint_module_activations(block)
+        checkpoint_module_activations(block, context_fn)
     return len(chosen)

@@ -1,0 +1,132 @@
+"""`python -m pipekit.bench activation-memory`: what a Llama layer keeps for its backward, per
+token, under each memory option, measured against the formula, and what it costs in time.
+
+`--layers` Llama blocks (at `--dim` with `--heads`/`--kv-heads`/`--ffn-dim`) run forward on
+one rank over `--seq` tokens in float32. The kept bytes are every storage the forward allocated
+that is still alive when it returns, besides its output (`pipekit.memory.live_tensors.
+kept_bytes`): what autograd saved, and what activation checkpointing keeps (the blocks' inputs,
+the selected ops' outputs). They are divided by tokens and layers and compared with
+`pipekit.memory.layer_formula.saved_bytes_per_token`. The options:
+- plain: the norms and the SwiGLU as autograd ops, nothing checkpointed;
+- efficient: the memory-efficient RMSNorm and SwiGLU (pipekit's default), nothing checkpointed;
+- selective: efficient, every block op-level checkpointed, keeping matmuls and attention;
+- full: every block keeps only its input;
+- every_k: every `--every`-th block checkpointed whole.
+Step time is one forward and backward, median of a few.
+
+RESULT: the kept bytes of efficient, selective and full over plain, and the largest relative
+error of the formula over the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+from pipekit.bench._report import machine_description, print_result, print_table, time_call
+
+__all__ = ["arguments", "build_blocks", "layer_memory", "main", "with_option"]
+
+
+def build_blocks(options: argparse.Namespace) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """The Llama model holding the blocks, and its RoPE table for `--seq` tokens."""
+    from models.llama.args import LlamaArgs
+    from pipekit.models import get_model_spec
+
+    spec = get_model_spec("llama")
+    args = LlamaArgs(
+        dim=options.dim, n_layers=options.layers, n_heads=options.heads,
+        n_kv_heads=options.kv_heads, ffn_dim=options.ffn_dim, vocab_size=256,
+        max_seq_len=options.seq,
+    )  # fmt: skip
+    model = spec.build(args).to(options.dtype)
+    model.init_weights(seed=0)
+    rope = tuple(t.detach() for t in model.rope(torch.arange(options.seq)))
+    return model, rope
+
+
+def with_option(model: torch.nn.Module, option: str, every: int) -> torch.nn.Module:
+    """A copy of `model` whose blocks run as `option` (`LAYER_OPTIONS`)."""
+    from pipekit.config.job_config import TrainingConfig
+    from pipekit.layers.reference import set_memory_efficient
+    from pipekit.train.activation_checkpoint import apply_activation_checkpointing
+
+    copied = copy.deepcopy(model)
+    set_memory_efficient(copied, option != "plain")
+    mode = "none" if option in ("plain", "efficient") else option
+    config = TrainingConfig(activation_checkpoint=mode, activation_checkpoint_every=every)
+    apply_activation_checkpointing(list(copied.layers.values()), config)
+    return copied
+
+
+def layer_memory(options: argparse.Namespace) -> dict[str, tuple[float, float, float]]:
+    """Per option: (kept bytes per token per layer measured, the formula's, step seconds)."""
+    from pipekit.memory.layer_formula import (
+        LAYER_OPTIONS,
+        LayerShape,
+        causal_tiled_attention_calls,
+        saved_bytes_per_token,
+    )
+    from pipekit.memory.live_tensors import kept_bytes
+
+    model, rope = build_blocks(options)
+    head_dim = options.dim // options.heads
+    shape = LayerShape(options.dim, options.heads, options.kv_heads, head_dim, options.ffn_dim)
+    x = torch.randn(1, options.seq, options.dim, dtype=options.dtype, requires_grad=True)
+    attention_calls = causal_tiled_attention_calls(options.seq)
+    element = torch.finfo(options.dtype).bits // 8
+    figures = {}
+    for option in LAYER_OPTIONS:
+        blocks = list(with_option(model, option, options.every).layers.values())
+
+        def forward(blocks: list[torch.nn.Module] = blocks) -> torch.Tensor:
+            h = x * 1.0  # made here, so a block that keeps its input keeps this
+            for block in blocks:
+                h = block(h, rope)
+            return h
+
+        measured = kept_bytes(forward) / (options.seq * options.layers)
+        formula = saved_bytes_per_token(shape, option, element, options.every, attention_calls)
+        seconds = time_call(lambda forward=forward: forward().sum().backward(), 1, options.repeats)
+        figures[option] = (measured, formula, seconds)
+    return figures
+
+
+def arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipekit.bench activation-memory", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--ffn-dim", type=int, default=1536)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--every", type=int, default=2, help="k of every_k")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per option")
+    options = parser.parse_args(argv)
+    options.dtype = torch.float32
+    return options
+
+
+def main(argv: list[str]) -> None:
+    options = arguments(argv)
+    print(machine_description(), flush=True)
+    print(
+        f"{options.layers} Llama blocks (dim {options.dim}, {options.heads} query heads, "
+        f"{options.kv_heads} kv heads of {options.dim // options.heads}, FFN {options.ffn_dim}), "
+        f"1 x {options.seq} tokens, float32, one rank"
+    )
+    figures = layer_memory(options)
+    rows = [(option, *figures[option][:2], figures[option][0] / figures[option][1],
+             figures[option][2]) for option in figures]  # fmt: skip
+    print_table(["option", "kept bytes/token/layer", "formula", "measured/formula", "step s"], rows)
+    plain = figures["plain"][0]
+    print_result(
+        efficient_vs_plain=figures["efficient"][0] / plain,
+        selective_vs_plain=figures["selective"][0] / plain,
+        full_vs_plain=figures["full"][0] / plain,
+        max_formula_err=max(abs(row[3] - 1) for row in rows),
+    )

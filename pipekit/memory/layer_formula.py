@@ -1,0 +1,90 @@
+"""Bytes a Llama-style transformer layer keeps for its backward, per token, by option.
+
+In the manner of Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer
+Models", 34·s·b·h bytes per layer for GPT in fp16), adjusted for pipekit's layer: RMSNorm,
+grouped-query attention with a flash kernel (no score matrix; its output and one float32
+log-sum-exp per query head), and a SwiGLU FFN. With D the model dim, H query heads, G kv heads,
+K the head dim, F the FFN dim and e bytes per activation element, per token:
+
+- attention (every option without checkpointing): q, k, v (the kernel's inputs, after RoPE):
+  `(H + 2G) K e`; its output `H K e`, which is also the output projection's input (flash
+  kernels return it in `[B, S, H, K]` memory, so joining the heads is a view), and its
+  log-sum-exp `4 H`.
+- a norm, plain (autograd ops): its input, the normalised input and its output (which the next
+  projections save as their input): `3 D e`, and `1/rms` `4`; memory-efficient: its output
+  only (shared with the projections) and `4`.
+- the FFN: gate and up `2 F e`, the down projection's input `F e`, and the swish `F e` unless
+  the SwiGLU recomputes it (memory-efficient).
+- `full` checkpointing: the layer's input, `D e`; `every_k`: the average of full and none over
+  k layers; `selective` (keep matmuls and attention): the input, every projection's output
+  (`(2 D + (H + 2G) K + 2 F) e`) and each attention kernel call's output and log-sum-exp: one
+  call's worth for a kernel that takes the whole sequence (FlexAttention), `(n + 1) / 2` for
+  pipekit's CPU kernel, which tiles a causal sequence into n query blocks of 2048 (block i
+  calls the kernel on i + 1 key blocks).
+
+The residual stream itself is not kept: the residual additions save nothing, and a
+memory-efficient norm saves its output rather than its input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LAYER_OPTIONS", "LayerShape", "causal_tiled_attention_calls", "saved_bytes_per_token"]
+
+LAYER_OPTIONS = ("plain", "efficient", "selective", "full", "every_k")
+_FLOAT32 = 4
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The sizes that decide a layer's saved bytes."""
+
+    dim: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn_dim: int
+
+
+def _uncheckpointed(shape: LayerShape, element_bytes: int, efficient: bool) -> float:
+    d, h, g, k, f, e = (shape.dim, shape.heads, shape.kv_heads, shape.head_dim,
+                        shape.ffn_dim, element_bytes)  # fmt: skip
+    attention = (h + 2 * g) * k * e + h * k * e + _FLOAT32 * h
+    norm = (d if efficient else 3 * d) * e + _FLOAT32
+    ffn = (3 if efficient else 4) * f * e
+    return attention + 2 * norm + ffn
+
+
+def saved_bytes_per_token(
+    shape: LayerShape,
+    option: str,
+    element_bytes: int,
+    every: int = 2,
+    attention_calls: float = 1.0,
+) -> float:
+    """Bytes per token one layer keeps for its backward under `option` (`LAYER_OPTIONS`;
+    every option but `plain` uses the memory-efficient norm and SwiGLU); `every` is k of
+    `every_k`; `attention_calls`: the attention outputs' worth its kernel calls return (what
+    `selective` keeps; see the module doc)."""
+    d, h, g, k, f, e = (shape.dim, shape.heads, shape.kv_heads, shape.head_dim,
+                        shape.ffn_dim, element_bytes)  # fmt: skip
+    if option == "plain":
+        return _uncheckpointed(shape, e, efficient=False)
+    if option == "efficient":
+        return _uncheckpointed(shape, e, efficient=True)
+    if option == "full":
+        return d * e
+    if option == "every_k":
+        return (d * e + (every - 1) * _uncheckpointed(shape, e, efficient=True)) / every
+    if option == "selective":
+        projections = (2 * d + (h + 2 * g) * k + 2 * f) * e
+        return d * e + projections + attention_calls * (h * k * e + _FLOAT32 * h)
+    raise ValueError(f"layer option {option!r}: choose one of {', '.join(LAYER_OPTIONS)}")
+
+
+def causal_tiled_attention_calls(seq_len: int, block: int = 2048) -> float:
+    """Attention outputs' worth a causal kernel tiled in query and key blocks of `block`
+    returns over `seq_len` tokens: `(n + 1) / 2` for n query blocks."""
+    blocks = -(-seq_len // block)
+    return (blocks + 1) / 2

@@ -1,0 +1,75 @@
+"""Activation memory: the memory-efficient RMSNorm and SwiGLU against their autograd-op forms
+(float64, values and gradients); what Llama layers keep per token under each option, measured
+and held to the formula exactly, so the test fails if the SwiGLU recompute, the norm's trick or
+a checkpointing mode were silently off; every checkpointing mode's gradients equal none's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipekit.bench.activation_memory import arguments, build_blocks, layer_memory, with_option
+from pipekit.layers.norms import rms_norm, rms_norm_reference
+from pipekit.layers.swiglu import swiglu, swiglu_reference
+from pipekit.memory.layer_formula import LAYER_OPTIONS
+
+SMALL = ["--seq", "64", "--dim", "64", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "192",
+         "--repeats", "1"]  # fmt: skip
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _value_and_grads(fn, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    upstream = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    (out * upstream).sum().backward()
+    return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+
+def test_memory_efficient_norm_and_swiglu_match_their_references_fp64() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 16, dtype=torch.float64, generator=generator)
+    weight = torch.randn(16, dtype=torch.float64, generator=generator)  # signs of both kinds
+    gate, up = (torch.randn(2, 8, 32, dtype=torch.float64, generator=generator) for _ in "gu")
+    eps = 1e-5
+    pairs = (
+        (lambda x, w: rms_norm(x, w, eps), lambda x, w: rms_norm_reference(x, w, eps), (x, weight)),
+        (swiglu, swiglu_reference, (gate, up)),
+    )
+    for efficient, reference, inputs in pairs:
+        got, want = _value_and_grads(efficient, *inputs), _value_and_grads(reference, *inputs)
+        for g, w in zip(got, want, strict=True):
+            assert _relative(g, w) <= 1e-12
+
+
+def test_each_option_keeps_what_the_formula_says() -> None:
+    """Measured kept bytes equal the formula for every option; with the norm and SwiGLU as
+    autograd ops, or checkpointing off, they would equal another option's formula instead."""
+    figures = layer_memory(arguments(SMALL))
+    for option, (measured, formula, _) in figures.items():
+        assert measured == pytest.approx(formula, rel=1e-9), (option, measured, formula)
+    kept = {option: figures[option][0] for option in LAYER_OPTIONS}
+    assert kept["plain"] > kept["efficient"] > kept["selective"] > kept["full"]
+    assert kept["full"] < kept["every_k"] < kept["efficient"]
+
+
+def test_checkpointing_modes_give_the_same_gradients_fp64() -> None:
+    options = arguments(SMALL)
+    options.dtype = torch.float64
+    model, rope = build_blocks(options)
+    x = torch.randn(1, options.seq, options.dim, dtype=torch.float64)
+    grads = {}
+    for option in LAYER_OPTIONS:
+        copied = with_option(model, option, options.every)
+        h = x
+        for block in copied.layers.values():
+            h = block(h, rope)
+        h.pow(2).sum().backward()
+        grads[option] = [p.grad for p in copied.parameters() if p.grad is not None]
+    for option in LAYER_OPTIONS:
+        assert len(grads[option]) == len(grads["plain"])
+        for got, want in zip(grads[option], grads["plain"], strict=True):
+            assert _relative(got, want) <= 1e-12, option
