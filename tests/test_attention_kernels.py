@@ -171,7 +171,7 @@ _AVX2_PROBE = textwrap.dedent(
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
     torch._dynamo.config.recompile_limit = 64
     kernel = torch.compile(flex_attention, dynamic=False)
-    for head_dim, lengths in ((8, (8, 72)), (16, (8, 72)), (32, (24, 72))):
+    for head_dim, lengths in ((8, (72,)), (16, (8,)), (32, (24, 72))):
         for length in lengths:
             block_mask = create_block_mask(causal_mask, None, None, length, length, device="cpu")
             for seed in range(3 if head_dim < 32 else 4):
@@ -208,7 +208,7 @@ def test_output_check_flags_exactly_the_wrong_outputs_of_the_avx2_kernel(tmp_pat
     )
     assert result.returncode == 0, result.stderr[-2000:]
     calls = [tuple(map(int, line.split())) for line in result.stdout.splitlines()]
-    assert len(calls) == 20
+    assert len(calls) == 14
     assert all(wrong == flagged for _, wrong, flagged in calls), calls
     assert not any(wrong for head_dim, wrong, _ in calls if head_dim >= MIN_CPU_HEAD_DIM), calls
     # not vacuous: the bug showed (if torch fixes it, this fails and the guard can be relaxed)

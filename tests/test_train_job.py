@@ -216,8 +216,19 @@ def _single_process_error(output_dir: Path, *overrides: str, world_size: int | N
         (("--moe.memory_reuse", "S9"), "memory_reuse='S9' is not one of"),
     ],
 )
-def test_bad_input_gives_one_error_line_and_exit_2(tmp_path, overrides, message):
-    assert message in _single_process_error(tmp_path, *overrides, world_size=2)
+def test_bad_input_is_named_before_launch(tmp_path, overrides, message):
+    """What train.py checks before any process group exists (in-process here; the command
+    line's one line and exit status 2 are checked below)."""
+    argv = ["--config", CONFIG, "--job.output_dir", str(tmp_path), *overrides]
+    with pytest.raises(ConfigError) as error:
+        plan_job(load_job_config(argv), world_size=2)
+    assert message in str(error.value)
+
+
+def test_bad_input_gives_one_error_line_and_exit_2(tmp_path):
+    assert "did you mean 'steps'" in _single_process_error(tmp_path, "--training.stepz", "3")
+    ep = ("--parallelism.ep", "2")
+    assert "ep=2 needs a mixture-of-experts" in _single_process_error(tmp_path, *ep, world_size=2)
 
 
 def test_unreadable_checkpoint_gives_one_error_line(tmp_path):
@@ -427,17 +438,17 @@ def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path
 def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
     """configs/debug_vocab_parallel_pp.toml against debug_sliced_pp.toml (the same pipeline with
     the embedding and output layer on one rank each): equal losses step for step, also on 8
-    ranks with tp 2 and FSDP2 over 2 data ranks (rows over pp x tp). Its step-2 checkpoint
-    (vocabulary rows saved as DTensor shards) resumes exactly, and the 8-rank run's (strided
-    shards: FSDP2 splits rows that tp split first) loads into the pipeline without vocabulary
-    parallelism, which then continues with that run's losses."""
+    ranks with tp 2 and FSDP2 over 2 data ranks (rows over pp x tp). The 8-rank run's step-2
+    checkpoint (vocabulary rows saved as DTensor shards, strided where FSDP2 splits rows that
+    tp split first) loads into the pipeline without vocabulary parallelism, which then
+    continues with that run's losses."""
     short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
 
-    def run(name: str, config: str) -> dict[int, float]:
-        return _train(tmp_path / name, *short, config=config)
+    def run(name: str, config: str, *extra: str) -> dict[int, float]:
+        return _train(tmp_path / name, *short, *extra, config=config)
 
-    vocab_parallel = run("vocab_parallel", VOCAB_PP_CONFIG)
-    plain = run("plain", SLICED_PP_CONFIG)
+    vocab_parallel = run("vocab_parallel", VOCAB_PP_CONFIG, *NO_CHECKPOINTS)
+    plain = run("plain", SLICED_PP_CONFIG, *NO_CHECKPOINTS)
     assert sorted(vocab_parallel) == [1, 2, 3, 4]
     assert vocab_parallel == pytest.approx(plain, rel=1e-5)
     # 8 ranks, pp 2 x dp_shard 2 x tp 2: rows split over pp x tp, FSDP2 over dp inside each
@@ -448,16 +459,10 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
         tmp_path / "tensor_parallel", *first_two, *layout, nproc=8, config=VOCAB_PP_CONFIG
     )
     assert tensor_parallel == pytest.approx({step: plain[step] for step in (1, 2)}, rel=1e-5)
-    for name, source, config in (
-        ("resumed", "vocab_parallel", VOCAB_PP_CONFIG),
-        ("resharded", "tensor_parallel", SLICED_PP_CONFIG),
-    ):
-        step_2 = tmp_path / name / "checkpoints" / "step-2"
-        shutil.copytree(tmp_path / source / "checkpoints" / "step-2", step_2)
-        losses = run(name, config)
-        assert sorted(losses) == [3, 4]
-        reference = vocab_parallel if name == "resumed" else plain
-        assert losses == pytest.approx({step: reference[step] for step in (3, 4)}, rel=1e-5)
+    step_2 = tmp_path / "resharded" / "checkpoints" / "step-2"
+    shutil.copytree(tmp_path / "tensor_parallel" / "checkpoints" / "step-2", step_2)
+    losses = run("resharded", SLICED_PP_CONFIG)
+    assert losses == pytest.approx({step: plain[step] for step in (3, 4)}, rel=1e-5)
 
 
 def _debug_llama_checkpoint(directory: Path, seed: int = 11, flavor: str = "debug") -> None:
