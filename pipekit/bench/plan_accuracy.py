@@ -119,14 +119,24 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per config")
+    parser.add_argument(
+        "--configs",
+        default=",".join(_CONFIGS),
+        help=f"comma-separated subset of: {', '.join(_CONFIGS)} (default: all)",
+    )
     options = parser.parse_args(argv)
+    chosen = [name.strip() for name in options.configs.split(",")]
+    unknown = [name for name in chosen if name not in _CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; choose among {', '.join(_CONFIGS)}")
     print(machine_description(), flush=True)
     folder = tempfile.mkdtemp(prefix="pipekit-plan-accuracy-")
     rows, errors = [], []
     try:
         dense = str(Path(folder, "dense"))
         _dense_checkpoint(Path(dense))
-        for name, (_, ranks, _) in _CONFIGS.items():
+        for name in chosen:
+            ranks = _CONFIGS[name][1]
             argv_ = _argv(name, options, str(Path(folder, name.replace(" ", "_"))), dense)
             plan = plan_memory(plan_job(load_job_config(argv_), ranks, check_files=False))
             planned = {memory.layout.pipeline_rank: memory for memory in plan.ranks}
