@@ -47,15 +47,6 @@ class LayerShape:
     ffn_dim: int
 
 
-def _uncheckpointed(shape: LayerShape, element_bytes: int, efficient: bool) -> float:
-    d, h, g, k, f, e = (shape.dim, shape.heads, shape.kv_heads, shape.head_dim,
-                        shape.ffn_dim, element_bytes)  # fmt: skip
-    attention = (h + 2 * g) * k * e + h * k * e + _FLOAT32 * h
-    norm = (d if efficient else 3 * d) * e + _FLOAT32
-    ffn = (3 if efficient else 4) * f * e
-    return attention + 2 * norm + ffn
-
-
 def saved_bytes_per_token(
     shape: LayerShape,
     option: str,
@@ -69,14 +60,18 @@ def saved_bytes_per_token(
     `selective` keeps; see the module doc)."""
     d, h, g, k, f, e = (shape.dim, shape.heads, shape.kv_heads, shape.head_dim,
                         shape.ffn_dim, element_bytes)  # fmt: skip
-    if option == "plain":
-        return _uncheckpointed(shape, e, efficient=False)
-    if option == "efficient":
-        return _uncheckpointed(shape, e, efficient=True)
+    attention = (h + 2 * g) * k * e + h * k * e + _FLOAT32 * h
+
+    def uncheckpointed(efficient: bool) -> float:
+        norm = (d if efficient else 3 * d) * e + _FLOAT32
+        return attention + 2 * norm + (3 if efficient else 4) * f * e
+
+    if option in ("plain", "efficient"):
+        return uncheckpointed(efficient=option == "efficient")
     if option == "full":
         return d * e
     if option == "every_k":
-        return (d * e + (every - 1) * _uncheckpointed(shape, e, efficient=True)) / every
+        return (d * e + (every - 1) * uncheckpointed(efficient=True)) / every
     if option == "selective":
         projections = (2 * d + (h + 2 * g) * k + 2 * f) * e
         return d * e + projections + attention_calls * (h * k * e + _FLOAT32 * h)

@@ -200,7 +200,6 @@ def _vocab_parallel(
         last_rank=plan.stage_rank(plan.num_stages - 1),
         group=group,
         tensor_group=new_group_along(mesh, "tp") if "tp" in row_dims else None,
-        sequence_parallel=plan.sequence_shards > 1,
         module_names=(embedding_name, output_name),
         lockstep=plan.context_exchange,
     )

@@ -138,7 +138,7 @@ class PipelineVocabParallel(PipelineExtension):
     this rank's rows of the split over their group (the pipeline ranks, or pipeline x tp);
     `group` is the pipeline ranks of this rank's tp coordinate, in which `first_rank` and
     `last_rank` hold the first and the last stage. `tensor_group`: this rank's tp ranks (None
-    without tp); `sequence_parallel`: whether a stage's rank holds its tp share of the tokens.
+    without tp); a stage's rank holds its tp share of the tokens when `shapes` says so.
     `module_names` are the model's names for the two (their checkpoint names). With `lockstep`,
     output passes go at lockstep cuts, which never part two passes of one lockstep moment
     (context exchange pairs those).
@@ -157,7 +157,6 @@ class PipelineVocabParallel(PipelineExtension):
         last_rank: int,
         group: dist.ProcessGroup,
         tensor_group: dist.ProcessGroup | None = None,
-        sequence_parallel: bool = False,
         module_names: tuple[str, str] = ("embedding", "output"),
         lockstep: bool = False,
     ) -> None:
@@ -168,7 +167,7 @@ class PipelineVocabParallel(PipelineExtension):
                 "first and the last stage itself"
             )
         self.embedding, self.output, self.shapes, self.group = embedding, output, shapes, group
-        self.tensor_group, self.sequence_parallel = tensor_group, sequence_parallel
+        self.tensor_group = tensor_group
         self.module_names, self.lockstep = module_names, lockstep
         self.rank = dist.get_rank(group)
         self.first_rank, self.last_rank = first_rank, last_rank
@@ -285,7 +284,7 @@ class PipelineVocabParallel(PipelineExtension):
         under sequence parallelism."""
         if self.tensor_group is None:
             return partial
-        if self.sequence_parallel:
+        if self.shapes.sequence_shards > 1:
             return _reduce_scatter_along(partial, sequence_dim, self.tensor_group)
         dist.all_reduce(partial, group=self.tensor_group)
         return partial
@@ -293,7 +292,7 @@ class PipelineVocabParallel(PipelineExtension):
     def _gather_sequence(self, local: Tensor, sequence_dim: int) -> Tensor:
         """Under sequence parallelism, every tp rank's tokens (a rank's vocabulary rows see all
         of them); else `local` itself, already whole."""
-        if self.tensor_group is None or not self.sequence_parallel:
+        if self.tensor_group is None or self.shapes.sequence_shards == 1:
             return local
         return _all_gather_along(local, sequence_dim, self.tensor_group)
 
