@@ -32,6 +32,7 @@ __all__ = [
     "local_shape_and_offset",
     "more_recompiles",
     "simulated_rank",
+    "storage_holders",
 ]
 
 # (q, k, v, dropout_p=0., is_causal=False, *, attn_mask=None, scale=None) -> (out, logsumexp).
@@ -127,3 +128,10 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     flattened helper.
     """
     return DeviceMesh._concatenate(meshes)
+
+
+def storage_holders(tensor: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share `tensor`'s storage, this call's temporary
+    excluded (`torch._C._storage_Use_Count`): activation offload moves a storage only when the
+    saved tensors are all that hold it, so moving it frees its memory."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1

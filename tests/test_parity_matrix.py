@@ -55,6 +55,7 @@ from pipekit.models import get_model_spec
 from pipekit.models.upcycling import UpcycleSpec
 from pipekit.moe import MoEArgs
 from pipekit.moe.expert_parallel import expert_parameters
+from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
 from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
@@ -130,6 +131,11 @@ ROWS_ = [
     ),
     Row("sliced v=1", pipeline=SLICED, ablation="drop_kv_cache_grads"),
     Row("sliced v=2", pipeline=SLICED | {"stages_per_rank": 2}, ablation="drop_kv_cache_grads"),
+    Row(  # every far-from-backward slice's movable activations go to a file and come back
+        "sliced + activation offload",
+        pipeline=SLICED | {"activation_offload": 1.0},
+        ablation="offloaded_bytes_lost",
+    ),
     Row(  # every block recomputes its slice in backward but the matmuls and attention
         "sliced + selective checkpointing",
         pipeline=SLICED | {"activation_checkpoint": "selective"},
@@ -288,6 +294,11 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
             vocab._sum_over_tensor_ranks = lambda partial, sequence_dim: partial.chunk(
                 ranks, sequence_dim
             )[rank].clone()
+        elif name == "offloaded_bytes_lost":  # what comes back from the file is zeros
+            offload = runner.extension("activation_offload")
+            assert isinstance(offload, PipelineActivationOffload)
+            store, read = offload.offloader.store, offload.offloader.store.get
+            store.get = lambda ticket, device: torch.zeros_like(read(ticket, device))
         elif name == "aux_statistics_per_slice":
             for stage in runner.stages:
                 stage._sequence = lambda *_: nullcontext()

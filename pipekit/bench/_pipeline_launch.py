@@ -261,6 +261,7 @@ def build_runner(
     rows: int,
     vocab_parallel: bool = False,
     context_exchange: bool = False,
+    activation_offload: float | str = 0.0,
 ) -> PipelineRunner:
     """This rank's runner of `schedule` over an evenly split Llama (equal layers per stage), by
     the one pipeline builder; every rank of the world calls it together.
@@ -269,7 +270,7 @@ def build_runner(
     Embedding and output get no extra weight in the split: SlimPipe's Table 2 compares equal
     stages, and so do the throughput figures. With `vocab_parallel` the embedding and output
     rows are split over the ranks instead. With `context_exchange` the sliced passes exchange
-    attention context.
+    attention context. `activation_offload` is the parallelism setting of that name.
     """
     del rank  # the mesh knows it
     family = get_model_spec("llama")
@@ -285,6 +286,7 @@ def build_runner(
         pipeline_output_cost=0.0,
         vocab_parallel=vocab_parallel,
         context_exchange=context_exchange,
+        activation_offload=activation_offload,
     )
     plan = plan_pipeline(parallelism, family.structure, family.shape(args), rows, args.max_seq_len)
     mesh = init_device_mesh("cpu", (num_ranks,), mesh_dim_names=("pp",))

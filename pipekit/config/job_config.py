@@ -229,6 +229,14 @@ class ParallelismConfig:
     """Balance causal attention between pipeline ranks: a heavy pass lends part of its attention
     to a light one running at the same time (SlimPipe §4.2; sliced or user schedules; see
     docs/context_exchange.md)."""
+    activation_offload: float | list[float] | str = 0.0
+    """Pipeline-aware activation offload: the share of each far-from-backward unit's saved
+    activations moved off the device after its forward and back one action ahead of its
+    backward (a file on CPU, pinned host memory on CUDA); one number for every pipeline
+    rank, a list of one per rank, or "auto" (each rank down to the least loaded rank's peak;
+    docs/activation_memory.md). Pipelines only; 0 turns it off."""
+    activation_offload_dir: str = ""
+    """On CPU, the folder of the offload file (empty: the system's temporary folder)."""
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows from the data-parallel ranks)."""
     collective_timeout_s: int = 300

@@ -31,7 +31,9 @@ __all__ = [
     "STAGE_INPUTS",
     "ActivationMemoryTracker",
     "MemoryReport",
+    "SavedHandle",
     "active_memory_tracker",
+    "hold_saved",
     "track_tensor",
     "untrack_tensor",
 ]
@@ -101,7 +103,7 @@ class ActivationMemoryTracker:
     def __enter__(self) -> ActivationMemoryTracker:
         if self._hooks is not None:
             raise RuntimeError("this ActivationMemoryTracker is already entered; nest a new one")
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(hold_saved, SavedHandle.unpack)
         self._hooks.__enter__()
         _ACTIVE.append(self)
         return self
@@ -198,8 +200,11 @@ def untrack_tensor(category: str, tensor: torch.Tensor) -> None:
         tracker.untrack(category, tensor)
 
 
-class _SavedHandle:
-    """What autograd holds instead of a saved tensor; releases the storage when freed."""
+class SavedHandle:
+    """What autograd holds instead of a saved tensor; releases the storage when freed.
+
+    Saved-tensor hooks nested inside the trackers' (activation offload) hold their tensors
+    through one of these (`hold_saved`), so the trackers still count them."""
 
     __slots__ = ("held", "tensor", "version")
 
@@ -214,23 +219,24 @@ class _SavedHandle:
         for tracker, key in self.held:
             tracker._release(SAVED, key)
 
+    def unpack(self) -> torch.Tensor:
+        """The saved tensor, after autograd's check that nothing modified it in place."""
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                f"a tensor saved for backward {tuple(self.tensor.shape)} was modified in place "
+                f"(version {self.version} when saved, {self.tensor._version} now)"
+            )
+        return self.tensor
 
-def _pack(tensor: torch.Tensor) -> _SavedHandle:
-    handle = _SavedHandle(tensor)
+
+def hold_saved(tensor: torch.Tensor) -> SavedHandle:
+    """Hold a tensor saved for backward, counted by every entered tracker until released."""
+    handle = SavedHandle(tensor)
     for tracker in _ACTIVE:
         if (found := tracker._countable(tensor)) is not None:
             tracker._acquire(SAVED, *found)
             handle.held.append((tracker, found[0]))
     return handle
-
-
-def _unpack(handle: _SavedHandle) -> torch.Tensor:
-    if handle.tensor._version != handle.version:
-        raise RuntimeError(
-            f"a tensor saved for backward {tuple(handle.tensor.shape)} was modified in place "
-            f"(version {handle.version} when saved, {handle.tensor._version} now)"
-        )
-    return handle.tensor
 
 
 def _storage_of(tensor: torch.Tensor) -> tuple[_StorageKey, int] | None:

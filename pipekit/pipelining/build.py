@@ -11,9 +11,9 @@ shard). Each stage is a view sharing the rank
 copy's modules, so the optimizer, checkpoints and gradient clipping see one model. The features
 the plan turns on become the pipeline's extensions: vocabulary parallelism (its shards are
 built here, filled with the unsplit model's rows, and set on the rank model under the model's
-own names) and context exchange, each on a process group of its own. A tied model's embedding
-and output get a copy each, kept equal by `TiedWeights` (a step-level extension the schedule
-does not carry).
+own names) and context exchange, each on a process group of its own, and activation offload
+(`RELOAD` actions in the schedule). A tied model's embedding and output get a copy each, kept
+equal by `TiedWeights` (a step-level extension the schedule does not carry).
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pipekit.attention.exchange import DEFAULT_LOAN_TIMEOUT
 from pipekit.distributed.process_group import new_group_along, new_group_between
+from pipekit.memory.offload_store import store_for
 from pipekit.models.stage_module import (
     build_stage_module,
     validate_stage_module_names,
 )
+from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
 from pipekit.pipelining.features.tied_weights import TiedWeights, untie_vocabulary
@@ -75,6 +77,8 @@ class StageSetup:
     """Dtype of the activations and gradients stages send each other."""
     collective_timeout: timedelta = DEFAULT_LOAN_TIMEOUT
     """How long a feature's receive waits for a peer before it names the pair and fails."""
+    offload_dir: str = ""
+    """Folder of the activation offload file on CPU (empty: the system's temporary folder)."""
 
 
 def build_pipeline(
@@ -123,6 +127,9 @@ def build_pipeline(
         )
     if plan.vocab_parallel:
         extensions.append(_vocab_parallel(plan, model, rank_model, mesh, setup, shapes))
+    if plan.activation_offload:
+        store = store_for(setup.device, setup.offload_dir or None)
+        extensions.append(PipelineActivationOffload(rank, plan.activation_offload, store))
     stages = []
     for stage_index in indices:
         if len(indices) == 1 and not plan.vocab_parallel:  # the rank model is the stage

@@ -14,6 +14,7 @@ from pipekit.config.job_config import ParallelismConfig
 from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.pipelining._torch_runtime import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
 from pipekit.pipelining.features.exchange_plan import plan_context_exchange
+from pipekit.pipelining.features.offload_plan import resolve_offload_ratios
 from pipekit.pipelining.features.output_passes import with_output_passes
 from pipekit.pipelining.model_split.partition import (
     blocks_per_stage,
@@ -58,11 +59,19 @@ class PipelinePlan:
     sequence_shards: int = 1
     """Sequence parallelism's tp ranks: hidden states between stages hold `slice_length /
     sequence_shards` tokens."""
+    activation_offload: tuple[float, ...] = ()
+    """Per pipeline rank, the share of an offloaded unit's activations moved off the device
+    (`features.offload_plan`); () when nothing is offloaded."""
 
     @property
     def features(self) -> frozenset[str]:
         """The pipeline features the plan turns on (registry names)."""
-        return _features(self.vocab_parallel, self.context_exchange, self.context_parallel)
+        return _features(
+            self.vocab_parallel,
+            self.context_exchange,
+            self.context_parallel,
+            bool(self.activation_offload),
+        )
 
     @property
     def modules_outside_stages(self) -> tuple[str, ...]:
@@ -113,7 +122,12 @@ def plan_pipeline(
             "sequences (global_batch_size / (data-parallel degree x gradient_accumulation_steps))"
         )
     shape = ScheduleShape(num_ranks, num_microbatches, num_slices, stages_per_rank)
-    features = _features(parallelism.vocab_parallel, parallelism.context_exchange, parallelism.cp)
+    features = _features(
+        parallelism.vocab_parallel,
+        parallelism.context_exchange,
+        parallelism.cp,
+        bool(parallelism.activation_offload),
+    )
     entry.check(shape, features)
     if entry.actions is None:
         where = f"pipeline_schedule_file={schedule_file!r}" if schedule_file else "the schedule"
@@ -174,6 +188,7 @@ def plan_pipeline(
         _check_sequence_parallel(parallelism, seq_len // num_slices // parallelism.cp)
     if parallelism.vocab_parallel:  # the output passes must fit the schedule without deadlock
         with_output_passes(actions_by_rank, num_slices, lockstep=parallelism.context_exchange)
+    offload = resolve_offload_ratios(parallelism.activation_offload, actions_by_rank)
     return PipelinePlan(
         schedule=entry.name,
         num_ranks=num_ranks,
@@ -192,15 +207,19 @@ def plan_pipeline(
         context_parallel=parallelism.cp,
         context_parallel_variant=parallelism.cp_variant,
         sequence_shards=sequence_shards,
+        activation_offload=offload,
     )
 
 
-def _features(vocab_parallel: bool, context_exchange: bool, cp: int) -> frozenset[str]:
+def _features(
+    vocab_parallel: bool, context_exchange: bool, cp: int, offload: bool = False
+) -> frozenset[str]:
     """The registry names of the features these settings turn on."""
     on = {
         "vocab_parallel": vocab_parallel,
         "context_exchange": context_exchange,
         "context_parallel": cp > 1,
+        "activation_offload": offload,
     }
     return frozenset(name for name, enabled in on.items() if enabled)
 

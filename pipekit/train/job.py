@@ -11,6 +11,7 @@ the launch (`python -m pipekit.config.dump`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,9 @@ def plan_job(config: JobConfig, world_size: int | None, *, check_files: bool = T
     pipeline = _pipeline(config, spec, args, shape, dims, local_batch) if dims.pp > 1 else None
     if config.parallelism.vocab_parallel:
         _check_vocab_parallel(shape, dims.pp, dims.tp)
+    offload = pipeline.activation_offload if pipeline else config.parallelism.activation_offload
+    if offload:
+        _check_activation_offload(config, dims.pp)
     return Job(config, spec, args, shape, upcycle, dims, pipeline, local_batch)
 
 
@@ -317,6 +321,30 @@ def _pipeline(
     except ValueError as error:
         raise _error("[parallelism]", error) from None
     return plan
+
+
+def _check_activation_offload(config: JobConfig, pp: int) -> None:
+    """Offload follows the pipeline's schedule, and moves what autograd saves through its
+    hooks: activation checkpointing keeps its tensors in its own."""
+    setting = config.parallelism.activation_offload
+    if pp < 2:
+        raise ConfigError(
+            f"[parallelism] activation_offload={setting!r} follows a pipeline's schedule; set "
+            "pipeline_parallel_degree >= 2 or activation_offload = 0"
+        )
+    checkpoint = config.training.activation_checkpoint
+    if checkpoint != "none":
+        raise ConfigError(
+            f"[parallelism] activation_offload={setting!r} with [training] activation_checkpoint="
+            f"{checkpoint!r}: checkpointed blocks keep their tensors inside torch's checkpoint, "
+            "out of the offload's reach; use one of the two"
+        )
+    directory = config.parallelism.activation_offload_dir
+    if directory and not os.access(directory, os.W_OK):
+        raise ConfigError(
+            f"[parallelism] activation_offload_dir={directory!r} is not a writable folder; "
+            "create it or leave it empty for the system's temporary folder"
+        )
 
 
 def _check_vocab_parallel(shape: ModelShape, pp: int, tp: int) -> None:

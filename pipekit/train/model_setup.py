@@ -131,6 +131,7 @@ class _ModelSetup:
             attention_backend=config.model.attention_backend,
             message_dtype=self.compute_dtype,
             collective_timeout=timedelta(seconds=config.parallelism.collective_timeout_s),
+            offload_dir=config.parallelism.activation_offload_dir,
         )
 
     def materialize(self, module: nn.Module) -> None:

@@ -10,6 +10,7 @@ fixed points, so no schedule, stage or runner signature grows a keyword per feat
 | `extra_actions` | once: actions of the feature's own types, and where | vocabulary output passes |
 | `run_action` | when the runtime reaches one of those actions | an output pass on a rank |
 | `stage_context` / `after_forward` | around each forward of a stage | wrap attention for a loan |
+| `forward_scope` | a context the forward runs in | saved-tensor hooks of an offload |
 | `loss_fn` | once: the last stage's loss | the vocabulary-parallel loss |
 | `begin_step` / `end_step` | around each step | embed tokens / their backward |
 | `row_sharded_parameters` | checkpointing | vocabulary rows per rank |
@@ -21,7 +22,9 @@ must not queue behind the stages' sends (an NCCL send blocks until it is receive
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch.distributed as dist
@@ -68,6 +71,12 @@ class PipelineExtension:
         """The attention context of `unit`'s forward on stage `stage_index` (default:
         unchanged); `training` says whether a backward will follow."""
         return context
+
+    def forward_scope(
+        self, stage_index: int, unit: int, training: bool
+    ) -> AbstractContextManager[None]:
+        """A context `unit`'s forward on stage `stage_index` runs inside (default: none)."""
+        return contextlib.nullcontext()
 
     def after_forward(self, stage_index: int, unit: int, context: AttentionContext) -> None:
         """After `unit`'s forward on stage `stage_index`, with the context `stage_context`

@@ -17,6 +17,7 @@ Legend: B microbatch rows, S slice length, D model dim, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -140,7 +141,11 @@ class SlicedPipelineStage(PipelineStage):
                 self.stage_index, fwd_chunk_id, self.has_backward, context
             )
         stage_kwargs["attention_context"] = context
-        with self._sequence(microbatch, slice_index):
+        with self._sequence(microbatch, slice_index), contextlib.ExitStack() as scopes:
+            for extension in self.extensions:
+                scopes.enter_context(
+                    extension.forward_scope(self.stage_index, fwd_chunk_id, self.has_backward)
+                )
             output = self._observed(
                 FORWARD,
                 fwd_chunk_id,

@@ -30,7 +30,7 @@ __all__ = [
     "schedule_names",
 ]
 
-FEATURES = ("vocab_parallel", "context_exchange", "context_parallel")
+FEATURES = ("vocab_parallel", "context_exchange", "context_parallel", "activation_offload")
 """The pipeline features a schedule may support (`pipelining.features`)."""
 
 
@@ -97,7 +97,8 @@ def _sliced(shape: ScheduleShape) -> dict[int, list[Action]]:
 def _torch_entry(name: str, **rules: object) -> ScheduleEntry:
     """torch's schedule `name`: its own class without features; its lists (read from that
     class) with vocabulary parallelism, whose output passes go between its actions, or with
-    context parallelism, which wraps each pass's attention. Context exchange needs sliced
+    context parallelism, which wraps each pass's attention, or with activation offload, whose
+    reloads go between its actions. Context exchange needs sliced
     passes, which torch's schedules do not run."""
 
     def actions(shape: ScheduleShape) -> dict[int, list[Action]]:
@@ -105,7 +106,7 @@ def _torch_entry(name: str, **rules: object) -> ScheduleEntry:
             name, shape.num_ranks, shape.num_microbatches, shape.stages_per_rank
         )
 
-    features = frozenset({"vocab_parallel", "context_parallel"})
+    features = frozenset({"vocab_parallel", "context_parallel", "activation_offload"})
     return ScheduleEntry(name, actions, features=features, torch_class=name, **rules)
 
 
