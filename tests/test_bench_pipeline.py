@@ -45,6 +45,16 @@ def test_pipeline_memory_bench_sliced_saves_memory_and_prints_formula():
     assert 0 < figures["sliced_v2_vs_1f1b"] < figures["sliced_vs_1f1b"] < 1
 
 
+def test_pipeline_memory_bench_offload_keeps_gradients_and_lowers_resident_bytes():
+    figures = _run_bench(
+        "pipeline-memory", "--pp", "2", "--slices", "4", "--microbatches", "2", "--seq", "64",
+        "--offload", "0.9", *TINY_MODEL,
+    )  # fmt: skip
+    assert figures["max_difference"] == 0.0  # bit for bit
+    assert figures["offload_resident_ratio"] < 0.8
+    assert figures["offload_resident_ratio"] == pytest.approx(figures["predicted"], rel=0.1)
+
+
 def test_pipeline_throughput_bench_prints_both_allocator_ratios():
     figures = _run_bench(
         "pipeline-throughput", "--pp", "2", "--slices", "4", "--microbatches", "2",

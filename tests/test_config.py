@@ -135,6 +135,9 @@ def test_print_config_prints_the_checked_resolved_config():
     assert "[training]\nsteps = 50\n" in result.stdout
 
 
+_PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
 @pytest.mark.parametrize(
     ("argv", "world_size", "message"),
     [
@@ -155,6 +158,32 @@ def test_print_config_prints_the_checked_resolved_config():
         (["--model.attention_backend", "fast"], 1, "attention_backend='fast' is not one of"),
         (["--lr_scheduler.warmup_steps", "500", "--training.steps", "10"], 1, "warmup_steps=500"),
         (["--training.seq_len", "0"], 1, "seq_len=0 must be positive"),
+        (["--parallelism.activation_offload", "0.5"], 1, "follows a pipeline's schedule"),
+        ([*_PP2, "--parallelism.activation_offload", "1.5"], 2, r"must be in \[0, 1\]"),
+        ([*_PP2, "--parallelism.activation_offload", "0.5;0.5;0.5"], 2, "3 ratios for 2"),
+        ([*_PP2, "--parallelism.activation_offload", "most"], 2, "must be a number in"),
+        (
+            [
+                *_PP2,
+                "--parallelism.activation_offload",
+                "auto",
+                "--training.activation_checkpoint",
+                "selective",
+            ],
+            2,
+            "out of the offload's reach",
+        ),
+        (
+            [
+                *_PP2,
+                "--parallelism.activation_offload",
+                "0.5",
+                "--parallelism.activation_offload_dir",
+                "/no/such/folder",
+            ],
+            2,
+            "is not a writable folder",
+        ),
     ],
 )
 def test_cross_field_rules_say_how_to_fix(argv, world_size, message):

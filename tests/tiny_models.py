@@ -60,13 +60,15 @@ def tiny_pipeline(
     context_exchange: bool = False,
     user_actions: dict | None = None,
     checkpoint_activations: bool = False,
+    activation_offload: float | str = 0.0,
     parallelize=None,
 ) -> PipelineRunner:
     """This rank's pipeline runner of TINY_LLAMA with one layer per stage (`num_layers` split
     evenly otherwise), initialised from `seed` in `dtype`, cpu attention, built by pipekit's one
     builder from a plan (`rows` is the local batch, `mesh` the world mesh with a "pp" dim);
     optionally with every block's activations checkpointed, vocabulary parallelism, context
-    exchange, a user schedule (`user_actions`), or `parallelize` applied to each stage."""
+    exchange, activation offload, a user schedule (`user_actions`), or `parallelize` applied to
+    each stage."""
     num_ranks = mesh["pp"].size()
     num_layers = num_layers or num_ranks * stages_per_rank
     args = TINY_LLAMA.with_updates(n_layers=num_layers, max_seq_len=64, vocab_size=vocab_size)
@@ -79,6 +81,7 @@ def tiny_pipeline(
         microbatches=microbatches,
         vocab_parallel=vocab_parallel,
         context_exchange=context_exchange,
+        activation_offload=activation_offload,
     )
     spec = get_model_spec("llama")
     plan = plan_pipeline(

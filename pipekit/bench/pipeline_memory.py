@@ -14,6 +14,9 @@ table shows what each schedule's own action list predicts: the most units (micro
 slices, per stage) in flight on the rank, in microbatch equivalents. Table 2 assumes enough
 microbatches for every warm-up to fill; where `--microbatches` is too few for interleaved 1F1B,
 a second interleaved row runs with the fewest that fill it.
+
+With `--offload auto|<ratio>` the bench compares the sliced schedule with and without
+pipeline-aware activation offload instead (`pipekit.bench.pipeline_offload`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pipekit.bench._pipeline_launch import (
     synthetic_batch,
 )
 from pipekit.bench._report import print_result, print_table
+from pipekit.bench.pipeline_offload import parse_offload, run_offload_comparison
 from pipekit.memory.tracker import ActivationMemoryTracker
 from pipekit.pipelining.schedules.sliced import peak_units_in_flight
 
@@ -133,6 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_pipeline_arguments(parser, pp=4, slices=16, microbatches=4, seq=4096)
     add_model_arguments(parser, dim=128, heads=8, kv_heads=4, ffn_dim=384, vocab=256)
+    parser.add_argument(
+        "--offload",
+        default=None,
+        help='compare the sliced schedule with activation offload at this ratio (or "auto", '
+        "each rank down to the last rank's peak) against none",
+    )
     options = parser.parse_args(argv)
     if options.layers is None:
         options.layers = 2 * options.pp
@@ -156,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             "model": model_spec(options, options.seq),
             "schedules": schedules_to_measure(p, m, n),
         }
+        offload = None if options.offload is None else parse_offload(options.offload)
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
 
@@ -166,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     if options.layers % (2 * p):
         print(f"note: {options.layers} layers do not split evenly over {2 * p} stages")
+    if offload is not None:
+        offload_spec = {"model": spec["model"], "microbatches": m, "slices": n, "offload": offload}
+        run_offload_comparison(offload_spec, p, options.timeout)
+        return
     ranks = run_ranks(f"{__name__}:_measure", p, spec, timeout=options.timeout)
     first, last = ranks[0]["measurements"], ranks[-1]["measurements"]
     baseline = next(row for row in first if row["label"] == "1F1B")

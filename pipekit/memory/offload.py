@@ -46,11 +46,13 @@ class OffloadStats:
     """What an offloader moved since it was made (or since `reset_stats`)."""
 
     saved_bytes: int = 0
-    """Bytes of the distinct storages saved in the offloader's scopes."""
+    """Bytes of the distinct storages the units offered to `offload` saved."""
     movable_bytes: int = 0
-    """Of those, in units offered to `offload`: the storages only saved tensors held."""
+    """Of those, the storages only saved tensors held."""
     offloaded_bytes: int = 0
     """Bytes moved off the device."""
+    offloaded_units: int = 0
+    """Units offered to `offload`."""
     late_reloads: int = 0
     """Storages read back at unpack time because no reload came first."""
 
@@ -115,12 +117,13 @@ class ActivationOffloader:
                 yield
         finally:
             self._open = None
-        self.stats.saved_bytes += sum(record.nbytes for record in records)
 
     def offload(self, key: Hashable, ratio: float) -> int:
         """Move `ratio` of `key`'s movable bytes off the device; returns the bytes moved."""
-        records = [record for record in self._units[key] if _held_only_by_saved(record)]
+        saved = self._units[key]
+        records = [record for record in saved if _held_only_by_saved(record)]
         movable = sum(record.nbytes for record in records)
+        self.stats.saved_bytes += sum(record.nbytes for record in saved)
         target, moved = ratio * movable, 0
         for record in records:  # earliest saved first: their backward comes last
             if abs(moved + record.nbytes - target) <= abs(moved - target):
@@ -128,6 +131,7 @@ class ActivationOffloader:
                 moved += record.nbytes
         self.stats.movable_bytes += movable
         self.stats.offloaded_bytes += moved
+        self.stats.offloaded_units += 1
         return moved
 
     def reload(self, key: Hashable) -> None:

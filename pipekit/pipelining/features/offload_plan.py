@@ -116,7 +116,8 @@ def resident_peak(actions: Sequence[Action | None], ratio: float) -> float:
 
 def auto_offload_ratios(actions_by_rank: Mapping[int, Sequence[Action | None]]) -> list[float]:
     """Per rank, the smallest ratio whose peak is the least loaded rank's peak without offload
-    (to 1e-3, rounded up)."""
+    (to 1e-3, rounded up); 1 where no ratio gets there (under 1F1B a rank always holds the
+    unit it runs and the one coming back)."""
     target = min(resident_peak(actions, 0.0) for actions in actions_by_rank.values())
     ratios = []
     for rank in sorted(actions_by_rank):
