@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,11 @@ import torch
 from pipekit.bench import plan_accuracy
 from pipekit.config.loader import load_job_config
 from pipekit.models import get_model_spec
+from pipekit.pipelining.features.offload_plan import resident_peak
 from pipekit.plan.__main__ import main, parse_bytes
 from pipekit.plan.activations import TensorSplit, profile_activations
 from pipekit.plan.layout import rank_layouts
+from pipekit.plan.memory import plan_memory
 from pipekit.train.job import plan_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +32,7 @@ def test_the_large_configs_validate_for_the_world_they_are_written_for() -> None
         ("configs/llama3_70b.toml", 128),
         ("configs/llama3_8b_e8t2_upcycle.toml", 512),
         ("configs/llama3_70b_2m_slimpipe.toml", 256),
+        ("configs/mixtral_8x7b_4m_slimpipe.toml", 256),
     ]:
         job = _job(config, world)
         assert job.dims is not None and job.dims.world_size == world
@@ -111,13 +115,37 @@ def test_the_head_saves_its_float32_log_probabilities_not_its_logits() -> None:
 
 def test_the_plan_is_within_ten_percent_of_measured_peaks(capsys) -> None:
     """The planner against two ranks' measured peaks on four of the bench's debug configs
-    (FSDP2, tensor parallelism, the sliced pipeline, an upcycled MoE; the bench's other rows
+    (FSDP2, tensor parallelism, the sliced pipeline with activation offload, an upcycled MoE;
+    the bench's other rows
     are in docs/results.md): `python -m pipekit.bench plan-accuracy`."""
-    configs = "fsdp,tensor parallel,sliced pipeline,upcycled"
+    configs = "fsdp,tensor parallel,sliced pipeline + offload,upcycled"
     plan_accuracy.main(["--configs", configs])
     result = capsys.readouterr().out.strip().splitlines()[-1]
     error = float(result.removeprefix("RESULT plan_max_rel_err="))
     assert error <= 0.10, result
+
+
+def test_offload_takes_what_the_schedule_moves_off_the_first_rank(capsys) -> None:
+    """The debug sliced pipeline at ratio 0.9: rank 0 holds fewer activation bytes than
+    without offload, by the blocks' bytes but their K/V times the units the schedule's replay
+    moves away; the command prints the ratios and what the job needs without them."""
+    job = _job("configs/debug_sliced_pp.toml", 2, "--parallelism.activation_offload", "0.9")
+    assert job.pipeline is not None and job.pipeline.activation_offload == (0.9, 0.9)
+    plain_job = dataclasses.replace(
+        job, pipeline=dataclasses.replace(job.pipeline, activation_offload=())
+    )
+    plan = plan_memory(job)
+    plain = plan_memory(plain_job, profile=plan.profile)
+    actions = job.pipeline.actions_by_rank[0]
+    moved_units = resident_peak(actions, 0.0) - resident_peak(actions, 0.9)
+    assert moved_units > 1
+    assert plan.ranks[0].activations < plain.ranks[0].activations
+    assert plan.ranks[0].peak < plain.ranks[0].peak
+    argv = ["--config", str(REPO_ROOT / "configs/debug_sliced_pp.toml"), "--world-size", "2"]
+    main([*argv, "--parallelism.activation_offload", "0.9"])
+    out = capsys.readouterr().out
+    assert "activation offload per pipeline rank: 0.9, 0.9" in out
+    assert "without it the plan fits too" in out
 
 
 def test_a_plan_that_does_not_fit_is_refused_naming_the_term(capsys) -> None:

@@ -54,6 +54,9 @@ LLAMA_MOE_FLAVORS: dict[str, LlamaMoEArgs] = {
     ),
 }
 
+# Mixtral 8x7B for context extension to 4M tokens (SlimPipe's longest run): positions up to 2**22.
+LLAMA_MOE_FLAVORS["8x7B_4M"] = LLAMA_MOE_FLAVORS["8x7B"].with_updates(max_seq_len=2**22)
+
 
 def llama_moe_flavor(name: str) -> LlamaMoEArgs:
     """The LlamaMoEArgs of a named flavor, with an error that lists the known names."""

@@ -1,7 +1,8 @@
 """`python -m pipekit.bench plan-accuracy`: the memory planner against measured peaks.
 
 For each debug config (FSDP2, context parallelism, tensor parallelism with and without sequence
-parallelism, the sliced pipeline, expert parallelism, an upcycled MoE), the
+parallelism, the sliced pipeline with and without activation offload, expert parallelism, an
+upcycled MoE), the
 planner's per-rank peak (`python -m pipekit.plan`) is compared with what the ranks of a real run
 hold: each rank, in a fresh process, builds the trainer, runs one step (so optimizer states
 exist), then measures the second step with `PeakTensorMemory` (every tensor the step creates:
@@ -59,6 +60,11 @@ _CONFIGS = {
         ("--parallelism.dp_shard", "1", "--parallelism.tp", "2"),
     ),
     "sliced pipeline": ("configs/debug_sliced_pp.toml", 2, ()),
+    "sliced pipeline + offload": (
+        "configs/debug_sliced_pp.toml",
+        2,
+        ("--parallelism.activation_offload", "0.9"),
+    ),
     "expert parallel": ("configs/debug_moe.toml", 2, ()),
     "upcycled": ("configs/debug_upcycle.toml", 2, ()),
 }

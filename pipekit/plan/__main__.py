@@ -10,12 +10,13 @@ exits with status 2 and one line naming the rank, its largest term and what shri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 
 from pipekit.config.loader import ConfigError, load_job_config
 from pipekit.plan.memory import MemoryPlan, RankMemory, plan_memory
-from pipekit.train.job import plan_job
+from pipekit.train.job import Job, plan_job
 
 __all__ = ["main", "parse_bytes"]
 
@@ -73,6 +74,26 @@ def describe(plan: MemoryPlan, device_memory: int) -> str:
     return "\n".join(lines)
 
 
+def _without_offload(job: Job, plan: MemoryPlan, device_memory: int) -> str:
+    """The offload ratios, and what the same job would need without them."""
+    assert job.pipeline is not None
+    ratios = ", ".join(f"{ratio:g}" for ratio in job.pipeline.activation_offload)
+    plain_pipeline = dataclasses.replace(job.pipeline, activation_offload=())
+    plain = plan_memory(dataclasses.replace(job, pipeline=plain_pipeline), profile=plan.profile)
+    lines = [f"\nactivation offload per pipeline rank: {ratios}"]
+    over = [rank for rank in plain.ranks if rank.peak > device_memory]
+    if not over:
+        lines.append(f"without it the plan fits too (peak {plain.peak / _GIB:.2f} GiB)")
+        return "\n".join(lines)
+    worst = max(over, key=lambda rank: rank.peak)
+    lines.append(
+        f"without it {len(over)} of {len(plain.ranks)} pipeline ranks would not fit: rank "
+        f"{worst.layout.rank} would need {worst.peak / _GIB:.2f} GiB (activations "
+        f"{worst.activations / _GIB:.2f} GiB)"
+    )
+    return "\n".join(lines)
+
+
 def refusal(rank: RankMemory, device_memory: int) -> str:
     """One line: which rank does not fit, its largest term and what shrinks it (the model
     state first, when it alone is too large)."""
@@ -117,6 +138,8 @@ def main(argv: list[str]) -> None:
     )
     plan = plan_memory(job)
     print(describe(plan, device_memory))
+    if job.pipeline is not None and job.pipeline.activation_offload:
+        print(_without_offload(job, plan, device_memory))
     over = [rank for rank in plan.ranks if rank.peak > device_memory]
     if over:
         print(f"error: {refusal(max(over, key=lambda r: r.peak), device_memory)}", file=sys.stderr)

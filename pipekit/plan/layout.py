@@ -115,11 +115,14 @@ def _largest_fsdp_unit(model: nn.Module) -> int:
     units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     if not units:
         return 0
-    sizes = dict.fromkeys(units, 0)
+    sizes = dict.fromkeys([*units, ""], 0)
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):
             continue
-        owner = max((unit for unit in units if unit == "" or name.startswith(f"{unit}.")), key=len)
+        owners = [unit for unit in units if unit == "" or name.startswith(f"{unit}.")]
+        # none: a stage's own root manages it (a stage built as a view of the rank's model is
+        # not among the model's modules), counted as the unit ""
+        owner = max(owners, key=len, default="")
         dims = list(param.device_mesh.mesh_dim_names or ())
         ep = param.device_mesh.size(dims.index("ep")) if "ep" in dims else 1
         sizes[owner] += param.numel() // ep

@@ -19,7 +19,9 @@ Terms per rank (bytes):
   the logits, with what the head and the loss save, unless the output layer is
   vocabulary-parallel, whose passes run forward and backward at once), plus one block's backward
   and one head pass for a unit, and under slicing the K/V gradients the cache accumulates for
-  the microbatch in backward.
+  the microbatch in backward. Activation offload takes the moved share of each offloaded unit's
+  blocks' saved bytes (not the K/V the cache holds) off the units in flight, as the schedule's
+  replay of its offloads and reloads says (`pipekit.pipelining.features.offload_plan`).
 
 Not counted yet (so the plan is low by what they take): expert parallelism's all-to-all
 buffers and the pipeline's gradient messages; routing is assumed even over the expert ranks.
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from pipekit.moe.expert_parallel import set_expert_execution
+from pipekit.pipelining.features.offload_plan import resident_peak
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.plan.activations import ActivationProfile, TensorSplit, profile_activations
 from pipekit.plan.layout import RankLayout, rank_layouts
@@ -96,12 +99,22 @@ class MemoryPlan:
         return max(rank.peak for rank in self.ranks)
 
 
-def plan_memory(job: Job, probe_tokens: tuple[int, int] = (2, 6)) -> MemoryPlan:
-    """The memory plan of a validated `job` (planned for a world size)."""
+def plan_memory(
+    job: Job, probe_tokens: tuple[int, int] = (2, 6), profile: ActivationProfile | None = None
+) -> MemoryPlan:
+    """The memory plan of a validated `job` (planned for a world size); `profile`: one measured
+    for the same model and options (a plan that differs only in its offload)."""
+    if profile is None:
+        profile = _profile(job, probe_tokens)
+    ranks = [_rank_memory(job, layout, profile) for layout in rank_layouts(job)]
+    return MemoryPlan(ranks, profile)
+
+
+def _profile(job: Job, probe_tokens: tuple[int, int]) -> ActivationProfile:
     training, moe = job.config.training, job.config.moe
     compute = DTYPES[training.mixed_precision_param]
     split = TensorSplit(job.tensor_parallel, job.sequence_parallel, job.loss_parallel)
-    profile = profile_activations(
+    return profile_activations(
         job.spec,
         job.args,
         compute,
@@ -110,8 +123,6 @@ def plan_memory(job: Job, probe_tokens: tuple[int, int] = (2, 6)) -> MemoryPlan:
         split=split,
         selective=training.activation_checkpoint == "selective",
     )
-    ranks = [_rank_memory(job, layout, profile) for layout in rank_layouts(job)]
-    return MemoryPlan(ranks, profile)
 
 
 def _rank_memory(job: Job, layout: RankLayout, profile: ActivationProfile) -> RankMemory:
@@ -226,8 +237,27 @@ def _pipeline_activations(
     if not plan.vocab_parallel:  # what the head saved is held with the unit (above)
         head_pass -= profile.head_saved_bytes_per_row
     head = head_pass * layout.output_rows * unit_tokens
+    in_flight -= _offloaded_bytes(job, layout, profile, unit_tokens / stages)
     backward = _backward_bytes(job, layout.block_names, profile) * unit_tokens
     # the KV cache's gradient accumulators: later slices' backwards leave dK/dV on the cached
     # slices of the microbatch in backward, up to the whole microbatch's K/V
     kv_gradients = kv * plan.num_slices
     return in_flight + head + backward + kv_gradients
+
+
+def _offloaded_bytes(
+    job: Job, layout: RankLayout, profile: ActivationProfile, stage_unit_tokens: float
+) -> float:
+    """What activation offload takes off the rank's peak: the blocks' saved bytes of one unit
+    but their K/V (the cache holds those), times the units' worth the schedule's replay
+    (`offload_plan.resident_peak`) moves away at the rank's ratio."""
+    plan = job.pipeline
+    assert plan is not None
+    if not plan.activation_offload:
+        return 0.0
+    ratio = plan.activation_offload[layout.pipeline_rank]
+    names = layout.block_names
+    kv = sum(profile.kv_bytes[name] for name in names) if plan.num_slices > 1 else 0.0
+    movable = (_block_bytes(job, names, profile) - kv) * stage_unit_tokens
+    actions = plan.actions_by_rank[layout.pipeline_rank]
+    return movable * (resident_peak(actions, 0.0) - resident_peak(actions, ratio))

@@ -96,6 +96,8 @@ def copy_full_vocab_rows(
         with torch.no_grad():
             weight = getattr(full, name).weight.detach()
             shard.to(weight.dtype)  # the shards take the materialised model's dtype
+            if weight.is_meta:  # a plan's layout: shapes only, no values to copy
+                continue
             shard.load_full_weight(weight)
         del full, weight
 
