@@ -12,6 +12,9 @@ from pipekit.bench.activation_memory import arguments, build_blocks, layer_memor
 from pipekit.layers.norms import rms_norm, rms_norm_reference
 from pipekit.layers.swiglu import swiglu, swiglu_reference
 from pipekit.memory.layer_formula import LAYER_OPTIONS
+from pipekit.memory.layer_parts import kept_bytes_by_part
+from pipekit.memory.live_tensors import kept_bytes
+from pipekit.models import get_model_spec
 
 SMALL = ["--seq", "64", "--dim", "64", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "192",
          "--repeats", "1"]  # fmt: skip
@@ -46,14 +49,33 @@ def test_memory_efficient_norm_and_swiglu_match_their_references_fp64() -> None:
 
 
 def test_each_option_keeps_what_the_formula_says() -> None:
-    """Measured kept bytes equal the formula for every option; with the norm and SwiGLU as
-    autograd ops, or checkpointing off, they would equal another option's formula instead."""
+    """Measured kept bytes equal the formula for every option, in total and by part of the
+    layer; with the norm and SwiGLU as autograd ops, or checkpointing off, they would equal
+    another option's formula instead."""
     figures = layer_memory(arguments(SMALL))
-    for option, (measured, formula, _) in figures.items():
-        assert measured == pytest.approx(formula, rel=1e-9), (option, measured, formula)
-    kept = {option: figures[option][0] for option in LAYER_OPTIONS}
+    for option, row in figures.items():
+        assert row.measured == pytest.approx(row.formula, rel=1e-9), (option, row)
+        for part, formula in row.formula_parts.items():
+            assert row.measured_parts[part] == pytest.approx(formula, rel=1e-9), (option, part)
+    kept = {option: figures[option].measured for option in LAYER_OPTIONS}
     assert kept["plain"] > kept["efficient"] > kept["selective"] > kept["full"]
     assert kept["full"] < kept["every_k"] < kept["efficient"]
+
+
+def test_an_moe_layer_splits_into_router_and_experts() -> None:
+    """The parts of a Mixtral-layout block partition what it keeps, the router's and the
+    experts' shares among them."""
+    spec = get_model_spec("llama_moe")
+    args = spec.flavor("debug_mixtral").with_updates(n_layers=1)
+    model = spec.build(args)
+    model.init_weights(seed=0)
+    rope = tuple(t.detach() for t in model.rope(torch.arange(32)))
+    block = next(iter(model.layers.values()))
+    x = torch.randn(1, 32, args.dim, requires_grad=True)
+    parts = kept_bytes_by_part(block, lambda: block(x * 1.0, rope))
+    assert sum(parts.values()) == kept_bytes(lambda: block(x * 1.0, rope))
+    assert parts["router"] > 0 and parts["experts"] > 0 and parts["attention"] > 0
+    assert parts["mlp"] == 0  # every layer is an MoE in the Mixtral layout
 
 
 def test_checkpointing_modes_give_the_same_gradients_fp64() -> None:

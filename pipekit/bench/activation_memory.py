@@ -14,20 +14,28 @@ the selected ops' outputs). They are divided by tokens and layers and compared w
 - every_k: every `--every`-th block checkpointed whole.
 Step time is one forward and backward, median of a few.
 
-RESULT: the kept bytes of efficient, selective and full over plain, and the largest relative
-error of the formula over the options.
+The kept bytes are also split by the part of the layer that allocated them (attention, norms,
+MLP, the rest: `pipekit.memory.layer_parts`) beside `layer_formula.saved_bytes_by_part`.
+
+RESULT: the kept bytes of efficient, selective and full over plain, the largest relative error
+of the formula over the options, and the largest error of a part (relative to the layer's
+total).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+from dataclasses import dataclass
 
 import torch
 
 from pipekit.bench._report import machine_description, print_result, print_table, time_call
 
-__all__ = ["arguments", "build_blocks", "layer_memory", "main", "with_option"]
+__all__ = ["LayerMemory", "arguments", "build_blocks", "layer_memory", "main", "with_option"]
+
+_SHOWN_PARTS = ("attention", "norms", "mlp", "other")
+"""A Llama layer's parts (it has no router or experts)."""
 
 
 def build_blocks(options: argparse.Namespace) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -61,15 +69,27 @@ def with_option(model: torch.nn.Module, option: str, every: int) -> torch.nn.Mod
     return copied
 
 
-def layer_memory(options: argparse.Namespace) -> dict[str, tuple[float, float, float]]:
-    """Per option: (kept bytes per token per layer measured, the formula's, step seconds)."""
+@dataclass(frozen=True)
+class LayerMemory:
+    """One option's kept bytes per token per layer, measured and by formula, in total and by
+    part of the layer (`pipekit.memory.layer_parts`), and its step time."""
+
+    measured: float
+    formula: float
+    seconds: float
+    measured_parts: dict[str, float]
+    formula_parts: dict[str, float]
+
+
+def layer_memory(options: argparse.Namespace) -> dict[str, LayerMemory]:
+    """Per option (`LAYER_OPTIONS`): what a layer keeps, measured and by formula."""
     from pipekit.memory.layer_formula import (
         LAYER_OPTIONS,
         LayerShape,
         causal_tiled_attention_calls,
-        saved_bytes_per_token,
+        saved_bytes_by_part,
     )
-    from pipekit.memory.live_tensors import kept_bytes
+    from pipekit.memory.layer_parts import kept_bytes_by_part
 
     model, rope = build_blocks(options)
     head_dim = options.dim // options.heads
@@ -77,9 +97,11 @@ def layer_memory(options: argparse.Namespace) -> dict[str, tuple[float, float, f
     x = torch.randn(1, options.seq, options.dim, dtype=options.dtype, requires_grad=True)
     attention_calls = causal_tiled_attention_calls(options.seq)
     element = torch.finfo(options.dtype).bits // 8
+    tokens_and_layers = options.seq * options.layers
     figures = {}
     for option in LAYER_OPTIONS:
-        blocks = list(with_option(model, option, options.every).layers.values())
+        copied = with_option(model, option, options.every)
+        blocks = list(copied.layers.values())
 
         def forward(blocks: list[torch.nn.Module] = blocks) -> torch.Tensor:
             h = x * 1.0  # made here, so a block that keeps its input keeps this
@@ -87,10 +109,17 @@ def layer_memory(options: argparse.Namespace) -> dict[str, tuple[float, float, f
                 h = block(h, rope)
             return h
 
-        measured = kept_bytes(forward) / (options.seq * options.layers)
-        formula = saved_bytes_per_token(shape, option, element, options.every, attention_calls)
+        kept = kept_bytes_by_part(copied, forward)
+        measured_parts = {part: kept[part] / tokens_and_layers for part in _SHOWN_PARTS}
+        formula_parts = saved_bytes_by_part(shape, option, element, options.every, attention_calls)
         seconds = time_call(lambda forward=forward: forward().sum().backward(), 1, options.repeats)
-        figures[option] = (measured, formula, seconds)
+        figures[option] = LayerMemory(
+            measured=sum(kept.values()) / tokens_and_layers,
+            formula=sum(formula_parts.values()),
+            seconds=seconds,
+            measured_parts=measured_parts,
+            formula_parts=formula_parts,
+        )
     return figures
 
 
@@ -120,13 +149,28 @@ def main(argv: list[str]) -> None:
         f"1 x {options.seq} tokens, float32, one rank"
     )
     figures = layer_memory(options)
-    rows = [(option, *figures[option][:2], figures[option][0] / figures[option][1],
-             figures[option][2]) for option in figures]  # fmt: skip
+    rows = [(option, row.measured, row.formula, row.measured / row.formula, row.seconds)
+            for option, row in figures.items()]  # fmt: skip
     print_table(["option", "kept bytes/token/layer", "formula", "measured/formula", "step s"], rows)
-    plain = figures["plain"][0]
+    print("\nby part of the layer, bytes/token/layer measured (formula)")
+    print_table(
+        ["option", *_SHOWN_PARTS],
+        [
+            [option]
+            + [f"{row.measured_parts[p]:.6g} ({row.formula_parts[p]:.6g})" for p in _SHOWN_PARTS]
+            for option, row in figures.items()
+        ],
+    )
+    plain = figures["plain"].measured
+    part_errors = [
+        abs(row.measured_parts[part] - row.formula_parts[part]) / row.formula
+        for row in figures.values()
+        for part in _SHOWN_PARTS
+    ]
     print_result(
-        efficient_vs_plain=figures["efficient"][0] / plain,
-        selective_vs_plain=figures["selective"][0] / plain,
-        full_vs_plain=figures["full"][0] / plain,
+        efficient_vs_plain=figures["efficient"].measured / plain,
+        selective_vs_plain=figures["selective"].measured / plain,
+        full_vs_plain=figures["full"].measured / plain,
         max_formula_err=max(abs(row[3] - 1) for row in rows),
+        max_part_err=max(part_errors),
     )

@@ -30,7 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LAYER_OPTIONS", "LayerShape", "causal_tiled_attention_calls", "saved_bytes_per_token"]
+__all__ = [
+    "LAYER_OPTIONS",
+    "LayerShape",
+    "causal_tiled_attention_calls",
+    "saved_bytes_by_part",
+    "saved_bytes_per_token",
+]
 
 LAYER_OPTIONS = ("plain", "efficient", "selective", "full", "every_k")
 _FLOAT32 = 4
@@ -58,23 +64,51 @@ def saved_bytes_per_token(
     every option but `plain` uses the memory-efficient norm and SwiGLU); `every` is k of
     `every_k`; `attention_calls`: the attention outputs' worth its kernel calls return (what
     `selective` keeps; see the module doc)."""
+    return sum(saved_bytes_by_part(shape, option, element_bytes, every, attention_calls).values())
+
+
+def saved_bytes_by_part(
+    shape: LayerShape,
+    option: str,
+    element_bytes: int,
+    every: int = 2,
+    attention_calls: float = 1.0,
+) -> dict[str, float]:
+    """`saved_bytes_per_token` split by the part of the layer that allocates what is kept
+    (`pipekit.memory.layer_parts`): "attention", "norms", "mlp" and "other" (the residual
+    stream: the block's input, which a checkpointed block keeps, and the norms' inputs, which
+    plain norms keep)."""
     d, h, g, k, f, e = (shape.dim, shape.heads, shape.kv_heads, shape.head_dim,
                         shape.ffn_dim, element_bytes)  # fmt: skip
-    attention = (h + 2 * g) * k * e + h * k * e + _FLOAT32 * h
+    kernel_output = h * k * e + _FLOAT32 * h  # the attention output and its log-sum-exp
 
-    def uncheckpointed(efficient: bool) -> float:
-        norm = (d if efficient else 3 * d) * e + _FLOAT32
-        return attention + 2 * norm + (3 if efficient else 4) * f * e
+    def uncheckpointed(efficient: bool) -> dict[str, float]:
+        # a plain norm keeps its input too: the residual stream, allocated outside it
+        norm = (d if efficient else 2 * d) * e + _FLOAT32
+        return {
+            "attention": (h + 2 * g) * k * e + kernel_output,
+            "norms": 2 * norm,
+            "mlp": (3 if efficient else 4) * f * e,
+            "other": 0.0 if efficient else 2 * d * e,
+        }
 
     if option in ("plain", "efficient"):
         return uncheckpointed(efficient=option == "efficient")
     if option == "full":
-        return d * e
+        return {"attention": 0.0, "norms": 0.0, "mlp": 0.0, "other": d * e}
     if option == "every_k":
-        return (d * e + (every - 1) * uncheckpointed(efficient=True)) / every
-    if option == "selective":
-        projections = (2 * d + (h + 2 * g) * k + 2 * f) * e
-        return d * e + projections + attention_calls * (h * k * e + _FLOAT32 * h)
+        parts = {
+            part: (every - 1) * kept / every
+            for part, kept in uncheckpointed(efficient=True).items()
+        }
+        return parts | {"other": d * e / every}
+    if option == "selective":  # projection outputs (wo's and w2's: d each) and kernel outputs
+        return {
+            "attention": ((h + 2 * g) * k + d) * e + attention_calls * kernel_output,
+            "norms": 0.0,
+            "mlp": (2 * f + d) * e,
+            "other": d * e,
+        }
     raise ValueError(f"layer option {option!r}: choose one of {', '.join(LAYER_OPTIONS)}")
 
 

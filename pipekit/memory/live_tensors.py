@@ -10,7 +10,8 @@ on top of what existed before it: on CPU, where no caching allocator keeps stati
 figure that says how much activation and buffer memory a step takes. With `timeline=True` the
 live bytes after every operator are kept too (`timeline`), so two runs of the same code at two
 sizes can be compared moment by moment. A DTensor counts as its local shard: what this rank
-holds.
+holds. With a `label` callable each storage keeps the label it returned when the storage was
+allocated (`live_bytes_by_label`; e.g. which part of a layer was running).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PeakTensorMemory", "kept_bytes", "local_storage_holder"]
+__all__ = ["PeakTensorMemory", "kept_bytes", "kept_bytes_by_label", "local_storage_holder"]
 
 
 def local_storage_holder(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,9 +39,10 @@ def local_storage_holder(tensor: torch.Tensor) -> torch.Tensor:
 class PeakTensorMemory(TorchDispatchMode):
     """`with PeakTensorMemory() as memory: ...`; then `memory.peak_bytes`."""
 
-    def __init__(self, *, timeline: bool = False) -> None:
+    def __init__(self, *, timeline: bool = False, label: Callable[[], str] | None = None) -> None:
         super().__init__()
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._live: dict[int, tuple[StorageWeakRef, int, str]] = {}
+        self._label = label
         self.current_bytes = 0
         self.peak_bytes = 0
         self.timeline: list[int] | None = [] if timeline else None
@@ -71,18 +73,34 @@ class PeakTensorMemory(TorchDispatchMode):
         self._release_freed()
         return self.current_bytes
 
+    def live_bytes_by_label(self) -> dict[str, int]:
+        """`live_bytes`, split by the label each storage got when it was allocated."""
+        self._release_freed()
+        by_label: dict[str, int] = {}
+        for _, nbytes, label in self._live.values():
+            by_label[label] = by_label.get(label, 0) + nbytes
+        return by_label
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Stop counting `tensor`'s storage (a result the caller keeps, not the block)."""
+        self._release_freed()
+        known = self._live.pop(local_storage_holder(tensor).untyped_storage()._cdata, None)
+        if known is not None:
+            self.current_bytes -= known[1]
+
     def _track(self, tensor: torch.Tensor) -> bool:
         storage = tensor.untyped_storage()
         key = storage._cdata
         known = self._live.get(key)
         if known is not None and not known[0].expired():
             return False
-        self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+        label = self._label() if self._label is not None else ""
+        self._live[key] = (StorageWeakRef(storage), storage.nbytes(), label)
         self.current_bytes += storage.nbytes()
         return True
 
     def _release_freed(self) -> None:
-        for key, (ref, nbytes) in list(self._live.items()):
+        for key, (ref, nbytes, _) in list(self._live.items()):
             if ref.expired():
                 del self._live[key]
                 self.current_bytes -= nbytes
@@ -94,11 +112,19 @@ def _local_leaves(tree: object) -> list[torch.Tensor]:
     ]
 
 
+def kept_bytes_by_label(
+    forward: Callable[[], torch.Tensor], label: Callable[[], str]
+) -> dict[str, int]:
+    """`kept_bytes`, split by what `label()` returned when each storage was allocated."""
+    with PeakTensorMemory(label=label) as memory:
+        out = forward()
+        memory.forget(out)
+        return memory.live_bytes_by_label()
+
+
 def kept_bytes(forward: Callable[[], torch.Tensor]) -> int:
     """Bytes that `forward()` allocates and leaves alive besides its output: what its autograd
     graph (and any activation checkpointing around it) keeps for the backward. Feed it inputs
     made outside, that need no gradient of their own kept here (a leaf that requires grad stays
     alive through the graph)."""
-    with PeakTensorMemory() as memory:
-        out = forward()
-        return memory.live_bytes() - local_storage_holder(out).untyped_storage().nbytes()
+    return sum(kept_bytes_by_label(forward, lambda: "").values())
