@@ -176,7 +176,7 @@ def test_resolving_the_setting_names_the_fix():
 
 def _offloaded_pipeline(rank: int, world: int, configs: list[tuple]) -> list[Result]:
     results = []
-    for schedule, v, m, n, offload in configs:
+    for schedule, v, m, n, offload, features in configs:
         runner = tiny_pipeline(
             pp_mesh(world),
             schedule=schedule,
@@ -186,6 +186,7 @@ def _offloaded_pipeline(rank: int, world: int, configs: list[tuple]) -> list[Res
             rows=PARITY_ROWS,
             seq_len=PARITY_SEQ_LEN,
             activation_offload=offload,
+            **features,
         )
         results.append(runner_step(runner, tiny_batch()))
         extension = runner.extension("activation_offload")
@@ -197,11 +198,14 @@ def _offloaded_pipeline(rank: int, world: int, configs: list[tuple]) -> list[Res
 
 def test_pipelines_with_offload_equal_one_process_fp64():
     """Interleaved and torch-list schedules carry the reloads too; v=2 places two stages'
-    units on a rank."""
+    units on a rank; the reloads go between context exchange's loans and vocabulary
+    parallelism's output passes."""
     configs = [
-        ("sliced", 2, 3, 4, 1.0),
-        ("1F1B", 1, 6, 1, 1.0),
-        ("Interleaved1F1B", 2, 6, 1, "auto"),
+        ("sliced", 2, 3, 4, 1.0, {}),
+        ("1F1B", 1, 6, 1, 1.0, {}),
+        ("Interleaved1F1B", 2, 6, 1, "auto", {}),
+        ("sliced", 1, 2, 4, 1.0, {"context_exchange": True}),
+        ("sliced", 1, 2, 4, 1.0, {"vocab_parallel": True}),
     ]
     results = run_on_ranks(_offloaded_pipeline, 2, configs, timeout=120)
     for index, (_, v, *_rest) in enumerate(configs):

@@ -5,7 +5,7 @@ microbatches under 1F1B, n + 2(p - 1 - rank) slices under SlimPipe's), although 
 unit whose backward is next needs its activations. This feature moves part of each unit's
 saved activations off the device after its forward and brings them back one action ahead of
 its backward, on the ranks and at the ratios `offload_plan` decides (the plan's `RELOAD`
-actions run in the schedule like any other, so drawings and traces show them). Losses and
+actions sit in the schedule's lists like any other: `schedule.pipeline_order`). Losses and
 gradients are bit-for-bit those of the run without offload: the bytes come back unchanged.
 """
 
@@ -38,7 +38,7 @@ class PipelineActivationOffload(PipelineExtension):
         self._saving: set[tuple[int, int]] = set()
 
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
-        """Every rank's offloaded units and reloads (the other ranks' for drawings)."""
+        """Every rank's offloaded units and reloads (the other ranks' for their lists)."""
         if len(self.ratios) != len(actions_by_rank):
             raise ValueError(
                 f"activation offload has {len(self.ratios)} ratios for {len(actions_by_rank)} "

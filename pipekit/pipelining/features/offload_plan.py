@@ -1,6 +1,6 @@
 """Which units a rank offloads, where each comes back, and the ratio that evens the ranks out.
 
-Pure: compute-only action lists in, decisions out, so the plan, the drawing and the runtime agree.
+Pure: compute-only action lists in, decisions out, so the memory plan and the runtime agree.
 
 A unit (a stage's microbatch or slice) whose forward runs at compute action f and whose backward
 at b is offloaded right after its forward when at least one whole action runs while it is away
