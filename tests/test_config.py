@@ -158,6 +158,7 @@ _PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
         (["--model.attention_backend", "fast"], 1, "attention_backend='fast' is not one of"),
         (["--lr_scheduler.warmup_steps", "500", "--training.steps", "10"], 1, "warmup_steps=500"),
         (["--training.seq_len", "0"], 1, "seq_len=0 must be positive"),
+        (["--job.output_dir", str(REPO_ROOT / "README.md" / "out")], 1, "is a file, not a"),
         (["--parallelism.activation_offload", "0.5"], 1, "follows a pipeline's schedule"),
         ([*_PP2, "--parallelism.activation_offload", "1.5"], 2, r"must be in \[0, 1\]"),
         ([*_PP2, "--parallelism.activation_offload", "0.5;0.5;0.5"], 2, "3 ratios for 2"),

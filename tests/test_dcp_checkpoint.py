@@ -3,7 +3,9 @@ state, RNG) at world size 1 and with an FSDP2-sharded model on 2 gloo ranks, res
 keep-last-k, and atomicity: interrupted saves and unmarked folders never load, corrupt ones raise
 a CheckpointError naming the folder."""
 
+import pickle
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch.distributed as dist
 from distributed_helpers import run_on_ranks
 from tiny_models import TINY_LLAMA, tiny_llama
 from torch import Tensor, nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.tensor import DTensor
 
 import pipekit.checkpoint.dcp as dcp_module
@@ -162,6 +165,32 @@ def test_corrupt_checkpoint_raises_checkpoint_error_naming_the_folder(tmp_path):
     _save_some(manager, [2])
     with pytest.raises(CheckpointError, match=r"Size mismatch .* does not match the state"):
         manager.load(2, {"train": {"step": 0}, "weights": {"w": torch.zeros(4)}})
+
+
+class _PlantedCode:
+    """Unpickling this calls `Path.touch` on the marker: code run from the checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_planted_metadata_file_runs_nothing_and_fails_in_one_line(tmp_path):
+    """Resume unpickles `.metadata`; a file naming any function outside DCP's metadata types
+    is refused before it runs. The ablation (torch's own reader) runs the planted call."""
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    _save_some(manager, [1])
+    marker = tmp_path / "ran"
+    (manager.path(1) / ".metadata").write_bytes(pickle.dumps(_PlantedCode(marker)))
+    target = {"train": {"step": 0}, "weights": {"w": torch.zeros(3)}}
+    with pytest.raises(CheckpointError, match=r"names pathlib.Path.touch, which .* never holds"):
+        manager.load(1, target)
+    assert not marker.exists() and target["train"]["step"] == 0
+    with pytest.raises(Exception):  # noqa: B017 - torch's reader fails after running it
+        FileSystemReader(manager.path(1)).read_metadata()
+    assert marker.exists()
 
 
 def _sharded_round_trip(rank: int, world_size: int, folder: str) -> dict[str, Tensor]:

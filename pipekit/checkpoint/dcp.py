@@ -47,6 +47,7 @@ from torch.optim import Optimizer
 
 from pipekit._torch_private import StridedShard
 from pipekit.checkpoint._durable import fsync_path
+from pipekit.checkpoint.safe_metadata import SafeFileSystemReader
 from pipekit.checkpoint.safetensors_io import CheckpointError
 
 __all__ = [
@@ -243,7 +244,7 @@ class CheckpointManager:
             )
         try:
             with _quiet_without_process_group(), _dcp_logging_silenced():
-                dcp.load(dict(state), checkpoint_id=path)
+                dcp.load(dict(state), storage_reader=SafeFileSystemReader(path))
         # DCP reports a failure on any rank as CheckpointException, a BaseException.
         except (Exception, dcp.CheckpointException) as error:
             raise CheckpointError(

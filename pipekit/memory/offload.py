@@ -159,7 +159,7 @@ class ActivationOffloader:
             return hold_saved(tensor)
         storage_key = (tensor.device, tensor.untyped_storage().data_ptr())
         record = self._open.get(storage_key)
-        if record is None:
+        if record is None or not record.views:  # no view left: the address was reused
             record = self._open[storage_key] = _StorageRecord(tensor)
             self._open_records.append(record)
         saved = _Saved(record, tensor)

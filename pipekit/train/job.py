@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipekit.config.job_config import JobConfig
@@ -157,9 +158,12 @@ def _check_data(config: JobConfig, shape: ModelShape, check_files: bool) -> None
 
 
 def _check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any, check_files: bool) -> None:
-    from pathlib import Path
-
     checkpoint = config.checkpoint
+    if check_files:
+        output = Path(config.job.output_dir)
+        _check_writable("[job] output_dir", output)
+        if checkpoint.enable:
+            _check_writable("[checkpoint] folder", output / checkpoint.folder)
     initial = checkpoint.initial_load_path
     if check_files and initial and not (Path(initial) / "config.json").is_file():
         raise ConfigError(
@@ -182,6 +186,21 @@ def _check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any, check_file
             spec.hf.check_layout(args)
         except ValueError as error:
             raise _error("[checkpoint] export_hf_at_end:", error) from None
+
+
+def _check_writable(key: str, folder: Path) -> None:
+    """The job writes into `folder` (or creates it): refused now, not at the first save,
+    after the steps before it are lost."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{key}: {existing} is a file, not a folder; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == folder else f"cannot be created in {existing}"
+        raise ConfigError(
+            f"{key}: {folder} {what}; choose a folder you can write to (or fix its permissions)"
+        )
 
 
 def _check_upcycle(config: JobConfig, check_files: bool) -> None:
