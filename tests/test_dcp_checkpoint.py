@@ -167,6 +167,21 @@ def test_corrupt_checkpoint_raises_checkpoint_error_naming_the_folder(tmp_path):
         manager.load(2, {"train": {"step": 0}, "weights": {"w": torch.zeros(4)}})
 
 
+def test_a_failed_save_ends_in_one_checkpoint_error(tmp_path, monkeypatch):
+    """DCP reports a rank's failure as CheckpointException, a BaseException that would escape
+    the job's error handling; the manager turns it into one CheckpointError line."""
+
+    def full_disk(*_args: object, **_kwargs: object) -> None:
+        failure = OSError(28, "No space left on device")
+        raise torch.distributed.checkpoint.CheckpointException("save", {0: (failure, None)})
+
+    monkeypatch.setattr(dcp_module.dcp, "save", full_disk)
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(CheckpointError, match=r"step 1 could not be written .* No space left"):
+        _save_some(manager, [1])
+    assert manager.complete_steps() == []
+
+
 class _PlantedCode:
     """Unpickling this calls `Path.touch` on the marker: code run from the checkpoint."""
 

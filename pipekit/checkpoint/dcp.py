@@ -216,8 +216,15 @@ class CheckpointManager:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp_folders()
         tmp = self.folder / f"step-{step}.tmp-{_shared_token()}"
-        with _quiet_without_process_group():
-            dcp.save(dict(state), checkpoint_id=tmp)
+        try:
+            with _quiet_without_process_group():
+                dcp.save(dict(state), checkpoint_id=tmp)
+        # DCP reports a failure on any rank as CheckpointException, a BaseException.
+        except (Exception, dcp.CheckpointException) as error:
+            raise CheckpointError(
+                f"checkpoint of step {step} could not be written to {tmp} "
+                f"({_root_cause(error)}); check the folder's free space and permissions"
+            ) from error
         _barrier()  # every rank's files are written before the checkpoint is published
         final = self.path(step)
         if is_writer:
