@@ -29,8 +29,9 @@ _FIX = {
     "gradients": "shard them over more ranks (dp_shard) or more pipeline stages",
     "optimizer states": "shard them over more ranks (dp_shard), or use optimizer.name = "
     '"AdamW8bit"',
-    "activations": "set training.activation_checkpoint, lower global_batch_size per rank, or "
-    'slice sequences (pipeline_schedule = "sliced", more num_slices)',
+    "activations": "set training.activation_checkpoint, lower global_batch_size per rank, "
+    'slice sequences (pipeline_schedule = "sliced", more num_slices), or, in a pipeline, '
+    "offload them (parallelism.activation_offload)",
     "communication buffers": "wrap smaller units (FSDP2 gathers one block at a time), or shard "
     "the largest layer over more pipeline ranks (vocab_parallel)",
 }
