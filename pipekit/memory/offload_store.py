@@ -13,6 +13,7 @@ and forgets them (`drop`). Both keep the bytes outside the process's device memo
 
 from __future__ import annotations
 
+import abc
 import bisect
 import os
 import tempfile
@@ -23,23 +24,23 @@ import torch
 __all__ = ["FileStore", "OffloadStore", "PinnedHostStore", "store_for"]
 
 
-class OffloadStore:
+class OffloadStore(abc.ABC):
     """Keeps byte buffers off the device between `put` and `get`."""
 
+    @abc.abstractmethod
     def put(self, bytes_U8: torch.Tensor) -> object:
         """Keep a copy of `bytes_U8` (1-D uint8); returns the ticket that `get` takes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def get(self, ticket: object, device: torch.device) -> torch.Tensor:
         """A new 1-D uint8 buffer on `device` with the bytes `ticket` names; the ticket is
         dropped. Call `ready(buffer)` before the compute stream reads it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def drop(self, ticket: object) -> None:
         """Forget bytes that will not be read back (a step that ended early)."""
-        raise NotImplementedError
 
-    def ready(self, buffer_U8: torch.Tensor) -> None:
+    def ready(self, buffer_U8: torch.Tensor) -> None:  # noqa: B027 - a default, not abstract
         """Make the compute stream wait until `get`'s buffer holds its bytes (default: it
         does on return)."""
 
