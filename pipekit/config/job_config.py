@@ -269,6 +269,8 @@ class CheckpointConfig:
     """Keep this many newest checkpoints (0 keeps all)."""
     resume: bool = True
     """Resume from the newest complete checkpoint in the folder if there is one."""
+    load_step: int = 0
+    """Resume from this step's checkpoint rather than the newest (0 = the newest)."""
     initial_load_path: str = ""
     """Hugging Face checkpoint directory to initialise the model from (when not resuming)."""
     export_hf_at_end: bool = False
@@ -283,6 +285,12 @@ class MetricsConfig:
     """Log every this many steps (and the first and last step)."""
     jsonl_file: str = "metrics.jsonl"
     """Metrics file in job.output_dir (one JSON object per logged step; rank 0 writes)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (scalars under train/) to job.output_dir/tensorboard."""
+    wandb: bool = False
+    """Also log to a Weights & Biases run (offline unless WANDB_MODE or WANDB_API_KEY is set)."""
+    wandb_project: str = "pipekit"
+    """The W&B project of the run (the run is named after job.name)."""
     peak_flops: float = 0.0
     """Peak FLOP/s per device for MFU; 0 = measure this machine's float32 matmul throughput."""
     pipeline_trace_step: int = 0

@@ -51,6 +51,12 @@ def check_values(config: JobConfig) -> None:
         raise ConfigError(
             f"[moe] partitions={partitions!r} must be a positive integer or 'auto' (Algorithm 1)"
         )
+    load_step = config.checkpoint.load_step
+    if load_step < 0 or (load_step and not config.checkpoint.resume):
+        raise ConfigError(
+            f"[checkpoint] load_step={load_step} names the step to resume from: it must be >= 0 "
+            "(0 = the newest) and needs resume = true"
+        )
     if config.checkpoint.keep_last < 0:
         raise ConfigError(f"[checkpoint] keep_last={config.checkpoint.keep_last} must be >= 0")
     if not 0.0 <= config.lr_scheduler.min_lr_ratio <= 1.0:

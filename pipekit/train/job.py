@@ -164,6 +164,8 @@ def _check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any, check_file
         _check_writable("[job] output_dir", output)
         if checkpoint.enable:
             _check_writable("[checkpoint] folder", output / checkpoint.folder)
+        if checkpoint.load_step:
+            _check_load_step(output / checkpoint.folder, checkpoint.load_step)
     initial = checkpoint.initial_load_path
     if check_files and initial and not (Path(initial) / "config.json").is_file():
         raise ConfigError(
@@ -200,6 +202,17 @@ def _check_writable(key: str, folder: Path) -> None:
         what = "is not writable" if existing == folder else f"cannot be created in {existing}"
         raise ConfigError(
             f"{key}: {folder} {what}; choose a folder you can write to (or fix its permissions)"
+        )
+
+
+def _check_load_step(folder: Path, step: int) -> None:
+    from pipekit.checkpoint.dcp import CheckpointManager
+
+    complete = CheckpointManager(folder).complete_steps()
+    if step not in complete:
+        raise ConfigError(
+            f"[checkpoint] load_step={step}: {folder} has no complete checkpoint of that step; "
+            f"complete steps: {complete or 'none'}"
         )
 
 

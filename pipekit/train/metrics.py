@@ -1,4 +1,4 @@
-"""Training metrics: FLOPs per token, MFU, memory, and the console/JSONL logger.
+"""Training metrics: FLOPs per token, MFU, memory, and the rank-0 logger (console and writers).
 
 FLOPs per trained token (forward + backward = 3x forward), for a decoder with `N` matmul
 parameters (every weight matrix, output projection included, token embedding excluded):
@@ -12,12 +12,9 @@ MFU = achieved FLOP/s / (peak FLOP/s per rank x ranks).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import resource
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,11 +22,13 @@ from torch import nn
 
 from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.moe.layer import MoE
+from pipekit.train.metric_writers import MetricWriter
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "MetricsLogger",
+    "console_line",
     "measure_matmul_flops",
     "memory_stats",
     "tensor_bytes",
@@ -114,20 +113,38 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
 
 
 class MetricsLogger:
-    """Rank 0 logs one console line per logged step and appends it to a JSONL file."""
+    """Rank 0's metric records: one console line each, and every configured writer."""
 
-    def __init__(self, path: str | os.PathLike[str], enabled: bool) -> None:
-        self.enabled = enabled
-        self.path = Path(path)
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, writers: list[MetricWriter], total_steps: int) -> None:
+        self.writers = writers
+        self.total_steps = total_steps
 
     def log(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        shown = "  ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
-        )
-        logger.info("%s", shown)
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        logger.info("%s", console_line(record, self.total_steps))
+        for writer in self.writers:
+            writer.write(record)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
+def console_line(record: dict[str, Any], total_steps: int) -> str:
+    """`step 10/100  loss 3.214  ...  eta 1m20s`: what a person watching the job reads."""
+    step = record["step"]
+    parts = [f"step {step}/{total_steps}", f"loss {record['loss']:.4f}"]
+    parts.append(f"grad_norm {record['grad_norm']:.3g}")
+    parts.append(f"lr {record['lr']:.3g}")
+    parts.append(f"tokens/s/device {record['tokens_per_s_per_device']:.4g}")
+    parts.append(f"mfu {100 * record['mfu']:.2f}%")
+    memory = record.get("cuda_max_allocated_gib", record.get("peak_rss_gib"))
+    if memory is not None:
+        parts.append(f"memory {memory:.2f} GiB")
+    parts.append(f"eta {_duration((total_steps - step) * record['step_time_s'])}")
+    return "  ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

@@ -44,6 +44,12 @@ from pipekit.pipelining.tools.trace import record_pipeline_step
 from pipekit.train.data import build_data_loader
 from pipekit.train.job import Job
 from pipekit.train.lr_schedule import build_lr_scheduler
+from pipekit.train.metric_writers import (
+    JsonlWriter,
+    MetricWriter,
+    TensorBoardWriter,
+    WandbWriter,
+)
 from pipekit.train.metrics import (
     MetricsLogger,
     measure_matmul_flops,
@@ -52,6 +58,7 @@ from pipekit.train.metrics import (
 )
 from pipekit.train.model_setup import DTYPES, build_job_model
 from pipekit.train.optimizer import build_optimizer
+from pipekit.train.stop_signals import StopSignals
 
 __all__ = ["NonFiniteLossError", "Trainer"]
 
@@ -90,7 +97,9 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             self.output_dir / config.checkpoint.folder, keep_last=config.checkpoint.keep_last
         )
-        resume_step = self.checkpoints.latest_step() if config.checkpoint.resume else None
+        resume_step = None
+        if config.checkpoint.resume:
+            resume_step = config.checkpoint.load_step or self.checkpoints.latest_step()
         torch.manual_seed(config.job.seed)
         built = build_job_model(job, self.mesh, self.device, load_hf=resume_step is None)
         self.model, self.pipeline = built.model, built.pipeline
@@ -119,7 +128,7 @@ class Trainer:
                 "resumed from %s (step %d)", self.checkpoints.path(resume_step), resume_step
             )
         self.metrics = MetricsLogger(
-            self.output_dir / config.metrics.jsonl_file, enabled=self.rank == 0
+            self._metric_writers() if self.rank == 0 else [], config.training.steps
         )
         with torch.device("meta"):  # the whole model's FLOPs, whatever this rank holds
             full_model = job.spec.build(job.args)
@@ -127,6 +136,20 @@ class Trainer:
             full_model, job.shape, job.spec.structure, config.training.seq_len
         )
         self.peak_flops = config.metrics.peak_flops or self._measured_peak_flops()
+
+    def _metric_writers(self) -> list[MetricWriter]:
+        """Rank 0's writers, each starting at the step the job starts from."""
+        metrics = self.config.metrics
+        writers: list[MetricWriter] = [
+            JsonlWriter(self.output_dir / metrics.jsonl_file, start_step=self.step)
+        ]
+        if metrics.tensorboard:
+            writers.append(TensorBoardWriter(self.output_dir / "tensorboard", self.step))
+        if metrics.wandb:
+            writers.append(
+                WandbWriter(self.output_dir, metrics.wandb_project, self.config.job.name)
+            )
+        return writers
 
     def _measured_peak_flops(self) -> float:
         flops = torch.tensor(measure_matmul_flops(), dtype=torch.float64)
@@ -246,53 +269,71 @@ class Trainer:
         return loss
 
     def train(self) -> list[float]:
-        """Run to `training.steps`; returns the losses of the steps this call ran."""
+        """Run to `training.steps`, or until SIGINT/SIGTERM (then the step in progress ends
+        and a checkpoint is saved); returns the losses of the steps this call ran."""
         config = self.config
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-        model = f"{config.model.name}/{config.model.flavor}"
-        if self.job.upcycle is not None:
-            upcycle = self.job.upcycle
-            model += (
-                f" upcycled to {self.job.spec.name} ({upcycle.total_experts} experts, "
-                f"top-{upcycle.routed_experts})"
-            )
         logger.info(
             "training %s on %d rank(s), steps %d..%d",
-            model,
+            self._model_description(),
             self.world_size,
             self.step + 1,
             config.training.steps,
         )
-        losses = []
-        window_start, window_tokens = time.perf_counter(), 0
-        while self.step < config.training.steps:
-            loss, grad_norm, tokens = self.train_step()
-            losses.append(loss)
-            window_tokens += tokens
-            last = self.step == config.training.steps
-            if self.step == 1 or last or self.step % config.metrics.log_interval == 0:
-                elapsed = time.perf_counter() - window_start
-                tokens_per_s = window_tokens / elapsed
-                record = {
-                    "step": self.step,
-                    "loss": loss,
-                    "grad_norm": grad_norm,
-                    "lr": float(self.lr_scheduler.get_last_lr()[0]),
-                    "tokens_per_s": tokens_per_s,
-                    "mfu": tokens_per_s
-                    * self.flops_per_token
-                    / (self.peak_flops * self.world_size),
-                    **memory_stats(self.model, self.optimizer),
-                }
-                self.metrics.log(record)
-                window_start, window_tokens = time.perf_counter(), 0
-            if config.checkpoint.enable and (last or self.step % config.checkpoint.interval == 0):
-                path = self.checkpoints.save(self.step, self._checkpoint_state())
-                logger.info("saved checkpoint %s", path)
+        losses: list[float] = []
+        window = _ThroughputWindow(self.step)
+        with StopSignals() as stop, contextlib.closing(self.metrics):
+            while self.step < config.training.steps:
+                loss, grad_norm, tokens = self.train_step()
+                losses.append(loss)
+                window.tokens += tokens
+                last = self.step == config.training.steps
+                if self.step == 1 or last or self.step % config.metrics.log_interval == 0:
+                    self.metrics.log(self._record(loss, grad_norm, window))
+                    window = _ThroughputWindow(self.step)
+                stop_signal = stop.agreed_signal(self.device)
+                interval = config.checkpoint.interval
+                due = last or stop_signal is not None or self.step % interval == 0
+                if config.checkpoint.enable and due:
+                    path = self.checkpoints.save(self.step, self._checkpoint_state())
+                    logger.info("saved checkpoint %s", path)
+                if stop_signal is not None:
+                    logger.info(
+                        "stopped on %s after step %d; run the same command to resume",
+                        stop_signal,
+                        self.step,
+                    )
+                    return losses
         if config.checkpoint.export_hf_at_end:
             self.export_hf(self.output_dir / "hf")
         return losses
+
+    def _model_description(self) -> str:
+        model = f"{self.config.model.name}/{self.config.model.flavor}"
+        upcycle = self.job.upcycle
+        if upcycle is None:
+            return model
+        return (
+            f"{model} upcycled to {self.job.spec.name} ({upcycle.total_experts} experts, "
+            f"top-{upcycle.routed_experts})"
+        )
+
+    def _record(self, loss: float, grad_norm: float, window: _ThroughputWindow) -> dict[str, Any]:
+        """The metrics of the step just taken; throughput over the steps since the last one."""
+        elapsed = time.perf_counter() - window.start
+        tokens_per_s = window.tokens / elapsed
+        return {
+            "step": self.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": float(self.lr_scheduler.get_last_lr()[0]),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.world_size,
+            "step_time_s": elapsed / (self.step - window.first_step),
+            "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size),
+            **memory_stats(self.model, self.optimizer),
+        }
 
     def export_hf(self, directory: Path) -> None:
         """Write the current weights in Hugging Face layout: every rank writes its share of
@@ -316,3 +357,12 @@ class _TrainerProgress:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer.step = int(state["step"])
         restore_rng_state(state["rng"])
+
+
+class _ThroughputWindow:
+    """The steps since the last logged one: when they started and the tokens they trained."""
+
+    def __init__(self, step: int) -> None:
+        self.first_step = step
+        self.start = time.perf_counter()
+        self.tokens = 0

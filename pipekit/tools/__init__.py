@@ -1,0 +1,1 @@
+"""Command-line tools around a training job's outputs (`python -m pipekit.tools.<name>`)."""

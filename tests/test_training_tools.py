@@ -1,0 +1,184 @@
+"""What surrounds a training job: metric writers (JSONL, TensorBoard, W&B) that never repeat a
+step after a resume, the console line, graceful stops on SIGTERM/SIGINT, `checkpoint.load_step`,
+and `pipekit.tools.plot` (curves and compare)."""
+
+import json
+import shutil
+import signal
+import sys
+import types
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import pipekit.train.trainer as trainer_module
+from pipekit.config import load_job_config
+from pipekit.tools import plot
+from pipekit.train.job import plan_job
+from pipekit.train.metric_writers import JsonlWriter, read_jsonl_rows
+from pipekit.train.metrics import console_line
+from pipekit.train.trainer import Trainer
+
+STEPS = 4
+BASE = [
+    "--config", "configs/debug_model.toml",
+    "--training.steps", str(STEPS), "--training.global_batch_size", "2",
+    "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "1",
+    "--checkpoint.interval", "2", "--checkpoint.keep_last", "0",
+    "--metrics.log_interval", "1", "--metrics.peak_flops", "1e9",
+    "--parallelism.dp_shard", "1",
+]  # fmt: skip
+
+
+def _trainer(output_dir, *overrides):
+    config = load_job_config([*BASE, "--job.output_dir", str(output_dir), *overrides])
+    return Trainer(plan_job(config, world_size=1))
+
+
+def _tensorboard_losses(output_dir):
+    events = EventAccumulator(str(output_dir / "tensorboard"))
+    events.Reload()
+    return {event.step: event.value for event in events.Scalars("train/loss")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Four steps with checkpoints at 2 and 4, logged to JSONL and TensorBoard."""
+    output_dir = tmp_path_factory.mktemp("uninterrupted")
+    losses = _trainer(output_dir, "--metrics.tensorboard", "true").train()
+    return output_dir, losses
+
+
+def test_tensorboard_events_hold_the_logged_losses(uninterrupted):
+    output_dir, losses = uninterrupted
+    rows = read_jsonl_rows(output_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert [row["loss"] for row in rows] == losses
+    tensorboard = _tensorboard_losses(output_dir)
+    assert sorted(tensorboard) == [1, 2, 3, 4]
+    for step, loss in tensorboard.items():
+        assert loss == pytest.approx(losses[step - 1], rel=1e-6)  # events store float32
+
+
+def test_resuming_an_earlier_step_supersedes_the_rows_after_it(uninterrupted, tmp_path):
+    """load_step=2 redoes steps 3 and 4: each logged step appears once, with the new values."""
+    output_dir, losses = uninterrupted
+    copy = tmp_path / "run"
+    shutil.copytree(output_dir, copy)
+    resumed = _trainer(copy, "--metrics.tensorboard", "true", "--checkpoint.load_step", "2")
+    assert resumed.step == 2
+    redone = resumed.train()
+    assert redone == losses[2:]
+    rows = read_jsonl_rows(copy / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert sorted(_tensorboard_losses(copy)) == [1, 2, 3, 4]
+
+
+def test_jsonl_writer_drops_rows_after_the_start_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in (1, 2, 3)))
+    JsonlWriter(path, start_step=2).write({"step": 3, "loss": 30.0})
+    assert read_jsonl_rows(path) == [
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 2.0},
+        {"step": 3, "loss": 30.0},
+    ]
+    JsonlWriter(path, start_step=0)  # a fresh start keeps nothing of an earlier run
+    assert read_jsonl_rows(path) == []
+
+
+def test_console_line_shows_throughput_mfu_memory_and_eta():
+    record = {
+        "step": 10, "loss": 3.21456, "grad_norm": 0.5, "lr": 1e-3, "tokens_per_s": 8000.0,
+        "tokens_per_s_per_device": 2000.0, "step_time_s": 1.5, "mfu": 0.123,
+        "peak_rss_gib": 1.5,
+    }  # fmt: skip
+    line = console_line(record, total_steps=100)
+    assert line == (
+        "step 10/100  loss 3.2146  grad_norm 0.5  lr 0.001  tokens/s/device 2000  mfu 12.30%  "
+        "memory 1.50 GiB  eta 2m15s"
+    )
+
+
+def test_wandb_writer_logs_offline_and_resumes_the_same_run(tmp_path, monkeypatch):
+    """W&B is optional and not installed for the tests: a recording stand-in checks the calls."""
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            calls.append(("log", step, values["train/loss"]))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs["id"], kwargs["mode"], kwargs["resume"]))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    trainer = _trainer(tmp_path, "--metrics.wandb", "true", "--training.steps", "2")
+    losses = trainer.train()
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()
+    assert calls == [
+        ("init", run_id, "offline", "allow"),
+        ("log", 1, losses[0]),
+        ("log", 2, losses[1]),
+        ("finish",),
+    ]
+    _trainer(tmp_path, "--metrics.wandb", "true", "--training.steps", "3")
+    assert calls[-1] == ("init", run_id, "offline", "allow")
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_the_step_saves_and_resumes_exactly(
+    uninterrupted, tmp_path, monkeypatch, stop_signal
+):
+    _, losses = uninterrupted
+    real_step = trainer_module.Trainer.train_step
+
+    def step_then_signal(self):
+        result = real_step(self)
+        if self.step == 1:  # arrives mid-run, while the next step's work is still ahead
+            signal.raise_signal(stop_signal)
+        return result
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", step_then_signal)
+    stopped = _trainer(tmp_path).train()
+    assert stopped == losses[:1]
+    assert (tmp_path / "checkpoints" / "step-1" / "COMPLETE").is_file()
+    assert signal.getsignal(stop_signal) is not None  # handlers are put back
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", real_step)
+    resumed = _trainer(tmp_path)
+    assert resumed.step == 1
+    assert resumed.train() == losses[1:]
+
+
+def test_load_step_must_name_a_complete_checkpoint(uninterrupted, tmp_path):
+    output_dir, _ = uninterrupted
+    with pytest.raises(Exception, match=r"load_step=3: .* complete steps: \[2, 4\]"):
+        _trainer(output_dir, "--checkpoint.load_step", "3")
+    with pytest.raises(Exception, match="needs resume = true"):
+        _trainer(tmp_path, "--checkpoint.load_step", "2", "--checkpoint.resume", "false")
+
+
+def test_plot_draws_two_runs_and_compare_prints_the_largest_difference(
+    uninterrupted, tmp_path, capsys
+):
+    output_dir, _ = uninterrupted
+    shifted = tmp_path / "shifted.jsonl"
+    rows = read_jsonl_rows(output_dir / "metrics.jsonl")
+    rows[2]["loss"] += 0.25
+    shifted.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "curves.png"
+    assert plot.main([str(output_dir), str(shifted), "--out", str(out), "--labels", "a", "b"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert plot.main(["compare", str(output_dir), str(shifted)]) == 0
+    result = capsys.readouterr().out.strip().splitlines()[-1]
+    assert result == "RESULT max_difference=0.25 at_step=3 common_steps=4"
+    assert plot.main(["compare", str(output_dir), str(shifted), "--tolerance", "0.1"]) == 1
+    assert plot.main(["compare", str(output_dir), str(output_dir), "--tolerance", "0"]) == 0
+    assert plot.main(["compare", str(output_dir), str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
