@@ -85,7 +85,7 @@ def _losses(output_dir: Path) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in records}
 
 
-SHORT_RUN_STEPS = 60  # long enough that the kill after step 8 lands mid-run
+SHORT_RUN_STEPS = 36  # long enough that a kill after step 8 lands mid-run
 SHORT_RUN = (
     "--training.steps",
     str(SHORT_RUN_STEPS),
@@ -104,7 +104,7 @@ SHORT_RUN = (
 )
 
 
-def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(tmp_path):
+def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp_path):
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     subprocess.run(
         _command(reference_dir, *SHORT_RUN),
@@ -116,8 +116,8 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(tmp_path):
     reference = _losses(reference_dir)
     assert sorted(reference) == list(range(1, SHORT_RUN_STEPS + 1))
     assert sorted(p.name for p in (reference_dir / "checkpoints").iterdir()) == [
-        "step-56",
-        "step-60",
+        "step-32",
+        "step-36",
     ]
 
     job = subprocess.Popen(
@@ -127,10 +127,7 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 120
-    while not (killed_dir / "checkpoints" / "step-8").exists():
-        assert job.poll() is None and time.monotonic() < deadline, "job ended before step 8"
-        time.sleep(0.02)
+    _wait_for(killed_dir / "checkpoints" / "step-8", job)
     _kill_process_tree(job.pid)  # torchrun starts each worker in a session of its own
     job.wait()
     before_kill = _losses(killed_dir)
@@ -142,8 +139,50 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(tmp_path):
         _command(killed_dir, *SHORT_RUN), env=_env(), cwd=tmp_path, capture_output=True, text=True
     )
     assert resume.returncode == 0, resume.stderr[-3000:]
-    resumed = _losses(killed_dir)  # later records of a step overwrite the killed run's
+    resumed = _losses(killed_dir)
     assert resumed == pytest.approx(reference, rel=0, abs=0)
+    _assert_each_step_logged_once(killed_dir)
+
+    # A scheduler's preemption: SIGTERM to every worker. The step ends, a checkpoint is
+    # saved, the job exits 0, and the next start resumes from it.
+    stopped_dir = tmp_path / "stopped"
+    job = subprocess.Popen(
+        _command(stopped_dir, *SHORT_RUN),
+        env=_env(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(stopped_dir / "checkpoints" / "step-8", job)
+    for worker in _descendants(job.pid):
+        os.kill(worker, signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode == 0, stderr[-3000:]
+    stopped_at = max(_losses(stopped_dir))
+    assert 8 <= stopped_at < SHORT_RUN_STEPS
+    assert f"stopped on SIGTERM after step {stopped_at}" in stdout
+    assert (stopped_dir / "checkpoints" / f"step-{stopped_at}" / "COMPLETE").is_file()
+    resume = subprocess.run(
+        _command(stopped_dir, *SHORT_RUN), env=_env(), cwd=tmp_path, capture_output=True, text=True
+    )
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    assert f"(step {stopped_at})" in resume.stdout  # "resumed from .../step-N (step N)"
+    assert _losses(stopped_dir) == pytest.approx(reference, rel=0, abs=0)
+    _assert_each_step_logged_once(stopped_dir)
+
+
+def _wait_for(path: Path, job: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert job.poll() is None and time.monotonic() < deadline, f"job ended before {path}"
+        time.sleep(0.02)
+
+
+def _assert_each_step_logged_once(output_dir: Path) -> None:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines]
+    assert steps == list(range(1, SHORT_RUN_STEPS + 1))
 
 
 def _single_process_error(output_dir: Path, *overrides: str, world_size: int | None = None) -> str:
