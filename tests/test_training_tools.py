@@ -3,12 +3,14 @@ step after a resume, the console line, graceful stops on SIGTERM/SIGINT, `checkp
 and `pipekit.tools.plot` (curves and compare)."""
 
 import json
+import re
 import shutil
 import signal
 import sys
 import types
 
 import pytest
+from distributed_helpers import run_on_ranks
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import pipekit.train.trainer as trainer_module
@@ -182,3 +184,48 @@ def test_plot_draws_two_runs_and_compare_prints_the_largest_difference(
     assert plot.main(["compare", str(output_dir), str(output_dir), "--tolerance", "0"]) == 0
     assert plot.main(["compare", str(output_dir), str(tmp_path / "none")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+PROFILED_PIPELINE = [
+    "--config", "configs/debug_sliced_pp.toml",
+    "--training.steps", "2", "--training.global_batch_size", "4",
+    "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "1",
+    "--parallelism.microbatches", "2", "--parallelism.num_slices", "2",
+    "--checkpoint.enable", "false", "--metrics.peak_flops", "1e9",
+    "--profiling.steps", "2", "--profiling.memory", "true",
+]  # fmt: skip
+
+
+def _profiled_pipeline_rank(rank, world_size, output_dir):
+    config = load_job_config([*PROFILED_PIPELINE, "--job.output_dir", str(output_dir)])
+    trainer = Trainer(plan_job(config, world_size=world_size))
+    trainer.train()
+    schedule = trainer.pipeline.schedule
+    return [str(action) for action in schedule.pipeline_order[rank]], trainer.pipeline.num_slices
+
+
+def test_a_profiled_sliced_pipeline_step_names_every_scheduled_action_once(tmp_path):
+    per_rank = run_on_ranks(_profiled_pipeline_rank, 2, tmp_path, timeout=180)
+    folder = tmp_path / "profile_traces" / "step-2"
+    for rank, (scheduled, num_slices) in enumerate(per_rank):
+        trace = json.loads((folder / f"rank{rank}_trace.json").read_text())
+        names = [event["name"] for event in trace["traceEvents"] if "name" in event]
+        pipekit_actions = [name for name in names if name.startswith("pipekit: ")]
+        expected = []
+        for action in scheduled:  # "0F3": stage 0, forward of unit 3 (microbatch 1, slice 1)
+            stage, kind, unit = re.fullmatch(r"(\d+)([FBIW])(\d+)", action).groups()
+            microbatch, slice_index = divmod(int(unit), num_slices)
+            expected.append(
+                f"pipekit: {kind} stage {stage} microbatch {microbatch} slice {slice_index}"
+            )
+        assert len(expected) == 2 * 2 * 2  # F and B of 2 microbatches x 2 slices
+        assert sorted(pipekit_actions) == sorted(expected)
+        assert {f"PP:{action}" for action in scheduled} <= set(names)  # torch's own names
+
+        memory = json.loads((folder / f"rank{rank}_memory.json").read_text())["traceEvents"]
+        activations = [e["args"] for e in memory if e["name"] == "activation memory (MiB)"]
+        assert max(sample["kv_cache"] for sample in activations) > 0
+        assert max(sample["saved"] for sample in activations) > 0
+        assert activations[-1]["saved"] == 0  # every saved tensor freed by the step's end
+        assert all(e["args"]["rss"] > 0 for e in memory if e["name"] == "rss (MiB)")
+    assert not (tmp_path / "profile_traces" / "step-1").exists()  # only the named step

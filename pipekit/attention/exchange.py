@@ -38,6 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.profiler import record_function
 
 from pipekit.attention.backends import (
     AttentionBackend,
@@ -213,6 +214,13 @@ def serve_attention_loan(
 ) -> None:
     """Answer one forward request of `loan.peer`: its query's `(out, lse)` over the lent
     chunks."""
+    with record_function(f"exchange: serve forward for rank {loan.peer}"):
+        _serve_forward(loan, scale, backend)
+
+
+def _serve_forward(
+    loan: AttentionLoan, scale: float | None, backend: str | AttentionBackend
+) -> None:
     request = _receive_request(loan, backward=False)
     chosen, scale = _ring_backend_and_scale(backend, scale, request.q_BHSD)
     with torch.no_grad():
@@ -229,6 +237,13 @@ def serve_attention_loan_backward(
     loan: AttentionLoan, scale: float | None = None, backend: str | AttentionBackend = "auto"
 ) -> None:
     """Answer one backward request of `loan.peer`: `dQ` and each lent chunk's `dK`, `dV`."""
+    with record_function(f"exchange: serve backward for rank {loan.peer}"):
+        _serve_backward(loan, scale, backend)
+
+
+def _serve_backward(
+    loan: AttentionLoan, scale: float | None, backend: str | AttentionBackend
+) -> None:
     request = _receive_request(loan, backward=True)
     q_BHSD = request.q_BHSD
     grad_out_BHSD, out_BHSD = _buffer(q_BHSD), _buffer(q_BHSD)
@@ -281,9 +296,11 @@ class LoansInFlight:
     def collect(self) -> list[list[Tensor]]:
         """Per part of the lending, in order: forward `[out, lse]`; backward `[dQ, dK, dV of
         each lent chunk...]`."""
-        for (loan, _), works in zip(self.lending.parts, self.receives, strict=True):
-            loan.wait(works)
-        _wait(self.sends)
+        peers = ", ".join(str(loan.peer) for loan, _ in self.lending.parts)
+        with record_function(f"exchange: wait for answers of rank {peers}"):
+            for (loan, _), works in zip(self.lending.parts, self.receives, strict=True):
+                loan.wait(works)
+            _wait(self.sends)
         return self.answers
 
 

@@ -11,6 +11,7 @@ from pipekit.config.job_config import (
     MoEConfig,
     OptimizerConfig,
     ParallelismConfig,
+    ProfilingConfig,
     TrainingConfig,
 )
 from pipekit.config.loader import ConfigError, help_text, load_job_config, to_dict
@@ -28,6 +29,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelismConfig",
+    "ProfilingConfig",
     "TrainingConfig",
     "check_values",
     "help_text",

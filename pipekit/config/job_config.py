@@ -24,6 +24,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelismConfig",
+    "ProfilingConfig",
     "TrainingConfig",
     "UpcycleConfig",
 ]
@@ -299,6 +300,19 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True)
+class ProfilingConfig:
+    """torch.profiler traces and memory timelines of chosen steps (see pipekit.train.profiling)."""
+
+    steps: list[int] = field(default_factory=list)
+    """Profile these steps (1-based; on the command line `--profiling.steps "2;3"`); empty = off."""
+    folder: str = "profile_traces"
+    """Subfolder of job.output_dir for the traces."""
+    memory: bool = False
+    """Also record the step's memory: activation/KV-cache/stage-input bytes and RSS as counters
+    (rank{R}_memory.json), and on CUDA the allocator history (rank{R}_cuda_memory.pickle)."""
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     """Everything a training job needs, one section per concern."""
 
@@ -312,3 +326,4 @@ class JobConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

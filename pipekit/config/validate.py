@@ -70,6 +70,12 @@ def check_values(config: JobConfig) -> None:
         )
     if config.training.max_norm < 0:
         raise ConfigError(f"[training] max_norm={config.training.max_norm} must be >= 0 (0 = off)")
+    outside = [step for step in config.profiling.steps if not 1 <= step <= config.training.steps]
+    if outside:
+        raise ConfigError(
+            f"[profiling] steps={config.profiling.steps}: {outside} outside 1..training.steps="
+            f"{config.training.steps}; name steps the job runs (empty = off)"
+        )
     trace_step = config.metrics.pipeline_trace_step
     if not 0 <= trace_step <= config.training.steps:
         raise ConfigError(

@@ -18,7 +18,7 @@ unpacking does that check here instead.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from torch import nn
 from pipekit.memory.live_tensors import local_storage_holder
 
 __all__ = [
+    "CATEGORIES",
     "KV_CACHE",
     "SAVED",
     "STAGE_INPUTS",
@@ -34,6 +35,7 @@ __all__ = [
     "SavedHandle",
     "active_memory_tracker",
     "hold_saved",
+    "process_memory_bytes",
     "track_tensor",
     "untrack_tensor",
 ]
@@ -41,7 +43,8 @@ __all__ = [
 SAVED = "saved"
 KV_CACHE = "kv_cache"
 STAGE_INPUTS = "stage_inputs"
-_CATEGORIES = (SAVED, KV_CACHE, STAGE_INPUTS)
+CATEGORIES = (SAVED, KV_CACHE, STAGE_INPUTS)
+"""What a tracker counts, each on its own."""
 _TRACKABLE = (KV_CACHE, STAGE_INPUTS)
 
 _StorageKey = tuple[torch.device, int]  # (device, untyped_storage().data_ptr())
@@ -89,11 +92,17 @@ class MemoryReport:
 class ActivationMemoryTracker:
     """`with ActivationMemoryTracker(exclude=model.parameters()) as tracker:` around a step."""
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(
+        self,
+        exclude: Iterable[torch.Tensor] = (),
+        on_change: Callable[[ActivationMemoryTracker], None] | None = None,
+    ) -> None:
+        self.on_change = on_change
+        """Called after every change of the live bytes (a memory timeline samples there)."""
         self._excluded = {found[0] for t in exclude if (found := _storage_of(t)) is not None}
-        self._refs: dict[str, dict[_StorageKey, int]] = {c: {} for c in _CATEGORIES}
-        self._live = dict.fromkeys(_CATEGORIES, 0)
-        self._peak = dict.fromkeys(_CATEGORIES, 0)
+        self._refs: dict[str, dict[_StorageKey, int]] = {c: {} for c in CATEGORIES}
+        self._live = dict.fromkeys(CATEGORIES, 0)
+        self._peak = dict.fromkeys(CATEGORIES, 0)
         self._union_refs: dict[_StorageKey, int] = {}  # storage -> number of categories holding it
         self._nbytes: dict[_StorageKey, int] = {}  # storage -> bytes, recorded when first seen
         self._union_live = 0
@@ -135,7 +144,7 @@ class ActivationMemoryTracker:
         return self._union_peak if category is None else self._peak[_checked(category)]
 
     def report(self) -> MemoryReport:
-        rss = _proc_status_bytes()
+        rss = process_memory_bytes()
         dist = torch.distributed
         return MemoryReport(
             rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
@@ -165,6 +174,8 @@ class ActivationMemoryTracker:
             self._union_peak = max(self._union_peak, self._union_live)
         self._live[category] += self._nbytes[key]
         self._peak[category] = max(self._peak[category], self._live[category])
+        if self.on_change is not None:
+            self.on_change(self)
 
     def _release(self, category: str, key: _StorageKey) -> None:
         refs = self._refs[category]
@@ -179,6 +190,8 @@ class ActivationMemoryTracker:
         if self._union_refs[key] == 0:
             del self._union_refs[key]
             self._union_live -= self._nbytes.pop(key)
+        if self.on_change is not None:
+            self.on_change(self)
 
 
 def active_memory_tracker() -> ActivationMemoryTracker | None:
@@ -262,12 +275,12 @@ def _check_trackable(category: str) -> None:
 
 
 def _checked(category: str) -> str:
-    if category not in _CATEGORIES:
-        raise ValueError(f"category={category!r} is not one of {_CATEGORIES}")
+    if category not in CATEGORIES:
+        raise ValueError(f"category={category!r} is not one of {CATEGORIES}")
     return category
 
 
-def _proc_status_bytes() -> dict[str, int]:
+def process_memory_bytes() -> dict[str, int]:
     """VmRSS and VmHWM from /proc/self/status in bytes; empty off Linux."""
     try:
         with open("/proc/self/status") as status:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from pipekit.moe.dispatch_plan import PartitionPlan
 from pipekit.moe.experts import ExpertGrads, swiglu_backward, swiglu_middle, swiglu_output
@@ -127,39 +128,40 @@ class _PipelinedExperts(torch.autograd.Function):
         combines: list[PendingRows] = []
         dispatch = start_dispatch(0)
         for p, plan in enumerate(plans):
-            received = dispatch.wait()
-            pipeline.offloader.fence()  # pending host copies still read the shared buffers
-            if p + 1 < len(plans):
-                dispatch = start_dispatch(p + 1)
-            rows = plan.received_rows
-            dispatched = _to_expert_major(received, plan, dispatched_buffer.get(p, rows))
-            middle_buffer_rows = middle_buffer.get(p, 2 * rows)
-            middle = swiglu_middle(
-                dispatched,
-                w1_EFD,
-                w3_EFD,
-                plan.local_counts_L,
-                out=None
-                if middle_buffer_rows is None
-                else middle_buffer_rows.view(2, rows, hidden),
-            )
-            for restore, tensor, kept in (
-                (strategy.dispatched_input, dispatched, kept_inputs),
-                (strategy.middle, middle, kept_middles),
-            ):
-                if restore == "keep":
-                    kept.append(tensor)
-                elif restore == "offload":
-                    kept.append(pipeline.offloader.offload(tensor))
-            expert_output = swiglu_output(middle, w2_EDF, plan.local_counts_L)
-            if p >= 2:  # its send buffer is about to be reused
-                combines[p - 2].wait()
-            send = _to_source_major(expert_output, plan, output_buffers.get(p, rows))
-            combines.append(
-                exchange.start(
-                    send, plan.recv_splits, plan.send_splits, out=combined_AD[plan.assignments]
+            with record_function(f"moe: partition {p + 1}/{len(plans)} forward"):
+                received = dispatch.wait()
+                pipeline.offloader.fence()  # pending host copies still read the shared buffers
+                if p + 1 < len(plans):
+                    dispatch = start_dispatch(p + 1)
+                rows = plan.received_rows
+                dispatched = _to_expert_major(received, plan, dispatched_buffer.get(p, rows))
+                middle_buffer_rows = middle_buffer.get(p, 2 * rows)
+                middle = swiglu_middle(
+                    dispatched,
+                    w1_EFD,
+                    w3_EFD,
+                    plan.local_counts_L,
+                    out=None
+                    if middle_buffer_rows is None
+                    else middle_buffer_rows.view(2, rows, hidden),
                 )
-            )
+                for restore, tensor, kept in (
+                    (strategy.dispatched_input, dispatched, kept_inputs),
+                    (strategy.middle, middle, kept_middles),
+                ):
+                    if restore == "keep":
+                        kept.append(tensor)
+                    elif restore == "offload":
+                        kept.append(pipeline.offloader.offload(tensor))
+                expert_output = swiglu_output(middle, w2_EDF, plan.local_counts_L)
+                if p >= 2:  # its send buffer is about to be reused
+                    combines[p - 2].wait()
+                send = _to_source_major(expert_output, plan, output_buffers.get(p, rows))
+                combines.append(
+                    exchange.start(
+                        send, plan.recv_splits, plan.send_splits, out=combined_AD[plan.assignments]
+                    )
+                )
         for combine in combines:
             combine.wait()
         out_TD = torch.zeros_like(x_TD)
@@ -198,30 +200,31 @@ class _PipelinedExperts(torch.autograd.Function):
         returns: list[tuple[PartitionPlan, PendingRows]] = []
         transfers = start_transfers(0)
         for p, plan in enumerate(plans):
-            grad_received = transfers[0].wait()
-            input_received = None if transfers[1] is None else transfers[1].wait()
-            if p + 1 < len(plans):
-                transfers = start_transfers(p + 1)
-            grad_expert_output = _to_expert_major(grad_received, plan, None)
-            if strategy.dispatched_input == "communicate":
-                dispatched = _to_expert_major(input_received, plan, None)
-            elif strategy.dispatched_input == "offload":
-                dispatched = pipeline.offloader.restore(kept_inputs[p])
-            else:
-                dispatched = kept_inputs[p]
-            if strategy.middle == "recompute":
-                middle = swiglu_middle(dispatched, w1_EFD, w3_EFD, plan.local_counts_L)
-            elif strategy.middle == "offload":
-                middle = pipeline.offloader.restore(kept_middles[p])
-            else:
-                middle = kept_middles[p]
-            grad_dispatched = swiglu_backward(
-                dispatched, middle, grad_expert_output, weights, plan.local_counts_L, grads
-            )
-            if p >= 2:
-                _accumulate(grad_x_TD, *returns[p - 2])
-            send = _to_source_major(grad_dispatched, plan, None)
-            returns.append((plan, exchange.start(send, plan.recv_splits, plan.send_splits)))
+            with record_function(f"moe: partition {p + 1}/{len(plans)} backward"):
+                grad_received = transfers[0].wait()
+                input_received = None if transfers[1] is None else transfers[1].wait()
+                if p + 1 < len(plans):
+                    transfers = start_transfers(p + 1)
+                grad_expert_output = _to_expert_major(grad_received, plan, None)
+                if strategy.dispatched_input == "communicate":
+                    dispatched = _to_expert_major(input_received, plan, None)
+                elif strategy.dispatched_input == "offload":
+                    dispatched = pipeline.offloader.restore(kept_inputs[p])
+                else:
+                    dispatched = kept_inputs[p]
+                if strategy.middle == "recompute":
+                    middle = swiglu_middle(dispatched, w1_EFD, w3_EFD, plan.local_counts_L)
+                elif strategy.middle == "offload":
+                    middle = pipeline.offloader.restore(kept_middles[p])
+                else:
+                    middle = kept_middles[p]
+                grad_dispatched = swiglu_backward(
+                    dispatched, middle, grad_expert_output, weights, plan.local_counts_L, grads
+                )
+                if p >= 2:
+                    _accumulate(grad_x_TD, *returns[p - 2])
+                send = _to_source_major(grad_dispatched, plan, None)
+                returns.append((plan, exchange.start(send, plan.recv_splits, plan.send_splits)))
         for plan, pending in returns[max(0, len(plans) - 2) :]:
             _accumulate(grad_x_TD, plan, pending)
         return grad_x_TD, grad_weight_A, grads.w1_EFD, grads.w3_EFD, grads.w2_EDF, None

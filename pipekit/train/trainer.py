@@ -58,6 +58,7 @@ from pipekit.train.metrics import (
 )
 from pipekit.train.model_setup import DTYPES, build_job_model
 from pipekit.train.optimizer import build_optimizer
+from pipekit.train.profiling import StepProfiler
 from pipekit.train.stop_signals import StopSignals
 
 __all__ = ["NonFiniteLossError", "Trainer"]
@@ -136,6 +137,9 @@ class Trainer:
             full_model, job.shape, job.spec.structure, config.training.seq_len
         )
         self.peak_flops = config.metrics.peak_flops or self._measured_peak_flops()
+        self.profiler = StepProfiler(
+            config.profiling, self.output_dir, self.rank, list(self.model.parameters())
+        )
 
     def _metric_writers(self) -> list[MetricWriter]:
         """Rank 0's writers, each starting at the step the job starts from."""
@@ -285,7 +289,8 @@ class Trainer:
         window = _ThroughputWindow(self.step)
         with StopSignals() as stop, contextlib.closing(self.metrics):
             while self.step < config.training.steps:
-                loss, grad_norm, tokens = self.train_step()
+                with self.profiler.step(self.step + 1):
+                    loss, grad_norm, tokens = self.train_step()
                 losses.append(loss)
                 window.tokens += tokens
                 last = self.step == config.training.steps

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.profiler import record_function
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.kv_cache import ChunkedKVCache
@@ -210,7 +211,14 @@ class SlicedPipelineStage(PipelineStage):
         return sequence_scope(statistics, slice_index)
 
     def _observed(self, kind: ComputationType, unit: int, run: Callable[[], Any]) -> Any:
-        """Run one action; with an observer, time it (on CUDA, between device syncs)."""
+        """Run one action, named for torch.profiler traces; with an observer, time it (on
+        CUDA, between device syncs)."""
+        microbatch, slice_index = unit_microbatch_and_slice(unit, self.num_slices)
+        where = f"stage {self.stage_index} microbatch {microbatch} slice {slice_index}"
+        with record_function(f"pipekit: {kind.value} {where}"):
+            return self._timed(kind, unit, run)
+
+    def _timed(self, kind: ComputationType, unit: int, run: Callable[[], Any]) -> Any:
         if self.action_observer is None:
             return run()
         synchronize = self.device.type == "cuda"
