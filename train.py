@@ -2,8 +2,8 @@
 
 Bad input (config, data paths, checkpoints) ends with one error line and exit status 2, before any
 process group or model exists where that is possible; a diverging run ends with status 1.
-`--print-config` prints the resolved config, checked for the world size torchrun gives (every
-launch-independent rule when run without torchrun), and exits.
+`--print-config` prints the resolved config, checked by every rule training applies: for the
+world size torchrun gives, or without torchrun for the fewest ranks the parallel degrees allow.
 """
 
 from __future__ import annotations
@@ -26,9 +26,13 @@ def main(argv: list[str]) -> int:
     argv = [arg for arg in argv if arg != "--print-config"]
     rank = int(os.environ.get("RANK", "0"))
     launched = "WORLD_SIZE" in os.environ  # torchrun; plain `python train.py` is one process
-    world_size = int(os.environ["WORLD_SIZE"]) if launched else None if print_config else 1
+    world_size = int(os.environ["WORLD_SIZE"]) if launched else 1
     try:
         config = load_job_config(argv)
+        if print_config and not launched:  # every rule, for the fewest ranks the degrees allow
+            from pipekit.distributed.parallel_dims import ParallelDims
+
+            world_size = ParallelDims.smallest_world_size(config.parallelism)
         job = plan_job(config, world_size)
     except ConfigError as error:
         if rank == 0:
@@ -37,6 +41,7 @@ def main(argv: list[str]) -> int:
     if print_config:
         if rank == 0:
             print(dump_toml(to_dict(config)), end="")
+            print(f"# checked for {world_size} rank(s)", file=sys.stderr)
         return 0
 
     from pipekit.distributed.process_group import destroy_distributed, init_distributed

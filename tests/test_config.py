@@ -10,6 +10,7 @@ import pytest
 from pipekit.config import ConfigError, JobConfig, help_text, load_job_config
 from pipekit.config.dump import dump_toml
 from pipekit.config.loader import field_docs, to_dict
+from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.train.job import plan_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +134,36 @@ def test_print_config_prints_the_checked_resolved_config():
     )
     assert result.returncode == 0, result.stderr
     assert "[training]\nsteps = 50\n" in result.stdout
+    assert result.stderr == "# checked for 1 rank(s)\n"  # dp_shard=-1 takes the least
+
+
+TP3 = ("--parallelism.tp", "3")
+
+
+def test_print_config_runs_the_rules_that_need_a_world_size():
+    """tp=3 needs a world size to be checked at all; the model's heads refuse it."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            "configs/debug_model.toml",
+            *TP3,
+            "--print-config",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "tp=3 must divide the model's heads" in result.stderr
+    assert (
+        ParallelDims.smallest_world_size(
+            load_job_config(["--parallelism.ep", "4", "--parallelism.cp", "2"]).parallelism
+        )
+        == 4
+    )  # dp_shard=-1 takes 2, so ep=4 divides the 2 x 2 ranks that hold tokens
 
 
 _PP2 = ["--parallelism.pipeline_parallel_degree", "2"]

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -316,6 +317,36 @@ def test_context_parallel_job_matches_the_data_parallel_job_and_resumes(
     cp = ("--parallelism.dp_shard", "1", "--parallelism.cp", "2")
     tp = ("--parallelism.dp_shard", "1", "--parallelism.tp", "2")
     _matches_data_parallel_and_resumes(tmp_path, data_parallel_losses, cp, tp)
+
+
+def test_a_job_on_two_nodes_matches_the_same_ranks_on_one(
+    tmp_path: Path, data_parallel_losses: dict
+) -> None:
+    """Two torchrun processes of one rank each, meeting through a c10d rendezvous on
+    127.0.0.1 as two machines would, train FSDP2's two-rank losses exactly."""
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launch = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+    ]  # fmt: skip
+    job = [str(REPO_ROOT / "train.py"), "--config", CONFIG, "--job.output_dir", str(tmp_path)]
+    nodes = [
+        subprocess.Popen(
+            [*launch, *job, *LAYOUT_RUN, *NO_CHECKPOINTS],
+            env=_env(),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    for node in nodes:
+        _, stderr = node.communicate(timeout=300)
+        assert node.returncode == 0, stderr[-3000:]
+    assert _losses(tmp_path) == data_parallel_losses
 
 
 def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes(

@@ -124,6 +124,19 @@ class ParallelDims:
             degrees[unresolved[0]] = world_size // known_product
         return cls(**degrees, ep=config.ep, world_size=world_size)
 
+    @staticmethod
+    def smallest_world_size(config: ParallelismConfig) -> int:
+        """The fewest ranks these degrees run on (a degree of -1 taking the least it can:
+        enough data-parallel shards for `ep` to divide the ranks that hold tokens)."""
+        degrees = {name: getattr(config, _CONFIG_KEYS.get(name, name)) for name in MESH_DIM_ORDER}
+        fixed = {name: max(degree, 1) for name, degree in degrees.items()}
+        token_ranks = math.prod(fixed[name] for name in ("dp_replicate", "dp_shard", "cp", "tp"))
+        ep = max(config.ep, 1)
+        unresolved = [name for name, degree in degrees.items() if degree == -1]
+        if unresolved and unresolved[0] != "pp":
+            fixed[unresolved[0]] = ep // math.gcd(ep, token_ranks)
+        return math.prod(fixed.values())
+
     def _degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIM_ORDER}
 

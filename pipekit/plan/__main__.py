@@ -122,7 +122,6 @@ def main(argv: list[str]) -> None:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     dims = job.dims
-    assert dims is not None
     extras = []
     if dims.tp > 1 and job.config.parallelism.sequence_parallel:
         extras.append("sequence parallel")

@@ -51,7 +51,6 @@ class RankLayout:
 
 def rank_layouts(job: Job) -> list[RankLayout]:
     """One layout per pipeline rank (one for a job without a pipeline)."""
-    assert job.dims is not None, "plan the job for a world size"
     world = job.dims.world_size
     ranks = in_forked_child(_representative_ranks, job)
     return [in_forked_child(_layout, job, rank, world) for rank in ranks]
@@ -59,7 +58,6 @@ def rank_layouts(job: Job) -> list[RankLayout]:
 
 def _representative_ranks(job: Job) -> list[int]:
     """The global rank of each pipeline rank with every other coordinate 0."""
-    assert job.dims is not None
     if job.dims.pp == 1 or job.dims.world_size == 1:
         return [0]
     with simulated_rank(0, job.dims.world_size):
@@ -71,7 +69,6 @@ def _representative_ranks(job: Job) -> list[int]:
 
 
 def _layout(job: Job, rank: int, world: int) -> RankLayout:
-    assert job.dims is not None
     if world == 1:
         built = build_job_model(job, None, torch.device("cpu"), load_hf=False, on_meta=True)
         return _measure(job, rank, built)

@@ -169,7 +169,7 @@ def _checkpointed(job: Job, name: str) -> bool:
 def _block_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile) -> float:
     """Bytes per token the blocks keep for backward, checkpointed ones keeping their input;
     under context parallelism a block also keeps the other cp ranks' keys and values."""
-    gathered = (job.dims.cp - 1) if job.dims is not None else 0
+    gathered = job.dims.cp - 1
     kept = 0.0
     for name in names:
         if _checkpointed(job, name):
@@ -191,7 +191,7 @@ def _backward_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile
 
 
 def _step_activations(job: Job, layout: RankLayout, profile: ActivationProfile) -> float:
-    cp = job.dims.cp if job.dims is not None else 1
+    cp = job.dims.cp
     tokens = job.local_batch_size * job.config.training.seq_len // cp
     names = layout.block_names
     # the head's forward and backward end before the first block's backward begins: the two

@@ -5,8 +5,8 @@ model exists. Each subsystem checks its own part (the config's value ranges, the
 the data sources, parallel degrees, expert parallelism, the pipeline plan, upcycling); this
 module runs them in order, adds the rules that combine sections, and turns every refusal into a
 `ConfigError` that names the section and the fix. The trainer builds from the returned `Job`,
-so what was checked is exactly what runs. `world_size=None` checks all that does not depend on
-the launch (`python -m pipekit.config.dump`).
+so what was checked is exactly what runs (`train.py --print-config` checks a config without
+launching it, for the fewest ranks its degrees allow).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class Job:
     shape: ModelShape
     upcycle: UpcycleSpec | None
     """How the dense checkpoint becomes the model, when upcycling."""
-    dims: ParallelDims | None
-    """Parallel degrees (None when checked without a world size)."""
+    dims: ParallelDims
+    """Parallel degrees."""
     pipeline: PipelinePlan | None
     """The pipeline, when pipeline_parallel_degree > 1."""
     local_batch_size: int
@@ -51,8 +51,8 @@ class Job:
 
     @property
     def tensor_parallel(self) -> int:
-        """The tp degree (1 for a job planned without a world size)."""
-        return self.dims.tp if self.dims is not None else 1
+        """The tp degree."""
+        return self.dims.tp
 
     @property
     def sequence_parallel(self) -> bool:
@@ -75,7 +75,7 @@ def _error(section: str, error: Exception) -> ConfigError:
     return ConfigError(f"{section} {error}" if section else str(error))
 
 
-def plan_job(config: JobConfig, world_size: int | None, *, check_files: bool = True) -> Job:
+def plan_job(config: JobConfig, world_size: int, *, check_files: bool = True) -> Job:
     """Check `config` (for `world_size` ranks) and resolve it; ConfigError for the first rule
     it breaks. `check_files=False` skips what reads the files the config names (data,
     tokenizer, checkpoints): planning a job for machines that hold them."""
@@ -86,8 +86,6 @@ def plan_job(config: JobConfig, world_size: int | None, *, check_files: bool = T
     _check_checkpoints(config, spec, args, check_files)
     if upcycle is not None:
         _check_upcycle(config, check_files)
-    if world_size is None:
-        return Job(config, spec, args, shape, upcycle, None, None, 0)
     dims = _parallel_dims(config, world_size)
     if dims.tp > 1:
         _check_tensor_parallel(config, dims, spec, args)

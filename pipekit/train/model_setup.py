@@ -99,7 +99,7 @@ class _ModelSetup:
         self.expert_mesh = self.routers_mesh = None
         dims = job.dims
         tp_moe = job.tensor_parallel > 1 and getattr(job.args, "moe", None) is not None
-        if dims is not None and (dims.ep_enabled or tp_moe):
+        if dims.ep_enabled or tp_moe:
             # the ranks that hold tokens of one pipeline rank's stages (tp ranks each their own,
             # under sequence parallelism, which tp with MoE requires)
             token_ranks = dims.dp_degree * dims.cp * (dims.tp if tp_moe else 1)
@@ -115,7 +115,7 @@ class _ModelSetup:
             "param_dtype": self.compute_dtype,
             "reduce_dtype": DTYPES[training.mixed_precision_reduce],
         }
-        single_data_rank = dims is None or dims.dp_degree * dims.cp == 1
+        single_data_rank = dims.dp_degree * dims.cp == 1
         if job.pipeline is not None and single_data_rank and self.compute_dtype != torch.float32:
             # FSDP2 over one rank: the stages get mixed precision as they would under FSDP
             self.precision["precision_mesh"] = single_rank_mesh(device.type)
@@ -187,7 +187,7 @@ class _ModelSetup:
                 loss_parallel=job.loss_parallel,
                 tied_embeddings=job.shape.tied_embeddings,
             )
-        if job.dims is not None and job.dims.ep_enabled:
+        if job.dims.ep_enabled:
             assert self.expert_mesh is not None
             apply_expert_parallel(
                 module,
@@ -200,7 +200,6 @@ class _ModelSetup:
         blocks = job.spec.structure.blocks_of(module)
         apply_activation_checkpointing(blocks, job.config.training)
         if self.mesh is not None:
-            assert job.dims is not None
             apply_data_parallel(
                 module,
                 self.mesh,
@@ -217,7 +216,6 @@ class _ModelSetup:
         syncs its gradients after the step's last pass)."""
         if self.mesh is None:
             return
-        assert self.job.dims is not None
         dims = self.job.dims
         apply_data_parallel(embedding, self.mesh, dims, **self.precision)
         apply_data_parallel(output, self.mesh, dims, reshard_after_forward=False, **self.precision)

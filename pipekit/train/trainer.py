@@ -76,7 +76,6 @@ class Trainer:
     def __init__(self, job: Job) -> None:
         config = self.config = job.config
         self.job = job
-        assert job.dims is not None, "plan the job for a world size"
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device = torch.device(
