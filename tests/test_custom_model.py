@@ -118,9 +118,6 @@ def test_the_example_job_trains_from_its_config(tmp_path: Path) -> None:
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    losses = [
-        float(line.split("loss=")[1].split()[0])
-        for line in result.stdout.splitlines()
-        if "loss=" in line
-    ]
+    lines = [line for line in result.stdout.splitlines() if "  loss " in line]
+    losses = [float(line.split("  loss ")[1].split()[0]) for line in lines]
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, losses

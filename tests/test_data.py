@@ -1,6 +1,7 @@
 """Data pipeline: tokenizers, sources, packing invariants, dp sharding and exact resume."""
 
 import json
+import math
 import sys
 import sysconfig
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipekit.config import ConfigError, load_job_config
 from pipekit.config.job_config import DataConfig
 from pipekit.train.data import (
     IGNORE_INDEX,
@@ -25,6 +27,8 @@ from pipekit.train.data import (
     source_files,
     stdlib_files,
 )
+from pipekit.train.job import plan_job
+from pipekit.train.trainer import Trainer
 
 BYTES = ByteTokenizer()
 
@@ -322,3 +326,46 @@ def test_tokenizer_spec_errors_name_the_fix(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if the extra were not installed
     with pytest.raises(ImportError, match=r"pip install 'pipekit\[hf\]'"):
         build_tokenizer(str(path))
+
+
+def _word_tokenizer(tmp_path) -> Path:
+    """A word-level tokenizer.json of 12 ids with Llama 3's BOS/EOS tokens."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", LLAMA3_BOS, LLAMA3_EOS])
+    words = ["the", "pipeline", "trains", "a", "small", "model", "on", "real", "words"]
+    tokenizer.train_from_iterator([" ".join(words)], trainer)
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def test_debug_flavors_take_the_tokenizers_vocabulary_or_the_override(tmp_path):
+    tokenizer = _word_tokenizer(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["the pipeline trains a small model on real words"] * 200))
+    argv = [
+        "--config", "configs/debug_model.toml", "--data.source", str(corpus),
+        "--data.tokenizer", str(tokenizer), "--job.output_dir", str(tmp_path / "out"),
+        "--training.steps", "2", "--training.seq_len", "32", "--training.global_batch_size", "2",
+        "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "false",
+        "--metrics.peak_flops", "1e9", "--parallelism.dp_shard", "1",
+    ]  # fmt: skip
+    job = plan_job(load_job_config(argv), world_size=1)
+    assert job.shape.vocab_size == 12
+    trainer = Trainer(job)
+    embedding = getattr(trainer.model, job.spec.structure.embedding)
+    assert embedding.weight.shape[0] == 12
+    losses = trainer.train()
+    assert losses[0] == pytest.approx(math.log(12), abs=0.5)  # about uniform over 12 ids
+    override = plan_job(load_job_config([*argv, "--model.vocab_size", "64"]), world_size=1)
+    assert override.shape.vocab_size == 64
+    with pytest.raises(ConfigError, match=r"has 12 ids .* set \[model\] vocab_size >= 12"):
+        plan_job(load_job_config([*argv, "--model.vocab_size", "8"]), world_size=1)
+    sized = plan_job(load_job_config([*argv, "--model.flavor", "1B"]), world_size=1)
+    assert sized.shape.vocab_size == 128256  # a published flavor keeps its vocabulary
+    with pytest.raises(ConfigError, match="vocab_size=-1 must be >= 0"):
+        plan_job(load_job_config([*argv, "--model.vocab_size", "-1"]), world_size=1)

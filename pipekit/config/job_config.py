@@ -97,6 +97,9 @@ class ModelConfig:
     docs/custom_models.md."""
     attention_backend: str = "auto"
     """Attention kernel: auto, cpu or flex (see docs/attention.md)."""
+    vocab_size: int = 0
+    """Vocabulary rows of the embedding and output layer; 0 = the flavor's, except that the debug
+    flavors take the size of a [data] tokenizer.json, so a real tokenizer trains a small model."""
     upcycle: UpcycleConfig = field(default_factory=UpcycleConfig)
     """[model.upcycle]: build a mixture of experts from the dense checkpoint."""
 

@@ -57,6 +57,10 @@ def check_values(config: JobConfig) -> None:
             f"[checkpoint] load_step={load_step} names the step to resume from: it must be >= 0 "
             "(0 = the newest) and needs resume = true"
         )
+    if config.model.vocab_size < 0:
+        raise ConfigError(
+            f"[model] vocab_size={config.model.vocab_size} must be >= 0 (0 = the flavor's)"
+        )
     if config.checkpoint.keep_last < 0:
         raise ConfigError(f"[checkpoint] keep_last={config.checkpoint.keep_last} must be >= 0")
     if not 0.0 <= config.lr_scheduler.min_lr_ratio <= 1.0:

@@ -13,6 +13,7 @@ taken name needs `replace=True`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -128,11 +129,20 @@ def import_model_module(module_name: str) -> None:
 
 
 def resolve_model(
-    name: str, flavor: str, upcycle: UpcycleSpec | None = None
+    name: str, flavor: str, upcycle: UpcycleSpec | None = None, vocab_size: int = 0
 ) -> tuple[ModelSpec, Any]:
-    """The family and args a job builds: `name`'s `flavor`, or the MoE `upcycle` makes of it."""
+    """The family and args a job builds: `name`'s `flavor` (with `vocab_size` rows when not
+    0), or the MoE `upcycle` makes of it."""
     spec = get_model_spec(name)
     args = spec.flavor(flavor)
+    if vocab_size:
+        fields = {field.name for field in dataclasses.fields(args)}
+        if "vocab_size" not in fields:
+            raise ValueError(
+                f"vocab_size={vocab_size}: model {name!r}'s args ({type(args).__name__}) have "
+                "no vocab_size field; leave vocab_size = 0 or add the field to the family"
+            )
+        args = dataclasses.replace(args, vocab_size=vocab_size)
     if upcycle is None:
         return spec, args
     if spec.upcycler is None:

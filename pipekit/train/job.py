@@ -80,9 +80,10 @@ def plan_job(config: JobConfig, world_size: int, *, check_files: bool = True) ->
     it breaks. `check_files=False` skips what reads the files the config names (data,
     tokenizer, checkpoints): planning a job for machines that hold them."""
     check_values(config)
-    spec, args, upcycle = _model(config)
+    tokenizer_vocab = _tokenizer_vocab(config) if check_files else 0
+    spec, args, upcycle = _model(config, tokenizer_vocab)
     shape = spec.shape(args)
-    _check_data(config, shape, check_files)
+    _check_data(config, shape, tokenizer_vocab)
     _check_checkpoints(config, spec, args, check_files)
     if upcycle is not None:
         _check_upcycle(config, check_files)
@@ -110,7 +111,17 @@ def plan_job(config: JobConfig, world_size: int, *, check_files: bool = True) ->
     return Job(config, spec, args, shape, upcycle, dims, pipeline, local_batch)
 
 
-def _model(config: JobConfig) -> tuple[ModelSpec, Any, UpcycleSpec | None]:
+def _tokenizer_vocab(config: JobConfig) -> int:
+    """The [data] tokenizer's number of ids (the source and tokenizer files checked first)."""
+    from pipekit.train.data.loader import check_data_config
+
+    try:
+        return check_data_config(config.data)
+    except (ValueError, ImportError) as error:
+        raise _error("[data]:", error) from None
+
+
+def _model(config: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, Any, UpcycleSpec | None]:
     from pipekit.config.job_config import UpcycleConfig
 
     model = config.model
@@ -125,27 +136,23 @@ def _model(config: JobConfig) -> tuple[ModelSpec, Any, UpcycleSpec | None]:
         if model.module:
             import_model_module(model.module)
         upcycle_spec = upcycle.to_spec() if upcycle.enabled else None
-        spec, args = resolve_model(model.name, model.flavor, upcycle_spec)
+        vocab_size = model.vocab_size
+        if not vocab_size and model.flavor.startswith("debug") and config.data.tokenizer != "bytes":
+            vocab_size = tokenizer_vocab
+        spec, args = resolve_model(model.name, model.flavor, upcycle_spec, vocab_size)
     except ValueError as error:
         raise _error(f"{section}:", error) from None
     return spec, args, upcycle_spec
 
 
-def _check_data(config: JobConfig, shape: ModelShape, check_files: bool) -> None:
-    from pipekit.train.data.loader import check_data_config
-
-    tokenizer_vocab = 0
-    if check_files:
-        try:
-            tokenizer_vocab = check_data_config(config.data)
-        except (ValueError, ImportError) as error:
-            raise _error("[data]:", error) from None
+def _check_data(config: JobConfig, shape: ModelShape, tokenizer_vocab: int) -> None:
     model = config.model
     if tokenizer_vocab > shape.vocab_size:
         raise ConfigError(
             f"[data] tokenizer={config.data.tokenizer!r} has {tokenizer_vocab} ids but model "
             f"{model.name} flavor {model.flavor} has vocab_size={shape.vocab_size}; choose a "
-            "flavor with a larger vocabulary or a matching tokenizer"
+            f"flavor with a larger vocabulary, set [model] vocab_size >= {tokenizer_vocab}, or "
+            "use a matching tokenizer"
         )
     if config.training.seq_len > shape.max_seq_len:
         raise ConfigError(
