@@ -27,6 +27,7 @@ from pipekit.train.data import (
     source_files,
     stdlib_files,
 )
+from pipekit.train.data.loader import check_data_config
 from pipekit.train.job import plan_job
 from pipekit.train.trainer import Trainer
 
@@ -201,12 +202,11 @@ def test_dp_shards_concatenate_to_the_same_global_batch():
 def test_epoch_visits_distinct_rows_in_a_seeded_order():
     stream = pack_documents(_texts(40, seed=2), BYTES)
     loader = _loader(stream, local_batch_size=1)
-    order = loader._epoch_order().clone()
+    order = loader._epoch_order(0).clone()
     assert sorted(order.tolist()) == list(range(loader.num_rows))
-    assert torch.equal(order, _loader(stream, local_batch_size=1)._epoch_order())
-    assert not torch.equal(order, _loader(stream, seed=4)._epoch_order())
-    loader.epoch = 1
-    assert not torch.equal(order, loader._epoch_order())
+    assert torch.equal(order, _loader(stream, local_batch_size=1)._epoch_order(0))
+    assert not torch.equal(order, _loader(stream, seed=4)._epoch_order(0))
+    assert not torch.equal(order, loader._epoch_order(1))
     unshuffled = _loader(stream, local_batch_size=1, shuffle=False)
     first = next(unshuffled)
     assert torch.equal(first["tokens"], stream.rows(torch.tensor([0]), 8)["tokens"])
@@ -236,6 +236,24 @@ def test_resumed_loader_continues_exactly_where_it_stopped():
         _loader(stream, local_batch_size=3, seed=9).load_state_dict(state)
     with pytest.raises(ValueError, match="num_rows"):
         _loader(stream, seq_len=9, local_batch_size=3).load_state_dict(state)
+
+
+def test_loader_workers_give_the_serial_batches_and_resume_at_a_saved_position():
+    stream = pack_documents(_texts(40, seed=5), BYTES)
+    serial = _loader(stream, local_batch_size=3)
+    steps = serial.steps_per_epoch + 3  # across an epoch boundary
+    expected = [next(serial) for _ in range(steps)]
+    with_workers = _loader(stream, local_batch_size=3, num_workers=2, prefetch_factor=2)
+    taken = [next(with_workers) for _ in range(4)]  # the workers run ahead of this
+    state = with_workers.state_dict()
+    taken += [next(with_workers) for _ in range(steps - 4)]
+    for batch, reference in zip(taken, expected, strict=True):
+        assert (batch == reference).all()
+    resumed = _loader(stream, local_batch_size=3, num_workers=2)
+    next(resumed)  # workers started at step 0 ...
+    resumed.load_state_dict(state)  # ... are replaced by workers at step 4
+    for reference in expected[4:]:
+        assert (next(resumed) == reference).all()
 
 
 def test_loader_rejects_bad_batch_arguments():
@@ -369,3 +387,34 @@ def test_debug_flavors_take_the_tokenizers_vocabulary_or_the_override(tmp_path):
     assert sized.shape.vocab_size == 128256  # a published flavor keeps its vocabulary
     with pytest.raises(ConfigError, match="vocab_size=-1 must be >= 0"):
         plan_job(load_job_config([*argv, "--model.vocab_size", "-1"]), world_size=1)
+
+
+def test_hf_datasets_source_reads_local_parquet_and_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = _texts(30, seed=7)
+    pq.write_table(pa.table({"body": texts[:20], "n": list(range(20))}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"body": texts[20:], "n": list(range(10))}), tmp_path / "b.parquet")
+    parquet = DataConfig(
+        source="hf", hf_path="parquet", hf_data_files=str(tmp_path / "*.parquet"),
+        jsonl_field="body",
+    )  # fmt: skip
+    expected = pack_documents(texts, BYTES)
+    stream = load_token_stream(parquet)
+    assert torch.equal(stream.tokens_T, expected.tokens_T)
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in texts))
+    jsonl = DataConfig(
+        source="hf", hf_path="json", hf_data_files=str(tmp_path / "c.jsonl"), jsonl_field="body"
+    )
+    assert torch.equal(load_token_stream(jsonl).tokens_T, expected.tokens_T)
+    assert check_data_config(parquet) == BYTES.vocab_size
+
+    with pytest.raises(ValueError, match=r"no column 'text' \(its columns: body, n\)"):
+        load_token_stream(DataConfig(**{**vars(parquet), "jsonl_field": "text"}))
+    with pytest.raises(ValueError, match=r"column 'n' holds a int, not text"):
+        load_token_stream(DataConfig(**{**vars(parquet), "jsonl_field": "n"}))
+    with pytest.raises(ValueError, match="matches no file"):
+        check_data_config(DataConfig(**{**vars(parquet), "hf_data_files": str(tmp_path / "x*")}))
+    with pytest.raises(ValueError, match="needs hf_path"):
+        check_data_config(DataConfig(source="hf"))

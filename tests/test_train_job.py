@@ -19,6 +19,7 @@ import torch
 
 from pipekit.config import ConfigError, load_job_config
 from pipekit.models import get_model_spec
+from pipekit.train.data import stdlib_files
 from pipekit.train.job import plan_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -105,10 +106,21 @@ SHORT_RUN = (
 )
 
 
-def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp_path):
+def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp_path, monkeypatch):
+    """Read through Hugging Face datasets (a local JSONL file) by 2 loader workers per rank,
+    which run ahead of the step: a job killed with SIGKILL, and one stopped with SIGTERM,
+    resume to the uninterrupted run's losses."""
+    corpus = tmp_path / "corpus.jsonl"
+    texts = [path.read_text(errors="replace") for path in stdlib_files()[:200]]
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    run = (
+        *SHORT_RUN, "--data.source", "hf", "--data.hf_path", "json",
+        "--data.hf_data_files", str(corpus), "--data.num_workers", "2",
+    )  # fmt: skip
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     subprocess.run(
-        _command(reference_dir, *SHORT_RUN),
+        _command(reference_dir, *run),
         env=_env(),
         check=True,
         cwd=tmp_path,
@@ -122,7 +134,7 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
     ]
 
     job = subprocess.Popen(
-        _command(killed_dir, *SHORT_RUN),
+        _command(killed_dir, *run),
         env=_env(),
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
@@ -137,7 +149,7 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
     )
 
     resume = subprocess.run(
-        _command(killed_dir, *SHORT_RUN), env=_env(), cwd=tmp_path, capture_output=True, text=True
+        _command(killed_dir, *run), env=_env(), cwd=tmp_path, capture_output=True, text=True
     )
     assert resume.returncode == 0, resume.stderr[-3000:]
     resumed = _losses(killed_dir)
@@ -148,7 +160,7 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
     # saved, the job exits 0, and the next start resumes from it.
     stopped_dir = tmp_path / "stopped"
     job = subprocess.Popen(
-        _command(stopped_dir, *SHORT_RUN),
+        _command(stopped_dir, *run),
         env=_env(),
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -165,7 +177,7 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
     assert f"stopped on SIGTERM after step {stopped_at}" in stdout
     assert (stopped_dir / "checkpoints" / f"step-{stopped_at}" / "COMPLETE").is_file()
     resume = subprocess.run(
-        _command(stopped_dir, *SHORT_RUN), env=_env(), cwd=tmp_path, capture_output=True, text=True
+        _command(stopped_dir, *run), env=_env(), cwd=tmp_path, capture_output=True, text=True
     )
     assert resume.returncode == 0, resume.stderr[-3000:]
     assert f"(step {stopped_at})" in resume.stdout  # "resumed from .../step-N (step N)"

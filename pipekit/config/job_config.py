@@ -169,9 +169,23 @@ class DataConfig:
     """Training text and its tokenizer."""
 
     source: str = "stdlib"
-    """stdlib (the running Python's standard-library sources), or a path or glob of .txt/.jsonl."""
+    """stdlib (the running Python's standard-library sources), a path or glob of .txt/.jsonl,
+    or hf (Hugging Face datasets, set by the hf_ keys)."""
     jsonl_field: str = "text"
-    """Field holding the text in each JSONL record."""
+    """Field holding the text in each JSONL record (the text column of a dataset)."""
+    hf_path: str = ""
+    """source = hf: a Hub dataset name, a dataset folder, or a builder (parquet, json, csv, text)
+    that reads hf_data_files."""
+    hf_data_files: str = ""
+    """source = hf: the builder's files, paths or globs, comma-separated."""
+    hf_name: str = ""
+    """source = hf: the dataset's configuration name, if it has several."""
+    hf_split: str = "train"
+    """source = hf: the split to train on."""
+    num_workers: int = 0
+    """Loader worker processes that assemble batches ahead of the step (0 = in the trainer)."""
+    prefetch_factor: int = 2
+    """Batches each worker keeps ready (with num_workers > 0)."""
     tokenizer: str = "bytes"
     """bytes (256 byte ids + BOS + EOS), or the path of a Hugging Face tokenizer.json."""
     shuffle: bool = True

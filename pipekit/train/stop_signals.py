@@ -15,7 +15,7 @@ from types import FrameType, TracebackType
 import torch
 import torch.distributed as dist
 
-__all__ = ["STOP_SIGNALS", "StopSignals"]
+__all__ = ["STOP_SIGNALS", "StopSignals", "ignore_stop_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -61,3 +61,11 @@ class StopSignals:
             dist.all_reduce(received, op=dist.ReduceOp.MAX)
         number = int(received)
         return signal.Signals(number).name if number else None
+
+
+def ignore_stop_signals(*_: object) -> None:
+    """For helper processes (data-loader workers): Ctrl-C reaches the whole process group and a
+    scheduler may signal every process, but stopping is the trainer's decision; the helpers end
+    when it shuts them down (or exits)."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)

@@ -286,7 +286,7 @@ class Trainer:
         )
         losses: list[float] = []
         window = _ThroughputWindow(self.step)
-        with StopSignals() as stop, contextlib.closing(self.metrics):
+        with StopSignals() as stop, contextlib.closing(self.metrics), contextlib.closing(self.data):
             while self.step < config.training.steps:
                 with self.profiler.step(self.step + 1):
                     loss, grad_norm, tokens = self.train_step()

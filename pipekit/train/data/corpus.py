@@ -26,6 +26,7 @@ from pathlib import Path
 __all__ = [
     "DOCUMENT_SUFFIXES",
     "STDLIB_SOURCE",
+    "file_fingerprint",
     "iter_documents",
     "source_files",
     "stdlib_files",
@@ -159,3 +160,9 @@ def iter_documents(files: Sequence[Path], *, jsonl_field: str = "text") -> Itera
             text = _read_text(path)
             if text:
                 yield text
+
+
+def file_fingerprint(paths: Sequence[Path]) -> tuple:
+    """(path, size, mtime) of each file: a changed file must not hit a stale cache entry."""
+    stats = [(str(path), path.stat()) for path in paths]
+    return tuple((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)

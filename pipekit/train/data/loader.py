@@ -17,21 +17,27 @@ Legend: B local batch, S seq_len, G global batch (B * dp_world_size).
 
 from __future__ import annotations
 
+import atexit
 import glob
 import hashlib
+import itertools
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
 
 from pipekit.config.job_config import DataConfig
-from pipekit.train.data.corpus import iter_documents, source_files
+from pipekit.train.data.corpus import file_fingerprint, iter_documents, source_files
+from pipekit.train.data.hf_datasets import HF_SOURCE, check_hf_source, hf_documents, hf_source_key
 from pipekit.train.data.packing import TokenStream, pack_documents
 from pipekit.train.data.tokenizer import build_tokenizer
+from pipekit.train.stop_signals import ignore_stop_signals
 
 __all__ = ["PackedDataLoader", "build_data_loader", "check_data_config", "load_token_stream"]
 
@@ -70,6 +76,8 @@ class PackedDataLoader:
         dp_world_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
     ) -> None:
         _check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)
         self.stream = stream
@@ -92,34 +100,73 @@ class PackedDataLoader:
         self.position = 0
         self._order_epoch = -1
         self._order_G: Tensor | None = None
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self._worker_batches: Iterator[TensorDict] | None = None
+        """With workers: their batches from the current step on (made at the first `next`)."""
 
     @property
     def steps_per_epoch(self) -> int:
         """Global batches in one epoch (counted from position 0)."""
         return self.num_rows // self.global_batch_size
 
-    def _epoch_order(self) -> Tensor:
-        """Row order of the current epoch, computed once per epoch."""
-        if self._order_epoch != self.epoch or self._order_G is None:
+    def _epoch_order(self, epoch: int) -> Tensor:
+        """Row order of `epoch`, computed once per epoch."""
+        if self._order_epoch != epoch or self._order_G is None:
             if self.shuffle:
-                generator = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
+                generator = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
                 self._order_G = torch.randperm(self.num_rows, generator=generator)
             else:
                 self._order_G = torch.arange(self.num_rows)
-            self._order_epoch = self.epoch
+            self._order_epoch = epoch
         return self._order_G
+
+    def batch_of_step(self, step: int) -> TensorDict:
+        """This rank's batch of global step `step` (0-based, counted over epochs)."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        start = index * self.global_batch_size + self.dp_rank * self.local_batch_size
+        row_ids_B = self._epoch_order(epoch)[start : start + self.local_batch_size]
+        return self.stream.rows(row_ids_B, self.seq_len)
+
+    @property
+    def step(self) -> int:
+        """Global batches taken so far (over epochs)."""
+        return self.epoch * self.steps_per_epoch + self.position // self.global_batch_size
 
     def __iter__(self) -> PackedDataLoader:
         return self
 
     def __next__(self) -> TensorDict:
-        if self.position + self.global_batch_size > self.num_rows:
-            self.epoch += 1
-            self.position = 0
-        start = self.position + self.dp_rank * self.local_batch_size
-        row_ids_B = self._epoch_order()[start : start + self.local_batch_size]
+        step = self.step
+        if self.num_workers and self._worker_batches is None:
+            self._worker_batches = self._start_workers(step)
+        batch = self.batch_of_step(step) if self._worker_batches is None else None
         self.position += self.global_batch_size
-        return self.stream.rows(row_ids_B, self.seq_len)
+        if self.position + self.global_batch_size > self.num_rows:  # the rest is skipped
+            self.epoch, self.position = self.epoch + 1, 0
+        return next(self._worker_batches) if batch is None else batch
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (the next batch starts them again). Called before
+        the interpreter exits: multiprocessing would otherwise stop them with SIGTERM, which
+        they ignore (see `ignore_stop_signals`)."""
+        iterator, self._worker_batches = self._worker_batches, None
+        del iterator  # the last reference: its finalizer joins the workers
+
+    def _start_workers(self, step: int) -> Iterator[TensorDict]:
+        """Worker processes that assemble batches `step, step + 1, ...` in order, each
+        `prefetch_factor` ahead. The position alone says which rows a step takes, so a restart
+        at a saved position (resume, another dp degree) needs no state of the workers."""
+        loader = DataLoader(
+            _StepBatches(self),
+            batch_size=None,
+            sampler=itertools.count(step),
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            collate_fn=_unchanged,
+            worker_init_fn=ignore_stop_signals,
+        )
+        atexit.register(self.close)  # runs before multiprocessing's own exit handler
+        return iter(loader)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is (the same on every rank), plus what makes that position mean
@@ -147,16 +194,25 @@ class PackedDataLoader:
             raise ValueError(f"data loader state {saved} is out of range ({self.num_rows} rows)")
         self.epoch = saved["epoch"]
         self.position = saved["position"]
+        self.close()  # the workers' batches ahead are of the old position
+
+
+class _StepBatches(Dataset):
+    """Map-style view of a loader for its workers: item k is its batch of global step k."""
+
+    def __init__(self, loader: PackedDataLoader) -> None:
+        self.loader = loader
+
+    def __getitem__(self, step: int) -> TensorDict:
+        return self.loader.batch_of_step(step)
+
+
+def _unchanged(batch: TensorDict) -> TensorDict:
+    return batch
 
 
 _STREAM_CACHE: OrderedDict[tuple, TokenStream] = OrderedDict()
 _STREAM_CACHE_SIZE = 2
-
-
-def _fingerprint(paths: list[Path]) -> tuple:
-    """(path, size, mtime) of each file: a changed file must not hit a stale cache entry."""
-    stats = [(str(path), path.stat()) for path in paths]
-    return tuple((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
 
 
 def check_data_config(data_config: DataConfig) -> int:
@@ -165,9 +221,16 @@ def check_data_config(data_config: DataConfig) -> int:
     ValueError (naming the fix) when the source matches no file or the tokenizer cannot be
     built."""
     source = data_config.source
-    if source != "stdlib" and not (os.path.exists(source) or glob.glob(source, recursive=True)):
+    if source == HF_SOURCE:
+        check_hf_source(data_config)
+    elif source != "stdlib" and not (os.path.exists(source) or glob.glob(source, recursive=True)):
         raise ValueError(
-            f"source={source!r} matches no file; give a file, a folder, a glob, or 'stdlib'"
+            f"source={source!r} matches no file; give a file, a folder, a glob, 'stdlib' or 'hf'"
+        )
+    if data_config.num_workers < 0 or data_config.prefetch_factor < 1:
+        raise ValueError(
+            f"num_workers={data_config.num_workers} must be >= 0 and prefetch_factor="
+            f"{data_config.prefetch_factor} >= 1"
         )
     tokenizer = data_config.tokenizer
     if tokenizer != "bytes" and not Path(tokenizer).is_file():
@@ -181,19 +244,18 @@ def load_token_stream(data_config: DataConfig) -> TokenStream:
     """The packed stream of `data_config`'s source and tokenizer, kept in memory (no disk
     cache) so that several loaders in one process tokenize once."""
     tokenizer = build_tokenizer(data_config.tokenizer)
-    files = source_files(data_config.source)
     tokenizer_files = [tokenizer.path] if hasattr(tokenizer, "path") else []
-    key = (
-        data_config.source,
-        data_config.jsonl_field,
-        data_config.tokenizer,
-        _fingerprint(files),
-        _fingerprint(tokenizer_files),
-    )
+    if data_config.source == HF_SOURCE:
+        source_key = hf_source_key(data_config)
+        documents = hf_documents(data_config)
+    else:
+        files = source_files(data_config.source)
+        source_key = (data_config.source, data_config.jsonl_field, file_fingerprint(files))
+        documents = iter_documents(files, jsonl_field=data_config.jsonl_field)
+    key = (source_key, data_config.tokenizer, file_fingerprint(tokenizer_files))
     if key in _STREAM_CACHE:
         _STREAM_CACHE.move_to_end(key)
         return _STREAM_CACHE[key]
-    documents = iter_documents(files, jsonl_field=data_config.jsonl_field)
     stream = pack_documents(documents, tokenizer)
     _STREAM_CACHE[key] = stream
     while len(_STREAM_CACHE) > _STREAM_CACHE_SIZE:
@@ -220,4 +282,6 @@ def build_data_loader(
         dp_world_size=dp_world_size,
         seed=seed,
         shuffle=data_config.shuffle,
+        num_workers=data_config.num_workers,
+        prefetch_factor=data_config.prefetch_factor,
     )

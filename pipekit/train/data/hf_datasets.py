@@ -1,0 +1,94 @@
+"""Documents from Hugging Face `datasets`: a Hub dataset, a local dataset folder, or local
+parquet/JSON/CSV/text files read through one of `datasets`' builders.
+
+    [data]
+    source = "hf"
+    hf_path = "parquet"                 # a builder, a Hub name ("allenai/c4") or a folder
+    hf_data_files = "corpus/*.parquet"  # the builder's files (globs allowed)
+    hf_name = ""                        # the dataset's configuration, if it has several
+    hf_split = "train"
+    jsonl_field = "text"                # the column holding the text
+
+Each row's text is one document, in the dataset's order; the loader packs and shuffles them as
+it does any source. `datasets` keeps its own Arrow cache of what it read
+(`HF_DATASETS_CACHE`), so a second job, or the second rank, reads the cache.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pipekit.config.job_config import DataConfig
+from pipekit.train.data.corpus import file_fingerprint
+
+__all__ = ["HF_SOURCE", "check_hf_source", "hf_documents", "hf_source_key"]
+
+HF_SOURCE = "hf"
+"""The `[data] source` value that reads through `datasets`."""
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(
+            "[data] source = 'hf' reads through Hugging Face datasets; "
+            "pip install 'pipekit[datasets]'"
+        ) from None
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def _data_files(config: DataConfig) -> list[str]:
+    return sorted(
+        path for pattern in config.hf_data_files.split(",") for path in glob.glob(pattern.strip())
+    )
+
+
+def check_hf_source(config: DataConfig) -> None:
+    """What can be checked before reading: the package, the path, local files matching."""
+    _datasets()
+    if not config.hf_path:
+        raise ValueError(
+            "source='hf' needs hf_path: a Hub dataset name, a dataset folder, or a builder "
+            "(parquet, json, csv, text) with hf_data_files"
+        )
+    if config.hf_data_files and not _data_files(config):
+        raise ValueError(
+            f"hf_data_files={config.hf_data_files!r} matches no file; give paths or globs "
+            "(comma-separated)"
+        )
+
+
+def hf_source_key(config: DataConfig) -> tuple:
+    """What names the documents (a changed local file changes the key)."""
+    files = file_fingerprint([Path(name) for name in _data_files(config)])
+    return (config.hf_path, config.hf_name, config.hf_split, config.jsonl_field, files)
+
+
+def hf_documents(config: DataConfig) -> Iterator[str]:
+    """The texts of the dataset's rows, in order (empty ones skipped, as in every source)."""
+    datasets = _datasets()
+    dataset = datasets.load_dataset(
+        config.hf_path,
+        name=config.hf_name or None,
+        data_files=_data_files(config) or None,
+        split=config.hf_split,
+    )
+    field = config.jsonl_field
+    if field not in dataset.column_names:
+        raise ValueError(
+            f"dataset {config.hf_path!r} has no column {field!r} (its columns: "
+            f"{', '.join(dataset.column_names)}); set data.jsonl_field to the text column"
+        )
+    for index, text in enumerate(dataset[field]):
+        if not isinstance(text, str):
+            raise ValueError(
+                f"dataset {config.hf_path!r} row {index}: column {field!r} holds a "
+                f"{type(text).__name__}, not text; set data.jsonl_field to the text column"
+            )
+        if text:
+            yield text
