@@ -229,3 +229,62 @@ def test_a_profiled_sliced_pipeline_step_names_every_scheduled_action_once(tmp_p
         assert activations[-1]["saved"] == 0  # every saved tensor freed by the step's end
         assert all(e["args"]["rss"] > 0 for e in memory if e["name"] == "rss (MiB)")
     assert not (tmp_path / "profile_traces" / "step-1").exists()  # only the named step
+
+
+VALIDATED = [
+    "--training.steps", "4", "--training.global_batch_size", "4", "--training.seq_len", "64",
+    "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "false",
+    "--metrics.log_interval", "1", "--metrics.peak_flops", "1e9",
+    "--validation.enable", "true", "--validation.interval", "2", "--validation.steps", "2",
+]  # fmt: skip
+SLICED_PIPELINE = [
+    "--config", "configs/debug_sliced_pp.toml",
+    "--parallelism.microbatches", "2", "--parallelism.num_slices", "2",
+]  # fmt: skip
+
+
+def _validated_run(output_dir, argv, world_size=1):
+    config = load_job_config([*argv, *VALIDATED, "--job.output_dir", str(output_dir)])
+    losses = Trainer(plan_job(config, world_size=world_size)).train()
+    rows = read_jsonl_rows(output_dir / "metrics.jsonl")
+    return losses, {row["step"]: row["val_loss"] for row in rows if "val_loss" in row}
+
+
+def _validated_pipeline_rank(rank, world_size, output_dir, drop_gradients):
+    if not drop_gradients:  # ablation: the pipeline's validation gradients reach the update
+        real = trainer_module.Trainer.validation_loss
+
+        def keeping_gradients(self):
+            zero_grad, self.optimizer.zero_grad = self.optimizer.zero_grad, lambda **_: None
+            try:
+                return real(self)
+            finally:
+                self.optimizer.zero_grad = zero_grad
+
+        trainer_module.Trainer.validation_loss = keeping_gradients
+    return _validated_run(output_dir, SLICED_PIPELINE, world_size)
+
+
+def _validated_fsdp_rank(rank, world_size, output_dir):
+    return _validated_run(output_dir, ["--config", "configs/debug_model.toml"], world_size)
+
+
+def test_validation_loss_of_the_sliced_pipeline_equals_one_process_and_leaves_training(tmp_path):
+    """Held-out rows, evaluated at steps 2 and 4: the pipeline (which runs its training
+    schedule and drops the gradients) and FSDP over 2 ranks give one process's val_loss, and
+    the pipeline its training losses; kept, its validation gradients would change the steps
+    after it."""
+    single = ["--config", "configs/debug_model.toml", "--parallelism.dp_shard", "1"]
+    losses, validation = _validated_run(tmp_path / "single", single)
+    assert sorted(validation) == [2, 4]
+    assert validation[4] < validation[2]
+    piped = run_on_ranks(_validated_pipeline_rank, 2, tmp_path / "pipeline", True, timeout=180)
+    piped_losses, piped_validation = piped[0]
+    assert piped_losses == pytest.approx(losses, rel=1e-5)
+    assert piped_validation == pytest.approx(validation, rel=1e-5)
+    sharded = run_on_ranks(_validated_fsdp_rank, 2, tmp_path / "fsdp", timeout=180)
+    assert sharded[0][1] == pytest.approx(validation, rel=1e-5)  # forward only, no gradients
+    leaked = run_on_ranks(_validated_pipeline_rank, 2, tmp_path / "leaked", False, timeout=180)
+    leaked_losses = leaked[0][0]
+    assert leaked_losses[:2] == pytest.approx(losses[:2], rel=1e-5)
+    assert abs(leaked_losses[3] - losses[3]) > 1e-4

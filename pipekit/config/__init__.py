@@ -13,6 +13,7 @@ from pipekit.config.job_config import (
     ParallelismConfig,
     ProfilingConfig,
     TrainingConfig,
+    ValidationConfig,
 )
 from pipekit.config.loader import ConfigError, help_text, load_job_config, to_dict
 from pipekit.config.validate import check_values
@@ -31,6 +32,7 @@ __all__ = [
     "ParallelismConfig",
     "ProfilingConfig",
     "TrainingConfig",
+    "ValidationConfig",
     "check_values",
     "help_text",
     "load_job_config",

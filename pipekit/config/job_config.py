@@ -27,6 +27,7 @@ __all__ = [
     "ProfilingConfig",
     "TrainingConfig",
     "UpcycleConfig",
+    "ValidationConfig",
 ]
 
 
@@ -317,6 +318,21 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True)
+class ValidationConfig:
+    """Loss on held-out rows of the training data, every few steps."""
+
+    enable: bool = False
+    """Hold out rows and log val_loss on them."""
+    fraction: float = 0.01
+    """Share of the packed rows held out (the last ones of the corpus; training never sees
+    them)."""
+    interval: int = 50
+    """Evaluate every this many steps, and at the last step."""
+    steps: int = 4
+    """Global batches per evaluation (the same held-out batches each time)."""
+
+
+@dataclass(kw_only=True)
 class ProfilingConfig:
     """torch.profiler traces and memory timelines of chosen steps (see pipekit.train.profiling)."""
 
@@ -343,4 +359,5 @@ class JobConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

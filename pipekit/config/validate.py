@@ -33,6 +33,8 @@ _POSITIVE = (
     ("checkpoint", "interval"),
     ("metrics", "log_interval"),
     ("parallelism", "collective_timeout_s"),
+    ("validation", "interval"),
+    ("validation", "steps"),
 )
 
 
@@ -60,6 +62,11 @@ def check_values(config: JobConfig) -> None:
     if config.model.vocab_size < 0:
         raise ConfigError(
             f"[model] vocab_size={config.model.vocab_size} must be >= 0 (0 = the flavor's)"
+        )
+    if config.validation.enable and not 0.0 < config.validation.fraction < 1.0:
+        raise ConfigError(
+            f"[validation] fraction={config.validation.fraction} must be between 0 and 1 "
+            "(the share of rows held out)"
         )
     if config.checkpoint.keep_last < 0:
         raise ConfigError(f"[checkpoint] keep_last={config.checkpoint.keep_last} must be >= 0")

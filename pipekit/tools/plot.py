@@ -4,7 +4,8 @@
     python -m pipekit.tools.plot compare RUN_A RUN_B [--metric loss] [--tolerance 1e-5]
 
 A run is a job's output folder (its `metrics.jsonl`) or a metrics JSONL file. The picture puts
-the loss of every run against step, and tokens/s per device beside it. `compare` prints the
+the loss of every run against step (its val_loss dashed, if it logged one), and tokens/s per
+device beside it. `compare` prints the
 steps both runs logged where they differ most and a final `RESULT max_difference=...` line; with
 `--tolerance` it exits 1 when the largest difference is above it (a check for CI).
 """
@@ -12,6 +13,7 @@ steps both runs logged where they differ most and a final `RESULT max_difference
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -61,7 +63,16 @@ def plot_runs(runs: list[str], labels: list[str], out: Path) -> None:
     loss_axes, speed_axes = figure.subplots(1, 2)
     for run, label in zip(runs, labels, strict=True):
         losses = read_run(run)
-        loss_axes.plot(list(losses), list(losses.values()), label=label, linewidth=1.2)
+        line = loss_axes.plot(list(losses), list(losses.values()), label=label, linewidth=1.2)
+        with contextlib.suppress(ValueError):  # runs without validation log no val_loss
+            held_out = read_run(run, "val_loss")
+            loss_axes.plot(
+                list(held_out),
+                list(held_out.values()),
+                linestyle="--",
+                color=line[0].get_color(),
+                label=f"{label} (val_loss)",
+            )
         try:
             speeds = read_run(run, "tokens_per_s_per_device")
         except ValueError:  # written before per-device throughput was logged

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -130,18 +131,29 @@ class MetricsLogger:
 
 
 def console_line(record: dict[str, Any], total_steps: int) -> str:
-    """`step 10/100  loss 3.214  ...  eta 1m20s`: what a person watching the job reads."""
+    """`step 10/100  loss 3.214  ...  eta 1m20s`: what a person watching the job reads (a
+    validation record shows its `val_loss`)."""
     step = record["step"]
-    parts = [f"step {step}/{total_steps}", f"loss {record['loss']:.4f}"]
-    parts.append(f"grad_norm {record['grad_norm']:.3g}")
-    parts.append(f"lr {record['lr']:.3g}")
-    parts.append(f"tokens/s/device {record['tokens_per_s_per_device']:.4g}")
-    parts.append(f"mfu {100 * record['mfu']:.2f}%")
+    parts = [f"step {step}/{total_steps}"]
+    for key, shown in _CONSOLE_FIELDS:
+        if key in record:
+            parts.append(shown(record[key]))
     memory = record.get("cuda_max_allocated_gib", record.get("peak_rss_gib"))
     if memory is not None:
         parts.append(f"memory {memory:.2f} GiB")
-    parts.append(f"eta {_duration((total_steps - step) * record['step_time_s'])}")
+    if "step_time_s" in record:
+        parts.append(f"eta {_duration((total_steps - step) * record['step_time_s'])}")
     return "  ".join(parts)
+
+
+_CONSOLE_FIELDS: tuple[tuple[str, Callable[[float], str]], ...] = (
+    ("loss", lambda value: f"loss {value:.4f}"),
+    ("val_loss", lambda value: f"val_loss {value:.4f}"),
+    ("grad_norm", lambda value: f"grad_norm {value:.3g}"),
+    ("lr", lambda value: f"lr {value:.3g}"),
+    ("tokens_per_s_per_device", lambda value: f"tokens/s/device {value:.4g}"),
+    ("mfu", lambda value: f"mfu {100 * value:.2f}%"),
+)
 
 
 def _duration(seconds: float) -> str:

@@ -109,14 +109,20 @@ class Trainer:
         )
         dp_degree = self.dims.dp_degree
         self.micro_batch_size = job.local_batch_size
-        self.data = build_data_loader(
-            config.data,
+        data_options: dict[str, Any] = dict(
             seq_len=config.training.seq_len,
             local_batch_size=self.micro_batch_size,
             dp_rank=self.dims.dp_rank(self.mesh),
             dp_world_size=dp_degree,
             seed=config.job.seed,
         )
+        held_out = config.validation.fraction if config.validation.enable else 0.0
+        self.data = build_data_loader(config.data, **data_options, held_out=held_out)
+        self.validation_data = None
+        if config.validation.enable:
+            self.validation_data = build_data_loader(
+                config.data, **data_options, held_out=config.validation.fraction, split="validation"
+            )
         # MoE auxiliary losses are averaged over the forwards of a step, as token losses are:
         # every micro-batch of every data-parallel rank holds B x S tokens (a pipeline divides
         # its share among its units itself).
@@ -191,26 +197,13 @@ class Trainer:
     def train_step(self) -> tuple[float, float, int]:
         """One optimizer step: returns (loss, grad norm, global label tokens)."""
         micro_batches = [
-            self._context_shard(next(self.data).to(self.device))
-            for _ in range(self.config.training.gradient_accumulation_steps)
+            next(self.data) for _ in range(self.config.training.gradient_accumulation_steps)
         ]
-        local_tokens = sum(count_label_tokens(batch["labels"]) for batch in micro_batches)
-        # The ranks of one pipeline, and of one tensor-parallel group, read the same batch:
-        # count it once.
-        same_batch = self.dims.pp * self.dims.tp
-        global_tokens = self._all_reduce_sum(torch.as_tensor(local_tokens, device=self.device))
-        global_tokens = global_tokens // same_batch
-        loss_sum = torch.zeros((), device=self.device)
         trace = self.step + 1 == self.config.metrics.pipeline_trace_step
         with record_pipeline_step(
             self.pipeline, self.output_dir, enabled=trace, write=self.rank == 0
         ):
-            for batch in micro_batches:
-                with aux_loss_scale(self._aux_loss_share):
-                    loss = self._forward_backward(batch, global_tokens)
-                if loss is not None:  # pipelined: only the rank with the last stage has a loss
-                    loss_sum += loss.detach()
-        global_loss = float(self._all_reduce_sum(loss_sum)) / self.dims.tp
+            global_loss, global_tokens = self._loss(micro_batches, backward=True)
         if not math.isfinite(global_loss):
             raise NonFiniteLossError(
                 f"loss is {global_loss} at step {self.step + 1}; stopping before the update. "
@@ -230,6 +223,42 @@ class Trainer:
         self.step += 1
         return global_loss, float(grad_norm), int(global_tokens)
 
+    def _loss(self, micro_batches: list[TensorDict], backward: bool) -> tuple[float, int]:
+        """The loss of one global batch (its micro-batches' token sums over the global label
+        count) and that count; with `backward`, gradients accumulated."""
+        micro_batches = [self._context_shard(batch.to(self.device)) for batch in micro_batches]
+        local_tokens = sum(count_label_tokens(batch["labels"]) for batch in micro_batches)
+        # The ranks of one pipeline, and of one tensor-parallel group, read the same batch:
+        # count it once.
+        same_batch = self.dims.pp * self.dims.tp
+        global_tokens = self._all_reduce_sum(torch.as_tensor(local_tokens, device=self.device))
+        global_tokens = global_tokens // same_batch
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            with aux_loss_scale(self._aux_loss_share):
+                loss = self._forward_backward(batch, global_tokens, backward)
+            if loss is not None:  # pipelined: only the rank with the last stage has a loss
+                loss_sum += loss.detach()
+        return float(self._all_reduce_sum(loss_sum)) / self.dims.tp, int(global_tokens)
+
+    def validation_loss(self) -> float:
+        """Mean token loss over the first `validation.steps` global batches of the held-out
+        rows. Outside pipelines a forward without gradients; a pipeline runs its schedule,
+        forward and backward, and the gradients are dropped (its schedules are training
+        schedules), so every layout evaluates the model it trains."""
+        assert self.validation_data is not None
+        accumulation = self.config.training.gradient_accumulation_steps
+        loss_sum, token_sum = 0.0, 0
+        for step in range(self.config.validation.steps):
+            batches = [
+                self.validation_data.batch_of_step(step * accumulation + micro)
+                for micro in range(accumulation)
+            ]
+            loss, tokens = self._loss(batches, backward=self.pipeline is not None)
+            loss_sum, token_sum = loss_sum + loss * tokens, token_sum + tokens
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / token_sum
+
     def _sequence_group(self) -> dist.ProcessGroup | None:
         """The ranks that split a sequence's tokens (cp, and tp under sequence parallelism):
         MoE load-balancing statistics are added over them."""
@@ -243,15 +272,22 @@ class Trainer:
             return batch
         return batch[:, self._context_parallel[0]]
 
-    def _forward_backward(self, batch: TensorDict, global_tokens: Tensor) -> Tensor | None:
-        """Loss of one micro-batch (token sum over the global count), gradients accumulated;
-        under loss parallelism inside torch's `loss_parallel()`, whose cross-entropy on
-        vocabulary shards needs it around forward and backward alike."""
-        with loss_parallel() if self.job.loss_parallel else contextlib.nullcontext():
-            return self._forward_backward_in_context(batch, global_tokens)
+    def _forward_backward(
+        self, batch: TensorDict, global_tokens: Tensor, backward: bool
+    ) -> Tensor | None:
+        """Loss of one micro-batch (token sum over the global count), gradients accumulated
+        when `backward` (a pipeline always runs its backward); under loss parallelism inside
+        torch's `loss_parallel()`, whose cross-entropy on vocabulary shards needs it around
+        forward and backward alike."""
+        gradients = backward or self.pipeline is not None
+        with (
+            loss_parallel() if self.job.loss_parallel else contextlib.nullcontext(),
+            torch.set_grad_enabled(gradients),
+        ):
+            return self._forward_backward_in_context(batch, global_tokens, gradients)
 
     def _forward_backward_in_context(
-        self, batch: TensorDict, global_tokens: Tensor
+        self, batch: TensorDict, global_tokens: Tensor, backward: bool
     ) -> Tensor | None:
         cp_group = None if self._context_parallel is None else self._context_parallel[1]
         if self.pipeline is not None:
@@ -268,7 +304,8 @@ class Trainer:
         with self._autocast(), statistics_group(self._statistics_group):
             logits_BSV = self.model(batch["tokens"], batch["positions"], context)
         loss = token_sum_cross_entropy(logits_BSV, batch["labels"], global_tokens)
-        loss.backward()  # data parallelism sums gradients (pipekit.distributed.fsdp)
+        if backward:
+            loss.backward()  # data parallelism sums gradients (pipekit.distributed.fsdp)
         return loss
 
     def train(self) -> list[float]:
@@ -296,6 +333,11 @@ class Trainer:
                 if self.step == 1 or last or self.step % config.metrics.log_interval == 0:
                     self.metrics.log(self._record(loss, grad_norm, window))
                     window = _ThroughputWindow(self.step)
+                validate = last or self.step % config.validation.interval == 0
+                if self.validation_data is not None and validate:
+                    started = time.perf_counter()
+                    self.metrics.log({"step": self.step, "val_loss": self.validation_loss()})
+                    window.start += time.perf_counter() - started  # not training time
                 stop_signal = stop.agreed_signal(self.device)
                 interval = config.checkpoint.interval
                 due = last or stop_signal is not None or self.step % interval == 0

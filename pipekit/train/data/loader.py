@@ -78,6 +78,7 @@ class PackedDataLoader:
         shuffle: bool = True,
         num_workers: int = 0,
         prefetch_factor: int = 2,
+        rows: range | None = None,
     ) -> None:
         _check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)
         self.stream = stream
@@ -88,7 +89,9 @@ class PackedDataLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.global_batch_size = local_batch_size * dp_world_size
-        self.num_rows = stream.num_rows(seq_len)
+        self.rows = range(stream.num_rows(seq_len)) if rows is None else rows
+        """The stream's rows this loader draws from (all, or a training or held-out part)."""
+        self.num_rows = len(self.rows)
         if self.num_rows < self.global_batch_size:
             raise ValueError(
                 f"the corpus packs into {self.num_rows} rows of seq_len={seq_len} "
@@ -125,7 +128,7 @@ class PackedDataLoader:
         epoch, index = divmod(step, self.steps_per_epoch)
         start = index * self.global_batch_size + self.dp_rank * self.local_batch_size
         row_ids_B = self._epoch_order(epoch)[start : start + self.local_batch_size]
-        return self.stream.rows(row_ids_B, self.seq_len)
+        return self.stream.rows(self.rows.start + row_ids_B, self.seq_len)
 
     @property
     def step(self) -> int:
@@ -271,17 +274,32 @@ def build_data_loader(
     dp_rank: int,
     dp_world_size: int,
     seed: int,
+    held_out: float = 0.0,
+    split: str = "train",
 ) -> PackedDataLoader:
-    """The trainer's one entry point: this rank's loader for the `[data]` config section."""
+    """The trainer's one entry point: this rank's loader for the `[data]` config section.
+
+    `held_out` is the share of rows kept out of training (the last ones); `split="validation"`
+    reads them, in order, in the trainer's process."""
     _check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)  # before tokenizing
+    stream = load_token_stream(data_config)
+    total = stream.num_rows(seq_len)
+    first_held_out = total - round(total * held_out)
+    validation = split == "validation"
+    if validation and total - first_held_out < local_batch_size * dp_world_size:
+        raise ValueError(
+            f"validation.fraction={held_out} holds out {total - first_held_out} of {total} rows, "
+            f"fewer than one global batch of {local_batch_size * dp_world_size}; raise it"
+        )
     return PackedDataLoader(
-        load_token_stream(data_config),
+        stream,
         seq_len=seq_len,
         local_batch_size=local_batch_size,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         seed=seed,
-        shuffle=data_config.shuffle,
-        num_workers=data_config.num_workers,
+        shuffle=data_config.shuffle and not validation,
+        num_workers=0 if validation else data_config.num_workers,
         prefetch_factor=data_config.prefetch_factor,
+        rows=range(first_held_out, total) if validation else range(first_held_out),
     )
