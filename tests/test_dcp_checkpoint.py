@@ -237,3 +237,32 @@ def test_sharded_round_trip_on_two_ranks_and_resharding_to_one(tmp_path):
     manager.load(1, state)  # written by 2 ranks with sharded tensors, read by one process
     _assert_same(_snapshot(model, optimizer), saved)
     assert state["train"]["step"] == 1
+
+
+def _async_round_trip(rank, world_size, folder):
+    """Save asynchronously, change the weights at once, publish, load: the saved values."""
+    manager = CheckpointManager(folder, keep_last=2, asynchronous=True)
+    weights = torch.arange(6.0) + 10 * rank
+    state = {"weights": {f"w{rank}": weights}, "train": {"step": 3}}
+    assert manager.save(3, state) is None
+    weights.add_(100.0)  # training goes on while the background thread writes
+    assert manager.complete_steps() == []  # not published before `finish`
+    published = manager.finish()
+    assert published == manager.path(3) and manager.complete_steps() == [3]
+    assert manager.finish() is None  # nothing in flight any more
+    loaded = {"weights": {f"w{rank}": torch.zeros(6)}, "train": {"step": 0}}
+    manager.load(3, loaded)
+    return loaded["weights"][f"w{rank}"].tolist(), loaded["train"]["step"]
+
+
+def test_asynchronous_saves_write_the_state_of_the_step_and_publish_on_finish(tmp_path):
+    for values, step in run_on_ranks(_async_round_trip, 2, tmp_path / "two_ranks"):
+        assert step == 3
+        assert values in ([0.0, 1, 2, 3, 4, 5], [10.0, 11, 12, 13, 14, 15])
+    values, _ = _async_round_trip(0, 1, tmp_path / "one_process")
+    assert values == [0.0, 1, 2, 3, 4, 5]
+    manager = CheckpointManager(tmp_path / "saves", asynchronous=True)
+    _save_some(manager, [1, 2])  # the second save publishes the first before it starts
+    assert manager.complete_steps() == [1]
+    manager.finish()
+    assert manager.complete_steps() == [1, 2]

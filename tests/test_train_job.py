@@ -108,8 +108,8 @@ SHORT_RUN = (
 
 def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp_path, monkeypatch):
     """Read through Hugging Face datasets (a local JSONL file) by 2 loader workers per rank,
-    which run ahead of the step: a job killed with SIGKILL, and one stopped with SIGTERM,
-    resume to the uninterrupted run's losses."""
+    which run ahead of the step, checkpoints written in the background: a job killed with
+    SIGKILL, and one stopped with SIGTERM, resume to the uninterrupted run's losses."""
     corpus = tmp_path / "corpus.jsonl"
     texts = [path.read_text(errors="replace") for path in stdlib_files()[:200]]
     corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
@@ -117,6 +117,7 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
     run = (
         *SHORT_RUN, "--data.source", "hf", "--data.hf_path", "json",
         "--data.hf_data_files", str(corpus), "--data.num_workers", "2",
+        "--checkpoint.async_save", "true",
     )  # fmt: skip
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     subprocess.run(

@@ -133,10 +133,14 @@ def test_wandb_writer_logs_offline_and_resumes_the_same_run(tmp_path, monkeypatc
     assert calls[-1] == ("init", run_id, "offline", "allow")
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    ("stop_signal", "async_save"), [(signal.SIGTERM, "true"), (signal.SIGINT, "false")]
+)
 def test_a_stop_signal_ends_the_step_saves_and_resumes_exactly(
-    uninterrupted, tmp_path, monkeypatch, stop_signal
+    uninterrupted, tmp_path, monkeypatch, stop_signal, async_save
 ):
+    """The checkpoint of the last step is published before the job returns, written in the
+    background or not."""
     _, losses = uninterrupted
     real_step = trainer_module.Trainer.train_step
 
@@ -147,7 +151,7 @@ def test_a_stop_signal_ends_the_step_saves_and_resumes_exactly(
         return result
 
     monkeypatch.setattr(trainer_module.Trainer, "train_step", step_then_signal)
-    stopped = _trainer(tmp_path).train()
+    stopped = _trainer(tmp_path, "--checkpoint.async_save", async_save).train()
     assert stopped == losses[:1]
     assert (tmp_path / "checkpoints" / "step-1" / "COMPLETE").is_file()
     assert signal.getsignal(stop_signal) is not None  # handlers are put back

@@ -28,6 +28,7 @@ import shutil
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -183,11 +184,20 @@ class CheckpointManager:
     group exists); the folder must be shared by all ranks.
     """
 
-    def __init__(self, folder: str | os.PathLike[str], keep_last: int = 0) -> None:
+    def __init__(
+        self, folder: str | os.PathLike[str], keep_last: int = 0, asynchronous: bool = False
+    ) -> None:
         if keep_last < 0:
             raise ValueError(f"keep_last={keep_last} must be >= 0 (0 keeps every checkpoint)")
         self.folder = Path(folder)
         self.keep_last = keep_last
+        self.asynchronous = asynchronous
+        self._pending: tuple[int, Path, Future] | None = None
+        # Background writes meet on a group of their own (gloo: DCP's plans travel on the CPU),
+        # so their collectives never interleave with the training's.
+        self._write_group = (
+            dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+        )
 
     def path(self, step: int) -> Path:
         """Where the complete checkpoint of `step` lives."""
@@ -209,25 +219,47 @@ class CheckpointManager:
         steps = self.complete_steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state: Mapping[str, Any]) -> Path:
-        """Write `state` as the checkpoint of `step`, replacing any of that step; collective."""
-        is_writer = _rank() == 0
-        if is_writer:
+    def save(self, step: int, state: Mapping[str, Any]) -> Path | None:
+        """Write `state` as the checkpoint of `step`, replacing any of that step; collective.
+
+        Returns the published checkpoint's path. An asynchronous manager copies the state to
+        host memory, writes it in a background thread and returns None; the checkpoint is
+        published by `finish` (called by the next save, and by the trainer before it exits),
+        so at most one save is in flight."""
+        self.finish()
+        if _rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp_folders()
         tmp = self.folder / f"step-{step}.tmp-{_shared_token()}"
-        try:
-            with _quiet_without_process_group():
+        with _quiet_without_process_group(), _as_checkpoint_error(step, tmp):
+            if not self.asynchronous:
                 dcp.save(dict(state), checkpoint_id=tmp)
-        # DCP reports a failure on any rank as CheckpointException, a BaseException.
-        except (Exception, dcp.CheckpointException) as error:
-            raise CheckpointError(
-                f"checkpoint of step {step} could not be written to {tmp} "
-                f"({_root_cause(error)}); check the folder's free space and permissions"
-            ) from error
+            else:
+                future = dcp.async_save(
+                    dict(state),
+                    checkpoint_id=tmp,
+                    process_group=self._write_group,
+                    no_dist=not dist.is_initialized(),
+                )
+                self._pending = (step, tmp, future)
+        return None if self.asynchronous else self._publish(step, tmp)
+
+    def finish(self) -> Path | None:
+        """Wait for the asynchronous save in flight, if any, and publish it (collective);
+        its path, or None when nothing was in flight."""
+        if self._pending is None:
+            return None
+        step, tmp, future = self._pending
+        self._pending = None
+        with _as_checkpoint_error(step, tmp):
+            future.result()
+        return self._publish(step, tmp)
+
+    def _publish(self, step: int, tmp: Path) -> Path:
+        """Mark `tmp` complete and rename it into place once every rank has written it."""
         _barrier()  # every rank's files are written before the checkpoint is published
         final = self.path(step)
-        if is_writer:
+        if _rank() == 0:
             marker = {"step": step, "world_size": _world_size()}
             _write_durably(tmp / COMPLETE_MARKER, json.dumps(marker))
             if final.exists():
@@ -263,6 +295,19 @@ class CheckpointManager:
         """Remove the tmp folders of interrupted saves (one job writes a folder at a time)."""
         for entry in self.folder.glob("step-*.tmp-*"):
             shutil.rmtree(entry, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _as_checkpoint_error(step: int, tmp: Path) -> Iterator[None]:
+    """A failed write, on any rank, as one CheckpointError naming the step, folder and cause."""
+    try:
+        yield
+    # DCP reports a failure on any rank as CheckpointException, a BaseException.
+    except (Exception, dcp.CheckpointException) as error:
+        raise CheckpointError(
+            f"checkpoint of step {step} could not be written to {tmp} "
+            f"({_root_cause(error)}); check the folder's free space and permissions"
+        ) from error
 
 
 @contextlib.contextmanager

@@ -286,6 +286,9 @@ class CheckpointConfig:
     """Save every this many steps, and at the end."""
     keep_last: int = 2
     """Keep this many newest checkpoints (0 keeps all)."""
+    async_save: bool = False
+    """Copy the state to host memory and write it in a background thread while training goes
+    on; the checkpoint is published when the next save starts or the job ends."""
     resume: bool = True
     """Resume from the newest complete checkpoint in the folder if there is one."""
     load_step: int = 0

@@ -95,7 +95,9 @@ class Trainer:
         self._statistics_group = self._sequence_group()
         self.output_dir = Path(config.job.output_dir)
         self.checkpoints = CheckpointManager(
-            self.output_dir / config.checkpoint.folder, keep_last=config.checkpoint.keep_last
+            self.output_dir / config.checkpoint.folder,
+            keep_last=config.checkpoint.keep_last,
+            asynchronous=config.checkpoint.async_save,
         )
         resume_step = None
         if config.checkpoint.resume:
@@ -342,18 +344,32 @@ class Trainer:
                 interval = config.checkpoint.interval
                 due = last or stop_signal is not None or self.step % interval == 0
                 if config.checkpoint.enable and due:
-                    path = self.checkpoints.save(self.step, self._checkpoint_state())
-                    logger.info("saved checkpoint %s", path)
+                    self._save()
                 if stop_signal is not None:
+                    self._log_saved(self.checkpoints.finish())
                     logger.info(
                         "stopped on %s after step %d; run the same command to resume",
                         stop_signal,
                         self.step,
                     )
                     return losses
+        self._log_saved(self.checkpoints.finish())
         if config.checkpoint.export_hf_at_end:
             self.export_hf(self.output_dir / "hf")
         return losses
+
+    def _save(self) -> None:
+        published_before = self.checkpoints.finish()  # the save still in flight, if any
+        self._log_saved(published_before)
+        path = self.checkpoints.save(self.step, self._checkpoint_state())
+        if path is None:
+            logger.info("writing the checkpoint of step %d in the background", self.step)
+        self._log_saved(path)
+
+    @staticmethod
+    def _log_saved(path: Path | None) -> None:
+        if path is not None:
+            logger.info("saved checkpoint %s", path)
 
     def _model_description(self) -> str:
         model = f"{self.config.model.name}/{self.config.model.flavor}"
