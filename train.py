@@ -9,6 +9,7 @@ world size torchrun gives, or without torchrun for the fewest ranks the parallel
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 from pipekit.checkpoint.safetensors_io import CheckpointError
@@ -35,8 +36,11 @@ def main(argv: list[str]) -> int:
             world_size = ParallelDims.smallest_world_size(config.parallelism)
         job = plan_job(config, world_size)
     except ConfigError as error:
-        if rank == 0:
-            print(f"config error: {error}", file=sys.stderr)
+        # Every rank checks the same config, so one line per machine says it; a file missing
+        # on one machine only is reported by that machine.
+        if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
+            where = f" (rank {rank} on {socket.gethostname()})" if rank else ""
+            print(f"config error{where}: {error}", file=sys.stderr)
         return 2
     if print_config:
         if rank == 0:

@@ -278,6 +278,20 @@ def test_bad_input_is_named_before_launch(tmp_path, overrides, message):
     assert message in str(error.value)
 
 
+def test_a_config_error_on_another_machine_reaches_its_console(tmp_path):
+    """Rank 2, the first rank of a second machine, whose data path is missing there."""
+    env = {**_env(), "RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}
+    missing = str(tmp_path / "none.txt")
+    command = [sys.executable, str(REPO_ROOT / "train.py"), "--config", CONFIG,
+               "--job.output_dir", str(tmp_path), "--data.source", missing]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    assert result.returncode == 2
+    assert result.stderr.startswith("config error (rank 2 on ")
+    assert "matches no file" in result.stderr
+    quiet = subprocess.run(command, env={**env, "LOCAL_RANK": "1"}, capture_output=True, text=True)
+    assert quiet.returncode == 2 and quiet.stderr == ""  # one line per machine, not per rank
+
+
 def test_bad_input_gives_one_error_line_and_exit_2(tmp_path):
     assert "did you mean 'steps'" in _single_process_error(tmp_path, "--training.stepz", "3")
     ep = ("--parallelism.ep", "2")
