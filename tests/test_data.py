@@ -418,3 +418,44 @@ def test_hf_datasets_source_reads_local_parquet_and_jsonl(tmp_path):
         check_data_config(DataConfig(**{**vars(parquet), "hf_data_files": str(tmp_path / "x*")}))
     with pytest.raises(ValueError, match="needs hf_path"):
         check_data_config(DataConfig(source="hf"))
+
+
+def _streaming_loader(config, **overrides):
+    options = dict(seq_len=16, local_batch_size=4, dp_rank=0, dp_world_size=1, seed=3)
+    return build_data_loader(config, **{**options, **overrides})
+
+
+def test_streamed_rows_equal_the_packed_corpus_and_resume_by_re_reading(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = _texts(400, seed=11)
+    pq.write_table(pa.table({"text": texts}), tmp_path / "corpus.parquet")
+    source = dict(source="hf", hf_path="parquet", hf_data_files=str(tmp_path / "*.parquet"))
+    in_memory = _loader(pack_documents(texts, BYTES), seq_len=16, shuffle=False)
+    streamed = _streaming_loader(DataConfig(**source, streaming=True, shuffle=False))
+    steps = in_memory.steps_per_epoch + 2  # into the second epoch
+    expected = [next(in_memory) for _ in range(steps)]
+    for batch in expected:
+        assert (next(streamed) == batch).all()
+    assert streamed.epoch == 1
+
+    shuffled = DataConfig(**source, streaming=True, shuffle_buffer=50)
+    reference = _streaming_loader(shuffled)
+    batches = [next(reference) for _ in range(5)]
+    assert not all((a == b).all() for a, b in zip(batches, expected, strict=False))
+    halves = [_streaming_loader(shuffled, local_batch_size=2, dp_rank=r, dp_world_size=2)
+              for r in (0, 1)]  # fmt: skip
+    for _ in range(2):
+        state = halves[0].state_dict()
+        [next(half) for half in halves]
+    resumed = [_streaming_loader(shuffled, local_batch_size=2, dp_rank=r, dp_world_size=2)
+               for r in (0, 1)]  # fmt: skip
+    for loader in resumed:
+        loader.load_state_dict(dict(state))  # saved after step 1: re-reads one global batch
+    for batch in batches[1:]:
+        assert (batch == torch.cat([next(loader) for loader in resumed], dim=0)).all()
+    with pytest.raises(ValueError, match="set source = 'hf' or streaming = false"):
+        check_data_config(DataConfig(streaming=True))
+    with pytest.raises(ValueError, match="set num_workers = 0"):
+        check_data_config(DataConfig(**source, streaming=True, num_workers=2))

@@ -183,6 +183,11 @@ class DataConfig:
     """source = hf: the dataset's configuration name, if it has several."""
     hf_split: str = "train"
     """source = hf: the split to train on."""
+    streaming: bool = False
+    """source = hf: read the dataset as a stream, packing rows as documents arrive, instead of
+    tokenizing it all first (for corpora larger than memory; see docs/training.md)."""
+    shuffle_buffer: int = 10000
+    """streaming: rows in the shuffle buffer (with shuffle = true)."""
     num_workers: int = 0
     """Loader worker processes that assemble batches ahead of the step (0 = in the trainer)."""
     prefetch_factor: int = 2

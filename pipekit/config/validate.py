@@ -63,6 +63,11 @@ def check_values(config: JobConfig) -> None:
         raise ConfigError(
             f"[model] vocab_size={config.model.vocab_size} must be >= 0 (0 = the flavor's)"
         )
+    if config.validation.enable and config.data.streaming:
+        raise ConfigError(
+            "[validation] enable = true holds out rows of a corpus packed in memory; with "
+            "[data] streaming = true there is no row count to hold out from: turn one off"
+        )
     if config.validation.enable and not 0.0 < config.validation.fraction < 1.0:
         raise ConfigError(
             f"[validation] fraction={config.validation.fraction} must be between 0 and 1 "

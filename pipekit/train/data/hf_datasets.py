@@ -17,14 +17,14 @@ it does any source. `datasets` keeps its own Arrow cache of what it read
 from __future__ import annotations
 
 import glob
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pipekit.config.job_config import DataConfig
 from pipekit.train.data.corpus import file_fingerprint
 
-__all__ = ["HF_SOURCE", "check_hf_source", "hf_documents", "hf_source_key"]
+__all__ = ["HF_SOURCE", "check_hf_source", "hf_documents", "hf_source_key", "hf_stream"]
 
 HF_SOURCE = "hf"
 """The `[data] source` value that reads through `datasets`."""
@@ -69,22 +69,27 @@ def hf_source_key(config: DataConfig) -> tuple:
     return (config.hf_path, config.hf_name, config.hf_split, config.jsonl_field, files)
 
 
-def hf_documents(config: DataConfig) -> Iterator[str]:
-    """The texts of the dataset's rows, in order (empty ones skipped, as in every source)."""
-    datasets = _datasets()
-    dataset = datasets.load_dataset(
+def _load(config: DataConfig, streaming: bool) -> Any:
+    dataset = _datasets().load_dataset(
         config.hf_path,
         name=config.hf_name or None,
         data_files=_data_files(config) or None,
         split=config.hf_split,
+        streaming=streaming,
     )
     field = config.jsonl_field
-    if field not in dataset.column_names:
+    if dataset.column_names is not None and field not in dataset.column_names:
         raise ValueError(
             f"dataset {config.hf_path!r} has no column {field!r} (its columns: "
             f"{', '.join(dataset.column_names)}); set data.jsonl_field to the text column"
         )
-    for index, text in enumerate(dataset[field]):
+    return dataset
+
+
+def _texts(config: DataConfig, rows: Iterable[Any]) -> Iterator[str]:
+    """Each row's text, checked (empty ones skipped, as in every source)."""
+    field = config.jsonl_field
+    for index, text in enumerate(rows):
         if not isinstance(text, str):
             raise ValueError(
                 f"dataset {config.hf_path!r} row {index}: column {field!r} holds a "
@@ -92,3 +97,23 @@ def hf_documents(config: DataConfig) -> Iterator[str]:
             )
         if text:
             yield text
+
+
+def hf_documents(config: DataConfig) -> Iterator[str]:
+    """The texts of the dataset's rows, in order."""
+    return _texts(config, _load(config, streaming=False)[config.jsonl_field])
+
+
+def hf_stream(config: DataConfig, seed: int) -> Callable[[int], Iterator[str]]:
+    """`epoch -> texts` of the dataset read as a stream (nothing downloaded or converted up
+    front); with `data.shuffle`, in an order shuffled by shard and by a buffer of
+    `data.shuffle_buffer` rows, the same for a given seed and epoch."""
+    dataset = _load(config, streaming=True)
+    if config.shuffle:
+        dataset = dataset.shuffle(seed=seed, buffer_size=config.shuffle_buffer)
+
+    def documents_of_epoch(epoch: int) -> Iterator[str]:
+        dataset.set_epoch(epoch)
+        return _texts(config, (row[config.jsonl_field] for row in dataset))
+
+    return documents_of_epoch

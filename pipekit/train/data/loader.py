@@ -34,8 +34,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from pipekit.config.job_config import DataConfig
 from pipekit.train.data.corpus import file_fingerprint, iter_documents, source_files
-from pipekit.train.data.hf_datasets import HF_SOURCE, check_hf_source, hf_documents, hf_source_key
+from pipekit.train.data.hf_datasets import (
+    HF_SOURCE,
+    check_hf_source,
+    hf_documents,
+    hf_source_key,
+    hf_stream,
+)
 from pipekit.train.data.packing import TokenStream, pack_documents
+from pipekit.train.data.streaming import StreamingPackedLoader
 from pipekit.train.data.tokenizer import build_tokenizer
 from pipekit.train.stop_signals import ignore_stop_signals
 
@@ -230,6 +237,16 @@ def check_data_config(data_config: DataConfig) -> int:
         raise ValueError(
             f"source={source!r} matches no file; give a file, a folder, a glob, 'stdlib' or 'hf'"
         )
+    if data_config.streaming and source != HF_SOURCE:
+        raise ValueError(
+            f"streaming = true reads a Hugging Face dataset as a stream, but source={source!r}; "
+            "set source = 'hf' or streaming = false"
+        )
+    if data_config.streaming and data_config.num_workers:
+        raise ValueError(
+            f"streaming = true packs rows in the trainer's process; set num_workers = 0 (it is "
+            f"{data_config.num_workers})"
+        )
     if data_config.num_workers < 0 or data_config.prefetch_factor < 1:
         raise ValueError(
             f"num_workers={data_config.num_workers} must be >= 0 and prefetch_factor="
@@ -276,12 +293,27 @@ def build_data_loader(
     seed: int,
     held_out: float = 0.0,
     split: str = "train",
-) -> PackedDataLoader:
+) -> PackedDataLoader | StreamingPackedLoader:
     """The trainer's one entry point: this rank's loader for the `[data]` config section.
 
     `held_out` is the share of rows kept out of training (the last ones); `split="validation"`
     reads them, in order, in the trainer's process."""
     _check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)  # before tokenizing
+    if data_config.streaming:
+        if held_out:
+            raise ValueError(
+                "validation holds out rows of a corpus packed in memory; a streamed one has no "
+                "row count to hold out from: set data.streaming = false or validation.enable = "
+                "false"
+            )
+        return StreamingPackedLoader(
+            hf_stream(data_config, seed),
+            build_tokenizer(data_config.tokenizer),
+            seq_len=seq_len,
+            local_batch_size=local_batch_size,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+        )
     stream = load_token_stream(data_config)
     total = stream.num_rows(seq_len)
     first_held_out = total - round(total * held_out)
