@@ -325,8 +325,9 @@ class Trainer:
         )
         losses: list[float] = []
         window = _ThroughputWindow(self.step)
+        stop_signal = None
         with StopSignals() as stop, contextlib.closing(self.metrics), contextlib.closing(self.data):
-            while self.step < config.training.steps:
+            while self.step < config.training.steps and stop_signal is None:
                 with self.profiler.step(self.step + 1):
                     loss, grad_norm, tokens = self.train_step()
                 losses.append(loss)
@@ -335,32 +336,31 @@ class Trainer:
                 if self.step == 1 or last or self.step % config.metrics.log_interval == 0:
                     self.metrics.log(self._record(loss, grad_norm, window))
                     window = _ThroughputWindow(self.step)
-                validate = last or self.step % config.validation.interval == 0
-                if self.validation_data is not None and validate:
+                if self.validation_data is not None and (
+                    last or self.step % config.validation.interval == 0
+                ):
                     started = time.perf_counter()
                     self.metrics.log({"step": self.step, "val_loss": self.validation_loss()})
                     window.start += time.perf_counter() - started  # not training time
                 stop_signal = stop.agreed_signal(self.device)
                 interval = config.checkpoint.interval
-                due = last or stop_signal is not None or self.step % interval == 0
-                if config.checkpoint.enable and due:
+                if config.checkpoint.enable and (
+                    last or stop_signal is not None or self.step % interval == 0
+                ):
                     self._save()
-                if stop_signal is not None:
-                    self._log_saved(self.checkpoints.finish())
-                    logger.info(
-                        "stopped on %s after step %d; run the same command to resume",
-                        stop_signal,
-                        self.step,
-                    )
-                    return losses
         self._log_saved(self.checkpoints.finish())
-        if config.checkpoint.export_hf_at_end:
+        if stop_signal is not None:
+            logger.info(
+                "stopped on %s after step %d; run the same command to resume",
+                stop_signal,
+                self.step,
+            )
+        elif config.checkpoint.export_hf_at_end:
             self.export_hf(self.output_dir / "hf")
         return losses
 
     def _save(self) -> None:
-        published_before = self.checkpoints.finish()  # the save still in flight, if any
-        self._log_saved(published_before)
+        self._log_saved(self.checkpoints.finish())  # the save still in flight, if any
         path = self.checkpoints.save(self.step, self._checkpoint_state())
         if path is None:
             logger.info("writing the checkpoint of step %d in the background", self.step)
