@@ -1,6 +1,7 @@
 """What surrounds a training job: metric writers (JSONL, TensorBoard, W&B) that never repeat a
-step after a resume, the console line, graceful stops on SIGTERM/SIGINT, `checkpoint.load_step`,
-and `pipekit.tools.plot` (curves and compare)."""
+step after a resume, the console line, graceful stops on SIGTERM/SIGINT (with synchronous and
+asynchronous saves), `checkpoint.load_step`, `pipekit.tools.plot` (curves and compare),
+profiled pipeline steps, and validation loss under the sliced pipeline and FSDP."""
 
 import json
 import re
