@@ -3,6 +3,7 @@ step after a resume, the console line, graceful stops on SIGTERM/SIGINT (with sy
 asynchronous saves), `checkpoint.load_step`, `pipekit.tools.plot` (curves and compare),
 profiled pipeline steps, and validation loss under the sliced pipeline and FSDP."""
 
+import importlib.machinery
 import json
 import re
 import shutil
@@ -15,7 +16,7 @@ from distributed_helpers import run_on_ranks
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import pipekit.train.trainer as trainer_module
-from pipekit.config import load_job_config
+from pipekit.config import ConfigError, load_job_config
 from pipekit.tools import plot
 from pipekit.train.job import plan_job
 from pipekit.train.metric_writers import JsonlWriter, read_jsonl_rows
@@ -118,7 +119,10 @@ def test_wandb_writer_logs_offline_and_resumes_the_same_run(tmp_path, monkeypatc
         calls.append(("init", kwargs["id"], kwargs["mode"], kwargs["resume"]))
         return Run()
 
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    wandb = types.ModuleType("wandb")
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", loader=None)
+    wandb.init = init
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     trainer = _trainer(tmp_path, "--metrics.wandb", "true", "--training.steps", "2")
@@ -160,6 +164,12 @@ def test_a_stop_signal_ends_the_step_saves_and_resumes_exactly(
     resumed = _trainer(tmp_path)
     assert resumed.step == 1
     assert resumed.train() == losses[1:]
+
+
+def test_a_missing_writer_package_is_named_before_the_job_starts(tmp_path):
+    """W&B is not installed for the tests: asking for it is refused up front."""
+    with pytest.raises(ConfigError, match=r"wandb = true needs the wandb package; pip install"):
+        _trainer(tmp_path, "--metrics.wandb", "true")
 
 
 def test_load_step_must_name_a_complete_checkpoint(uninterrupted, tmp_path):

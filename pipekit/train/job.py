@@ -80,6 +80,7 @@ def plan_job(config: JobConfig, world_size: int, *, check_files: bool = True) ->
     it breaks. `check_files=False` skips what reads the files the config names (data,
     tokenizer, checkpoints): planning a job for machines that hold them."""
     check_values(config)
+    _check_metric_writers(config)
     tokenizer_vocab = _tokenizer_vocab(config) if check_files else 0
     spec, args, upcycle = _model(config, tokenizer_vocab)
     shape = spec.shape(args)
@@ -109,6 +110,18 @@ def plan_job(config: JobConfig, world_size: int, *, check_files: bool = True) ->
     if offload:
         _check_activation_offload(config, dims.pp)
     return Job(config, spec, args, shape, upcycle, dims, pipeline, local_batch)
+
+
+def _check_metric_writers(config: JobConfig) -> None:
+    """A writer's package must be there before the job starts, not at its first log line."""
+    import importlib.util
+
+    for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if getattr(config.metrics, key) and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"[metrics] {key} = true needs the {package} package; "
+                f"pip install 'pipekit[{key}]' or set {key} = false"
+            )
 
 
 def _tokenizer_vocab(config: JobConfig) -> int:
