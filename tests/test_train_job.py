@@ -318,6 +318,14 @@ def data_parallel_losses(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _train(tmp_path_factory.mktemp("dp"), *LAYOUT_RUN, *NO_CHECKPOINTS)
 
 
+@pytest.fixture(scope="module")
+def sliced_pipeline_losses(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """configs/debug_sliced_pp.toml (2 pipeline ranks, 4 slices), LAYOUT_RUN: the losses the
+    pipeline features below must give."""
+    output_dir = tmp_path_factory.mktemp("sliced_pp")
+    return _train(output_dir, *LAYOUT_RUN, *NO_CHECKPOINTS, config=SLICED_PP_CONFIG)
+
+
 def _matches_data_parallel_and_resumes(
     tmp_path: Path,
     data_parallel: dict,
@@ -439,46 +447,37 @@ def test_expert_parallelism_folds_over_the_context_parallel_ranks(tmp_path: Path
     assert folded == pytest.approx(single, rel=1e-5)
 
 
-def test_commutated_context_parallelism_in_the_sliced_pipeline_matches_it(tmp_path: Path) -> None:
+def test_commutated_context_parallelism_in_the_sliced_pipeline_matches_it(
+    tmp_path: Path, sliced_pipeline_losses: dict
+) -> None:
     """configs/debug_cp_sliced_pp.toml on 4 ranks (every slice split over 2 cp ranks,
     SlimPipe's commutated attention over the chunked KV cache, context exchange between the
     pipeline ranks) against the same pipeline without either on 2 ranks: the same losses up to
     float32 rounding; its step-2 checkpoint resumed by the pipeline without cp gives them
     too."""
-    pipeline = _train(tmp_path / "pp", *LAYOUT_RUN, *NO_CHECKPOINTS, config=SLICED_PP_CONFIG)
     context_parallel = _train(
         tmp_path / "pp_cp", *LAYOUT_FIRST_HALF, nproc=4, config=CP_SLICED_PP_CONFIG
     )
     assert sorted(context_parallel) == [1, 2]
     resumed = _train(tmp_path / "pp_cp", *LAYOUT_RUN, config=SLICED_PP_CONFIG)
-    assert resumed == pytest.approx(pipeline, rel=1e-5)
+    assert resumed == pytest.approx(sliced_pipeline_losses, rel=1e-5)
 
 
-def test_sliced_pipeline_job_matches_the_data_parallel_job(tmp_path):
+def test_sliced_pipeline_job_matches_the_data_parallel_job(
+    sliced_pipeline_losses: dict, data_parallel_losses: dict
+) -> None:
     """configs/debug_sliced_pp.toml (2 pipeline ranks, 4 slices) against debug_model.toml (2
     FSDP ranks) on the same global batches: equal losses step for step (float32 tolerance)."""
-    short = (*SHORT_RUN[:10], "--checkpoint.enable", "false")
-    steps = ("--training.steps", "6")
-    runs = {}
-    for name, config in (("fsdp", CONFIG), ("sliced_pp", SLICED_PP_CONFIG)):
-        runs[name] = _train(tmp_path / name, *short, *steps, config=config)
-    assert sorted(runs["sliced_pp"]) == list(range(1, 7))
-    assert runs["sliced_pp"] == pytest.approx(runs["fsdp"], rel=1e-4)
+    assert sorted(sliced_pipeline_losses) == [1, 2, 3, 4]
+    assert sliced_pipeline_losses == pytest.approx(data_parallel_losses, rel=1e-4)
 
 
-def test_sliced_pipeline_job_resumes_exactly(tmp_path):
+def test_sliced_pipeline_job_resumes_exactly(tmp_path: Path, sliced_pipeline_losses: dict):
     """Each pipeline rank checkpoints its own stages and optimizer state (keyed by parameter
     name); stopping at step 2 and resuming gives the uninterrupted run's losses."""
-    short = (*SHORT_RUN[:10], "--checkpoint.interval", "2")
-
-    def run(output_dir: Path, steps: int) -> None:
-        _train(output_dir, *short, "--training.steps", str(steps), config=SLICED_PP_CONFIG)
-
-    run(tmp_path / "straight", 4)
-    run(tmp_path / "resumed", 2)
-    assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()) == ["step-2"]
-    run(tmp_path / "resumed", 4)
-    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+    _train(tmp_path, *LAYOUT_FIRST_HALF, config=SLICED_PP_CONFIG)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2"]
+    assert _train(tmp_path, *LAYOUT_RUN, config=SLICED_PP_CONFIG) == sliced_pipeline_losses
 
 
 def test_tied_embeddings_across_pipeline_stages_match_and_resume(tmp_path):
@@ -532,7 +531,9 @@ def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path
     assert runs["resharded"] == pytest.approx({3: runs["fsdp"][3]}, rel=1e-5)
 
 
-def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
+def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(
+    tmp_path: Path, sliced_pipeline_losses: dict
+) -> None:
     """configs/debug_vocab_parallel_pp.toml against debug_sliced_pp.toml (the same pipeline with
     the embedding and output layer on one rank each): equal losses step for step, also on 8
     ranks with tp 2 and FSDP2 over 2 data ranks (rows over pp x tp). The 8-rank run's step-2
@@ -545,7 +546,7 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(tmp_path):
         return _train(tmp_path / name, *short, *extra, config=config)
 
     vocab_parallel = run("vocab_parallel", VOCAB_PP_CONFIG, *NO_CHECKPOINTS)
-    plain = run("plain", SLICED_PP_CONFIG, *NO_CHECKPOINTS)
+    plain = sliced_pipeline_losses
     assert sorted(vocab_parallel) == [1, 2, 3, 4]
     assert vocab_parallel == pytest.approx(plain, rel=1e-5)
     # 8 ranks, pp 2 x dp_shard 2 x tp 2: rows split over pp x tp, FSDP2 over dp inside each
@@ -598,18 +599,19 @@ def test_pipelines_start_from_hugging_face_weights(tmp_path):
     assert runs["fresh_pp"][1] != pytest.approx(runs["fsdp"][1], rel=1e-3)
 
 
-def test_context_exchange_job_matches_the_sliced_pipeline(tmp_path: Path) -> None:
+def test_context_exchange_job_matches_the_sliced_pipeline(
+    tmp_path: Path, sliced_pipeline_losses: dict
+) -> None:
     """configs/debug_context_exchange_pp.toml against debug_sliced_pp.toml: equal losses step
     for step, with the embedding and output on their stages and vocabulary-parallel (the output
     passes then sit at lockstep cuts, which never part a lender from its server)."""
-    short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.interval", "100")
-    plain = _train(tmp_path / "plain", *short, config=SLICED_PP_CONFIG)
+    short = (*LAYOUT_RUN, *NO_CHECKPOINTS)
     exchange = _train(tmp_path / "exchange", *short, config=EXCHANGE_PP_CONFIG)
     vocab = ("--parallelism.vocab_parallel", "true")
     both = _train(tmp_path / "both", *short, *vocab, config=EXCHANGE_PP_CONFIG)
-    assert sorted(exchange) == [1, 2, 3]
-    assert exchange == pytest.approx(plain, rel=1e-5)
-    assert both == pytest.approx(plain, rel=1e-5)
+    assert sorted(exchange) == [1, 2, 3, 4]
+    assert exchange == pytest.approx(sliced_pipeline_losses, rel=1e-5)
+    assert both == pytest.approx(sliced_pipeline_losses, rel=1e-5)
 
 
 def test_expert_parallel_moe_job_matches_fsdp_experts_and_resumes(tmp_path: Path) -> None:
