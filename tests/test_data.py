@@ -232,6 +232,10 @@ def test_resumed_loader_continues_exactly_where_it_stopped():
             assert (batch == torch.cat([next(loader) for loader in resumed], dim=0)).all()
     fresh = _loader(stream, local_batch_size=3)
     assert not (next(fresh) == expected[0]).all()
+    at_the_end = {**state, "position": original.steps_per_epoch * 3}  # an epoch not yet rolled
+    rolled = _loader(stream, local_batch_size=3)
+    rolled.load_state_dict(at_the_end)
+    assert (rolled.epoch, rolled.position) == (1, 0)
     with pytest.raises(ValueError, match="seed=3, this loader has seed=9"):
         _loader(stream, local_batch_size=3, seed=9).load_state_dict(state)
     with pytest.raises(ValueError, match="num_rows"):

@@ -12,6 +12,11 @@ rows are skipped this epoch; the next permutation differs), and iteration never 
 The resumable state is `(epoch, position)`, identical on every rank: a loader that loads it
 continues exactly where the saved one stopped, even with another dp degree.
 
+A step's rows follow from the step alone (`batch_of_step`), so worker processes
+(`num_workers`) assemble batches `k, k + 1, ...` ahead of the trainer and, after a resume, start
+again at the saved step. `rows` restricts a loader to a range of the stream's rows: the trainer
+holds the last ones out for validation.
+
 Legend: B local batch, S seq_len, G global batch (B * dp_world_size).
 """
 
@@ -204,6 +209,8 @@ class PackedDataLoader:
             raise ValueError(f"data loader state {saved} is out of range ({self.num_rows} rows)")
         self.epoch = saved["epoch"]
         self.position = saved["position"]
+        if self.position + self.global_batch_size > self.num_rows:  # saved at an epoch's end
+            self.epoch, self.position = self.epoch + 1, 0
         self.close()  # the workers' batches ahead are of the old position
 
 
