@@ -134,16 +134,9 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
         "step-36",
     ]
 
-    job = subprocess.Popen(
-        _command(killed_dir, *run),
-        env=_env(),
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    _wait_for(killed_dir / "checkpoints" / "step-8", job)
+    job = _start_until_step_8(killed_dir, run)
     _kill_process_tree(job.pid)  # torchrun starts each worker in a session of its own
-    job.wait()
+    job.communicate()  # drains its pipes
     before_kill = _losses(killed_dir)
     assert max(before_kill) < SHORT_RUN_STEPS, (
         "the job finished before it was killed; nothing was tested"
@@ -160,15 +153,7 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
     # A scheduler's preemption: SIGTERM to every worker. The step ends, a checkpoint is
     # saved, the job exits 0, and the next start resumes from it.
     stopped_dir = tmp_path / "stopped"
-    job = subprocess.Popen(
-        _command(stopped_dir, *run),
-        env=_env(),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _wait_for(stopped_dir / "checkpoints" / "step-8", job)
+    job = _start_until_step_8(stopped_dir, run)
     for worker in _descendants(job.pid):
         os.kill(worker, signal.SIGTERM)
     stdout, stderr = job.communicate(timeout=120)
@@ -186,11 +171,21 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
     _assert_each_step_logged_once(stopped_dir)
 
 
-def _wait_for(path: Path, job: subprocess.Popen) -> None:
+def _start_until_step_8(output_dir: Path, run: tuple[str, ...]) -> subprocess.Popen:
+    """Start a job in the background; return once its step-8 checkpoint is published."""
+    job = subprocess.Popen(
+        _command(output_dir, *run),
+        env=_env(),
+        cwd=output_dir.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
-    while not path.exists():
-        assert job.poll() is None and time.monotonic() < deadline, f"job ended before {path}"
+    while not (output_dir / "checkpoints" / "step-8").exists():
+        assert job.poll() is None and time.monotonic() < deadline, "job ended before step 8"
         time.sleep(0.02)
+    return job
 
 
 def _assert_each_step_logged_once(output_dir: Path) -> None:

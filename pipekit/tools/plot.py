@@ -43,11 +43,14 @@ def read_run(run: str | Path, metric: str = "loss") -> dict[int, float]:
 
 def compare_runs(run_a: str | Path, run_b: str | Path, metric: str = "loss") -> tuple[float, int]:
     """(largest |a - b| over the steps both runs logged, the step where it is)."""
-    a, b = read_run(run_a, metric), read_run(run_b, metric)
-    common = sorted(set(a) & set(b))
+    return _largest_difference(read_run(run_a, metric), read_run(run_b, metric))
+
+
+def _largest_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, int]:
+    common = set(a) & set(b)
     if not common:
-        raise ValueError(f"{run_a} and {run_b} logged no step in common")
-    step = max(common, key=lambda s: abs(a[s] - b[s]))
+        raise ValueError("the two runs logged no step in common")
+    step = max(sorted(common), key=lambda s: abs(a[s] - b[s]))
     return abs(a[step] - b[step]), step
 
 
@@ -96,7 +99,7 @@ def _compare(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     a, b = (read_run(run, args.metric) for run in args.runs)
     common = sorted(set(a) & set(b))
-    difference, step = compare_runs(*args.runs, metric=args.metric)
+    difference, step = _largest_difference(a, b)
     worst = sorted(common, key=lambda s: -abs(a[s] - b[s]))[:10]
     print_table(
         ["step", f"{args.metric} A", f"{args.metric} B", "|A - B|"],

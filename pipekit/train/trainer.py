@@ -256,7 +256,7 @@ class Trainer:
                 self.validation_data.batch_of_step(step * accumulation + micro)
                 for micro in range(accumulation)
             ]
-            loss, tokens = self._loss(batches, backward=self.pipeline is not None)
+            loss, tokens = self._loss(batches, backward=False)
             loss_sum, token_sum = loss_sum + loss * tokens, token_sum + tokens
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / token_sum

@@ -46,7 +46,7 @@ from pipekit.train.data.hf_datasets import (
     hf_source_key,
     hf_stream,
 )
-from pipekit.train.data.packing import TokenStream, pack_documents
+from pipekit.train.data.packing import TokenStream, check_batch_args, pack_documents
 from pipekit.train.data.streaming import StreamingPackedLoader
 from pipekit.train.data.tokenizer import build_tokenizer
 from pipekit.train.stop_signals import ignore_stop_signals
@@ -58,20 +58,6 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     """A 63-bit generator seed for `(seed, epoch)`, independent of Python's hash salt."""
     digest = hashlib.blake2b(f"pipekit-data/{seed}/{epoch}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def _check_batch_args(
-    seq_len: int, local_batch_size: int, dp_rank: int, dp_world_size: int
-) -> None:
-    if seq_len <= 0 or local_batch_size <= 0:
-        raise ValueError(
-            f"seq_len={seq_len} and local_batch_size={local_batch_size} must both be positive"
-        )
-    if dp_world_size <= 0 or not 0 <= dp_rank < dp_world_size:
-        raise ValueError(
-            f"dp_rank={dp_rank} must lie in [0, dp_world_size={dp_world_size}) and "
-            "dp_world_size must be positive"
-        )
 
 
 class PackedDataLoader:
@@ -92,7 +78,7 @@ class PackedDataLoader:
         prefetch_factor: int = 2,
         rows: range | None = None,
     ) -> None:
-        _check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)
+        check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)
         self.stream = stream
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
@@ -118,6 +104,8 @@ class PackedDataLoader:
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self._worker_batches: Iterator[TensorDict] | None = None
         """With workers: their batches from the current step on (made at the first `next`)."""
+        if num_workers:
+            atexit.register(self.close)  # runs before multiprocessing's own exit handler
 
     @property
     def steps_per_epoch(self) -> int:
@@ -180,7 +168,6 @@ class PackedDataLoader:
             collate_fn=_unchanged,
             worker_init_fn=ignore_stop_signals,
         )
-        atexit.register(self.close)  # runs before multiprocessing's own exit handler
         return iter(loader)
 
     def state_dict(self) -> dict[str, Any]:
@@ -305,7 +292,7 @@ def build_data_loader(
 
     `held_out` is the share of rows kept out of training (the last ones); `split="validation"`
     reads them, in order, in the trainer's process."""
-    _check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)  # before tokenizing
+    check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)  # before tokenizing
     if data_config.streaming:
         if held_out:
             raise ValueError(

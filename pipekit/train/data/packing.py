@@ -30,7 +30,12 @@ from torch import Tensor
 from pipekit.layers.loss import IGNORE_INDEX
 from pipekit.train.data.tokenizer import Tokenizer
 
-__all__ = ["IGNORE_INDEX", "TokenStream", "pack_documents"]  # IGNORE_INDEX re-exported
+__all__ = [
+    "IGNORE_INDEX",
+    "TokenStream",
+    "check_batch_args",
+    "pack_documents",
+]  # IGNORE_INDEX re-exported
 
 _CHUNK_CHARS = 1 << 23
 """Texts encoded per `encode_many` call: large enough to amortise the call, small enough to
@@ -147,3 +152,16 @@ def pack_documents(documents: Iterable[str], tokenizer: Tokenizer) -> TokenStrea
         starts[-1] += offset
         offset += size
     return TokenStream(stream_T, torch.cat(starts), tokenizer.vocab_size)
+
+
+def check_batch_args(seq_len: int, local_batch_size: int, dp_rank: int, dp_world_size: int) -> None:
+    """ValueError naming the bad one, before any data is read."""
+    if seq_len <= 0 or local_batch_size <= 0:
+        raise ValueError(
+            f"seq_len={seq_len} and local_batch_size={local_batch_size} must both be positive"
+        )
+    if dp_world_size <= 0 or not 0 <= dp_rank < dp_world_size:
+        raise ValueError(
+            f"dp_rank={dp_rank} must lie in [0, dp_world_size={dp_world_size}) and "
+            "dp_world_size must be positive"
+        )

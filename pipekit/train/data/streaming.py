@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from pipekit.train.data.packing import TokenStream, pack_documents
+from pipekit.train.data.packing import TokenStream, check_batch_args, pack_documents
 from pipekit.train.data.tokenizer import Tokenizer
 
 __all__ = ["StreamingPackedLoader"]
@@ -77,6 +77,7 @@ class StreamingPackedLoader:
         dp_rank: int = 0,
         dp_world_size: int = 1,
     ) -> None:
+        check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)
         self.documents_of_epoch = documents_of_epoch
         self.tokenizer = tokenizer
         self.seq_len = seq_len
