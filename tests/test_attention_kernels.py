@@ -25,7 +25,12 @@ from pipekit.attention import (
 )
 from pipekit.attention import flex as flex_module
 from pipekit.attention.cpu_flash import CpuFlashBackend
-from pipekit.attention.flex import MIN_CPU_HEAD_DIM, FlexKernelMismatchError
+from pipekit.attention.flex import (
+    MIN_CPU_HEAD_DIM,
+    MIN_CUDA_HEAD_DIM,
+    FlexKernelMismatchError,
+    refuse_unsupported_cuda_shape,
+)
 
 BATCH, Q_LEN, KV_LEN, HEAD_DIM = 2, 24, 24, 8
 # Compiled FlexAttention on CPU is tested at the head dims its guard admits; 24 is not a
@@ -110,6 +115,14 @@ def test_flex_on_cpu_refuses_head_dims_its_kernel_gets_wrong(head_dim):
     q, k, v = _inputs(4, 4, KV_LEN, torch.float32, head_dim=head_dim)
     with torch.no_grad(), pytest.raises(ValueError, match=rf"head_dim={head_dim}.*backend='cpu'"):
         attention(q, k, v, causal_mask, backend="flex")
+
+
+def test_flex_on_cuda_refuses_heads_its_kernel_cannot_lower():
+    """The check runs before the kernel, on the shape alone (so it runs here without a GPU)."""
+    q, _, _ = _inputs(4, 4, KV_LEN, torch.float32, head_dim=MIN_CUDA_HEAD_DIM - 8)
+    with pytest.raises(ValueError, match=r"on CUDA needs head_dim >= 16, got 8.*wider heads"):
+        refuse_unsupported_cuda_shape(q)
+    refuse_unsupported_cuda_shape(_inputs(4, 4, KV_LEN, head_dim=MIN_CUDA_HEAD_DIM)[0])
 
 
 def _corrupting_kernel(corrupt):
@@ -276,11 +289,12 @@ def test_flex_on_cuda_matches_reference_with_lse_gradients(case):
     if case == "document":
         docs = DOCS_BS.cuda()
         mask = and_masks(causal_mask, document_mask(docs, docs))
-    q, k, v = (t.cuda().float().requires_grad_() for t in _inputs(heads, kv_heads, kv_len))
+    inputs = _inputs(heads, kv_heads, kv_len, head_dim=MIN_CUDA_HEAD_DIM)
+    q, k, v = (t.cuda().float().requires_grad_() for t in inputs)
     allowed = dense_allowed(CASES[case][0], BATCH, heads, Q_LEN, kv_len).cuda()
     out, lse = attention(q, k, v, mask, backend="flex")
     ref_out, ref_lse = reference_attention(
-        q.double(), k.double(), v.double(), allowed, HEAD_DIM**-0.5
+        q.double(), k.double(), v.double(), allowed, MIN_CUDA_HEAD_DIM**-0.5
     )
     torch.testing.assert_close(out.double(), ref_out, rtol=2e-4, atol=2e-4)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-4, atol=2e-4)

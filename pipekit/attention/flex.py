@@ -46,10 +46,12 @@ from pipekit.attention.masks import MaskMod
 
 __all__ = [
     "MIN_CPU_HEAD_DIM",
+    "MIN_CUDA_HEAD_DIM",
     "FlexBackend",
     "FlexKernelMismatchError",
     "check_flex_against_reference",
     "compiled_flex_attention",
+    "refuse_unsupported_cuda_shape",
 ]
 
 # Smallest head dim the compiled CPU kernel is used for. Swept with torch 2.13.0 on AVX2 code
@@ -57,6 +59,11 @@ __all__ = [
 # 2048): head dims 8 and 16 were wrong at lengths from 8 to 1000 (errors up to 0.7·max|v|, or
 # NaN); 4, 12, 24 and 32 to 128 were right at every length. Below 32 is refused with a margin.
 MIN_CPU_HEAD_DIM = 32
+
+# Smallest head dim torch's CUDA FlexAttention kernel lowers (inductor raises "NYI: embedding
+# dimension of the query, key, and value must be at least 16" below it; seen on an H200 with
+# torch 2.11).
+MIN_CUDA_HEAD_DIM = 16
 
 # How far the flex output may lie from the CPU kernel's, as a fraction of max |v| (each output
 # row is a convex combination of rows of v, so |out| <= max |v|). Two correct kernels differ by
@@ -81,6 +88,17 @@ def _refuse_untrusted_cpu_shape(q_BHSD: Tensor) -> None:
             f"attention backend 'flex' on CPU refuses head_dim={head_dim}: below "
             f"{MIN_CPU_HEAD_DIM}, torch's compiled CPU FlexAttention returns wrong values on AVX2 "
             "CPUs; use backend='cpu' (or 'auto', which picks it on CPU)"
+        )
+
+
+def refuse_unsupported_cuda_shape(q_BHSD: Tensor) -> None:
+    """One line before compiling, instead of an inductor lowering error deep in a step."""
+    head_dim = q_BHSD.shape[-1]
+    if head_dim < MIN_CUDA_HEAD_DIM:
+        raise ValueError(
+            f"attention backend 'flex' on CUDA needs head_dim >= {MIN_CUDA_HEAD_DIM}, got "
+            f"{head_dim}: torch's FlexAttention kernel does not lower smaller heads; use fewer, "
+            "wider heads (dim / n_heads)"
         )
 
 
@@ -170,6 +188,8 @@ class FlexBackend:
                     "inference-only there); train on CPU with backend='cpu' or 'auto'"
                 )
             _refuse_untrusted_cpu_shape(q_BHSD)
+        else:
+            refuse_unsupported_cuda_shape(q_BHSD)
         block_mask = None if mask is None else self.block_mask(mask, q_BHSD, k_BGKD)
         enable_gqa = q_BHSD.shape[1] != k_BGKD.shape[1]
         if not on_cpu:
