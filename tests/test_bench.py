@@ -102,3 +102,17 @@ def test_tensor_parallel_bench_meets_megatrons_formulas(capsys):
     assert figures["sp_activation_ratio"] == pytest.approx(0.5, abs=0.01)
     assert figures["tp_bytes_vs_formula"] == pytest.approx(1.0, abs=0.01)
     assert figures["tp_without_sp_bytes_vs_formula"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_step_bench_compares_compiled_with_eager(capsys):
+    config = "configs/debug_model.toml"
+    tiny = ["--training.seq_len", "32", "--training.global_batch_size", "2"]
+    main(["step", "--config", config, "--compile", "--warmup", "1", "--timed", "2", *tiny])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines[3:5]] == ["eager", "compiled"]
+    assert re.fullmatch(
+        r"RESULT tokens_per_s=\S+ mfu_vs_matmul_peak=\S+ compiled_tokens_per_s=\S+ "
+        r"compile_speedup=\S+ max_loss_rel_difference=\S+",
+        lines[-1],
+    )
+    assert float(re.search(r"max_loss_rel_difference=(\S+)", lines[-1]).group(1)) < 1e-5

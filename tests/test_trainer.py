@@ -7,7 +7,6 @@ import torch
 from distributed_helpers import run_on_ranks
 
 import pipekit.train.model_setup as model_setup
-import pipekit.train.trainer as trainer_module
 from models.llama.hf import build_llama_from_hf, save_hf_llama
 from pipekit.config import load_job_config
 from pipekit.train.job import plan_job
@@ -104,9 +103,7 @@ def test_non_finite_loss_stops_before_the_update_and_saves_nothing(tmp_path, mon
                      "--checkpoint.interval", "1")  # fmt: skip
     trainer = Trainer(config)
     monkeypatch.setattr(
-        trainer_module,
-        "token_sum_cross_entropy",
-        lambda logits, labels, count: logits.sum() * float("nan"),
+        trainer, "_loss_fn", lambda logits, labels, count: logits.sum() * float("nan")
     )
     weights_before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(NonFiniteLossError, match="loss is nan at step 1"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -156,6 +157,7 @@ class ContextParallelAttention:
         return exchange(q_BHSD, self.shard, cache, self.group, **options)[0]
 
 
+@torch.compiler.disable  # compiled blocks run it eagerly (pipekit.train.compile says why)
 def attend(
     context: AttentionContext | None,
     layer_id: str,

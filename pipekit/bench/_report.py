@@ -25,8 +25,9 @@ def _cpu_model() -> str:
 def machine_description() -> str:
     """The CPU and the kernels torch picked for it: figures differ between AVX2 and AVX-512."""
     capability = torch.backends.cpu.get_cpu_capability()
+    gpu = f"GPU {torch.cuda.get_device_name()}, " if torch.cuda.is_available() else ""
     return (
-        f"CPU {_cpu_model()} ({platform.machine()}, torch CPU capability {capability}), "
+        f"{gpu}CPU {_cpu_model()} ({platform.machine()}, torch CPU capability {capability}), "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
 

@@ -2,6 +2,7 @@
 
 from pipekit.config.job_config import (
     CheckpointConfig,
+    CompileConfig,
     DataConfig,
     JobConfig,
     JobSection,
@@ -20,6 +21,7 @@ from pipekit.config.validate import check_values
 
 __all__ = [
     "CheckpointConfig",
+    "CompileConfig",
     "ConfigError",
     "DataConfig",
     "JobConfig",

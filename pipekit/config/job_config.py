@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointConfig",
+    "CompileConfig",
     "DataConfig",
     "JobConfig",
     "JobSection",
@@ -354,6 +355,15 @@ class ProfilingConfig:
 
 
 @dataclass(kw_only=True)
+class CompileConfig:
+    """torch.compile of the transformer blocks and the loss (see pipekit.train.compile)."""
+
+    enable: bool = False
+    """Compile each transformer block (its attention call and MoE layers stay eager) and, where
+    the loss is a plain cross-entropy, the loss. The first steps take longer while it compiles."""
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     """Everything a training job needs, one section per concern."""
 
@@ -369,3 +379,4 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)

@@ -8,6 +8,7 @@ Legend: B batch, S sequence, D model dim, H query heads, G kv heads, K head dim,
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from pipekit.attention.context import AttentionContext, attend
@@ -56,5 +57,21 @@ class GroupedQueryAttention(nn.Module):
         q_BHSK = apply_rotary(q_BSHK, cos_BSF, sin_BSF).transpose(1, 2)
         k_BGSK = apply_rotary(k_BSGK, cos_BSF, sin_BSF).transpose(1, 2)
         v_BGSK = v_BSGK.transpose(1, 2)
-        out_BHSK = attend(context, layer_id, q_BHSK, k_BGSK, v_BGSK, self.head_dim**-0.5)
-        return self.wo(out_BHSK.transpose(1, 2).reshape(batch, seq_len, -1))
+        scale = self.head_dim**-0.5
+        return self.wo(_attend_merging_heads(context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale))
+
+
+@torch.compiler.disable  # compiled blocks run attention eagerly (pipekit.train.compile)
+def _attend_merging_heads(
+    context: AttentionContext | None,
+    layer_id: str,
+    q_BHSK: Tensor,
+    k_BGSK: Tensor,
+    v_BGSK: Tensor,
+    scale: float,
+) -> Tensor:
+    """`attend`, with the heads merged into `[B, S, H*K]` before returning: contexts return
+    different memory layouts (kernels, merges, exchanges), and a contiguous result gives the
+    compiled code after attention one stride pattern, hence one graph."""
+    out_BHSK = attend(context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale)
+    return out_BHSK.transpose(1, 2).flatten(2)

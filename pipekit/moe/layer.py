@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from pipekit.moe.aux_loss import BALANCE_LOSSES, attach_aux_loss, balance_loss
@@ -75,6 +76,7 @@ class MoE(nn.Module):
         self.router.reset_parameters(self.args.router_init_std)
         self.experts.reset_parameters(init_std, output_std)
 
+    @torch.compiler.disable  # data-dependent routing: compiled blocks run it eagerly
     def forward(self, x_BSD: Tensor) -> Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routing = self.router(x_TD)

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pipekit.attention.exchange import DEFAULT_LOAN_TIMEOUT
 from pipekit.distributed.process_group import new_group_along, new_group_between
+from pipekit.layers.loss import token_sum_cross_entropy
 from pipekit.memory.offload_store import store_for
 from pipekit.models.stage_module import (
     build_stage_module,
@@ -44,7 +45,7 @@ from pipekit.pipelining.features.vocab_parallel import (
 )
 from pipekit.pipelining.model_split.partition import blocks_per_stage
 from pipekit.pipelining.plan import PipelinePlan
-from pipekit.pipelining.runtime.extension import PipelineExtension
+from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
 from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
 from pipekit.pipelining.runtime.stage import SlicedPipelineStage, StageShapes
 
@@ -79,6 +80,8 @@ class StageSetup:
     """How long a feature's receive waits for a peer before it names the pair and fails."""
     offload_dir: str = ""
     """Folder of the activation offload file on CPU (empty: the system's temporary folder)."""
+    loss_fn: LossFn = token_sum_cross_entropy
+    """The last stage's loss of (logits, labels, normaliser) (e.g. a compiled one)."""
 
 
 def build_pipeline(
@@ -157,6 +160,7 @@ def build_pipeline(
         stages,
         plan.num_microbatches,
         plan.num_slices,
+        setup.loss_fn,
         actions_by_rank=plan.actions_by_rank if plan.stage_style == "user" else None,
         extensions=tuple(extensions),
     )

@@ -73,13 +73,26 @@ def _unique(params: Any) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def measure_matmul_flops(size: int = 1024, seconds: float = 0.5) -> float:
-    """This process's float32 matmul throughput (FLOP/s) with its current thread count."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def measure_matmul_flops(
+    device: torch.device | None = None, dtype: torch.dtype = torch.float32, seconds: float = 0.5
+) -> float:
+    """This process's matmul throughput (FLOP/s) on `device` (default CPU, with its current
+    thread count) in `dtype`: the peak MFU is reported against, measured on the machine that
+    trains rather than looked up."""
+    device = device or torch.device("cpu")
+    size = 1024 if device.type == "cpu" else 8192
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+
+    def finish() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     a @ b
+    finish()
     calls, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         a @ b
+        finish()
         calls += 1
     return 2.0 * size**3 * calls / (time.perf_counter() - start)
 

@@ -1,13 +1,13 @@
 """This rank's model for a job: built on meta, given values, parallelized; or its pipeline.
 
 Order (torchtitan's): model on the meta device -> (pipeline: keep this rank's stages) ->
-activation checkpointing -> expert parallelism -> data parallelism (FSDP2 / HSDP / replication;
-per stage under pipelining), all still on the meta device -> storage for this rank's shards ->
-values, one init unit at a time (`pipekit.models.materialize_sharded`): each unit's parameters
-stand in full while it is initialised from the job seed or read from a Hugging Face
-checkpoint, then each rank keeps its block. No rank holds more than its shards plus one unit's
-full tensors, and any layout starts from the weights a single process would. An upcycled model
-fills its shards straight from the dense checkpoint's local blocks instead.
+activation checkpointing -> expert parallelism -> compiled blocks -> data parallelism (FSDP2 /
+HSDP / replication; per stage under pipelining), all still on the meta device -> storage for
+this rank's shards -> values, one init unit at a time (`pipekit.models.materialize_sharded`):
+each unit's parameters stand in full while it is initialised from the job seed or read from a
+Hugging Face checkpoint, then each rank keeps its block. No rank holds more than its shards plus
+one unit's full tensors, and any layout starts from the weights a single process would. An
+upcycled model fills its shards straight from the dense checkpoint's local blocks instead.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pipekit.moe.expert_parallel import (
 from pipekit.pipelining.build import StageSetup, build_pipeline
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.train.activation_checkpoint import apply_activation_checkpointing
+from pipekit.train.compile import compile_blocks, job_loss_fn
 from pipekit.train.job import Job
 
 __all__ = ["DTYPES", "JobModel", "build_job_model"]
@@ -132,6 +133,7 @@ class _ModelSetup:
             message_dtype=self.compute_dtype,
             collective_timeout=timedelta(seconds=config.parallelism.collective_timeout_s),
             offload_dir=config.parallelism.activation_offload_dir,
+            loss_fn=job_loss_fn(config.compile.enable, self.job.loss_parallel),
         )
 
     def materialize(self, module: nn.Module) -> None:
@@ -174,8 +176,8 @@ class _ModelSetup:
         )
 
     def parallelize(self, module: nn.Module) -> None:
-        """Tensor parallelism, activation checkpointing, expert parallelism, then data
-        parallelism, in place."""
+        """Tensor parallelism, activation checkpointing, expert parallelism, compiled blocks,
+        then data parallelism, in place."""
         job, moe = self.job, self.job.config.moe
         if job.tensor_parallel > 1:
             assert self.mesh is not None
@@ -199,6 +201,8 @@ class _ModelSetup:
             set_expert_execution(module, moe.partitions, moe.memory_reuse)
         blocks = job.spec.structure.blocks_of(module)
         apply_activation_checkpointing(blocks, job.config.training)
+        if job.config.compile.enable:
+            compile_blocks(blocks)
         if self.mesh is not None:
             apply_data_parallel(
                 module,

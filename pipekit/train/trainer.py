@@ -36,11 +36,12 @@ from pipekit.checkpoint.dcp import (
     restore_rng_state,
 )
 from pipekit.distributed.grad_clip import clip_grad_norm_
-from pipekit.layers.loss import count_label_tokens, token_sum_cross_entropy
+from pipekit.layers.loss import count_label_tokens
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.moe.aux_loss import aux_loss_scale
 from pipekit.pipelining.build import vocabulary_row_dims
 from pipekit.pipelining.tools.trace import record_pipeline_step
+from pipekit.train.compile import job_loss_fn
 from pipekit.train.data import build_data_loader
 from pipekit.train.job import Job
 from pipekit.train.lr_schedule import build_lr_scheduler
@@ -105,6 +106,7 @@ class Trainer:
         torch.manual_seed(config.job.seed)
         built = build_job_model(job, self.mesh, self.device, load_hf=resume_step is None)
         self.model, self.pipeline = built.model, built.pipeline
+        self._loss_fn = job_loss_fn(config.compile.enable, job.loss_parallel)
         self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.training.steps, config.lr_scheduler
@@ -163,7 +165,8 @@ class Trainer:
         return writers
 
     def _measured_peak_flops(self) -> float:
-        flops = torch.tensor(measure_matmul_flops(), dtype=torch.float64)
+        compute_dtype = DTYPES[self.config.training.mixed_precision_param]
+        flops = torch.tensor(measure_matmul_flops(self.device, compute_dtype), dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(flops)
             flops /= self.world_size
@@ -305,7 +308,7 @@ class Trainer:
             )
         with self._autocast(), statistics_group(self._statistics_group):
             logits_BSV = self.model(batch["tokens"], batch["positions"], context)
-        loss = token_sum_cross_entropy(logits_BSV, batch["labels"], global_tokens)
+        loss = self._loss_fn(logits_BSV, batch["labels"], global_tokens)
         if backward:
             loss.backward()  # data parallelism sums gradients (pipekit.distributed.fsdp)
         return loss
