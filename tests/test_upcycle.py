@@ -14,8 +14,9 @@ from models.llama import Llama, LlamaArgs
 from models.llama.hf import build_llama_from_hf, load_hf_llama, save_hf_llama
 from models.llama_moe.upcycle import upcycle_llama, upcycled_args
 from pipekit.attention.backends import use_backend
-from pipekit.checkpoint import CheckpointError, TensorRead
+from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint import upcycle as upcycle_module
+from pipekit.checkpoint.block_sources import BlockSource, CheckpointBlock
 from pipekit.models.upcycling import UpcycleSpec
 
 DENSE = TINY_LLAMA
@@ -140,6 +141,47 @@ def test_single_rank_reads_each_dense_tensor_once(tmp_path: Path) -> None:
     router = sum(m.router.gate.weight.numel() * 4 for m in _moe_layers(model))
     ffn = 3 * DENSE.dim * DENSE.ffn_dim * 4 * DENSE.n_layers
     assert sum(read.nbytes for read in reads) == owned - router - 7 * ffn
+
+
+def _upcycle_counting_temporaries(directory, monkeypatch, direct):
+    """(model, bytes of block-sized temporaries, bytes read) of a bfloat16 upcycle; without
+    `direct`, every source reads, then copies (the default `BlockSource.read_into`)."""
+    temporary_bytes = []
+    real_read_block = SafetensorsCheckpoint.read_block
+
+    def counting_read_block(self, name, index):
+        block = real_read_block(self, name, index)
+        temporary_bytes.append(block.nbytes)
+        return block
+
+    with monkeypatch.context() as patch:
+        patch.setattr(SafetensorsCheckpoint, "read_block", counting_read_block)
+        if not direct:
+            patch.setattr(CheckpointBlock, "read_into", BlockSource.read_into)
+            patch.setattr(upcycle_module.ExpertCopies, "read_into", BlockSource.read_into)
+        reads: list[TensorRead] = []
+        spec = UpcycleSpec(num_experts=4, top_k=2)
+        model, _ = upcycle_llama(directory, spec, dtype=torch.bfloat16, read_log=reads)
+    reordered = sum(
+        read.nbytes for read in reads if read.name.endswith(("q_proj.weight", "k_proj.weight"))
+    )
+    return model, sum(temporary_bytes), sum(read.nbytes for read in reads), reordered
+
+
+def test_blocks_are_read_straight_into_the_model_storage(tmp_path: Path, monkeypatch) -> None:
+    """Every block of whole rows, experts included, is read with pread into its final storage:
+    no block-sized temporary (`read_block` allocates one), the same weights. Only the query and
+    key projections, whose heads are reordered from Hugging Face's RoPE layout, need one.
+    Ablation: reading, then copying, allocates a temporary for every byte read."""
+    directory = write_dense(tmp_path / "dense", torch.bfloat16)
+    model, temporaries, read, reordered = _upcycle_counting_temporaries(
+        directory, monkeypatch, True
+    )
+    copied, copy_temporaries, _, _ = _upcycle_counting_temporaries(directory, monkeypatch, False)
+    assert 0 < temporaries == reordered < read / 4
+    assert copy_temporaries == read
+    for name, values in copied.state_dict().items():
+        assert torch.equal(model.state_dict()[name], values), name
 
 
 def _moe_layers(model: nn.Module) -> list[nn.Module]:

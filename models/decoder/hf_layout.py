@@ -39,7 +39,7 @@ from pipekit.checkpoint.block_sources import (
     BlockSource,
     CheckpointBlock,
     StackedBlocks,
-    read_from_sources,
+    fill_from_sources,
 )
 from pipekit.checkpoint.hf_export import save_hf_sharded
 from pipekit.checkpoint.local_shards import RowShard, load_local_blocks
@@ -319,7 +319,7 @@ class DecoderHF:
         with SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
             self.check_checkpoint(checkpoint, args)
             sources = {name: self.source(checkpoint, name, args) for name in params}
-            load_local_blocks(model, read_from_sources(sources), row_shards)
+            load_local_blocks(model, fill_from_sources(sources), row_shards)
 
     def save(
         self,

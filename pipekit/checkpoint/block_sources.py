@@ -6,9 +6,10 @@ it reads only what covers that block. `CheckpointBlock` is a checkpoint tensor a
 rows reordered within groups, as RoPE's per-head reorder does); `StackedBlocks` is a parameter
 stacked from several checkpoint tensors (an MoE layer's experts, one tensor each in Hugging Face
 files); the upcycling sources (`pipekit.checkpoint.upcycle`) copy dense FFNs into experts and draw
-routers. `read_from_sources` turns a name -> source mapping into the reader that
+routers. `fill_from_sources` turns a name -> source mapping into the filler that
 `pipekit.checkpoint.local_shards.load_local_blocks` asks for each rank's local blocks, so a
-Hugging Face load and an online upcycle read exactly the bytes a rank owns.
+Hugging Face load and an online upcycle read exactly the bytes a rank owns, where they can
+straight into the rank's storage (`BlockSource.read_into`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from pipekit.checkpoint.local_shards import BlockFiller
 from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint
 
-__all__ = ["BlockSource", "CheckpointBlock", "StackedBlocks", "read_from_sources"]
+__all__ = ["BlockSource", "CheckpointBlock", "StackedBlocks", "fill_from_sources"]
 
 
 class BlockSource(abc.ABC):
@@ -33,6 +35,18 @@ class BlockSource(abc.ABC):
     @abc.abstractmethod
     def read(self, index: Sequence[slice]) -> Tensor:
         """The block `index` (a step-1 slice per dim) of this parameter, on CPU."""
+
+    def read_into(self, index: Sequence[slice], out: Tensor) -> None:
+        """Write the block `index` into `out` (a rank's storage of that block). This default
+        reads the block, then copies it; a source that can read straight into `out` overrides
+        it, so no block-sized temporary is allocated and touched."""
+        block = self.read(index)
+        if block.shape != out.shape:
+            raise ValueError(
+                f"the source gave a {list(block.shape)} block for storage of shape "
+                f"{list(out.shape)}; the model and its checkpoint disagree"
+            )
+        out.copy_(block)
 
     def read_all(self) -> Tensor:
         return self.read(tuple(slice(0, size) for size in self.shape))
@@ -57,6 +71,12 @@ class CheckpointBlock(BlockSource):
         self.checkpoint, self.name = checkpoint, name
         self.shape, self.dtype = info.shape, info.dtype
         self.row_group, self.row_transform = row_group, row_transform
+
+    def read_into(self, index: Sequence[slice], out: Tensor) -> None:
+        if self.row_transform is None:
+            self.checkpoint.read_block_into(self.name, index, out)
+        else:
+            super().read_into(index, out)
 
     def read(self, index: Sequence[slice]) -> Tensor:
         if self.row_transform is None:
@@ -89,18 +109,24 @@ class StackedBlocks(BlockSource):
         leading, rest = index[0], tuple(index[1:])
         return torch.stack([source.read(rest) for source in self.sources[leading]])
 
+    def read_into(self, index: Sequence[slice], out: Tensor) -> None:
+        leading, rest = index[0], tuple(index[1:])
+        for position, source in enumerate(self.sources[leading]):
+            source.read_into(rest, out[position])
 
-def read_from_sources(
-    sources: Mapping[str, BlockSource],
-) -> Callable[[str, Sequence[slice]], Tensor]:
-    """A block reader (`pipekit.checkpoint.local_shards`) over one source per parameter."""
 
-    def read(name: str, index: Sequence[slice]) -> Tensor:
+def fill_from_sources(sources: Mapping[str, BlockSource]) -> BlockFiller:
+    """The block filler (`pipekit.checkpoint.local_shards`) over one source per parameter."""
+
+    def fill(name: str, index: Sequence[slice], out: Tensor) -> None:
         if name not in sources:
             raise ValueError(
                 f"the model has parameter {name!r}, which no checkpoint source produces; the "
                 "model and its checkpoint format disagree"
             )
-        return sources[name].read(index)
+        try:
+            sources[name].read_into(index, out)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from error
 
-    return read
+    return fill

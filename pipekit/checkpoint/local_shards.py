@@ -2,9 +2,10 @@
 
 A model parallelized on the meta device (expert parallelism, FSDP2, tensor or pipeline parallel:
 whatever made its parameters DTensors, or left only some modules on this rank) knows, for each
-parameter, which block of the global tensor this rank holds. `load_local_blocks` asks a reader
-for exactly that block and copies it in, so loading a checkpoint never materialises more than
-one block of one tensor beyond the rank's own shards.
+parameter, which block of the global tensor this rank holds. `load_local_blocks` asks a filler
+to write exactly that block into the rank's storage, so loading a checkpoint never
+materialises more than one block of one tensor beyond the rank's own shards (and none where the
+filler reads straight into the storage).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 from pipekit.models.materialize import local_block, local_tensor
 
 __all__ = [
-    "BlockReader",
+    "BlockFiller",
     "RowShard",
     "global_block",
     "load_local_blocks",
@@ -26,8 +27,9 @@ __all__ = [
     "local_nbytes",
 ]
 
-BlockReader = Callable[[str, tuple[slice, ...]], Tensor]
-"""(parameter name, block of its global tensor) -> that block's values."""
+BlockFiller = Callable[[str, tuple[slice, ...], Tensor], None]
+"""(parameter name, block of its global tensor, this rank's storage of the block): writes the
+block's values into the storage."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +57,13 @@ def global_block(param: Tensor, row_shard: RowShard | None = None) -> tuple[slic
 
 
 def load_local_blocks(
-    model: nn.Module, read_block: BlockReader, row_shards: Mapping[str, RowShard] | None = None
+    model: nn.Module, fill_block: BlockFiller, row_shards: Mapping[str, RowShard] | None = None
 ) -> None:
-    """Copy each parameter's local block from `read_block` (a parameter in `row_shards` holds
-    rows of a larger whole: its block is shifted to them).
+    """Fill each parameter's local shard with its block through `fill_block` (a parameter in
+    `row_shards` holds rows of a larger whole: its block is shifted to them).
 
     Parameters must be materialised (`to_empty`); a rank holding an empty shard reads nothing
-    for it. Every block's shape is checked before it is copied.
+    for it. The filler checks each block's shape against the storage before writing it.
     """
     row_shards = row_shards or {}
     with torch.no_grad():
@@ -73,11 +75,4 @@ def load_local_blocks(
                 )
             if local.numel() == 0:
                 continue
-            index = global_block(param, row_shards.get(name))
-            block = read_block(name, index)
-            if block.shape != local.shape:
-                raise ValueError(
-                    f"{name}: the reader gave a {list(block.shape)} block for local shard "
-                    f"{[(part.start, part.stop) for part in index]} of shape {list(local.shape)}"
-                )
-            local.copy_(block)
+            fill_block(name, global_block(param, row_shards.get(name)), local)

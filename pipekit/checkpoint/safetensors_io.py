@@ -174,33 +174,55 @@ class SafetensorsCheckpoint:
         later dim reads its elements of each row through the file's memory map (safetensors'
         slicing); those pages count while the map is open.
         """
+        return self._read(name, index, None)
+
+    def read_block_into(self, name: str, index: Sequence[slice], out: torch.Tensor) -> None:
+        """`out.copy_(read_block(name, index))` without the block-sized temporary where it can:
+        a block of whole rows, in `out`'s dtype, is read with `pread` straight into `out`
+        (contiguous, on CPU), so its bytes are written once, into their final storage."""
+        self._read(name, index, out)
+
+    def _read(self, name: str, index: Sequence[slice], out: torch.Tensor | None) -> torch.Tensor:
         path = self._file_of(name)
         tensor_slice = self._slice(path, name)
         shape = tuple(tensor_slice.get_shape())
         bounds = _block_bounds(name, shape, index)
-        if all(bound == (0, size) for bound, size in zip(bounds[1:], shape[1:], strict=True)):
-            dtype = self._dtype(path, name, tensor_slice.get_dtype())
-            block = self._read_rows(path, name, dtype, shape, bounds)
+        block_shape = [stop - start for start, stop in bounds]
+        if out is not None and list(out.shape) != block_shape:
+            raise ValueError(
+                f"{name!r}: block {list(bounds)} has shape {block_shape}, but the storage to "
+                f"fill has shape {list(out.shape)}; the model and its checkpoint disagree"
+            )
+        dtype = self._dtype(path, name, tensor_slice.get_dtype())
+        whole_rows = all(
+            bound == (0, size) for bound, size in zip(bounds[1:], shape[1:], strict=True)
+        )
+        direct = out is not None and out.dtype == dtype and out.is_contiguous() and not out.is_cuda
+        if whole_rows and (out is None or direct):
+            block = torch.empty(block_shape, dtype=dtype) if out is None else out
+            self._read_rows_into(path, name, shape, bounds, block)
         else:
             block = tensor_slice[tuple(slice(start, stop) for start, stop in bounds)]
+            if out is not None:
+                out.copy_(block)
         if self.read_log is not None:
-            self.read_log.append(TensorRead(name, bounds, block.numel() * block.element_size()))
+            self.read_log.append(TensorRead(name, bounds, math.prod(block_shape) * dtype.itemsize))
         return block
 
-    def _read_rows(
+    def _read_rows_into(
         self,
         path: Path,
         name: str,
-        dtype: torch.dtype,
         shape: tuple[int, ...],
         bounds: tuple[tuple[int, int], ...],
-    ) -> torch.Tensor:
-        """Rows `bounds[0]` of a tensor (every other dim whole), read straight from the file."""
+        block: torch.Tensor,
+    ) -> None:
+        """Rows `bounds[0]` of a tensor (every other dim whole), read straight from the file
+        into `block` (contiguous, of the file's dtype)."""
         begin = self._data_offsets(path)[name]
-        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        row_bytes = math.prod(shape[1:]) * block.dtype.itemsize
         first = bounds[0][0] if bounds else 0
-        block = torch.empty([stop - start for start, stop in bounds], dtype=dtype)
-        buffer = block.view(-1).view(torch.uint8).numpy()
+        buffer = block.detach().view(-1).view(torch.uint8).numpy()
         offset, done = begin + first * row_bytes, 0
         descriptor = os.open(path, os.O_RDONLY)
         try:
@@ -214,7 +236,6 @@ class SafetensorsCheckpoint:
                 done += count
         finally:
             os.close(descriptor)
-        return block
 
     def _data_offsets(self, path: Path) -> dict[str, int]:
         """Where each tensor's data starts in `path` (from its header, read once)."""

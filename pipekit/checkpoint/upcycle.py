@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pipekit.checkpoint.block_sources import BlockSource, read_from_sources
+from pipekit.checkpoint.block_sources import BlockSource, fill_from_sources
 from pipekit.checkpoint.local_shards import load_local_blocks
 from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint, TensorRead
 from pipekit.layers.init import name_seed, trunc_normal_
@@ -70,17 +70,25 @@ class ExpertCopies(BlockSource):
         exact = math.frexp(scale)[0] == 0.5  # a power of two
         self.dtype = source.dtype if exact else torch.promote_types(source.dtype, torch.float32)
 
-    def read(self, index: Sequence[slice]) -> Tensor:
-        experts, block = index[0], list(index[1:])
+    def _piece_block(self, piece: int, block: Sequence[slice]) -> tuple[slice, ...]:
+        """The dense source's block that `block` of piece `piece` of an expert copies."""
         hidden = block[self.split_dim]
+        offset = piece * self.piece_size
+        piece_block = list(block)
+        piece_block[self.split_dim] = slice(offset + hidden.start, offset + hidden.stop)
+        return tuple(piece_block)
+
+    def _read_piece(self, piece: int, block: Sequence[slice]) -> Tensor:
+        values = self.source.read(self._piece_block(piece, block))
+        return values if self.scale == 1 else values.to(self.dtype) * self.scale
+
+    def read(self, index: Sequence[slice]) -> Tensor:
+        experts, block = index[0], index[1:]
         pieces: dict[int, Tensor] = {}
         for expert in range(experts.start, experts.stop):
             piece = expert % self.granularity
             if piece not in pieces:  # each distinct piece is read once
-                offset = piece * self.piece_size
-                block[self.split_dim] = slice(offset + hidden.start, offset + hidden.stop)
-                values = self.source.read(tuple(block))
-                pieces[piece] = values if self.scale == 1 else values.to(self.dtype) * self.scale
+                pieces[piece] = self._read_piece(piece, block)
         count = experts.stop - experts.start
         if len(pieces) == 1:  # the same piece for every expert: a broadcast view, no stacked copy
             (piece,) = pieces.values()
@@ -88,6 +96,22 @@ class ExpertCopies(BlockSource):
         return torch.stack(
             [pieces[expert % self.granularity] for expert in range(experts.start, experts.stop)]
         )
+
+    def read_into(self, index: Sequence[slice], out: Tensor) -> None:
+        """Each distinct piece is read once, straight into the first local expert that copies
+        it; the other experts copy that expert's storage. Every owned byte is written once,
+        and no block-sized temporary exists (unless a scale needs one)."""
+        experts, block = index[0], index[1:]
+        first_with_piece: dict[int, int] = {}
+        for position, expert in enumerate(range(experts.start, experts.stop)):
+            piece = expert % self.granularity
+            if piece in first_with_piece:
+                out[position].copy_(out[first_with_piece[piece]])
+            elif self.scale == 1:
+                self.source.read_into(self._piece_block(piece, block), out[position])
+            else:
+                out[position].copy_(self._read_piece(piece, block))
+            first_with_piece.setdefault(piece, position)
 
 
 class RouterInit(BlockSource):
@@ -146,7 +170,7 @@ def materialize_upcycled(
     module.tie_weights()
     with SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
         sources = upcycler.sources(checkpoint, args, spec, seed)
-        load_local_blocks(module, read_from_sources(sources))
+        load_local_blocks(module, fill_from_sources(sources))
 
 
 def upcycle_model(
