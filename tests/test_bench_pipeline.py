@@ -55,13 +55,15 @@ def test_pipeline_memory_bench_offload_keeps_gradients_and_lowers_resident_bytes
     assert figures["offload_resident_ratio"] == pytest.approx(figures["predicted"], rel=0.1)
 
 
-def test_pipeline_throughput_bench_prints_both_allocator_ratios():
+def test_pipeline_throughput_bench_prints_the_ratios_of_both_allocators_and_variants():
     figures = _run_bench(
         "pipeline-throughput", "--pp", "2", "--slices", "4", "--microbatches", "2",
         "--seq", "64", "--layers", "2", "--warmup", "0", "--repeats", "1", *TINY_MODEL,
     )  # fmt: skip
     assert list(figures) == [
         "sliced_vs_1f1b_speedup",
+        "best_variant_speedup",
+        "exchange_vs_1f1b_speedup",
         "default_allocator_speedup",
         "sliced_tokens_per_s",
         "f1b_tokens_per_s",

@@ -37,13 +37,16 @@ from pipekit.bench._pipeline_launch import (
     synthetic_batch,
 )
 from pipekit.bench._report import print_result, print_table
+from pipekit.pipelining.runtime.runner import PipelineRunner
+from pipekit.pipelining.tools.trace import record_schedule
 
 __all__ = ["FAIR_ALLOCATOR", "main", "time_schedules"]
 
 FAIR_ALLOCATOR = "glibc.malloc.mmap_max=0"
 """The GLIBC_TUNABLES value of the fair comparison: no mmap-served allocations."""
 
-_SCHEDULES = ("sliced", "1F1B")
+_SCHEDULES = ("sliced", "sliced+exchange", "1F1B")
+_SLICED_VARIANTS = ("sliced", "sliced+exchange")
 
 
 def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -94,8 +97,27 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
     return {
         "samples": samples,
         "page_faults": page_faults,
+        "recorded": {
+            name: _recorded_step(runner, batch, num_label_tokens)
+            for name, runner in runners.items()
+        },
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
     }
+
+
+def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) -> dict[str, float]:
+    """One more step with every compute action timed (`record_schedule`): this rank's step time,
+    the time inside its actions and how many it ran. What is left is idle: waiting for the
+    other ranks (the bubble, which causal imbalance lengthens) plus everything outside the
+    compute, the runtime's Python, sends, receives and the loss."""
+    with record_schedule(runner) as recorder:
+        runner.step(batch, num_label_tokens)
+    step_s = time.perf_counter() - recorder.origin
+    dist.barrier()
+    for stage in runner.stages:
+        stage.submod.zero_grad(set_to_none=False)
+    compute_s = sum(event.end - event.start for event in recorder.events)
+    return {"step_s": step_s, "compute_s": compute_s, "actions": len(recorder.events)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,6 +164,11 @@ def main(argv: list[str] | None = None) -> None:
             "repeats": options.repeats,
             "runs": {
                 "sliced": {"schedule": "sliced", "num_slices": n},
+                "sliced+exchange": {
+                    "schedule": "sliced",
+                    "num_slices": n,
+                    "context_exchange": True,
+                },
                 "1F1B": {"schedule": "1F1B", "num_slices": 1},
             },
         }
@@ -156,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         f"and {options.repeats} timed steps of each schedule, alternating"
     )
     allocators = {"fair": options.fair_tunables, "default": None}
-    rows, speedups, fair_tokens_per_s = [], {}, {}
+    rows, speedups, fair_tokens_per_s, recorded = [], {}, {}, []
     for allocator, tunables in allocators.items():
         ranks = run_ranks(
             f"{__name__}:time_schedules",
@@ -174,12 +201,12 @@ def main(argv: list[str] | None = None) -> None:
             )
             for name in _SCHEDULES
         }
-        speedups[allocator] = medians["1F1B"] / medians["sliced"]
+        speedups[allocator] = {name: medians["1F1B"] / medians[name] for name in _SCHEDULES}
         for name in _SCHEDULES:
             rows.append(
                 [
                     f"GLIBC_TUNABLES={tunables}" if tunables else "default",
-                    name if name == "1F1B" else f"sliced n={n}",
+                    name.replace("sliced", f"sliced n={n}"),
                     medians[name],
                     min(samples[name]),
                     max(samples[name]),
@@ -190,29 +217,55 @@ def main(argv: list[str] | None = None) -> None:
             )
             if allocator == "fair":
                 fair_tokens_per_s[name] = tokens / medians[name]
+        if allocator == "fair":
+            recorded = [rank["recorded"] for rank in ranks]
     print()
-    print_table(
-        [
-            "allocator",
-            "schedule",
-            "median s",
-            "min s",
-            "max s",
-            "tokens/s",
-            "vs 1F1B",
-            "page faults/step (k, all ranks)",
-        ],
-        rows,
-    )
+    headers = ["allocator", "schedule", "median s", "min s", "max s", "tokens/s", "vs 1F1B"]
+    print_table([*headers, "page faults/step (k, all ranks)"], rows)
+    _print_breakdown(recorded, p, m, n)
+    fair = speedups["fair"]
+    best = max(_SLICED_VARIANTS, key=lambda name: fair[name])
     bubble_only = (1 + (p - 1) / m) / (1 + (p - 1) / (n * m))
     print(
         f"\nbubble-only prediction (1+(p-1)/m)/(1+(p-1)/(nm)) = {bubble_only:.3f}; fair ratio "
-        f"{speedups['fair']:.3f}, default allocator {speedups['default']:.3f}"
+        f"{fair['sliced']:.3f} (best variant: {best}, {fair[best]:.3f}), default allocator "
+        f"{speedups['default']['sliced']:.3f}"
     )
     print_result(
-        sliced_vs_1f1b_speedup=speedups["fair"],
-        default_allocator_speedup=speedups["default"],
+        sliced_vs_1f1b_speedup=fair["sliced"],
+        best_variant_speedup=fair[best],
+        exchange_vs_1f1b_speedup=fair["sliced+exchange"],
+        default_allocator_speedup=speedups["default"]["sliced"],
         sliced_tokens_per_s=fair_tokens_per_s["sliced"],
         f1b_tokens_per_s=fair_tokens_per_s["1F1B"],
         bubble_only_speedup=bubble_only,
     )
+
+
+def _print_breakdown(recorded: list[dict[str, dict[str, float]]], p: int, m: int, n: int) -> None:
+    """Where each rank's step went in the recorded step: compute actions against idle time,
+    and the idle left after the bubble that equal-cost actions would leave
+    ((p-1)/(units+p-1) of the step, units = m for 1F1B, n m sliced), per action."""
+    rows = []
+    for name in _SCHEDULES:
+        units = m if name == "1F1B" else n * m
+        bubble = (p - 1) / (units + p - 1)
+        for rank, by_schedule in enumerate(recorded):
+            step = by_schedule[name]
+            idle = step["step_s"] - step["compute_s"]
+            excess = idle - bubble * step["step_s"]
+            rows.append(
+                [
+                    name,
+                    rank,
+                    step["step_s"],
+                    step["compute_s"],
+                    idle / step["step_s"],
+                    bubble,
+                    int(step["actions"]),
+                    1000 * excess / step["actions"],
+                ]
+            )
+    print("\nrecorded step (fair allocator), per rank:")
+    headers = ["schedule", "rank", "step s", "compute s", "idle share", "uniform bubble"]
+    print_table([*headers, "actions", "excess idle/action ms"], rows)
