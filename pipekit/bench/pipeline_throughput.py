@@ -106,14 +106,14 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
 
 
 def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) -> dict[str, float]:
-    """One more step with every compute action timed (`record_schedule`): this rank's step time,
-    the time inside its actions and how many it ran. What is left is idle: waiting for the
-    other ranks (the bubble, which causal imbalance lengthens) plus everything outside the
-    compute, the runtime's Python, sends, receives and the loss."""
+    """One more step with every compute action timed (`record_schedule`): the step's time (to
+    the barrier after it), the time inside this rank's actions and how many it ran. What is
+    left is idle: waiting for the other ranks (the bubble, which causal imbalance lengthens)
+    plus everything outside the compute, the runtime's Python, sends, receives and the loss."""
     with record_schedule(runner) as recorder:
         runner.step(batch, num_label_tokens)
+    dist.barrier()  # every rank's step ends when the last rank's does, as the bubble counts it
     step_s = time.perf_counter() - recorder.origin
-    dist.barrier()
     for stage in runner.stages:
         stage.submod.zero_grad(set_to_none=False)
     compute_s = sum(event.end - event.start for event in recorder.events)
