@@ -16,7 +16,7 @@ from models.llama_moe.upcycle import upcycle_llama, upcycled_args
 from pipekit.attention.backends import use_backend
 from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint import upcycle as upcycle_module
-from pipekit.checkpoint.block_sources import BlockSource, CheckpointBlock
+from pipekit.checkpoint.block_sources import BlockSource, CheckpointBlock, fill_from_sources
 from pipekit.models.upcycling import UpcycleSpec
 
 DENSE = TINY_LLAMA
@@ -239,3 +239,19 @@ _router_init = upcycle_module.RouterInit.__init__
 
 def _router_without_groups(self, name, copies, granularity, dim, std, seed, dtype):  # type: ignore[no-untyped-def]
     _router_init(self, name, copies * granularity, 1, dim, std, seed, dtype)
+
+
+def test_storage_of_the_wrong_shape_is_named_before_anything_is_written(tmp_path: Path) -> None:
+    directory = write_dense(tmp_path / "dense", torch.float32)
+    with SafetensorsCheckpoint(directory) as checkpoint:
+        dense = CheckpointBlock(checkpoint, "model.layers.0.mlp.gate_proj.weight")
+        experts = upcycle_module.ExpertCopies(dense, copies=4, granularity=1, split_dim=0, scale=1)
+        index = tuple(slice(0, size) for size in experts.shape)
+        too_many = torch.full((5, *experts.shape[1:]), 7.0)
+        fill = fill_from_sources({"layers.0.feed_forward.experts.w1": experts})
+        with pytest.raises(ValueError, match=r"experts.w1: block rows 0:4 do not fit storage"):
+            fill("layers.0.feed_forward.experts.w1", index, too_many)
+        assert bool((too_many == 7).all())
+        narrow = torch.empty(dense.shape[0], dense.shape[1] - 1)
+        with pytest.raises(ValueError, match=r"gate_proj.weight.*storage to fill has shape"):
+            dense.read_into(tuple(slice(0, size) for size in dense.shape), narrow)

@@ -48,6 +48,17 @@ class BlockSource(abc.ABC):
             )
         out.copy_(block)
 
+    @staticmethod
+    def _check_rows(index: Sequence[slice], out: Tensor) -> None:
+        """A source that fills `out` row by row checks the row count up front (each row's
+        shape is checked where it is written)."""
+        rows = index[0].stop - index[0].start
+        if out.shape[0] != rows:
+            raise ValueError(
+                f"block rows {index[0].start}:{index[0].stop} do not fit storage of shape "
+                f"{list(out.shape)}; the model and its checkpoint disagree"
+            )
+
     def read_all(self) -> Tensor:
         return self.read(tuple(slice(0, size) for size in self.shape))
 
@@ -110,6 +121,7 @@ class StackedBlocks(BlockSource):
         return torch.stack([source.read(rest) for source in self.sources[leading]])
 
     def read_into(self, index: Sequence[slice], out: Tensor) -> None:
+        self._check_rows(index, out)
         leading, rest = index[0], tuple(index[1:])
         for position, source in enumerate(self.sources[leading]):
             source.read_into(rest, out[position])

@@ -101,6 +101,7 @@ class ExpertCopies(BlockSource):
         """Each distinct piece is read once, straight into the first local expert that copies
         it; the other experts copy that expert's storage. Every owned byte is written once,
         and no block-sized temporary exists (unless a scale needs one)."""
+        self._check_rows(index, out)
         experts, block = index[0], index[1:]
         first_with_piece: dict[int, int] = {}
         for position, expert in enumerate(range(experts.start, experts.stop)):
