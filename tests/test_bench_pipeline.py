@@ -100,7 +100,7 @@ def test_context_exchange_bench_simulates_fewer_bubbles_and_less_traffic_than_eq
 
 def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
     figures = _run_bench(
-        "context-exchange", "--pp", "2", "--slices", "4", "--seq", "64", "--microbatches", "2",
+        "context-exchange", "--pp", "2", "--slices", "8", "--seq", "128", "--microbatches", "2",
         "--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "48", "--layers", "2",
         "--repeats", "1",
     )  # fmt: skip
@@ -112,7 +112,10 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
         "measured_speedup",
         "vs_1f1b",
         "sliced_vs_1f1b",
+        "share_of_simulated_gain",
     ]
+    share = figures.pop("share_of_simulated_gain")  # any sign: timings this small are noise
+    assert math.isfinite(share) and figures["makespan_ratio"] < 1  # a gain is simulated here
     assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
 
 

@@ -18,7 +18,10 @@ Without `--simulate` the bench also runs it: `--pp` gloo ranks, one thread each,
 the pipeline-throughput bench's fair allocator setting, time the sliced schedule with and without
 context exchange and torch's Schedule1F1B on the same model (a small Llama, float32; `--dim`
 and `--layers` default to 256 and 4 there, against 5120 and 40 for the simulation), alternating
-after a warm-up step each; the figures are ratios of median step times.
+after a warm-up step each; the figures are ratios of median step times. One recorded step of
+each then splits every rank's step into compute and idle (the pipeline-throughput bench's
+breakdown), and `share_of_simulated_gain` is the measured step-time gain of the exchange as a
+share of the gain the simulated makespans predict at the same shape.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ from pipekit.bench._pipeline_launch import (
     run_ranks,
 )
 from pipekit.bench._report import print_result, print_table
-from pipekit.bench.pipeline_throughput import FAIR_ALLOCATOR
+from pipekit.bench.pipeline_throughput import (
+    FAIR_ALLOCATOR,
+    print_step_breakdown,
+    schedule_runs,
+)
 from pipekit.bench.schedules import attention_to_linear_ratio
 from pipekit.pipelining.features.exchange_plan import eq2_exchanged_slices, plan_context_exchange
 from pipekit.pipelining.schedules.simulate import CostModel, SimulationResult, simulate
@@ -142,22 +149,22 @@ def main(argv: list[str] | None = None) -> None:
     }
     if not options.simulate:
         figures |= _measure(options, spec)
+        # the step-time gain measured, as a share of the gain the simulated makespans predict
+        simulated_gain = 1 / figures["makespan_ratio"] - 1
+        measured_gain = figures["measured_speedup"] - 1
+        figures["share_of_simulated_gain"] = (
+            measured_gain / simulated_gain if simulated_gain > 0 else float("nan")
+        )
+        print(
+            f"\nsimulated gain {simulated_gain:.2%} (makespan ratio "
+            f"{figures['makespan_ratio']:.4f}); measured gain {measured_gain:.2%}"
+        )
     print_result(**figures)
-
-
-_RUNS = {
-    "sliced + exchange": {"schedule": "sliced", "context_exchange": True},
-    "sliced": {"schedule": "sliced"},
-    "1F1B": {"schedule": "1F1B"},
-}
 
 
 def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, float]:
     """Time the three schedules in one set of ranks; print the table; the measured ratios."""
-    runs = {
-        name: {**run, "num_slices": options.slices if run["schedule"] == "sliced" else 1}
-        for name, run in _RUNS.items()
-    }
+    runs = schedule_runs(options.slices)
     spec = {
         "model": model,
         "microbatches": options.microbatches,
@@ -195,9 +202,12 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
             for name in runs
         ],
     )
+    print_step_breakdown(
+        [rank["recorded"] for rank in ranks], options.pp, options.microbatches, options.slices
+    )
     return {
-        "measured_speedup": medians["sliced"] / medians["sliced + exchange"],
-        "vs_1f1b": medians["1F1B"] / medians["sliced + exchange"],
+        "measured_speedup": medians["sliced"] / medians["sliced+exchange"],
+        "vs_1f1b": medians["1F1B"] / medians["sliced+exchange"],
         "sliced_vs_1f1b": medians["1F1B"] / medians["sliced"],
     }
 

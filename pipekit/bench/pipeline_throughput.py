@@ -40,13 +40,24 @@ from pipekit.bench._report import print_result, print_table
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.pipelining.tools.trace import record_schedule
 
-__all__ = ["FAIR_ALLOCATOR", "main", "time_schedules"]
+__all__ = ["FAIR_ALLOCATOR", "main", "print_step_breakdown", "schedule_runs", "time_schedules"]
 
 FAIR_ALLOCATOR = "glibc.malloc.mmap_max=0"
 """The GLIBC_TUNABLES value of the fair comparison: no mmap-served allocations."""
 
 _SCHEDULES = ("sliced", "sliced+exchange", "1F1B")
 _SLICED_VARIANTS = ("sliced", "sliced+exchange")
+
+
+def schedule_runs(num_slices: int) -> dict[str, dict[str, Any]]:
+    """The compared schedules, as `build_runner` keywords by name: sliced, sliced with context
+    exchange, torch's 1F1B."""
+    sliced = {"schedule": "sliced", "num_slices": num_slices}
+    return {
+        "sliced": sliced,
+        "sliced+exchange": {**sliced, "context_exchange": True},
+        "1F1B": {"schedule": "1F1B", "num_slices": 1},
+    }
 
 
 def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -162,15 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             "rows_per_microbatch": options.rows_per_microbatch,
             "warmup": options.warmup,
             "repeats": options.repeats,
-            "runs": {
-                "sliced": {"schedule": "sliced", "num_slices": n},
-                "sliced+exchange": {
-                    "schedule": "sliced",
-                    "num_slices": n,
-                    "context_exchange": True,
-                },
-                "1F1B": {"schedule": "1F1B", "num_slices": 1},
-            },
+            "runs": schedule_runs(n),
         }
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     headers = ["allocator", "schedule", "median s", "min s", "max s", "tokens/s", "vs 1F1B"]
     print_table([*headers, "page faults/step (k, all ranks)"], rows)
-    _print_breakdown(recorded, p, m, n)
+    print_step_breakdown(recorded, p, m, n)
     fair = speedups["fair"]
     best = max(_SLICED_VARIANTS, key=lambda name: fair[name])
     bubble_only = (1 + (p - 1) / m) / (1 + (p - 1) / (n * m))
@@ -242,7 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
-def _print_breakdown(recorded: list[dict[str, dict[str, float]]], p: int, m: int, n: int) -> None:
+def print_step_breakdown(
+    recorded: list[dict[str, dict[str, float]]], p: int, m: int, n: int
+) -> None:
     """Where each rank's step went in the recorded step: compute actions against idle time,
     and the idle left after the bubble that equal-cost actions would leave
     ((p-1)/(units+p-1) of the step, units = m for 1F1B, n m sliced), per action."""
