@@ -30,7 +30,7 @@ __all__ = ["main"]
 class _TimedTrainer:
     """One trainer of the bench, with the losses and the time of the steps it ran."""
 
-    def __init__(self, config_argv: list[str], output_dir: str, steps: int, compiled: bool):
+    def __init__(self, config_argv: list[str], output_dir: str, steps: int, compiled: bool) -> None:
         from pipekit.train.trainer import Trainer
 
         overrides = {
