@@ -91,8 +91,7 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
         dist.barrier()
         seconds = time.perf_counter() - start
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        for stage in runner.stages:
-            stage.submod.zero_grad(set_to_none=False)
+        _zero_gradients(runner)
         return seconds, faults
 
     for _ in range(spec["warmup"]):
@@ -116,6 +115,12 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
     }
 
 
+def _zero_gradients(runner: PipelineRunner) -> None:
+    """Gradients back to zero in place after a step, so every step does the same work."""
+    for stage in runner.stages:
+        stage.submod.zero_grad(set_to_none=False)
+
+
 def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) -> dict[str, float]:
     """One more step with every compute action timed (`record_schedule`): the step's time (to
     the barrier after it), the time inside this rank's actions and how many it ran. What is
@@ -125,8 +130,7 @@ def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) 
         runner.step(batch, num_label_tokens)
     dist.barrier()  # every rank's step ends when the last rank's does, as the bubble counts it
     step_s = time.perf_counter() - recorder.origin
-    for stage in runner.stages:
-        stage.submod.zero_grad(set_to_none=False)
+    _zero_gradients(runner)
     compute_s = sum(event.end - event.start for event in recorder.events)
     return {"step_s": step_s, "compute_s": compute_s, "actions": len(recorder.events)}
 

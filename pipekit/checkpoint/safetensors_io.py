@@ -198,13 +198,13 @@ class SafetensorsCheckpoint:
             bound == (0, size) for bound, size in zip(bounds[1:], shape[1:], strict=True)
         )
         direct = out is not None and out.dtype == dtype and out.is_contiguous() and not out.is_cuda
-        if whole_rows and (out is None or direct):
-            block = torch.empty(block_shape, dtype=dtype) if out is None else out
+        if whole_rows:
+            block = out if direct else torch.empty(block_shape, dtype=dtype)
             self._read_rows_into(path, name, shape, bounds, block)
         else:
             block = tensor_slice[tuple(slice(start, stop) for start, stop in bounds)]
-            if out is not None:
-                out.copy_(block)
+        if out is not None and block is not out:
+            out.copy_(block)
         if self.read_log is not None:
             self.read_log.append(TensorRead(name, bounds, math.prod(block_shape) * dtype.itemsize))
         return block
