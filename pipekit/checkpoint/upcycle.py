@@ -33,6 +33,7 @@ from pipekit.checkpoint.block_sources import BlockSource, fill_from_sources
 from pipekit.checkpoint.local_shards import load_local_blocks
 from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint, TensorRead
 from pipekit.layers.init import name_seed, trunc_normal_
+from pipekit.memory.prefault import prefaulting
 from pipekit.models.upcycling import Upcycler, UpcycleSpec
 
 __all__ = [
@@ -169,7 +170,7 @@ def materialize_upcycled(
     restored after `to_empty`, which unties plain modules (FSDP2 keeps a tie itself)."""
     module.to_empty(device=device)
     module.tie_weights()
-    with SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
+    with prefaulting(module), SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
         sources = upcycler.sources(checkpoint, args, spec, seed)
         load_local_blocks(module, fill_from_sources(sources))
 

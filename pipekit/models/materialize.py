@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from pipekit._torch_private import local_shape_and_offset
+from pipekit.memory.prefault import prefaulting
 from pipekit.models.stage_module import build_stage_module, model_units
 
 __all__ = [
@@ -43,10 +44,11 @@ def materialize_sharded(
     unit, with the unit's parameters standing in full (`init_weights(seed)`, a checkpoint
     read, or both). A plain (unsharded) model gets the same values, unit by unit."""
     model.to_empty(device=device)
-    for names in init_units(model):
-        view = build_stage_module(model, names, share_modules=True)
-        with full_parameters(view):
-            init(view)
+    with prefaulting(model):
+        for names in init_units(model):
+            view = build_stage_module(model, names, share_modules=True)
+            with full_parameters(view):
+                init(view)
 
 
 def seeded_materializer(device: torch.device | str, seed: int) -> Callable[[nn.Module], None]:
