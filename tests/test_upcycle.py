@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_reference import rewrite_weights
+from safetensors.torch import save_file
 from tiny_models import TINY_LLAMA
 from torch import nn
 
@@ -162,26 +163,47 @@ def _upcycle_counting_temporaries(directory, monkeypatch, direct):
         reads: list[TensorRead] = []
         spec = UpcycleSpec(num_experts=4, top_k=2)
         model, _ = upcycle_llama(directory, spec, dtype=torch.bfloat16, read_log=reads)
-    reordered = sum(
-        read.nbytes for read in reads if read.name.endswith(("q_proj.weight", "k_proj.weight"))
-    )
-    return model, sum(temporary_bytes), sum(read.nbytes for read in reads), reordered
+    return model, sum(temporary_bytes), sum(read.nbytes for read in reads)
 
 
 def test_blocks_are_read_straight_into_the_model_storage(tmp_path: Path, monkeypatch) -> None:
-    """Every block of whole rows, experts included, is read with pread into its final storage:
-    no block-sized temporary (`read_block` allocates one), the same weights. Only the query and
-    key projections, whose heads are reordered from Hugging Face's RoPE layout, need one.
-    Ablation: reading, then copying, allocates a temporary for every byte read."""
+    """Every block of whole rows, experts and the RoPE-reordered query and key projections
+    included, is read with pread into its final storage: no block-sized temporary
+    (`read_block` allocates one), the same weights. Ablation: reading, then copying, allocates
+    a temporary for every byte read."""
     directory = write_dense(tmp_path / "dense", torch.bfloat16)
-    model, temporaries, read, reordered = _upcycle_counting_temporaries(
-        directory, monkeypatch, True
-    )
-    copied, copy_temporaries, _, _ = _upcycle_counting_temporaries(directory, monkeypatch, False)
-    assert 0 < temporaries == reordered < read / 4
+    model, temporaries, read = _upcycle_counting_temporaries(directory, monkeypatch, True)
+    copied, copy_temporaries, _ = _upcycle_counting_temporaries(directory, monkeypatch, False)
+    assert temporaries == 0 < read
     assert copy_temporaries == read
     for name, values in copied.state_dict().items():
         assert torch.equal(model.state_dict()[name], values), name
+
+
+@pytest.mark.parametrize(
+    ("shape", "rows"), [((12, 5), slice(3, 11)), ((12, 5), slice(0, 12)), ((8,), slice(2, 7))]
+)
+def test_reordered_rows_are_scattered_straight_into_the_storage(
+    tmp_path: Path, shape: tuple[int, ...], rows: slice
+) -> None:
+    """A row order within groups (RoPE's per-head reorder) read straight into a block that
+    cuts groups at both ends, a 1-D tensor's elements being its rows, equals reordering the
+    whole tensor, then cutting; its read log names the whole groups it read."""
+    order = [2, 0, 3, 1]
+    values = torch.randn(shape, dtype=torch.float64)
+    save_file({"w": values}, str(tmp_path / "model.safetensors"))
+    expected = values.unflatten(0, (-1, 4))[:, order].flatten(0, 1)[rows]
+    reads: list[TensorRead] = []
+    with SafetensorsCheckpoint(tmp_path, read_log=reads) as checkpoint:
+        source = CheckpointBlock(checkpoint, "w", row_order=order)
+        out = torch.full_like(expected, float("nan"))
+        source.read_into((rows,), out)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        torch.testing.assert_close(source.read((rows,)), expected, rtol=0, atol=0)
+        first, last = rows.start // 4 * 4, -(-rows.stop // 4) * 4
+        assert reads[0].bounds[0] == (first, last)
+        with pytest.raises(ValueError, match="not a permutation"):
+            CheckpointBlock(checkpoint, "w", row_order=[0, 0, 1, 2])
 
 
 def _moe_layers(model: nn.Module) -> list[nn.Module]:

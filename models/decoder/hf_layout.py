@@ -263,12 +263,9 @@ class DecoderHF:
         source = self.source_name(name, args)
         if not self.layout.is_permuted(name):
             return CheckpointBlock(checkpoint, source)
-        head_dim = args.per_head_dim
+        head_rows = torch.arange(args.per_head_dim)
         return CheckpointBlock(
-            checkpoint,
-            source,
-            row_group=head_dim,
-            row_transform=functools.partial(permute_from_hf, head_dim=head_dim),
+            checkpoint, source, row_order=permute_from_hf(head_rows, args.per_head_dim).tolist()
         )
 
     def check_checkpoint(self, checkpoint: SafetensorsCheckpoint, args: Any) -> None:

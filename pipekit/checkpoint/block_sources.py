@@ -15,7 +15,7 @@ straight into the rank's storage (`BlockSource.read_into`).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -66,8 +66,10 @@ class BlockSource(abc.ABC):
 class CheckpointBlock(BlockSource):
     """A checkpoint tensor copied as it is, or with its rows reordered within groups.
 
-    `row_transform` (e.g. RoPE's per-head reorder) mixes rows only inside groups of
-    `row_group` rows, so a block is read as the whole groups that cover it, then cut.
+    `row_order` (e.g. RoPE's per-head reorder) gives, for each row of a group of
+    `len(row_order)` rows, the group's checkpoint row it holds. A block of whole rows is read
+    as the whole groups that cover it, each checkpoint row straight into the storage row that
+    holds it (one scattered read; the covering rows outside the block land in a scratch row).
     """
 
     def __init__(
@@ -75,28 +77,57 @@ class CheckpointBlock(BlockSource):
         checkpoint: SafetensorsCheckpoint,
         name: str,
         *,
-        row_group: int = 1,
-        row_transform: Callable[[Tensor], Tensor] | None = None,
+        row_order: Sequence[int] | None = None,
     ) -> None:
         info = checkpoint.info(name)
         self.checkpoint, self.name = checkpoint, name
         self.shape, self.dtype = info.shape, info.dtype
-        self.row_group, self.row_transform = row_group, row_transform
+        if row_order is not None and sorted(row_order) != list(range(len(row_order))):
+            raise ValueError(f"row_order {list(row_order)} is not a permutation of its rows")
+        self.row_order = None if row_order is None else tuple(row_order)
 
     def read_into(self, index: Sequence[slice], out: Tensor) -> None:
-        if self.row_transform is None:
+        if self.row_order is None:
             self.checkpoint.read_block_into(self.name, index, out)
+        elif self._is_direct(index, out):
+            self._check_rows(index, out)
+            groups = self._whole_groups(index)[0]
+            group, rows = len(self.row_order), index[0]
+            destinations: list[int | None] = [None] * (groups.stop - groups.start)
+            for row in range(rows.start, rows.stop):
+                source = row // group * group + self.row_order[row % group]
+                destinations[source - groups.start] = row - rows.start
+            self.checkpoint.read_rows_scattered(self.name, groups, out, destinations)
         else:
             super().read_into(index, out)
 
+    def _is_direct(self, index: Sequence[slice], out: Tensor) -> bool:
+        """Whether `out` can take whole file rows as they are: a block of whole rows, in the
+        file's dtype, contiguous, on CPU."""
+        whole = all(
+            (part.start, part.stop) == (0, size)
+            for part, size in zip(index[1:], self.shape[1:], strict=False)
+        )
+        cpu = out.device.type == "cpu" and out.numel() > 0
+        return whole and cpu and out.dtype == self.dtype and out.is_contiguous()
+
     def read(self, index: Sequence[slice]) -> Tensor:
-        if self.row_transform is None:
+        if self.row_order is None:
             return self.checkpoint.read_block(self.name, index)
-        rows, rest = index[0], tuple(index[1:])
-        first = rows.start // self.row_group * self.row_group
-        last = -(-rows.stop // self.row_group) * self.row_group
-        groups = self.checkpoint.read_block(self.name, (slice(first, last), *rest))
-        return self.row_transform(groups)[rows.start - first : rows.stop - first]
+        groups_index = self._whole_groups(index)
+        groups = self.checkpoint.read_block(self.name, groups_index)
+        order = torch.tensor(self.row_order)
+        reordered = groups.unflatten(0, (-1, len(order)))[:, order].flatten(0, 1)
+        first = groups_index[0].start
+        return reordered[index[0].start - first : index[0].stop - first]
+
+    def _whole_groups(self, index: Sequence[slice]) -> tuple[slice, ...]:
+        """`index` widened to the whole row groups that cover it."""
+        assert self.row_order is not None
+        group, rows = len(self.row_order), index[0]
+        first = rows.start // group * group
+        last = -(-rows.stop // group) * group
+        return (slice(first, last), *index[1:])
 
 
 class StackedBlocks(BlockSource):

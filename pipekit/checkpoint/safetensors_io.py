@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -48,6 +49,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 """Hugging Face's default shard size ("5GB")."""
+
+_MAX_IOVECS = os.sysconf("SC_IOV_MAX")
+"""Buffers one `preadv` call takes (1024 on Linux)."""
 
 # The dtype codes of the safetensors header format.
 _DTYPES: dict[str, torch.dtype] = {
@@ -200,7 +204,8 @@ class SafetensorsCheckpoint:
         direct = out is not None and out.dtype == dtype and out.is_contiguous() and not out.is_cuda
         if whole_rows:
             block = out if direct else torch.empty(block_shape, dtype=dtype)
-            self._read_rows_into(path, name, shape, bounds, block)
+            buffer = block.detach().view(-1).view(torch.uint8).numpy()
+            self._read_rows_into(path, name, shape, bounds, dtype.itemsize, [buffer])
         else:
             block = tensor_slice[tuple(slice(start, stop) for start, stop in bounds)]
         if out is not None and block is not out:
@@ -209,31 +214,63 @@ class SafetensorsCheckpoint:
             self.read_log.append(TensorRead(name, bounds, math.prod(block_shape) * dtype.itemsize))
         return block
 
+    def read_rows_scattered(
+        self, name: str, rows: slice, out: torch.Tensor, destinations: Sequence[int | None]
+    ) -> None:
+        """Rows `rows` of a tensor, row i of them into row `destinations[i]` of `out` (or
+        nowhere for None): one scattered read (`preadv`) straight into `out`, contiguous on CPU
+        in the file's dtype, with no temporary beyond one row. Logged as the block of those
+        rows."""
+        path = self._file_of(name)
+        tensor_slice = self._slice(path, name)
+        shape = tuple(tensor_slice.get_shape())
+        bounds = _block_bounds(name, shape, (rows,))
+        dtype = self._dtype(path, name, tensor_slice.get_dtype())
+        row_shape = list(shape[1:])
+        if len(destinations) != rows.stop - rows.start or list(out.shape[1:]) != row_shape:
+            raise ValueError(
+                f"{name!r}: rows {rows.start}:{rows.stop} need one destination each and storage "
+                f"rows of shape {row_shape}; got {len(destinations)} and {list(out.shape)}"
+            )
+        if out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"{name!r}: scattered reads need contiguous CPU storage of {dtype}")
+        out_rows = out.detach().view(out.shape[0], -1).view(torch.uint8).numpy()
+        scratch = out_rows[0].copy()  # takes the rows no destination wants
+        buffers = [scratch if row is None else out_rows[row] for row in destinations]
+        self._read_rows_into(path, name, shape, bounds, dtype.itemsize, buffers)
+        if self.read_log is not None:
+            self.read_log.append(TensorRead(name, bounds, len(buffers) * scratch.size))
+
     def _read_rows_into(
         self,
         path: Path,
         name: str,
         shape: tuple[int, ...],
         bounds: tuple[tuple[int, int], ...],
-        block: torch.Tensor,
+        itemsize: int,
+        buffers: Sequence[np.ndarray],
     ) -> None:
         """Rows `bounds[0]` of a tensor (every other dim whole), read straight from the file
-        into `block` (contiguous, of the file's dtype)."""
-        begin = self._data_offsets(path)[name]
-        row_bytes = math.prod(shape[1:]) * block.dtype.itemsize
+        into `buffers` in order (byte arrays, together the rows' bytes), with as few `preadv`
+        calls as the system's iovec limit allows."""
+        pending = list(buffers)
+        row_bytes = math.prod(shape[1:]) * itemsize
         first = bounds[0][0] if bounds else 0
-        buffer = block.detach().view(-1).view(torch.uint8).numpy()
-        offset, done = begin + first * row_bytes, 0
+        offset = self._data_offsets(path)[name] + first * row_bytes
         descriptor = os.open(path, os.O_RDONLY)
         try:
-            while done < buffer.size:
-                count = os.preadv(descriptor, [buffer[done:]], offset + done)
+            while pending:
+                count = os.preadv(descriptor, pending[:_MAX_IOVECS], offset)
                 if count == 0:
                     raise CheckpointError(
                         f"{path} ends inside tensor {name!r}; the file is truncated, download "
                         "or save it again"
                     )
-                done += count
+                offset += count
+                while pending and count >= pending[0].size:
+                    count -= pending.pop(0).size
+                if count:
+                    pending[0] = pending[0][count:]
         finally:
             os.close(descriptor)
 
