@@ -18,11 +18,8 @@ from typing import NoReturn
 
 from tqdm import tqdm
 
-from pipekit.checkpoint.safetensors_io import (
-    DEFAULT_MAX_SHARD_BYTES,
-    SafetensorsCheckpoint,
-    save_safetensors,
-)
+from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint
+from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES, save_safetensors
 from pipekit.models.registry import get_model_spec, known_models, spec_for_checkpoint
 from pipekit.models.upcycling import UpcycleSpec
 

@@ -209,7 +209,7 @@ def test_crash_while_saving_leaves_no_checkpoint(
         written.append(path)
         save_file(shard, path, metadata=metadata)
 
-    monkeypatch.setattr("pipekit.checkpoint.safetensors_io.save_file", save_then_crash)
+    monkeypatch.setattr("pipekit.checkpoint.safetensors_write.save_file", save_then_crash)
     with pytest.raises(OSError, match="disk full"):
         save_safetensors(tensors, tmp_path / "ckpt", max_shard_bytes=8000, overwrite=True)
     with pytest.raises(OSError, match="disk full"):

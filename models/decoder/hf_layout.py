@@ -43,12 +43,8 @@ from pipekit.checkpoint.block_sources import (
 )
 from pipekit.checkpoint.hf_export import save_hf_sharded
 from pipekit.checkpoint.local_shards import RowShard, load_local_blocks
-from pipekit.checkpoint.safetensors_io import (
-    DEFAULT_MAX_SHARD_BYTES,
-    CheckpointError,
-    SafetensorsCheckpoint,
-    TensorRead,
-)
+from pipekit.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, TensorRead
+from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
 from pipekit.models.materialize import local_tensor
 from pipekit.models.spec import HFTensor, HuggingFaceAdapter
 

@@ -19,7 +19,8 @@ import torch
 from models.decoder.args import DecoderArgs, MoEFields
 from models.decoder.hf_layout import EXPERT_WEIGHTS, DecoderHF
 from pipekit.checkpoint.block_sources import BlockSource
-from pipekit.checkpoint.safetensors_io import PendingTensor, SafetensorsCheckpoint
+from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint
+from pipekit.checkpoint.safetensors_write import PendingTensor
 from pipekit.checkpoint.upcycle import ExpertCopies, RouterInit
 from pipekit.models.spec import HFTensor
 from pipekit.models.upcycling import Upcycler, UpcycleSpec

@@ -24,7 +24,7 @@ from models.decoder.hf_config import (
 from models.decoder.hf_layout import DecoderHF, DecoderLayout
 from models.llama.args import LlamaArgs
 from models.llama.model import Llama
-from pipekit.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES
+from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
 
 __all__ = [
     "LLAMA_HF",

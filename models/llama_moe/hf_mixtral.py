@@ -41,7 +41,7 @@ from models.decoder.hf_config import (
 from models.decoder.hf_layout import DENSE_LAYER_NAMES, DecoderHF, DecoderLayout
 from models.llama_moe.args import LlamaMoEArgs
 from models.llama_moe.model import LlamaMoE
-from pipekit.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES
+from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
 from pipekit.models.spec import HFTensor
 from pipekit.moe import MoEArgs
 

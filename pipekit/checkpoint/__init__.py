@@ -6,14 +6,16 @@ run it.
 """
 
 from pipekit.checkpoint.safetensors_io import (
-    DEFAULT_MAX_SHARD_BYTES,
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointError,
-    PendingTensor,
     SafetensorsCheckpoint,
     TensorInfo,
     TensorRead,
+)
+from pipekit.checkpoint.safetensors_write import (
+    DEFAULT_MAX_SHARD_BYTES,
+    PendingTensor,
     save_safetensors,
 )
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from pipekit.checkpoint.local_shards import BlockFiller
-from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint
+from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint, takes_file_rows
 
 __all__ = ["BlockSource", "CheckpointBlock", "StackedBlocks", "fill_from_sources"]
 
@@ -108,8 +108,7 @@ class CheckpointBlock(BlockSource):
             (part.start, part.stop) == (0, size)
             for part, size in zip(index[1:], self.shape[1:], strict=False)
         )
-        cpu = out.device.type == "cpu" and out.numel() > 0
-        return whole and cpu and out.dtype == self.dtype and out.is_contiguous()
+        return whole and out.numel() > 0 and takes_file_rows(out, self.dtype)
 
     def read(self, index: Sequence[slice]) -> Tensor:
         if self.row_order is None:

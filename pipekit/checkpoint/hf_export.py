@@ -32,9 +32,9 @@ from torch import Tensor, nn
 
 from pipekit.checkpoint._durable import fsync_path
 from pipekit.checkpoint.local_shards import RowShard, global_block
-from pipekit.checkpoint.safetensors_io import (
+from pipekit.checkpoint.safetensors_io import CheckpointError
+from pipekit.checkpoint.safetensors_write import (
     DEFAULT_MAX_SHARD_BYTES,
-    CheckpointError,
     discard_staging,
     new_staging_directory,
     publish_directory,

@@ -1,11 +1,10 @@
-"""Lazy reading and atomic writing of safetensors checkpoint directories (Hugging Face layout).
+"""Lazy reading of safetensors checkpoint directories (Hugging Face layout).
 
 A checkpoint directory holds either one `model.safetensors`, or shards `model-0000i-of-0000n
 .safetensors` plus `model.safetensors.index.json` mapping each tensor name to its shard. The
 reader lists names, shapes and dtypes from the files' headers only, and opens a shard the first
 time one of its tensors is asked for, so a rank that owns a few tensors (or a few rows of them)
-reads only those bytes. The writer never pickles, and publishes a directory only once it is
-complete, so a crash never leaves something that loads as a valid checkpoint.
+reads only those bytes. `pipekit.checkpoint.safetensors_write` writes such directories.
 """
 
 from __future__ import annotations
@@ -13,9 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -23,32 +20,19 @@ from types import TracebackType
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
-
-from pipekit.checkpoint._durable import fsync_path
 
 __all__ = [
-    "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_FILE",
     "SINGLE_FILE",
     "CheckpointError",
-    "PendingTensor",
     "SafetensorsCheckpoint",
     "TensorInfo",
     "TensorRead",
-    "discard_staging",
-    "new_staging_directory",
-    "publish_directory",
-    "save_safetensors",
-    "shard_file_names",
-    "split_into_shards",
-    "write_index",
+    "takes_file_rows",
 ]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
-"""Hugging Face's default shard size ("5GB")."""
 
 _MAX_IOVECS = os.sysconf("SC_IOV_MAX")
 """Buffers one `preadv` call takes (1024 on Linux)."""
@@ -201,7 +185,7 @@ class SafetensorsCheckpoint:
         whole_rows = all(
             bound == (0, size) for bound, size in zip(bounds[1:], shape[1:], strict=True)
         )
-        direct = out is not None and out.dtype == dtype and out.is_contiguous() and not out.is_cuda
+        direct = out is not None and takes_file_rows(out, dtype)
         if whole_rows:
             block = out if direct else torch.empty(block_shape, dtype=dtype)
             buffer = block.detach().view(-1).view(torch.uint8).numpy()
@@ -232,7 +216,7 @@ class SafetensorsCheckpoint:
                 f"{name!r}: rows {rows.start}:{rows.stop} need one destination each and storage "
                 f"rows of shape {row_shape}; got {len(destinations)} and {list(out.shape)}"
             )
-        if out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+        if not takes_file_rows(out, dtype):
             raise ValueError(f"{name!r}: scattered reads need contiguous CPU storage of {dtype}")
         out_rows = out.detach().view(out.shape[0], -1).view(torch.uint8).numpy()
         scratch = out_rows[0].copy()  # takes the rows no destination wants
@@ -253,24 +237,25 @@ class SafetensorsCheckpoint:
         """Rows `bounds[0]` of a tensor (every other dim whole), read straight from the file
         into `buffers` in order (byte arrays, together the rows' bytes), with as few `preadv`
         calls as the system's iovec limit allows."""
-        pending = list(buffers)
+        pending, done = list(buffers), 0  # pending[done:] still to fill
         row_bytes = math.prod(shape[1:]) * itemsize
         first = bounds[0][0] if bounds else 0
         offset = self._data_offsets(path)[name] + first * row_bytes
         descriptor = os.open(path, os.O_RDONLY)
         try:
-            while pending:
-                count = os.preadv(descriptor, pending[:_MAX_IOVECS], offset)
+            while done < len(pending):
+                count = os.preadv(descriptor, pending[done : done + _MAX_IOVECS], offset)
                 if count == 0:
                     raise CheckpointError(
                         f"{path} ends inside tensor {name!r}; the file is truncated, download "
                         "or save it again"
                     )
                 offset += count
-                while pending and count >= pending[0].size:
-                    count -= pending.pop(0).size
-                if count:
-                    pending[0] = pending[0][count:]
+                while done < len(pending) and count >= pending[done].size:
+                    count -= pending[done].size
+                    done += 1
+                if count:  # a short read stopped inside this buffer
+                    pending[done] = pending[done][count:]
         finally:
             os.close(descriptor)
 
@@ -364,6 +349,12 @@ class SafetensorsCheckpoint:
             ) from error
 
 
+def takes_file_rows(out: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `out` can take a checkpoint's rows of `dtype` byte for byte: contiguous CPU
+    storage of that dtype (a read then lands in it with no temporary)."""
+    return out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu"
+
+
 def _block_bounds(
     name: str, shape: tuple[int, ...], index: Sequence[slice]
 ) -> tuple[tuple[int, int], ...]:
@@ -384,149 +375,3 @@ def _block_bounds(
             )
         bounds.append((start, stop))
     return tuple(bounds)
-
-
-@dataclass(frozen=True)
-class PendingTensor:
-    """A tensor to be written, produced only when its shard is written (streaming writes)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    produce: Callable[[], torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def save_safetensors(
-    state_dict: Mapping[str, torch.Tensor | PendingTensor],
-    directory: str | os.PathLike[str],
-    *,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    extra_files: Mapping[str, str] | None = None,
-    overwrite: bool = False,
-    on_tensor: Callable[[str, int], None] | None = None,
-) -> list[Path]:
-    """Write `state_dict` as a safetensors checkpoint directory; returns the tensor files.
-
-    One `model.safetensors` when everything fits in `max_shard_bytes`, otherwise shards filled in
-    the order of `state_dict` plus an index (a tensor larger than the limit gets a shard alone).
-    A `PendingTensor` is produced when its shard is written, so at most one shard is in memory.
-    `on_tensor(name, nbytes)` is called as each tensor is ready (progress bars). `extra_files`
-    (name -> text, e.g. config.json) go into the same directory. Everything is written into a
-    hidden sibling directory that is renamed into place once complete.
-    """
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
-    sizes = {name: _planned_nbytes(name, tensor) for name, tensor in state_dict.items()}
-    shards = split_into_shards(sizes, max_shard_bytes)
-    file_names = shard_file_names(len(shards))
-    target = Path(directory)
-    staging = new_staging_directory(target, overwrite)
-    try:
-        for file_name, shard in zip(file_names, shards, strict=True):
-            tensors = {}
-            for name in shard:
-                tensors[name] = _host_tensor(name, state_dict[name])
-                if on_tensor is not None:
-                    on_tensor(name, sizes[name])
-            save_file(tensors, str(staging / file_name), metadata={"format": "pt"})
-            del tensors
-        if len(shards) > 1:
-            weight_map = {
-                name: file_name
-                for file_name, shard in zip(file_names, shards, strict=True)
-                for name in shard
-            }
-            write_index(staging, weight_map, sum(sizes.values()))
-        for file_name, text in (extra_files or {}).items():
-            (staging / file_name).write_text(text)
-        publish_directory(staging, target)
-    except BaseException:
-        discard_staging(staging)
-        raise
-    return [Path(directory) / file_name for file_name in file_names]
-
-
-def _planned_nbytes(name: str, tensor: torch.Tensor | PendingTensor) -> int:
-    if isinstance(tensor, PendingTensor):
-        return tensor.nbytes
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"cannot save {name!r}: it is a {type(tensor).__name__}, not a tensor")
-    return tensor.numel() * tensor.element_size()
-
-
-def _host_tensor(name: str, tensor: torch.Tensor | PendingTensor) -> torch.Tensor:
-    if isinstance(tensor, PendingTensor):
-        produced = tensor.produce()
-        if tuple(produced.shape) != tensor.shape or produced.dtype != tensor.dtype:
-            raise ValueError(
-                f"{name!r} was announced as {list(tensor.shape)} {tensor.dtype} but produced as "
-                f"{list(produced.shape)} {produced.dtype}"
-            )
-        tensor = produced
-    if tensor.is_meta:
-        raise ValueError(f"cannot save {name!r}: it is on the meta device; materialise it first")
-    return tensor.detach().to("cpu").contiguous()
-
-
-def split_into_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
-    """Names in order, cut into files of at most `max_shard_bytes` (a larger tensor alone)."""
-    shards: list[list[str]] = [[]]
-    shard_bytes = 0
-    for name, size in sizes.items():
-        if shards[-1] and shard_bytes + size > max_shard_bytes:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append(name)
-        shard_bytes += size
-    return shards
-
-
-def shard_file_names(count: int) -> list[str]:
-    """Hugging Face's file names for `count` tensor files (one: `model.safetensors`)."""
-    if count == 1:
-        return [SINGLE_FILE]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-
-
-def write_index(staging: Path, weight_map: Mapping[str, str], total_size: int) -> None:
-    """The index of a sharded checkpoint: tensor name -> file, and the tensors' total bytes."""
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
-    (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def new_staging_directory(target: Path, overwrite: bool) -> Path:
-    """An empty hidden folder next to `target` to write a checkpoint into; CheckpointError if
-    `target` exists and may not be replaced."""
-    if target.exists() and not overwrite:
-        raise CheckpointError(
-            f"{target} already exists; pass overwrite=True or choose a new directory"
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    return staging
-
-
-def publish_directory(staging: Path, target: Path) -> None:
-    """Flush `staging`'s files, then rename it to `target` (replacing an old copy)."""
-    for path in staging.iterdir():
-        fsync_path(path)
-    fsync_path(staging)
-    if target.exists():
-        # Move the old copy aside first: a crash between the two renames leaves no target
-        # (and the old copy intact under a hidden name), never a half-written one.
-        retired = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        target.rename(retired)
-        staging.rename(target)
-        shutil.rmtree(retired)
-    else:
-        staging.rename(target)
-    fsync_path(target.parent)
-
-
-def discard_staging(staging: Path) -> None:
-    """Remove an unfinished checkpoint's staging folder."""
-    shutil.rmtree(staging, ignore_errors=True)
