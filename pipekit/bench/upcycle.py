@@ -18,8 +18,8 @@ rank it measures:
 Timing order on every rank, all ranks together: a first upcycle (its read log feeds the plain
 reads), then plain read, upcycle, plain read, upcycle (ABAB); the page cache is emptied of the
 checkpoint (`posix_fadvise(DONTNEED)` after the writer's fsync) before each. The first upcycle
-is the process's first touch of gigabytes of fresh memory, whose page faults cost more than any
-later fill's (several times more in a virtual machine): it is reported on its own, and the ABAB
+is the process's first touch of gigabytes of fresh memory, which costs more than any later fill
+(about twice as much here, with the storage prefaulted): it is reported on its own, and the ABAB
 means compare both sides in one memory state. How much of the checkpoint is still cached after
 eviction is measured with mincore(2), and a warm plain read (no eviction) is timed too, so the
 output says how cold "cold" was. Ranks read concurrently and both read every dense FFN whole, so
