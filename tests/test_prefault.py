@@ -42,12 +42,13 @@ def test_prefault_makes_fresh_storage_resident_and_the_ablation_does_not() -> No
 
 
 @needs_populate
-def test_prefault_keeps_values_and_counts_each_storage_once() -> None:
+def test_prefault_keeps_values_and_counts_each_storage_once_on_cpu_only() -> None:
     values = torch.arange(SIZE // 8, dtype=torch.float64)
     expected = values.clone()
     half = values[: values.numel() // 2]  # a view of the same storage
     small = torch.zeros(MIN_PREFAULT_BYTES // 8 - 1, dtype=torch.float64)
-    assert prefault_tensors([values, half, small]) == SIZE
+    not_on_cpu = torch.empty(SIZE, dtype=torch.uint8, device="meta")
+    assert prefault_tensors([values, half, small, not_on_cpu]) == SIZE
     torch.testing.assert_close(values, expected, rtol=0, atol=0)
 
 

@@ -56,9 +56,11 @@ def prefault_tensors(tensors: Iterable[Tensor]) -> int:
     seen: set[int] = set()
     populated = 0
     for tensor in tensors:
+        if tensor.device.type != "cpu":  # GPU or meta storage: nothing for the CPU to map
+            continue
         storage = tensor.untyped_storage()
         address, size = storage.data_ptr(), storage.nbytes()
-        if tensor.device.type != "cpu" or size < MIN_PREFAULT_BYTES or address in seen:
+        if size < MIN_PREFAULT_BYTES or address in seen:
             continue
         seen.add(address)
         start = address - address % mmap.PAGESIZE  # the page holding the first byte is mapped
