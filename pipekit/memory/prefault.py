@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["MIN_PREFAULT_BYTES", "prefault_module", "prefault_tensors", "prefaulting"]
+__all__ = ["MIN_PREFAULT_BYTES", "prefault_tensors", "prefaulting"]
 
 MIN_PREFAULT_BYTES = 1 << 20
 """Storages smaller than this fault in cheaply on first write; a system call is not worth it."""
@@ -70,11 +70,10 @@ def prefault_tensors(tensors: Iterable[Tensor]) -> int:
     return populated
 
 
-def prefault_module(module: nn.Module) -> int:
-    """Populate the local storage of `module`'s parameters and buffers (a DTensor's local
-    shard), in the module's order; the bytes populated."""
+def _local_tensors(module: nn.Module) -> list[Tensor]:
+    """`module`'s parameters and buffers in its order, a DTensor as its local shard."""
     tensors = [*module.parameters(), *module.buffers()]
-    return prefault_tensors([t.to_local() if isinstance(t, DTensor) else t for t in tensors])
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 @contextmanager
@@ -84,9 +83,11 @@ def prefaulting(module: nn.Module) -> Iterator[None]:
     The system call releases the GIL, so the kernel maps pages beside a fill that reads a disk
     or computes; both go through the parameters in the module's order, and a page either one
     reaches first is simply present for the other. The thread is joined on exit: nothing
-    outlives the block.
+    outlives the block. The tensors are listed before the thread starts: the body may swap a
+    module's parameters (a full tensor standing in for a shard) while the helper runs.
     """
-    helper = threading.Thread(target=prefault_module, args=(module,), name="pipekit-prefault")
+    tensors = _local_tensors(module)
+    helper = threading.Thread(target=prefault_tensors, args=(tensors,), name="pipekit-prefault")
     helper.start()
     try:
         yield
