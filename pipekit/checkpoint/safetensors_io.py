@@ -219,7 +219,7 @@ class SafetensorsCheckpoint:
         if not takes_file_rows(out, dtype):
             raise ValueError(f"{name!r}: scattered reads need contiguous CPU storage of {dtype}")
         out_rows = out.detach().view(out.shape[0], -1).view(torch.uint8).numpy()
-        scratch = out_rows[0].copy()  # takes the rows no destination wants
+        scratch = np.empty_like(out_rows[0])  # takes the rows no destination wants
         buffers = [scratch if row is None else out_rows[row] for row in destinations]
         self._read_rows_into(path, name, shape, bounds, dtype.itemsize, buffers)
         if self.read_log is not None:
