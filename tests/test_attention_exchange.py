@@ -1,17 +1,21 @@
 """Attention over chunks lent to another rank equals attention over all chunks on one rank
 (float64, gloo): output, lse and the gradients of the query and of every chunk, with packed
 documents, grouped-query heads and a backward served by a different rank than the forward. The
-ablation drops the lent chunks' dK/dV on the server and must fail."""
+ablation drops the lent chunks' dK/dV on the server and must fail. A `LoanServer` answers its
+requests beside its pass, with the same results; the ablation makes the pass wait for them
+before it lets the lender start, which must hang."""
 
 from __future__ import annotations
 
+import math
+from datetime import timedelta
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 from attention_reference import dense_allowed, reference_attention
-from distributed_helpers import run_on_ranks
+from distributed_helpers import RankFailedError, run_on_ranks
 
 from pipekit.attention.backends import AutogradRingBackend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
@@ -24,6 +28,7 @@ from pipekit.attention.exchange import (
     serve_attention_loan,
     serve_attention_loan_backward,
 )
+from pipekit.attention.loan_server import LoanRequest, LoanServer
 from pipekit.attention.masks import causal_within_documents, documents_or_all
 
 B, H, G, S, D = 2, 4, 2, 8, 16  # S: keys and queries per slice
@@ -121,6 +126,52 @@ def test_lent_attention_equals_local_attention(world: int) -> None:
 
 def test_dropping_the_lent_chunks_gradients_breaks_it() -> None:
     assert _max_difference(2, drop_lent_grads=True) > 1e-2
+
+
+def _serve_a_late_lender(rank: int, world: int, wait_inside_the_pass: bool) -> dict:
+    """Rank 1 serves two forward requests and one backward request of rank 0, which starts
+    lending only once rank 1's pass, having started serving, tells it to."""
+    inputs = _inputs()
+    if rank == 1:
+        loan = lambda peer: AttentionLoan(peer, timeout=timedelta(seconds=2))
+        server = LoanServer([LoanRequest(0, False)] * 2 + [LoanRequest(0, True)], loan, "cpu")
+        server.start(1 / math.sqrt(D))
+        if wait_inside_the_pass:  # the ablation: the pass waits for its answers first
+            server.finish()
+        dist.send(torch.ones(1), dst=0)  # the pass goes on; the lender starts now
+        server.finish()
+        dist.barrier()
+        return {"answered": server.answered}
+    dist.recv(torch.empty(1), src=1)
+    q, k, v = (inputs[name].clone().requires_grad_() for name in ("q", "k", "v"))
+    own, earlier, q_docs = _chunks(inputs, k, v)
+    lend_all = Lending(((AttentionLoan(1), (0, 1, 2)),))
+    results: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name in ("out0", "out1"):
+            results[name] = attention_with_lending(
+                q, own, earlier, lend_all, q_document_ids_BS=q_docs, backend="cpu"
+            )[0]
+    out, _ = attention_with_lending(
+        q, own, earlier, Lending(), lend_all, q_document_ids_BS=q_docs, backend="cpu"
+    )
+    out.backward(inputs["grad_out"])
+    dist.barrier()
+    return {**results, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def test_a_loan_server_answers_beside_its_pass() -> None:
+    lender, server = run_on_ranks(_serve_a_late_lender, 2, False)
+    assert server == {"answered": 3}
+    reference = _reference(_inputs())
+    for name, expected in [("out0", "out"), ("out1", "out"), ("dq", "dq"), ("dk", "dk")]:
+        assert (lender[name] - reference[expected]).abs().max().item() < 1e-12, name
+    assert (lender["dv"] - reference["dv"]).abs().max().item() < 1e-12
+
+
+def test_a_server_that_waits_inside_its_pass_hangs_on_a_late_lender() -> None:
+    with pytest.raises(RankFailedError, match="rank 1 of the exchange group waited more than 2 s"):
+        run_on_ranks(_serve_a_late_lender, 2, True, timeout=60)
 
 
 def test_a_lent_chunk_without_document_ids_needs_a_query_without_them() -> None:

@@ -1,8 +1,9 @@
 """Context exchange in the sliced pipeline changes nothing but where attention is computed: loss
 and every gradient equal one unsliced process (float64), for p = 2 and 4, n = 2p and 4p, m = 2,
-with packed documents, two layers per stage, interleaved stages, uneven stages and activation
-checkpointing. The ablation drops the lent chunks' dK/dV and must fail; a run that lends nothing
-would not notice it, so the ablation also proves that the exchange happens."""
+with packed documents, two layers per stage, interleaved stages, uneven stages, vocabulary
+parallelism and activation checkpointing. The ablation drops the lent chunks' dK/dV and must
+fail; a run that lends nothing would not notice it, so the ablation also proves that the
+exchange happens."""
 
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ from tiny_models import (
     tiny_reference,
 )
 
-from pipekit.attention.context_exchange import LoanRequest
-from pipekit.pipelining.features.context_exchange import PipelineContextExchange, serving_calls
+from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.runtime.runner import make_schedule
 
 
@@ -36,6 +36,7 @@ def _run(
     num_layers: int,
     drop_remote_kv_grads: bool = False,
     checkpoint_activations: bool = False,
+    vocab_parallel: bool = False,
 ) -> tuple:
     runner = tiny_pipeline(
         pp_mesh(world),
@@ -47,17 +48,24 @@ def _run(
         num_layers=num_layers,
         context_exchange=True,
         checkpoint_activations=checkpoint_activations,
+        vocab_parallel=vocab_parallel,
     )
     exchange = runner.extension("context_exchange")
     assert isinstance(exchange, PipelineContextExchange)
     if drop_remote_kv_grads:  # ablation: the same plan, lent chunks' dK/dV dropped
-        exchange = PipelineContextExchange(
-            exchange.group, exchange.layers_per_stage, drop_remote_kv_grads=True
-        )
-        runner.schedule = make_schedule("sliced", runner.stages, m, n, extensions=[exchange])
-        runner.extensions = [exchange]
+        exchange = _replace_exchange(runner, m, n, drop_remote_kv_grads=True)
     loss, grads = runner_step(runner, tiny_batch())
     return loss, grads, len(exchange.plan.transfers)
+
+
+def _replace_exchange(runner, m: int, n: int, **options) -> PipelineContextExchange:
+    """The runner's context exchange rebuilt with `options` (the other extensions kept)."""
+    exchange = runner.extension("context_exchange")
+    ablated = PipelineContextExchange(exchange.group, exchange.layers_per_stage, **options)
+    extensions = [ablated if ext is exchange else ext for ext in runner.extensions]
+    runner.schedule = make_schedule("sliced", runner.stages, m, n, extensions=extensions)
+    runner.extensions = extensions
+    return ablated
 
 
 def _run_many(rank: int, world: int, configs: list[tuple]) -> list[tuple]:
@@ -83,6 +91,7 @@ def test_exchange_keeps_loss_and_every_gradient_fp64(world: int) -> None:
     configs = [(1, 2, 2 * world, world), (1, 2, 4 * world, 2 * world)]
     if world == 2:
         configs += [(2, 2, 4, 4), (1, 2, 4, 3)]  # interleaved; stages of 2 and 1 layers
+        configs += [(1, 2, 4, 2, False, False, True)]  # vocabulary parallel
     for config, difference in _differences(world, configs, timeout=300).items():
         assert difference <= PARITY_TOLERANCE, f"{config}: max relative difference {difference:.2e}"
 
@@ -99,15 +108,6 @@ def test_dropping_the_remote_kv_gradients_breaks_parity() -> None:
     configs = [(1, 2, 4, 2, True), (1, 2, 8, 4, True)]
     for config, difference in _differences(2, configs, timeout=120).items():
         assert difference > 1e-3, config
-
-
-def test_serving_calls_spread_a_sources_requests_over_the_targets_layers() -> None:
-    a, b = LoanRequest(0, False), LoanRequest(3, True)
-    assert serving_calls([(a, 2), (b, 2)], 2) == ((a, b), (a, b))
-    assert serving_calls([(b, 4)], 2) == ((b, b), (b, b))
-    assert serving_calls([(a, 1)], 3) == ((a,), (), ())
-    with pytest.raises(ValueError, match="at least one attention layer"):
-        serving_calls([(a, 1)], 0)
 
 
 def test_stages_without_layers_are_refused() -> None:

@@ -10,12 +10,13 @@ This context does both for one slice on one stage, layer by layer:
   slices (from the chunked KV cache): the forward pass lends some of them to its peers, and the
   forward records what the slice's backward pass lends, so the gradients of lent chunks come back
   from the peers and collect on the cache's leaves like local ones.
-- **Serving.** At the k-th attention call of its pass, a serving pass answers the requests the
-  plan gave that call: after its own attention in a forward pass; in a backward pass, from an
-  identity on the attention output whose backward runs when the gradient reaches that layer (the
-  calls of a backward come in reverse layer order, the order the pass runs them). A request is
-  a forward or a backward one as the lending pass is, whichever kind the serving pass is: the
-  plan pairs passes of both kinds.
+- **Serving.** A serving pass answers the requests the plan gave it with a `LoanServer`, whose
+  helper threads start at the pass's first attention call (in a forward pass after its own
+  attention; in a backward pass from an identity on the attention output, whose backward runs
+  when the gradient reaches that layer) and answer each request as it arrives, beside the pass's
+  own work. The schedule's serving action right after the pass waits for the last answer. A
+  request is a forward or a backward one as the lending pass is, whichever kind the serving pass
+  is: the plan pairs passes of both kinds.
 
 Activation checkpointing recomputes a layer's forward inside the backward: the recompute neither
 lends nor serves forward work (that was done), but records the backward's lending and serving.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,20 +36,13 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk
-from pipekit.attention.exchange import (
-    DEFAULT_LOAN_TIMEOUT,
-    AttentionLoan,
-    Lending,
-    LentChunk,
-    serve_attention_loan,
-    serve_attention_loan_backward,
-)
+from pipekit.attention.exchange import DEFAULT_LOAN_TIMEOUT, AttentionLoan, Lending, LentChunk
 from pipekit.attention.kv_cache import CachedSlice
+from pipekit.attention.loan_server import LoanRequest, LoanServer
 
 __all__ = [
     "ContextExchangeAttention",
     "LendingAttention",
-    "LoanRequest",
     "PassExchange",
     "SliceExchange",
 ]
@@ -82,29 +76,17 @@ class LendingAttention(Protocol):
     ) -> Tensor: ...
 
 
-class LoanRequest(NamedTuple):
-    """A request a serving call answers: from `peer`, of its forward or its backward pass (the
-    kind of the lending pass, whatever the kind of the serving one)."""
-
-    peer: int
-    backward: bool
-
-
 @dataclass(frozen=True)
 class PassExchange:
     """What one pass (a slice's forward or backward on one stage) lends and serves.
 
     `lend`: `(peer, earlier KV slices)` per peer, in message order, at every attention call.
-    `serve`: for each attention call of the pass, in the order the pass runs them, the requests
-    it answers, in order.
+    `serve`: the requests it answers, each peer's in the order the peer sends them (one per
+    attention layer of the lending pass).
     """
 
     lend: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    serve: tuple[tuple[LoanRequest, ...], ...] = ()
-
-    @property
-    def serves(self) -> bool:
-        return any(self.serve)
+    serve: tuple[LoanRequest, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,53 +107,38 @@ class SliceExchange:
     def lending(self, parts: tuple[tuple[int, tuple[int, ...]], ...]) -> Lending:
         return Lending(tuple((self.loan(peer), kv_slices) for peer, kv_slices in parts))
 
-    def answer(self, requests: tuple[LoanRequest, ...], scale: float, backend: Backend) -> None:
-        """Serve one attention call's requests, in order."""
-        for peer, backward in requests:
-            serve = serve_attention_loan_backward if backward else serve_attention_loan
-            serve(self.loan(peer), scale, backend)
+    def server(self, serve: tuple[LoanRequest, ...], backend: Backend) -> LoanServer | None:
+        """A pass's `LoanServer` (None: the pass serves nothing)."""
+        return LoanServer(serve, self.loan, backend) if serve else None
 
 
-def _layer_count_error(kind: str, ran: int, planned: int) -> RuntimeError:
+def _layer_count_error(ran: int, planned: int) -> RuntimeError:
     """A pass ran other than the planned number of attention layers (its peers would hang)."""
     return RuntimeError(
-        f"context exchange: the {kind} ran {ran} attention layers, the plan has {planned}; give "
+        f"context exchange: the forward ran {ran} attention layers, the plan has {planned}; give "
         "the exchange the stage's real layer count"
     )
 
 
-class _BackwardServing:
-    """The serving calls of a backward pass, consumed in the order autograd reaches them."""
-
-    def __init__(self, exchange: SliceExchange, backend: Backend) -> None:
-        self.exchange, self.backend, self.calls = exchange, backend, 0
-
-    def serve(self, scale: float) -> None:
-        serve = self.exchange.backward.serve
-        if self.calls >= len(serve):
-            raise _layer_count_error("backward", self.calls + 1, len(serve))
-        self.exchange.answer(serve[self.calls], scale, self.backend)
-        self.calls += 1
-
-
 class _ServeInBackward(torch.autograd.Function):
-    """Identity on a layer's attention output; its backward serves that layer's requests."""
+    """Identity on a layer's attention output; its backward starts the pass's serving (the
+    first call a backward pass reaches)."""
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         out_BHSD: Tensor,
-        serving: _BackwardServing,
+        server: LoanServer,
         scale: float,
     ) -> Tensor:
-        ctx.serving, ctx.scale = serving, scale
+        ctx.server, ctx.scale = server, scale
         return out_BHSD.view_as(out_BHSD)
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out_BHSD: Tensor
     ) -> tuple[Tensor, None, None]:
-        ctx.serving.serve(ctx.scale)
+        ctx.server.start(ctx.scale)
         return grad_out_BHSD, None, None
 
 
@@ -194,7 +161,11 @@ class ContextExchangeAttention:
     def __init__(self, slice_attention: LendingAttention, exchange: SliceExchange) -> None:
         self.slice_attention, self.exchange = slice_attention, exchange
         self.forward_calls = 0
-        self._backward_serving = _BackwardServing(exchange, slice_attention.backend)
+        backend = slice_attention.backend
+        self.forward_server = exchange.server(exchange.forward.serve, backend)
+        self.backward_server = exchange.server(exchange.backward.serve, backend)
+        """What the forward and the backward pass serve (None: nothing); the schedule's serving
+        actions wait for their last answers after each pass."""
 
     def __repr__(self) -> str:
         return f"ContextExchangeAttention({self.slice_attention!r})"
@@ -202,7 +173,8 @@ class ContextExchangeAttention:
     def attend(
         self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
     ) -> Tensor:
-        """The slice's attention output; lends and serves what the plan gives this layer."""
+        """The slice's attention output; lends what the plan gives the pass and answers the
+        requests waiting."""
         sliced, exchange = self.slice_attention, self.exchange
         earlier, own = sliced.chunks(layer_id, k_BGSD, v_BGSD)
         recomputing = sliced.recomputing
@@ -220,26 +192,19 @@ class ContextExchangeAttention:
         else:
             out_BHSD = sliced.attention(q_BHSD, earlier, own, scale)
         if not recomputing:
-            self._serve_forward(scale)
-        if records_backward and exchange.backward.serves:
-            out_BHSD = _ServeInBackward.apply(out_BHSD, self._backward_serving, scale)
+            self.forward_calls += 1
+            if self.forward_server is not None:
+                self.forward_server.start(scale)
+        if records_backward and self.backward_server is not None:
+            out_BHSD = _ServeInBackward.apply(out_BHSD, self.backward_server, scale)
         return out_BHSD
 
-    def check_forward_done(self) -> None:
-        """After the slice's forward: every planned forward serving call ran (a model with
-        fewer attention layers than planned would leave its peers waiting)."""
-        planned = len(self.exchange.forward.serve)
-        if self.exchange.forward.serves and self.forward_calls != planned:
-            raise _layer_count_error("forward", self.forward_calls, planned)
-
-    def _serve_forward(self, scale: float) -> None:
-        serve, call = self.exchange.forward.serve, self.forward_calls
-        self.forward_calls += 1
-        if not self.exchange.forward.serves:
-            return
-        if call >= len(serve):
-            raise _layer_count_error("forward", call + 1, len(serve))
-        self.exchange.answer(serve[call], scale, self.slice_attention.backend)
+    def check_forward_done(self, layers: int) -> None:
+        """After the slice's forward: it ran the stage's `layers` attention layers, as the plan
+        has it (a lender sends, and a server is sent, one request per layer: a count that
+        differs would leave a peer waiting)."""
+        if self.forward_calls != layers:
+            raise _layer_count_error(self.forward_calls, layers)
 
     def _lendable(
         self,

@@ -4,21 +4,25 @@
 action lists (`prepare`: `plan_context_exchange`, the same pure function on every rank, so all
 ranks agree) and, for each unit a stage runs, wraps the slice's KV-cache attention context in a
 `ContextExchangeAttention` with that unit's `SliceExchange` (`stage_context`): which peers its
-passes lend which earlier KV slices to, and which peers' requests each attention call serves.
+passes lend which earlier KV slices to, and which peers' requests they serve.
 
 A lending pass sends one request per attention layer (a forward or a backward request as the
-pass is); the serving pass answers them at its own attention calls, whatever its own kind:
-request i of a source with `L_s` layers at call `floor(i * L_t / L_s)` of a target with `L_t`
-(one each when the stages hold equally many layers).
+pass is). The serving pass answers them on helper threads as they arrive (`LoanServer`), so
+neither it nor the lender waits for the other's layers, and the server goes on with its next
+passes while the lender finishes. A serving action the extension adds
+(`Action(stage, SERVE_AFTER_FORWARD or SERVE_AFTER_BACKWARD, unit)`) waits for the last answer
+just before the rank's next pass that lends or serves, or at the end of the step. The threads
+answer also while the rank waits for other ranks (the last stage's loss joins an output pass
+under vocabulary parallelism, which the lender may reach only after its lending pass).
 
 **Deadlock-free by construction.** The exchange group carries nothing else, and the plan pairs
 only passes of one lockstep moment: passes no dependency orders, so neither waits, through the
 pipeline's sends, for the other to finish. Within a moment a rank either lends or serves, never
-both. A lender posts its requests for call c without waiting (non-blocking sends) and then
-waits for their answers; a server answers the requests of call c once they arrive. So by
-induction on c every call's requests are posted, served and answered. Across moments, the
-passes of earlier moments finish first, as in the schedule without exchange. If a peer dies,
-the waiting rank's receive times out with an error naming the pair.
+both. A lender waits only for answers, and sends its next request after the answer to its last;
+a server's threads wait only for the requests of its moment's lenders, and the server waits for
+its threads only before its next exchanging pass, of a later moment. The lenders' passes depend
+on nothing of a later moment, so that wait ends. If a peer dies, the waiting
+rank's receive times out with an error naming the pair.
 """
 
 from __future__ import annotations
@@ -26,37 +30,41 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from enum import Enum
 
 import torch.distributed as dist
 
 from pipekit.attention.context import AttentionContext
 from pipekit.attention.context_exchange import (
     ContextExchangeAttention,
-    LoanRequest,
     PassExchange,
     SliceExchange,
 )
 from pipekit.attention.exchange import DEFAULT_LOAN_TIMEOUT
+from pipekit.attention.loan_server import LoanRequest, LoanServer
 from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action
 from pipekit.pipelining.features.exchange_plan import ExchangePlan, plan_context_exchange
 from pipekit.pipelining.runtime.extension import PipelineExtension
 
-__all__ = ["PipelineContextExchange", "serving_calls"]
+__all__ = [
+    "SERVE_AFTER_BACKWARD",
+    "SERVE_AFTER_FORWARD",
+    "ExchangeComputation",
+    "PipelineContextExchange",
+]
 
 
-def serving_calls(
-    sources: Sequence[tuple[LoanRequest, int]], target_layers: int
-) -> tuple[tuple[LoanRequest, ...], ...]:
-    """Per attention call of a serving pass with `target_layers` layers, the requests it
-    answers, in order; `sources` are the lending passes (what they request, their layer
-    count), in plan order."""
-    if target_layers < 1:
-        raise ValueError("a serving stage needs at least one attention layer")
-    calls: list[list[LoanRequest]] = [[] for _ in range(target_layers)]
-    for request, layers in sources:
-        for index in range(layers):
-            calls[index * target_layers // layers].append(request)
-    return tuple(tuple(call) for call in calls)
+class ExchangeComputation(str, Enum):
+    """pipekit's action types for answering a serving pass's remaining requests after it:
+    `Action(stage, SERVE_AFTER_FORWARD, unit)` follows the unit's forward on that stage."""
+
+    SERVE_AFTER_FORWARD = "SVF"
+    SERVE_AFTER_BACKWARD = "SVB"
+
+
+SERVE_AFTER_FORWARD = ExchangeComputation.SERVE_AFTER_FORWARD
+SERVE_AFTER_BACKWARD = ExchangeComputation.SERVE_AFTER_BACKWARD
+_SERVE_AFTER = {FORWARD: SERVE_AFTER_FORWARD, BACKWARD: SERVE_AFTER_BACKWARD}
 
 
 class PipelineContextExchange(PipelineExtension):
@@ -65,10 +73,12 @@ class PipelineContextExchange(PipelineExtension):
     `group`: the pipeline ranks, a group of their own (the exchange's receives must never
     queue behind the stages' sends). `layers_per_stage`: attention layers of every stage, all
     ranks' (the servers need the lenders' counts). `backward_ratio`: a backward slice's cost in
-    forward slices, for the balance. `drop_remote_kv_grads`: for the ablation test only.
+    forward slices, for the balance.
+    `drop_remote_kv_grads`: for the ablation test only.
     """
 
     name = "context_exchange"
+    action_types = (SERVE_AFTER_FORWARD, SERVE_AFTER_BACKWARD)
 
     def __init__(
         self,
@@ -90,6 +100,8 @@ class PipelineContextExchange(PipelineExtension):
         self.drop_remote_kv_grads = drop_remote_kv_grads
         self.plan: ExchangePlan | None = None
         self._exchanges: dict[tuple[int, int], SliceExchange] = {}
+        self._servers: dict[Action, LoanServer] = {}
+        """This step's serving passes that have started, by their serving action."""
 
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
         """Plan over every rank's compute lists and keep this rank's slice exchanges."""
@@ -106,12 +118,12 @@ class PipelineContextExchange(PipelineExtension):
         for action, parts in self.plan.lendings(rank).items():
             passes[action] = PassExchange(lend=tuple(parts))
         for action, sources in self.plan.servings(rank).items():
-            requests = [
-                (LoanRequest(source, a.computation_type == BACKWARD), self._layers(a))
+            requests = tuple(
+                LoanRequest(source, a.computation_type == BACKWARD)
                 for source, a in sources
-            ]
-            calls = serving_calls(requests, self._layers(action))
-            passes[action] = PassExchange(lend=passes[action].lend, serve=calls)
+                for _ in range(self._layers(a))
+            )
+            passes[action] = PassExchange(passes[action].lend, requests)
         self._exchanges = {}
         for stage, unit in {(a.stage_index, a.microbatch_index) for a in passes}:
             self._exchanges[stage, unit] = SliceExchange(
@@ -129,15 +141,64 @@ class PipelineContextExchange(PipelineExtension):
         """The exchange of `unit`'s passes on `stage_index` (None: neither lends nor serves)."""
         return self._exchanges.get((stage_index, unit))
 
+    def extra_actions(
+        self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int
+    ) -> dict[int, list[tuple[int, Action]]]:
+        """For every serving pass, the action that waits for its last answers: just before the
+        rank's next pass that lends or serves (its messages must not mix with the answers'), or
+        at the end of the step; the passes between run beside the answering."""
+        assert self.plan is not None, "prepare runs first"
+        placed: dict[int, list[tuple[int, Action]]] = {}
+        for rank, actions in actions_by_rank.items():
+            exchanging = self.plan.lendings(rank).keys() | self.plan.servings(rank).keys()
+            indices = [index for index, action in enumerate(actions) if action in exchanging]
+            servings = self.plan.servings(rank)
+            placed[rank] = [
+                (next_index, _serve_after(actions[index]))
+                for index, next_index in zip(indices, [*indices[1:], len(actions)], strict=True)
+                if actions[index] in servings
+            ]
+        return placed
+
+    def run_action(self, action: Action, context: object) -> None:
+        """A serving action: wait until its pass's requests are answered (none when the pass
+        did not serve: a forward without a backward lends and serves nothing)."""
+        server = self._servers.pop(action, None)
+        if server is not None:
+            server.finish()
+
     def stage_context(
         self, stage_index: int, unit: int, training: bool, context: AttentionContext
     ) -> AttentionContext:
         """The unit's KV-cache context, lending or serving attention as the plan says (training
         forwards only: an inference forward has no backward to pair with)."""
         exchange = self.slice_exchange(stage_index, unit) if training else None
-        return context if exchange is None else ContextExchangeAttention(context, exchange)
+        if exchange is None:
+            return context
+        wrapped = ContextExchangeAttention(context, exchange)
+        servers = {FORWARD: wrapped.forward_server, BACKWARD: wrapped.backward_server}
+        for kind, server in servers.items():
+            if server is not None:
+                self._servers[_serve_after(Action(stage_index, kind, unit))] = server
+        return wrapped
 
     def after_forward(self, stage_index: int, unit: int, context: AttentionContext) -> None:
-        """Every loan of the forward must have been made and served."""
+        """The forward ran the stage's planned number of attention layers."""
         if isinstance(context, ContextExchangeAttention):
-            context.check_forward_done()
+            context.check_forward_done(self.layers_per_stage[stage_index])
+
+    def end_step(self) -> None:
+        """Every serving pass of the step was answered in full."""
+        unanswered = sorted(str(action) for action in self._servers)
+        self._servers = {}
+        if unanswered:
+            raise RuntimeError(
+                f"context exchange: serving actions {unanswered} never ran; the schedule must "
+                "keep the actions the exchange adds (pipeline_order_with_comms)"
+            )
+
+
+def _serve_after(action: Action) -> Action:
+    """The serving action that follows `action`."""
+    kind = _SERVE_AFTER[action.computation_type]
+    return Action(action.stage_index, kind, action.microbatch_index)
