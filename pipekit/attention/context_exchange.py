@@ -14,9 +14,9 @@ This context does both for one slice on one stage, layer by layer:
   helper threads start at the pass's first attention call (in a forward pass after its own
   attention; in a backward pass from an identity on the attention output, whose backward runs
   when the gradient reaches that layer) and answer each request as it arrives, beside the pass's
-  own work. The schedule's serving action right after the pass waits for the last answer. A
-  request is a forward or a backward one as the lending pass is, whichever kind the serving pass
-  is: the plan pairs passes of both kinds.
+  own work. The schedule's serving action waits for the last answer before the rank's next pass
+  that lends or serves. A request is a forward or a backward one as the lending pass is,
+  whichever kind the serving pass is: the plan pairs passes of both kinds.
 
 Activation checkpointing recomputes a layer's forward inside the backward: the recompute neither
 lends nor serves forward work (that was done), but records the backward's lending and serving.
@@ -165,7 +165,7 @@ class ContextExchangeAttention:
         self.forward_server = exchange.server(exchange.forward.serve, backend)
         self.backward_server = exchange.server(exchange.backward.serve, backend)
         """What the forward and the backward pass serve (None: nothing); the schedule's serving
-        actions wait for their last answers after each pass."""
+        actions wait for their last answers."""
 
     def __repr__(self) -> str:
         return f"ContextExchangeAttention({self.slice_attention!r})"

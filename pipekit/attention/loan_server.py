@@ -10,10 +10,10 @@ were nearly all of the exchange's added in-action time.
 So the answers come from a helper thread per lender, started at the pass's first attention call:
 it receives each request as it arrives, computes, and answers, while the pass runs its own
 layers (on a GPU the two would be two streams; on a CPU they share the rank's cores, and the
-attention kernels release the GIL). `finish` joins the threads: the schedule's serving action
-calls it right after the pass and its sends, or the pass itself at its last attention call when
-it waits for other pipeline ranks after that. Each peer's requests are answered in the order it
-sent them (messages between two ranks are ordered), so the pairing needs no tags.
+attention kernels release the GIL). `finish` joins the threads; in a pipeline the schedule's
+serving action calls it just before the rank's next pass that lends or serves. Each peer's
+requests are answered in the order it sent them (messages between two ranks are ordered), so
+the pairing needs no tags.
 
 **Deadlock-free.** A lender waits only for answers, and its next request follows the answer to
 its last. The threads wait only for requests of lenders whose passes run in the same moment of
@@ -69,8 +69,9 @@ class LoanServer:
     def started(self) -> bool:
         return bool(self._threads)
 
-    def start(self, scale: float) -> None:
-        """At the pass's first attention call: answer every peer's requests as they come."""
+    def start(self, scale: float | None) -> None:
+        """At the pass's first attention call: answer every peer's requests as they come
+        (`scale`: the softmax scale; None: 1/sqrt(head dim))."""
         if self.started:
             return
         for peer, kinds in self._kinds.items():
@@ -83,10 +84,10 @@ class LoanServer:
             self._threads.append(thread)
             thread.start()
 
-    def finish(self, scale: float | None = None) -> None:
-        """Wait until every request is answered (started here with the default scale if no
-        attention call started it); re-raise a helper's error."""
-        self.start(scale)  # type: ignore[arg-type]
+    def finish(self) -> None:
+        """Wait until every request is answered; re-raise a helper's error. (A pass that never
+        reached an attention call starts answering here, at the default scale.)"""
+        self.start(None)
         for thread in self._threads:
             thread.join()
         if self._errors:

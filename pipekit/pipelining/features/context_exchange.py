@@ -21,8 +21,8 @@ pipeline's sends, for the other to finish. Within a moment a rank either lends o
 both. A lender waits only for answers, and sends its next request after the answer to its last;
 a server's threads wait only for the requests of its moment's lenders, and the server waits for
 its threads only before its next exchanging pass, of a later moment. The lenders' passes depend
-on nothing of a later moment, so that wait ends. If a peer dies, the waiting
-rank's receive times out with an error naming the pair.
+on nothing of a later moment, so that wait ends. If a peer dies, the waiting rank's receive
+times out with an error naming the pair.
 """
 
 from __future__ import annotations
@@ -73,8 +73,7 @@ class PipelineContextExchange(PipelineExtension):
     `group`: the pipeline ranks, a group of their own (the exchange's receives must never
     queue behind the stages' sends). `layers_per_stage`: attention layers of every stage, all
     ranks' (the servers need the lenders' counts). `backward_ratio`: a backward slice's cost in
-    forward slices, for the balance.
-    `drop_remote_kv_grads`: for the ablation test only.
+    forward slices, for the balance. `drop_remote_kv_grads`: for the ablation test only.
     """
 
     name = "context_exchange"
