@@ -120,7 +120,7 @@ class PipelineContextExchange(PipelineExtension):
             requests = tuple(
                 LoanRequest(source, a.computation_type == BACKWARD)
                 for source, a in sources
-                for _ in range(self._layers(a))
+                for _ in range(self.layers_per_stage[a.stage_index])
             )
             passes[action] = PassExchange(passes[action].lend, requests)
         self._exchanges = {}
@@ -132,9 +132,6 @@ class PipelineContextExchange(PipelineExtension):
                 self.timeout,
                 self.drop_remote_kv_grads,
             )
-
-    def _layers(self, action: Action) -> int:
-        return self.layers_per_stage[action.stage_index]
 
     def slice_exchange(self, stage_index: int, unit: int) -> SliceExchange | None:
         """The exchange of `unit`'s passes on `stage_index` (None: neither lends nor serves)."""
@@ -149,9 +146,9 @@ class PipelineContextExchange(PipelineExtension):
         assert self.plan is not None, "prepare runs first"
         placed: dict[int, list[tuple[int, Action]]] = {}
         for rank, actions in actions_by_rank.items():
-            exchanging = self.plan.lendings(rank).keys() | self.plan.servings(rank).keys()
-            indices = [index for index, action in enumerate(actions) if action in exchanging]
             servings = self.plan.servings(rank)
+            exchanging = self.plan.lendings(rank).keys() | servings.keys()
+            indices = [index for index, action in enumerate(actions) if action in exchanging]
             placed[rank] = [
                 (next_index, _serve_after(actions[index]))
                 for index, next_index in zip(indices, [*indices[1:], len(actions)], strict=True)
