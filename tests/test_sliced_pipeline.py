@@ -1,7 +1,8 @@
 """The sliced pipeline equals one process running the whole batch unsliced (float64): loss and
 every parameter gradient, for p = 2 and 4 ranks, n in {p, 2p, 4p} slices, m in {1, 2, 3}
-microbatches and v in {1, 2} stages per rank, on packed documents with ignored labels. torch's own
-schedules on the same split match too. The ablation drops the KV-cache gradients and must fail."""
+microbatches and v in {1, 2} stages per rank, on packed documents with ignored labels, with
+equal-length and equal-cost slices. torch's own schedules on the same split match too. The
+ablations drop the KV-cache gradients, or the per-slice receive buffers, and must fail."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import run_on_ranks
+from distributed_helpers import RankFailedError, run_on_ranks
 from parity import Result, max_relative_difference, runner_step
 from tiny_models import (
     PARITY_ROWS,
@@ -27,6 +28,7 @@ from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.layers.loss import count_label_tokens
+from pipekit.pipelining.runtime.stage import SlicedPipelineStage
 
 
 def _run_pipeline(
@@ -38,6 +40,7 @@ def _run_pipeline(
     n: int,
     drop_kv_grads: bool = False,
     checkpoint_activations: bool = False,
+    slicing: str = "equal_length",
 ) -> Result:
     runner = tiny_pipeline(
         pp_mesh(world),
@@ -48,10 +51,16 @@ def _run_pipeline(
         rows=PARITY_ROWS,
         seq_len=PARITY_SEQ_LEN,
         checkpoint_activations=checkpoint_activations,
+        slicing=slicing,
+        attention_to_linear=_ATTENTION_TO_LINEAR,
     )
     for stage in runner.stages:
         stage.kv_cache.drop_cached_gradients = drop_kv_grads
     return runner_step(runner, tiny_batch())
+
+
+_ATTENTION_TO_LINEAR = 4.0
+"""Heavy attention, so equal-cost slices of the 32-token parity batch differ in length."""
 
 
 def _run_many(rank: int, world: int, configs: list[tuple]) -> list[tuple]:
@@ -100,6 +109,31 @@ def test_dropping_kv_cache_gradients_breaks_parity() -> None:
     configs = [("sliced", 1, 2, 4, True), ("sliced", 2, 1, 2, True)]
     for config, difference in _differences(2, configs, timeout=120).items():
         assert difference > 1e-3, config
+
+
+def test_equal_cost_slices_equal_the_unsliced_single_process_fp64() -> None:
+    """Slices of different lengths (equal cost: (0, 14, 22, 28, 32) for n = 4) through p = 2
+    ranks, v = 1 and 2, m = 1 and 3, recomputed under activation checkpointing too: every unit
+    is received into a buffer of its own length, and the result stays exact."""
+    configs = [
+        ("sliced", 1, 1, 4, False, False, "equal_cost"),
+        ("sliced", 1, 3, 8, False, False, "equal_cost"),
+        ("sliced", 2, 3, 4, False, False, "equal_cost"),
+        ("sliced", 1, 2, 4, False, True, "equal_cost"),
+    ]
+    for config, difference in _differences(2, configs, timeout=120).items():
+        assert difference <= PARITY_TOLERANCE, f"{config}: max relative difference {difference:.2e}"
+
+
+def _run_without_fitted_buffers(rank: int, world: int) -> Result:
+    """The ablation: every unit receives into torch's one size (the longest slice's)."""
+    SlicedPipelineStage._fit_receive_buffers = lambda self: None
+    return _run_pipeline(rank, world, "sliced", 1, 1, 4, slicing="equal_cost")
+
+
+def test_equal_cost_slices_need_per_slice_receive_buffers() -> None:
+    with pytest.raises(RankFailedError, match=r"Stage 1\] failed to run forward"):
+        run_on_ranks(_run_without_fitted_buffers, 2, timeout=60)
 
 
 def _run_pipeline_with_fsdp(rank: int, world: int, m: int, n: int) -> Result:

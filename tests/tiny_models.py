@@ -62,13 +62,15 @@ def tiny_pipeline(
     checkpoint_activations: bool = False,
     activation_offload: float | str = 0.0,
     parallelize=None,
+    slicing: str = "equal_length",
+    attention_to_linear: float = 0.0,
 ) -> PipelineRunner:
     """This rank's pipeline runner of TINY_LLAMA with one layer per stage (`num_layers` split
     evenly otherwise), initialised from `seed` in `dtype`, cpu attention, built by pipekit's one
     builder from a plan (`rows` is the local batch, `mesh` the world mesh with a "pp" dim);
     optionally with every block's activations checkpointed, vocabulary parallelism, context
-    exchange, activation offload, a user schedule (`user_actions`), or `parallelize` applied to
-    each stage."""
+    exchange, activation offload, a user schedule (`user_actions`), `parallelize` applied to
+    each stage, or `slicing` (equal-cost slices placed for `attention_to_linear`)."""
     num_ranks = mesh["pp"].size()
     num_layers = num_layers or num_ranks * stages_per_rank
     args = TINY_LLAMA.with_updates(n_layers=num_layers, max_seq_len=64, vocab_size=vocab_size)
@@ -82,10 +84,17 @@ def tiny_pipeline(
         vocab_parallel=vocab_parallel,
         context_exchange=context_exchange,
         activation_offload=activation_offload,
+        slicing=slicing,
     )
     spec = get_model_spec("llama")
     plan = plan_pipeline(
-        parallelism, spec.structure, spec.shape(args), rows, seq_len, user_actions=user_actions
+        parallelism,
+        spec.structure,
+        spec.shape(args),
+        rows,
+        seq_len,
+        user_actions=user_actions,
+        attention_to_linear=attention_to_linear,
     )
 
     def parallelize_stage(module: nn.Module) -> None:

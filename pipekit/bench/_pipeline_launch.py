@@ -40,6 +40,7 @@ from pipekit.pipelining.build import StageSetup, build_pipeline
 from pipekit.pipelining.plan import plan_pipeline
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.pipelining.schedules.sliced import check_sliced_shape
+from pipekit.train.metrics import attention_to_linear_flops
 
 __all__ = [
     "RankFailedError",
@@ -262,6 +263,7 @@ def build_runner(
     vocab_parallel: bool = False,
     context_exchange: bool = False,
     activation_offload: float | str = 0.0,
+    slicing: str = "equal_length",
 ) -> PipelineRunner:
     """This rank's runner of `schedule` over an evenly split Llama (equal layers per stage), by
     the one pipeline builder; every rank of the world calls it together.
@@ -270,7 +272,8 @@ def build_runner(
     Embedding and output get no extra weight in the split: SlimPipe's Table 2 compares equal
     stages, and so do the throughput figures. With `vocab_parallel` the embedding and output
     rows are split over the ranks instead. With `context_exchange` the sliced passes exchange
-    attention context. `activation_offload` is the parallelism setting of that name.
+    attention context. `activation_offload` and `slicing` are the parallelism settings of those
+    names (equal-cost slices balance the model's FLOPs).
     """
     del rank  # the mesh knows it
     family = get_model_spec("llama")
@@ -287,11 +290,16 @@ def build_runner(
         vocab_parallel=vocab_parallel,
         context_exchange=context_exchange,
         activation_offload=activation_offload,
+        slicing=slicing,
     )
-    plan = plan_pipeline(parallelism, family.structure, family.shape(args), rows, args.max_seq_len)
-    mesh = init_device_mesh("cpu", (num_ranks,), mesh_dim_names=("pp",))
     with torch.device("meta"):
         model = family.build(args)
+    shape, seq_len = family.shape(args), args.max_seq_len
+    ratio = attention_to_linear_flops(model, shape, family.structure, seq_len)
+    plan = plan_pipeline(
+        parallelism, family.structure, shape, rows, seq_len, attention_to_linear=ratio
+    )
+    mesh = init_device_mesh("cpu", (num_ranks,), mesh_dim_names=("pp",))
 
     materialize = seeded_materializer("cpu", _SEED)
     setup = StageSetup(device=torch.device("cpu"), materialize=materialize, attention_backend="cpu")

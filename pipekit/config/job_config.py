@@ -235,6 +235,10 @@ class ParallelismConfig:
     """A user-defined schedule, .csv or .toml (configs/schedules/); overrides pipeline_schedule."""
     num_slices: int = 0
     """Slices per sequence, a multiple of p for sliced (0 = 2p for sliced, else 1)."""
+    slicing: str = "equal_length"
+    """Where slices are cut: equal_length (SlimPipe), or equal_cost (early slices longer, so
+    every slice's linear plus causal-attention FLOPs are equal; not with context_exchange,
+    vocab_parallel or cp > 1; see docs/pipelining.md)."""
     stages_per_rank: int = 1
     """Pipeline stages per rank v (interleaved/V schedules need 2 or more)."""
     microbatches: int = 0

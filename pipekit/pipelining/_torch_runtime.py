@@ -40,6 +40,7 @@ __all__ = [
     "is_single_stage_schedule",
     "lower_to_comms",
     "register_action_function",
+    "resize_receive_buffers",
     "run_units",
     "stage_saved_inputs",
     "validate_actions",
@@ -131,3 +132,17 @@ def register_action_function(
     """Run `function(action, context)` for actions of a pipekit-defined `computation_type`
     (torch's public `register_custom_function` accepts only torch's own types)."""
     schedule._comp_type_to_function_map[computation_type] = function
+
+
+def resize_receive_buffers(stage: PipelineStage, tokens_of_unit: Callable[[int], int]) -> None:
+    """Give every unit's activation and gradient receive buffers `tokens_of_unit(unit)` tokens
+    along dim 1 (torch sizes them all from the stage's one set of metas). Call after torch
+    prepared the stage's infrastructure (`_prepare_forward_infra`, `_prepare_backward_infra`);
+    buffers are plain tensors, which is what `StageShapes` declares."""
+    for infos_by_unit in (stage.args_recv_info, stage.grad_recv_info):
+        for unit, infos in infos_by_unit.items():
+            tokens = tokens_of_unit(unit)
+            for info in infos:
+                buffer = info.buffer
+                if buffer is not None and buffer.shape[1] != tokens:
+                    info.buffer = buffer.new_empty((buffer.shape[0], tokens, *buffer.shape[2:]))

@@ -104,7 +104,7 @@ def build_pipeline(
     rank_model = build_stage_module(model, names)
     shapes = StageShapes(
         rows=plan.unit_rows,
-        slice_length=plan.slice_length,
+        slice_lengths=plan.slice_lengths,
         model_dim=plan.model.dim,
         vocab_size=plan.model.vocab_size,
         dtype=setup.message_dtype,
@@ -167,7 +167,13 @@ def build_pipeline(
     if tied:  # a step-level feature: the schedule does not carry it
         extensions.append(_tied_weights(plan, rank_model, mesh, extensions))
     return PipelineRunner(
-        schedule, stages, plan.num_microbatches, plan.num_slices, extensions, model=rank_model
+        schedule,
+        stages,
+        plan.num_microbatches,
+        plan.num_slices,
+        extensions,
+        model=rank_model,
+        slice_bounds=plan.slice_bounds,
     )
 
 

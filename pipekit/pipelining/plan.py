@@ -6,6 +6,8 @@ runs the same code to build the pipeline: every rule is checked in one place.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -23,9 +25,13 @@ from pipekit.pipelining.model_split.partition import (
 )
 from pipekit.pipelining.schedules.check import check_schedule
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
+from pipekit.pipelining.schedules.slice_bounds import SLICINGS, slice_bounds
 from pipekit.pipelining.schedules.user import load_schedule_file
 
 __all__ = ["PipelinePlan", "plan_pipeline"]
+
+_SLICE_GRANULARITY = 64
+"""Tokens equal-cost slice bounds round to (when seq_len / num_slices allows)."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,9 @@ class PipelinePlan:
     model: ModelShape
     unit_rows: int
     """Sequences in one unit (a microbatch)."""
-    slice_length: int
-    """Tokens of one sequence in one unit."""
+    slice_bounds: tuple[int, ...]
+    """Token offsets, from 0 to seq_len, where a sequence's slices start and end (the whole
+    sequence's, before context parallelism splits each slice)."""
     vocab_parallel: bool = False
     """The embedding and output layer are split across the pipeline ranks, outside the stages."""
     context_exchange: bool = False
@@ -72,6 +79,19 @@ class PipelinePlan:
             self.context_parallel,
             bool(self.activation_offload),
         )
+
+    @property
+    def slice_lengths(self) -> tuple[int, ...]:
+        """Tokens of one sequence in each slice, per context-parallel rank."""
+        bounds = self.slice_bounds
+        return tuple(
+            (end - start) // self.context_parallel for start, end in itertools.pairwise(bounds)
+        )
+
+    @property
+    def slice_length(self) -> int:
+        """Tokens of one sequence in the longest slice, per context-parallel rank."""
+        return max(self.slice_lengths)
 
     @property
     def modules_outside_stages(self) -> tuple[str, ...]:
@@ -102,13 +122,16 @@ def plan_pipeline(
     seq_len: int,
     *,
     user_actions: Mapping[int, Sequence[Action]] | None = None,
+    attention_to_linear: float = 0.0,
 ) -> PipelinePlan:
     """Resolve the defaults (0 = auto) and check every pipeline rule; ValueError names the fix.
 
     A user schedule (`pipeline_schedule_file`, or every rank's compute-only `user_actions`
     given in Python, e.g. from `tasks_to_actions`) overrides `pipeline_schedule`: the plan's
     schedule is "user", and the lists are checked here (`schedules.check.check_schedule`). The
-    schedule's own rules come from its registry entry.
+    schedule's own rules come from its registry entry. `attention_to_linear` (the model's
+    causal-attention forward FLOPs over its linear ones, whole sequences) places equal-cost
+    slices.
     """
     schedule_file = parallelism.pipeline_schedule_file
     user = bool(schedule_file) or user_actions is not None
@@ -158,6 +181,9 @@ def plan_pipeline(
             f"training.seq_len={seq_len} does not split into num_slices={num_slices} equal slices; "
             "choose num_slices dividing seq_len"
         )
+    sequence_shards = parallelism.tp if parallelism.sequence_parallel else 1
+    if parallelism.slicing != "equal_length":
+        _check_equal_cost(parallelism, num_slices)
     num_stages = num_ranks * stages_per_rank
     if parallelism.pipeline_stage_modules:
         names = [
@@ -183,9 +209,9 @@ def plan_pipeline(
         _check_context_exchange(structure, names, actions_by_rank, num_slices)
     if parallelism.cp > 1:
         _check_context_parallel(parallelism, seq_len, num_slices)
-    sequence_shards = parallelism.tp if parallelism.sequence_parallel else 1
     if sequence_shards > 1:
         _check_sequence_parallel(parallelism, seq_len // num_slices // parallelism.cp)
+    granularity = _slice_granularity(seq_len // num_slices, sequence_shards)
     if parallelism.vocab_parallel:  # the output passes must fit the schedule without deadlock
         with_output_passes(actions_by_rank, num_slices, lockstep=parallelism.context_exchange)
     offload = resolve_offload_ratios(parallelism.activation_offload, actions_by_rank)
@@ -201,7 +227,9 @@ def plan_pipeline(
         structure=structure,
         model=model,
         unit_rows=local_batch_size // num_microbatches,
-        slice_length=seq_len // num_slices // parallelism.cp,
+        slice_bounds=slice_bounds(
+            seq_len, num_slices, parallelism.slicing, attention_to_linear, granularity
+        ),
         vocab_parallel=parallelism.vocab_parallel,
         context_exchange=parallelism.context_exchange,
         context_parallel=parallelism.cp,
@@ -209,6 +237,39 @@ def plan_pipeline(
         sequence_shards=sequence_shards,
         activation_offload=offload,
     )
+
+
+def _slice_granularity(equal_slice: int, sequence_shards: int) -> int:
+    """Tokens equal-cost bounds round to: a power of two up to `_SLICE_GRANULARITY` (a block
+    attention kernels like) dividing the equal slice into at least 4 granules, times what the
+    tp ranks' shares need."""
+    granularity = math.gcd(equal_slice, _SLICE_GRANULARITY)
+    while granularity > 1 and equal_slice < 4 * granularity:
+        granularity //= 2
+    return math.lcm(granularity, sequence_shards)
+
+
+def _check_equal_cost(parallelism: ParallelismConfig, num_slices: int) -> None:
+    """Equal-cost slices differ in length; the features that pair slices across ranks or cut
+    them into equal pieces need equal lengths."""
+    if parallelism.slicing not in SLICINGS:
+        raise ValueError(f"slicing={parallelism.slicing!r} is not one of {', '.join(SLICINGS)}")
+    if num_slices < 2:
+        raise ValueError(
+            f"slicing={parallelism.slicing!r} needs sliced passes: num_slices >= 2, not "
+            f"{num_slices}"
+        )
+    clashes = {
+        "context_exchange = true": parallelism.context_exchange,
+        "vocab_parallel = true": parallelism.vocab_parallel,
+        f"cp = {parallelism.cp}": parallelism.cp > 1,
+    }
+    for setting, on in clashes.items():
+        if on:
+            raise ValueError(
+                f"slicing='equal_cost' with {setting}: that feature needs slices of equal "
+                "length; use slicing = 'equal_length' with it"
+            )
 
 
 def _features(

@@ -222,15 +222,20 @@ def _pipeline_activations(
     bytes per unit, plus one head pass and one block's backward."""
     plan = job.pipeline
     assert plan is not None
-    unit_tokens = plan.unit_rows * plan.slice_length
+    unit_tokens = plan.unit_rows * plan.slice_length  # the longest slice's unit
+    sequence_tokens = plan.unit_rows * sum(plan.slice_lengths)
     stages = max(len(layout.stages), 1)
     outputs = sum(_stage_output_bytes(job, s, layout, profile, compute) for s in layout.stages)
-    per_unit = (_block_bytes(job, layout.block_names, profile) + outputs) * unit_tokens / stages
-    kv = sum(profile.kv_bytes[name] for name in layout.block_names) * unit_tokens / stages
+    per_token = (_block_bytes(job, layout.block_names, profile) + outputs) / stages
+    kv_per_token = sum(profile.kv_bytes[name] for name in layout.block_names) / stages
     if plan.num_slices == 1:
-        kv = 0.0  # no cache: K/V are among the saved activations
-    scale = plan.num_stages * plan.num_slices
-    cost = CostModel(activation_bytes=per_unit * scale, kv_cache_bytes=kv * scale)
+        kv_per_token = 0.0  # no cache: K/V are among the saved activations
+    scale = plan.num_stages * sequence_tokens  # the simulator takes a whole model's microbatch
+    cost = CostModel(
+        activation_bytes=per_token * scale,
+        kv_cache_bytes=kv_per_token * scale,
+        slice_bounds=tuple(bound / plan.slice_bounds[-1] for bound in plan.slice_bounds),
+    )
     result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
     in_flight = result.peak_memory[layout.pipeline_rank]["total"]
     head_pass = profile.head_bytes_per_row
@@ -241,7 +246,7 @@ def _pipeline_activations(
     backward = _backward_bytes(job, layout.block_names, profile) * unit_tokens
     # the KV cache's gradient accumulators: later slices' backwards leave dK/dV on the cached
     # slices of the microbatch in backward, up to the whole microbatch's K/V
-    kv_gradients = kv * plan.num_slices
+    kv_gradients = kv_per_token * sequence_tokens
     return in_flight + head + backward + kv_gradients
 
 

@@ -357,16 +357,23 @@ def _pipeline(
 
     from pipekit.models.stage_module import validate_stage_module_names
     from pipekit.pipelining.plan import plan_pipeline
+    from pipekit.train.metrics import attention_to_linear_flops
 
+    seq_len = config.training.seq_len
     try:
         resolved = dataclasses.replace(
             config.parallelism, dp_shard=dims.dp_shard, dp_replicate=dims.dp_replicate
         )
-        plan = plan_pipeline(
-            resolved, spec.structure, shape, local_batch_size, config.training.seq_len
-        )
         with torch.device("meta"):
             model = spec.build(args)
+        plan = plan_pipeline(
+            resolved,
+            spec.structure,
+            shape,
+            local_batch_size,
+            seq_len,
+            attention_to_linear=attention_to_linear_flops(model, shape, spec.structure, seq_len),
+        )
         validate_stage_module_names(model, plan.module_names_per_stage, plan.modules_outside_stages)
     except ValueError as error:
         raise _error("[parallelism]", error) from None

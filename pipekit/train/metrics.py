@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "MetricsLogger",
+    "attention_to_linear_flops",
     "console_line",
     "measure_matmul_flops",
     "memory_stats",
@@ -41,17 +42,37 @@ def training_flops_per_token(
     model: nn.Module, shape: ModelShape, structure: ModelStructure, seq_len: int
 ) -> float:
     """FLOPs of one trained token (see the module docstring for the formula)."""
+    attention = 6.0 * _attention_flops_per_matmul_param(shape, seq_len)
+    return 6.0 * _matmul_params(model, shape, structure) + attention
+
+
+def attention_to_linear_flops(
+    model: nn.Module, shape: ModelShape, structure: ModelStructure, seq_len: int
+) -> float:
+    """Causal attention's FLOPs over the matmuls' FLOPs, for whole sequences of `seq_len` (what
+    equal-cost slicing balances): `L H d (S + 1) / N` with the module docstring's symbols."""
+    return _attention_flops_per_matmul_param(shape, seq_len) / _matmul_params(
+        model, shape, structure
+    )
+
+
+def _attention_flops_per_matmul_param(shape: ModelShape, seq_len: int) -> float:
+    """Attention's forward FLOPs per token, in units of 2 FLOPs (one multiply-add), as a
+    matmul parameter costs per token."""
+    return shape.num_layers * shape.num_heads * shape.head_dim * (seq_len + 1)
+
+
+def _matmul_params(model: nn.Module, shape: ModelShape, structure: ModelStructure) -> float:
+    """N: the weight matrices' parameters a token runs through (the module docstring's)."""
     embedding = getattr(model, structure.embedding, None)
     tied = shape.tied_embeddings
     skip = {id(embedding.weight)} if embedding is not None and not tied else set()
     active_share = _expert_active_share(model)
-    matmul_params = sum(
+    return sum(
         p.numel() * active_share.get(id(p), 1.0)
         for p in _unique(model.parameters())
         if p.dim() >= 2 and id(p) not in skip
     )
-    attention = 6.0 * shape.num_layers * shape.num_heads * shape.head_dim * (seq_len + 1)
-    return 6.0 * matmul_params + attention
 
 
 def _expert_active_share(model: nn.Module) -> dict[int, float]:

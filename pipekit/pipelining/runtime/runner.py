@@ -91,6 +91,8 @@ class PipelineRunner:
     model: nn.Module | None = None
     """This rank's model: every module of its stages (and vocabulary shards) under the whole
     model's names, for the optimizer, checkpoints and gradient clipping."""
+    slice_bounds: Sequence[int] | None = None
+    """Token offsets where a sequence's slices start and end (None: equal slices)."""
 
     @property
     def has_first_stage(self) -> bool:
@@ -133,7 +135,7 @@ class PipelineRunner:
         `aux_loss_scale`)."""
         if not torch.is_grad_enabled():
             raise RuntimeError("PipelineRunner.step needs gradients; do not call it in no_grad")
-        units = split_into_units(batch, self.num_microbatches, self.num_slices)
+        units = split_into_units(batch, self.num_microbatches, self.num_slices, self.slice_bounds)
         for stage in self.stages:
             stage.has_backward = True
             stage.clear_runtime_states()

@@ -9,8 +9,9 @@ of sums over the sequence, as MoE load balancing, are the whole sequence's:
 backward. With one slice per microbatch it is an ordinary stage with causal (document-aware)
 attention, so torch's own schedules run on it too.
 
-Shapes are given statically (every unit has the same shape), so torch never runs the extra
-metadata-inference forward that would touch the KV cache outside a real unit.
+Shapes are given statically, so torch never runs the extra metadata-inference forward that
+would touch the KV cache outside a real unit. Slices of different lengths (equal-cost slicing)
+get receive buffers of their own length.
 
 Legend: B microbatch rows, S slice length, D model dim, V vocabulary.
 """
@@ -39,6 +40,7 @@ from pipekit.pipelining._torch_runtime import (
     WEIGHT_BACKWARD,
     Action,
     ComputationType,
+    resize_receive_buffers,
     stage_saved_inputs,
 )
 from pipekit.pipelining.runtime.extension import PipelineExtension
@@ -48,16 +50,17 @@ __all__ = ["SlicedPipelineStage", "StageShapes", "check_stage_slices"]
 
 
 class StageShapes:
-    """Static shapes of one unit at a stage boundary: tokens `[B, S]` into the first stage,
+    """Static shapes of a unit at a stage boundary: tokens `[B, S]` into the first stage,
     hidden states `[B, S, D]` between stages, logits `[B, S, V]` out of the last. With
     `vocab_parallel` the embedding and the output layer live outside the stages, so the first
     stage takes and the last stage gives hidden states. Floating examples require grad: torch
-    sizes the gradient buffers of a boundary only for those."""
+    sizes the gradient buffers of a boundary only for those. `slice_lengths`: the tokens of each
+    slice (S of its units); the examples have the longest."""
 
     def __init__(
         self,
         rows: int,
-        slice_length: int,
+        slice_lengths: Sequence[int],
         model_dim: int,
         vocab_size: int,
         dtype: torch.dtype,
@@ -65,10 +68,20 @@ class StageShapes:
         vocab_parallel: bool = False,
         sequence_shards: int = 1,
     ) -> None:
-        self.rows, self.slice_length = rows, slice_length
+        self.rows, self.slice_lengths = rows, tuple(slice_lengths)
         self.model_dim, self.vocab_size, self.dtype = model_dim, vocab_size, dtype
         self.vocab_parallel = vocab_parallel
         self.sequence_shards = sequence_shards
+
+    @property
+    def slice_length(self) -> int:
+        """Tokens of the longest slice."""
+        return max(self.slice_lengths)
+
+    def hidden_tokens(self, slice_index: int) -> int:
+        """Tokens of slice `slice_index` in this rank's hidden states (its share under sequence
+        parallelism)."""
+        return self.slice_lengths[slice_index] // self.sequence_shards
 
     def stage_input(self, is_first: bool, device: torch.device) -> torch.Tensor:
         """The first stage takes token ids (embeddings with vocab_parallel); the others take
@@ -106,6 +119,11 @@ class SlicedPipelineStage(PipelineStage):
         group: dist.ProcessGroup | None = None,
         backend: str | AttentionBackend = "auto",
     ) -> None:
+        if len(shapes.slice_lengths) != num_slices:
+            raise ValueError(
+                f"StageShapes gives {len(shapes.slice_lengths)} slice lengths for num_slices="
+                f"{num_slices}; give one per slice"
+            )
         meta = torch.device("meta")
         super().__init__(
             stage_module,
@@ -124,6 +142,27 @@ class SlicedPipelineStage(PipelineStage):
         """Set by the schedule: the pipeline's features, asked for each forward's context."""
         self.action_observer: Callable[[Action, float, float], None] | None = None
         """Called with (action, start, end) after each F, B, I or W (`tools.trace`)."""
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's set-up of the receive buffers, then each unit's sized to its slice."""
+        prepared = super()._prepare_forward_infra(*args, **kwargs)
+        self._fit_receive_buffers()
+        return prepared
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's set-up of the gradient receive buffers, then each unit's sized to its slice."""
+        prepared = super()._prepare_backward_infra(*args, **kwargs)
+        self._fit_receive_buffers()
+        return prepared
+
+    def _fit_receive_buffers(self) -> None:
+        if len(set(self.shapes.slice_lengths)) > 1:
+            resize_receive_buffers(
+                self,
+                lambda unit: self.shapes.hidden_tokens(
+                    unit_microbatch_and_slice(unit, self.num_slices)[1]
+                ),
+            )
 
     def forward_one_chunk(
         self,

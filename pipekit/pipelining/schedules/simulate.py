@@ -16,10 +16,12 @@ rank, the action and the action it waits for.
 Cost model (`CostModel`): a stage's forward on one whole microbatch costs a linear part plus a
 causal-attention part; slice j of n gets `1/n` of the linear part and `(2j+1)/n²` of the
 attention part (it attends to j earlier slices and half of its own), so later slices are
-heavier. Backward is `backward_ratio` times forward, split into I and W by
-`input_backward_share`. Transfers cost latency plus bytes over bandwidth. Memory per rank:
-activations (live from a unit's forward to its backward; W keeps `weight_grad_activation_share`
-of them after I), the KV cache (same lifetime) and received stage inputs.
+heavier. Slices cut elsewhere (`slice_bounds`, e.g. equal-cost slicing) cover `[a, b)` of the
+sequence: `b - a` of the linear part and of the bytes, `b² - a²` of the attention part.
+Backward is `backward_ratio` times forward, split into I and W by `input_backward_share`.
+Transfers cost latency plus bytes over bandwidth. Memory per rank: activations (live from a
+unit's forward to its backward; W keeps `weight_grad_activation_share` of them after I), the KV
+cache (same lifetime) and received stage inputs.
 """
 
 from __future__ import annotations
@@ -79,6 +81,21 @@ class CostModel:
     """K/V the whole model caches for one whole microbatch (sliced schedules)."""
     weight_grad_activation_share: float = 0.5
     """Share of a unit's activations that I leaves for W (split backward only)."""
+    slice_bounds: tuple[float, ...] = ()
+    """Where the slices start and end, as fractions of the sequence from 0 to 1 (n + 1 of
+    them); empty: n equal slices."""
+
+    def slice_shares(self, slice_index: int, num_slices: int) -> tuple[float, float]:
+        """Slice `slice_index`'s share of the sequence's tokens and of its causal attention."""
+        if not self.slice_bounds:
+            return 1 / num_slices, (2 * slice_index + 1) / num_slices**2
+        if len(self.slice_bounds) != num_slices + 1:
+            raise ValueError(
+                f"CostModel.slice_bounds has {len(self.slice_bounds)} entries; {num_slices} "
+                f"slices need {num_slices + 1}"
+            )
+        start, end = self.slice_bounds[slice_index], self.slice_bounds[slice_index + 1]
+        return end - start, end * end - start * start
 
     def forward_time(
         self,
@@ -88,16 +105,19 @@ class CostModel:
         num_slices: int,
         attended_slices: float | None = None,
     ) -> float:
-        """`attended_slices`: the key/value slices whose attention this pass computes (default
-        its own causal share, `slice_index + 1/2`; context exchange moves some between ranks)."""
+        """`attended_slices`: the key/value slices whose attention this pass computes, in
+        equal slices (default its own causal share; context exchange moves some between
+        ranks)."""
         weight = self.stage_weights[stage] if self.stage_weights else 1.0
-        attended = slice_index + 0.5 if attended_slices is None else attended_slices
-        attention_share = 2 * attended / num_slices**2
-        linear = self.forward_linear / num_slices
+        tokens, attention_share = self.slice_shares(slice_index, num_slices)
+        if attended_slices is not None:
+            attention_share = 2 * attended_slices / num_slices**2
+        linear = self.forward_linear * tokens
         return weight * (linear + self.forward_attention * attention_share) / num_stages
 
-    def transfer_time(self, num_slices: int) -> float:
-        return self.p2p_latency + self.boundary_bytes / num_slices / self.p2p_bandwidth
+    def transfer_time(self, num_slices: int, slice_index: int = 0) -> float:
+        tokens, _ = self.slice_shares(slice_index, num_slices)
+        return self.p2p_latency + self.boundary_bytes * tokens / self.p2p_bandwidth
 
 
 LOCKSTEP_COST = CostModel(backward_ratio=1.0)
@@ -197,7 +217,6 @@ def simulate(
     rank_free = dict.fromkeys(lists, 0.0)
     position = dict.fromkeys(lists, 0)
     timeline: list[ScheduledAction] = []
-    transfer = cost.transfer_time(num_slices)
     while any(position[rank] < len(lists[rank]) for rank in lists):
         progressed = False
         for rank, actions in lists.items():
@@ -206,6 +225,8 @@ def simulate(
                 needs = unit_dependencies(action, num_stages, num_slices)
                 if any(key not in finished for key, _ in needs):
                     break
+                _, slice_index = unit_microbatch_and_slice(action.microbatch_index, num_slices)
+                transfer = cost.transfer_time(num_slices, slice_index)
                 ready = max(
                     [finished[key] + (transfer if crosses and stage_rank[key[0]] != rank else 0.0)
                      for key, crosses in needs] or [0.0]
@@ -295,14 +316,20 @@ def _peak_memory(
 ) -> dict[str, float]:
     """Sweep one rank's events: memory is taken at an action's start, given back at its end."""
     changes: list[tuple[float, int, str, float]] = []  # (time, order, category, bytes)
-    per_unit = {
-        "activations": cost.activation_bytes / num_stages / num_slices,
-        "kv_cache": cost.kv_cache_bytes / num_stages / num_slices,
-        "stage_inputs": cost.boundary_bytes / num_slices,
+    per_sequence = {
+        "activations": cost.activation_bytes / num_stages,
+        "kv_cache": cost.kv_cache_bytes / num_stages,
+        "stage_inputs": cost.boundary_bytes,
     }
     for event in events:
         kind, stage = event.action.computation_type, event.action.stage_index
-        held = {k: v for k, v in per_unit.items() if k != "stage_inputs" or stage > 0}
+        _, slice_index = unit_microbatch_and_slice(event.action.microbatch_index, num_slices)
+        tokens, _ = cost.slice_shares(slice_index, num_slices)
+        held = {
+            category: size * tokens
+            for category, size in per_sequence.items()
+            if category != "stage_inputs" or stage > 0
+        }
         if kind == F:
             changes += [(event.start, 1, category, size) for category, size in held.items()]
         elif kind == B:
@@ -321,4 +348,4 @@ def _peak_memory(
         peak[category] = max(peak[category], live[category])
         total = sum(live.values())
         peak["total"] = max(peak["total"], total)
-    return {category: peak[category] for category in (*per_unit, "total")}
+    return {category: peak[category] for category in (*per_sequence, "total")}

@@ -1,0 +1,125 @@
+"""Equal-cost slicing: the bounds give every slice the same cost under the simulator's cost
+model (within one granule), the plan places them from the model's FLOPs and refuses the features
+that need equal slices, and the simulated pipeline runs shorter than with equal-length slices."""
+
+import itertools
+
+import pytest
+
+from pipekit.config.job_config import JobConfig, ParallelismConfig
+from pipekit.config.loader import ConfigError
+from pipekit.models import get_model_spec
+from pipekit.pipelining.plan import plan_pipeline
+from pipekit.pipelining.schedules.simulate import CostModel, simulate
+from pipekit.pipelining.schedules.slice_bounds import slice_bounds
+from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
+from pipekit.train.job import plan_job
+
+
+def _costs(bounds: tuple[int, ...], ratio: float) -> list[float]:
+    """Every slice's forward time under the simulator's cost model."""
+    fractions = tuple(bound / bounds[-1] for bound in bounds)
+    cost = CostModel(forward_attention=ratio, slice_bounds=fractions)
+    n = len(bounds) - 1
+    return [cost.forward_time(0, 1, index, n) for index in range(n)]
+
+
+def test_equal_length_bounds_cut_every_seq_len_over_n_tokens():
+    assert slice_bounds(32, 4) == (0, 8, 16, 24, 32)
+    assert slice_bounds(32, 4, "equal_cost", attention_to_linear=0.0) == (0, 8, 16, 24, 32)
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "n", "ratio"), [(8192, 8, 2.6), (32768, 8, 10.0), (4096, 4, 1)]
+)
+def test_equal_cost_bounds_equalise_the_cost_model_within_a_granule(seq_len, n, ratio):
+    granularity = 64
+    bounds = slice_bounds(seq_len, n, "equal_cost", ratio, granularity)
+    assert bounds[0] == 0 and bounds[-1] == seq_len
+    assert all(bound % granularity == 0 for bound in bounds)
+    lengths = [end - start for start, end in itertools.pairwise(bounds)]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+    costs = _costs(bounds, ratio)
+    # one granule at the sequence's end costs at most this much
+    granule = (
+        granularity + ratio * (seq_len**2 - (seq_len - granularity) ** 2) / seq_len
+    ) / seq_len
+    assert max(costs) - min(costs) <= granule
+    equal = _costs(slice_bounds(seq_len, n), ratio)
+    assert max(equal) - min(equal) > 5 * granule  # what equal lengths leave
+
+
+def test_equal_cost_keeps_a_granule_per_slice_and_names_bad_input():
+    assert slice_bounds(16, 8, "equal_cost", 1000.0, 2) == (0, 2, 4, 6, 8, 10, 12, 14, 16)
+    with pytest.raises(ValueError, match="slicing='equal_area' is not one of"):
+        slice_bounds(32, 4, "equal_area")
+    with pytest.raises(ValueError, match="granularity=3 tokens, which must divide"):
+        slice_bounds(32, 4, "equal_cost", 1.0, 3)
+    with pytest.raises(ValueError, match="seq_len=30 does not split into num_slices=4"):
+        slice_bounds(30, 4, "equal_cost", 1.0)
+
+
+def test_equal_cost_slices_shorten_the_simulated_pipeline():
+    """p = 2, m = 2, n = 8, attention 2.6x the linear work: the ranks stop waiting for each
+    other's heavier late slices (the equal-length makespan is the longer one)."""
+    actions = sliced_pipeline_actions(2, 2, 8)
+    ratio = 2.6
+    bounds = slice_bounds(8192, 8, "equal_cost", ratio, 64)
+    equal_cost = CostModel(forward_attention=ratio, slice_bounds=tuple(b / 8192 for b in bounds))
+    equal_length = CostModel(forward_attention=ratio)
+    shorter = simulate(actions, num_slices=8, cost=equal_cost).makespan
+    longer = simulate(actions, num_slices=8, cost=equal_length).makespan
+    assert longer / shorter > 1.05
+    # the same total work: only the waiting changed
+    busy = simulate(actions, num_slices=8, cost=equal_cost).busy_time
+    assert sum(busy.values()) == pytest.approx(
+        sum(simulate(actions, num_slices=8, cost=equal_length).busy_time.values())
+    )
+
+
+def _plan(seq_len: int = 512, ratio: float = 3.0, **keys):
+    keys.setdefault("dp_shard", 1)
+    keys.setdefault("slicing", "equal_cost")
+    config = ParallelismConfig(pipeline_parallel_degree=2, **keys)
+    llama = get_model_spec("llama")
+    shape = llama.shape(llama.flavor("debug").with_updates(n_layers=4, max_seq_len=seq_len))
+    return plan_pipeline(config, llama.structure, shape, 4, seq_len, attention_to_linear=ratio)
+
+
+def test_the_plan_carries_equal_cost_bounds_rounded_for_the_tp_shares():
+    plan = _plan(num_slices=4)
+    assert plan.slice_bounds == slice_bounds(512, 4, "equal_cost", 3.0, 32)
+    assert plan.slice_lengths[0] > plan.slice_lengths[-1] and sum(plan.slice_lengths) == 512
+    assert plan.slice_length == plan.slice_lengths[0]
+    shared = _plan(num_slices=4, seq_len=96, tp=3, sequence_parallel=True)
+    assert all(length % 3 == 0 for length in shared.slice_lengths)
+    assert len(set(shared.slice_lengths)) > 1
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"context_exchange": True}, "with context_exchange = true: that feature needs slices"),
+        ({"vocab_parallel": True}, "with vocab_parallel = true"),
+        ({"cp": 2}, "with cp = 2"),
+        ({"pipeline_schedule": "1F1B"}, "needs sliced passes: num_slices >= 2, not 1"),
+        ({"slicing": "equal"}, "slicing='equal' is not one of equal_length, equal_cost"),
+    ],
+)
+def test_equal_cost_refuses_what_needs_equal_slices(keys, message):
+    with pytest.raises(ValueError, match=message):
+        _plan(**keys)
+
+
+def test_a_job_places_equal_cost_slices_from_the_model_flops():
+    config = JobConfig()
+    config.model.flavor = "debug"
+    config.training.global_batch_size, config.training.seq_len = 4, 2048
+    config.parallelism = ParallelismConfig(
+        dp_shard=1, pipeline_parallel_degree=2, num_slices=4, slicing="equal_cost"
+    )
+    lengths = plan_job(config, world_size=2).pipeline.slice_lengths
+    assert lengths[0] > lengths[-1], lengths
+    config.parallelism.cp, config.parallelism.dp_shard = 2, 1
+    with pytest.raises(ConfigError, match=r"\[parallelism\] slicing='equal_cost' with cp = 2"):
+        plan_job(config, world_size=4)
