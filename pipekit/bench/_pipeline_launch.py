@@ -37,7 +37,7 @@ from pipekit.config.job_config import ParallelismConfig
 from pipekit.models.materialize import seeded_materializer
 from pipekit.models.registry import get_model_spec
 from pipekit.pipelining.build import StageSetup, build_pipeline
-from pipekit.pipelining.plan import plan_pipeline
+from pipekit.pipelining.plan import PipelinePlan, plan_pipeline
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.pipelining.schedules.sliced import check_sliced_shape
 from pipekit.train.metrics import attention_to_linear_flops
@@ -46,6 +46,7 @@ __all__ = [
     "RankFailedError",
     "add_model_arguments",
     "add_pipeline_arguments",
+    "bench_plan",
     "build_runner",
     "check_pipeline_shape",
     "describe_model",
@@ -250,12 +251,11 @@ def check_pipeline_shape(
         )
 
 
-def build_runner(
+def bench_plan(
     spec: Mapping[str, int],
     *,
     schedule: str,
     stages_per_rank: int,
-    rank: int,
     num_ranks: int,
     microbatches: int,
     num_slices: int,
@@ -264,18 +264,16 @@ def build_runner(
     context_exchange: bool = False,
     activation_offload: float | str = 0.0,
     slicing: str = "equal_length",
-) -> PipelineRunner:
-    """This rank's runner of `schedule` over an evenly split Llama (equal layers per stage), by
-    the one pipeline builder; every rank of the world calls it together.
+) -> PipelinePlan:
+    """The plan of `schedule` over an evenly split Llama (equal layers per stage).
 
-    `rows` is the local batch; every stage gets the same seeded weights whatever the schedule.
-    Embedding and output get no extra weight in the split: SlimPipe's Table 2 compares equal
-    stages, and so do the throughput figures. With `vocab_parallel` the embedding and output
-    rows are split over the ranks instead. With `context_exchange` the sliced passes exchange
-    attention context. `activation_offload` and `slicing` are the parallelism settings of those
-    names (equal-cost slices balance the model's FLOPs).
+    `rows` is the local batch. Embedding and output get no extra weight in the split:
+    SlimPipe's Table 2 compares equal stages, and so do the throughput figures. With
+    `vocab_parallel` the embedding and output rows are split over the ranks instead. With
+    `context_exchange` the sliced passes exchange attention context. `activation_offload` and
+    `slicing` are the parallelism settings of those names (equal-cost slices balance the model's
+    FLOPs).
     """
-    del rank  # the mesh knows it
     family = get_model_spec("llama")
     args = _llama_args(spec)
     parallelism = ParallelismConfig(
@@ -296,11 +294,21 @@ def build_runner(
         model = family.build(args)
     shape, seq_len = family.shape(args), args.max_seq_len
     ratio = attention_to_linear_flops(model, shape, family.structure, seq_len)
-    plan = plan_pipeline(
+    return plan_pipeline(
         parallelism, family.structure, shape, rows, seq_len, attention_to_linear=ratio
     )
-    mesh = init_device_mesh("cpu", (num_ranks,), mesh_dim_names=("pp",))
 
+
+def build_runner(spec: Mapping[str, int], *, rank: int, **keywords: Any) -> PipelineRunner:
+    """This rank's runner of `bench_plan(spec, **keywords)`, by the one pipeline builder; every
+    rank of the world calls it together. Every stage gets the same seeded weights whatever the
+    schedule."""
+    del rank  # the mesh knows it
+    plan = bench_plan(spec, **keywords)
+    family = get_model_spec("llama")
+    with torch.device("meta"):
+        model = family.build(_llama_args(spec))
+    mesh = init_device_mesh("cpu", (plan.num_ranks,), mesh_dim_names=("pp",))
     materialize = seeded_materializer("cpu", _SEED)
     setup = StageSetup(device=torch.device("cpu"), materialize=materialize, attention_backend="cpu")
     return build_pipeline(plan, model, mesh, setup)

@@ -12,7 +12,9 @@ headline ratio therefore runs both schedules in ranks started with
 `GLIBC_TUNABLES=glibc.malloc.mmap_max=0` (the heap is reused instead); a second set of ranks
 with the default allocator gives the ratio beside it. The bubble-only prediction is
 (1 + (p-1)/m) / (1 + (p-1)/(n m)); causal attention makes later slices slower than earlier
-ones, which costs the sliced schedule part of that (what context exchange would recover).
+ones, which costs the sliced schedule part of that. Two variants recover it: context exchange
+(heavy passes lend attention to light ones) and equal-cost slicing (early slices longer); the
+simulator's gain for equal-cost slicing at the model's FLOPs is printed beside the measured one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
     add_pipeline_arguments,
+    bench_plan,
     build_runner,
     check_pipeline_shape,
     describe_model,
@@ -38,32 +41,41 @@ from pipekit.bench._pipeline_launch import (
 )
 from pipekit.bench._report import print_result, print_table
 from pipekit.pipelining.runtime.runner import PipelineRunner
+from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.pipelining.tools.trace import record_schedule
 
-__all__ = ["FAIR_ALLOCATOR", "main", "print_step_breakdown", "schedule_runs", "time_schedules"]
+__all__ = [
+    "FAIR_ALLOCATOR",
+    "main",
+    "print_step_breakdown",
+    "schedule_runs",
+    "simulated_equal_cost_gain",
+    "time_schedules",
+]
 
 FAIR_ALLOCATOR = "glibc.malloc.mmap_max=0"
 """The GLIBC_TUNABLES value of the fair comparison: no mmap-served allocations."""
 
-_SCHEDULES = ("sliced", "sliced+exchange", "1F1B")
-_SLICED_VARIANTS = ("sliced", "sliced+exchange")
+_SCHEDULES = ("sliced", "sliced+exchange", "sliced+equal-cost", "1F1B")
+_SLICED_VARIANTS = ("sliced", "sliced+exchange", "sliced+equal-cost")
 
 
 def schedule_runs(num_slices: int) -> dict[str, dict[str, Any]]:
     """The compared schedules, as `build_runner` keywords by name: sliced, sliced with context
-    exchange, torch's 1F1B."""
+    exchange, sliced into equal-cost slices, torch's 1F1B."""
     sliced = {"schedule": "sliced", "num_slices": num_slices}
     return {
         "sliced": sliced,
         "sliced+exchange": {**sliced, "context_exchange": True},
+        "sliced+equal-cost": {**sliced, "slicing": "equal_cost"},
         "1F1B": {"schedule": "1F1B", "num_slices": 1},
     }
 
 
 def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Worker: build one runner per entry of `spec["runs"]` (name -> `build_runner` keywords
-    `schedule`, `num_slices`, optionally `context_exchange`), warm each up, then time them
-    alternately."""
+    `schedule`, `num_slices`, optionally `context_exchange` or `slicing`), warm each up, then
+    time them alternately."""
     model, microbatches = spec["model"], spec["microbatches"]
     rows = microbatches * spec["rows_per_microbatch"]
     batch = synthetic_batch(rows, model["max_seq_len"], model["vocab_size"])
@@ -233,20 +245,51 @@ def main(argv: list[str] | None = None) -> None:
     fair = speedups["fair"]
     best = max(_SLICED_VARIANTS, key=lambda name: fair[name])
     bubble_only = (1 + (p - 1) / m) / (1 + (p - 1) / (n * m))
+    simulated = simulated_equal_cost_gain(p, m, n, options.rows_per_microbatch, spec["model"])
+    measured = fair["sliced+equal-cost"] / fair["sliced"]
     print(
         f"\nbubble-only prediction (1+(p-1)/m)/(1+(p-1)/(nm)) = {bubble_only:.3f}; fair ratio "
         f"{fair['sliced']:.3f} (best variant: {best}, {fair[best]:.3f}), default allocator "
-        f"{speedups['default']['sliced']:.3f}"
+        f"{speedups['default']['sliced']:.3f}\nequal-cost over equal-length slices: simulated "
+        f"{simulated:.4f}, measured {measured:.4f}"
     )
     print_result(
         sliced_vs_1f1b_speedup=fair["sliced"],
         best_variant_speedup=fair[best],
         exchange_vs_1f1b_speedup=fair["sliced+exchange"],
+        equal_cost_vs_1f1b_speedup=fair["sliced+equal-cost"],
+        equal_cost_simulated_gain=simulated,
+        equal_cost_measured_gain=measured,
         default_allocator_speedup=speedups["default"]["sliced"],
         sliced_tokens_per_s=fair_tokens_per_s["sliced"],
         f1b_tokens_per_s=fair_tokens_per_s["1F1B"],
         bubble_only_speedup=bubble_only,
     )
+
+
+def simulated_equal_cost_gain(
+    p: int, m: int, n: int, rows_per_microbatch: int, model: dict[str, int]
+) -> float:
+    """The simulator's makespan with equal-length slices over that with the equal-cost plan's
+    slices, at the model's attention-to-linear FLOPs (the ratio the slices are placed by)."""
+    runs = schedule_runs(n)
+    plans = {
+        name: bench_plan(
+            model,
+            stages_per_rank=1,
+            num_ranks=p,
+            microbatches=m,
+            rows=m * rows_per_microbatch,
+            **runs[name],
+        )
+        for name in ("sliced", "sliced+equal-cost")
+    }
+    makespans = []
+    for plan in plans.values():
+        bounds = tuple(bound / plan.slice_bounds[-1] for bound in plan.slice_bounds)
+        cost = CostModel(forward_attention=plan.attention_to_linear, slice_bounds=bounds)
+        makespans.append(simulate(plan.actions_by_rank, num_slices=n, cost=cost).makespan)
+    return makespans[0] / makespans[1]
 
 
 def print_step_breakdown(

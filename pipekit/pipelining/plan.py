@@ -66,6 +66,9 @@ class PipelinePlan:
     sequence_shards: int = 1
     """Sequence parallelism's tp ranks: hidden states between stages hold `slice_length /
     sequence_shards` tokens."""
+    attention_to_linear: float = 0.0
+    """The model's causal-attention over matmul FLOPs on whole sequences, as planning was told
+    (what equal-cost slices are placed by; 0 when not given)."""
     activation_offload: tuple[float, ...] = ()
     """Per pipeline rank, the share of an offloaded unit's activations moved off the device
     (`features.offload_plan`); () when nothing is offloaded."""
@@ -235,6 +238,7 @@ def plan_pipeline(
         context_parallel=parallelism.cp,
         context_parallel_variant=parallelism.cp_variant,
         sequence_shards=sequence_shards,
+        attention_to_linear=attention_to_linear,
         activation_offload=offload,
     )
 
