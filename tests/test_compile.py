@@ -1,14 +1,26 @@
 """`[compile] enable`: compiled blocks and loss train to the eager losses under FSDP with
 selective checkpointing, under expert parallelism with full checkpointing, and in a sliced
-pipeline with context exchange; slicing and pipelining add no recompiles (CPU inductor)."""
+pipeline with context exchange; slicing and pipelining add no recompiles, and equal-cost slices
+of several lengths one (CPU inductor)."""
 
 import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config
 from distributed_helpers import run_on_ranks
+from parity import max_relative_difference, runner_step
+from tiny_models import (
+    PARITY_ROWS,
+    PARITY_SEQ_LEN,
+    pp_mesh,
+    tiny_batch,
+    tiny_pipeline,
+    tiny_reference,
+)
 
 from pipekit.config import load_job_config
+from pipekit.models import get_model_spec
+from pipekit.train.compile import compile_blocks
 from pipekit.train.job import plan_job
 from pipekit.train.trainer import Trainer
 
@@ -92,3 +104,34 @@ def test_sliced_pipeline_compiles_once_for_every_slice(tmp_path, single_process,
     frames_taking_a_context = 2  # the block's forward, and its attention's
     expected = single_process_frames + (context_types - 1) * frames_taking_a_context
     assert last_stage_frames == expected
+
+
+def _equal_cost_pipeline(rank, world_size, compiled, slicing):
+    """One float64 step of the tiny 2-stage pipeline (4 slices of 2 microbatches), its blocks
+    compiled or not; its gradients, and the frames dynamo compiled."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    blocks_of = get_model_spec("llama").structure.blocks_of
+    runner = tiny_pipeline(
+        pp_mesh(world_size),
+        microbatches=2,
+        num_slices=4,
+        rows=PARITY_ROWS,
+        seq_len=PARITY_SEQ_LEN,
+        slicing=slicing,
+        attention_to_linear=4.0,  # (0, 14, 22, 28, 32): four slice lengths
+        parallelize=(lambda module: compile_blocks(blocks_of(module))) if compiled else None,
+    )
+    return runner_step(runner, tiny_batch()), torch._dynamo.utils.counters["frames"]["ok"]
+
+
+def test_equal_cost_slices_recompile_once_for_a_dynamic_length():
+    """Four slice lengths: the compiled blocks reproduce the single-process model, and compile
+    the frames of one slice length twice (the second length makes the sequence dynamic), not
+    once per length."""
+    equal_cost = run_on_ranks(_equal_cost_pipeline, 2, True, "equal_cost", timeout=600)
+    equal_length = run_on_ranks(_equal_cost_pipeline, 2, True, "equal_length", timeout=600)
+    difference = max_relative_difference([result for result, _ in equal_cost], tiny_reference(2))
+    assert difference < 1e-9, difference
+    for rank in range(2):
+        assert equal_cost[rank][1] == 2 * equal_length[rank][1] > 0, (equal_cost, equal_length)

@@ -10,10 +10,13 @@ units stay as they are. Inside a block two calls stay eager, on purpose:
   all-to-all's splits), which would recompile at every step.
 So a block compiles to two graphs, before and after attention, shared by every layer of one
 shape; the attention call returns its heads merged and contiguous, so every context gives the
-graph after it one layout. A pipeline's slices all have one length, so slicing adds no
-recompiles; the KV cache grows, but only inside the eager attention call. Each type of attention
-context compiles once more (dynamo guards on the type of the object it passes through): a
-pipeline with context exchange, whose lending units use a second type, compiles twice.
+graph after it one layout. Equal-length slices all have one length, so slicing adds no
+recompiles; the KV cache grows, but only inside the eager attention call. Equal-cost slices
+have several lengths: the second length recompiles each graph once with a dynamic sequence
+length (torch.compile's automatic dynamic shapes), and later lengths reuse it. Each type of
+attention context compiles once more (dynamo guards on the type of the object it passes
+through): a pipeline with context exchange, whose lending units use a second type, compiles
+twice.
 """
 
 from __future__ import annotations
