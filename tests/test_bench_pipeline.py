@@ -39,10 +39,20 @@ def test_pipeline_memory_bench_sliced_saves_memory_and_prints_formula():
         "pipeline-memory", "--pp", "2", "--slices", "4", "--microbatches", "2", "--seq", "64",
         *TINY_MODEL,
     )  # fmt: skip
-    assert list(figures) == ["sliced_vs_1f1b", "formula", "sliced_v2_vs_1f1b", "formula_v2"]
+    assert list(figures) == [
+        "sliced_vs_1f1b",
+        "formula",
+        "sliced_v2_vs_1f1b",
+        "formula_v2",
+        "equal_cost_vs_1f1b",
+        "equal_cost_simulated",
+    ]
     assert figures["formula"] == pytest.approx((1 + 2 * (2 - 1) / 4) / 2)
     assert figures["formula_v2"] == pytest.approx(1 / 2 + 2 * (2 - 1) / (4 * 2 * 2))
     assert 0 < figures["sliced_v2_vs_1f1b"] < figures["sliced_vs_1f1b"] < 1
+    # the tiny model's light attention: equal-cost slices hardly differ from equal ones
+    assert figures["equal_cost_simulated"] == pytest.approx(figures["formula"], rel=0.2)
+    assert figures["equal_cost_vs_1f1b"] == pytest.approx(figures["equal_cost_simulated"], rel=0.2)
 
 
 def test_pipeline_memory_bench_offload_keeps_gradients_and_lowers_resident_bytes():

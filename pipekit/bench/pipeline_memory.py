@@ -3,7 +3,9 @@
 Peak activation memory of the first and the last pipeline rank for GPipe, 1F1B, interleaved
 1F1B (v=2) and the sliced schedule (v=1 and v=2), beside SlimPipe's Table 2, all
 relative to 1F1B's first rank: GPipe m/p, 1F1B 1, interleaved 1+(p-1)/(vp), sliced
-1/p + 2(p-1)/(nvp) (Eq. 1: (1+2(p-1)/n)/p for v=1).
+1/p + 2(p-1)/(nvp) (Eq. 1: (1+2(p-1)/n)/p for v=1). A last row slices into equal-cost slices
+(v=1), whose first slices are the longest; its prediction is the simulator's (the plan's
+slices in flight, weighted by their tokens).
 
 Activation memory is what autograd saves for backward (`ActivationMemoryTracker`, parameters
 excluded; a storage counts once however many tensors view it), measured in one training step on
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
     add_pipeline_arguments,
+    bench_plan,
     build_runner,
     check_pipeline_shape,
     describe_model,
@@ -41,6 +44,7 @@ from pipekit.bench._pipeline_launch import (
 from pipekit.bench._report import print_result, print_table
 from pipekit.bench.pipeline_offload import parse_offload, run_offload_comparison
 from pipekit.memory.tracker import ActivationMemoryTracker
+from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.pipelining.schedules.sliced import peak_units_in_flight
 
 __all__ = ["main"]
@@ -66,8 +70,12 @@ def schedules_to_measure(p: int, m: int, n: int) -> list[dict[str, Any]]:
     rows += [
         {"label": "sliced", "schedule": "sliced", "v": 1, "n": n, "m": m},
         {"label": "sliced", "schedule": "sliced", "v": 2, "n": n, "m": m},
+        {"label": _EQUAL_COST, "schedule": "sliced", "v": 1, "n": n, "m": m},
     ]
     return rows
+
+
+_EQUAL_COST = "sliced equal-cost"
 
 
 def _interleaved_filling_microbatches(p: int, stages_per_rank: int) -> int:
@@ -75,6 +83,24 @@ def _interleaved_filling_microbatches(p: int, stages_per_rank: int) -> int:
     chunks = (stages_per_rank - 1) * p + 2 * (p - 1) + 1
     microbatches = -(-chunks // stages_per_rank)
     return -(-microbatches // p) * p
+
+
+def equal_cost_prediction(model: dict[str, int], p: int, m: int, n: int) -> float:
+    """First-rank peak activation memory of the equal-cost sliced plan relative to 1F1B's, by
+    the simulator: its units in flight weighted by their slices' tokens."""
+    plan = bench_plan(
+        model,
+        schedule="sliced",
+        stages_per_rank=1,
+        num_ranks=p,
+        microbatches=m,
+        num_slices=n,
+        rows=m,
+        slicing="equal_cost",
+    )
+    bounds = tuple(bound / plan.slice_bounds[-1] for bound in plan.slice_bounds)
+    result = simulate(plan.actions_by_rank, num_slices=n, cost=CostModel(slice_bounds=bounds))
+    return result.peak_memory[0]["activations"]  # 1F1B's first rank holds 1 (p microbatches / p)
 
 
 def table2_prediction(label: str, p: int, m: int, v: int, n: int) -> float:
@@ -104,6 +130,7 @@ def _measure(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
             microbatches=microbatches,
             num_slices=num_slices,
             rows=microbatches,
+            slicing="equal_cost" if config["label"] == _EQUAL_COST else "equal_length",
         )
         params = [p for stage in runner.stages for p in stage.submod.parameters()]
         dist.barrier()
@@ -187,20 +214,25 @@ def main(argv: list[str] | None = None) -> None:
     base_bytes, base_units = baseline["saved"], baseline["microbatches_in_flight"]
 
     def name(row: dict[str, Any]) -> str:
-        slices = f" n={row['n']}" if row["label"] == "sliced" else ""
+        slices = f" n={row['n']}" if row["label"].startswith("sliced") else ""
         microbatches = f" m={row['m']}" if row["m"] != m else ""
         return f"{row['label']} v={row['v']}{slices}{microbatches}"
 
     rows, ratios = [], {}
+    equal_cost_predicted = equal_cost_prediction(spec["model"], p, m, n)
     for head, tail in zip(first, last, strict=True):
         ratio_first, ratio_last = head["saved"] / base_bytes, tail["saved"] / base_bytes
         ratios[name(head)] = ratio_first
+        if head["label"] == _EQUAL_COST:
+            prediction = equal_cost_predicted
+        else:
+            prediction = table2_prediction(head["label"], p, head["m"], head["v"], head["n"])
         rows.append(
             [
                 name(head),
                 head["saved"] / _MIB,
                 ratio_first,
-                table2_prediction(head["label"], p, head["m"], head["v"], head["n"]),
+                prediction,
                 head["microbatches_in_flight"] / base_units,
                 tail["saved"] / _MIB,
                 ratio_last,
@@ -215,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
             "schedule",
             "rank 0 MiB",
             "rank 0 ratio",
-            "Table 2",
+            "predicted",
             "by schedule",
             f"rank {p - 1} MiB",
             f"rank {p - 1} ratio",
@@ -257,4 +289,6 @@ def main(argv: list[str] | None = None) -> None:
         formula=(1 + 2 * (p - 1) / n) / p,
         sliced_v2_vs_1f1b=ratios[f"sliced v=2 n={n}"],
         formula_v2=table2_prediction("sliced", p, m, 2, n),
+        equal_cost_vs_1f1b=ratios[f"{_EQUAL_COST} v=1 n={n}"],
+        equal_cost_simulated=equal_cost_predicted,
     )
