@@ -98,8 +98,8 @@ def equal_cost_prediction(model: dict[str, int], p: int, m: int, n: int) -> floa
         rows=m,
         slicing="equal_cost",
     )
-    bounds = tuple(bound / plan.slice_bounds[-1] for bound in plan.slice_bounds)
-    result = simulate(plan.actions_by_rank, num_slices=n, cost=CostModel(slice_bounds=bounds))
+    cost = CostModel(slice_bounds=plan.slice_fractions)
+    result = simulate(plan.actions_by_rank, num_slices=n, cost=cost)
     return result.peak_memory[0]["activations"]  # 1F1B's first rank holds 1 (p microbatches / p)
 
 

@@ -286,8 +286,9 @@ def simulated_equal_cost_gain(
     }
     makespans = []
     for plan in plans.values():
-        bounds = tuple(bound / plan.slice_bounds[-1] for bound in plan.slice_bounds)
-        cost = CostModel(forward_attention=plan.attention_to_linear, slice_bounds=bounds)
+        cost = CostModel(
+            forward_attention=plan.attention_to_linear, slice_bounds=plan.slice_fractions
+        )
         makespans.append(simulate(plan.actions_by_rank, num_slices=n, cost=cost).makespan)
     return makespans[0] / makespans[1]
 

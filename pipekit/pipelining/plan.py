@@ -92,6 +92,11 @@ class PipelinePlan:
         )
 
     @property
+    def slice_fractions(self) -> tuple[float, ...]:
+        """`slice_bounds` as fractions of the sequence (for `CostModel.slice_bounds`)."""
+        return tuple(bound / self.slice_bounds[-1] for bound in self.slice_bounds)
+
+    @property
     def slice_length(self) -> int:
         """Tokens of one sequence in the longest slice, per context-parallel rank."""
         return max(self.slice_lengths)

@@ -234,7 +234,7 @@ def _pipeline_activations(
     cost = CostModel(
         activation_bytes=per_token * scale,
         kv_cache_bytes=kv_per_token * scale,
-        slice_bounds=tuple(bound / plan.slice_bounds[-1] for bound in plan.slice_bounds),
+        slice_bounds=plan.slice_fractions,
     )
     result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
     in_flight = result.peak_memory[layout.pipeline_rank]["total"]
