@@ -119,7 +119,7 @@ def _equal_cost_pipeline(rank, world_size, compiled, slicing):
         rows=PARITY_ROWS,
         seq_len=PARITY_SEQ_LEN,
         slicing=slicing,
-        attention_to_linear=4.0,  # (0, 14, 22, 28, 32): four slice lengths
+        attention_to_linear=4.0,  # (0, 14, 22, 27, 32): four slice lengths
         parallelize=(lambda module: compile_blocks(blocks_of(module))) if compiled else None,
     )
     return runner_step(runner, tiny_batch()), torch._dynamo.utils.counters["frames"]["ok"]

@@ -88,7 +88,7 @@ def _plan(seq_len: int = 512, ratio: float = 3.0, **keys):
 
 def test_the_plan_carries_equal_cost_bounds_rounded_for_the_tp_shares():
     plan = _plan(num_slices=4)
-    assert plan.slice_bounds == slice_bounds(512, 4, "equal_cost", 3.0, 32)
+    assert plan.slice_bounds == slice_bounds(512, 4, "equal_cost", 3.0, 8)
     assert plan.slice_lengths[0] > plan.slice_lengths[-1] and sum(plan.slice_lengths) == 512
     assert plan.slice_length == plan.slice_lengths[0]
     shared = _plan(num_slices=4, seq_len=96, tp=3, sequence_parallel=True)

@@ -112,7 +112,7 @@ def test_dropping_kv_cache_gradients_breaks_parity() -> None:
 
 
 def test_equal_cost_slices_equal_the_unsliced_single_process_fp64() -> None:
-    """Slices of different lengths (equal cost: (0, 14, 22, 28, 32) for n = 4) through p = 2
+    """Slices of different lengths (equal cost: (0, 14, 22, 27, 32) for n = 4) through p = 2
     ranks, v = 1 and 2, m = 1 and 3, recomputed under activation checkpointing too: every unit
     is received into a buffer of its own length, and the result stays exact."""
     configs = [

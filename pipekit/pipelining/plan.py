@@ -250,10 +250,10 @@ def plan_pipeline(
 
 def _slice_granularity(equal_slice: int, sequence_shards: int) -> int:
     """Tokens equal-cost bounds round to: a power of two up to `_SLICE_GRANULARITY` (a block
-    attention kernels like) dividing the equal slice into at least 4 granules, times what the
-    tp ranks' shares need."""
+    attention kernels like) dividing the equal slice into at least 16 granules, so rounding
+    moves a slice's cost by a few percent at most, times what the tp ranks' shares need."""
     granularity = math.gcd(equal_slice, _SLICE_GRANULARITY)
-    while granularity > 1 and equal_slice < 4 * granularity:
+    while granularity > 1 and equal_slice < 16 * granularity:
         granularity //= 2
     return math.lcm(granularity, sequence_shards)
 

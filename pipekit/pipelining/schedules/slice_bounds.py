@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["SLICINGS", "slice_bounds"]
+__all__ = ["SLICINGS", "equal_cost_fractions", "slice_bounds"]
 
 SLICINGS = ("equal_length", "equal_cost")
 """How `slice_bounds` cuts a sequence (the `[parallelism] slicing` setting)."""
@@ -55,20 +55,29 @@ def slice_bounds(
     if attention_to_linear < 0:
         raise ValueError(f"attention_to_linear={attention_to_linear} must be >= 0")
     granules = seq_len // granularity
-    total = 1 + attention_to_linear  # the whole sequence's cost, x + r·x² at x = 1
+    share = attention_to_linear / (1 + attention_to_linear)
+    fractions = equal_cost_fractions(num_slices, share)
     bounds = [0]
     for index in range(1, num_slices):
-        fraction = _fraction_at_cost(total * index / num_slices, attention_to_linear)
         lowest = bounds[-1] + 1  # every slice keeps at least one granule
         highest = granules - (num_slices - index)
-        bounds.append(min(max(round(fraction * granules), lowest), highest))
+        bounds.append(min(max(round(fractions[index] * granules), lowest), highest))
     bounds.append(granules)
     return tuple(bound * granularity for bound in bounds)
 
 
-def _fraction_at_cost(cost: float, attention_to_linear: float) -> float:
-    """The x in [0, 1] where the cost of the sequence's first x, x + r·x², reaches `cost`."""
-    if attention_to_linear == 0:
-        return cost
-    r = attention_to_linear
-    return (math.sqrt(1 + 4 * r * cost) - 1) / (2 * r)
+def equal_cost_fractions(num_slices: int, attention_share: float) -> tuple[float, ...]:
+    """Unrounded equal-cost bounds as fractions of the sequence, 0 to 1, when causal attention
+    is `attention_share` (0 to 1) of the whole sequence's work: the x where the cost of the
+    first x of the sequence, `(1 - a)·x + a·x²`, reaches j / n."""
+    if not 0 <= attention_share <= 1:
+        raise ValueError(f"attention_share={attention_share} must be between 0 and 1")
+    a = attention_share
+    fractions = []
+    for index in range(num_slices + 1):
+        cost = index / num_slices
+        if a == 0:
+            fractions.append(cost)
+        else:  # the root in [0, 1] of a·x² + (1 - a)·x - cost
+            fractions.append((math.sqrt((1 - a) ** 2 + 4 * a * cost) - (1 - a)) / (2 * a))
+    return tuple(fractions)

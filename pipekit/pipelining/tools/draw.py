@@ -22,6 +22,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from pipekit.pipelining.schedules.events import ScheduledAction
+from pipekit.pipelining.schedules.slice_bounds import SLICINGS, equal_cost_fractions
 from pipekit.pipelining.tools.timeline import write_chrome_trace
 
 __all__ = ["main", "save_timeline", "timeline_svg"]
@@ -350,6 +351,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "length, so later slices are heavier (default: 0, uniform costs)",
     )
     parser.add_argument(
+        "--slicing",
+        default="equal_length",
+        choices=SLICINGS,
+        help="where slices are cut: equal lengths, or equal costs under --attention-share "
+        "(early slices longer; default: equal_length)",
+    )
+    parser.add_argument(
         "--time-span",
         type=float,
         default=None,
@@ -390,8 +398,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         title += f", attention share {args.attention_share:g}"
     if not 0.0 <= args.attention_share <= 1.0:
         raise ValueError(f"--attention-share {args.attention_share} must be in [0, 1]")
+    bounds: tuple[float, ...] = ()
+    if args.slicing == "equal_cost":
+        title += ", equal-cost slices"
+        bounds = equal_cost_fractions(args.slices, args.attention_share)
     cost = CostModel(
-        forward_linear=1.0 - args.attention_share, forward_attention=args.attention_share
+        forward_linear=1.0 - args.attention_share,
+        forward_attention=args.attention_share,
+        slice_bounds=bounds,
     )
     result = simulate(actions, num_slices=args.slices, cost=cost)
     save_timeline(
