@@ -148,6 +148,24 @@ def test_offload_takes_what_the_schedule_moves_off_the_first_rank(capsys) -> Non
     assert "without it the plan fits too" in out
 
 
+def test_equal_cost_slices_are_planned_by_their_tokens() -> None:
+    """The debug sliced pipeline at 4K tokens (attention 2.6x the matmul FLOPs): equal-cost
+    slices raise rank 0's planned activations, by less than if every slice were the longest."""
+    overrides = ("--training.seq_len", "4096", "--parallelism.slicing")
+    equal_cost = _job("configs/debug_sliced_pp.toml", 2, *overrides, "equal_cost")
+    equal_length = _job("configs/debug_sliced_pp.toml", 2, *overrides, "equal_length")
+    assert equal_cost.pipeline is not None and equal_length.pipeline is not None
+    lengths = equal_cost.pipeline.slice_lengths
+    assert lengths[0] > 1.5 * lengths[-1], lengths
+    profile = plan_memory(equal_length).profile
+    held = {
+        name: plan_memory(job, profile=profile).ranks[0].activations
+        for name, job in (("cost", equal_cost), ("length", equal_length))
+    }
+    longest = lengths[0] / equal_length.pipeline.slice_length
+    assert held["length"] < held["cost"] < longest * held["length"], (held, lengths)
+
+
 def test_a_plan_that_does_not_fit_is_refused_naming_the_term(capsys) -> None:
     argv = ["--config", str(REPO_ROOT / "configs/debug_model.toml"), "--world-size", "2"]
     main([*argv, "--device-memory", "1GiB"])
