@@ -50,6 +50,7 @@ __all__ = [
     "build_runner",
     "check_pipeline_shape",
     "describe_model",
+    "describe_slices",
     "model_spec",
     "run_ranks",
     "synthetic_batch",
@@ -209,6 +210,15 @@ def describe_model(spec: Mapping[str, int]) -> str:
         f"Llama dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads "
         f"({args.num_kv_heads} kv, head dim {args.per_head_dim}), ffn {args.ffn_dim}, "
         f"vocab {args.vocab_size}, {params / 1e6:.2f} M parameters, float32"
+    )
+
+
+def describe_slices(plan: PipelinePlan) -> str:
+    """One line: the plan's slice lengths and the FLOPs ratio they were placed by."""
+    lengths = ", ".join(str(length) for length in plan.slice_lengths)
+    return (
+        f"{plan.num_slices} slices of {plan.slice_bounds[-1]} tokens: {lengths} (causal "
+        f"attention / matmul FLOPs = {plan.attention_to_linear:.3g})"
     )
 
 

@@ -37,6 +37,7 @@ from pipekit.bench._pipeline_launch import (
     build_runner,
     check_pipeline_shape,
     describe_model,
+    describe_slices,
     model_spec,
     run_ranks,
     synthetic_batch,
@@ -44,6 +45,7 @@ from pipekit.bench._pipeline_launch import (
 from pipekit.bench._report import print_result, print_table
 from pipekit.bench.pipeline_offload import parse_offload, run_offload_comparison
 from pipekit.memory.tracker import ActivationMemoryTracker
+from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.pipelining.schedules.sliced import peak_units_in_flight
 
@@ -85,21 +87,11 @@ def _interleaved_filling_microbatches(p: int, stages_per_rank: int) -> int:
     return -(-microbatches // p) * p
 
 
-def equal_cost_prediction(model: dict[str, int], p: int, m: int, n: int) -> float:
-    """First-rank peak activation memory of the equal-cost sliced plan relative to 1F1B's, by
+def equal_cost_prediction(plan: PipelinePlan) -> float:
+    """First-rank peak activation memory of an equal-cost sliced plan relative to 1F1B's, by
     the simulator: its units in flight weighted by their slices' tokens."""
-    plan = bench_plan(
-        model,
-        schedule="sliced",
-        stages_per_rank=1,
-        num_ranks=p,
-        microbatches=m,
-        num_slices=n,
-        rows=m,
-        slicing="equal_cost",
-    )
     cost = CostModel(slice_bounds=plan.slice_fractions)
-    result = simulate(plan.actions_by_rank, num_slices=n, cost=cost)
+    result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
     return result.peak_memory[0]["activations"]  # 1F1B's first rank holds 1 (p microbatches / p)
 
 
@@ -202,6 +194,17 @@ def main(argv: list[str] | None = None) -> None:
         f"p={p} ranks, m={m} microbatches of 1 x {options.seq} tokens, n={n} slices, "
         "1 thread per rank; activation memory = peak bytes saved for backward"
     )
+    equal_cost = bench_plan(
+        spec["model"],
+        schedule="sliced",
+        stages_per_rank=1,
+        num_ranks=p,
+        microbatches=m,
+        num_slices=n,
+        rows=m,
+        slicing="equal_cost",
+    )
+    print(f"equal-cost slices: {describe_slices(equal_cost)}")
     if options.layers % (2 * p):
         print(f"note: {options.layers} layers do not split evenly over {2 * p} stages")
     if offload is not None:
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         return f"{row['label']} v={row['v']}{slices}{microbatches}"
 
     rows, ratios = [], {}
-    equal_cost_predicted = equal_cost_prediction(spec["model"], p, m, n)
+    equal_cost_predicted = equal_cost_prediction(equal_cost)
     for head, tail in zip(first, last, strict=True):
         ratio_first, ratio_last = head["saved"] / base_bytes, tail["saved"] / base_bytes
         ratios[name(head)] = ratio_first

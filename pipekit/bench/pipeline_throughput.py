@@ -35,11 +35,13 @@ from pipekit.bench._pipeline_launch import (
     build_runner,
     check_pipeline_shape,
     describe_model,
+    describe_slices,
     model_spec,
     run_ranks,
     synthetic_batch,
 )
 from pipekit.bench._report import print_result, print_table
+from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.pipelining.tools.trace import record_schedule
@@ -49,7 +51,7 @@ __all__ = [
     "main",
     "print_step_breakdown",
     "schedule_runs",
-    "simulated_equal_cost_gain",
+    "simulated_makespan_ratio",
     "time_schedules",
 ]
 
@@ -201,6 +203,18 @@ def main(argv: list[str] | None = None) -> None:
         f"tokens ({tokens} per step), sliced n={n}, 1 thread per rank; {options.warmup} warm-up "
         f"and {options.repeats} timed steps of each schedule, alternating"
     )
+    equal_length, equal_cost = (
+        bench_plan(
+            spec["model"],
+            stages_per_rank=1,
+            num_ranks=p,
+            microbatches=m,
+            rows=m * options.rows_per_microbatch,
+            **spec["runs"][name],
+        )
+        for name in ("sliced", "sliced+equal-cost")
+    )
+    print(f"equal-cost slices: {describe_slices(equal_cost)}")
     allocators = {"fair": options.fair_tunables, "default": None}
     rows, speedups, fair_tokens_per_s, recorded = [], {}, {}, []
     for allocator, tunables in allocators.items():
@@ -245,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     fair = speedups["fair"]
     best = max(_SLICED_VARIANTS, key=lambda name: fair[name])
     bubble_only = (1 + (p - 1) / m) / (1 + (p - 1) / (n * m))
-    simulated = simulated_equal_cost_gain(p, m, n, options.rows_per_microbatch, spec["model"])
+    simulated = simulated_makespan_ratio(equal_length, equal_cost)
     measured = fair["sliced+equal-cost"] / fair["sliced"]
     print(
         f"\nbubble-only prediction (1+(p-1)/m)/(1+(p-1)/(nm)) = {bubble_only:.3f}; fair ratio "
@@ -267,30 +281,16 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
-def simulated_equal_cost_gain(
-    p: int, m: int, n: int, rows_per_microbatch: int, model: dict[str, int]
-) -> float:
-    """The simulator's makespan with equal-length slices over that with the equal-cost plan's
-    slices, at the model's attention-to-linear FLOPs (the ratio the slices are placed by)."""
-    runs = schedule_runs(n)
-    plans = {
-        name: bench_plan(
-            model,
-            stages_per_rank=1,
-            num_ranks=p,
-            microbatches=m,
-            rows=m * rows_per_microbatch,
-            **runs[name],
-        )
-        for name in ("sliced", "sliced+equal-cost")
-    }
+def simulated_makespan_ratio(slower: PipelinePlan, faster: PipelinePlan) -> float:
+    """The simulator's makespan of `slower` over that of `faster`, each with its own slices,
+    at the model's attention-to-linear FLOPs (the ratio equal-cost slices are placed by)."""
     makespans = []
-    for plan in plans.values():
+    for plan in (slower, faster):
         cost = CostModel(
             forward_attention=plan.attention_to_linear, slice_bounds=plan.slice_fractions
         )
-        makespans.append(simulate(plan.actions_by_rank, num_slices=n, cost=cost).makespan)
-    return makespans[0] / makespans[1]
+        makespans.append(simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost))
+    return makespans[0].makespan / makespans[1].makespan
 
 
 def print_step_breakdown(
