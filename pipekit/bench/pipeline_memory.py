@@ -194,6 +194,12 @@ def main(argv: list[str] | None = None) -> None:
         f"p={p} ranks, m={m} microbatches of 1 x {options.seq} tokens, n={n} slices, "
         "1 thread per rank; activation memory = peak bytes saved for backward"
     )
+    if options.layers % (2 * p):
+        print(f"note: {options.layers} layers do not split evenly over {2 * p} stages")
+    if offload is not None:
+        offload_spec = {"model": spec["model"], "microbatches": m, "slices": n, "offload": offload}
+        run_offload_comparison(offload_spec, p, options.timeout)
+        return
     equal_cost = bench_plan(
         spec["model"],
         schedule="sliced",
@@ -205,12 +211,6 @@ def main(argv: list[str] | None = None) -> None:
         slicing="equal_cost",
     )
     print(f"equal-cost slices: {describe_slices(equal_cost)}")
-    if options.layers % (2 * p):
-        print(f"note: {options.layers} layers do not split evenly over {2 * p} stages")
-    if offload is not None:
-        offload_spec = {"model": spec["model"], "microbatches": m, "slices": n, "offload": offload}
-        run_offload_comparison(offload_spec, p, options.timeout)
-        return
     ranks = run_ranks(f"{__name__}:_measure", p, spec, timeout=options.timeout)
     first, last = ranks[0]["measurements"], ranks[-1]["measurements"]
     baseline = next(row for row in first if row["label"] == "1F1B")
