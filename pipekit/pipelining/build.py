@@ -173,7 +173,7 @@ def build_pipeline(
         plan.num_slices,
         extensions,
         model=rank_model,
-        slice_bounds=plan.slice_bounds,
+        slice_bounds=plan.rank_slice_bounds,
     )
 
 

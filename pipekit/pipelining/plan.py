@@ -92,6 +92,12 @@ class PipelinePlan:
         )
 
     @property
+    def rank_slice_bounds(self) -> tuple[int, ...]:
+        """Token offsets of the slices in the sequence one context-parallel rank holds (its
+        load-balanced share of every slice, in slice order): what the runner cuts."""
+        return tuple(itertools.accumulate(self.slice_lengths, initial=0))
+
+    @property
     def slice_fractions(self) -> tuple[float, ...]:
         """`slice_bounds` as fractions of the sequence (for `CostModel.slice_bounds`)."""
         return tuple(bound / self.slice_bounds[-1] for bound in self.slice_bounds)

@@ -92,7 +92,8 @@ class PipelineRunner:
     """This rank's model: every module of its stages (and vocabulary shards) under the whole
     model's names, for the optimizer, checkpoints and gradient clipping."""
     slice_bounds: Sequence[int] | None = None
-    """Token offsets where a sequence's slices start and end (None: equal slices)."""
+    """Token offsets where the slices of a batch's rows start and end (None: equal slices);
+    under context parallelism, of this rank's share of every slice."""
 
     @property
     def has_first_stage(self) -> bool:
