@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipekit.config.job_config import ParallelismConfig
@@ -261,7 +262,7 @@ def check_pipeline_shape(
         )
 
 
-def bench_plan(
+def _plan_and_model(
     spec: Mapping[str, int],
     *,
     schedule: str,
@@ -274,18 +275,9 @@ def bench_plan(
     context_exchange: bool = False,
     activation_offload: float | str = 0.0,
     slicing: str = "equal_length",
-) -> PipelinePlan:
-    """The plan of `schedule` over an evenly split Llama (equal layers per stage).
-
-    `rows` is the local batch. Embedding and output get no extra weight in the split:
-    SlimPipe's Table 2 compares equal stages, and so do the throughput figures. With
-    `vocab_parallel` the embedding and output rows are split over the ranks instead. With
-    `context_exchange` the sliced passes exchange attention context. `activation_offload` and
-    `slicing` are the parallelism settings of those names (equal-cost slices balance the model's
-    FLOPs).
-    """
-    family = get_model_spec("llama")
-    args = _llama_args(spec)
+) -> tuple[PipelinePlan, nn.Module]:
+    """The plan, and the whole model on the meta device it was planned from (its FLOPs place
+    equal-cost slices; the builder splits it into stages)."""
     parallelism = ParallelismConfig(
         dp_shard=1,
         pipeline_parallel_degree=num_ranks,
@@ -300,13 +292,30 @@ def bench_plan(
         activation_offload=activation_offload,
         slicing=slicing,
     )
+    family, args = get_model_spec("llama"), _llama_args(spec)
     with torch.device("meta"):
         model = family.build(args)
     shape, seq_len = family.shape(args), args.max_seq_len
     ratio = attention_to_linear_flops(model, shape, family.structure, seq_len)
-    return plan_pipeline(
+    plan = plan_pipeline(
         parallelism, family.structure, shape, rows, seq_len, attention_to_linear=ratio
     )
+    return plan, model
+
+
+def bench_plan(spec: Mapping[str, int], **keywords: Any) -> PipelinePlan:
+    """The plan of `schedule` over an evenly split Llama (equal layers per stage).
+
+    `keywords`: `schedule`, `stages_per_rank`, `num_ranks`, `microbatches`, `num_slices`,
+    `rows` (the local batch), optionally `vocab_parallel`, `context_exchange`,
+    `activation_offload`, `slicing`. Embedding and output get no extra weight in the split:
+    SlimPipe's Table 2 compares equal stages, and so do the throughput figures. With
+    `vocab_parallel` the embedding and output rows are split over the ranks instead. With
+    `context_exchange` the sliced passes exchange attention context. `activation_offload` and
+    `slicing` are the parallelism settings of those names (equal-cost slices balance the model's
+    FLOPs).
+    """
+    return _plan_and_model(spec, **keywords)[0]
 
 
 def build_runner(spec: Mapping[str, int], *, rank: int, **keywords: Any) -> PipelineRunner:
@@ -314,10 +323,7 @@ def build_runner(spec: Mapping[str, int], *, rank: int, **keywords: Any) -> Pipe
     rank of the world calls it together. Every stage gets the same seeded weights whatever the
     schedule."""
     del rank  # the mesh knows it
-    plan = bench_plan(spec, **keywords)
-    family = get_model_spec("llama")
-    with torch.device("meta"):
-        model = family.build(_llama_args(spec))
+    plan, model = _plan_and_model(spec, **keywords)
     mesh = init_device_mesh("cpu", (plan.num_ranks,), mesh_dim_names=("pp",))
     materialize = seeded_materializer("cpu", _SEED)
     setup = StageSetup(device=torch.device("cpu"), materialize=materialize, attention_backend="cpu")
