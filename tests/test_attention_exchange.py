@@ -3,11 +3,13 @@
 documents, grouped-query heads and a backward served by a different rank than the forward. The
 ablation drops the lent chunks' dK/dV on the server and must fail. A `LoanServer` answers its
 requests beside its pass, with the same results; the ablation makes the pass wait for them
-before it lets the lender start, which must hang."""
+before it lets the lender start, which must hang. Two consecutive serving passes of one peer
+answer in turn through a `ServingChain`; without it their threads take each other's requests."""
 
 from __future__ import annotations
 
-import math
+import threading
+from dataclasses import dataclass, field
 from datetime import timedelta
 from unittest import mock
 
@@ -28,7 +30,7 @@ from pipekit.attention.exchange import (
     serve_attention_loan,
     serve_attention_loan_backward,
 )
-from pipekit.attention.loan_server import LoanRequest, LoanServer
+from pipekit.attention.loan_server import LoanRequest, LoanServer, ServingChain
 from pipekit.attention.masks import causal_within_documents, documents_or_all
 
 B, H, G, S, D = 2, 4, 2, 8, 16  # S: keys and queries per slice
@@ -135,7 +137,7 @@ def _serve_a_late_lender(rank: int, world: int, wait_inside_the_pass: bool) -> d
     if rank == 1:
         loan = lambda peer: AttentionLoan(peer, timeout=timedelta(seconds=2))
         server = LoanServer([LoanRequest(0, False)] * 2 + [LoanRequest(0, True)], loan, "cpu")
-        server.start(1 / math.sqrt(D))
+        server.start()
         if wait_inside_the_pass:  # the ablation: the pass waits for its answers first
             server.finish()
         dist.send(torch.ones(1), dst=0)  # the pass goes on; the lender starts now
@@ -224,3 +226,61 @@ def test_autograd_ring_backend_differentiates_a_chunk_like_backward_chunk() -> N
     reference_dq = cpu.backward_chunk(grad_out, q, k_0, v_0, out, lse, None, scale)[0]
     wrong_weight_dq = adapted.backward_chunk(grad_out, q, k_0, v_0, out, lse + 5.0, None, scale)[0]
     assert (wrong_weight_dq - reference_dq).abs().max() > 1e-3
+
+
+@dataclass(frozen=True)
+class _PostedLoan(AttentionLoan):
+    """A loan that sets `posted` once its first receive is posted."""
+
+    posted: threading.Event = field(default_factory=threading.Event)
+
+    def post_receives(self, *tensors: torch.Tensor) -> list:
+        works = super().post_receives(*tensors)
+        self.posted.set()
+        return works
+
+
+def _serve_two_passes(rank: int, world: int, chained: bool) -> dict:
+    """Rank 1 runs two serving passes of rank 0 back to back: the first answers two forward
+    requests, the second one backward request. Both passes' threads start before rank 0 lends.
+    Without a chain, the ablation lets rank 0 start only once the second pass's thread is
+    receiving, so the two threads compete for rank 0's messages."""
+    if rank == 0:
+        return _serve_a_late_lender(rank, world, wait_inside_the_pass=False)
+    timeout = timedelta(seconds=2)
+    second_loan = _PostedLoan(0, timeout=timeout)
+    chain = ServingChain() if chained else None
+    first = LoanServer(
+        [LoanRequest(0, False)] * 2, lambda peer: AttentionLoan(peer, timeout=timeout), "cpu", chain
+    )
+    second = LoanServer([LoanRequest(0, True)], lambda peer: second_loan, "cpu", chain)
+    first.start()
+    second.start()
+    if not chained:
+        second_loan.posted.wait()
+    dist.send(torch.ones(1), dst=0)
+    first.finish()
+    second.finish()
+    dist.barrier()
+    return {"answered": (first.answered, second.answered)}
+
+
+def test_a_serving_chain_answers_consecutive_passes_in_turn() -> None:
+    """The second pass's thread reads rank 0's messages only after the first pass's has
+    answered its last request: the lender's results equal local attention."""
+    lender, server = run_on_ranks(_serve_two_passes, 2, True)
+    assert server["answered"] == (2, 1)
+    reference = _reference(_inputs())
+    expected = {"out0": "out", "out1": "out", "dq": "dq", "dk": "dk", "dv": "dv"}
+    for name, reference_name in expected.items():
+        assert (lender[name] - reference[reference_name]).abs().max().item() < 1e-12, name
+
+
+def test_two_serving_passes_without_a_chain_take_each_others_requests() -> None:
+    """The ablation: the second pass's thread takes part of the first pass's requests, and the
+    lender never gets its answers."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"rank 0 of the exchange group (lost|waited more than 2 s for) rank 1",
+    ):
+        run_on_ranks(_serve_two_passes, 2, False, timeout=60)

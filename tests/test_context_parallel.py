@@ -187,9 +187,9 @@ def _lending_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]
     if rank >= 2:  # a pipeline peer: serve every lending slice's forward, then its backward
         loan = AttentionLoan(0, pipeline_group)
         for _ in range(SLICES - 1):
-            serve_attention_loan(loan, HEAD_DIM**-0.5, "cpu")
+            serve_attention_loan(loan, "cpu")
         for _ in range(SLICES - 1):
-            serve_attention_loan_backward(loan, HEAD_DIM**-0.5, "cpu")
+            serve_attention_loan_backward(loan, "cpu")
         for leaf in leaves.values():
             leaf.grad = torch.zeros_like(leaf)
         dist.all_reduce(full_out)

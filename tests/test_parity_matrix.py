@@ -274,7 +274,12 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
             exchange = runner.extension("context_exchange")
             assert isinstance(exchange, PipelineContextExchange)
             ablated = PipelineContextExchange(
-                exchange.group, exchange.layers_per_stage, drop_remote_kv_grads=True
+                exchange.group,
+                exchange.layers_per_stage,
+                downward_group=exchange.downward_group,
+                chunks_ahead=exchange.chunks_ahead,
+                backend=exchange.backend,
+                drop_remote_kv_grads=True,
             )
             extensions = [ablated if ext is exchange else ext for ext in runner.extensions]
             runner.schedule = make_schedule(

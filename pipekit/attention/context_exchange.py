@@ -1,31 +1,25 @@
-"""`ContextExchangeAttention`: one slice's attention when its pass lends or serves attention.
+"""`ContextExchangeAttention`: one slice's attention when its pass lends attention.
 
 In a sliced pipeline with context exchange (SlimPipe §4.2) a heavy pass lends part of its
 attention to a pass that runs at the same time on a light rank, and the light pass serves it
 (`pipekit.pipelining.features.exchange_plan` decides who, `pipekit.attention.exchange` moves
-the data).
-This context does both for one slice on one stage, layer by layer:
+the data, `pipekit.attention.loan_server` answers).
+This context lends for one slice on one stage, layer by layer: each layer's query attends to the
+slice's own chunk here and to its earlier KV slices (from the chunked KV cache). The forward pass
+lends some of them to its peers, and the forward records what the slice's backward pass lends, so
+the gradients of lent chunks come back from the peers and collect on the cache's leaves like
+local ones. With early KV exchange the lent chunks went to the peers before the pass, and each
+layer sends only its query.
 
-- **Lending.** Each layer's query attends to the slice's own chunk here and to its earlier KV
-  slices (from the chunked KV cache): the forward pass lends some of them to its peers, and the
-  forward records what the slice's backward pass lends, so the gradients of lent chunks come back
-  from the peers and collect on the cache's leaves like local ones.
-- **Serving.** A serving pass answers the requests the plan gave it with a `LoanServer`, whose
-  helper threads start at the pass's first attention call (in a forward pass after its own
-  attention; in a backward pass from an identity on the attention output, whose backward runs
-  when the gradient reaches that layer) and answer each request as it arrives, beside the pass's
-  own work. The schedule's serving action waits for the last answer before the rank's next pass
-  that lends or serves. A request is a forward or a backward one as the lending pass is,
-  whichever kind the serving pass is: the plan pairs passes of both kinds.
-
-Activation checkpointing recomputes a layer's forward inside the backward: the recompute neither
-lends nor serves forward work (that was done), but records the backward's lending and serving.
+Activation checkpointing recomputes a layer's forward inside the backward: the recompute does not
+lend forward work again (that was done), but records the backward's lending.
 
 Legend: B batch, H query heads, G kv heads, S slice length, D head dim.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -38,13 +32,14 @@ from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk
 from pipekit.attention.exchange import DEFAULT_LOAN_TIMEOUT, AttentionLoan, Lending, LentChunk
 from pipekit.attention.kv_cache import CachedSlice
-from pipekit.attention.loan_server import LoanRequest, LoanServer
+from pipekit.attention.loan_server import LoanRequest
 
 __all__ = [
     "ContextExchangeAttention",
     "LendingAttention",
     "PassExchange",
     "SliceExchange",
+    "exchange_loan",
 ]
 
 Backend = str | AttentionBackend
@@ -91,25 +86,48 @@ class PassExchange:
 
 @dataclass(frozen=True)
 class SliceExchange:
-    """A slice's forward and backward exchange on one stage, over `group` (ranks are ranks of
-    it). `drop_remote_kv_grads` exists for the ablation test only: lent chunks then get no
-    gradient back, which must break parity."""
+    """A slice's forward and backward exchange on one stage. A lending to a higher rank travels
+    on `group`, one to a lower rank on `downward_group` (the same ranks, a group of its own;
+    None: `group`), so a rank that lends to a peer while its helper threads still serve that
+    peer never mixes the two exchanges' messages. Ranks are ranks of `group`.
+
+    `chunks_ahead`: the lent chunks went to the peers before the pass (early KV exchange), so
+    the requests carry only the query. `lending_started(backward)` is called at a lending
+    pass's first attention call. `drop_remote_kv_grads` exists for the ablation test only: lent
+    chunks then get no gradient back, which must break parity."""
 
     forward: PassExchange
     backward: PassExchange
     group: dist.ProcessGroup | None = None
+    downward_group: dist.ProcessGroup | None = None
     timeout: timedelta = DEFAULT_LOAN_TIMEOUT
+    chunks_ahead: bool = False
+    lending_started: Callable[[bool], None] | None = None
     drop_remote_kv_grads: bool = False
 
-    def loan(self, peer: int) -> AttentionLoan:
-        return AttentionLoan(peer, self.group, self.timeout)
+    def loan(self, lender: int, server: int) -> AttentionLoan:
+        """The loan between the two ranks for a lending from `lender` to `server`, as this rank
+        (one of them) sees it."""
+        return exchange_loan(lender, server, self.group, self.downward_group, self.timeout)
 
     def lending(self, parts: tuple[tuple[int, tuple[int, ...]], ...]) -> Lending:
-        return Lending(tuple((self.loan(peer), kv_slices) for peer, kv_slices in parts))
+        here = dist.get_rank(self.group)
+        loans = tuple((self.loan(here, peer), kv_slices) for peer, kv_slices in parts)
+        return Lending(loans, self.chunks_ahead)
 
-    def server(self, serve: tuple[LoanRequest, ...], backend: Backend) -> LoanServer | None:
-        """A pass's `LoanServer` (None: the pass serves nothing)."""
-        return LoanServer(serve, self.loan, backend) if serve else None
+
+def exchange_loan(
+    lender: int,
+    server: int,
+    group: dist.ProcessGroup | None,
+    downward_group: dist.ProcessGroup | None,
+    timeout: timedelta = DEFAULT_LOAN_TIMEOUT,
+) -> AttentionLoan:
+    """The loan between two ranks of `group` for a lending from `lender` to `server`, as this
+    rank (one of the two) sees it: on `downward_group` when the server is the lower rank."""
+    peer = server if dist.get_rank(group) == lender else lender
+    downward = server < lender and downward_group is not None
+    return AttentionLoan(peer, downward_group if downward else group, timeout)
 
 
 def _layer_count_error(ran: int, planned: int) -> RuntimeError:
@@ -120,26 +138,23 @@ def _layer_count_error(ran: int, planned: int) -> RuntimeError:
     )
 
 
-class _ServeInBackward(torch.autograd.Function):
-    """Identity on a layer's attention output; its backward starts the pass's serving (the
-    first call a backward pass reaches)."""
+class _NotifyInBackward(torch.autograd.Function):
+    """Identity on a layer's attention output; its backward calls `notify` (the first such call
+    is the backward pass's first attention layer)."""
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        out_BHSD: Tensor,
-        server: LoanServer,
-        scale: float,
+        ctx: torch.autograd.function.FunctionCtx, out_BHSD: Tensor, notify: Callable[[], None]
     ) -> Tensor:
-        ctx.server, ctx.scale = server, scale
+        ctx.notify = notify
         return out_BHSD.view_as(out_BHSD)
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out_BHSD: Tensor
-    ) -> tuple[Tensor, None, None]:
-        ctx.server.start(ctx.scale)
-        return grad_out_BHSD, None, None
+    ) -> tuple[Tensor, None]:
+        ctx.notify()
+        return grad_out_BHSD, None
 
 
 class _DropGradient(torch.autograd.Function):
@@ -155,17 +170,13 @@ class _DropGradient(torch.autograd.Function):
 
 
 class ContextExchangeAttention:
-    """AttentionContext of one slice whose forward or backward pass lends or serves attention
-    (see the module doc); otherwise it attends exactly as its `SliceAttention`."""
+    """AttentionContext of one slice whose forward or backward pass lends attention (see the
+    module doc); otherwise it attends exactly as its `SliceAttention`."""
 
     def __init__(self, slice_attention: LendingAttention, exchange: SliceExchange) -> None:
         self.slice_attention, self.exchange = slice_attention, exchange
         self.forward_calls = 0
-        backend = slice_attention.backend
-        self.forward_server = exchange.server(exchange.forward.serve, backend)
-        self.backward_server = exchange.server(exchange.backward.serve, backend)
-        """What the forward and the backward pass serve (None: nothing); the schedule's serving
-        actions wait for their last answers."""
+        self._backward_lending_started = False
 
     def __repr__(self) -> str:
         return f"ContextExchangeAttention({self.slice_attention!r})"
@@ -173,14 +184,15 @@ class ContextExchangeAttention:
     def attend(
         self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
     ) -> Tensor:
-        """The slice's attention output; lends what the plan gives the pass and answers the
-        requests waiting."""
+        """The slice's attention output, lending what the plan gives the pass."""
         sliced, exchange = self.slice_attention, self.exchange
         earlier, own = sliced.chunks(layer_id, k_BGSD, v_BGSD)
         recomputing = sliced.recomputing
         records_backward = torch.is_grad_enabled() and q_BHSD.requires_grad
         lend_forward = () if recomputing else exchange.forward.lend
         lend_backward = exchange.backward.lend if records_backward else ()
+        if lend_forward and self.forward_calls == 0 and exchange.lending_started is not None:
+            exchange.lending_started(False)
         # A recompute takes the same path as the forward it repeats, lent or not: activation
         # checkpointing hands its tensors to the original autograd node by position.
         if exchange.forward.lend or lend_backward:
@@ -193,11 +205,15 @@ class ContextExchangeAttention:
             out_BHSD = sliced.attention(q_BHSD, earlier, own, scale)
         if not recomputing:
             self.forward_calls += 1
-            if self.forward_server is not None:
-                self.forward_server.start(scale)
-        if records_backward and self.backward_server is not None:
-            out_BHSD = _ServeInBackward.apply(out_BHSD, self.backward_server, scale)
+        if lend_backward and exchange.lending_started is not None:
+            out_BHSD = _NotifyInBackward.apply(out_BHSD, self._backward_lending)
         return out_BHSD
+
+    def _backward_lending(self) -> None:
+        if not self._backward_lending_started:
+            self._backward_lending_started = True
+            assert self.exchange.lending_started is not None
+            self.exchange.lending_started(True)
 
     def check_forward_done(self, layers: int) -> None:
         """After the slice's forward: it ran the stage's `layers` attention layers, as the plan

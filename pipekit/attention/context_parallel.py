@@ -247,7 +247,8 @@ class _CommutatedAttention(torch.autograd.Function):
         loans = None
         if forward.parts:
             q_all, documents_all = _all_queries(queries, shards)
-            loans = post_loans(forward, q_all, _lendable(cache, settings), documents_all)
+            lendable = _lendable(cache, settings)
+            loans = post_loans(forward, q_all, lendable, documents_all, settings.scale)
         kept = [cache[i] for i in forward.kept(settings.lendable)] + cache[settings.lendable :]
         partials = [
             _partial(settings.backend, q, s, kept, settings.scale)
@@ -285,7 +286,8 @@ class _CommutatedAttention(torch.autograd.Function):
             cache = _cache(kv_tensors, settings.cache_shards)
             q_all, documents_all = _all_queries(queries, shards)
             merged = (torch.cat(grad_outs, dim=2), torch.cat(outs, dim=2), torch.cat(lses, dim=2))
-            loans = post_loans(backward, q_all, _lendable(cache, settings), documents_all, merged)
+            lendable = _lendable(cache, settings)
+            loans = post_loans(backward, q_all, lendable, documents_all, settings.scale, merged)
         own = range(settings.lendable, len(settings.cache_shards))
         kept = [*backward.kept(settings.lendable), *own]
         kv_grads = [torch.zeros_like(t) for t in kv_tensors]

@@ -56,8 +56,13 @@ __all__ = [
     "Lending",
     "LentChunk",
     "LoansInFlight",
+    "ReceivedLoan",
+    "answer_loan",
     "attention_with_lending",
     "post_loans",
+    "receive_lent_chunks",
+    "receive_loan",
+    "send_lent_chunks",
     "serve_attention_loan",
     "serve_attention_loan_backward",
 ]
@@ -135,13 +140,50 @@ def _ring_backend_and_scale(
     return ring_backend(chosen), 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
 
 
-def _header(q_BHSD: Tensor, lent: Sequence[LentChunk], documents: bool, backward: bool) -> Tensor:
-    """[backward, dtype, B, H, S, D, G, documents, chunks, K_1..K_c]."""
-    batch, heads, queries, head_dim = q_BHSD.shape
-    kv_heads = lent[0].k_BGKD.shape[1]
+def _chunks_header(lent: Sequence[LentChunk]) -> Tensor:
+    """[dtype, B, G, D, documents, chunks, K_1..K_c]."""
+    batch, kv_heads, _, head_dim = lent[0].k_BGKD.shape
     keys = [chunk.k_BGKD.shape[2] for chunk in lent]
-    fields = [backward, _DTYPES.index(q_BHSD.dtype), batch, heads, queries, head_dim, kv_heads]
-    return torch.tensor([*fields, documents, len(lent), *keys], dtype=torch.long)
+    documents = lent[0].document_ids_BK is not None
+    fields = [_DTYPES.index(lent[0].k_BGKD.dtype), batch, kv_heads, head_dim, documents]
+    return torch.tensor([*fields, len(lent), *keys], dtype=torch.long)
+
+
+def send_lent_chunks(loan: AttentionLoan, lent: Sequence[LentChunk]) -> list[dist.Work]:
+    """Send lent chunks (keys, values, document ids), led by a header with their shapes: inside
+    a request, or ahead of it (early KV exchange) as soon as they exist."""
+    header = _chunks_header(lent)
+    works = loan.send(torch.tensor([header.numel()]), header)
+    for chunk in lent:
+        works += loan.send(chunk.k_BGKD, chunk.v_BGKD)
+        if chunk.document_ids_BK is not None:
+            works += loan.send(chunk.document_ids_BK)
+    return works
+
+
+def receive_lent_chunks(loan: AttentionLoan) -> list[LentChunk]:
+    """Receive what `send_lent_chunks` sent."""
+    header = _receive_header(loan)
+    dtype_index, batch, kv_heads, head_dim, documents, count = (int(x) for x in header[:6])
+    chunks = []
+    for keys in header[6 : 6 + count].tolist():
+        shape = (batch, kv_heads, keys, head_dim)
+        k_BGKD, v_BGKD = (torch.empty(shape, dtype=_DTYPES[dtype_index]) for _ in "kv")
+        loan.receive(k_BGKD, v_BGKD)
+        document_ids_BK = None
+        if documents:
+            document_ids_BK = torch.empty(batch, keys, dtype=torch.long)
+            loan.receive(document_ids_BK)
+        chunks.append(LentChunk(k_BGKD, v_BGKD, document_ids_BK))
+    return chunks
+
+
+def _receive_header(loan: AttentionLoan) -> Tensor:
+    size = torch.empty(1, dtype=torch.long)
+    loan.receive(size)
+    header = torch.empty(int(size), dtype=torch.long)
+    loan.receive(header)
+    return header
 
 
 def _send_request(
@@ -149,16 +191,21 @@ def _send_request(
     q_BHSD: Tensor,
     lent: Sequence[LentChunk],
     q_document_ids_BS: Tensor | None,
+    scale: float,
     backward: bool,
+    chunks_ahead: bool,
 ) -> list[dist.Work]:
-    header = _header(q_BHSD, lent, q_document_ids_BS is not None, backward)
-    works = loan.send(torch.tensor([header.numel()]), header, q_BHSD)
-    for chunk in lent:
-        works += loan.send(chunk.k_BGKD, chunk.v_BGKD)
-        if q_document_ids_BS is not None:
-            works += loan.send(chunk.document_ids_BK)
+    """[backward, dtype, B, H, S, D, documents, ahead], the scale, the query, its document ids,
+    then the lent chunks unless they were sent ahead."""
+    documents = q_document_ids_BS is not None
+    fields = [backward, _DTYPES.index(q_BHSD.dtype), *q_BHSD.shape, documents, chunks_ahead]
+    header = torch.tensor(fields, dtype=torch.long)
+    works = loan.send(torch.tensor([header.numel()]), header)
+    works += loan.send(torch.tensor([scale], dtype=torch.float64), q_BHSD)
     if q_document_ids_BS is not None:
         works += loan.send(q_document_ids_BS)
+    if not chunks_ahead:
+        works += send_lent_chunks(loan, lent)
     return works
 
 
@@ -168,61 +215,83 @@ def _wait(works: Sequence[dist.Work]) -> None:
 
 
 @dataclass
-class _Request:
+class ReceivedLoan:
+    """A request as a server received it (`receive_loan`): the query, the lent chunks with the
+    query's masks against them, the softmax scale and the kind."""
+
     q_BHSD: Tensor
     chunks: list[KVChunk]
+    scale: float
+    backward: bool
 
 
-def _receive_request(loan: AttentionLoan, backward: bool) -> _Request:
-    size = torch.empty(1, dtype=torch.long)
-    loan.receive(size)
-    header = torch.empty(int(size), dtype=torch.long)
-    loan.receive(header)
-    is_backward, dtype_index, batch, heads, queries, head_dim, kv_heads, documents, count = (
-        int(x) for x in header[:9]
+def receive_loan(
+    loan: AttentionLoan, backward: bool, chunks_ahead: list[LentChunk] | None = None
+) -> ReceivedLoan:
+    """Receive `loan.peer`'s next request, a forward or a backward one as `backward` says
+    (`chunks_ahead`: its lent chunks, received before it with `receive_lent_chunks`)."""
+    header = _receive_header(loan)
+    is_backward, dtype_index, batch, heads, queries, head_dim, documents, ahead = (
+        int(x) for x in header[:8]
     )
-    if bool(is_backward) != backward:
+    if bool(is_backward) != backward or bool(ahead) != (chunks_ahead is not None):
+        kinds = ("backward" if is_backward else "forward", "backward" if backward else "forward")
+        where = ("ahead" if ahead else "inside", "ahead" if chunks_ahead is not None else "inside")
         raise RuntimeError(
-            f"attention loan: a {'backward' if is_backward else 'forward'} request arrived where "
-            f"a {'backward' if backward else 'forward'} one was expected; the two ranks' plans "
+            f"attention loan: a {kinds[0]} request with its chunks sent {where[0]} arrived where "
+            f"a {kinds[1]} one with its chunks {where[1]} was expected; the two ranks' plans "
             "disagree"
         )
-    dtype = _DTYPES[dtype_index]
-    q_BHSD = torch.empty(batch, heads, queries, head_dim, dtype=dtype)
-    loan.receive(q_BHSD)
-    kv, kv_docs = [], []
-    for keys in header[9 : 9 + count].tolist():
-        k_BGKD, v_BGKD = (torch.empty(batch, kv_heads, keys, head_dim, dtype=dtype) for _ in "kv")
-        loan.receive(k_BGKD, v_BGKD)
-        kv.append((k_BGKD, v_BGKD))
-        if documents:
-            kv_docs.append(torch.empty(batch, keys, dtype=torch.long))
-            loan.receive(kv_docs[-1])
+    scale = torch.empty(1, dtype=torch.float64)
+    q_BHSD = torch.empty(batch, heads, queries, head_dim, dtype=_DTYPES[dtype_index])
+    loan.receive(scale, q_BHSD)
     q_docs = None
     if documents:
         q_docs = torch.empty(batch, queries, dtype=torch.long)
         loan.receive(q_docs)
+    lent = chunks_ahead if chunks_ahead is not None else receive_lent_chunks(loan)
     chunks = [
-        KVChunk(k, v, documents_or_all(q_docs, kv_docs[i] if documents else None))
-        for i, (k, v) in enumerate(kv)
+        KVChunk(c.k_BGKD, c.v_BGKD, documents_or_all(q_docs, c.document_ids_BK)) for c in lent
     ]
-    return _Request(q_BHSD, chunks)
+    return ReceivedLoan(q_BHSD, chunks, float(scale), backward)
+
+
+def answer_loan(
+    loan: AttentionLoan, received: ReceivedLoan, backend: str | AttentionBackend = "auto"
+) -> None:
+    """Compute and send the answer to a received request: forward `(out, lse)` over the lent
+    chunks; backward (after receiving `dO`, `O`, lse) `dQ` and each lent chunk's `dK`, `dV`."""
+    kind = "backward" if received.backward else "forward"
+    with record_function(f"exchange: serve {kind} for rank {loan.peer}"):
+        if received.backward:
+            _answer_backward(loan, received, backend)
+        else:
+            _answer_forward(loan, received, backend)
 
 
 def serve_attention_loan(
-    loan: AttentionLoan, scale: float | None = None, backend: str | AttentionBackend = "auto"
+    loan: AttentionLoan,
+    backend: str | AttentionBackend = "auto",
+    chunks_ahead: list[LentChunk] | None = None,
 ) -> None:
     """Answer one forward request of `loan.peer`: its query's `(out, lse)` over the lent
-    chunks."""
-    with record_function(f"exchange: serve forward for rank {loan.peer}"):
-        _serve_forward(loan, scale, backend)
+    chunks (`chunks_ahead`: received before the request, `receive_lent_chunks`)."""
+    answer_loan(loan, receive_loan(loan, False, chunks_ahead), backend)
 
 
-def _serve_forward(
-    loan: AttentionLoan, scale: float | None, backend: str | AttentionBackend
+def serve_attention_loan_backward(
+    loan: AttentionLoan,
+    backend: str | AttentionBackend = "auto",
+    chunks_ahead: list[LentChunk] | None = None,
 ) -> None:
-    request = _receive_request(loan, backward=False)
-    chosen, scale = _ring_backend_and_scale(backend, scale, request.q_BHSD)
+    """Answer one backward request of `loan.peer`: `dQ` and each lent chunk's `dK`, `dV`."""
+    answer_loan(loan, receive_loan(loan, True, chunks_ahead), backend)
+
+
+def _answer_forward(
+    loan: AttentionLoan, request: ReceivedLoan, backend: str | AttentionBackend
+) -> None:
+    chosen, scale = _ring_backend_and_scale(backend, request.scale, request.q_BHSD)
     with torch.no_grad():
         out_BHSD, lse_BHS = merge_attention(
             [
@@ -233,23 +302,14 @@ def _serve_forward(
     _wait(loan.send(out_BHSD, lse_BHS))
 
 
-def serve_attention_loan_backward(
-    loan: AttentionLoan, scale: float | None = None, backend: str | AttentionBackend = "auto"
+def _answer_backward(
+    loan: AttentionLoan, request: ReceivedLoan, backend: str | AttentionBackend
 ) -> None:
-    """Answer one backward request of `loan.peer`: `dQ` and each lent chunk's `dK`, `dV`."""
-    with record_function(f"exchange: serve backward for rank {loan.peer}"):
-        _serve_backward(loan, scale, backend)
-
-
-def _serve_backward(
-    loan: AttentionLoan, scale: float | None, backend: str | AttentionBackend
-) -> None:
-    request = _receive_request(loan, backward=True)
     q_BHSD = request.q_BHSD
     grad_out_BHSD, out_BHSD = _buffer(q_BHSD), _buffer(q_BHSD)
     lse_BHS = torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD))
     loan.receive(grad_out_BHSD, out_BHSD, lse_BHS)
-    chosen, scale = _ring_backend_and_scale(backend, scale, q_BHSD)
+    chosen, scale = _ring_backend_and_scale(backend, request.scale, q_BHSD)
     grad_q_BHSD, kv_grads = ring_backward(
         chosen,
         grad_out_BHSD,
@@ -268,6 +328,9 @@ class Lending:
     the lendable chunks, disjoint); the chunks of no part are computed here."""
 
     parts: tuple[tuple[AttentionLoan, tuple[int, ...]], ...] = ()
+    chunks_ahead: bool = False
+    """The lent chunks went to the peers before the call (`send_lent_chunks`), so the requests
+    carry only the query (early KV exchange)."""
 
     def kept(self, count: int) -> list[int]:
         """Indices of the lendable chunks this rank computes itself."""
@@ -309,15 +372,17 @@ def post_loans(
     q_BHSD: Tensor,
     lendable: Sequence[LentChunk],
     q_document_ids_BS: Tensor | None,
+    scale: float,
     backward: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> LoansInFlight:
-    """Send each peer its request (the query and its lent chunks; in backward also `(dO, O,
-    lse)`, the merged output's) and post the receives of every answer, so the peers compute
-    while this rank does its own chunks."""
+    """Send each peer its request (the query, the softmax scale and its lent chunks unless they
+    went ahead; in backward also `(dO, O, lse)`, the merged output's) and post the receives of
+    every answer, so the peers compute while this rank does its own chunks."""
     sends = []
     for loan, indices in lending.parts:
         lent = [lendable[i] for i in indices]
-        sends += _send_request(loan, q_BHSD, lent, q_document_ids_BS, backward is not None)
+        request = (q_document_ids_BS, scale, backward is not None, lending.chunks_ahead)
+        sends += _send_request(loan, q_BHSD, lent, *request)
         if backward is not None:
             sends += loan.send(*backward)
     if backward is None:
@@ -358,7 +423,7 @@ class _LentAttention(torch.autograd.Function):
         q_docs, lendable_docs = documents
         local_kv, lendable_kv = kv_tensors[: 2 * num_local], kv_tensors[2 * num_local :]
         lendable = _lent_chunks(lendable_kv, lendable_docs)
-        loans = post_loans(forward, q_BHSD, lendable, q_docs)
+        loans = post_loans(forward, q_BHSD, lendable, q_docs, scale)
         here = list(zip(local_kv[0::2], local_kv[1::2], local_masks, strict=True))
         here += [_with_mask(q_docs, lendable[i]) for i in forward.kept(len(lendable))]
         partials = [backend.forward_chunk(q_BHSD, k, v, mask, scale) for k, v, mask in here]
@@ -379,7 +444,8 @@ class _LentAttention(torch.autograd.Function):
         q_docs, lendable_docs = ctx.documents
         local_kv, lendable_kv = kv_tensors[: 2 * ctx.num_local], kv_tensors[2 * ctx.num_local :]
         lendable = _lent_chunks(lendable_kv, lendable_docs)
-        loans = post_loans(backward, q_BHSD, lendable, q_docs, (grad_out_BHSD, out_BHSD, lse_BHS))
+        merged = (grad_out_BHSD, out_BHSD, lse_BHS)
+        loans = post_loans(backward, q_BHSD, lendable, q_docs, ctx.scale, merged)
         kept = backward.kept(len(lendable))
         here = list(zip(local_kv[0::2], local_kv[1::2], ctx.local_masks, strict=True))
         here += [_with_mask(q_docs, lendable[i]) for i in kept]

@@ -128,6 +128,11 @@ class ChunkedKVCache:
             for tensor in (slices[slice_index].k_BGSD, slices[slice_index].v_BGSD)
         ]
 
+    def layer_slices(self, microbatch: int) -> list[tuple[str, list[CachedSlice]]]:
+        """Per attention layer, in the order the forward runs them, the slices of `microbatch`
+        cached so far (what context exchange sends ahead of a lending pass)."""
+        return [(layer, slices) for (layer, mb), slices in self._slices.items() if mb == microbatch]
+
     def clear(self) -> None:
         """Drop everything (end of a step, or after a forward-only pass)."""
         self._slices.clear()

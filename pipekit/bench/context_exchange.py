@@ -205,7 +205,21 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
     print_step_breakdown(
         [rank["recorded"] for rank in ranks], options.pp, options.microbatches, options.slices
     )
+    exchanged = [rank["recorded"]["sliced+exchange"] for rank in ranks]
+    passes = sum(record["ahead_passes"] for record in exchanged)
+    served = sum(record["ahead_served"] for record in exchanged)
+    posted_ms = 1000 * sum(record["ahead_posted_s"] for record in exchanged) / max(passes, 1)
+    held_ms = 1000 * sum(record["ahead_held_s"] for record in exchanged) / max(served, 1)
+    held_min_ms = 1000 * min(record["ahead_held_min_s"] for record in exchanged)
+    mib = sum(record["ahead_bytes"] for record in exchanged) / 2**20
+    print(
+        f"\nearly KV exchange (recorded step, all ranks): {passes} lending passes sent {mib:.3g} "
+        f"MiB of chunks ahead, posted a mean {posted_ms:.4g} ms before the pass began; the "
+        f"serving threads held them a mean {held_ms:.4g} ms (least {held_min_ms:.3g} ms) before "
+        "the first request came"
+    )
     return {
+        "ahead_held_ms": held_ms,
         "measured_speedup": medians["sliced"] / medians["sliced+exchange"],
         "vs_1f1b": medians["1F1B"] / medians["sliced+exchange"],
         "sliced_vs_1f1b": medians["1F1B"] / medians["sliced"],

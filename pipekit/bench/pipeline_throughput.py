@@ -41,6 +41,7 @@ from pipekit.bench._pipeline_launch import (
     synthetic_batch,
 )
 from pipekit.bench._report import print_result, print_table
+from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
@@ -146,7 +147,16 @@ def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) 
     step_s = time.perf_counter() - recorder.origin
     _zero_gradients(runner)
     compute_s = sum(event.end - event.start for event in recorder.events)
-    return {"step_s": step_s, "compute_s": compute_s, "actions": len(recorder.events)}
+    figures = {"step_s": step_s, "compute_s": compute_s, "actions": len(recorder.events)}
+    exchange = runner.extension("context_exchange")
+    if isinstance(exchange, PipelineContextExchange):  # early KV exchange
+        figures["ahead_passes"] = len(exchange.ahead_sends)
+        figures["ahead_posted_s"] = sum(sent.lead_s for sent in exchange.ahead_sends)
+        figures["ahead_bytes"] = sum(sent.nbytes for sent in exchange.ahead_sends)
+        figures["ahead_held_s"] = sum(exchange.chunk_leads_s)
+        figures["ahead_served"] = len(exchange.chunk_leads_s)
+        figures["ahead_held_min_s"] = min(exchange.chunk_leads_s, default=float("nan"))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -125,6 +125,9 @@ def build_pipeline(
             PipelineContextExchange(
                 new_group_along(mesh, "pp"),
                 blocks_per_stage(plan.structure, plan.module_names_per_stage),
+                downward_group=new_group_along(mesh, "pp"),
+                chunks_ahead=plan.context_parallel == 1,  # cp lends chunks it builds itself
+                backend=setup.attention_backend,
                 timeout=setup.collective_timeout,
             )
         )

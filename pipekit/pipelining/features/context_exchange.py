@@ -7,83 +7,139 @@ ranks agree) and, for each unit a stage runs, wraps the slice's KV-cache attenti
 passes lend which earlier KV slices to, and which peers' requests they serve.
 
 A lending pass sends one request per attention layer (a forward or a backward request as the
-pass is). The serving pass answers them on helper threads as they arrive (`LoanServer`), so
-neither it nor the lender waits for the other's layers, and the server goes on with its next
-passes while the lender finishes. A serving action the extension adds
-(`Action(stage, SERVE_AFTER_FORWARD or SERVE_AFTER_BACKWARD, unit)`) waits for the last answer
-just before the rank's next pass that lends or serves, or at the end of the step. The threads
-answer also while the rank waits for other ranks (the last stage's loss joins an output pass
-under vocabulary parallelism, which the lender may reach only after its lending pass).
+pass is). Every serving pass answers on helper threads that start with the step and answer as
+the requests arrive (`LoanServer`), each peer's passes in turn (`ServingChain`); so neither the
+server nor the lender waits for the other's layers, and the server goes on with its next passes
+while the lender finishes. Lendings to higher ranks travel on `group` and those to lower ranks
+on `downward_group`, so a rank's own lending never mixes its messages with its threads' answers.
+A serving action the extension adds (`Action(stage, SERVE_AFTER_FORWARD or
+SERVE_AFTER_BACKWARD, unit)`) waits for the last answers, at the end of the step.
 
-**Deadlock-free by construction.** The exchange group carries nothing else, and the plan pairs
+**Early KV exchange** (SlimPipe §5). A giver lends its earliest KV slices, produced passes ago.
+With `chunks_ahead` a sending action (`Action(stage, SEND_AHEAD_FORWARD or SEND_AHEAD_BACKWARD,
+unit)`) posts every layer's lent chunks of a lending pass as soon as they may go: right after the
+later of the forward that produced the newest of them and the rank's previous lending pass to
+the same peers (the peer's threads read each lender's messages in the rank's order). The sends
+are non-blocking: the chunks travel while the rank computes the passes in between, and the
+lending pass sends only its queries. `ahead_sends` records how long before each lending pass
+its chunks were posted, `chunk_leads_s` how long the serving threads had held them when the
+first request came.
+
+**Deadlock-free by construction.** The exchange groups carry nothing else, and the plan pairs
 only passes of one lockstep moment: passes no dependency orders, so neither waits, through the
-pipeline's sends, for the other to finish. Within a moment a rank either lends or serves, never
-both. A lender waits only for answers, and sends its next request after the answer to its last;
-a server's threads wait only for the requests of its moment's lenders, and the server waits for
-its threads only before its next exchanging pass, of a later moment. The lenders' passes depend
-on nothing of a later moment, so that wait ends. If a peer dies, the waiting rank's receive
-times out with an error naming the pair.
+pipeline's sends, for the other to finish. A lender waits only for answers to requests it has
+sent, and every message before them to that peer was sent earlier (the early chunks included).
+A serving thread waits only for its peer's messages, in the order the peer sends them, and for
+the previous thread of that peer, which reads the messages before. The rank's passes never wait
+for its threads before the end of the step. If a peer dies, the waiting rank's receive times
+out with an error naming the pair.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
 
 import torch.distributed as dist
+from tensordict import TensorDict
+from torch import Tensor
 
+from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.context import AttentionContext
 from pipekit.attention.context_exchange import (
     ContextExchangeAttention,
     PassExchange,
     SliceExchange,
+    exchange_loan,
 )
-from pipekit.attention.exchange import DEFAULT_LOAN_TIMEOUT
-from pipekit.attention.loan_server import LoanRequest, LoanServer
-from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action
+from pipekit.attention.exchange import (
+    DEFAULT_LOAN_TIMEOUT,
+    AttentionLoan,
+    LentChunk,
+    send_lent_chunks,
+)
+from pipekit.attention.kv_cache import ChunkedKVCache, SliceAttention
+from pipekit.attention.loan_server import LoanRequest, LoanServer, ServingChain
+from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action, ComputationType
 from pipekit.pipelining.features.exchange_plan import ExchangePlan, plan_context_exchange
 from pipekit.pipelining.runtime.extension import PipelineExtension
+from pipekit.pipelining.schedules.units import unit_index, unit_microbatch_and_slice
 
 __all__ = [
+    "SEND_AHEAD_BACKWARD",
+    "SEND_AHEAD_FORWARD",
     "SERVE_AFTER_BACKWARD",
     "SERVE_AFTER_FORWARD",
+    "AheadSend",
     "ExchangeComputation",
     "PipelineContextExchange",
 ]
 
 
 class ExchangeComputation(str, Enum):
-    """pipekit's action types for answering a serving pass's remaining requests after it:
-    `Action(stage, SERVE_AFTER_FORWARD, unit)` follows the unit's forward on that stage."""
+    """pipekit's action types for the exchange. `Action(stage, SERVE_AFTER_FORWARD, unit)`
+    waits for the answers of the unit's serving forward on that stage (at the end of the step);
+    `Action(stage, SEND_AHEAD_FORWARD, unit)` sends the chunks its lending forward lends, ahead
+    of it (early KV exchange)."""
 
     SERVE_AFTER_FORWARD = "SVF"
     SERVE_AFTER_BACKWARD = "SVB"
+    SEND_AHEAD_FORWARD = "KVF"
+    SEND_AHEAD_BACKWARD = "KVB"
 
 
 SERVE_AFTER_FORWARD = ExchangeComputation.SERVE_AFTER_FORWARD
 SERVE_AFTER_BACKWARD = ExchangeComputation.SERVE_AFTER_BACKWARD
+SEND_AHEAD_FORWARD = ExchangeComputation.SEND_AHEAD_FORWARD
+SEND_AHEAD_BACKWARD = ExchangeComputation.SEND_AHEAD_BACKWARD
 _SERVE_AFTER = {FORWARD: SERVE_AFTER_FORWARD, BACKWARD: SERVE_AFTER_BACKWARD}
+_SEND_AHEAD = {FORWARD: SEND_AHEAD_FORWARD, BACKWARD: SEND_AHEAD_BACKWARD}
+_PASS_OF = {
+    kind: pass_kind
+    for pass_kind in (FORWARD, BACKWARD)
+    for kind in (_SERVE_AFTER[pass_kind], _SEND_AHEAD[pass_kind])
+}
+
+
+@dataclass(frozen=True)
+class AheadSend:
+    """One lending pass's chunks sent ahead: how long before the pass reached its first
+    attention call they were posted, and their bytes."""
+
+    action: Action
+    lead_s: float
+    nbytes: int
 
 
 class PipelineContextExchange(PipelineExtension):
     """This rank's share of the context exchange of a pipeline schedule.
 
-    `group`: the pipeline ranks, a group of their own (the exchange's receives must never
-    queue behind the stages' sends). `layers_per_stage`: attention layers of every stage, all
-    ranks' (the servers need the lenders' counts). `backward_ratio`: a backward slice's cost in
-    forward slices, for the balance. `drop_remote_kv_grads`: for the ablation test only.
+    `group` and `downward_group`: the pipeline ranks, two groups of their own (the exchange's
+    receives must never queue behind the stages' sends; lendings to higher ranks use the first,
+    to lower ranks the second). `layers_per_stage`: attention layers of every stage, all ranks'
+    (the servers need the lenders' counts). `chunks_ahead`: early KV exchange (see the module
+    doc; off under context parallelism, whose lent chunks are built inside the attention).
+    `backend`: the attention backend the serving threads compute with. `backward_ratio`: a
+    backward slice's cost in forward slices, for the balance. `drop_remote_kv_grads`: for the
+    ablation test only.
     """
 
     name = "context_exchange"
-    action_types = (SERVE_AFTER_FORWARD, SERVE_AFTER_BACKWARD)
+    action_types = tuple(ExchangeComputation)
 
     def __init__(
         self,
         group: dist.ProcessGroup | None,
         layers_per_stage: Mapping[int, int],
         *,
+        downward_group: dist.ProcessGroup | None,
+        chunks_ahead: bool = True,
+        backend: str | AttentionBackend = "auto",
         backward_ratio: float = 2.0,
         timeout: timedelta = DEFAULT_LOAN_TIMEOUT,
         drop_remote_kv_grads: bool = False,
@@ -94,13 +150,29 @@ class PipelineContextExchange(PipelineExtension):
                 f"context exchange: stages {empty} hold no attention layer; every stage must "
                 "hold one (change the stage split) or set context_exchange = false"
             )
-        self.group, self.layers_per_stage = group, dict(layers_per_stage)
-        self.backward_ratio, self.timeout = backward_ratio, timeout
-        self.drop_remote_kv_grads = drop_remote_kv_grads
+        if downward_group is group:
+            raise ValueError(
+                "context exchange: give downward_group a group of its own (a second "
+                "dist.new_group over the pipeline ranks), not the exchange group"
+            )
+        self.group, self.downward_group = group, downward_group
+        self.layers_per_stage = dict(layers_per_stage)
+        self.chunks_ahead, self.backward_ratio = chunks_ahead, backward_ratio
+        self.backend = backend
+        self.timeout, self.drop_remote_kv_grads = timeout, drop_remote_kv_grads
         self.plan: ExchangePlan | None = None
+        self.ahead_sends: list[AheadSend] = []
+        """This step's lending passes whose chunks went ahead, as each pass began."""
+        self.chunk_leads_s: list[float] = []
+        """This step's serving passes' chunks sent ahead: how long they had been received when
+        the lender's first request arrived."""
         self._exchanges: dict[tuple[int, int], SliceExchange] = {}
+        self._serving: list[tuple[Action, tuple[LoanRequest, ...]]] = []
+        self._lending: dict[Action, tuple[tuple[int, tuple[int, ...]], ...]] = {}
         self._servers: dict[Action, LoanServer] = {}
-        """This step's serving passes that have started, by their serving action."""
+        self._chain = ServingChain()
+        self._caches: dict[int, ChunkedKVCache] = {}
+        self._ahead: dict[Action, tuple[float, list[dist.Work], int]] = {}
 
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
         """Plan over every rank's compute lists and keep this rank's slice exchanges."""
@@ -112,24 +184,31 @@ class PipelineContextExchange(PipelineExtension):
                 "stage's attention layer count"
             )
         self.plan = plan_context_exchange(actions_by_rank, num_slices, self.backward_ratio)
+        self.num_slices = num_slices
         rank = dist.get_rank(self.group)
         passes: dict[Action, PassExchange] = defaultdict(PassExchange)
-        for action, parts in self.plan.lendings(rank).items():
-            passes[action] = PassExchange(lend=tuple(parts))
-        for action, sources in self.plan.servings(rank).items():
+        self._lending = {action: tuple(parts) for action, parts in self.plan.lendings(rank).items()}
+        for action, parts in self._lending.items():
+            passes[action] = PassExchange(lend=parts)
+        servings = self.plan.servings(rank)
+        for action, sources in servings.items():
             requests = tuple(
-                LoanRequest(source, a.computation_type == BACKWARD)
+                LoanRequest(source, a.computation_type == BACKWARD, self.chunks_ahead)
                 for source, a in sources
                 for _ in range(self.layers_per_stage[a.stage_index])
             )
             passes[action] = PassExchange(passes[action].lend, requests)
+        self._serving = [(a, passes[a].serve) for a in actions_by_rank[rank] if a in servings]
         self._exchanges = {}
         for stage, unit in {(a.stage_index, a.microbatch_index) for a in passes}:
             self._exchanges[stage, unit] = SliceExchange(
                 passes[Action(stage, FORWARD, unit)],
                 passes[Action(stage, BACKWARD, unit)],
                 self.group,
+                self.downward_group,
                 self.timeout,
+                self.chunks_ahead,
+                functools.partial(self._lending_started, stage, unit),
                 self.drop_remote_kv_grads,
             )
 
@@ -140,43 +219,58 @@ class PipelineContextExchange(PipelineExtension):
     def extra_actions(
         self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int
     ) -> dict[int, list[tuple[int, Action]]]:
-        """For every serving pass, the action that waits for its last answers: just before the
-        rank's next pass that lends or serves (its messages must not mix with the answers'), or
-        at the end of the step; the passes between run beside the answering."""
+        """Every serving pass's wait for its answers, at the end of the step (nothing the rank
+        runs later mixes with the answers: see the module doc); with early KV exchange, every
+        lending pass's sending ahead, as early as its messages may go."""
         assert self.plan is not None, "prepare runs first"
         placed: dict[int, list[tuple[int, Action]]] = {}
         for rank, actions in actions_by_rank.items():
-            servings = self.plan.servings(rank)
-            exchanging = self.plan.lendings(rank).keys() | servings.keys()
-            indices = [index for index, action in enumerate(actions) if action in exchanging]
-            placed[rank] = [
-                (next_index, _serve_after(actions[index]))
-                for index, next_index in zip(indices, [*indices[1:], len(actions)], strict=True)
-                if actions[index] in servings
-            ]
+            ends = [(len(actions), _retyped(a, _SERVE_AFTER)) for a in self.plan.servings(rank)]
+            ahead = _ahead_sends(actions, self.plan.lendings(rank), num_slices)
+            placed[rank] = (ahead if self.chunks_ahead else []) + sorted(ends, key=str)
         return placed
 
+    def begin_step(
+        self, units: Sequence[TensorDict], normaliser: Tensor | float
+    ) -> list[tuple[Tensor, ...]] | None:
+        """Start answering: every serving pass's threads, each peer's in the order of the passes
+        (they wait for the requests; the rank's passes never wait for them)."""
+        self.ahead_sends, self.chunk_leads_s = [], []
+        for action, requests in self._serving:
+            server = LoanServer(requests, self._server_loan, self.backend, self._chain)
+            self._servers[_retyped(action, _SERVE_AFTER)] = server
+            server.start()
+        return None
+
     def run_action(self, action: Action, context: object) -> None:
-        """A serving action: wait until its pass's requests are answered (none when the pass
-        did not serve: a forward without a backward lends and serves nothing)."""
+        """A serving action waits until its pass's requests are answered; a sending-ahead action
+        sends its lending pass's chunks, every layer's, in the order the pass calls them."""
+        kind = action.computation_type
+        if kind in (SEND_AHEAD_FORWARD, SEND_AHEAD_BACKWARD):
+            self._send_ahead(Action(action.stage_index, _PASS_OF[kind], action.microbatch_index))
+            return
         server = self._servers.pop(action, None)
         if server is not None:
             server.finish()
+            self.chunk_leads_s += server.chunk_leads_s
 
     def stage_context(
         self, stage_index: int, unit: int, training: bool, context: AttentionContext
     ) -> AttentionContext:
-        """The unit's KV-cache context, lending or serving attention as the plan says (training
-        forwards only: an inference forward has no backward to pair with)."""
+        """The unit's KV-cache context, lending attention as the plan says (training forwards
+        only: an inference forward has no backward to pair with)."""
+        if isinstance(context, SliceAttention):
+            self._caches[stage_index] = context.cache
         exchange = self.slice_exchange(stage_index, unit) if training else None
-        if exchange is None:
+        if exchange is None or not (exchange.forward.lend or exchange.backward.lend):
             return context
-        wrapped = ContextExchangeAttention(context, exchange)
-        servers = {FORWARD: wrapped.forward_server, BACKWARD: wrapped.backward_server}
-        for kind, server in servers.items():
-            if server is not None:
-                self._servers[_serve_after(Action(stage_index, kind, unit))] = server
-        return wrapped
+        if self.chunks_ahead and not isinstance(context, SliceAttention):
+            raise ValueError(
+                "context exchange: early KV exchange sends the KV cache's slices, which this "
+                f"stage's attention ({type(context).__name__}) does not use; pass "
+                "chunks_ahead=False (context parallelism does)"
+            )
+        return ContextExchangeAttention(context, exchange)
 
     def after_forward(self, stage_index: int, unit: int, context: AttentionContext) -> None:
         """The forward ran the stage's planned number of attention layers."""
@@ -184,17 +278,93 @@ class PipelineContextExchange(PipelineExtension):
             context.check_forward_done(self.layers_per_stage[stage_index])
 
     def end_step(self) -> None:
-        """Every serving pass of the step was answered in full."""
+        """Every serving pass of the step was answered in full, every chunk sent ahead went."""
         unanswered = sorted(str(action) for action in self._servers)
         self._servers = {}
+        self._chain.clear()
+        for _, works, _ in self._ahead.values():
+            for work in works:
+                work.wait()
+        self._ahead = {}
         if unanswered:
             raise RuntimeError(
                 f"context exchange: serving actions {unanswered} never ran; the schedule must "
                 "keep the actions the exchange adds (pipeline_order_with_comms)"
             )
 
+    def _server_loan(self, peer: int) -> AttentionLoan:
+        """The loan a serving thread answers `peer` on (the peer lends to this rank)."""
+        here = dist.get_rank(self.group)
+        return exchange_loan(peer, here, self.group, self.downward_group, self.timeout)
 
-def _serve_after(action: Action) -> Action:
-    """The serving action that follows `action`."""
-    kind = _SERVE_AFTER[action.computation_type]
+    def _send_ahead(self, lending: Action) -> None:
+        """Post the sends of every layer's lent chunks of `lending` (non-blocking)."""
+        stage, (microbatch, _) = (
+            lending.stage_index,
+            unit_microbatch_and_slice(lending.microbatch_index, self.num_slices),
+        )
+        layers = self._caches[stage].layer_slices(microbatch)
+        if len(layers) != self.layers_per_stage[stage]:
+            raise RuntimeError(
+                f"context exchange: stage {stage} cached {len(layers)} attention layers, the plan "
+                f"has {self.layers_per_stage[stage]}; give the exchange the stage's real layer "
+                "count"
+            )
+        if lending.computation_type == BACKWARD:
+            layers = layers[::-1]
+        here = dist.get_rank(self.group)
+        exchange = self._exchanges[stage, lending.microbatch_index]
+        works: list[dist.Work] = []
+        nbytes = 0
+        for peer, kv_slices in self._lending[lending]:
+            loan = exchange.loan(here, peer)
+            for _, cached in layers:
+                lent = [
+                    LentChunk(c.k_BGSD, c.v_BGSD, c.document_ids_BS)
+                    for c in (cached[index] for index in kv_slices)
+                ]
+                nbytes += sum(c.k_BGKD.nbytes + c.v_BGKD.nbytes for c in lent)
+                works += send_lent_chunks(loan, lent)
+        self._ahead[lending] = (time.perf_counter(), works, nbytes)
+
+    def _lending_started(self, stage: int, unit: int, backward: bool) -> None:
+        """A lending pass reached its first attention call: note how long ago its chunks went."""
+        action = Action(stage, BACKWARD if backward else FORWARD, unit)
+        posted = self._ahead.get(action)
+        if posted is not None:
+            posted_at, _, nbytes = posted
+            self.ahead_sends.append(AheadSend(action, time.perf_counter() - posted_at, nbytes))
+
+
+def _retyped(action: Action, kinds: Mapping[ComputationType, ExchangeComputation]) -> Action:
+    """The exchange action of `action`'s pass: `kinds[its kind]`, same stage and unit."""
+    kind = kinds[action.computation_type]
     return Action(action.stage_index, kind, action.microbatch_index)
+
+
+def _ahead_sends(
+    actions: Sequence[Action],
+    lendings: Mapping[Action, Sequence[tuple[int, tuple[int, ...]]]],
+    num_slices: int,
+) -> list[tuple[int, Action]]:
+    """Where each lending pass sends its chunks ahead: right after the later of the forward that
+    produced its newest lent slice and the rank's previous lending pass to any of its peers
+    (messages to a peer must follow that pass's requests, in the order the peer's serving
+    threads read them)."""
+    index_of = {action: index for index, action in enumerate(actions)}
+    placed = []
+    last_lending_to: dict[int, int] = {}
+    for index, action in enumerate(actions):
+        parts = lendings.get(action)
+        if not parts:
+            continue
+        microbatch, _ = unit_microbatch_and_slice(action.microbatch_index, num_slices)
+        newest = max(max(kv_slices) for _, kv_slices in parts)
+        produced = index_of[
+            Action(action.stage_index, FORWARD, unit_index(microbatch, newest, num_slices))
+        ]
+        after = max([produced, *(last_lending_to.get(peer, -1) for peer, _ in parts)])
+        placed.append((after + 1, _retyped(action, _SEND_AHEAD)))
+        for peer, _ in parts:
+            last_lending_to[peer] = index
+    return placed
