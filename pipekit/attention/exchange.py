@@ -18,7 +18,11 @@ several peers at once (`Lending`: which chunks go to which peer). Messages go ov
 fixed order per pair. Sends are non-blocking (posted before the local work, waited on at the
 end); a lender posts the receives of all its peers' answers at once, before its local work, since
 a gloo or NCCL send may not complete until its receive is posted, and a server waits for its
-answer's send. A small header first carries the shapes, so the server needs no prior knowledge.
+answer's send. A small header first carries the shapes and the softmax scale, so the server
+needs no prior knowledge. The lent chunks may also go ahead of the request (`send_lent_chunks` as
+soon as they exist, `receive_lent_chunks` on the server; early KV exchange), so that only the
+query travels when the attention layer runs. A server may split its work in two: `receive_loan`,
+then `answer_loan`.
 
 The gradients use the ring identity (each chunk's kernel backward with the merged `O` and
 `lse`): the `cpu` backend provides `backward_chunk`, and FlexAttention (CUDA) gets one by
