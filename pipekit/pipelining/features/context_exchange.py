@@ -116,6 +116,20 @@ class AheadSend:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class _Posted:
+    """Sends of one lending pass's chunks, in flight until the pass has run."""
+
+    posted_at: float
+    works: list[dist.Work]
+    nbytes: int
+    peers: frozenset[int]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 class PipelineContextExchange(PipelineExtension):
     """This rank's share of the context exchange of a pipeline schedule.
 
@@ -172,7 +186,8 @@ class PipelineContextExchange(PipelineExtension):
         self._servers: dict[Action, LoanServer] = {}
         self._chain = ServingChain()
         self._caches: dict[int, ChunkedKVCache] = {}
-        self._ahead: dict[Action, tuple[float, list[dist.Work], int]] = {}
+        self._ahead: dict[Action, _Posted] = {}
+        self.num_slices = 1
 
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
         """Plan over every rank's compute lists and keep this rank's slice exchanges."""
@@ -227,7 +242,7 @@ class PipelineContextExchange(PipelineExtension):
         for rank, actions in actions_by_rank.items():
             ends = [(len(actions), _retyped(a, _SERVE_AFTER)) for a in self.plan.servings(rank)]
             ahead = _ahead_sends(actions, self.plan.lendings(rank), num_slices)
-            placed[rank] = (ahead if self.chunks_ahead else []) + sorted(ends, key=str)
+            placed[rank] = (ahead if self.chunks_ahead else []) + ends
         return placed
 
     def begin_step(
@@ -282,9 +297,8 @@ class PipelineContextExchange(PipelineExtension):
         unanswered = sorted(str(action) for action in self._servers)
         self._servers = {}
         self._chain.clear()
-        for _, works, _ in self._ahead.values():
-            for work in works:
-                work.wait()
+        for posted in self._ahead.values():
+            posted.wait()
         self._ahead = {}
         if unanswered:
             raise RuntimeError(
@@ -312,11 +326,17 @@ class PipelineContextExchange(PipelineExtension):
             )
         if lending.computation_type == BACKWARD:
             layers = layers[::-1]
+        parts = self._lending[lending]
+        peers = {peer for peer, _ in parts}
+        for earlier, posted in list(self._ahead.items()):
+            if posted.peers & peers:  # that lending pass ran before (placement): its chunks went
+                posted.wait()  # returns at once; frees the copies sent
+                del self._ahead[earlier]
         here = dist.get_rank(self.group)
         exchange = self._exchanges[stage, lending.microbatch_index]
         works: list[dist.Work] = []
         nbytes = 0
-        for peer, kv_slices in self._lending[lending]:
+        for peer, kv_slices in parts:
             loan = exchange.loan(here, peer)
             for _, cached in layers:
                 lent = [
@@ -325,15 +345,15 @@ class PipelineContextExchange(PipelineExtension):
                 ]
                 nbytes += sum(c.k_BGKD.nbytes + c.v_BGKD.nbytes for c in lent)
                 works += send_lent_chunks(loan, lent)
-        self._ahead[lending] = (time.perf_counter(), works, nbytes)
+        self._ahead[lending] = _Posted(time.perf_counter(), works, nbytes, frozenset(peers))
 
     def _lending_started(self, stage: int, unit: int, backward: bool) -> None:
         """A lending pass reached its first attention call: note how long ago its chunks went."""
         action = Action(stage, BACKWARD if backward else FORWARD, unit)
         posted = self._ahead.get(action)
         if posted is not None:
-            posted_at, _, nbytes = posted
-            self.ahead_sends.append(AheadSend(action, time.perf_counter() - posted_at, nbytes))
+            lead_s = time.perf_counter() - posted.posted_at
+            self.ahead_sends.append(AheadSend(action, lead_s, posted.nbytes))
 
 
 def _retyped(action: Action, kinds: Mapping[ComputationType, ExchangeComputation]) -> Action:
