@@ -124,6 +124,7 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
         "bubble_without",
         "bytes_vs_eq2",
         "makespan_ratio",
+        "ahead_held_ms",
         "measured_speedup",
         "vs_1f1b",
         "sliced_vs_1f1b",
