@@ -2,9 +2,10 @@
 
 `PipelineContextExchange` is a `PipelineExtension`. It plans the exchange over every rank's
 action lists (`prepare`: `plan_context_exchange`, the same pure function on every rank, so all
-ranks agree) and, for each unit a stage runs, wraps the slice's KV-cache attention context in a
-`ContextExchangeAttention` with that unit's `SliceExchange` (`stage_context`): which peers its
-passes lend which earlier KV slices to, and which peers' requests they serve.
+ranks agree). For each unit whose forward or backward lends, it wraps the slice's KV-cache
+attention context in a `ContextExchangeAttention` with that unit's `SliceExchange`
+(`stage_context`): which peers its passes lend which earlier KV slices to. The serving is the
+extension's own (below).
 
 A lending pass sends one request per attention layer (a forward or a backward request as the
 pass is). Every serving pass answers on helper threads that start with the step and answer as
