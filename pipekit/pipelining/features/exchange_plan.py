@@ -21,7 +21,8 @@ The plan, a pure function of the action lists:
   taker as far below it; so a moment ends with a spread of about one slice (one backward slice
   where backward passes give; at most one slice when all its passes are forwards).
 - **Early KV exchange.** A giver hands over its earliest KV slices (0, 1, ...), never its own
-  diagonal one: those were produced passes ago and can travel while earlier passes still compute.
+  diagonal one: those were produced passes ago and can travel while earlier passes still compute
+  (`PipelineContextExchange` sends them ahead of the lending pass).
 
 Legend: p ranks, m microbatches, n slices per sequence.
 """
