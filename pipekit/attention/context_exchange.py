@@ -30,9 +30,10 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk
-from pipekit.attention.exchange import DEFAULT_LOAN_TIMEOUT, AttentionLoan, Lending, LentChunk
+from pipekit.attention.exchange import Lending, LentChunk
 from pipekit.attention.kv_cache import CachedSlice
 from pipekit.attention.loan_server import LoanRequest
+from pipekit.attention.loan_wire import DEFAULT_LOAN_TIMEOUT, AttentionLoan
 
 __all__ = [
     "ContextExchangeAttention",

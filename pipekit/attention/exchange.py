@@ -18,11 +18,10 @@ several peers at once (`Lending`: which chunks go to which peer). Messages go ov
 fixed order per pair. Sends are non-blocking (posted before the local work, waited on at the
 end); a lender posts the receives of all its peers' answers at once, before its local work, since
 a gloo or NCCL send may not complete until its receive is posted, and a server waits for its
-answer's send. A small header first carries the shapes and the softmax scale, so the server
-needs no prior knowledge. The lent chunks may also go ahead of the request (`send_lent_chunks` as
-soon as they exist, `receive_lent_chunks` on the server; early KV exchange), so that only the
-query travels when the attention layer runs. A server may split its work in two: `receive_loan`,
-then `answer_loan`.
+answer's send. The messages themselves (headers with the shapes and the softmax scale, the
+lent chunks, which may also go ahead of the request for early KV exchange) are
+`pipekit.attention.loan_wire`'s. A server may split its work in two: `receive_loan`, then
+`answer_loan`.
 
 The gradients use the ring identity (each chunk's kernel backward with the merged `O` and
 `lse`): the `cpu` backend provides `backward_chunk`, and FlexAttention (CUDA) gets one by
@@ -34,10 +33,8 @@ Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,6 +49,16 @@ from pipekit.attention.backends import (
     select_backend,
 )
 from pipekit.attention.chunked import KVChunk, ring_backward
+from pipekit.attention.loan_wire import (
+    AttentionLoan,
+    LentChunk,
+    ReceivedLoan,
+    receive_lent_chunks,
+    receive_loan,
+    send_lent_chunks,
+    send_request,
+    wait_all,
+)
 from pipekit.attention.masks import MaskMod, documents_or_all
 from pipekit.attention.merge import merge_attention
 
@@ -71,67 +78,6 @@ __all__ = [
     "serve_attention_loan_backward",
 ]
 
-DEFAULT_LOAN_TIMEOUT = timedelta(minutes=10)
-"""How long a rank waits for an exchange peer before it reports the pair."""
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class LentChunk:
-    """Keys and values of an earlier KV slice, and its document ids (None: attend to all)."""
-
-    k_BGKD: Tensor
-    v_BGKD: Tensor
-    document_ids_BK: Tensor | None = None
-
-
-@dataclass(frozen=True)
-class AttentionLoan:
-    """Rank `peer` of `group` computes the lent part of this query's attention; a receive that
-    waits longer than `timeout` fails with an error naming the pair (a peer died, or the two
-    ranks' plans disagree)."""
-
-    peer: int
-    group: dist.ProcessGroup | None = None
-    timeout: timedelta = DEFAULT_LOAN_TIMEOUT
-
-    def send(self, *tensors: Tensor) -> list[dist.Work]:
-        """Non-blocking sends, in order; wait on the works before touching the tensors (a
-        blocking send could wait for a peer that is itself sending to us)."""
-        return [
-            dist.isend(tensor.contiguous(), group=self.group, group_dst=self.peer)
-            for tensor in tensors
-        ]
-
-    def receive(self, *tensors: Tensor) -> None:
-        """Blocking receives, in order."""
-        self.wait(self.post_receives(*tensors))
-
-    def post_receives(self, *tensors: Tensor) -> list[dist.Work]:
-        """Non-blocking receives; a lender posts every peer's at once, so no peer's answer
-        waits behind another's (a server's send may not complete before its receive is
-        posted)."""
-        return [dist.irecv(tensor, group=self.group, group_src=self.peer) for tensor in tensors]
-
-    def wait(self, works: Sequence[dist.Work]) -> None:
-        """Wait for receives from the peer, naming the pair if it fails or takes too long."""
-        start = time.monotonic()
-        for work in works:
-            try:
-                work.wait(timeout=self.timeout)
-            except RuntimeError as error:
-                here = dist.get_rank(self.group)
-                waited = time.monotonic() - start
-                why = (
-                    f"waited more than {self.timeout.total_seconds():g} s for rank {self.peer}"
-                    if waited >= self.timeout.total_seconds()
-                    else f"lost rank {self.peer} after {waited:.1f} s"
-                )
-                raise RuntimeError(
-                    f"context exchange: rank {here} of the exchange group {why}; that rank died "
-                    "or its exchange plan differs (build every rank's from the same schedule)"
-                ) from error
-
 
 def _ring_backend_and_scale(
     backend: str | AttentionBackend, scale: float | None, q_BHSD: Tensor, *tensors: Tensor
@@ -142,122 +88,6 @@ def _ring_backend_and_scale(
     if backend == "auto" and q_BHSD.device.type == "cpu" and not isinstance(chosen, RingBackend):
         chosen = get_backend("cpu")  # CPU FlexAttention has no backward to serve
     return ring_backend(chosen), 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
-
-
-def _chunks_header(lent: Sequence[LentChunk]) -> Tensor:
-    """[dtype, B, G, D, documents, chunks, K_1..K_c]."""
-    batch, kv_heads, _, head_dim = lent[0].k_BGKD.shape
-    keys = [chunk.k_BGKD.shape[2] for chunk in lent]
-    documents = lent[0].document_ids_BK is not None
-    fields = [_DTYPES.index(lent[0].k_BGKD.dtype), batch, kv_heads, head_dim, documents]
-    return torch.tensor([*fields, len(lent), *keys], dtype=torch.long)
-
-
-def send_lent_chunks(loan: AttentionLoan, lent: Sequence[LentChunk]) -> list[dist.Work]:
-    """Send lent chunks (keys, values, document ids), led by a header with their shapes: inside
-    a request, or ahead of it (early KV exchange) as soon as they exist."""
-    header = _chunks_header(lent)
-    works = loan.send(torch.tensor([header.numel()]), header)
-    for chunk in lent:
-        works += loan.send(chunk.k_BGKD, chunk.v_BGKD)
-        if chunk.document_ids_BK is not None:
-            works += loan.send(chunk.document_ids_BK)
-    return works
-
-
-def receive_lent_chunks(loan: AttentionLoan) -> list[LentChunk]:
-    """Receive what `send_lent_chunks` sent."""
-    header = _receive_header(loan)
-    dtype_index, batch, kv_heads, head_dim, documents, count = (int(x) for x in header[:6])
-    chunks = []
-    for keys in header[6 : 6 + count].tolist():
-        shape = (batch, kv_heads, keys, head_dim)
-        k_BGKD, v_BGKD = (torch.empty(shape, dtype=_DTYPES[dtype_index]) for _ in "kv")
-        loan.receive(k_BGKD, v_BGKD)
-        document_ids_BK = None
-        if documents:
-            document_ids_BK = torch.empty(batch, keys, dtype=torch.long)
-            loan.receive(document_ids_BK)
-        chunks.append(LentChunk(k_BGKD, v_BGKD, document_ids_BK))
-    return chunks
-
-
-def _receive_header(loan: AttentionLoan) -> Tensor:
-    size = torch.empty(1, dtype=torch.long)
-    loan.receive(size)
-    header = torch.empty(int(size), dtype=torch.long)
-    loan.receive(header)
-    return header
-
-
-def _send_request(
-    loan: AttentionLoan,
-    q_BHSD: Tensor,
-    lent: Sequence[LentChunk],
-    q_document_ids_BS: Tensor | None,
-    scale: float,
-    backward: bool,
-    chunks_ahead: bool,
-) -> list[dist.Work]:
-    """[backward, dtype, B, H, S, D, documents, ahead], the scale, the query, its document ids,
-    then the lent chunks unless they were sent ahead."""
-    documents = q_document_ids_BS is not None
-    fields = [backward, _DTYPES.index(q_BHSD.dtype), *q_BHSD.shape, documents, chunks_ahead]
-    header = torch.tensor(fields, dtype=torch.long)
-    works = loan.send(torch.tensor([header.numel()]), header)
-    works += loan.send(torch.tensor([scale], dtype=torch.float64), q_BHSD)
-    if q_document_ids_BS is not None:
-        works += loan.send(q_document_ids_BS)
-    if not chunks_ahead:
-        works += send_lent_chunks(loan, lent)
-    return works
-
-
-def _wait(works: Sequence[dist.Work]) -> None:
-    for work in works:
-        work.wait()
-
-
-@dataclass
-class ReceivedLoan:
-    """A request as a server received it (`receive_loan`): the query, the lent chunks with the
-    query's masks against them, the softmax scale and the kind."""
-
-    q_BHSD: Tensor
-    chunks: list[KVChunk]
-    scale: float
-    backward: bool
-
-
-def receive_loan(
-    loan: AttentionLoan, backward: bool, chunks_ahead: list[LentChunk] | None = None
-) -> ReceivedLoan:
-    """Receive `loan.peer`'s next request, a forward or a backward one as `backward` says
-    (`chunks_ahead`: its lent chunks, received before it with `receive_lent_chunks`)."""
-    header = _receive_header(loan)
-    is_backward, dtype_index, batch, heads, queries, head_dim, documents, ahead = (
-        int(x) for x in header[:8]
-    )
-    if bool(is_backward) != backward or bool(ahead) != (chunks_ahead is not None):
-        kinds = ("backward" if is_backward else "forward", "backward" if backward else "forward")
-        where = ("ahead" if ahead else "inside", "ahead" if chunks_ahead is not None else "inside")
-        raise RuntimeError(
-            f"attention loan: a {kinds[0]} request with its chunks sent {where[0]} arrived where "
-            f"a {kinds[1]} one with its chunks {where[1]} was expected; the two ranks' plans "
-            "disagree"
-        )
-    scale = torch.empty(1, dtype=torch.float64)
-    q_BHSD = torch.empty(batch, heads, queries, head_dim, dtype=_DTYPES[dtype_index])
-    loan.receive(scale, q_BHSD)
-    q_docs = None
-    if documents:
-        q_docs = torch.empty(batch, queries, dtype=torch.long)
-        loan.receive(q_docs)
-    lent = chunks_ahead if chunks_ahead is not None else receive_lent_chunks(loan)
-    chunks = [
-        KVChunk(c.k_BGKD, c.v_BGKD, documents_or_all(q_docs, c.document_ids_BK)) for c in lent
-    ]
-    return ReceivedLoan(q_BHSD, chunks, float(scale), backward)
 
 
 def answer_loan(
@@ -303,7 +133,7 @@ def _answer_forward(
                 for c in request.chunks
             ]
         )
-    _wait(loan.send(out_BHSD, lse_BHS))
+    wait_all(loan.send(out_BHSD, lse_BHS))
 
 
 def _answer_backward(
@@ -323,7 +153,7 @@ def _answer_backward(
         [(c.k_BGKD, c.v_BGKD, c.mask) for c in request.chunks],
         scale,
     )
-    _wait(loan.send(grad_q_BHSD, *kv_grads))
+    wait_all(loan.send(grad_q_BHSD, *kv_grads))
 
 
 @dataclass(frozen=True)
@@ -367,7 +197,7 @@ class LoansInFlight:
         with record_function(f"exchange: wait for answers of rank {peers}"):
             for (loan, _), works in zip(self.lending.parts, self.receives, strict=True):
                 loan.wait(works)
-            _wait(self.sends)
+            wait_all(self.sends)
         return self.answers
 
 
@@ -386,7 +216,7 @@ def post_loans(
     for loan, indices in lending.parts:
         lent = [lendable[i] for i in indices]
         request = (q_document_ids_BS, scale, backward is not None, lending.chunks_ahead)
-        sends += _send_request(loan, q_BHSD, lent, *request)
+        sends += send_request(loan, q_BHSD, lent, *request)
         if backward is not None:
             sends += loan.send(*backward)
     if backward is None:

@@ -33,12 +33,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pipekit.attention.backends import AttentionBackend
-from pipekit.attention.exchange import (
-    AttentionLoan,
-    answer_loan,
-    receive_lent_chunks,
-    receive_loan,
-)
+from pipekit.attention.exchange import answer_loan
+from pipekit.attention.loan_wire import AttentionLoan, receive_lent_chunks, receive_loan
 
 __all__ = ["LoanRequest", "LoanServer", "ServingChain"]
 

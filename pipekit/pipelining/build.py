@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipekit.attention.exchange import DEFAULT_LOAN_TIMEOUT
+from pipekit.attention.loan_wire import DEFAULT_LOAN_TIMEOUT
 from pipekit.distributed.process_group import new_group_along, new_group_between
 from pipekit.layers.loss import token_sum_cross_entropy
 from pipekit.memory.offload_store import store_for

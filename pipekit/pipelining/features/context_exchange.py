@@ -58,14 +58,14 @@ from pipekit.attention.context_exchange import (
     SliceExchange,
     exchange_loan,
 )
-from pipekit.attention.exchange import (
+from pipekit.attention.kv_cache import ChunkedKVCache, SliceAttention
+from pipekit.attention.loan_server import LoanRequest, LoanServer, ServingChain
+from pipekit.attention.loan_wire import (
     DEFAULT_LOAN_TIMEOUT,
     AttentionLoan,
     LentChunk,
     send_lent_chunks,
 )
-from pipekit.attention.kv_cache import ChunkedKVCache, SliceAttention
-from pipekit.attention.loan_server import LoanRequest, LoanServer, ServingChain
 from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action, ComputationType
 from pipekit.pipelining.features.exchange_plan import ExchangePlan, plan_context_exchange
 from pipekit.pipelining.runtime.extension import PipelineExtension
