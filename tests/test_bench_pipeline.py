@@ -5,14 +5,19 @@ byte counts, so their ordering is asserted; times are not."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pipekit.bench import _pipeline_launch
 from pipekit.bench.__main__ import main
+from pipekit.bench._pipeline_launch import rank_core_sets, run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = ["--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "48", "--vocab", "64"]
@@ -81,10 +86,50 @@ def test_pipeline_throughput_bench_prints_the_ratios_of_both_allocators_and_vari
         "sliced_tokens_per_s",
         "f1b_tokens_per_s",
         "bubble_only_speedup",
+        "simulated_sliced_speedup",
+        "sliced_share_of_simulated",
     ]
     assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
+    # causal attention only lengthens later slices: the simulated limit is below bubble-only
+    assert figures["simulated_sliced_speedup"] < figures["bubble_only_speedup"]
+    assert figures["sliced_share_of_simulated"] == pytest.approx(
+        figures["sliced_vs_1f1b_speedup"] / figures["simulated_sliced_speedup"], rel=1e-3
+    )
     # the tiny model's attention is light at 64 tokens, but its equal-cost slices still differ
     assert figures["equal_cost_simulated_gain"] > 1.0, figures
+
+
+def report_cores(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, list[int]]:
+    """Rank worker: the cores this rank's main thread and a thread it starts may run on."""
+    seen: dict[str, list[int]] = {"main": sorted(os.sched_getaffinity(0))}
+    thread = threading.Thread(target=lambda: seen.update(thread=sorted(os.sched_getaffinity(0))))
+    thread.start()
+    thread.join()
+    return seen
+
+
+def test_run_ranks_pins_each_rank_and_the_threads_it_starts_to_cores_of_its_own():
+    available = sorted(os.sched_getaffinity(0))
+    cores = rank_core_sets(2)
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
+    if len(available) < 2:
+        assert cores is None
+    else:
+        assert cores is not None and not set(cores[0]) & set(cores[1])
+        pinned = run_ranks(f"{__name__}:report_cores", 2, {}, env=env, cores=cores)
+        assert [rank["main"] for rank in pinned] == cores
+        assert [rank["thread"] for rank in pinned] == cores
+    unpinned = run_ranks(f"{__name__}:report_cores", 2, {}, env=env)
+    assert all(rank["main"] == rank["thread"] == available for rank in unpinned)
+
+
+def test_rank_core_sets_split_the_cores_evenly_or_refuse(monkeypatch):
+    monkeypatch.setattr(_pipeline_launch.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    assert rank_core_sets(2) == [[0, 1], [2, 3]]
+    assert rank_core_sets(5) == [[0], [1], [2], [3], [5]]
+    assert rank_core_sets(6) is None
+    with pytest.raises(ValueError, match="cores has 1 sets for 2 ranks"):
+        run_ranks(f"{__name__}:report_cores", 2, {}, cores=[[0]])
 
 
 def test_vocab_parallel_bench_shrinks_the_last_ranks_saved_logits():

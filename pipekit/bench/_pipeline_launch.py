@@ -9,6 +9,10 @@ FileStore in a fresh temporary folder, run one intra-op thread each, call the wo
 the group is destroyed, and write the worker's dict as JSON; the parent returns those dicts in
 rank order. A rank that fails ends the others and raises with its stderr.
 
+Timing benches pin each rank to cores of its own (`rank_core_sets`) when there are at least as
+many cores as ranks: a rank then stands for one device, and the threads it starts (context
+exchange's serving threads, gloo's) share its cores instead of taking another rank's.
+
 Legend: B batch rows, S sequence.
 """
 
@@ -23,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -51,8 +55,10 @@ __all__ = [
     "build_runner",
     "check_pipeline_shape",
     "describe_model",
+    "describe_pinning",
     "describe_slices",
     "model_spec",
+    "rank_core_sets",
     "run_ranks",
     "synthetic_batch",
 ]
@@ -72,11 +78,15 @@ def run_ranks(
     *,
     env: Mapping[str, str | None] | None = None,
     timeout: float = 1800.0,
+    cores: Sequence[Sequence[int]] | None = None,
 ) -> list[dict[str, Any]]:
     """Run `worker` ("module:function") on `num_ranks` fresh gloo ranks; their dicts by rank.
 
-    `env` changes the ranks' environment: a value sets a variable, None removes it.
+    `env` changes the ranks' environment: a value sets a variable, None removes it. `cores`
+    (one list per rank, `rank_core_sets`) pins each rank's threads to its cores.
     """
+    if cores is not None and len(cores) != num_ranks:
+        raise ValueError(f"cores has {len(cores)} sets for {num_ranks} ranks")
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(
         [_REPO_ROOT, *filter(None, [child_env.get("PYTHONPATH")])]
@@ -89,7 +99,8 @@ def run_ranks(
     with tempfile.TemporaryDirectory(prefix="pipekit-bench-") as folder:
         spec_path = os.path.join(folder, "spec.json")
         with open(spec_path, "w") as handle:
-            json.dump({"worker": worker, "spec": spec}, handle)
+            pinned = None if cores is None else [list(rank_cores) for rank_cores in cores]
+            json.dump({"worker": worker, "spec": spec, "cores": pinned}, handle)
         processes, logs = [], []
         for rank in range(num_ranks):
             log = open(os.path.join(folder, f"rank{rank}.log"), "w+b")  # noqa: SIM115
@@ -112,6 +123,27 @@ def run_ranks(
             with open(os.path.join(folder, f"rank{rank}.json")) as handle:
                 results.append(json.load(handle))
         return results
+
+
+def rank_core_sets(num_ranks: int) -> list[list[int]] | None:
+    """This process's usable cores split into `num_ranks` disjoint, equal, contiguous sets (the
+    rest unused); None when there are fewer cores than ranks, or no way to pin (not Linux)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    available = sorted(os.sched_getaffinity(0))
+    per_rank = len(available) // num_ranks
+    if per_rank == 0:
+        return None
+    return [available[rank * per_rank : (rank + 1) * per_rank] for rank in range(num_ranks)]
+
+
+def describe_pinning(cores: Sequence[Sequence[int]] | None) -> str:
+    """How the ranks were placed, for a bench's header."""
+    if cores is None:
+        return "ranks not pinned (fewer cores than ranks)"
+    return "ranks pinned to cores " + ", ".join(
+        "{" + ",".join(map(str, rank_cores)) + "}" for rank_cores in cores
+    )
 
 
 def _wait_all(processes: list[subprocess.Popen], logs: list[Any], timeout: float) -> None:
@@ -144,6 +176,8 @@ def _rank_main(folder: str, rank: int, num_ranks: int) -> None:
     torch.set_num_threads(1)
     with open(os.path.join(folder, "spec.json")) as handle:
         job = json.load(handle)
+    if job["cores"] is not None:  # before gloo starts its threads, so they inherit it
+        os.sched_setaffinity(0, job["cores"][rank])
     module_name, function_name = job["worker"].split(":")
     worker = getattr(importlib.import_module(module_name), function_name)
     store = dist.FileStore(os.path.join(folder, "store"), num_ranks)

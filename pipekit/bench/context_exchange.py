@@ -34,7 +34,9 @@ from pipekit.bench._pipeline_launch import (
     add_pipeline_arguments,
     check_pipeline_shape,
     describe_model,
+    describe_pinning,
     model_spec,
+    rank_core_sets,
     run_ranks,
 )
 from pipekit.bench._report import print_result, print_table
@@ -173,10 +175,12 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
         "repeats": options.repeats,
         "runs": runs,
     }
+    cores = rank_core_sets(options.pp)
     print(f"\nmeasured: {describe_model(model)}")
     print(
-        f"{options.pp} gloo ranks, 1 thread each, GLIBC_TUNABLES={FAIR_ALLOCATOR}; "
-        f"{options.warmup} warm-up and {options.repeats} timed steps of each, alternating"
+        f"{options.pp} gloo ranks, 1 thread each, {describe_pinning(cores)}, "
+        f"GLIBC_TUNABLES={FAIR_ALLOCATOR}; {options.warmup} warm-up and {options.repeats} timed "
+        "steps of each, alternating"
     )
     ranks = run_ranks(
         "pipekit.bench.pipeline_throughput:time_schedules",
@@ -184,6 +188,7 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
         spec,
         env={"GLIBC_TUNABLES": FAIR_ALLOCATOR},
         timeout=options.timeout,
+        cores=cores,
     )
     samples = ranks[0]["samples"]
     medians = {name: statistics.median(samples[name]) for name in runs}
