@@ -128,6 +128,7 @@ def test_rank_core_sets_split_the_cores_evenly_or_refuse(monkeypatch):
     assert rank_core_sets(2) == [[0, 1], [2, 3]]
     assert rank_core_sets(5) == [[0], [1], [2], [3], [5]]
     assert rank_core_sets(6) is None
+    assert rank_core_sets(2, pin=False) is None  # --no-pin
     with pytest.raises(ValueError, match="cores has 1 sets for 2 ranks"):
         run_ranks(f"{__name__}:report_cores", 2, {}, cores=[[0]])
 
@@ -162,7 +163,7 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
     figures = _run_bench(
         "context-exchange", "--pp", "2", "--slices", "8", "--seq", "128", "--microbatches", "2",
         "--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "48", "--layers", "2",
-        "--repeats", "1",
+        "--repeats", "1", "--no-pin",
     )  # fmt: skip
     assert list(figures) == [
         "bubble_with",

@@ -50,6 +50,7 @@ from pipekit.train.metrics import attention_to_linear_flops
 __all__ = [
     "RankFailedError",
     "add_model_arguments",
+    "add_pinning_argument",
     "add_pipeline_arguments",
     "bench_plan",
     "build_runner",
@@ -125,10 +126,11 @@ def run_ranks(
         return results
 
 
-def rank_core_sets(num_ranks: int) -> list[list[int]] | None:
+def rank_core_sets(num_ranks: int, pin: bool = True) -> list[list[int]] | None:
     """This process's usable cores split into `num_ranks` disjoint, equal, contiguous sets (the
-    rest unused); None when there are fewer cores than ranks, or no way to pin (not Linux)."""
-    if not hasattr(os, "sched_getaffinity"):
+    rest unused); None when not `pin`, when there are fewer cores than ranks, or when there is
+    no way to pin (not Linux)."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
         return None
     available = sorted(os.sched_getaffinity(0))
     per_rank = len(available) // num_ranks
@@ -140,7 +142,7 @@ def rank_core_sets(num_ranks: int) -> list[list[int]] | None:
 def describe_pinning(cores: Sequence[Sequence[int]] | None) -> str:
     """How the ranks were placed, for a bench's header."""
     if cores is None:
-        return "ranks not pinned (fewer cores than ranks)"
+        return "ranks not pinned"
     return "ranks pinned to cores " + ", ".join(
         "{" + ",".join(map(str, rank_cores)) + "}" for rank_cores in cores
     )
@@ -206,6 +208,15 @@ def add_pipeline_arguments(
     )
     parser.add_argument("--seq", type=int, default=seq, help="sequence length S")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for all ranks")
+
+
+def add_pinning_argument(parser: argparse.ArgumentParser) -> None:
+    """--no-pin, for the timing benches that pin each rank to cores of its own."""
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="let the OS place the ranks' threads on any core (default: each rank on its own)",
+    )
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, **defaults: int) -> None:

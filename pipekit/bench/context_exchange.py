@@ -31,6 +31,7 @@ import statistics
 
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
+    add_pinning_argument,
     add_pipeline_arguments,
     check_pipeline_shape,
     describe_model,
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--simulate", action="store_true", help="simulate only, run nothing")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each schedule")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of each schedule")
+    add_pinning_argument(parser)
     add_model_arguments(parser, dim=None, layers=None, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
     options = parser.parse_args(argv)
     p, n, m = options.pp, options.slices, options.microbatches
@@ -175,7 +177,7 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
         "repeats": options.repeats,
         "runs": runs,
     }
-    cores = rank_core_sets(options.pp)
+    cores = rank_core_sets(options.pp, pin=not options.no_pin)
     print(f"\nmeasured: {describe_model(model)}")
     print(
         f"{options.pp} gloo ranks, 1 thread each, {describe_pinning(cores)}, "

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
+    add_pinning_argument,
     add_pipeline_arguments,
     bench_plan,
     build_runner,
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         default=FAIR_ALLOCATOR,
         help="GLIBC_TUNABLES of the fair comparison (default: %(default)s)",
     )
+    add_pinning_argument(parser)
     add_model_arguments(parser, dim=256, layers=4, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
     options = parser.parse_args(argv)
     p, m, n = options.pp, options.microbatches, options.slices
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     makespans = {name: simulated_makespan(plan) for name, plan in plans.items()}
     print(f"equal-cost slices: {describe_slices(plans['sliced+equal-cost'])}")
-    cores = rank_core_sets(p)
+    cores = rank_core_sets(p, pin=not options.no_pin)
     allocators = {"fair": options.fair_tunables, "default": None}
     rows, speedups, fair_tokens_per_s, recorded = [], {}, {}, []
     for allocator, tunables in allocators.items():
