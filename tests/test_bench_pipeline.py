@@ -4,6 +4,7 @@ byte counts, so their ordering is asserted; times are not."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -17,7 +18,8 @@ import pytest
 
 from pipekit.bench import _pipeline_launch
 from pipekit.bench.__main__ import main
-from pipekit.bench._pipeline_launch import rank_core_sets, run_ranks
+from pipekit.bench._pipeline_launch import bench_plan, model_spec, rank_core_sets, run_ranks
+from pipekit.bench.pipeline_throughput import schedule_runs, simulated_makespan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = ["--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "48", "--vocab", "64"]
@@ -97,6 +99,26 @@ def test_pipeline_throughput_bench_prints_the_ratios_of_both_allocators_and_vari
     )
     # the tiny model's attention is light at 64 tokens, but its equal-cost slices still differ
     assert figures["equal_cost_simulated_gain"] > 1.0, figures
+
+
+def test_simulated_limits_order_the_variants_at_8k_context():
+    """At 8K the model's attention outweighs its matmuls: causal costs pull equal-length
+    slices well under the bubble-only ratio; the exchange's moves and equal-cost slices each
+    win part of it back (no ranks are started: plans and simulation only)."""
+    spec = model_spec(
+        argparse.Namespace(dim=256, layers=4, heads=4, kv_heads=2, ffn_dim=768, vocab=256), 8192
+    )
+    makespans = {
+        name: simulated_makespan(
+            bench_plan(spec, stages_per_rank=1, num_ranks=2, microbatches=2, rows=2, **run)
+        )
+        for name, run in schedule_runs(8).items()
+    }
+    speedup = {name: makespans["1F1B"] / makespan for name, makespan in makespans.items()}
+    bubble_only = (1 + 1 / 2) / (1 + 1 / 16)
+    assert speedup["sliced"] < speedup["sliced+exchange"] < speedup["sliced+equal-cost"]
+    assert speedup["sliced+equal-cost"] < bubble_only
+    assert speedup["sliced"] < 0.95 * bubble_only  # the imbalance costs more than 5%
 
 
 def report_cores(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, list[int]]:

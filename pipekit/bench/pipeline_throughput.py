@@ -17,7 +17,8 @@ ones, which costs the sliced schedule part of that. Two variants recover it: con
 `simulated` column is each schedule's ratio under the simulator at the model's FLOPs, causal
 costs and exchange included but no overheads: the limit its measured ratio can reach, and
 `sliced_share_of_simulated` says how close the equal-length sliced schedule comes. Each rank
-is pinned to cores of its own when there are enough (one core stands for one device).
+is pinned to cores of its own when there are enough (one core stands for one device;
+`--no-pin` leaves the placement to the OS).
 """
 
 from __future__ import annotations
