@@ -3,7 +3,6 @@
 Exact resume after SIGKILL, one-line errors with non-zero exits, metrics and checkpoints written.
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -15,95 +14,33 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from job_runs import (
+    CONFIG,
+    CP_SLICED_PP_CONFIG,
+    EXCHANGE_PP_CONFIG,
+    FIVE_D_CONFIG,
+    LAYOUT_RUN,
+    MOE_CONFIG,
+    NO_CHECKPOINTS,
+    REPO_ROOT,
+    SHORT_RUN,
+    SHORT_RUN_STEPS,
+    SLICED_PP_CONFIG,
+    TP_CONFIG,
+    VOCAB_PP_CONFIG,
+    descendants,
+    job_command,
+    job_env,
+    kill_process_tree,
+    logged_losses,
+    single_process_error,
+    train_job,
+    write_debug_llama,
+)
 
 from pipekit.config import ConfigError, load_job_config
-from pipekit.models import get_model_spec
 from pipekit.train.data import stdlib_files
 from pipekit.train.job import plan_job
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG = str(REPO_ROOT / "configs" / "debug_model.toml")
-SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_sliced_pp.toml")
-VOCAB_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_vocab_parallel_pp.toml")
-EXCHANGE_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_context_exchange_pp.toml")
-MOE_CONFIG = str(REPO_ROOT / "configs" / "debug_moe.toml")
-TP_CONFIG = str(REPO_ROOT / "configs" / "debug_tp.toml")
-CP_SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_cp_sliced_pp.toml")
-FIVE_D_CONFIG = str(REPO_ROOT / "configs" / "debug_5d.toml")
-MOE_SLICED_CONFIG = str(REPO_ROOT / "configs" / "debug_moe_sliced_pp.toml")
-
-
-def _command(output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--standalone",
-        str(REPO_ROOT / "train.py"),
-        "--config",
-        config,
-        "--job.output_dir",
-        str(output_dir),
-        *overrides,
-    ]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def _descendants(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return [grand for child in children for grand in [child, *_descendants(child)]]
-
-
-def _kill_process_tree(pid: int) -> None:
-    """SIGKILL a process and every process below it, leaves first, as a crash would."""
-    for victim in [*reversed(_descendants(pid)), pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim, signal.SIGKILL)
-
-
-def _train(output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG) -> dict:
-    """Run a job to completion (it must succeed); its logged losses by step."""
-    result = subprocess.run(
-        _command(output_dir, *overrides, nproc=nproc, config=config),
-        env=_env(),
-        cwd=output_dir.parent,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return _losses(output_dir)
-
-
-def _losses(output_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return {record["step"]: record["loss"] for record in records}
-
-
-SHORT_RUN_STEPS = 36  # long enough that a kill after step 8 lands mid-run
-SHORT_RUN = (
-    "--training.steps",
-    str(SHORT_RUN_STEPS),
-    "--training.global_batch_size",
-    "4",
-    "--training.seq_len",
-    "64",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--metrics.log_interval",
-    "1",
-    "--checkpoint.interval",
-    "4",
-    "--checkpoint.keep_last",
-    "2",
-)
 
 
 def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp_path, monkeypatch):
@@ -121,13 +58,13 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
     )  # fmt: skip
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     subprocess.run(
-        _command(reference_dir, *run),
-        env=_env(),
+        job_command(reference_dir, *run),
+        env=job_env(),
         check=True,
         cwd=tmp_path,
         capture_output=True,
     )
-    reference = _losses(reference_dir)
+    reference = logged_losses(reference_dir)
     assert sorted(reference) == list(range(1, SHORT_RUN_STEPS + 1))
     assert sorted(p.name for p in (reference_dir / "checkpoints").iterdir()) == [
         "step-32",
@@ -135,18 +72,18 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
     ]
 
     job = _start_until_step_8(killed_dir, run)
-    _kill_process_tree(job.pid)  # torchrun starts each worker in a session of its own
+    kill_process_tree(job.pid)  # torchrun starts each worker in a session of its own
     job.communicate()  # drains its pipes
-    before_kill = _losses(killed_dir)
+    before_kill = logged_losses(killed_dir)
     assert max(before_kill) < SHORT_RUN_STEPS, (
         "the job finished before it was killed; nothing was tested"
     )
 
     resume = subprocess.run(
-        _command(killed_dir, *run), env=_env(), cwd=tmp_path, capture_output=True, text=True
+        job_command(killed_dir, *run), env=job_env(), cwd=tmp_path, capture_output=True, text=True
     )
     assert resume.returncode == 0, resume.stderr[-3000:]
-    resumed = _losses(killed_dir)
+    resumed = logged_losses(killed_dir)
     assert resumed == pytest.approx(reference, rel=0, abs=0)
     _assert_each_step_logged_once(killed_dir)
 
@@ -154,28 +91,28 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
     # saved, the job exits 0, and the next start resumes from it.
     stopped_dir = tmp_path / "stopped"
     job = _start_until_step_8(stopped_dir, run)
-    for worker in _descendants(job.pid):
+    for worker in descendants(job.pid):
         os.kill(worker, signal.SIGTERM)
     stdout, stderr = job.communicate(timeout=120)
     assert job.returncode == 0, stderr[-3000:]
-    stopped_at = max(_losses(stopped_dir))
+    stopped_at = max(logged_losses(stopped_dir))
     assert 8 <= stopped_at < SHORT_RUN_STEPS
     assert f"stopped on SIGTERM after step {stopped_at}" in stdout
     assert (stopped_dir / "checkpoints" / f"step-{stopped_at}" / "COMPLETE").is_file()
     resume = subprocess.run(
-        _command(stopped_dir, *run), env=_env(), cwd=tmp_path, capture_output=True, text=True
+        job_command(stopped_dir, *run), env=job_env(), cwd=tmp_path, capture_output=True, text=True
     )
     assert resume.returncode == 0, resume.stderr[-3000:]
     assert f"(step {stopped_at})" in resume.stdout  # "resumed from .../step-N (step N)"
-    assert _losses(stopped_dir) == pytest.approx(reference, rel=0, abs=0)
+    assert logged_losses(stopped_dir) == pytest.approx(reference, rel=0, abs=0)
     _assert_each_step_logged_once(stopped_dir)
 
 
 def _start_until_step_8(output_dir: Path, run: tuple[str, ...]) -> subprocess.Popen:
     """Start a job in the background; return once its step-8 checkpoint is published."""
     job = subprocess.Popen(
-        _command(output_dir, *run),
-        env=_env(),
+        job_command(output_dir, *run),
+        env=job_env(),
         cwd=output_dir.parent,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -192,23 +129,6 @@ def _assert_each_step_logged_once(output_dir: Path) -> None:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines]
     assert steps == list(range(1, SHORT_RUN_STEPS + 1))
-
-
-def _single_process_error(output_dir: Path, *overrides: str, world_size: int | None = None) -> str:
-    """Run train.py without torchrun (WORLD_SIZE set only to test validation against it);
-    require exit status 2 and return its one stderr line."""
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "train.py"), "--config", CONFIG,
-         "--job.output_dir", str(output_dir), *overrides],
-        env=_env() if world_size is None else {**_env(), "WORLD_SIZE": str(world_size)},
-        capture_output=True,
-        text=True,
-        check=False,
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -275,7 +195,7 @@ def test_bad_input_is_named_before_launch(tmp_path, overrides, message):
 
 def test_a_config_error_on_another_machine_reaches_its_console(tmp_path):
     """Rank 2, the first rank of a second machine, whose data path is missing there."""
-    env = {**_env(), "RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}
+    env = {**job_env(), "RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}
     missing = str(tmp_path / "none.txt")
     command = [sys.executable, str(REPO_ROOT / "train.py"), "--config", CONFIG,
                "--job.output_dir", str(tmp_path), "--data.source", missing]  # fmt: skip
@@ -288,9 +208,9 @@ def test_a_config_error_on_another_machine_reaches_its_console(tmp_path):
 
 
 def test_bad_input_gives_one_error_line_and_exit_2(tmp_path):
-    assert "did you mean 'steps'" in _single_process_error(tmp_path, "--training.stepz", "3")
+    assert "did you mean 'steps'" in single_process_error(tmp_path, "--training.stepz", "3")
     ep = ("--parallelism.ep", "2")
-    assert "ep=2 needs a mixture-of-experts" in _single_process_error(tmp_path, *ep, world_size=2)
+    assert "ep=2 needs a mixture-of-experts" in single_process_error(tmp_path, *ep, world_size=2)
 
 
 def test_unreadable_checkpoint_gives_one_error_line(tmp_path):
@@ -298,11 +218,9 @@ def test_unreadable_checkpoint_gives_one_error_line(tmp_path):
     step.mkdir(parents=True)
     (step / ".metadata").write_bytes(b"not a checkpoint")
     (step / "COMPLETE").write_text("")
-    assert "step-4" in _single_process_error(tmp_path, "--parallelism.dp_shard", "1")
+    assert "step-4" in single_process_error(tmp_path, "--parallelism.dp_shard", "1")
 
 
-LAYOUT_RUN = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
-NO_CHECKPOINTS = ("--checkpoint.enable", "false")
 LAYOUT_FIRST_HALF = (*LAYOUT_RUN[:-4], "--training.steps", "2", *LAYOUT_RUN[-2:])
 """LAYOUT_RUN's first 2 steps, with the checkpoint of step 2."""
 
@@ -310,7 +228,7 @@ LAYOUT_FIRST_HALF = (*LAYOUT_RUN[:-4], "--training.steps", "2", *LAYOUT_RUN[-2:]
 @pytest.fixture(scope="module")
 def data_parallel_losses(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """FSDP2 over 2 ranks, LAYOUT_RUN: the losses the parallel layouts below must give."""
-    return _train(tmp_path_factory.mktemp("dp"), *LAYOUT_RUN, *NO_CHECKPOINTS)
+    return train_job(tmp_path_factory.mktemp("dp"), *LAYOUT_RUN, *NO_CHECKPOINTS)
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +236,7 @@ def sliced_pipeline_losses(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """configs/debug_sliced_pp.toml (2 pipeline ranks, 4 slices), LAYOUT_RUN: the losses the
     pipeline features below must give."""
     output_dir = tmp_path_factory.mktemp("sliced_pp")
-    return _train(output_dir, *LAYOUT_RUN, *NO_CHECKPOINTS, config=SLICED_PP_CONFIG)
+    return train_job(output_dir, *LAYOUT_RUN, *NO_CHECKPOINTS, config=SLICED_PP_CONFIG)
 
 
 def _matches_data_parallel_and_resumes(
@@ -332,9 +250,9 @@ def _matches_data_parallel_and_resumes(
     """`layout` (of `config`) on 2 ranks gives FSDP2's losses on 2 ranks up to float32
     rounding for 2 steps, and its step-2 checkpoint resumed in `resume_layout` (of
     debug_model.toml; DCP reshards) gives FSDP2's steps 3 and 4."""
-    losses = _train(tmp_path, *LAYOUT_FIRST_HALF, *layout, config=config)
+    losses = train_job(tmp_path, *LAYOUT_FIRST_HALF, *layout, config=config)
     assert losses == pytest.approx({step: data_parallel[step] for step in (1, 2)}, rel=1e-5)
-    resumed = _train(tmp_path, *LAYOUT_RUN, *resume_layout)
+    resumed = train_job(tmp_path, *LAYOUT_RUN, *resume_layout)
     assert resumed == pytest.approx(data_parallel, rel=1e-5)
 
 
@@ -365,7 +283,7 @@ def test_a_job_on_two_nodes_matches_the_same_ranks_on_one(
     nodes = [
         subprocess.Popen(
             [*launch, *job, *LAYOUT_RUN, *NO_CHECKPOINTS],
-            env=_env(),
+            env=job_env(),
             cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -376,7 +294,7 @@ def test_a_job_on_two_nodes_matches_the_same_ranks_on_one(
     for node in nodes:
         _, stderr = node.communicate(timeout=300)
         assert node.returncode == 0, stderr[-3000:]
-    assert _losses(tmp_path) == data_parallel_losses
+    assert logged_losses(tmp_path) == data_parallel_losses
 
 
 def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes(
@@ -402,7 +320,7 @@ def test_tensor_parallelism_composes_with_fsdp_and_cp(
         "cp_tp": ("--parallelism.dp_shard", "1", "--parallelism.cp", "2", *tp, *ring),
     }
     for name, overrides in layouts.items():
-        losses = _train(tmp_path / name, *LAYOUT_RUN, *overrides, *NO_CHECKPOINTS, nproc=4)
+        losses = train_job(tmp_path / name, *LAYOUT_RUN, *overrides, *NO_CHECKPOINTS, nproc=4)
         assert losses == pytest.approx(data_parallel_losses, rel=1e-5), name
 
 
@@ -420,10 +338,10 @@ def test_five_dimensional_moe_job_matches_one_rank_and_resumes_there(tmp_path: P
         "--training.gradient_accumulation_steps", "4",
     )  # fmt: skip
     steps = ("--training.steps", "3", "--checkpoint.interval", "2")
-    single = _train(tmp_path / "one", *run, *steps, *one_rank, nproc=1, config=FIVE_D_CONFIG)
+    single = train_job(tmp_path / "one", *run, *steps, *one_rank, nproc=1, config=FIVE_D_CONFIG)
     first_two = ("--training.steps", "2", "--checkpoint.interval", "2")
-    five_d = _train(tmp_path / "5d", *run, *first_two, nproc=8, config=FIVE_D_CONFIG)
-    resumed = _train(tmp_path / "5d", *run, *steps, *one_rank, nproc=1, config=FIVE_D_CONFIG)
+    five_d = train_job(tmp_path / "5d", *run, *first_two, nproc=8, config=FIVE_D_CONFIG)
+    resumed = train_job(tmp_path / "5d", *run, *steps, *one_rank, nproc=1, config=FIVE_D_CONFIG)
     assert sorted(five_d) == [1, 2]
     assert five_d == pytest.approx({k: single[k] for k in (1, 2)}, rel=1e-5)
     assert resumed == pytest.approx(single, rel=1e-5)
@@ -436,9 +354,9 @@ def test_expert_parallelism_folds_over_the_context_parallel_ranks(tmp_path: Path
     (experts whole, every token's statistics on one rank)."""
     short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.enable", "false")
     one_rank = ("--parallelism.dp_shard", "1", "--parallelism.ep", "1")
-    single = _train(tmp_path / "one", *short, *one_rank, nproc=1, config=MOE_CONFIG)
+    single = train_job(tmp_path / "one", *short, *one_rank, nproc=1, config=MOE_CONFIG)
     cp = ("--parallelism.dp_shard", "1", "--parallelism.cp", "2")
-    folded = _train(tmp_path / "cp_ep", *short, *cp, config=MOE_CONFIG)
+    folded = train_job(tmp_path / "cp_ep", *short, *cp, config=MOE_CONFIG)
     assert folded == pytest.approx(single, rel=1e-5)
 
 
@@ -450,11 +368,11 @@ def test_commutated_context_parallelism_in_the_sliced_pipeline_matches_it(
     pipeline ranks) against the same pipeline without either on 2 ranks: the same losses up to
     float32 rounding; its step-2 checkpoint resumed by the pipeline without cp gives them
     too."""
-    context_parallel = _train(
+    context_parallel = train_job(
         tmp_path / "pp_cp", *LAYOUT_FIRST_HALF, nproc=4, config=CP_SLICED_PP_CONFIG
     )
     assert sorted(context_parallel) == [1, 2]
-    resumed = _train(tmp_path / "pp_cp", *LAYOUT_RUN, config=SLICED_PP_CONFIG)
+    resumed = train_job(tmp_path / "pp_cp", *LAYOUT_RUN, config=SLICED_PP_CONFIG)
     assert resumed == pytest.approx(sliced_pipeline_losses, rel=1e-5)
 
 
@@ -470,9 +388,9 @@ def test_sliced_pipeline_job_matches_the_data_parallel_job(
 def test_sliced_pipeline_job_resumes_exactly(tmp_path: Path, sliced_pipeline_losses: dict):
     """Each pipeline rank checkpoints its own stages and optimizer state (keyed by parameter
     name); stopping at step 2 and resuming gives the uninterrupted run's losses."""
-    _train(tmp_path, *LAYOUT_FIRST_HALF, config=SLICED_PP_CONFIG)
+    train_job(tmp_path, *LAYOUT_FIRST_HALF, config=SLICED_PP_CONFIG)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2"]
-    assert _train(tmp_path, *LAYOUT_RUN, config=SLICED_PP_CONFIG) == sliced_pipeline_losses
+    assert train_job(tmp_path, *LAYOUT_RUN, config=SLICED_PP_CONFIG) == sliced_pipeline_losses
 
 
 def test_tied_embeddings_across_pipeline_stages_match_and_resume(tmp_path):
@@ -481,13 +399,13 @@ def test_tied_embeddings_across_pipeline_stages_match_and_resume(tmp_path):
     tied weight once; stopped at step 2 and resumed, it gives the uninterrupted run's losses."""
     short = (*SHORT_RUN[:10], "--model.flavor", "debug_tied", "--training.max_norm", "0.1")
     straight = (*short, "--training.steps", "4", "--checkpoint.interval", "2")
-    fsdp = _train(
+    fsdp = train_job(
         tmp_path / "fsdp", *short, "--training.steps", "4", "--checkpoint.enable", "false"
     )
-    pipelined = _train(tmp_path / "straight", *straight, config=SLICED_PP_CONFIG)
+    pipelined = train_job(tmp_path / "straight", *straight, config=SLICED_PP_CONFIG)
     assert pipelined == pytest.approx(fsdp, rel=1e-4)
     resumed = tmp_path / "resumed"
-    _train(
+    train_job(
         resumed,
         *short,
         "--training.steps",
@@ -496,7 +414,7 @@ def test_tied_embeddings_across_pipeline_stages_match_and_resume(tmp_path):
         "2",
         config=SLICED_PP_CONFIG,
     )
-    assert _train(resumed, *straight, config=SLICED_PP_CONFIG) == pipelined
+    assert train_job(resumed, *straight, config=SLICED_PP_CONFIG) == pipelined
 
 
 def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path):
@@ -519,7 +437,7 @@ def test_interleaved_sliced_pipeline_with_fsdp_and_accumulation_matches(tmp_path
         if name == "resharded":
             source = tmp_path / "pp_fsdp_vocab" / "checkpoints" / "step-2"
             shutil.copytree(source, tmp_path / name / "checkpoints" / "step-2")
-        runs[name] = _train(tmp_path / name, *common, *extra, nproc=nproc, config=config)
+        runs[name] = train_job(tmp_path / name, *common, *extra, nproc=nproc, config=config)
     for name in ("pp_fsdp", "pp_fsdp_vocab"):
         assert sorted(runs[name]) == [1, 2, 3]
         assert runs[name] == pytest.approx(runs["fsdp"], rel=1e-4)
@@ -538,7 +456,7 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(
     short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
 
     def run(name: str, config: str, *extra: str) -> dict[int, float]:
-        return _train(tmp_path / name, *short, *extra, config=config)
+        return train_job(tmp_path / name, *short, *extra, config=config)
 
     vocab_parallel = run("vocab_parallel", VOCAB_PP_CONFIG, *NO_CHECKPOINTS)
     plain = sliced_pipeline_losses
@@ -548,7 +466,7 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(
     layout = ("--parallelism.tp", "2", "--parallelism.dp_shard", "2",
               "--parallelism.microbatches", "2")  # fmt: skip
     first_two = (*short[:-4], "--training.steps", "2", "--checkpoint.interval", "2")
-    tensor_parallel = _train(
+    tensor_parallel = train_job(
         tmp_path / "tensor_parallel", *first_two, *layout, nproc=8, config=VOCAB_PP_CONFIG
     )
     assert tensor_parallel == pytest.approx({step: plain[step] for step in (1, 2)}, rel=1e-5)
@@ -558,27 +476,11 @@ def test_vocab_parallel_pipeline_job_matches_resumes_and_reshards(
     assert losses == pytest.approx({step: plain[step] for step in (3, 4)}, rel=1e-5)
 
 
-def _debug_llama_checkpoint(directory: Path, seed: int = 11, flavor: str = "debug") -> None:
-    """A debug Llama flavor, initialised from `seed`, in Hugging Face layout."""
-    import torch
-
-    from models.llama.hf import save_hf_llama
-    from pipekit.models import get_model_spec
-
-    spec = get_model_spec("llama")
-    args = spec.flavor(flavor)
-    with torch.device("meta"):
-        model = spec.build(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    save_hf_llama(model, args, directory)
-
-
 def test_pipelines_start_from_hugging_face_weights(tmp_path):
     """`[checkpoint] initial_load_path` into pipeline stages (each loads the modules it holds)
     and into vocabulary shards (each keeps its rows): the same losses as the FSDP job that
     loads the same checkpoint, and not those of a fresh initialisation."""
-    _debug_llama_checkpoint(tmp_path / "hf")
+    write_debug_llama(tmp_path / "hf")
     common = (*SHORT_RUN[2:10], "--training.steps", "2", "--checkpoint.enable", "false")
     load = ("--checkpoint.initial_load_path", str(tmp_path / "hf"))
     runs = {}
@@ -588,7 +490,7 @@ def test_pipelines_start_from_hugging_face_weights(tmp_path):
         ("vocab_pp", VOCAB_PP_CONFIG, load),
         ("fresh_pp", SLICED_PP_CONFIG, ()),
     ):
-        runs[name] = _train(tmp_path / name, *common, *extra, config=config)
+        runs[name] = train_job(tmp_path / name, *common, *extra, config=config)
     assert runs["sliced_pp"] == pytest.approx(runs["fsdp"], rel=1e-4)
     assert runs["vocab_pp"] == pytest.approx(runs["fsdp"], rel=1e-4)
     assert runs["fresh_pp"][1] != pytest.approx(runs["fsdp"][1], rel=1e-3)
@@ -601,191 +503,9 @@ def test_context_exchange_job_matches_the_sliced_pipeline(
     for step, with the embedding and output on their stages and vocabulary-parallel (the output
     passes then sit at lockstep cuts, which never part a lender from its server)."""
     short = (*LAYOUT_RUN, *NO_CHECKPOINTS)
-    exchange = _train(tmp_path / "exchange", *short, config=EXCHANGE_PP_CONFIG)
+    exchange = train_job(tmp_path / "exchange", *short, config=EXCHANGE_PP_CONFIG)
     vocab = ("--parallelism.vocab_parallel", "true")
-    both = _train(tmp_path / "both", *short, *vocab, config=EXCHANGE_PP_CONFIG)
+    both = train_job(tmp_path / "both", *short, *vocab, config=EXCHANGE_PP_CONFIG)
     assert sorted(exchange) == [1, 2, 3, 4]
     assert exchange == pytest.approx(sliced_pipeline_losses, rel=1e-5)
     assert both == pytest.approx(sliced_pipeline_losses, rel=1e-5)
-
-
-def test_expert_parallel_moe_job_matches_fsdp_experts_and_resumes(tmp_path: Path) -> None:
-    """configs/debug_moe.toml (ep = 2, two pipelined partitions, shared buffers with S4
-    restores) against the same model with its experts under FSDP (ep = 1, one partition, no
-    sharing): equal losses step for step; the loss falls; stopping at step 2 and resuming
-    gives the uninterrupted losses (expert DTensors on the ep mesh in the DCP checkpoint)."""
-    short = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
-    expert_parallel = _train(tmp_path / "ep2", *short, config=MOE_CONFIG)
-    dense_fsdp = (
-        "--parallelism.ep", "1", "--moe.partitions", "1", "--moe.memory_reuse", "none"
-    )  # fmt: skip
-    fsdp = _train(tmp_path / "ep1", *short, *dense_fsdp, config=MOE_CONFIG)
-    assert sorted(expert_parallel) == [1, 2, 3, 4]
-    assert expert_parallel == pytest.approx(fsdp, rel=1e-4)
-    assert expert_parallel[4] < expert_parallel[1]
-    resumed_dir = tmp_path / "resumed"
-    _train(resumed_dir, *short[:-2], "--training.steps", "2", config=MOE_CONFIG)
-    resumed = _train(resumed_dir, *short, config=MOE_CONFIG)
-    assert resumed[4] == pytest.approx(expert_parallel[4], rel=1e-5)
-
-
-def test_experts_sharded_over_ep_and_ep_groups_match_fsdp_experts(tmp_path: Path) -> None:
-    """4 ranks, ep = 2: two ep groups each hold all 8 experts, FSDP2 shards them over the two
-    groups (ep_replicate) and reduce-scatters their gradients there; the losses equal those of
-    the experts under FSDP over the 4 ranks."""
-    short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.enable", "false")
-    replicated = _train(tmp_path / "ep2", *short, nproc=4, config=MOE_CONFIG)
-    fsdp = _train(tmp_path / "ep1", *short, "--parallelism.ep", "1", nproc=4, config=MOE_CONFIG)
-    assert sorted(replicated) == [1, 2, 3]
-    assert replicated == pytest.approx(fsdp, rel=1e-4)
-
-
-def test_moe_job_with_expert_parallelism_inside_the_sliced_pipeline(tmp_path: Path) -> None:
-    """configs/debug_moe.toml (ep = 2, pipelined all-to-all with shared buffers) on 2 pipeline
-    ranks x 2 FSDP ranks, 2 slices, against the same job without a pipeline on 2 ranks: the
-    auxiliary losses take the whole sequence's statistics, so the runs are the same computation
-    up to float32 rounding (AdamW's first steps amplify it: measured 1e-6 at step 2, 5e-5 at
-    step 3; the float64 parity tests hold the computation to 1e-10)."""
-    short = (*SHORT_RUN[:10], "--training.steps", "3", "--checkpoint.enable", "false")
-    data_parallel = _train(tmp_path / "dp", *short, config=MOE_CONFIG)
-    pipeline = (
-        "--parallelism.dp_shard", "2",
-        "--parallelism.pipeline_parallel_degree", "2",
-        "--parallelism.num_slices", "2",
-    )  # fmt: skip
-    pipelined = _train(tmp_path / "pp", *short, *pipeline, nproc=4, config=MOE_CONFIG)
-    assert pipelined[1] == pytest.approx(data_parallel[1], rel=1e-6)
-    assert pipelined == pytest.approx(data_parallel, rel=2e-4)
-    assert pipelined[3] < pipelined[1]
-
-
-UPCYCLE_CONFIG = str(REPO_ROOT / "configs" / "debug_upcycle.toml")
-
-
-def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_path: Path) -> None:
-    """configs/debug_upcycle.toml (ep = 2, FSDP2, E8T2, capacity 4) from a dense checkpoint: the
-    first loss is the dense job's (the Mixtral router keeps the first forward), also in the
-    sliced pipeline (2 pipeline ranks x 2 FSDP ranks splitting the experts) and under tp 2
-    (sequence parallel, ep 2 over the tp ranks); training goes on and resumes exactly from its
-    own (MoE) checkpoint; the exports are Mixtral checkpoints."""
-    from models.llama_moe.hf_mixtral import read_hf_mixtral_args
-
-    _debug_llama_checkpoint(tmp_path / "dense")
-    common = (*SHORT_RUN[2:10], "--checkpoint.initial_load_path", str(tmp_path / "dense"))
-    dense = _train(
-        tmp_path / "dense_job", *common, "--training.steps", "2", "--checkpoint.enable", "false"
-    )
-    steps = ("--training.steps", "3", "--checkpoint.interval", "2", "--optimizer.lr", "3e-3")
-    upcycled = _train(tmp_path / "upcycled", *common, *steps, config=UPCYCLE_CONFIG)
-    assert upcycled[1] == pytest.approx(dense[1], rel=1e-5)
-    assert upcycled[3] < upcycled[1]
-    pipeline = (
-        "--parallelism.ep", "2",
-        "--parallelism.dp_shard", "2",
-        "--parallelism.pipeline_parallel_degree", "2",
-        "--parallelism.pipeline_schedule", "sliced",
-        "--parallelism.num_slices", "2",
-        "--checkpoint.enable", "false",
-    )  # fmt: skip
-    staged = _train(
-        tmp_path / "pp", *common, "--training.steps", "2", *pipeline, nproc=4, config=UPCYCLE_CONFIG
-    )
-    # upcycled x sliced + EP: each stage is sharded (experts over its 2 data ranks, the rest by
-    # FSDP2) on meta, then fills its own blocks; every rank exports its share
-    assert staged[1] == pytest.approx(dense[1], rel=1e-5)
-    assert read_hf_mixtral_args(tmp_path / "pp" / "hf").moe.num_experts == 8
-    tp = ("--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--checkpoint.enable", "false")
-    split = _train(tmp_path / "tp", *common, "--training.steps", "2", *tp, config=UPCYCLE_CONFIG)
-    assert split[1] == pytest.approx(dense[1], rel=1e-5)  # each rank read its tp/ep blocks
-    assert read_hf_mixtral_args(tmp_path / "tp" / "hf").moe.num_experts == 8
-    exported = read_hf_mixtral_args(tmp_path / "upcycled" / "hf")
-    assert (exported.moe.num_experts, exported.moe.top_k) == (8, 2)
-    resumed_dir = tmp_path / "resumed"
-    _train(resumed_dir, *common, *steps[2:], "--training.steps", "2", config=UPCYCLE_CONFIG)
-    resumed = _train(resumed_dir, *common, *steps, config=UPCYCLE_CONFIG)
-    assert resumed[3] == pytest.approx(upcycled[3], rel=1e-5)
-
-
-def test_bad_upcycling_input_gives_one_error_line_and_exit_2(tmp_path: Path) -> None:
-    """Each mistake is named at validation, before any process group, model or read: bad
-    [model.upcycle] keys, and a dense checkpoint that is not the flavor's (its config.json and
-    tensor headers are checked)."""
-    from hf_reference import rewrite_weights
-
-    _debug_llama_checkpoint(tmp_path / "dense")
-    _debug_llama_checkpoint(tmp_path / "missing_ffn")
-    rewrite_weights(
-        tmp_path / "missing_ffn", lambda tensors: tensors.pop("model.layers.2.mlp.up_proj.weight")
-    )
-    upcycle = (
-        "--config",
-        UPCYCLE_CONFIG,
-        "--checkpoint.initial_load_path",
-        str(tmp_path / "dense"),
-    )
-    cases = [
-        (("--model.upcycle.num_experts", "3"), "ep=2 must divide the 3 experts of [model.upcycle]"),
-        (("--model.upcycle.granularity", "5"), "granularity=5 must divide"),
-        (("--model.upcycle.layers", "some"), "layers='some' must be"),
-        (("--model.upcycle.layers", "0"), "layers=0 must be"),
-        (("--model.upcycle.capacity_factor", "-1"), "capacity_factor=-1.0 must be > 0"),
-        (("--model.name", "llama_moe"), "model 'llama_moe' cannot be upcycled"),
-        (("--checkpoint.initial_load_path", ""), "initial_load_path, which is empty"),
-        (("--model.upcycle.num_experts", "0"), "turns upcycling off, but other"),
-        (("--model.flavor", "8B"), "does not match the model's LlamaArgs"),
-        (
-            ("--checkpoint.initial_load_path", str(tmp_path / "missing_ffn")),
-            "missing tensors (1): model.layers.2.mlp.up_proj.weight",
-        ),
-    ]
-    # train.py turns these into one line and exit 2 (checked for the first); the rest in-process
-    first, message = cases[0]
-    assert message in _single_process_error(tmp_path / "job", *upcycle, *first, world_size=2)
-    base = ("--config", CONFIG, "--job.output_dir", str(tmp_path / "job"))
-    for overrides, message in cases[1:]:
-        with pytest.raises(ConfigError) as error:
-            plan_job(load_job_config([*base, *upcycle, *overrides]), world_size=2)
-        assert message in str(error.value), error.value
-    moe_export = ("--config", MOE_CONFIG, "--checkpoint.export_hf_at_end", "true")
-    with pytest.raises(ConfigError, match="moe_every=2"):
-        plan_job(load_job_config([*base, *moe_export]), world_size=2)
-
-
-def test_upcycled_job_with_tied_embeddings_starts_at_the_dense_loss(tmp_path: Path) -> None:
-    """Tied embedding and output weights (as Llama 3.2 1B/3B) stay one parameter through FSDP2
-    on meta and `to_empty`: the upcycled job's first loss is the dense job's."""
-    _debug_llama_checkpoint(tmp_path / "dense", flavor="debug_tied")
-    common = (
-        *SHORT_RUN[2:10],
-        "--model.flavor", "debug_tied",
-        "--checkpoint.initial_load_path", str(tmp_path / "dense"),
-        "--training.steps", "2",
-        "--checkpoint.enable", "false",
-    )  # fmt: skip
-    dense = _train(tmp_path / "dense_job", *common)
-    no_export = ("--checkpoint.export_hf_at_end", "false")
-    upcycled = _train(tmp_path / "upcycled", *common, *no_export, config=UPCYCLE_CONFIG)
-    assert upcycled[1] == pytest.approx(dense[1], rel=1e-5)
-
-
-def test_moe_sliced_pipeline_job_trains_and_exports_what_transformers_loads(tmp_path: Path) -> None:
-    """configs/debug_moe_sliced_pp.toml (pp 2 x dp_shard 2 x ep 2, bf16, vocabulary parallel,
-    context exchange) on 4 ranks: the loss falls, and the export, each rank writing its share
-    of whole tensors, loads in transformers as a Mixtral with pipekit's logits."""
-    transformers = pytest.importorskip("transformers")
-    run = (
-        "--training.steps", "8",
-        "--training.seq_len", "64",
-        "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_interval", "1",
-        "--checkpoint.enable", "false",
-    )  # fmt: skip
-    losses = _train(tmp_path / "job", *run, nproc=4, config=MOE_SLICED_CONFIG)
-    assert losses[8] < losses[1] - 0.5, losses
-    directory = tmp_path / "job" / "hf"
-    ours, args = get_model_spec("llama_moe").hf.build_from_checkpoint(str(directory))
-    theirs = transformers.MixtralForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
-    tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        difference = (ours.eval()(tokens) - theirs.eval()(tokens).logits).abs().max()
-    assert difference < 1e-4, difference

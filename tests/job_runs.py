@@ -1,0 +1,137 @@
+"""What the training-job tests share: launching train.py under torchrun or alone, reading
+its logged losses, the short runs they use, and a debug Llama in Hugging Face layout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO_ROOT / "configs" / "debug_model.toml")
+SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_sliced_pp.toml")
+VOCAB_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_vocab_parallel_pp.toml")
+EXCHANGE_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_context_exchange_pp.toml")
+MOE_CONFIG = str(REPO_ROOT / "configs" / "debug_moe.toml")
+TP_CONFIG = str(REPO_ROOT / "configs" / "debug_tp.toml")
+CP_SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_cp_sliced_pp.toml")
+FIVE_D_CONFIG = str(REPO_ROOT / "configs" / "debug_5d.toml")
+MOE_SLICED_CONFIG = str(REPO_ROOT / "configs" / "debug_moe_sliced_pp.toml")
+
+
+def job_command(
+    output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG
+) -> list[str]:
+    """The torchrun command of a job on `nproc` local ranks writing to `output_dir`."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--standalone",
+        str(REPO_ROOT / "train.py"),
+        "--config",
+        config,
+        "--job.output_dir",
+        str(output_dir),
+        *overrides,
+    ]
+
+
+def job_env() -> dict[str, str]:
+    """One thread per rank (two cores run every test) and unbuffered output for the logs."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun's workers and theirs), parents before children."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return [grand for child in children for grand in [child, *descendants(child)]]
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a process and every process below it, leaves first, as a crash would."""
+    for victim in [*reversed(descendants(pid)), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+
+
+def train_job(output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG) -> dict:
+    """Run a job to completion (it must succeed); its logged losses by step."""
+    result = subprocess.run(
+        job_command(output_dir, *overrides, nproc=nproc, config=config),
+        env=job_env(),
+        cwd=output_dir.parent,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return logged_losses(output_dir)
+
+
+def logged_losses(output_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {record["step"]: record["loss"] for record in records}
+
+
+SHORT_RUN_STEPS = 36  # long enough that a kill after step 8 lands mid-run
+SHORT_RUN = (
+    "--training.steps",
+    str(SHORT_RUN_STEPS),
+    "--training.global_batch_size",
+    "4",
+    "--training.seq_len",
+    "64",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_interval",
+    "1",
+    "--checkpoint.interval",
+    "4",
+    "--checkpoint.keep_last",
+    "2",
+)
+
+
+LAYOUT_RUN = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval", "2")
+NO_CHECKPOINTS = ("--checkpoint.enable", "false")
+
+
+def single_process_error(output_dir: Path, *overrides: str, world_size: int | None = None) -> str:
+    """Run train.py without torchrun (WORLD_SIZE set only to test validation against it);
+    require exit status 2 and return its one stderr line."""
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "train.py"), "--config", CONFIG,
+         "--job.output_dir", str(output_dir), *overrides],
+        env=job_env() if world_size is None else {**job_env(), "WORLD_SIZE": str(world_size)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def write_debug_llama(directory: Path, seed: int = 11, flavor: str = "debug") -> None:
+    """A debug Llama flavor, initialised from `seed`, in Hugging Face layout."""
+    import torch
+
+    from models.llama.hf import save_hf_llama
+    from pipekit.models import get_model_spec
+
+    spec = get_model_spec("llama")
+    args = spec.flavor(flavor)
+    with torch.device("meta"):
+        model = spec.build(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    save_hf_llama(model, args, directory)
