@@ -63,6 +63,7 @@ def _run(
     )
     exchange = runner.extension("context_exchange")
     assert isinstance(exchange, PipelineContextExchange)
+    assert exchange.priority is not None, "on a CPU the passes give way to the serving threads"
     if drop_remote_kv_grads:  # ablation: the same plan, lent chunks' dK/dV dropped
         exchange = _replace_exchange(runner, m, n, drop_remote_kv_grads=True)
     if not chunks_ahead:  # the lent chunks travel inside each request
@@ -90,7 +91,11 @@ def _replace_exchange(runner, m: int, n: int, **options) -> PipelineContextExcha
     """The runner's context exchange rebuilt with `options` (the other extensions kept)."""
     exchange = runner.extension("context_exchange")
     kept = ("downward_group", "chunks_ahead", "backend", "timeout")
-    options = {**{name: getattr(exchange, name) for name in kept}, **options}
+    options = {
+        **{name: getattr(exchange, name) for name in kept},
+        "serving_priority": exchange.priority is not None,
+        **options,
+    }
     ablated = PipelineContextExchange(exchange.group, exchange.layers_per_stage, **options)
     extensions = [ablated if ext is exchange else ext for ext in runner.extensions]
     runner.schedule = make_schedule("sliced", runner.stages, m, n, extensions=extensions)

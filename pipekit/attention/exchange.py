@@ -32,8 +32,10 @@ Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -91,16 +93,21 @@ def _ring_backend_and_scale(
 
 
 def answer_loan(
-    loan: AttentionLoan, received: ReceivedLoan, backend: str | AttentionBackend = "auto"
+    loan: AttentionLoan,
+    received: ReceivedLoan,
+    backend: str | AttentionBackend = "auto",
+    computing: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
 ) -> None:
     """Compute and send the answer to a received request: forward `(out, lse)` over the lent
-    chunks; backward (after receiving `dO`, `O`, lse) `dQ` and each lent chunk's `dK`, `dV`."""
+    chunks; backward (after receiving `dO`, `O`, lse) `dQ` and each lent chunk's `dK`, `dV`.
+    The compute alone runs inside `computing()` (`ServingPriority.computing`: the rank's own
+    passes give way to it)."""
     kind = "backward" if received.backward else "forward"
     with record_function(f"exchange: serve {kind} for rank {loan.peer}"):
         if received.backward:
-            _answer_backward(loan, received, backend)
+            _answer_backward(loan, received, backend, computing)
         else:
-            _answer_forward(loan, received, backend)
+            _answer_forward(loan, received, backend, computing)
 
 
 def serve_attention_loan(
@@ -123,10 +130,13 @@ def serve_attention_loan_backward(
 
 
 def _answer_forward(
-    loan: AttentionLoan, request: ReceivedLoan, backend: str | AttentionBackend
+    loan: AttentionLoan,
+    request: ReceivedLoan,
+    backend: str | AttentionBackend,
+    computing: Callable[[], AbstractContextManager[None]],
 ) -> None:
     chosen, scale = _ring_backend_and_scale(backend, request.scale, request.q_BHSD)
-    with torch.no_grad():
+    with computing(), torch.no_grad():
         out_BHSD, lse_BHS = merge_attention(
             [
                 chosen.forward_chunk(request.q_BHSD, c.k_BGKD, c.v_BGKD, c.mask, scale)
@@ -137,22 +147,26 @@ def _answer_forward(
 
 
 def _answer_backward(
-    loan: AttentionLoan, request: ReceivedLoan, backend: str | AttentionBackend
+    loan: AttentionLoan,
+    request: ReceivedLoan,
+    backend: str | AttentionBackend,
+    computing: Callable[[], AbstractContextManager[None]],
 ) -> None:
     q_BHSD = request.q_BHSD
     grad_out_BHSD, out_BHSD = _buffer(q_BHSD), _buffer(q_BHSD)
     lse_BHS = torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD))
     loan.receive(grad_out_BHSD, out_BHSD, lse_BHS)
     chosen, scale = _ring_backend_and_scale(backend, request.scale, q_BHSD)
-    grad_q_BHSD, kv_grads = ring_backward(
-        chosen,
-        grad_out_BHSD,
-        q_BHSD,
-        out_BHSD,
-        lse_BHS,
-        [(c.k_BGKD, c.v_BGKD, c.mask) for c in request.chunks],
-        scale,
-    )
+    with computing():
+        grad_q_BHSD, kv_grads = ring_backward(
+            chosen,
+            grad_out_BHSD,
+            q_BHSD,
+            out_BHSD,
+            lse_BHS,
+            [(c.k_BGKD, c.v_BGKD, c.mask) for c in request.chunks],
+            scale,
+        )
     wait_all(loan.send(grad_q_BHSD, *kv_grads))
 
 

@@ -21,7 +21,10 @@ and `--layers` default to 256 and 4 there, against 5120 and 40 for the simulatio
 after a warm-up step each; the figures are ratios of median step times. One recorded step of
 each then splits every rank's step into compute and idle (the pipeline-throughput bench's
 breakdown), and `share_of_simulated_gain` is the measured step-time gain of the exchange as a
-share of the gain the simulated makespans predict at the same shape.
+share of the gain the simulated makespans predict at the same shape. The exchange runs with
+serving priority (`pipekit.attention.serving_priority`: a rank's passes give way to its serving
+threads' answers), and `gave_way_s` is how long the passes waited for them in the recorded
+step, all ranks; `--no-serving-priority` runs the passes beside the threads instead.
 """
 
 from __future__ import annotations
@@ -73,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--simulate", action="store_true", help="simulate only, run nothing")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each schedule")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of each schedule")
+    parser.add_argument(
+        "--no-serving-priority",
+        action="store_true",
+        help="the ranks' passes run beside the serving threads instead of giving way (ablation)",
+    )
     add_pinning_argument(parser)
     add_model_arguments(parser, dim=None, layers=None, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
     options = parser.parse_args(argv)
@@ -169,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
 def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, float]:
     """Time the three schedules in one set of ranks; print the table; the measured ratios."""
     runs = schedule_runs(options.slices)
+    if options.no_serving_priority:
+        runs["sliced+exchange"]["serving_priority"] = False
     spec = {
         "model": model,
         "microbatches": options.microbatches,
@@ -225,11 +235,22 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
         f"serving threads held them a mean {held_ms:.4g} ms (least {held_min_ms:.3g} ms) before "
         "the first request came"
     )
+    gave_way = [record.get("gave_way_s", 0.0) for record in exchanged]
+    print(
+        "serving priority (recorded step): "
+        + (
+            "off"
+            if options.no_serving_priority
+            else "the ranks' passes gave way to the answers for "
+            + ", ".join(f"{seconds:.3g} s" for seconds in gave_way)
+        )
+    )
     return {
         "ahead_held_ms": held_ms,
         "measured_speedup": medians["sliced"] / medians["sliced+exchange"],
         "vs_1f1b": medians["1F1B"] / medians["sliced+exchange"],
         "sliced_vs_1f1b": medians["1F1B"] / medians["sliced"],
+        "gave_way_s": sum(gave_way),
     }
 
 

@@ -149,6 +149,9 @@ def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) 
     the barrier after it), the time inside this rank's actions and how many it ran. What is
     left is idle: waiting for the other ranks (the bubble, which causal imbalance lengthens)
     plus everything outside the compute, the runtime's Python, sends, receives and the loss."""
+    exchange = runner.extension("context_exchange")
+    priority = exchange.priority if isinstance(exchange, PipelineContextExchange) else None
+    gave_way_before = priority.gave_way_s if priority is not None else 0.0
     with record_schedule(runner) as recorder:
         runner.step(batch, num_label_tokens)
     dist.barrier()  # every rank's step ends when the last rank's does, as the bubble counts it
@@ -156,7 +159,8 @@ def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) 
     _zero_gradients(runner)
     compute_s = sum(event.end - event.start for event in recorder.events)
     figures = {"step_s": step_s, "compute_s": compute_s, "actions": len(recorder.events)}
-    exchange = runner.extension("context_exchange")
+    if priority is not None:  # the passes' waits for the serving threads' answers
+        figures["gave_way_s"] = priority.gave_way_s - gave_way_before
     if isinstance(exchange, PipelineContextExchange):  # early KV exchange
         figures["ahead_passes"] = len(exchange.ahead_sends)
         figures["ahead_posted_s"] = sum(sent.lead_s for sent in exchange.ahead_sends)

@@ -82,6 +82,15 @@ class StageSetup:
     """Folder of the activation offload file on CPU (empty: the system's temporary folder)."""
     loss_fn: LossFn = token_sum_cross_entropy
     """The last stage's loss of (logits, labels, normaliser) (e.g. a compiled one)."""
+    context_exchange_priority: bool | None = None
+    """Whether the rank's passes give way to its context-exchange serving threads
+    (`ServingPriority`); None: on a CPU, where both share the rank's cores."""
+
+    def serving_priority(self) -> bool:
+        """`context_exchange_priority`, its default resolved for `device`."""
+        if self.context_exchange_priority is None:
+            return self.device.type == "cpu"
+        return self.context_exchange_priority
 
 
 def build_pipeline(
@@ -128,6 +137,7 @@ def build_pipeline(
                 downward_group=new_group_along(mesh, "pp"),
                 chunks_ahead=plan.context_parallel == 1,  # cp lends chunks it builds itself
                 backend=setup.attention_backend,
+                serving_priority=setup.serving_priority(),
                 timeout=setup.collective_timeout,
             )
         )

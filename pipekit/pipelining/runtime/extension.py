@@ -13,6 +13,7 @@ fixed points, so no schedule, stage or runner signature grows a keyword per feat
 | `forward_scope` | a context the forward runs in | saved-tensor hooks of an offload |
 | `loss_fn` | once: the last stage's loss | the vocabulary-parallel loss |
 | `begin_step` / `end_step` | around each step | embed tokens / their backward |
+| `step_scope` | a context the step's actions run in | passes giving way to serving threads |
 | `row_sharded_parameters` | checkpointing | vocabulary rows per rank |
 | `duplicate_parameters` | gradient clipping | the second copy of a tied weight |
 
@@ -95,6 +96,10 @@ class PipelineExtension:
 
     def end_step(self) -> None:
         """After the step's last action."""
+
+    def step_scope(self) -> AbstractContextManager[None]:
+        """A context the step's actions run in, after `begin_step` (default: none)."""
+        return contextlib.nullcontext()
 
     def row_sharded_parameters(self) -> dict[str, RowShard]:
         """Parameters this rank holds only some rows of: name -> which rows of how many."""

@@ -16,6 +16,7 @@ Legend: B batch, S sequence.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -146,7 +147,10 @@ class PipelineRunner:
         kwarg_units = [_stage_kwargs(unit) for unit in units]
         targets = [unit["labels"] for unit in units] if self.has_last_stage else None
         losses: list[Tensor] = []
-        with aux_loss_scale(current_aux_loss_scale() / self.num_microbatches):
+        with contextlib.ExitStack() as scopes:
+            for extension in self.extensions:
+                scopes.enter_context(extension.step_scope())
+            scopes.enter_context(aux_loss_scale(current_aux_loss_scale() / self.num_microbatches))
             run_units(
                 self.schedule,
                 arg_units,
