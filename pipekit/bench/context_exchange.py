@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, float]:
-    """Time the three schedules in one set of ranks; print the table; the measured ratios."""
+    """Time the four schedules in one set of ranks; print the table; the measured ratios."""
     runs = schedule_runs(options.slices)
     if options.no_serving_priority:
         runs["sliced+exchange"]["serving_priority"] = False
