@@ -80,6 +80,9 @@ __all__ = [
     "serve_attention_loan_backward",
 ]
 
+_Computing = Callable[[], AbstractContextManager[None]]
+"""A context around an answer's compute (`ServingPriority.computing`, or none)."""
+
 
 def _ring_backend_and_scale(
     backend: str | AttentionBackend, scale: float | None, q_BHSD: Tensor, *tensors: Tensor
@@ -96,7 +99,7 @@ def answer_loan(
     loan: AttentionLoan,
     received: ReceivedLoan,
     backend: str | AttentionBackend = "auto",
-    computing: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+    computing: _Computing = contextlib.nullcontext,
 ) -> None:
     """Compute and send the answer to a received request: forward `(out, lse)` over the lent
     chunks; backward (after receiving `dO`, `O`, lse) `dQ` and each lent chunk's `dK`, `dV`.
@@ -133,7 +136,7 @@ def _answer_forward(
     loan: AttentionLoan,
     request: ReceivedLoan,
     backend: str | AttentionBackend,
-    computing: Callable[[], AbstractContextManager[None]],
+    computing: _Computing,
 ) -> None:
     chosen, scale = _ring_backend_and_scale(backend, request.scale, request.q_BHSD)
     with computing(), torch.no_grad():
@@ -150,7 +153,7 @@ def _answer_backward(
     loan: AttentionLoan,
     request: ReceivedLoan,
     backend: str | AttentionBackend,
-    computing: Callable[[], AbstractContextManager[None]],
+    computing: _Computing,
 ) -> None:
     q_BHSD = request.q_BHSD
     grad_out_BHSD, out_BHSD = _buffer(q_BHSD), _buffer(q_BHSD)

@@ -236,15 +236,13 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
         "the first request came"
     )
     gave_way = [record.get("gave_way_s", 0.0) for record in exchanged]
-    print(
-        "serving priority (recorded step): "
-        + (
-            "off"
-            if options.no_serving_priority
-            else "the ranks' passes gave way to the answers for "
-            + ", ".join(f"{seconds:.3g} s" for seconds in gave_way)
-        )
+    waits = ", ".join(f"{seconds:.3g} s" for seconds in gave_way)
+    priority = (
+        "off"
+        if options.no_serving_priority
+        else f"the ranks' passes gave way to the answers for {waits}"
     )
+    print(f"serving priority (recorded step): {priority}")
     return {
         "ahead_held_ms": held_ms,
         "measured_speedup": medians["sliced"] / medians["sliced+exchange"],
