@@ -185,7 +185,7 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
     figures = _run_bench(
         "context-exchange", "--pp", "2", "--slices", "8", "--seq", "128", "--microbatches", "2",
         "--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "48", "--layers", "2",
-        "--repeats", "1", "--no-pin",
+        "--repeats", "1", "--no-pin", "--compare-serving-priority",
     )  # fmt: skip
     assert list(figures) == [
         "bubble_with",
@@ -197,6 +197,7 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
         "vs_1f1b",
         "sliced_vs_1f1b",
         "gave_way_s",
+        "no_priority_speedup",
         "share_of_simulated_gain",
     ]
     share = figures.pop("share_of_simulated_gain")  # any sign: timings this small are noise

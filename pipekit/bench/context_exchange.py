@@ -24,13 +24,16 @@ breakdown), and `share_of_simulated_gain` is the measured step-time gain of the 
 share of the gain the simulated makespans predict at the same shape. The exchange runs with
 serving priority (`pipekit.attention.serving_priority`: a rank's passes give way to its serving
 threads' answers), and `gave_way_s` is how long the passes waited for them in the recorded
-step, all ranks; `--no-serving-priority` runs the passes beside the threads instead.
+step, all ranks; `--no-serving-priority` runs the passes beside the threads instead, and
+`--compare-serving-priority` times both in the same ranks (`no_priority_speedup` is sliced over
+the exchange without priority).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from itertools import islice
 
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
@@ -59,6 +62,9 @@ __all__ = ["main"]
 _GIB = 2**30
 
 
+_NO_PRIORITY = "sliced+exchange, no priority"
+
+
 def overall_bubble(result: SimulationResult) -> float:
     """Idle over busy time summed over all ranks."""
     busy = sum(result.busy_time.values())
@@ -76,10 +82,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--simulate", action="store_true", help="simulate only, run nothing")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each schedule")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of each schedule")
-    parser.add_argument(
+    priority = parser.add_mutually_exclusive_group()
+    priority.add_argument(
         "--no-serving-priority",
         action="store_true",
         help="the ranks' passes run beside the serving threads instead of giving way (ablation)",
+    )
+    priority.add_argument(
+        "--compare-serving-priority",
+        action="store_true",
+        help=f"also time the exchange without serving priority, as {_NO_PRIORITY!r}",
     )
     add_pinning_argument(parser)
     add_model_arguments(parser, dim=None, layers=None, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
@@ -175,10 +187,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, float]:
-    """Time the four schedules in one set of ranks; print the table; the measured ratios."""
+    """Time the four schedules (five with `--compare-serving-priority`) in one set of ranks;
+    print the table; the measured ratios."""
     runs = schedule_runs(options.slices)
     if options.no_serving_priority:
         runs["sliced+exchange"]["serving_priority"] = False
+    if options.compare_serving_priority:
+        without = {**runs["sliced+exchange"], "serving_priority": False}
+        runs = dict(islice(runs.items(), 2)) | {_NO_PRIORITY: without} | runs
     spec = {
         "model": model,
         "microbatches": options.microbatches,
@@ -243,13 +259,16 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
         else f"the ranks' passes gave way to the answers for {waits}"
     )
     print(f"serving priority (recorded step): {priority}")
-    return {
+    figures = {
         "ahead_held_ms": held_ms,
         "measured_speedup": medians["sliced"] / medians["sliced+exchange"],
         "vs_1f1b": medians["1F1B"] / medians["sliced+exchange"],
         "sliced_vs_1f1b": medians["1F1B"] / medians["sliced"],
         "gave_way_s": sum(gave_way),
     }
+    if options.compare_serving_priority:
+        figures["no_priority_speedup"] = medians["sliced"] / medians[_NO_PRIORITY]
+    return figures
 
 
 if __name__ == "__main__":

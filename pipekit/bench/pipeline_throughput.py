@@ -338,7 +338,7 @@ def print_step_breakdown(
     and the idle left after the bubble that equal-cost actions would leave
     ((p-1)/(units+p-1) of the step, units = m for 1F1B, n m sliced), per action."""
     rows = []
-    for name in _SCHEDULES:
+    for name in recorded[0]:
         units = m if name == "1F1B" else n * m
         bubble = (p - 1) / (units + p - 1)
         for rank, by_schedule in enumerate(recorded):
