@@ -196,8 +196,9 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
         "measured_speedup",
         "vs_1f1b",
         "sliced_vs_1f1b",
+        "per_round_speedup",
         "gave_way_s",
-        "no_priority_speedup",
+        "priority_speedup",
         "share_of_simulated_gain",
     ]
     share = figures.pop("share_of_simulated_gain")  # any sign: timings this small are noise

@@ -48,6 +48,7 @@ def _run(
     checkpoint_activations: bool = False,
     vocab_parallel: bool = False,
     chunks_ahead: bool = True,
+    serving_priority: bool = False,
 ) -> tuple:
     runner = tiny_pipeline(
         pp_mesh(world),
@@ -63,7 +64,9 @@ def _run(
     )
     exchange = runner.extension("context_exchange")
     assert isinstance(exchange, PipelineContextExchange)
-    assert exchange.priority is not None, "on a CPU the passes give way to the serving threads"
+    assert exchange.priority is None, "the passes run beside the serving threads by default"
+    if serving_priority:  # the passes give way to the serving threads' answers
+        exchange = _replace_exchange(runner, m, n, serving_priority=True)
     if drop_remote_kv_grads:  # ablation: the same plan, lent chunks' dK/dV dropped
         exchange = _replace_exchange(runner, m, n, drop_remote_kv_grads=True)
     if not chunks_ahead:  # the lent chunks travel inside each request
@@ -149,7 +152,8 @@ def _differences(world: int, configs: list[tuple], timeout: float) -> dict[tuple
 @pytest.mark.parametrize("world", [2, 4])
 def test_exchange_keeps_loss_and_every_gradient_fp64(world: int) -> None:
     """(v, m, n, layers): n = 2p and 4p with m = 2, one and two layers per stage."""
-    configs = [(1, 2, 2 * world, world), (1, 2, 4 * world, 2 * world)]
+    with_priority = (False, False, False, True, True)  # the passes give way to the answers
+    configs = [(1, 2, 2 * world, world), (1, 2, 4 * world, 2 * world, *with_priority)]
     if world == 2:
         configs += [(2, 2, 4, 4), (1, 2, 4, 3)]  # interleaved; stages of 2 and 1 layers
         configs += [(1, 2, 4, 2, False, False, True)]  # vocabulary parallel
@@ -161,7 +165,7 @@ def test_exchange_keeps_loss_and_every_gradient_fp64(world: int) -> None:
 def test_exchange_with_activation_checkpointing_fp64() -> None:
     """A recomputed layer neither lends nor serves forward work again, and still records its
     backward's lending and serving."""
-    configs = [(1, 2, 4, 2, False, True), (1, 2, 8, 4, False, True)]
+    configs = [(1, 2, 4, 2, False, True), (1, 2, 8, 4, False, True, False, True, True)]
     for config, difference in _differences(2, configs, timeout=120).items():
         assert difference <= PARITY_TOLERANCE, f"{config}: max relative difference {difference:.2e}"
 

@@ -82,15 +82,11 @@ class StageSetup:
     """Folder of the activation offload file on CPU (empty: the system's temporary folder)."""
     loss_fn: LossFn = token_sum_cross_entropy
     """The last stage's loss of (logits, labels, normaliser) (e.g. a compiled one)."""
-    context_exchange_priority: bool | None = None
+    context_exchange_priority: bool = False
     """Whether the rank's passes give way to its context-exchange serving threads
-    (`ServingPriority`); None: on a CPU, where both share the rank's cores."""
-
-    def serving_priority(self) -> bool:
-        """`context_exchange_priority`, its default resolved for `device`."""
-        if self.context_exchange_priority is None:
-            return self.device.type == "cpu"
-        return self.context_exchange_priority
+    (`ServingPriority`, for a CPU, where both share the rank's cores; not under `torch.compile`,
+    whose blocks would run eagerly under its dispatch mode). Off by default: at 8K context it
+    made no difference to the step beyond the noise, and it costs small models time."""
 
 
 def build_pipeline(
@@ -137,7 +133,7 @@ def build_pipeline(
                 downward_group=new_group_along(mesh, "pp"),
                 chunks_ahead=plan.context_parallel == 1,  # cp lends chunks it builds itself
                 backend=setup.attention_backend,
-                serving_priority=setup.serving_priority(),
+                serving_priority=setup.context_exchange_priority,
                 timeout=setup.collective_timeout,
             )
         )

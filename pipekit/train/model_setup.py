@@ -134,8 +134,6 @@ class _ModelSetup:
             collective_timeout=timedelta(seconds=config.parallelism.collective_timeout_s),
             offload_dir=config.parallelism.activation_offload_dir,
             loss_fn=job_loss_fn(config.compile.enable, self.job.loss_parallel),
-            # the passes' giving way is a dispatch mode, under which compiled blocks run eagerly
-            context_exchange_priority=False if config.compile.enable else None,
         )
 
     def materialize(self, module: nn.Module) -> None:
