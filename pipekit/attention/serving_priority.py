@@ -8,12 +8,14 @@ rank's pass share the rank's cores, and the OS shares them fairly: each answer t
 twice its compute, the lender waits for the difference, and at 8K context on two pinned ranks
 the lenders' backward passes grew by 5-26% instead of shrinking.
 
-So, on a CPU, the rank's own passes give way: while any serving thread computes an answer
-(`computing`), the rank's thread, inside `giving_way`, stops before its next ATen operation
-until the answers in progress are sent. The hand-over is per operation (a dispatch mode on the
-rank's thread sees every forward and backward operation), so an answer waits at most for the
-one operation the pass is inside. The wait is what the plan assumed: the server's pass is
-longer by the attention it serves.
+So, on a CPU and when asked, the rank's own passes give way: while any serving thread computes
+an answer (`computing`), the rank's thread, inside `giving_way`, stops before its next ATen
+operation until the answers in progress are sent. The hand-over is per operation (a dispatch
+mode on the rank's thread sees every forward and backward operation), so an answer waits at
+most for the one operation the pass is inside. The wait is what the plan assumed: the server's
+pass is longer by the attention it serves. It is opt-in: it removes the lenders' waits, but
+at 8K context the step was no faster with it beyond the noise, and the dispatch mode costs
+small models time (docs/context_exchange.md, "Serving priority").
 
 Nothing waits on a serving thread that could wait on the rank's thread: the threads compute
 from messages already received and never take the dispatch mode's lock, so the gate cannot

@@ -143,9 +143,9 @@ class PipelineContextExchange(PipelineExtension):
     (the servers need the lenders' counts). `chunks_ahead`: early KV exchange (see the module
     doc; off under context parallelism, whose lent chunks are built inside the attention).
     `backend`: the attention backend the serving threads compute with. `serving_priority`: the
-    rank's passes give way to its serving threads' compute (`ServingPriority`; on a CPU, where
-    they share the rank's cores). `backward_ratio`: a backward slice's cost in forward slices,
-    for the balance. `drop_remote_kv_grads`: for the ablation test only.
+    rank's passes give way to its serving threads' compute (`ServingPriority`; for a CPU,
+    where they share the rank's cores; off by default). `backward_ratio`: a backward slice's
+    cost in forward slices, for the balance. `drop_remote_kv_grads`: for the ablation test only.
     """
 
     name = "context_exchange"
