@@ -266,14 +266,14 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
         "sliced_vs_1f1b": medians["1F1B"] / medians["sliced"],
         "per_round_speedup": rounds["sliced+exchange"][0],
     }
-    giving_way = [name for name, run in runs.items() if run.get("serving_priority")]
-    if not giving_way:
+    giving_way = next((name for name, run in runs.items() if run.get("serving_priority")), None)
+    if giving_way is None:
         print("serving priority: off")
         return figures
-    gave_way = [rank["recorded"][giving_way[0]].get("gave_way_s", 0.0) for rank in ranks]
+    gave_way = [rank["recorded"][giving_way].get("gave_way_s", 0.0) for rank in ranks]
     waits = ", ".join(f"{seconds:.3g} s" for seconds in gave_way)
     print(
-        f"serving priority ({giving_way[0]}, recorded step): the ranks' passes gave way to the "
+        f"serving priority ({giving_way}, recorded step): the ranks' passes gave way to the "
         f"answers for {waits}"
     )
     figures["gave_way_s"] = sum(gave_way)
