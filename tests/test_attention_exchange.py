@@ -9,6 +9,7 @@ answer in turn through a `ServingChain`; without it their threads take each othe
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from unittest import mock
@@ -137,13 +138,15 @@ def _serve_a_late_lender(rank: int, world: int, wait_inside_the_pass: bool) -> d
     if rank == 1:
         loan = lambda peer: AttentionLoan(peer, timeout=timedelta(seconds=2))
         server = LoanServer([LoanRequest(0, False)] * 2 + [LoanRequest(0, True)], loan, "cpu")
+        started = time.perf_counter()
         server.start()
         if wait_inside_the_pass:  # the ablation: the pass waits for its answers first
             server.finish()
         dist.send(torch.ones(1), dst=0)  # the pass goes on; the lender starts now
         server.finish()
+        served_s = time.perf_counter() - started
         dist.barrier()
-        return {"answered": server.answered}
+        return {"answered": server.answered, "cpu_s": server.cpu_s, "served_s": served_s}
     dist.recv(torch.empty(1), src=1)
     q, k, v = (inputs[name].clone().requires_grad_() for name in ("q", "k", "v"))
     own, earlier, q_docs = _chunks(inputs, k, v)
@@ -164,7 +167,8 @@ def _serve_a_late_lender(rank: int, world: int, wait_inside_the_pass: bool) -> d
 
 def test_a_loan_server_answers_beside_its_pass() -> None:
     lender, server = run_on_ranks(_serve_a_late_lender, 2, False)
-    assert server == {"answered": 3}
+    assert server["answered"] == 3
+    assert 0 < server["cpu_s"] <= server["served_s"]  # one thread's CPU time, within its time
     reference = _reference(_inputs())
     expected = {"out0": "out", "out1": "out", "dq": "dq", "dk": "dk", "dv": "dv"}
     for name, reference_name in expected.items():

@@ -18,6 +18,7 @@ import pytest
 
 from pipekit.bench import _pipeline_launch
 from pipekit.bench.__main__ import main
+from pipekit.bench._cpu_per_step import cpu_ratio
 from pipekit.bench._pipeline_launch import bench_plan, model_spec, rank_core_sets, run_ranks
 from pipekit.bench.pipeline_throughput import schedule_runs, simulated_makespan
 
@@ -197,6 +198,7 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
         "vs_1f1b",
         "sliced_vs_1f1b",
         "per_round_speedup",
+        "exchange_cpu_ratio",
         "gave_way_s",
         "priority_speedup",
         "share_of_simulated_gain",
@@ -205,6 +207,18 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
     assert figures.pop("gave_way_s") >= 0  # 0 when no answer overlapped a pass's operation
     assert math.isfinite(share) and figures["makespan_ratio"] < 1  # a gain is simulated here
     assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
+
+
+def test_the_cpu_ratio_pairs_each_round_and_sums_the_ranks() -> None:
+    def steps(*process_s: float) -> list[dict[str, float]]:
+        return [{"process_s": seconds} for seconds in process_s]
+
+    ranks = [{"cpu": {"plain": steps(5, 10, 15), "other": steps(15, 5, 10)}} for _ in range(2)]
+    # summed over ranks, the rounds' ratios are 30/10, 10/20, 20/30: the median is 2/3, where
+    # a ratio of the medians (20/20) would hide that the machine drifted between rounds
+    assert cpu_ratio(ranks, "plain", "other") == pytest.approx(2 / 3)
+    ranks[1]["cpu"]["other"] = steps(15, 5, 20)  # the last round's sum is now 30/30
+    assert cpu_ratio(ranks, "plain", "other") == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(

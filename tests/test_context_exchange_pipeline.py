@@ -76,7 +76,8 @@ def _run(
     if chunks_ahead:  # (passes that found their chunks sent ahead, lending passes, sent in time)
         lendings = exchange.plan.lendings(runner.stages[0].group_rank)
         ahead = (len(exchange.ahead_sends), len(lendings), _sent_ahead_in_time(runner, lendings))
-    return loss, grads, len(exchange.plan.transfers), _serving_at_the_end(runner), ahead
+    transfers, serving_cpu_s = len(exchange.plan.transfers), exchange.serving_cpu_s
+    return loss, grads, transfers, serving_cpu_s, _serving_at_the_end(runner), ahead
 
 
 def _serving_at_the_end(runner) -> bool | None:
@@ -139,6 +140,8 @@ def _differences(world: int, configs: list[tuple], timeout: float) -> dict[tuple
         per_rank = [results[rank][index] for rank in range(world)]
         assert per_rank[0][2] > 0, f"{config}: the plan exchanges nothing"
         assert {at_end for *_, at_end, _ in per_rank} - {None} == {True}, config
+        for *_, serving_cpu_s, at_end, _ in per_rank:  # a serving rank's threads' CPU is counted
+            assert (serving_cpu_s > 0) == (at_end is not None), (config, serving_cpu_s)
         if _option(config, "chunks_ahead", True):  # every lending pass sent its chunks ahead
             for noted, lending_passes, in_time in (ahead for *_, ahead in per_rank):
                 assert noted == lending_passes > 0 and in_time, (config, noted, lending_passes)

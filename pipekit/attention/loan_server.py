@@ -104,6 +104,13 @@ class LoanServer:
         self.chunk_leads_s: list[float] = []
         """Per peer that sent its chunks ahead: how long they had been here when its first
         request arrived."""
+        self._thread_cpu_s: list[float] = []
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds the finished threads spent receiving, computing and sending (their
+        waits excluded): on a CPU, what the moved attention costs the serving rank."""
+        return sum(self._thread_cpu_s)
 
     @property
     def started(self) -> bool:
@@ -137,22 +144,30 @@ class LoanServer:
         self, loan: AttentionLoan, requests: list[LoanRequest], previous: LoanServer | None
     ) -> None:
         try:
-            if previous is not None:
-                previous._threads[loan.peer].join()
-                if previous._errors:
-                    raise RuntimeError(
-                        f"context exchange: an earlier serving pass for rank {loan.peer} failed; "
-                        "its error is raised where that pass's serving action waits"
-                    )
-            ahead = [
-                receive_lent_chunks(loan) if request.chunks_ahead else None for request in requests
-            ]
-            chunks_at = time.perf_counter()
-            for index, (request, chunks) in enumerate(zip(requests, ahead, strict=True)):
-                received = receive_loan(loan, request.backward, chunks)
-                if chunks is not None and index == 0:
-                    self.chunk_leads_s.append(time.perf_counter() - chunks_at)
-                answer_loan(loan, received, self.backend, self._computing)
-                self.answered += 1
+            self._answer_in_turn(loan, requests, previous)
         except BaseException as error:
             self._errors.append(error)
+        finally:
+            self._thread_cpu_s.append(time.thread_time())
+
+    def _answer_in_turn(
+        self, loan: AttentionLoan, requests: list[LoanRequest], previous: LoanServer | None
+    ) -> None:
+        """After the previous server's thread for this peer, answer its requests in order."""
+        if previous is not None:
+            previous._threads[loan.peer].join()
+            if previous._errors:
+                raise RuntimeError(
+                    f"context exchange: an earlier serving pass for rank {loan.peer} failed; "
+                    "its error is raised where that pass's serving action waits"
+                )
+        ahead = [
+            receive_lent_chunks(loan) if request.chunks_ahead else None for request in requests
+        ]
+        chunks_at = time.perf_counter()
+        for index, (request, chunks) in enumerate(zip(requests, ahead, strict=True)):
+            received = receive_loan(loan, request.backward, chunks)
+            if chunks is not None and index == 0:
+                self.chunk_leads_s.append(time.perf_counter() - chunks_at)
+            answer_loan(loan, received, self.backend, self._computing)
+            self.answered += 1

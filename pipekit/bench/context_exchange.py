@@ -27,7 +27,11 @@ machine's drifting state). `--serving-priority` runs the exchange with serving p
 (`pipekit.attention.serving_priority`: a rank's passes give way to its serving threads'
 answers) and `--compare-serving-priority` times it as a row of its own beside the plain
 exchange (`priority_speedup`: sliced over it); `gave_way_s` is how long the passes waited for
-the answers in its recorded step, all ranks.
+the answers in its recorded step, all ranks. A table of CPU seconds per step by thread (the
+rank's own, the serving threads', gloo's) shows what the moved work and its transfers cost on
+the cores that also run the passes; `exchange_cpu_ratio` is the exchange's CPU per step over
+the plain sliced one's, all ranks, the median of the per-round ratios (1 when moving attention
+costs nothing, as the simulation assumes).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import argparse
 import statistics
 from itertools import islice
 
+from pipekit.bench._cpu_per_step import print_cpu_per_step
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
     add_pinning_argument,
@@ -243,6 +248,7 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
             f"per round (the schedules alternate), sliced / {name}: median {ratio:.4g}, the "
             f"exchange faster in {faster} of {options.repeats}"
         )
+    cpu_ratio = print_cpu_per_step(ranks, list(runs), "sliced", "sliced+exchange")
     print_step_breakdown(
         [rank["recorded"] for rank in ranks], options.pp, options.microbatches, options.slices
     )
@@ -265,6 +271,7 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
         "vs_1f1b": medians["1F1B"] / medians["sliced+exchange"],
         "sliced_vs_1f1b": medians["1F1B"] / medians["sliced"],
         "per_round_speedup": rounds["sliced+exchange"][0],
+        "exchange_cpu_ratio": cpu_ratio,
     }
     giving_way = next((name for name, run in runs.items() if run.get("serving_priority")), None)
     if giving_way is None:

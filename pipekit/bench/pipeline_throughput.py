@@ -86,7 +86,7 @@ def schedule_runs(num_slices: int) -> dict[str, dict[str, Any]]:
 def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Worker: build one runner per entry of `spec["runs"]` (name -> `build_runner` keywords
     `schedule`, `num_slices`, optionally `context_exchange` or `slicing`), warm each up, then
-    time them alternately."""
+    time them alternately: every step's seconds, page faults and CPU seconds."""
     model, microbatches = spec["model"], spec["microbatches"]
     rows = microbatches * spec["rows_per_microbatch"]
     batch = synthetic_batch(rows, model["max_seq_len"], model["vocab_size"])
@@ -104,32 +104,46 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
         for name, run in spec["runs"].items()
     }
 
-    def timed_step(name: str) -> tuple[float, int]:
-        """Seconds between barriers around one step, and this rank's minor page faults."""
+    def timed_step(name: str) -> tuple[float, int, dict[str, float]]:
+        """Seconds between barriers around one step, this rank's minor page faults, and its
+        CPU seconds: the rank's own thread, the context exchange's serving threads, the whole
+        process (which adds gloo's threads)."""
         runner = runners[name]
+        exchange = runner.extension("context_exchange")
         dist.barrier()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        thread_cpu, process_cpu = time.thread_time(), time.process_time()
         start = time.perf_counter()
         runner.step(batch, num_label_tokens)
         dist.barrier()
         seconds = time.perf_counter() - start
+        cpu = {
+            "rank_thread_s": time.thread_time() - thread_cpu,
+            "process_s": time.process_time() - process_cpu,
+            "serving_s": exchange.serving_cpu_s
+            if isinstance(exchange, PipelineContextExchange)
+            else 0.0,
+        }
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         _zero_gradients(runner)
-        return seconds, faults
+        return seconds, faults, cpu
 
     for _ in range(spec["warmup"]):
         for name in runners:
             timed_step(name)
     samples: dict[str, list[float]] = {name: [] for name in runners}
     page_faults: dict[str, list[int]] = {name: [] for name in runners}
+    cpu_seconds: dict[str, list[dict[str, float]]] = {name: [] for name in runners}
     for _ in range(spec["repeats"]):
         for name in runners:
-            seconds, faults = timed_step(name)
+            seconds, faults, cpu = timed_step(name)
             samples[name].append(seconds)
             page_faults[name].append(faults)
+            cpu_seconds[name].append(cpu)
     return {
         "samples": samples,
         "page_faults": page_faults,
+        "cpu": cpu_seconds,
         "recorded": {
             name: _recorded_step(runner, batch, num_label_tokens)
             for name, runner in runners.items()

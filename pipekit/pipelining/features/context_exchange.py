@@ -187,6 +187,9 @@ class PipelineContextExchange(PipelineExtension):
         self.chunk_leads_s: list[float] = []
         """This step's serving passes' chunks sent ahead: how long they had been received when
         the lender's first request arrived."""
+        self.serving_cpu_s = 0.0
+        """This step's serving threads' CPU seconds, counted as each serving pass's answers
+        complete (`LoanServer.cpu_s`): on a CPU, what the work moved here costs this rank."""
         self._exchanges: dict[tuple[int, int], SliceExchange] = {}
         self._serving: list[tuple[Action, tuple[LoanRequest, ...]]] = []
         self._lending: dict[Action, tuple[tuple[int, tuple[int, ...]], ...]] = {}
@@ -257,7 +260,7 @@ class PipelineContextExchange(PipelineExtension):
     ) -> list[tuple[Tensor, ...]] | None:
         """Start answering: every serving pass's threads, each peer's in the order of the passes
         (they wait for the requests; the rank's passes never wait for them)."""
-        self.ahead_sends, self.chunk_leads_s = [], []
+        self.ahead_sends, self.chunk_leads_s, self.serving_cpu_s = [], [], 0.0
         for action, requests in self._serving:
             server = LoanServer(
                 requests, self._server_loan, self.backend, self._chain, self.priority
@@ -283,6 +286,7 @@ class PipelineContextExchange(PipelineExtension):
         if server is not None:
             server.finish()
             self.chunk_leads_s += server.chunk_leads_s
+            self.serving_cpu_s += server.cpu_s
 
     def stage_context(
         self, stage_index: int, unit: int, training: bool, context: AttentionContext
