@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pipekit.bench._report import print_table
+from pipekit.bench._report import paired_ratios, print_table
 
 __all__ = ["cpu_ratio", "print_cpu_per_step"]
 
@@ -39,15 +39,20 @@ def _other_s(steps: _Steps) -> float:
     )
 
 
+def _process_s(rank: Mapping[str, Any], name: str) -> list[float]:
+    return [step["process_s"] for step in rank["cpu"][name]]
+
+
 def cpu_ratio(ranks: Sequence[Mapping[str, Any]], plain: str, other: str) -> float:
     """The median over rounds of `other`'s CPU seconds per step over `plain`'s, all ranks
-    summed (each round times every schedule once, so a pair shares the machine's state)."""
+    summed (`paired_ratios`)."""
 
-    def per_step(name: str, round_index: int) -> float:
-        return sum(rank["cpu"][name][round_index]["process_s"] for rank in ranks)
+    def per_step(name: str) -> list[float]:
+        return [
+            sum(steps) for steps in zip(*(_process_s(rank, name) for rank in ranks), strict=True)
+        ]
 
-    rounds = range(len(ranks[0]["cpu"][plain]))
-    ratios = [per_step(other, index) / per_step(plain, index) for index in rounds]
+    ratios = paired_ratios(per_step(other), per_step(plain))
     return statistics.median(ratios)
 
 

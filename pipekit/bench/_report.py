@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["machine_description", "print_result", "print_table", "time_call"]
+__all__ = ["machine_description", "paired_ratios", "print_result", "print_table", "time_call"]
 
 
 def _cpu_model() -> str:
@@ -42,6 +42,12 @@ def time_call(fn: Callable[[], object], warmup: int = 2, repeats: int = 5) -> fl
         fn()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
+    """Round by round ratios of two alternately timed figures: each round's pair shares the
+    machine's state, which drifts over a run by more than the effects the benches look for."""
+    return [top / bottom for top, bottom in zip(numerators, denominators, strict=True)]
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

@@ -52,7 +52,7 @@ from pipekit.bench._pipeline_launch import (
     rank_core_sets,
     run_ranks,
 )
-from pipekit.bench._report import print_result, print_table
+from pipekit.bench._report import paired_ratios, print_result, print_table
 from pipekit.bench.pipeline_throughput import (
     FAIR_ALLOCATOR,
     print_step_breakdown,
@@ -290,10 +290,9 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
 
 
 def _per_round(sliced_s: list[float], exchange_s: list[float]) -> tuple[float, int]:
-    """The median of the per-round ratios sliced / exchange, and in how many rounds the exchange
-    was faster: the schedules alternate, so each round's pair shares the machine's state, which
-    drifts over a run by more than the exchange's gain at short context."""
-    ratios = [plain / exchanged for plain, exchanged in zip(sliced_s, exchange_s, strict=True)]
+    """The median of the per-round ratios sliced / exchange (`paired_ratios`), and in how many
+    rounds the exchange was faster."""
+    ratios = paired_ratios(sliced_s, exchange_s)
     return statistics.median(ratios), sum(ratio > 1 for ratio in ratios)
 
 
