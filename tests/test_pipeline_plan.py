@@ -22,7 +22,7 @@ def test_defaults_resolve_to_two_slices_per_rank_and_one_sequence_per_microbatch
     plan = _plan(pp=4)
     assert (plan.schedule, plan.num_slices, plan.num_microbatches) == ("sliced", 8, 4)
     assert plan.num_stages == 4 and plan.stage_style == "loop"
-    assert plan.module_names_per_stage[0][0] == "tok_embeddings"
+    assert plan.module_names_per_stage[0][:2] == ["rope", "tok_embeddings"]
     assert plan.module_names_per_stage[-1][-2:] == ["norm", "output"]
 
 
@@ -35,9 +35,9 @@ def test_torch_schedules_run_whole_microbatches_and_v_schedules_place_a_v():
 def test_explicit_stage_modules_are_parsed_per_stage():
     entries = ["tok_embeddings, layers.0, layers.1", "layers.2,layers.3,norm,output"]
     plan = _plan(num_layers=4, pipeline_stage_modules=entries)
-    assert plan.module_names_per_stage == [
-        ["tok_embeddings", "layers.0", "layers.1"],
-        ["layers.2", "layers.3", "norm", "output"],
+    assert plan.module_names_per_stage == [  # the shared RoPE added on every stage
+        ["rope", "tok_embeddings", "layers.0", "layers.1"],
+        ["rope", "layers.2", "layers.3", "norm", "output"],
     ]
 
 

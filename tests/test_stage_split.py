@@ -7,12 +7,14 @@ import itertools
 import pytest
 import torch
 from tiny_models import TINY_LLAMA
+from torch import nn
 
 from models.decoder.model import DECODER_STRUCTURE
 from models.llama import Llama
 from pipekit.models import ModelStructure
 from pipekit.models.stage_module import (
     build_stage_module,
+    check_structure,
     validate_stage_module_names,
 )
 from pipekit.pipelining.model_split.partition import (
@@ -85,10 +87,10 @@ def test_partition_errors_name_the_values_and_the_fix():
 def test_llama_stage_names_cover_the_model_in_order():
     names = llama_stage_module_names(4, 2)
     assert names == [
-        ["tok_embeddings", "layers.0", "layers.1"],
-        ["layers.2", "layers.3", "norm", "output"],
+        ["rope", "tok_embeddings", "layers.0", "layers.1"],
+        ["rope", "layers.2", "layers.3", "norm", "output"],
     ]
-    validate_stage_module_names(_meta_llama(), names)
+    validate_stage_module_names(_meta_llama(), names, shared=("rope",))
 
 
 def test_stage_names_follow_any_model_structure():
@@ -98,10 +100,15 @@ def test_stage_names_follow_any_model_structure():
         output="head",
         before_blocks=("wpe",),
         after_blocks=("l",),
+        logits_transforms=("cap",),
     )
     names = stage_module_names(structure, 4, 2, 0.0, 0.0)
-    assert names == [["wte", "wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "l", "head"]]
-    # vocabulary parallelism takes the embedding and the head out; positions stay on stage 0
+    assert names == [
+        ["wte", "wpe", "blocks.0", "blocks.1"],
+        ["blocks.2", "blocks.3", "l", "head", "cap"],
+    ]
+    # vocabulary parallelism takes the embedding, the head and its transforms out; positions
+    # stay on stage 0
     parallel = stage_module_names(structure, 4, 2, vocab_parallel=True)
     assert parallel == [["wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "l"]]
     assert blocks_per_stage(structure, parallel) == {0: 2, 1: 2}
@@ -169,7 +176,7 @@ def test_composed_stages_equal_the_full_model_fp64(num_stages):
 
 def test_unseeded_init_is_determined_by_the_global_rng_state():
     meta = _meta_llama()
-    stage = build_stage_module(meta, ["layers.2", "layers.3", "norm", "output"])
+    stage = build_stage_module(meta, ["rope", "layers.2", "layers.3", "norm", "output"])
     stage.to_empty(device="cpu")
     full = _meta_llama().to_empty(device="cpu")
     torch.manual_seed(7)
@@ -183,14 +190,16 @@ def test_unseeded_init_is_determined_by_the_global_rng_state():
 def test_stage_module_keeps_names_and_drops_the_rest():
     stage = build_stage_module(_meta_llama(), ["layers.1", "layers.2"])
     assert stage.tok_embeddings is None and stage.norm is None and stage.output is None
-    assert list(stage.layers) == ["1", "2"] and stage.rope is not None
+    assert list(stage.layers) == ["1", "2"]
+    assert stage.rope is None  # stateless, but not named: a stage holds exactly its names
+    assert build_stage_module(_meta_llama(), ["rope", "layers.1"]).rope is not None
     assert {key.split(".")[1] for key in stage.state_dict()} == {"1", "2"}
     whole = build_stage_module(_meta_llama(), ["layers", "norm"])
     assert list(whole.layers) == ["0", "1", "2", "3"]
 
 
 def test_stage_without_embedding_rejects_token_ids():
-    stage = _materialise(build_stage_module(_meta_llama(), ["layers.3", "norm", "output"]))
+    stage = _materialise(build_stage_module(_meta_llama(), ["rope", "layers.3", "norm", "output"]))
     with pytest.raises(ValueError, match="no tok_embeddings; feed it hidden states"):
         stage(torch.zeros(1, 4, dtype=torch.long))
 
@@ -218,6 +227,13 @@ def test_tied_embeddings_cannot_be_split_across_stages():
         ([["tok_embeddings", "layers"], ["rope"], ["norm", "output"]], "stage 1 holds no module"),
         (
             [
+                ["tok_embeddings", "layers.0", "layers.1"],
+                ["layers.2", "layers.3", "norm", "output"],
+            ],
+            "shared module 'rope' is on stages \\[\\]",
+        ),
+        (
+            [
                 ["tok_embeddings", "layers.1"],
                 ["layers.0", "layers.2", "layers.3", "norm", "output"],
             ],
@@ -225,8 +241,106 @@ def test_tied_embeddings_cannot_be_split_across_stages():
         ),
         ([], "empty"),
     ],
-    ids=["missing", "duplicate", "empty-stage", "out-of-order", "no-stages"],
+    ids=["missing", "duplicate", "empty-stage", "no-shared", "out-of-order", "no-stages"],
 )
 def test_validate_rejects_bad_splits(names_per_stage, message):
     with pytest.raises(ValueError, match=message):
-        validate_stage_module_names(_meta_llama(), names_per_stage)
+        validate_stage_module_names(_meta_llama(), names_per_stage, shared=("rope",))
+
+
+class _Scale(nn.Module):
+    """A parameterless embedding scale, the kind of module that once ran on every stage."""
+
+    def forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        return h_BSD * 8.0
+
+
+class _ScaledModel(nn.Module):
+    """Embedding, a stateless scale before the blocks, two linear blocks, an output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.scale = _Scale()
+        self.blocks = nn.ModuleDict({str(i): nn.Linear(4, 4) for i in range(2)})
+        self.head = nn.Linear(4, 11)
+
+    def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
+        h_BSD = tokens_or_hidden
+        if self.embed is not None:
+            h_BSD = self.embed(h_BSD)
+        if self.scale is not None:
+            h_BSD = self.scale(h_BSD)
+        for block in (self.blocks or {}).values():
+            h_BSD = block(h_BSD)
+        return h_BSD if self.head is None else self.head(h_BSD)
+
+
+_SCALED = ModelStructure("blocks", "embed", "head", before_blocks=("scale",))
+
+
+def test_stateless_modules_run_only_on_the_stage_that_places_them():
+    torch.manual_seed(0)
+    model = _ScaledModel().double()
+    check_structure(model, _SCALED)
+    names = stage_module_names(_SCALED, 2, 2, 0.0, 0.0)
+    assert names == [["embed", "scale", "blocks.0"], ["blocks.1", "head"]]
+    validate_stage_module_names(model, names)
+    tokens = torch.tensor([[1, 2, 3]])
+    hidden = tokens
+    for stage_names in names:
+        hidden = build_stage_module(model, stage_names)(hidden)
+    torch.testing.assert_close(hidden, model(tokens), rtol=0, atol=0)
+    # Ablation: a stage keeping the stateless scale it was not given (the old behaviour) runs
+    # it twice and changes the model; validation refuses that split.
+    twice = [["embed", "scale", "blocks.0"], ["scale", "blocks.1", "head"]]
+    hidden = tokens
+    for stage_names in twice:
+        hidden = build_stage_module(model, stage_names)(hidden)
+    assert (hidden - model(tokens)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"stateless module 'scale' is on stages \[0, 1\]"):
+        validate_stage_module_names(model, twice)
+
+
+@pytest.mark.parametrize(
+    ("structure", "message"),
+    [
+        (ModelStructure("blocks", "embed", "head"), r"\['scale'\] of _ScaledModel are placed by"),
+        (
+            ModelStructure("blocks", "embed", "head", ("scale",), ("scale",)),
+            r"names \['scale'\] more than once",
+        ),
+        (
+            ModelStructure("blocks", "embed", "head", ("scale", "wpe")),
+            r"names \['wpe'\], which _ScaledModel does not have",
+        ),
+        (
+            ModelStructure("blocks", "embed", "head", ("scale",), shared=("embed",)),
+            r"more than once",
+        ),
+        (
+            ModelStructure("blocks", "embed", "head", logits_transforms=("scale",), shared=()),
+            None,
+        ),
+    ],
+    ids=["unplaced", "twice", "absent", "embedding-shared", "ok"],
+)
+def test_check_structure_names_what_is_not_placed(structure, message):
+    model = _ScaledModel()
+    if message is None:
+        check_structure(model, structure)
+        return
+    with pytest.raises(ValueError, match=message):
+        check_structure(model, structure)
+
+
+def test_check_structure_refuses_direct_and_stateful_shared_parameters():
+    model = _ScaledModel()
+    model.gain = nn.Parameter(torch.ones(4))
+    with pytest.raises(ValueError, match=r"holds \['gain'\] directly"):
+        check_structure(model, _SCALED)
+    model = _ScaledModel()
+    stateful = ModelStructure("blocks", "embed", "head", logits_transforms=("scale",))
+    model.scale = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"logits_transforms names \['scale'\], which hold"):
+        check_structure(model, stateful)

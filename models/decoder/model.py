@@ -31,7 +31,11 @@ from pipekit.moe import MoE
 __all__ = ["DECODER_STRUCTURE", "DecoderLM", "TransformerBlock", "decoder_shape"]
 
 DECODER_STRUCTURE = ModelStructure(
-    blocks="layers", embedding="tok_embeddings", output="output", after_blocks=("norm",)
+    blocks="layers",
+    embedding="tok_embeddings",
+    output="output",
+    after_blocks=("norm",),
+    shared=("rope",),
 )
 """Where pipekit finds the parts of a `DecoderLM` it splits and wraps."""
 

@@ -81,7 +81,9 @@ def _worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     for sequence_parallel in (False, True):
         with torch.device("meta"):
             model = llama.build(args)
-        blocks = build_stage_module(model, [f"layers.{i}" for i in range(spec["layers"])])
+        blocks = build_stage_module(
+            model, [*llama.structure.shared, *(f"layers.{i}" for i in range(spec["layers"]))]
+        )
         apply_tensor_parallel(blocks, mesh, llama, sequence_parallel=sequence_parallel)
         materialize_sharded(blocks, "cpu", lambda unit: unit.init_weights(seed=0))
         local_tokens = spec["seq"] // (num_ranks if sequence_parallel else 1)

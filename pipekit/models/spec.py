@@ -75,9 +75,31 @@ class ModelStructure:
     """The vocabulary projection (weight `[V, D]`): on the last stage, or split like the
     embedding."""
     before_blocks: tuple[str, ...] = ()
-    """Other modules of the first stage, applied after the embedding (e.g. learned positions)."""
+    """Modules of the first stage only, applied to the embedding's output before the blocks
+    (learned positions, an embedding scale): vocabulary-parallel embeddings pass through them
+    too."""
     after_blocks: tuple[str, ...] = ()
     """Modules of the last stage between the blocks and the output (e.g. the final norm)."""
+    logits_transforms: tuple[str, ...] = ()
+    """Stateless modules the model applies, in order, to the output layer's logits (soft-capping,
+    a scale). Each must act on every logit alone (elementwise), so vocabulary parallelism applies
+    them shard by shard; the last stage holds them."""
+    shared: tuple[str, ...] = ()
+    """Stateless modules every stage holds (e.g. rotary embeddings): the one place a module
+    may run on more than one stage."""
+
+    @property
+    def placed(self) -> tuple[str, ...]:
+        """Every top-level module name the structure places, in no particular order."""
+        return (
+            self.blocks,
+            self.embedding,
+            self.output,
+            *self.before_blocks,
+            *self.after_blocks,
+            *self.logits_transforms,
+            *self.shared,
+        )
 
     @property
     def vocabulary_modules(self) -> tuple[str, str]:

@@ -1,9 +1,12 @@
 """A pipeline stage as a module: the model with the modules of other stages removed.
 
-Top-level children of other stages are set to None and other keys of a ModuleDict/ModuleList
-child are deleted, so a stage's state-dict names are the whole model's, and checkpoints,
-Hugging Face adapters and `init_weights` work on a stage unchanged. Modules without parameters
-or buffers (RoPE) are shared: every stage keeps them and no stage needs to name them.
+Top-level children a stage does not name are set to None and other keys of a
+ModuleDict/ModuleList child are deleted, so a stage's state-dict names are the whole model's, and
+checkpoints, Hugging Face adapters and `init_weights` work on a stage unchanged. A stage holds
+exactly the modules it names, stateless ones included: a module without parameters (an
+embedding scale, a soft-cap) runs only where the model's `ModelStructure` places it, and a
+module every stage needs (RoPE) is named on every stage (`ModelStructure.shared`).
+`check_structure` refuses a model whose structure leaves a module unplaced.
 """
 
 from __future__ import annotations
@@ -13,13 +16,20 @@ from collections.abc import Sequence
 
 from torch import nn
 
-__all__ = ["build_stage_module", "model_units", "validate_stage_module_names"]
+from pipekit.models.spec import ModelStructure
+
+__all__ = [
+    "build_stage_module",
+    "check_structure",
+    "model_units",
+    "validate_stage_module_names",
+]
 
 
 def build_stage_module(
     model: nn.Module, module_names: Sequence[str], *, share_modules: bool = False
 ) -> nn.Module:
-    """A copy of `model` that keeps only `module_names` (plus the shared stateless modules).
+    """A copy of `model` that keeps exactly `module_names` (stateless modules too).
 
     Names are top-level children (an embedding, a norm, or a whole blocks container) or entries
     of a ModuleDict/ModuleList child ("<blocks>.3"). Build stages from a meta-device model,
@@ -31,7 +41,7 @@ def build_stage_module(
     A rank with several stages builds one module for all its stages and shares it out, so the
     optimizer, checkpoints and gradient clipping see one model with the full model's names.
     """
-    kept = _expand(model, module_names, where="build_stage_module")
+    kept = _expand(model, module_names, where="build_stage_module") | set(module_names)
     _check_shared_parameters(model, kept)
     stage = _shallow_copy(model) if share_modules else copy.deepcopy(model)
     for name, child in list(stage.named_children()):
@@ -40,7 +50,7 @@ def build_stage_module(
                 key: entry for key, entry in child.named_children() if f"{name}.{key}" in kept
             }
             setattr(stage, name, nn.ModuleDict(entries) if entries else None)
-        elif name not in kept and _has_state(child):
+        elif name not in kept:
             setattr(stage, name, None)
     return stage
 
@@ -62,12 +72,15 @@ def validate_stage_module_names(
     model: nn.Module,
     names_per_stage: Sequence[Sequence[str]],
     outside_stages: Sequence[str] = (),
+    shared: Sequence[str] = (),
 ) -> None:
     """Check that the stages hold every module of `model` once, with layers in model order;
-    the modules named in `outside_stages` (vocabulary parallelism's) must be in none.
+    the modules named in `outside_stages` (vocabulary parallelism's) must be in none, and only
+    the stateless `shared` ones (`ModelStructure.shared`) may be in several.
 
-    Catches hand-written splits that would silently drop or duplicate weights or run layers out
-    of order, before any process group or memory is spent on them.
+    Catches hand-written splits that would silently drop or duplicate weights, run a stateless
+    module (an embedding scale) twice, or run layers out of order, before any process group or
+    memory is spent on them.
     """
     if not names_per_stage:
         raise ValueError("names_per_stage is empty; give at least one stage")
@@ -104,6 +117,87 @@ def validate_stage_module_names(
                     f"stage {owner[previous]}; stages must hold consecutive layers in model order"
                 )
             previous = unit
+    _check_stateless_placement(model, names_per_stage, outside_stages, shared)
+
+
+def check_structure(model: nn.Module, structure: ModelStructure) -> None:
+    """Check that `structure` places every module of `model` exactly once, so that no layout
+    drops a piece of the model or runs it twice; ValueError naming the module and the fix.
+
+    The model must hold no parameter or buffer of its own (outside a placed module), every
+    top-level child must be named by one field of the structure, and the modules that may run
+    on several stages or vocabulary shards (`shared`, `logits_transforms`) must be stateless.
+    """
+    model_name = type(model).__name__
+    direct = [name for name, _ in model.named_parameters(recurse=False)]
+    direct += [name for name, _ in model.named_buffers(recurse=False)]
+    if direct:
+        raise ValueError(
+            f"{model_name} holds {direct} directly, where no pipeline stage or vocabulary split "
+            "can place it; move each into a submodule that its ModelStructure names"
+        )
+    placed = structure.placed
+    twice = sorted({name for name in placed if placed.count(name) > 1})
+    if twice:
+        raise ValueError(f"ModelStructure names {twice} more than once; give each module one place")
+    missing = object()
+    absent = [name for name in placed if getattr(model, name, missing) is missing]
+    if absent:
+        children = [name for name, _ in model.named_children()]
+        raise ValueError(
+            f"ModelStructure names {absent}, which {model_name} does not have; its modules are "
+            f"{children}"
+        )
+    unplaced = [name for name, _ in model.named_children() if name not in placed]
+    if unplaced:
+        raise ValueError(
+            f"module(s) {unplaced} of {model_name} are placed by no field of its ModelStructure, "
+            "so no layout knows which stage runs them; name each in before_blocks (first stage, "
+            "after the embedding), after_blocks (last stage, before the output), "
+            "logits_transforms (after the output) or shared (stateless, every stage)"
+        )
+    for field in ("shared", "logits_transforms"):
+        stateful = [
+            name
+            for name in getattr(structure, field)
+            if getattr(model, name) is not None and _has_state(getattr(model, name))
+        ]
+        if stateful:
+            raise ValueError(
+                f"ModelStructure.{field} names {stateful}, which hold parameters or buffers; "
+                f"{field} modules run on several stages or vocabulary shards, so they must be "
+                "stateless: move a learned scale into the output layer or a last-stage module"
+            )
+
+
+def _check_stateless_placement(
+    model: nn.Module,
+    names_per_stage: Sequence[Sequence[str]],
+    outside_stages: Sequence[str],
+    shared: Sequence[str],
+) -> None:
+    """A stateless top-level module runs where it is named: on exactly one stage, on none when
+    it is outside the stages, or on every stage when it is shared."""
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList)) or _has_state(child):
+            continue
+        stages = [index for index, names in enumerate(names_per_stage) if name in names]
+        if name in shared:
+            if len(stages) != len(names_per_stage):
+                raise ValueError(
+                    f"shared module {name!r} is on stages {stages} of {len(names_per_stage)}; "
+                    "every stage needs it: name it on each"
+                )
+        elif name in outside_stages and stages:
+            raise ValueError(
+                f"module {name!r} is in stage {stages[0]} but runs outside the stages "
+                "(vocab_parallel applies it to the logits shards); remove it from the stage"
+            )
+        elif name not in outside_stages and len(stages) != 1:
+            raise ValueError(
+                f"stateless module {name!r} is on stages {stages}; it must run once, on exactly "
+                "one stage (name it in ModelStructure.shared if every stage needs it)"
+            )
 
 
 def _has_state(module: nn.Module) -> bool:

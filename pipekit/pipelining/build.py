@@ -32,6 +32,7 @@ from pipekit.layers.loss import token_sum_cross_entropy
 from pipekit.memory.offload_store import store_for
 from pipekit.models.stage_module import (
     build_stage_module,
+    check_structure,
     validate_stage_module_names,
 )
 from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
@@ -98,7 +99,10 @@ def build_pipeline(
     this together (features create process groups). Returns the runner; the rank's model (all
     its stages' modules, vocabulary shards included) is `runner.model`.
     """
-    validate_stage_module_names(model, plan.module_names_per_stage, plan.modules_outside_stages)
+    check_structure(model, plan.structure)
+    validate_stage_module_names(
+        model, plan.module_names_per_stage, plan.modules_outside_stages, plan.structure.shared
+    )
     tied = plan.model.tied_embeddings
     if tied:  # the embedding's and the output's stages each get a copy
         untie_vocabulary(model, plan.structure)

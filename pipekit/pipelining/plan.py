@@ -20,8 +20,10 @@ from pipekit.pipelining.features.offload_plan import resolve_offload_ratios
 from pipekit.pipelining.features.output_passes import with_output_passes
 from pipekit.pipelining.model_split.partition import (
     blocks_per_stage,
+    modules_outside_stages,
     stage_module_names,
     stages_of_rank,
+    with_shared_modules,
 )
 from pipekit.pipelining.schedules.check import check_schedule
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
@@ -110,7 +112,7 @@ class PipelinePlan:
     @property
     def modules_outside_stages(self) -> tuple[str, ...]:
         """Modules no stage holds (vocabulary parallelism's)."""
-        return self.structure.vocabulary_modules if self.vocab_parallel else ()
+        return modules_outside_stages(self.structure, self.vocab_parallel)
 
     @property
     def num_stages(self) -> int:
@@ -200,10 +202,13 @@ def plan_pipeline(
         _check_equal_cost(parallelism, num_slices)
     num_stages = num_ranks * stages_per_rank
     if parallelism.pipeline_stage_modules:
-        names = [
-            [name.strip() for name in entry_text.split(",") if name.strip()]
-            for entry_text in parallelism.pipeline_stage_modules
-        ]
+        names = with_shared_modules(
+            structure,
+            [
+                [name.strip() for name in entry_text.split(",") if name.strip()]
+                for entry_text in parallelism.pipeline_stage_modules
+            ],
+        )
         if len(names) != num_stages:
             raise ValueError(
                 f"pipeline_stage_modules has {len(names)} stages but pipeline_parallel_degree="

@@ -116,7 +116,7 @@ def profile_activations(
     for name in names:
         kind = _kind(model.get_submodule(name))
         if kind not in kinds:
-            block = build_stage_module(model, [name])
+            block = build_stage_module(model, [*structure.shared, name])
             setup = _with_selective_checkpointing(configure) if selective else configure
             if split.tp == 1:
                 kinds[kind] = _probe_block(block, shape.dim, dtype, tokens, setup, selective)
@@ -127,7 +127,8 @@ def profile_activations(
                 )  # fmt: skip
         block_bytes[name] = kinds[kind][0]
     kv = 2 * shape.num_kv_heads // split.tp * shape.head_dim * dtype.itemsize
-    head = build_stage_module(model, [*structure.after_blocks, structure.output])
+    head_names = [structure.output, *structure.logits_transforms]
+    head = build_stage_module(model, [*structure.shared, *structure.after_blocks, *head_names])
     head_args = (head, shape.dim, shape.vocab_size, dtype, tokens)
     if split.tp == 1:
         head_saved, head_peak = _probe_head(*head_args)

@@ -23,6 +23,8 @@ from pipekit.models.registry import get_model_spec, import_model_module, resolve
 from pipekit.models.spec import ModelShape, ModelSpec
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from pipekit.distributed.parallel_dims import ParallelDims
     from pipekit.models.upcycling import UpcycleSpec
     from pipekit.pipelining.plan import PipelinePlan
@@ -84,6 +86,7 @@ def plan_job(config: JobConfig, world_size: int, *, check_files: bool = True) ->
     tokenizer_vocab = _tokenizer_vocab(config) if check_files else 0
     spec, args, upcycle = _model(config, tokenizer_vocab)
     shape = spec.shape(args)
+    meta_model = _check_structure(spec, args)
     _check_data(config, shape, tokenizer_vocab)
     _check_checkpoints(config, spec, args, check_files)
     if upcycle is not None:
@@ -103,7 +106,9 @@ def plan_job(config: JobConfig, world_size: int, *, check_files: bool = True) ->
             f"{per_step * max(1, config.training.global_batch_size // per_step)}"
         )
     local_batch = config.training.global_batch_size // per_step
-    pipeline = _pipeline(config, spec, args, shape, dims, local_batch) if dims.pp > 1 else None
+    pipeline = None
+    if dims.pp > 1:
+        pipeline = _pipeline(config, spec, meta_model, shape, dims, local_batch)
     if config.parallelism.vocab_parallel:
         _check_vocab_parallel(shape, dims.pp, dims.tp)
     offload = pipeline.activation_offload if pipeline else config.parallelism.activation_offload
@@ -343,17 +348,30 @@ def _check_expert_parallel(config: JobConfig, args: Any, ep: int) -> None:
         raise _error("[parallelism]", error) from None
 
 
+def _check_structure(spec: ModelSpec, args: Any) -> nn.Module:
+    """The model on the meta device, once its structure is checked to place every module."""
+    import torch
+
+    from pipekit.models.stage_module import check_structure
+
+    with torch.device("meta"):
+        model = spec.build(args)
+    try:
+        check_structure(model, spec.structure)
+    except ValueError as error:
+        raise _error(f"[model] {spec.name}:", error) from None
+    return model
+
+
 def _pipeline(
     config: JobConfig,
     spec: ModelSpec,
-    args: Any,
+    model: nn.Module,
     shape: ModelShape,
     dims: ParallelDims,
     local_batch_size: int,
 ) -> PipelinePlan:
     import dataclasses
-
-    import torch
 
     from pipekit.models.stage_module import validate_stage_module_names
     from pipekit.pipelining.plan import plan_pipeline
@@ -364,8 +382,6 @@ def _pipeline(
         resolved = dataclasses.replace(
             config.parallelism, dp_shard=dims.dp_shard, dp_replicate=dims.dp_replicate
         )
-        with torch.device("meta"):
-            model = spec.build(args)
         plan = plan_pipeline(
             resolved,
             spec.structure,
@@ -374,7 +390,9 @@ def _pipeline(
             seq_len,
             attention_to_linear=attention_to_linear_flops(model, shape, spec.structure, seq_len),
         )
-        validate_stage_module_names(model, plan.module_names_per_stage, plan.modules_outside_stages)
+        validate_stage_module_names(
+            model, plan.module_names_per_stage, plan.modules_outside_stages, spec.structure.shared
+        )
     except ValueError as error:
         raise _error("[parallelism]", error) from None
     return plan

@@ -13,10 +13,12 @@ from pipekit.models.spec import ModelStructure
 
 __all__ = [
     "blocks_per_stage",
+    "modules_outside_stages",
     "partition_layers",
     "stage_module_names",
     "stage_to_rank",
     "stages_of_rank",
+    "with_shared_modules",
 ]
 
 _STYLES = ("loop", "v")
@@ -92,11 +94,12 @@ def stage_module_names(
     vocab_parallel: bool = False,
 ) -> list[list[str]]:
     """Module names of each stage, its blocks split by `partition_layers`: the first stage also
-    holds the embedding and `before_blocks`, the last `after_blocks` and the output.
+    holds the embedding and `before_blocks`, the last `after_blocks`, the output and the
+    `logits_transforms`, and every stage the `shared` modules.
 
-    With `vocab_parallel` the embedding and the output layer are split across the pipeline ranks
-    outside the stages (`pipekit.pipelining.features.vocab_parallel`): no stage holds them or
-    pays for them.
+    With `vocab_parallel` the embedding, the output layer and the logits transforms are split
+    across the pipeline ranks outside the stages (`pipekit.pipelining.features.vocab_parallel`):
+    no stage holds them or pays for them.
     """
     if vocab_parallel:
         embedding_weight = output_weight = 0.0
@@ -104,8 +107,27 @@ def stage_module_names(
     names = [[structure.block_name(layer) for layer in layers] for layers in ranges]
     first = [] if vocab_parallel else [structure.embedding]
     names[0][:0] = [*first, *structure.before_blocks]
-    names[-1] += [*structure.after_blocks, *([] if vocab_parallel else [structure.output])]
-    return names
+    output = [] if vocab_parallel else [structure.output, *structure.logits_transforms]
+    names[-1] += [*structure.after_blocks, *output]
+    return with_shared_modules(structure, names)
+
+
+def with_shared_modules(
+    structure: ModelStructure, names_per_stage: Sequence[Sequence[str]]
+) -> list[list[str]]:
+    """`names_per_stage` with the structure's `shared` modules on every stage (a hand-written
+    split need not list them)."""
+    return [
+        [*(name for name in structure.shared if name not in names), *names]
+        for names in names_per_stage
+    ]
+
+
+def modules_outside_stages(structure: ModelStructure, vocab_parallel: bool) -> tuple[str, ...]:
+    """The modules vocabulary parallelism takes out of the stages (none without it)."""
+    if not vocab_parallel:
+        return ()
+    return (*structure.vocabulary_modules, *structure.logits_transforms)
 
 
 def blocks_per_stage(
