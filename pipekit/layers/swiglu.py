@@ -5,10 +5,13 @@
 recomputes the swish in the backward (SlimPipe §5, as Megatron's fused SwiGLU does): one
 element-wise sigmoid per element instead of a third stored tensor. The down projection saves
 its input `silu(g) * u` either way. `swiglu_reference` is the two-op form, kept to test
-against.
+against. `gated_grads` is that backward for any gate activation: the gated grouped experts
+(`pipekit.moe.activations`: SwiGLU, GeGLU) share it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +19,7 @@ from torch import Tensor, nn
 
 from pipekit.layers.init import trunc_normal_
 
-__all__ = ["FeedForward", "swiglu", "swiglu_grads", "swiglu_reference"]
+__all__ = ["FeedForward", "gated_grads", "swiglu", "swiglu_grads", "swiglu_reference"]
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -38,10 +41,23 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu_grads(grad_out: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """`(d gate, d up, silu(gate))` of `silu(gate) * up` from its output gradient, the swish
-    recomputed from the gate (the dense and the grouped-expert SwiGLU share it)."""
-    grad_gate = torch.ops.aten.silu_backward(grad_out * up, gate)  # fused: no temporaries
-    swish = F.silu(gate)
-    return grad_gate, grad_out * swish, swish
+    recomputed from the gate."""
+    return gated_grads(grad_out, gate, up, F.silu, torch.ops.aten.silu_backward)
+
+
+def gated_grads(
+    grad_out: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    act: Callable[[Tensor], Tensor],
+    act_backward: Callable[[Tensor, Tensor], Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`(d gate, d up, act(gate))` of `act(gate) * up` from its output gradient, `act(gate)`
+    recomputed; `act_backward(d act, gate)` is the fused chain rule through `act` (no
+    temporaries). The dense SwiGLU and every gated grouped expert share it."""
+    grad_gate = act_backward(grad_out * up, gate)
+    activated = act(gate)
+    return grad_gate, grad_out * activated, activated
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
 """Mixture of experts: routers, grouped experts, expert parallelism, pipelined all-to-all."""
 
+from pipekit.moe.activations import EXPERT_ACTIVATIONS, ExpertActivation
 from pipekit.moe.aux_loss import (
     BALANCE_LOSSES,
     attach_aux_loss,
@@ -18,8 +19,10 @@ from pipekit.moe.routing import Routing
 
 __all__ = [
     "BALANCE_LOSSES",
+    "EXPERT_ACTIVATIONS",
     "RESTORE_STRATEGIES",
     "ROUTERS",
+    "ExpertActivation",
     "ExpertExecution",
     "GranularitySearch",
     "GroupedExperts",

@@ -23,7 +23,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.graph import saved_tensors_hooks
 
+from pipekit.moe.activations import ExpertActivation
 from pipekit.moe.dispatch_plan import plan_partitions
+from pipekit.moe.experts import ExpertWeights
 from pipekit.moe.granularity import GranularitySearch
 from pipekit.moe.pipelined import ExpertPipeline, pipelined_experts
 from pipekit.moe.restore import (
@@ -64,8 +66,15 @@ class ExpertExecution:
         self._strategy: RestoreStrategy | None = None
         self._trial_inputs: tuple | None = None
 
-    def run(self, x_TD: Tensor, routing: Routing, weights: tuple[Tensor, Tensor, Tensor]) -> Tensor:
-        """Sum over each token's assignments of weight x expert(token)."""
+    def run(
+        self,
+        x_TD: Tensor,
+        routing: Routing,
+        weights: ExpertWeights,
+        activation: ExpertActivation,
+    ) -> Tensor:
+        """Sum over each token's assignments of weight x expert(token), the experts being
+        `weights` (w3 None when `activation` is plain) under `activation`."""
         w1_EFD = weights[0]
         if w1_EFD.shape[0] * self.exchange.size != routing.num_experts:
             raise ValueError(
@@ -74,11 +83,19 @@ class ExpertExecution:
                 "experts with apply_expert_parallel over the same ep group"
             )
         batch_tokens = self._agreed_batch_tokens(x_TD)
-        partitions = self._partitions(batch_tokens, x_TD, routing, weights)
-        strategy = self._restore_strategy(batch_tokens, x_TD, w1_EFD, partitions)
-        return self._run(x_TD, routing, weights, partitions, strategy)
+        partitions = self._partitions(batch_tokens, x_TD, routing, weights, activation)
+        strategy = self._restore_strategy(batch_tokens, x_TD, w1_EFD, activation, partitions)
+        return self._run(x_TD, routing, weights, activation, partitions, strategy)
 
-    def _run(self, x_TD, routing, weights, partitions: int, strategy: RestoreStrategy) -> Tensor:
+    def _run(
+        self,
+        x_TD: Tensor,
+        routing: Routing,
+        weights: ExpertWeights,
+        activation: ExpertActivation,
+        partitions: int,
+        strategy: RestoreStrategy,
+    ) -> Tensor:
         plans, order_A = plan_partitions(routing, partitions, self.exchange)
         pipeline = ExpertPipeline(
             plans=plans,
@@ -86,10 +103,11 @@ class ExpertExecution:
             exchange=self.exchange,
             strategy=strategy,
             offloader=Offloader(x_TD.device),
+            activation=activation,
         )
         # Routers score in float32; experts and combine run in the activations' dtype.
         weight_A = routing.weight_A[order_A].to(x_TD.dtype)
-        weights = tuple(weight.to(x_TD.dtype) for weight in weights)
+        weights = tuple(None if weight is None else weight.to(x_TD.dtype) for weight in weights)
         return pipelined_experts(x_TD, weight_A, *weights, pipeline)
 
     def _agreed_batch_tokens(self, x_TD: Tensor) -> int:
@@ -108,10 +126,17 @@ class ExpertExecution:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.exchange.group)
         return tensor.item()
 
-    def _partitions(self, batch_tokens: int, x_TD: Tensor, routing: Routing, weights) -> int:
+    def _partitions(
+        self,
+        batch_tokens: int,
+        x_TD: Tensor,
+        routing: Routing,
+        weights: ExpertWeights,
+        activation: ExpertActivation,
+    ) -> int:
         if self.granularity is None:
             return self.partitions
-        self._trial_inputs = (batch_tokens, x_TD, routing, weights)
+        self._trial_inputs = (batch_tokens, x_TD, routing, weights, activation)
         try:
             return self.granularity.search(batch_tokens)
         finally:
@@ -119,9 +144,12 @@ class ExpertExecution:
 
     def _trial(self, batch_tokens: int, partitions: int) -> float:
         """Seconds of one forward + backward with `partitions`, the slowest rank's."""
-        agreed_tokens, x_TD, routing, weights = self._trial_inputs
-        strategy = self._restore_strategy(agreed_tokens, x_TD, weights[0], partitions)
-        inputs = [tensor.detach().requires_grad_() for tensor in (x_TD, *weights)]
+        agreed_tokens, x_TD, routing, weights, activation = self._trial_inputs
+        strategy = self._restore_strategy(agreed_tokens, x_TD, weights[0], activation, partitions)
+        inputs = [
+            None if tensor is None else tensor.detach().requires_grad_()
+            for tensor in (x_TD, *weights)
+        ]
         detached = dataclasses.replace(routing, weight_A=routing.weight_A.detach())
         best = float("inf")
         # The trial's own backward must not unpack through the hooks of an enclosing activation
@@ -130,14 +158,21 @@ class ExpertExecution:
             for _ in range(_TRIAL_REPEATS):
                 _synchronize(x_TD.device)
                 started = time.perf_counter()
-                out_TD = self._run(inputs[0], detached, tuple(inputs[1:]), partitions, strategy)
+                out_TD = self._run(
+                    inputs[0], detached, tuple(inputs[1:]), activation, partitions, strategy
+                )
                 out_TD.sum().backward()
                 _synchronize(x_TD.device)
                 best = min(best, time.perf_counter() - started)
         return self._max_over_ranks(best, torch.float64, x_TD.device)
 
     def _restore_strategy(
-        self, batch_tokens: int, x_TD: Tensor, w1_EFD: Tensor, partitions: int
+        self,
+        batch_tokens: int,
+        x_TD: Tensor,
+        w1_EFD: Tensor,
+        activation: ExpertActivation,
+        partitions: int,
     ) -> RestoreStrategy:
         if self.memory_reuse != "auto":
             return restore_strategy(self.memory_reuse)
@@ -146,7 +181,12 @@ class ExpertExecution:
             tokens = max(1, batch_tokens // partitions)
             speeds = measure_speeds(self.exchange, tokens, dim, hidden, x_TD.dtype, x_TD.device)
             shape = ExpertShape(
-                tokens, dim, hidden, x_TD.element_size(), forward_gemms=3, middle_tensors=2
+                tokens,
+                dim,
+                hidden,
+                x_TD.element_size(),
+                forward_gemms=activation.forward_gemms,
+                middle_tensors=activation.middle_tensors,
             )
             self._strategy = choose_restore_strategy(speeds, shape)
         return self._strategy

@@ -1,9 +1,11 @@
 """The MoE feed-forward layer: router, experts, and how the experts run.
 
-`MoE` replaces a dense SwiGLU FFN: `forward(x_BSD)` routes every token, runs the experts through
+`MoE` replaces a dense FFN: `forward(x_BSD)` routes every token, runs the experts through
 its `ExpertExecution` (single-process by default; expert-parallel and pipelined once
 `apply_expert_parallel` has swapped it), and returns the weighted sum of each token's expert
-outputs. A token the router drops gets zero here, and keeps its residual in the block.
+outputs. A token the router drops gets zero here, and keeps its residual in the block. The
+experts' activation (`MoEArgs.activation`, one of `pipekit.moe.EXPERT_ACTIVATIONS`) matches the
+dense FFN they replace: SwiGLU for Llama-style models, GeGLU for Gemma, plain GELU for GPT-2.
 
 In training, the configured auxiliary losses are attached to the output through autograd
 (`attach_aux_loss`), so they reach the router's gradient under pipelining and gradient
@@ -14,11 +16,12 @@ Legend: B batch, S sequence, T = B x S tokens, D model dim, F expert hidden dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
+from pipekit.moe.activations import expert_activation
 from pipekit.moe.aux_loss import BALANCE_LOSSES, attach_aux_loss, balance_loss
 from pipekit.moe.execution import ExpertExecution
 from pipekit.moe.experts import GroupedExperts
@@ -47,6 +50,8 @@ class MoEArgs:
     """Weight of the router z-loss (0 turns it off)."""
     router_init_std: float = 0.02
     """Std of the router's truncated-normal init."""
+    activation: str = "swiglu"
+    """Expert activation, one of `pipekit.moe.EXPERT_ACTIVATIONS`: swiglu, geglu or gelu (no w3)."""
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -57,18 +62,27 @@ class MoEArgs:
             raise ValueError(
                 f"MoEArgs.load_balance={self.load_balance!r}; known: {sorted(BALANCE_LOSSES)}"
             )
+        expert_activation(self.activation)  # validates the name, listing the known ones
 
 
 class MoE(nn.Module):
-    """Router + `GroupedExperts`, run by an `ExpertExecution`."""
+    """Router + `GroupedExperts`, run by an `ExpertExecution`.
 
-    def __init__(self, dim: int, hidden_dim: int, args: MoEArgs) -> None:
+    `activation`, when given, replaces `args.activation` (for a model that builds its MoE
+    layers by hand); `self.args` then holds it, so the args stay the one description.
+    """
+
+    def __init__(
+        self, dim: int, hidden_dim: int, args: MoEArgs, *, activation: str | None = None
+    ) -> None:
         super().__init__()
+        if activation is not None:
+            args = replace(args, activation=activation)
         self.args = args
         self.router = build_router(
             args.router, dim, args.num_experts, args.top_k, args.capacity_factor
         )
-        self.experts = GroupedExperts(dim, hidden_dim, args.num_experts)
+        self.experts = GroupedExperts(dim, hidden_dim, args.num_experts, args.activation)
         self.execution = ExpertExecution()
 
     def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:

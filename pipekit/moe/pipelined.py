@@ -15,6 +15,9 @@ T_M and T_DO into the same buffers (two for tensors in flight, one for T_M), so 
 works partition by partition: its temporaries (the paper's gradient buffers) are `B/n` rows
 with or without sharing, freed as each partition ends, so it allocates no shared buffers.
 
+The expert math is `pipekit.moe.experts`', for the layer's activation: T_M holds K = 2 tensors
+per row (gate and up) for a gated expert, 1 (gate) for a plain one.
+
 One autograd node covers the whole layer's expert part; every tensor it keeps for backward goes
 through `save_for_backward`, so saved-tensor hooks (memory tracking, activation checkpointing)
 see them.
@@ -30,8 +33,9 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from pipekit.moe.activations import ExpertActivation
 from pipekit.moe.dispatch_plan import PartitionPlan
-from pipekit.moe.experts import ExpertGrads, swiglu_backward, swiglu_middle, swiglu_output
+from pipekit.moe.experts import ExpertGrads, expert_backward, expert_middle, expert_output
 from pipekit.moe.restore import Offloader, RestoreStrategy
 from pipekit.moe.token_exchange import PendingRows, TokenExchange
 
@@ -48,6 +52,7 @@ class ExpertPipeline:
     exchange: TokenExchange
     strategy: RestoreStrategy
     offloader: Offloader
+    activation: ExpertActivation
 
     def max_received_rows(self) -> int:
         return max(plan.received_rows for plan in self.plans)
@@ -60,11 +65,12 @@ def pipelined_experts(
     x_TD: Tensor,
     weight_A: Tensor,
     w1_EFD: Tensor,
-    w3_EFD: Tensor,
+    w3_EFD: Tensor | None,
     w2_EDF: Tensor,
     pipeline: ExpertPipeline,
 ) -> Tensor:
-    """Sum over each token's assignments of weight x expert(token); `weight_A` in plan order."""
+    """Sum over each token's assignments of weight x expert(token); `weight_A` in plan order,
+    `w3_EFD` None for a plain (non-gated) activation."""
     return _PipelinedExperts.apply(x_TD, weight_A, w1_EFD, w3_EFD, w2_EDF, pipeline)
 
 
@@ -110,11 +116,12 @@ class _PipelinedExperts(torch.autograd.Function):
         plans, exchange, strategy = pipeline.plans, pipeline.exchange, pipeline.strategy
         share = strategy.shares_buffers
         dim, hidden = x_TD.shape[1], w1_EFD.shape[1]
+        activation, middles = pipeline.activation, pipeline.activation.middle_tensors
         received_rows, sent_rows = pipeline.max_received_rows(), pipeline.max_sent_rows()
         send_buffers = _Buffers(x_TD, sent_rows, dim, 2, share)
         receive_buffers = _Buffers(x_TD, received_rows, dim, 2, share)
         dispatched_buffer = _Buffers(x_TD, received_rows, dim, 1, share)
-        middle_buffer = _Buffers(x_TD, 2 * received_rows, hidden, 1, share)
+        middle_buffer = _Buffers(x_TD, middles * received_rows, hidden, 1, share)
         output_buffers = _Buffers(x_TD, received_rows, dim, 2, share)
         combined_AD = x_TD.new_empty(pipeline.token_index_A.numel(), dim)  # T_O
 
@@ -135,15 +142,15 @@ class _PipelinedExperts(torch.autograd.Function):
                     dispatch = start_dispatch(p + 1)
                 rows = plan.received_rows
                 dispatched = _to_expert_major(received, plan, dispatched_buffer.get(p, rows))
-                middle_buffer_rows = middle_buffer.get(p, 2 * rows)
-                middle = swiglu_middle(
+                middle_buffer_rows = middle_buffer.get(p, middles * rows)
+                middle = expert_middle(
                     dispatched,
                     w1_EFD,
                     w3_EFD,
                     plan.local_counts_L,
                     out=None
                     if middle_buffer_rows is None
-                    else middle_buffer_rows.view(2, rows, hidden),
+                    else middle_buffer_rows.view(middles, rows, hidden),
                 )
                 for restore, tensor, kept in (
                     (strategy.dispatched_input, dispatched, kept_inputs),
@@ -153,10 +160,10 @@ class _PipelinedExperts(torch.autograd.Function):
                         kept.append(tensor)
                     elif restore == "offload":
                         kept.append(pipeline.offloader.offload(tensor))
-                expert_output = swiglu_output(middle, w2_EDF, plan.local_counts_L)
+                expert_output_rows = expert_output(middle, w2_EDF, plan.local_counts_L, activation)
                 if p >= 2:  # its send buffer is about to be reused
                     combines[p - 2].wait()
-                send = _to_source_major(expert_output, plan, output_buffers.get(p, rows))
+                send = _to_source_major(expert_output_rows, plan, output_buffers.get(p, rows))
                 combines.append(
                     exchange.start(
                         send, plan.recv_splits, plan.send_splits, out=combined_AD[plan.assignments]
@@ -213,13 +220,19 @@ class _PipelinedExperts(torch.autograd.Function):
                 else:
                     dispatched = kept_inputs[p]
                 if strategy.middle == "recompute":
-                    middle = swiglu_middle(dispatched, w1_EFD, w3_EFD, plan.local_counts_L)
+                    middle = expert_middle(dispatched, w1_EFD, w3_EFD, plan.local_counts_L)
                 elif strategy.middle == "offload":
                     middle = pipeline.offloader.restore(kept_middles[p])
                 else:
                     middle = kept_middles[p]
-                grad_dispatched = swiglu_backward(
-                    dispatched, middle, grad_expert_output, weights, plan.local_counts_L, grads
+                grad_dispatched = expert_backward(
+                    dispatched,
+                    middle,
+                    grad_expert_output,
+                    weights,
+                    plan.local_counts_L,
+                    grads,
+                    pipeline.activation,
                 )
                 if p >= 2:
                     _accumulate(grad_x_TD, *returns[p - 2])

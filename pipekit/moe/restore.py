@@ -17,7 +17,8 @@ the dispatch all-to-all again from T_I; "recompute" runs the gate/up GEMMs again
 Eq. 10 costs a strategy as the slowest of three streams (compute, communication, memory copy),
 each its work `Q` times a unit volume over its speed. `Q` is derived here from the expert's
 shape instead of copied: for the paper's two-matrix FFN with H = 4M it is Table II exactly
-(`test_workloads_reproduce_table_ii`); a SwiGLU expert has 3 GEMMs forward and 2 middle tensors.
+(`test_workloads_reproduce_table_ii`); a gated (SwiGLU, GeGLU) expert has 3 GEMMs forward and 2
+middle tensors, a plain GELU expert is the paper's form (`ExpertActivation` gives both).
 
 On CPU, host memory is the device's memory: offloading saves nothing there (the copy is kept
 for correctness), so the CPU memory saving of buffer sharing is measured with S4.
@@ -89,8 +90,8 @@ def restore_strategy(name: str) -> RestoreStrategy:
 class ExpertShape:
     """What Eq. 10 needs of a layer: B tokens per partition, M, H, and the expert's form.
 
-    The defaults are the paper's two-matrix FFN; a SwiGLU expert has `forward_gemms=3` and
-    `middle_tensors=2` (gate and up).
+    The defaults are the paper's two-matrix FFN (a plain GELU expert); a gated expert (SwiGLU,
+    GeGLU) has `forward_gemms=3` and `middle_tensors=2` (gate and up).
     """
 
     tokens: int
