@@ -15,6 +15,7 @@ from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.models.materialize import seeded_materializer
 
 GLOBAL_BATCH, SEQ_LEN, STEPS, MAX_NORM = 4, 16, 2, 0.5
 
@@ -182,3 +183,21 @@ def test_clip_grad_norm_adds_tensor_split_parameters_over_their_group():
     want = (3 * 1.0 + 3 * 4.0 + 2 * 4.0) ** 0.5
     assert all(abs(split - want) < 1e-6 for split, _ in per_rank)
     assert abs(per_rank[0][1] - per_rank[1][1]) > 0.5  # undeclared: each rank its own rows
+
+
+def test_one_process_materialization_keeps_tied_weights_tied() -> None:
+    """Without FSDP, `to_empty` gives each registration its own tensor: the one-process job
+    once trained an untied model (two weights, two optimizer states) where every sharded
+    layout trained the tied one. The materializer re-ties them; plain `to_empty` does not."""
+    from models.llama import Llama
+
+    args = TINY_LLAMA.with_updates(tie_embeddings=True)
+    with torch.device("meta"):
+        model = Llama(args)
+    seeded_materializer("cpu", seed=0)(model)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
+    with torch.device("meta"):
+        plain = Llama(args)
+    plain.to_empty(device="cpu")  # the ablation: what the materializer must undo
+    assert plain.output.weight is not plain.tok_embeddings.weight

@@ -186,3 +186,19 @@ def test_sizes_are_read_with_their_units() -> None:
     assert parse_bytes("1.5e9") == 1_500_000_000
     with pytest.raises(ValueError, match=r"write e\.g\. 80GiB"):
         parse_bytes("eighty")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        "configs/debug_model.toml",
+        "configs/debug_sliced_pp.toml",
+        "configs/debug_vocab_parallel_pp.toml",
+    ],
+)
+def test_tied_models_are_planned(config: str, capsys) -> None:
+    """A tied model's head is probed with its embedding's weight, whether or not a pipeline
+    splits the two (the planner once refused every tied model)."""
+    main(["--config", str(REPO_ROOT / config), "--world-size", "8", "--model.flavor",
+          "debug_tied", "--parallelism.dp_shard", "-1"])  # fmt: skip
+    assert "fits: peak" in capsys.readouterr().out

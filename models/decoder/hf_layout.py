@@ -45,7 +45,7 @@ from pipekit.checkpoint.hf_export import save_hf_sharded
 from pipekit.checkpoint.local_shards import RowShard, load_local_blocks
 from pipekit.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
-from pipekit.models.materialize import local_tensor
+from pipekit.models.materialize import local_tensor, to_empty_keeping_ties
 from pipekit.models.spec import HFTensor, HuggingFaceAdapter
 
 __all__ = [
@@ -366,8 +366,7 @@ class DecoderHF:
         args = self.read_args(directory)
         with torch.device("meta"):
             model = self.build(args)
-        model.to_empty(device=device)
-        model.tie_weights()  # to_empty gives tied modules separate tensors
+        to_empty_keeping_ties(model, device)
         self.load(directory, model, args)
         return model, args
 

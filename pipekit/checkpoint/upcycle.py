@@ -34,6 +34,7 @@ from pipekit.checkpoint.local_shards import load_local_blocks
 from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint, TensorRead
 from pipekit.layers.init import name_seed, trunc_normal_
 from pipekit.memory.prefault import prefaulting
+from pipekit.models.materialize import to_empty_keeping_ties
 from pipekit.models.upcycling import Upcycler, UpcycleSpec
 
 __all__ = [
@@ -166,10 +167,9 @@ def materialize_upcycled(
 ) -> None:
     """Online upcycling: storage on `device` for `module` (a meta model of `args`, or one of
     its pipeline stages, parallelized or not), then its local blocks filled from the dense
-    checkpoint in `directory`; blocks read are appended to `read_log` when given. Ties are
-    restored after `to_empty`, which unties plain modules (FSDP2 keeps a tie itself)."""
-    module.to_empty(device=device)
-    module.tie_weights()
+    checkpoint in `directory`; blocks read are appended to `read_log` when given; tied weights
+    stay tied."""
+    to_empty_keeping_ties(module, device)
     with prefaulting(module), SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
         sources = upcycler.sources(checkpoint, args, spec, seed)
         load_local_blocks(module, fill_from_sources(sources))

@@ -34,6 +34,7 @@ __all__ = [
     "local_tensor",
     "materialize_sharded",
     "seeded_materializer",
+    "to_empty_keeping_ties",
 ]
 
 
@@ -43,12 +44,34 @@ def materialize_sharded(
     """Storage on `device` for `model`'s (local) parameters, then `init(view)` for each init
     unit, with the unit's parameters standing in full (`init_weights(seed)`, a checkpoint
     read, or both). A plain (unsharded) model gets the same values, unit by unit."""
-    model.to_empty(device=device)
+    to_empty_keeping_ties(model, device)
     with prefaulting(model):
         for names in init_units(model):
             view = build_stage_module(model, names, share_modules=True)
             with full_parameters(view):
                 init(view)
+
+
+def to_empty_keeping_ties(model: nn.Module, device: torch.device | str) -> None:
+    """`model.to_empty(device=device)` with every parameter that two modules share (tied
+    embeddings) still one parameter afterwards.
+
+    `to_empty` gives each registration its own tensor, so a plain tied model would come out
+    untied: two weights with two optimizer states that drift apart while every sharded layout
+    (FSDP2 keeps a tie itself) trains the tied model.
+    """
+    first_owner: dict[int, tuple[nn.Module, str]] = {}
+    ties: list[tuple[nn.Module, str, nn.Module, str]] = []
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            owner = first_owner.setdefault(id(param), (module, name))
+            if owner != (module, name):
+                ties.append((module, name, *owner))
+    model.to_empty(device=device)
+    for module, name, owner, owner_name in ties:
+        setattr(module, name, getattr(owner, owner_name))
 
 
 def seeded_materializer(device: torch.device | str, seed: int) -> Callable[[nn.Module], None]:

@@ -128,6 +128,8 @@ def profile_activations(
         block_bytes[name] = kinds[kind][0]
     kv = 2 * shape.num_kv_heads // split.tp * shape.head_dim * dtype.itemsize
     head_names = [structure.output, *structure.logits_transforms]
+    if shape.tied_embeddings:  # the output's weight is the embedding's; the probe's input is
+        head_names.append(structure.embedding)  # hidden states, so the embedding never runs
     head = build_stage_module(model, [*structure.shared, *structure.after_blocks, *head_names])
     head_args = (head, shape.dim, shape.vocab_size, dtype, tokens)
     if split.tp == 1:

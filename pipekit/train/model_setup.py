@@ -28,7 +28,7 @@ from pipekit.checkpoint.upcycle import materialize_upcycled
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.process_group import single_rank_mesh
 from pipekit.distributed.tensor_parallel import apply_tensor_parallel
-from pipekit.models.materialize import materialize_sharded
+from pipekit.models.materialize import materialize_sharded, to_empty_keeping_ties
 from pipekit.moe.expert_parallel import (
     apply_expert_parallel,
     expert_mesh,
@@ -155,8 +155,7 @@ class _ModelSetup:
         if not self.allocate:
             return
         if not self.load_hf:  # a DCP checkpoint fills the storage
-            module.to_empty(device=self.device)
-            module.tie_weights()  # FSDP2 keeps a tie through to_empty; a plain module does not
+            to_empty_keeping_ties(module, self.device)
             return
         job = self.job
         dense = job.dense_spec
