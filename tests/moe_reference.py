@@ -1,8 +1,8 @@
 """A plain-autograd MoE forward, one gathered matmul per assignment: the reference of the tests.
 
 It reuses the layer's router (routers are tested against their definitions separately) and
-computes every expert output from the full expert weights with ordinary differentiable ops, so
-its gradients come from autograd, not from `swiglu_backward`.
+computes every (SwiGLU) expert output from the full expert weights with ordinary differentiable
+ops, so its gradients come from autograd, not from the hand-written `expert_backward`.
 """
 
 from __future__ import annotations

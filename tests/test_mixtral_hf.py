@@ -236,6 +236,22 @@ def test_save_refuses_what_mixtral_cannot_express(
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+def test_experts_other_than_swiglu_are_refused_at_validation_and_save(
+    tmp_path: Path, activation: str
+) -> None:
+    """The adapter's check_layout (what job validation runs) names the fix in one line."""
+    args = TINY.with_updates(moe=MoEArgs(num_experts=4, top_k=2, activation=activation))
+    message = (
+        rf"no Mixtral layout: moe.activation='{activation}' experts, .* use activation='swiglu'"
+    )
+    with pytest.raises(ValueError, match=message):
+        get_model_spec("llama_moe").hf.check_layout(args)
+    with pytest.raises(ValueError, match=message):
+        save_hf_mixtral(_model(args), args, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_llama_config_is_refused() -> None:
     config = args_to_mixtral_config(TINY) | {"model_type": "llama"}
     with pytest.raises(CheckpointError, match=r"model_type='llama' \(need 'mixtral'\)"):

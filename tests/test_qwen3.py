@@ -234,6 +234,16 @@ def test_explicit_dense_layers_are_refused() -> None:
         qwen3_moe_config_to_args(config)
 
 
+def test_experts_other_than_swiglu_have_no_qwen3_moe_layout() -> None:
+    """Refused by the adapter's check_layout (what job validation runs) and the config writer."""
+    args = TINY_QWEN3_MOE.with_updates(moe=MoEArgs(num_experts=4, top_k=2, activation="gelu"))
+    message = r"no Qwen3-MoE layout: moe.activation='gelu' experts, .* use activation='swiglu'"
+    with pytest.raises(ValueError, match=message):
+        get_model_spec("qwen3_moe").hf.check_layout(args)
+    with pytest.raises(ValueError, match=message):
+        args_to_qwen3_moe_config(args)
+
+
 def test_a_checkpoint_of_another_shape_is_refused_before_loading(tmp_path: Path) -> None:
     _transformers_qwen3(tmp_path / "hf")
     model = _model(TINY_QWEN3.with_updates(head_dim=16))

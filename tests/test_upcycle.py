@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ from torch import nn
 
 from models.llama import Llama, LlamaArgs
 from models.llama.hf import build_llama_from_hf, load_hf_llama, save_hf_llama
-from models.llama_moe.upcycle import upcycle_llama, upcycled_args
+from models.llama_moe import LlamaMoE
+from models.llama_moe.upcycle import LLAMA_UPCYCLER, upcycle_llama, upcycled_args
 from pipekit.attention.backends import use_backend
 from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint import upcycle as upcycle_module
@@ -232,6 +234,24 @@ def test_bad_input_is_named(tmp_path: Path) -> None:
     rewrite_weights(directory, lambda tensors: tensors.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensors \(1\): model.layers.1.mlp.up_proj"):
         upcycle_llama(directory, UpcycleSpec(num_experts=2, top_k=1))
+
+
+def test_experts_other_than_swiglu_are_refused_before_any_read(tmp_path: Path) -> None:
+    """A dense SwiGLU FFN copied into gelu experts would compute another function."""
+    directory = write_dense(tmp_path / "dense", torch.float32)
+    spec = UpcycleSpec(num_experts=2, top_k=1)
+    args = upcycled_args(DENSE, spec)
+    args = args.with_updates(moe=dataclasses.replace(args.moe, activation="gelu"))
+    with torch.device("meta"):
+        model = LlamaMoE(args)
+    reads: list[TensorRead] = []
+    with pytest.raises(
+        ValueError, match=r"moe.activation='gelu' experts: .* use activation='swiglu'"
+    ):
+        upcycle_module.materialize_upcycled(
+            model, "cpu", directory, LLAMA_UPCYCLER, args, spec, seed=0, read_log=reads
+        )
+    assert reads == []
 
 
 @pytest.mark.parametrize("broken", ["independent router rows", "unscaled down projections"])

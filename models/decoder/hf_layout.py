@@ -50,9 +50,11 @@ from pipekit.models.spec import HFTensor, HuggingFaceAdapter
 
 __all__ = [
     "DENSE_LAYER_NAMES",
+    "EXPERT_ACTIVATION",
     "EXPERT_WEIGHTS",
     "DecoderHF",
     "DecoderLayout",
+    "expert_layout_problems",
     "permute_from_hf",
     "permute_to_hf",
 ]
@@ -77,6 +79,9 @@ DENSE_LAYER_NAMES = {
 EXPERT_WEIGHTS = {"experts.w1_EFD": "w1", "experts.w2_EDF": "w2", "experts.w3_EFD": "w3"}
 """Expert parameter -> the SwiGLU weight it stacks (and the dense FFN weight it is upcycled
 from)."""
+EXPERT_ACTIVATION = "swiglu"
+"""The experts' activation (`MoEArgs.activation`) that `EXPERT_WEIGHTS` describes, as the
+decoders' dense FFN: the only one the Hugging Face MoE layouts hold and upcycling copies."""
 _ROUTER = "router.gate.weight"
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 # Buffers some transformers versions saved; they are recomputed from config.json.
@@ -108,6 +113,19 @@ def _whole_heads(w_RD: torch.Tensor, head_dim: int) -> int:
             "pass rows that are multiples of head_dim"
         )
     return w_RD.shape[0] // head_dim
+
+
+def expert_layout_problems(args: MoEFields) -> list[str]:
+    """What no Hugging Face MoE layout can hold of `args` (experts that are not SwiGLU), each
+    with its fix; a family's `check_layout` adds its own."""
+    activation = args.moe.activation
+    if activation == EXPERT_ACTIVATION:
+        return []
+    return [
+        f"moe.activation={activation!r} experts, but the layout's experts are SwiGLU (w1 gate, "
+        f"w3 up, w2 down); use activation={EXPERT_ACTIVATION!r}, or keep the model in pipekit's "
+        "DCP checkpoints"
+    ]
 
 
 @dataclass(frozen=True)

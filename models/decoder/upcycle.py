@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from models.decoder.args import DecoderArgs, MoEFields
-from models.decoder.hf_layout import EXPERT_WEIGHTS, DecoderHF
+from models.decoder.hf_layout import EXPERT_ACTIVATION, EXPERT_WEIGHTS, DecoderHF
 from pipekit.checkpoint.block_sources import BlockSource
 from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint
 from pipekit.checkpoint.safetensors_write import PendingTensor
@@ -54,6 +54,7 @@ def _moe_args(dense: DecoderArgs, spec: UpcycleSpec, *, moe_args_type: type) -> 
             router=spec.router,
             capacity_factor=spec.capacity_factor,
             router_init_std=spec.router_init_std,
+            activation=EXPERT_ACTIVATION,  # copies of the dense SwiGLU FFN
         ),
         moe_every=spec.moe_every,
         expert_ffn_dim=None if expert_ffn_dim == dense.ffn_dim else expert_ffn_dim,
@@ -77,7 +78,14 @@ def _sources(
     dense_args_type: type,
 ) -> dict[str, BlockSource]:
     """A source for every parameter of the MoE model of `args` (a tied output under its own
-    name too). The dense checkpoint is checked (config, every tensor's name and shape) first."""
+    name too). The args' experts, then the dense checkpoint (config, every tensor's name and
+    shape) are checked first."""
+    if args.moe.activation != EXPERT_ACTIVATION:
+        raise ValueError(
+            f"upcycling into moe.activation={args.moe.activation!r} experts: each expert is a "
+            f"copy of the dense SwiGLU FFN; use activation={EXPERT_ACTIVATION!r} (the upcycler's "
+            "moe_args give it)"
+        )
     dense = _dense_args(args, dense_args_type)
     dense_hf.check_checkpoint(checkpoint, dense)
     with torch.device("meta"):

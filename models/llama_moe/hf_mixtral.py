@@ -15,7 +15,8 @@ blocks map as
     experts.w3_EFD[j]     [F, D]        experts.j.w3.weight   (up projection)
 
 in the per-expert layout of the published Mixtral files, which transformers 4 loads as is and
-transformers 5 converts on load (and writes back on `save_pretrained`).
+transformers 5 converts on load (and writes back on `save_pretrained`). The experts are SwiGLU
+ones (`MoEArgs.activation="swiglu"`); a model with other experts is refused.
 
 Legend: E experts, F expert hidden dim, D model dim.
 """
@@ -38,7 +39,12 @@ from models.decoder.hf_config import (
     is_int,
     read_config_json,
 )
-from models.decoder.hf_layout import DENSE_LAYER_NAMES, DecoderHF, DecoderLayout
+from models.decoder.hf_layout import (
+    DENSE_LAYER_NAMES,
+    DecoderHF,
+    DecoderLayout,
+    expert_layout_problems,
+)
 from models.llama_moe.args import LlamaMoEArgs
 from models.llama_moe.model import LlamaMoE
 from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
@@ -124,7 +130,7 @@ def args_to_mixtral_config(
 
 def check_mixtral_compatible(args: LlamaMoEArgs) -> None:
     """Raise ValueError, naming the fix, if a model with `args` has no Mixtral layout."""
-    problems = []
+    problems = expert_layout_problems(args)
     if args.moe_every != 1:
         problems.append(
             f"moe_every={args.moe_every} keeps dense FFN layers, and Mixtral has none; set "
@@ -188,9 +194,10 @@ def save_hf_mixtral(
 ) -> None:
     """Write `model` as a Hugging Face Mixtral checkpoint (config.json + safetensors), atomically.
 
-    Refused (ValueError, before anything is written) unless every layer is MoE and the router is
-    `topk_softmax`. A capacity factor is allowed: Mixtral runs dropless, which is the same
-    weights without dropping. Tensors keep the model's dtype, so save -> load is bit-exact.
+    Refused (ValueError, before anything is written) unless every layer is MoE, the experts are
+    SwiGLU and the router is `topk_softmax`. A capacity factor is allowed: Mixtral runs dropless,
+    which is the same weights without dropping. Tensors keep the model's dtype, so save -> load
+    is bit-exact.
     """
     MIXTRAL_HF.save(model, args, directory, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 

@@ -12,6 +12,7 @@ Names, RoPE row order and the checked load and save are the shared decoder forma
 
 in the published per-expert layout (transformers 5 fuses the experts on load and writes them
 back per expert on save), while its dense layers keep Qwen3's `mlp.gate_proj/up_proj/down_proj`.
+The experts are SwiGLU ones (`MoEArgs.activation="swiglu"`); a model with other experts is refused.
 config.json: `decoder_sparse_step` is `moe_every`, `moe_intermediate_size` the experts' width,
 `norm_topk_prob` the router (true: `topk_softmax`, false: `softmax_topk`); `num_experts` is read
 under either of its names (`num_local_experts` in transformers 5) and written as published.
@@ -34,7 +35,12 @@ from models.decoder.hf_config import (
     decoder_config_keys,
     is_int,
 )
-from models.decoder.hf_layout import DENSE_LAYER_NAMES, DecoderHF, DecoderLayout
+from models.decoder.hf_layout import (
+    DENSE_LAYER_NAMES,
+    DecoderHF,
+    DecoderLayout,
+    expert_layout_problems,
+)
 from models.qwen3.args import Qwen3Args, Qwen3MoEArgs
 from models.qwen3.model import Qwen3, Qwen3MoE
 from pipekit.moe import MoEArgs
@@ -171,11 +177,14 @@ def qwen3_moe_config_to_args(
 
 def check_qwen3_moe_compatible(args: Qwen3MoEArgs) -> None:
     """Raise ValueError, naming the fix, if a model with `args` has no Qwen3-MoE layout."""
+    problems = expert_layout_problems(args)
     if args.moe.router not in _ROUTERS.values():
-        raise ValueError(
+        problems.append(
             f"router={args.moe.router!r} routes differently from Qwen3-MoE (a softmax over all "
             "experts, then top-k, renormalised or not); use topk_softmax or softmax_topk"
         )
+    if problems:
+        raise ValueError(f"the Qwen3MoEArgs have no Qwen3-MoE layout: {'; '.join(problems)}")
 
 
 def args_to_qwen3_moe_config(

@@ -42,7 +42,7 @@ from pipekit.moe import MoE, MoEArgs
 from pipekit.moe.dispatch_plan import plan_partitions
 from pipekit.moe.execution import ExpertExecution
 from pipekit.moe.expert_parallel import apply_expert_parallel
-from pipekit.moe.experts import ExpertGrads, swiglu_backward, swiglu_middle, swiglu_output
+from pipekit.moe.experts import ExpertGrads, expert_backward, expert_middle, expert_output
 from pipekit.moe.memory_model import reuse_saving_ratio
 from pipekit.moe.token_exchange import (
     CollectiveExchange,
@@ -94,13 +94,16 @@ def _link_calibration(moe: MoE, x_TD: torch.Tensor, exchange: TokenExchange) -> 
     routing = moe.router(x_TD)
     (plan,), _ = plan_partitions(routing, 1, exchange)
     weights = tuple(w.detach() for w in moe.experts.local_weights())
+    w1_EFD, w3_EFD, w2_EDF = weights
+    activation = moe.experts.activation
+    counts_L = plan.local_counts_L
     rows_AD = torch.randn(plan.received_rows, x_TD.shape[1])
 
     def compute() -> None:
-        middle = swiglu_middle(rows_AD, weights[0], weights[1], plan.local_counts_L)
-        out = swiglu_output(middle, weights[2], plan.local_counts_L)
+        middle_KAF = expert_middle(rows_AD, w1_EFD, w3_EFD, counts_L)
+        out_AD = expert_output(middle_KAF, w2_EDF, counts_L, activation)
         grads = ExpertGrads.zeros_like(*weights)
-        swiglu_backward(rows_AD, middle, out, weights, plan.local_counts_L, grads)
+        expert_backward(rows_AD, middle_KAF, out_AD, weights, counts_L, grads, activation)
 
     compute()  # warm-up
     samples = []

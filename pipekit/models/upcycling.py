@@ -84,10 +84,12 @@ class Upcycler:
     moe_model: str
     """Registry name of the upcycled family."""
     moe_args: Callable[[Any, UpcycleSpec], Any]
-    """(dense model args, spec) -> the upcycled model's args."""
+    """(dense model args, spec) -> the upcycled model's args, with experts of the dense FFN's
+    activation."""
     sources: Callable[..., dict[str, Any]]
     """(dense `SafetensorsCheckpoint`, upcycled args, spec, seed) -> a
-    `pipekit.checkpoint.upcycle.BlockSource` for every parameter."""
+    `pipekit.checkpoint.upcycle.BlockSource` for every parameter; ValueError for args whose
+    experts are not copies of the dense FFN (another `MoEArgs.activation`)."""
     check_dense: Callable[..., None]
     """(dense checkpoint, dense args) -> CheckpointError unless the checkpoint is a dense model
     of those args; reads only config.json and the file headers (job validation uses it)."""

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from pipekit.layers.init import trunc_normal_
 from pipekit.layers.swiglu import gated_grads
-from pipekit.moe.activations import EXPERT_ACTIVATIONS, ExpertActivation, expert_activation
+from pipekit.moe.activations import ExpertActivation, expert_activation
 from pipekit.moe.grouped_mm import grouped_matmul, grouped_weight_grad
 
 if TYPE_CHECKING:
@@ -44,9 +44,6 @@ __all__ = [
     "expert_backward",
     "expert_middle",
     "expert_output",
-    "swiglu_backward",
-    "swiglu_middle",
-    "swiglu_output",
 ]
 
 ExpertWeights = tuple[Tensor, Tensor | None, Tensor]
@@ -170,32 +167,3 @@ def expert_backward(
         grads.w3_EFD += grouped_weight_grad(grad_up_AF, x_AD, counts_E)
         grad_x_AD = grad_x_AD + grouped_matmul(grad_up_AF, w3_EFD, counts_E)
     return grad_x_AD
-
-
-# The SwiGLU forms under their former names: `pipekit.bench.moe` times the expert compute with
-# them. New code calls the `expert_*` functions with the experts' activation.
-_SWIGLU = EXPERT_ACTIVATIONS["swiglu"]
-
-
-def swiglu_middle(
-    x_AD: Tensor, w1_EFD: Tensor, w3_EFD: Tensor, counts_E: list[int], out: Tensor | None = None
-) -> Tensor:
-    """`expert_middle` of a SwiGLU expert: gate and up, `[2, A, F]`."""
-    return expert_middle(x_AD, w1_EFD, w3_EFD, counts_E, out)
-
-
-def swiglu_output(middle_2AF: Tensor, w2_EDF: Tensor, counts_E: list[int]) -> Tensor:
-    """`expert_output` of a SwiGLU expert."""
-    return expert_output(middle_2AF, w2_EDF, counts_E, _SWIGLU)
-
-
-def swiglu_backward(
-    x_AD: Tensor,
-    middle_2AF: Tensor,
-    grad_out_AD: Tensor,
-    weights: ExpertWeights,
-    counts_E: list[int],
-    grads: ExpertGrads,
-) -> Tensor:
-    """`expert_backward` of a SwiGLU expert."""
-    return expert_backward(x_AD, middle_2AF, grad_out_AD, weights, counts_E, grads, _SWIGLU)
