@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_helpers import run_on_ranks
-from parity import Result, max_relative_difference, runner_step
 from tiny_models import (
     PARITY_ROWS,
     PARITY_SEQ_LEN,
@@ -36,6 +34,7 @@ from pipekit.pipelining.features.offload_plan import (
 )
 from pipekit.pipelining.schedules.sliced import peak_units_in_flight, sliced_pipeline_actions
 from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
+from pipekit.testing import Result, max_relative_difference, run_on_ranks, runner_step
 
 
 def _mlp_step(offloader: ActivationOffloader | None, ratio: float, reload: bool = True):

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from attention_reference import dense_allowed, reference_attention
-from distributed_helpers import RankFailedError, run_on_ranks
 
 from pipekit.attention.backends import AutogradRingBackend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
@@ -33,6 +32,7 @@ from pipekit.attention.exchange import (
 )
 from pipekit.attention.loan_server import LoanRequest, LoanServer, ServingChain
 from pipekit.attention.masks import causal_within_documents, documents_or_all
+from pipekit.testing import RankFailedError, run_on_ranks
 
 B, H, G, S, D = 2, 4, 2, 8, 16  # S: keys and queries per slice
 

@@ -7,8 +7,6 @@ import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config
-from distributed_helpers import run_on_ranks
-from parity import max_relative_difference, runner_step
 from tiny_models import (
     PARITY_ROWS,
     PARITY_SEQ_LEN,
@@ -20,6 +18,7 @@ from tiny_models import (
 
 from pipekit.config import load_job_config
 from pipekit.models import get_model_spec
+from pipekit.testing import max_relative_difference, run_on_ranks, runner_step
 from pipekit.train.compile import compile_blocks
 from pipekit.train.job import plan_job
 from pipekit.train.trainer import Trainer

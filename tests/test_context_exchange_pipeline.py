@@ -13,8 +13,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-from distributed_helpers import RankFailedError, run_on_ranks
-from parity import max_relative_difference, runner_step
 from tiny_models import (
     PARITY_ROWS,
     PARITY_SEQ_LEN,
@@ -35,6 +33,7 @@ from pipekit.pipelining.features.context_exchange import (
 )
 from pipekit.pipelining.runtime.runner import make_schedule
 from pipekit.pipelining.schedules.units import unit_index, unit_microbatch_and_slice
+from pipekit.testing import RankFailedError, max_relative_difference, run_on_ranks, runner_step
 
 
 def _run(

@@ -15,17 +15,17 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
-from distributed_helpers import run_on_ranks
-from parity import (
+
+import examples.custom_model.model as custom
+from pipekit.moe import MoEArgs
+from pipekit.testing import (
     data_parallel_step,
     max_relative_difference,
     parity_batch,
     pipeline_step,
     reference_step,
+    run_on_ranks,
 )
-
-import examples.custom_model.model as custom
-from pipekit.moe import MoEArgs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-10

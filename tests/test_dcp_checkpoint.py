@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import run_on_ranks
 from tiny_models import TINY_LLAMA, tiny_llama
 from torch import Tensor, nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -28,6 +27,7 @@ from pipekit.checkpoint.safetensors_io import CheckpointError
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.testing import run_on_ranks
 
 
 def _model(seed: int) -> nn.Module:

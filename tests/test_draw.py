@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import run_on_ranks
 from tensordict import TensorDict
 from tiny_models import TINY_LLAMA, pp_mesh, tiny_pipeline
 
@@ -30,6 +29,7 @@ from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
 from pipekit.pipelining.tools.draw import main, save_timeline, timeline_svg
 from pipekit.pipelining.tools.timeline import chrome_trace
 from pipekit.pipelining.tools.trace import gather_timeline, record_pipeline_step, record_schedule
+from pipekit.testing import run_on_ranks
 from pipekit.train.job import plan_job
 from pipekit.train.trainer import Trainer
 

@@ -6,7 +6,6 @@ breaks the parity by exactly the data-parallel degree."""
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import run_on_ranks
 from tiny_models import TINY_LLAMA, tiny_llama
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -16,6 +15,7 @@ from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.models.materialize import seeded_materializer
+from pipekit.testing import run_on_ranks
 
 GLOBAL_BATCH, SEQ_LEN, STEPS, MAX_NORM = 4, 16, 2, 0.5
 

@@ -20,8 +20,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import run_on_ranks
-from parity import build_model, data_parallel_model, pipeline_layout
 from safetensors.torch import load_file
 from tiny_models import TINY_LLAMA
 from torch import nn
@@ -34,6 +32,7 @@ from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.models import get_model_spec
 from pipekit.models.materialize import local_block
 from pipekit.moe import MoEArgs
+from pipekit.testing import build_model, data_parallel_model, pipeline_layout, run_on_ranks
 
 WORLD, SEED, OTHER_SEED = 4, 3, 11
 MOE = MoEArgs(num_experts=4, top_k=2)

@@ -9,7 +9,6 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed_helpers import run_on_ranks
 from moe_reference import DIM, EXPERTS, small_moe
 from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
@@ -19,6 +18,7 @@ from pipekit.moe import EXPERT_ACTIVATIONS, MoE, MoEArgs
 from pipekit.moe.execution import ExpertExecution
 from pipekit.moe.expert_parallel import apply_expert_parallel
 from pipekit.moe.experts import GroupedExperts
+from pipekit.testing import run_on_ranks
 
 REFERENCE_FORMS: dict[str, tuple[Callable[[Tensor], Tensor], bool]] = {
     "swiglu": (F.silu, True),

@@ -6,9 +6,7 @@ import time
 
 import pytest
 import torch
-from distributed_helpers import run_on_ranks
 from moe_reference import DIM, EXPERTS, reference_moe_forward, small_moe
-from parity import data_parallel_model
 from tiny_models import TINY_LLAMA
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -20,6 +18,7 @@ from pipekit.moe import dispatch_plan as dispatch_plan_module
 from pipekit.moe.dispatch_plan import plan_partitions
 from pipekit.moe.expert_parallel import apply_expert_parallel
 from pipekit.moe.token_exchange import CollectiveExchange, PacedExchange, link_rows
+from pipekit.testing import data_parallel_model, run_on_ranks
 
 CASES = [
     ("topk_softmax", 2, None, 1, "none"),

@@ -6,12 +6,12 @@ import socket
 
 import pytest
 import torch.distributed as dist
-from distributed_helpers import run_on_ranks
 
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import data_parallel_mesh
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import destroy_distributed, init_distributed
+from pipekit.testing import run_on_ranks
 
 
 def _resolve(world_size: int, **degrees: int) -> ParallelDims:

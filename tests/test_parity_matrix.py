@@ -32,16 +32,6 @@ from typing import Any
 
 import pytest
 import torch
-from distributed_helpers import run_on_ranks
-from parity import (
-    Result,
-    build_model,
-    data_parallel_step,
-    max_relative_difference,
-    parity_batch,
-    pipeline_step,
-    reference_step,
-)
 from tiny_models import TINY_LLAMA
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
@@ -60,6 +50,16 @@ from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
 from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
 from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
+from pipekit.testing import (
+    Result,
+    build_model,
+    data_parallel_step,
+    max_relative_difference,
+    parity_batch,
+    pipeline_step,
+    reference_step,
+    run_on_ranks,
+)
 
 WORLD, ROWS, SEQ_LEN, MICROBATCHES, SLICES = 4, 8, 16, 2, 4
 TOLERANCE, ABLATION_FLOOR = 1e-10, 1e-4

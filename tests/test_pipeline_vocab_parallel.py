@@ -11,8 +11,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import run_on_ranks
-from parity import max_relative_difference, runner_step
 from tiny_models import (
     PARITY_ROWS,
     PARITY_SEQ_LEN,
@@ -27,6 +25,7 @@ from tiny_models import (
 from models.llama import Llama
 from pipekit.pipelining.features import vocab_parallel
 from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
+from pipekit.testing import max_relative_difference, run_on_ranks, runner_step
 
 
 def _run(

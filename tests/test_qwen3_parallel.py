@@ -6,18 +6,18 @@ reference takes them). The ablation drops the QK-norm on the pipeline's ranks on
 from __future__ import annotations
 
 import pytest
-from distributed_helpers import run_on_ranks
-from parity import (
+
+from models.qwen3 import Qwen3Args, Qwen3Attention, Qwen3MoEArgs
+from pipekit.models import get_model_spec
+from pipekit.moe import MoEArgs
+from pipekit.testing import (
     data_parallel_step,
     max_relative_difference,
     parity_batch,
     pipeline_step,
     reference_step,
+    run_on_ranks,
 )
-
-from models.qwen3 import Qwen3Args, Qwen3Attention, Qwen3MoEArgs
-from pipekit.models import get_model_spec
-from pipekit.moe import MoEArgs
 
 TOLERANCE = 1e-10
 DENSE = Qwen3Args(

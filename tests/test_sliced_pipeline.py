@@ -11,8 +11,6 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import RankFailedError, run_on_ranks
-from parity import Result, max_relative_difference, runner_step
 from tiny_models import (
     PARITY_ROWS,
     PARITY_SEQ_LEN,
@@ -29,6 +27,13 @@ from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.layers.loss import count_label_tokens
 from pipekit.pipelining.runtime.stage import SlicedPipelineStage
+from pipekit.testing import (
+    RankFailedError,
+    Result,
+    max_relative_difference,
+    run_on_ranks,
+    runner_step,
+)
 
 
 def _run_pipeline(

@@ -16,15 +16,6 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from distributed_helpers import run_on_ranks
-from parity import (
-    Result,
-    data_parallel_model,
-    data_parallel_step,
-    max_relative_difference,
-    parity_batch,
-    reference_step,
-)
 from tiny_models import TINY_LLAMA
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -41,6 +32,15 @@ from models.qwen3.args import Qwen3Args
 from pipekit.distributed.tensor_parallel import check_tensor_parallel
 from pipekit.models import get_model_spec
 from pipekit.moe import MoEArgs
+from pipekit.testing import (
+    Result,
+    data_parallel_model,
+    data_parallel_step,
+    max_relative_difference,
+    parity_batch,
+    reference_step,
+    run_on_ranks,
+)
 
 MODELS = {
     "llama": TINY_LLAMA,

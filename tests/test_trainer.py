@@ -4,11 +4,11 @@ Hugging Face checkpoint, export, activation checkpointing and the non-finite-los
 
 import pytest
 import torch
-from distributed_helpers import run_on_ranks
 
 import pipekit.train.model_setup as model_setup
 from models.llama.hf import build_llama_from_hf, save_hf_llama
 from pipekit.config import load_job_config
+from pipekit.testing import run_on_ranks
 from pipekit.train.job import plan_job
 from pipekit.train.trainer import NonFiniteLossError, Trainer
 

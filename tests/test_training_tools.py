@@ -12,11 +12,11 @@ import sys
 import types
 
 import pytest
-from distributed_helpers import run_on_ranks
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import pipekit.train.trainer as trainer_module
 from pipekit.config import ConfigError, load_job_config
+from pipekit.testing import run_on_ranks
 from pipekit.tools import plot
 from pipekit.train.job import plan_job
 from pipekit.train.metric_writers import JsonlWriter, read_jsonl_rows

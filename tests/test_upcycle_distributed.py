@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_helpers import run_on_ranks
 from test_upcycle import DENSE, dense_logits, logits, write_dense
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -23,6 +22,7 @@ from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.models.upcycling import UpcycleSpec
 from pipekit.moe.expert_parallel import apply_expert_parallel, expert_mesh
+from pipekit.testing import run_on_ranks
 
 
 def _bounds(read: TensorRead) -> tuple[str, tuple[tuple[int, int], ...]]:

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_helpers import RankFailedError, run_on_ranks
-from parity import max_relative_difference, runner_step
 from tiny_models import PARITY_SEQ_LEN, pp_mesh, tiny_batch, tiny_pipeline
 
 from pipekit.config.job_config import JobConfig, ParallelismConfig
@@ -25,6 +23,7 @@ from pipekit.pipelining.schedules.check import ScheduleError, check_schedule
 from pipekit.pipelining.schedules.simulate import ScheduleDeadlockError
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
 from pipekit.pipelining.schedules.user import Task, load_schedule_file, tasks_to_actions
+from pipekit.testing import RankFailedError, max_relative_difference, run_on_ranks, runner_step
 from pipekit.train.job import plan_job
 
 SCHEDULES = Path(__file__).resolve().parents[1] / "configs" / "schedules"

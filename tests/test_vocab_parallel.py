@@ -9,7 +9,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import run_on_ranks
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn import functional as F
@@ -20,6 +19,7 @@ from pipekit.layers.vocab_parallel import (
     vocab_parallel_cross_entropy,
     vocab_shard_range,
 )
+from pipekit.testing import run_on_ranks
 
 VOCAB, DIM, BATCH, SEQ = 11, 8, 2, 5
 IGNORE = -100

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from parity import Result, parity_batch, reference_step
 from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -14,6 +13,7 @@ from pipekit.config.job_config import ParallelismConfig
 from pipekit.models import get_model_spec
 from pipekit.models.materialize import seeded_materializer
 from pipekit.pipelining import PipelineRunner, StageSetup, build_pipeline, plan_pipeline
+from pipekit.testing import Result, parity_batch, reference_step
 
 TINY_LLAMA = LlamaArgs(
     dim=32,

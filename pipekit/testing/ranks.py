@@ -1,13 +1,14 @@
-"""Run a function on N gloo ranks on localhost: the one multi-process helper of the test suite.
+"""Run a function on N gloo ranks on localhost: the one multi-process helper of pipekit's tests,
+of `python -m pipekit.check` and of your own parity tests (CPU, no launcher needed).
 
 Children are forked, so they inherit the already imported torch: a 2-rank group costs well under
 a second, not the seconds of fresh interpreters. Ranks meet through a FileStore in a fresh
 temporary folder rather than a TCPStore: no port to probe, so concurrent groups cannot collide,
 and the parent starts no store thread (forking while a TCPStore server thread runs left a child
 stuck connecting in about one 4-rank run in three). gloo picks its own ephemeral ports. Each rank
-runs with one intra-op thread: two ranks do not oversubscribe the 2 cores, and a forked child never
-enters the OpenMP pool the parent may have started. A rank that raises or dies fails the call at
-once with its traceback.
+runs with one intra-op thread: ranks do not oversubscribe a small machine's cores, and a forked
+child never enters the OpenMP pool the parent may have started. A rank that raises or dies fails
+the call at once with its traceback.
 """
 
 from __future__ import annotations

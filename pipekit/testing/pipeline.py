@@ -1,0 +1,228 @@
+"""One parity step of a pipeline: any schedule pipekit builds, with FSDP2, expert, context,
+tensor and vocabulary parallelism and the pipeline features composed, on every rank of the
+default process group.
+
+`pipeline_step` runs inside `pipekit.testing.run_on_ranks`: it plans the pipeline from
+`[parallelism]` keys (`pipeline_layout`), builds it with pipekit's one builder, and runs one
+step (`runner_step`) whose loss and full gradients `pipekit.testing.compare` holds against
+`pipekit.testing.reference_step`. `runner_step` also steps a runner you built yourself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
+
+from pipekit._torch_private import flatten_mesh
+from pipekit.attention.context_parallel import context_parallel_tokens
+from pipekit.config.job_config import ParallelismConfig, TrainingConfig
+from pipekit.distributed.fsdp import apply_data_parallel
+from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.distributed.process_group import single_rank_mesh
+from pipekit.distributed.tensor_parallel import apply_tensor_parallel
+from pipekit.layers.loss import count_label_tokens
+from pipekit.layers.sequence_statistics import statistics_group
+from pipekit.models.materialize import seeded_materializer
+from pipekit.models.spec import ModelSpec
+from pipekit.moe.aux_loss import aux_loss_scale
+from pipekit.moe.expert_parallel import apply_expert_parallel, expert_mesh
+from pipekit.pipelining import (
+    PipelineVocabParallel,
+    StageSetup,
+    build_pipeline,
+    plan_pipeline,
+)
+from pipekit.pipelining.runtime.runner import PipelineRunner
+from pipekit.testing.parity import Result, full_gradient
+from pipekit.train.activation_checkpoint import apply_activation_checkpointing
+
+__all__ = ["pipeline_layout", "pipeline_step", "runner_step"]
+
+
+def pipeline_step(
+    rank: int,
+    world: int,
+    spec: ModelSpec,
+    args: Any,
+    batch: TensorDict,
+    *,
+    seed: int = 3,
+    dtype: torch.dtype = torch.float64,
+    compute_dtype: torch.dtype | None = None,
+    dp_shard: int = 1,
+    ep: int = 1,
+    cp: int = 1,
+    tp: int = 1,
+    routers: bool = True,
+    materialize: Callable[[nn.Module], None] | None = None,
+    adjust: Callable[[PipelineRunner], None] | None = None,
+    **parallelism: Any,
+) -> Result:
+    """One step of this rank's pipeline (`pipeline_layout`); `adjust` sees the runner before
+    the step (ablations)."""
+    runner, dims, mesh = pipeline_layout(
+        world, spec, args, batch.batch_size, seed=seed, dtype=dtype,
+        compute_dtype=compute_dtype, dp_shard=dp_shard, ep=ep, cp=cp, tp=tp, routers=routers,
+        materialize=materialize, **parallelism,
+    )  # fmt: skip
+    if adjust is not None:
+        adjust(runner)
+    data_group = dims.mesh("dp_shard").get_group() if dp_shard > 1 else None
+    context = None
+    if cp > 1:
+        tokens_S = context_parallel_tokens(
+            batch.batch_size[1], cp, mesh["cp"].get_local_rank(), runner.num_slices
+        )
+        context = (tokens_S, mesh["cp"].get_group())
+    return runner_step(
+        runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group, context=context,
+        sequence_group=dims.mesh("cp_tp").get_group() if tp > 1 else None,
+        loss_parallel=tp > 1,
+    )  # fmt: skip
+
+
+def pipeline_layout(
+    world: int,
+    spec: ModelSpec,
+    args: Any,
+    batch_shape: tuple[int, int],
+    *,
+    seed: int = 3,
+    dtype: torch.dtype = torch.float64,
+    compute_dtype: torch.dtype | None = None,
+    dp_shard: int = 1,
+    ep: int = 1,
+    cp: int = 1,
+    tp: int = 1,
+    routers: bool = True,
+    materialize: Callable[[nn.Module], None] | None = None,
+    activation_checkpoint: str = "none",
+    **parallelism: Any,
+) -> tuple[PipelineRunner, ParallelDims, Any]:
+    """This rank's pipeline (runner, dims, mesh), planned from `parallelism` (ParallelismConfig
+    keys) over `world // dp_shard` pipeline ranks and built by the one builder. With `dp_shard` > 1
+    each stage is FSDP2-sharded over its data ranks, which read their share of the rows; with
+    `ep` > 1 its experts are sharded over `ep` of them (FSDP leaving them alone). Weights are
+    kept in `dtype`; with a `compute_dtype` (bf16) FSDP2 computes in it, the stages send it and
+    gradients are reduced in `dtype` (over one rank's mesh without data parallelism). Each
+    stage's storage and values come from `materialize` if given (e.g. upcycling a checkpoint),
+    else from `seed`. With `tp` > 1 the stages are split over tp ranks with sequence and loss
+    parallelism (the trainer's defaults), an MoE's experts and routers data parallel over the
+    tp ranks too (`routers=False`, an ablation, leaves the routers out). The blocks are
+    checkpointed by `activation_checkpoint` (`[training] activation_checkpoint`)."""
+    config = ParallelismConfig(
+        dp_shard=dp_shard, pipeline_parallel_degree=world // (dp_shard * cp * tp), ep=ep, cp=cp,
+        tp=tp, **parallelism,
+    )  # fmt: skip
+    dims = ParallelDims.from_config(config, world)
+    mesh = dims.build_mesh("cpu")
+    rows, length = batch_shape
+    plan = plan_pipeline(config, spec.structure, spec.shape(args), rows // dp_shard, length)
+    tp_moe = tp > 1 and getattr(args, "moe", None) is not None
+    token_ranks = dp_shard * cp * tp
+    experts = None
+    if ep > 1 or tp_moe:
+        experts = expert_mesh("cpu", token_ranks, ep, pipeline_ranks=dims.pp)
+    routers_mesh = flatten_mesh(experts, "ep_tokens") if tp_moe and routers else None
+    loss_parallel = tp > 1
+
+    precision = {"param_dtype": compute_dtype or dtype, "reduce_dtype": dtype}
+    if compute_dtype is not None and dp_shard == 1:
+        precision["precision_mesh"] = single_rank_mesh("cpu")
+
+    def parallelize(module: nn.Module) -> None:
+        if tp > 1:
+            apply_tensor_parallel(
+                module, mesh["tp"], spec, loss_parallel=loss_parallel,
+                tied_embeddings=spec.shape(args).tied_embeddings,
+            )  # fmt: skip
+        if ep > 1:
+            assert experts is not None
+            apply_expert_parallel(module, experts["ep"])
+        checkpointing = TrainingConfig(activation_checkpoint=activation_checkpoint)
+        apply_activation_checkpointing(spec.structure.blocks_of(module), checkpointing)
+        apply_data_parallel(
+            module,
+            mesh,
+            dims,
+            blocks=spec.structure.blocks_of(module),
+            experts_mesh=None if experts is None else experts["ep_replicate"],
+            routers_mesh=routers_mesh,
+            **precision,
+        )
+
+    def parallelize_vocab(embedding: nn.Module, output: nn.Module) -> None:
+        apply_data_parallel(embedding, mesh, dims, **precision)
+        apply_data_parallel(output, mesh, dims, reshard_after_forward=False, **precision)
+
+    setup = StageSetup(
+        device=torch.device("cpu"), materialize=materialize or seeded_materializer("cpu", seed),
+        parallelize=parallelize,
+        parallelize_vocab=parallelize_vocab,
+        attention_backend="cpu", message_dtype=compute_dtype or dtype,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = spec.build(args).to(dtype)
+    return build_pipeline(plan, model, mesh, setup), dims, mesh
+
+
+def runner_step(
+    runner: PipelineRunner,
+    batch: TensorDict,
+    *,
+    data_rank: int = 0,
+    data_group: dist.ProcessGroup | None = None,
+    context: tuple[Tensor, dist.ProcessGroup] | None = None,
+    sequence_group: dist.ProcessGroup | None = None,
+    loss_parallel: bool = False,
+) -> Result:
+    """One step of `runner` on this data rank's share of `batch` (the rows split evenly over
+    `data_group`; the whole batch without one; under context parallelism, `context` = (this cp
+    rank's token indices, the cp group)): the step's loss on one rank (None elsewhere)
+    and this rank's gradients, in full (a tied weight once, under the embedding's name).
+    `sequence_group`: the ranks that split a sequence's tokens, if not the cp group (cp x tp
+    under sequence parallelism); `loss_parallel`: the step runs in torch's `loss_parallel()`."""
+    data_ranks = dist.get_world_size(data_group) if data_group is not None else 1
+    rows = batch.batch_size[0] // data_ranks
+    part = batch[data_rank * rows : (data_rank + 1) * rows]
+    cp_group = None
+    if context is not None:  # this cp rank's tokens of every slice
+        tokens_S, cp_group = context
+        part = part[:, tokens_S]
+    with (
+        loss_parallel_context() if loss_parallel else nullcontext(),
+        aux_loss_scale(1.0 / data_ranks),
+        statistics_group(sequence_group or cp_group),
+    ):
+        loss = runner.step(part, count_label_tokens(batch["labels"]))
+    for group in (data_group, cp_group):
+        if loss is not None and group is not None:
+            dist.all_reduce(loss, group=group)
+    assert runner.model is not None
+    vocab = runner.extension("vocab_parallel")
+    shards = {}
+    if isinstance(vocab, PipelineVocabParallel):
+        embedding_name, output_name = vocab.module_names
+        shards = {
+            f"{embedding_name}.weight": vocab.embedding,
+            f"{output_name}.weight": vocab.output,
+        }
+    grads: dict[str, Any] = {}
+    duplicates = {id(param) for param in runner.duplicate_parameters()}
+    for name, param in runner.model.named_parameters():
+        if param.grad is None or id(param) in duplicates:  # the comparison names the missing
+            continue
+        if name in shards:
+            shard = shards[name]
+            grads[name] = (shard.vocab_start, shard.vocab_end, full_gradient(param.grad))
+        else:
+            grads[name] = full_gradient(param.grad)
+    dist.barrier()
+    return (None if loss is None or data_rank else loss.item()), grads
