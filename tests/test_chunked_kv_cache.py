@@ -169,7 +169,7 @@ class _ConcatenatedKVCache:
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
 
-    def attend(self, layer_id: str, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSK: Tensor, scale: float):
+    def attend(self, layer_id, q_BHSK, k_BGSK, v_BGSK, scale, pattern=None):
         q_start = sum(k.shape[2] for k in self.keys)
         self.keys.append(k_BGSK)
         self.values.append(v_BGSK)

@@ -9,22 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 
-import parity
 import pytest
 import torch
 import torch.distributed as dist
 from attention_reference import reference_attention
-from distributed_helpers import run_on_ranks
-from parity import (
-    Result,
-    data_parallel_step,
-    max_relative_difference,
-    parity_batch,
-    reference_step,
-)
 from tiny_models import TINY_LLAMA
 
 import examples.custom_model.model as custom
+import pipekit.testing.data_parallel as data_parallel_module
 from pipekit.attention import attention, token_order_mask
 from pipekit.attention.context import ContextParallelAttention
 from pipekit.attention.context_parallel import (
@@ -42,13 +34,24 @@ from pipekit.attention.exchange import (
     serve_attention_loan,
     serve_attention_loan_backward,
 )
+from pipekit.attention.patterns import AttentionPattern
 from pipekit.attention.ring import ring_context_attention
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.models import get_model_spec
+from pipekit.testing import (
+    Result,
+    data_parallel_step,
+    max_relative_difference,
+    parity_batch,
+    reference_step,
+    run_on_ranks,
+)
 
 BATCH, HEADS, KV_HEADS, LENGTH, HEAD_DIM = 2, 4, 2, 32, 8
 SLICES = 4
 TOLERANCE = 1e-12
+WINDOW = AttentionPattern(window=6)
+"""A sliding window shorter than a slice: later slices see only the end of the one before."""
 
 
 def _inputs() -> dict[str, torch.Tensor]:
@@ -69,14 +72,18 @@ def _inputs() -> dict[str, torch.Tensor]:
     }
 
 
-def _reference(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One process: causal attention within documents, its output and gradients."""
+def _reference(
+    inputs: dict[str, torch.Tensor], pattern: AttentionPattern | None = None
+) -> dict[str, torch.Tensor]:
+    """One process: causal (or `pattern`'s) attention within documents, its output and
+    gradients."""
     q, k, v = (inputs[name].clone().requires_grad_() for name in "qkv")
     tokens = torch.arange(LENGTH)
     documents = inputs["documents"]
-    allowed_BSK = (tokens[:, None] >= tokens[None, :]) & (
-        documents[:, :, None] == documents[:, None, :]
+    allowed_SK = (tokens[:, None] >= tokens[None, :]) & (
+        tokens[:, None] - tokens[None, :] < (pattern.window if pattern else LENGTH)
     )
+    allowed_BSK = allowed_SK & (documents[:, :, None] == documents[:, None, :])
     allowed = allowed_BSK[:, None].expand(BATCH, HEADS, LENGTH, LENGTH)
     out, _ = reference_attention(q, k, v, allowed, HEAD_DIM**-0.5)
     (out * inputs["upstream"]).sum().backward()
@@ -97,20 +104,24 @@ def _summed_grads(leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _whole_sequence_run(variant: str) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
+def _whole_sequence_run(
+    variant: str, pattern: AttentionPattern | None = None
+) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
     """The trainer's context outside pipelines, by `variant`, over the unsliced sequence; the
-    ablation masks each rank's tokens as if they were the first of the sequence."""
+    ablation masks each rank's tokens as if they were the first of the sequence (with a
+    `pattern`: ignores the pattern)."""
 
     def run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
         inputs = _inputs()
         leaves = _leaves(inputs)
         tokens = load_balanced_indices(LENGTH, world)[rank]
-        masked_tokens = torch.arange(len(tokens)) if ablate else tokens
+        masked_tokens = torch.arange(len(tokens)) if ablate and pattern is None else tokens
         context = ContextParallelAttention(
             masked_tokens, inputs["documents"][:, tokens], None, "cpu", variant
         )
         local = {name: leaves[name][:, :, tokens] for name in "qkv"}
-        out = context.attend("0", local["q"], local["k"], local["v"], HEAD_DIM**-0.5)
+        seen = None if ablate else pattern
+        out = context.attend("0", local["q"], local["k"], local["v"], HEAD_DIM**-0.5, seen)
         (out * inputs["upstream"][:, :, tokens]).sum().backward()
         full_out = torch.zeros_like(inputs["q"])
         full_out[:, :, tokens] = out.detach()
@@ -135,10 +146,12 @@ def _ring_rotation_run(rank: int, world: int, ablate: bool) -> dict[str, torch.T
     return {"out": full_out, **_summed_grads(leaves)}
 
 
-def _sliced_run(attend) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
+def _sliced_run(
+    attend, pattern: AttentionPattern | None = None
+) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
     """The sequence in SLICES slices, each split over the ranks; every rank caches the K/V of
     its tokens of every slice so far and calls `attend` (a variant) for each slice; the
-    ablation attends to the rank's own cache only."""
+    ablation attends to the rank's own cache only (with a `pattern`: ignores the pattern)."""
 
     def run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
         inputs = _inputs()
@@ -153,7 +166,11 @@ def _sliced_run(attend) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
             k, v = leaves["k"][:, :, tokens], leaves["v"][:, :, tokens]
             cache.append(CachedShard(k, v, shard))
             q = leaves["q"][:, :, tokens]
-            out, _ = attend(q, shard, cache, backend="cpu", drop_remote=ablate)
+            if pattern is None:
+                out, _ = attend(q, shard, cache, backend="cpu", drop_remote=ablate)
+            else:
+                seen = None if ablate else pattern
+                out, _ = attend(q, shard, cache, backend="cpu", pattern=seen)
             loss = loss + (out * inputs["upstream"][:, :, tokens]).sum()
             full_out[:, :, tokens] = out.detach()
         loss.backward()
@@ -223,8 +240,10 @@ def _lending_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]
     return {"out": full_out, **_summed_grads(leaves)}
 
 
-def _worst_difference(results: list[dict[str, torch.Tensor]]) -> float:
-    reference = _reference(_inputs())
+def _worst_difference(
+    results: list[dict[str, torch.Tensor]], pattern: AttentionPattern | None = None
+) -> float:
+    reference = _reference(_inputs(), pattern)
     worst = 0.0
     for result in results:
         for name, want in reference.items():
@@ -245,6 +264,12 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
             ("ring rotation", _ring_rotation_run),
             ("kv passing, sliced", _sliced_run(kv_passing_context_attention)),
             ("commutated, sliced", _sliced_run(commutated_context_attention)),
+            *(
+                (f"{variant}, whole sequence, window", _whole_sequence_run(variant, WINDOW))
+                for variant in ("kv_passing", "ring", "commutated")
+            ),
+            ("kv passing, sliced, window", _sliced_run(kv_passing_context_attention, WINDOW)),
+            ("commutated, sliced, window", _sliced_run(commutated_context_attention, WINDOW)),
             *((("commutated, sliced, exchange", _lending_run),) if world == 4 else ()),
         )
         for ablate in (False, True)
@@ -255,11 +280,12 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
 def test_context_parallel_attention_matches_one_process_fp64(world: int) -> None:
     """Every variant over the whole sequence (KV all-gather, ring, commutated) and over a
     chunked cache of slices (KV passing, commutated) equals single-process attention in output
-    and every gradient; the ablations (shards masked as if their tokens came first; attending
-    to the local cache only) do not."""
+    and every gradient, causal and with a sliding window; the ablations (shards masked as if
+    their tokens came first; attending to the local cache only; the window ignored) do not."""
     per_rank = run_on_ranks(_runs, world, timeout=120)
     for case in per_rank[0]:
-        difference = _worst_difference([results[case] for results in per_rank])
+        pattern = WINDOW if "window" in case else None
+        difference = _worst_difference([results[case] for results in per_rank], pattern)
         if case.endswith("ablated"):
             assert difference > 1e-3, (case, difference)
         else:
@@ -307,7 +333,7 @@ _MODELS = {
 class _LocalKeysOnly(ContextParallelAttention):
     """Ablation: each cp rank attends only to its own keys."""
 
-    def attend(self, layer_id, q_BHSD, k_BGSD, v_BGSD, scale):
+    def attend(self, layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern=None):
         mask = token_order_mask(
             self.shard.tokens_S, self.shard.tokens_S, self.shard.document_ids_BS,
             self.shard.document_ids_BS,
@@ -321,15 +347,15 @@ def _model_runs(rank: int, world: int) -> dict[str, Result]:
         batch = parity_batch(args.vocab_size, 8, LENGTH)
         spec = get_model_spec(name)
         results[name] = data_parallel_step(rank, world, spec, args, batch, cp=2)
-        parity.ContextParallelAttention = _LocalKeysOnly
+        data_parallel_module.ContextParallelAttention = _LocalKeysOnly
         results[f"{name} ablated"] = data_parallel_step(rank, world, spec, args, batch, cp=2)
-        parity.ContextParallelAttention = ContextParallelAttention
+        data_parallel_module.ContextParallelAttention = ContextParallelAttention
     # ablation: the MoE's load-balancing statistics of each cp rank's tokens alone
-    parity.statistics_group = lambda group: nullcontext()
+    data_parallel_module.statistics_group = lambda group: nullcontext()
     batch = parity_batch(_MODELS["tiny_gpt"].vocab_size, 8, LENGTH)
     spec, args = get_model_spec("tiny_gpt"), _MODELS["tiny_gpt"]
     results["statistics per rank"] = data_parallel_step(rank, world, spec, args, batch, cp=2)
-    parity.statistics_group = statistics_group
+    data_parallel_module.statistics_group = statistics_group
     return results
 
 

@@ -75,7 +75,7 @@ def test_sliced_with_kv_cache_equals_full_sequence_fp64(num_slices, documents):
 class _ForgetfulCache(SlicedKVCache):
     """Ablation: a cache that drops the earlier slices' keys and values."""
 
-    def attend(self, layer_id, q_BHSD, k_BGSD, v_BGSD, scale):
+    def attend(self, layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern=None):
         out = super().attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale)
         self.chunks[layer_id] = [(0, k[:, :, :0], v[:, :, :0]) for _, k, v in self.chunks[layer_id]]
         return out

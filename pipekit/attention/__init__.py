@@ -36,11 +36,14 @@ from pipekit.attention.masks import (
     token_order_mask,
 )
 from pipekit.attention.merge import merge_attention
+from pipekit.attention.patterns import CAUSAL, AttentionPattern
 from pipekit.attention.ring import ring_context_attention
 
 __all__ = [
+    "CAUSAL",
     "AttentionBackend",
     "AttentionLoan",
+    "AttentionPattern",
     "ChunkedKVCache",
     "ContextParallelAttention",
     "KVChunk",

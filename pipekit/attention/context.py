@@ -1,10 +1,12 @@
 """Attention contexts: who decides what a layer's queries attend to.
 
 Models are parallelism-agnostic: an attention layer projects q, k, v and hands them to the
-context it was given (`None` means plain causal attention over what it is given). Contexts
-supply everything outside one layer's view: document boundaries of packed sequences, the KV cache
-of earlier slices, later the exchange plan of context exchange. The same model therefore runs
-unsliced, sliced or pipelined without change.
+context it was given (`None` means attention over what it is given), with its
+`AttentionPattern` (causal by default; a sliding window, local chunks, a prefix, any rule on
+positions). Contexts supply everything outside one layer's view: document boundaries of packed
+sequences, the KV cache of earlier slices, the exchange plan of context exchange, the other
+context-parallel ranks, and they honour the layer's pattern in each. The same model therefore
+runs unsliced, sliced or pipelined without change.
 
 Legend: B batch, H query heads, G kv heads, S slice length, K cached keys, D head dim.
 """
@@ -27,7 +29,8 @@ from pipekit.attention.context_parallel import (
     commutated_context_attention,
     kv_passing_context_attention,
 )
-from pipekit.attention.masks import causal_mask, causal_within_documents, documents_or_all
+from pipekit.attention.masks import MaskMod
+from pipekit.attention.patterns import AttentionPattern, block_mask, block_visible
 from pipekit.attention.ring import ring_context_attention
 
 __all__ = [
@@ -41,24 +44,39 @@ __all__ = [
 
 @runtime_checkable
 class AttentionContext(Protocol):
-    """Computes a layer's attention output from its projected, rotated q, k, v."""
+    """Computes a layer's attention output from its projected, rotated q, k, v, seeing what
+    `pattern` allows (None: causal)."""
 
     def attend(
-        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+        self,
+        layer_id: str,
+        q_BHSD: Tensor,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        scale: float,
+        pattern: AttentionPattern | None = None,
     ) -> Tensor: ...
 
 
 @dataclass
 class CausalAttention:
-    """Causal attention over the given sequence, optionally confined to packed documents."""
+    """Attention over the given sequence by the layer's pattern (causal by default),
+    optionally confined to packed documents."""
 
     document_ids_BS: Tensor | None = None
     backend: str | AttentionBackend = "auto"
 
     def attend(
-        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+        self,
+        layer_id: str,
+        q_BHSD: Tensor,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        scale: float,
+        pattern: AttentionPattern | None = None,
     ) -> Tensor:
-        mask = causal_within_documents(self.document_ids_BS)
+        documents, length = self.document_ids_BS, q_BHSD.shape[2]
+        mask = block_mask(pattern, 0, length, 0, length, documents, documents, q_BHSD.device)
         return attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, self.backend)[0]
 
 
@@ -89,7 +107,13 @@ class SlicedKVCache:
         return self.document_ids_BS[:, start : start + length]
 
     def attend(
-        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+        self,
+        layer_id: str,
+        q_BHSD: Tensor,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        scale: float,
+        pattern: AttentionPattern | None = None,
     ) -> Tensor:
         q_start, slice_len = self.cached_length(layer_id), q_BHSD.shape[2]
         if self.document_ids_BS is not None and q_start + slice_len > self.document_ids_BS.shape[1]:
@@ -97,27 +121,41 @@ class SlicedKVCache:
                 f"SlicedKVCache: slice ends at {q_start + slice_len}, beyond the "
                 f"{self.document_ids_BS.shape[1]} positions that document_ids_BS covers"
             )
-        q_documents = self._documents(q_start, slice_len)
+        if pattern is not None and q_start == 0:
+            pattern.check_sliced(slice_len)
         past = self.chunks.setdefault(layer_id, [])
-        kv_chunks = [
-            KVChunk(
-                k_BGKD,
-                v_BGKD,
-                documents_or_all(q_documents, self._documents(kv_start, k_BGKD.shape[2])),
-            )
-            for kv_start, k_BGKD, v_BGKD in past
-        ]
-        kv_chunks.append(KVChunk(k_BGSD, v_BGSD, causal_within_documents(q_documents)))
         past.append((q_start, k_BGSD, v_BGSD))
+        kv_chunks = [
+            KVChunk(k_BGKD, v_BGKD, self._mask(pattern, q_start, slice_len, kv_start, k_BGKD))
+            for kv_start, k_BGKD, v_BGKD in past
+            if block_visible(pattern, q_start, slice_len, kv_start, k_BGKD.shape[2])
+        ]
         return attention_over_chunks(q_BHSD, kv_chunks, scale, self.backend)[0]
+
+    def _mask(
+        self,
+        pattern: AttentionPattern | None,
+        q_start: int,
+        q_length: int,
+        kv_start: int,
+        k_BGKD: Tensor,
+    ) -> MaskMod | None:
+        """The slice's mask against one cached chunk (or its own)."""
+        kv_length = k_BGKD.shape[2]
+        q_documents = self._documents(q_start, q_length)
+        kv_documents = self._documents(kv_start, kv_length)
+        return block_mask(
+            pattern, q_start, q_length, kv_start, kv_length, q_documents, kv_documents,
+            k_BGKD.device,
+        )  # fmt: skip
 
 
 class ContextParallelAttention:
     """The attention context of a context-parallel rank: its load-balanced share of each
-    sequence (`tokens_S`, with their document ids) attends causally to every cp rank's keys
-    over `group`, by `variant`: "kv_passing" (all-gather), "ring" (overlapped), "commutated"
-    (the queries travel), or "auto" (whichever moves fewer bytes). Not a dataclass, so FSDP2's
-    input handling passes it through as it is."""
+    sequence (`tokens_S`, with their document ids) attends to every cp rank's keys by the
+    layer's pattern over `group`, by `variant`: "kv_passing" (all-gather), "ring"
+    (overlapped), "commutated" (the queries travel), or "auto" (whichever moves fewer bytes).
+    Not a dataclass, so FSDP2's input handling passes it through as it is."""
 
     def __init__(
         self,
@@ -131,9 +169,15 @@ class ContextParallelAttention:
         self.backend, self.variant = backend, variant
 
     def attend(
-        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+        self,
+        layer_id: str,
+        q_BHSD: Tensor,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        scale: float,
+        pattern: AttentionPattern | None = None,
     ) -> Tensor:
-        options = {"scale": scale, "backend": self.backend}
+        options = {"scale": scale, "backend": self.backend, "pattern": pattern}
         variant, ranks = self.variant, dist.get_world_size(self.group)
         if variant == "auto":
             variant = choose_context_parallel(
@@ -165,8 +209,10 @@ def attend(
     k_BGSD: Tensor,
     v_BGSD: Tensor,
     scale: float,
+    pattern: AttentionPattern | None = None,
 ) -> Tensor:
-    """A layer's attention under `context` (None = causal over the given tokens)."""
+    """A layer's attention under `context` (None: over the given tokens alone), seeing what
+    `pattern` allows (None: causal)."""
     if context is None:
-        return attention(q_BHSD, k_BGSD, v_BGSD, causal_mask, scale)[0]
-    return context.attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale)
+        context = CausalAttention(backend="auto")
+    return context.attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern=pattern)

@@ -19,7 +19,7 @@ Legend: B batch, H query heads, G kv heads, S slice length, D head dim.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -34,6 +34,7 @@ from pipekit.attention.exchange import Lending, LentChunk
 from pipekit.attention.kv_cache import CachedSlice
 from pipekit.attention.loan_server import LoanRequest
 from pipekit.attention.loan_wire import DEFAULT_LOAN_TIMEOUT, AttentionLoan
+from pipekit.attention.patterns import AttentionPattern
 
 __all__ = [
     "ContextExchangeAttention",
@@ -55,12 +56,25 @@ class LendingAttention(Protocol):
     backend: Backend
 
     def chunks(
-        self, layer_id: str, k_BGSD: Tensor, v_BGSD: Tensor
+        self,
+        layer_id: str,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        pattern: AttentionPattern | None = None,
     ) -> tuple[list[CachedSlice], KVChunk]: ...
 
     def attention(
-        self, q_BHSD: Tensor, earlier: list[CachedSlice], own: KVChunk, scale: float
+        self,
+        q_BHSD: Tensor,
+        earlier: list[CachedSlice],
+        own: KVChunk,
+        scale: float,
+        pattern: AttentionPattern | None = None,
     ) -> Tensor: ...
+
+    def visible_indices(
+        self, earlier: list[CachedSlice], pattern: AttentionPattern | None
+    ) -> list[int]: ...
 
     def lent_attention(
         self,
@@ -69,6 +83,8 @@ class LendingAttention(Protocol):
         own: KVChunk,
         lendings: tuple[Lending, Lending],
         scale: float,
+        pattern: AttentionPattern | None = None,
+        lendable_slices: Sequence[CachedSlice] = (),
     ) -> Tensor: ...
 
 
@@ -183,11 +199,17 @@ class ContextExchangeAttention:
         return f"ContextExchangeAttention({self.slice_attention!r})"
 
     def attend(
-        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+        self,
+        layer_id: str,
+        q_BHSD: Tensor,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        scale: float,
+        pattern: AttentionPattern | None = None,
     ) -> Tensor:
         """The slice's attention output, lending what the plan gives the pass."""
         sliced, exchange = self.slice_attention, self.exchange
-        earlier, own = sliced.chunks(layer_id, k_BGSD, v_BGSD)
+        earlier, own = sliced.chunks(layer_id, k_BGSD, v_BGSD, pattern)
         recomputing = sliced.recomputing
         records_backward = torch.is_grad_enabled() and q_BHSD.requires_grad
         lend_forward = () if recomputing else exchange.forward.lend
@@ -197,13 +219,20 @@ class ContextExchangeAttention:
         # A recompute takes the same path as the forward it repeats, lent or not: activation
         # checkpointing hands its tensors to the original autograd node by position.
         if exchange.forward.lend or lend_backward:
-            lendable = [
-                self._lendable(index, cached, lend_backward) for index, cached in enumerate(earlier)
-            ]
-            lendings = (exchange.lending(lend_forward), exchange.lending(lend_backward))
-            out_BHSD = sliced.lent_attention(q_BHSD, lendable, own, lendings, scale)
+            # only slices the layer's pattern lets the slice see are lent (or computed here);
+            # a peer whose lent slices all lie outside gets an empty request
+            visible = sliced.visible_indices(earlier, pattern)
+            lendable = [self._lendable(index, earlier[index], lend_backward) for index in visible]
+            lendings = (
+                exchange.lending(lend_forward).restricted(visible),
+                exchange.lending(lend_backward).restricted(visible),
+            )
+            lendable_slices = [earlier[index] for index in visible]
+            out_BHSD = sliced.lent_attention(
+                q_BHSD, lendable, own, lendings, scale, pattern, lendable_slices
+            )
         else:
-            out_BHSD = sliced.attention(q_BHSD, earlier, own, scale)
+            out_BHSD = sliced.attention(q_BHSD, earlier, own, scale, pattern)
         if not recomputing:
             self.forward_calls += 1
         if lend_backward and exchange.lending_started is not None:

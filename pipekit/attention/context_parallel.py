@@ -42,9 +42,10 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend, RingBackend, ring_backend, select_backend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
-from pipekit.attention.exchange import Lending, LentChunk, post_loans
+from pipekit.attention.exchange import Lending, LentChunk, QueryPositions, post_loans
 from pipekit.attention.masks import MaskMod, token_order_mask
 from pipekit.attention.merge import merge_attention
+from pipekit.attention.patterns import AttentionPattern, is_causal
 
 __all__ = [
     "CONTEXT_PARALLEL_VARIANTS",
@@ -137,9 +138,13 @@ def gather_token_shards(shard: TokenShard, group: dist.ProcessGroup | None) -> l
     return [TokenShard(t, d) for t, d in zip(tokens, documents, strict=True)]
 
 
-def shard_mask(q: TokenShard, kv: TokenShard) -> MaskMod:
-    """Causal attention of `q`'s tokens to `kv`'s, within documents if ids are given."""
-    return token_order_mask(q.tokens_S, kv.tokens_S, q.document_ids_BS, kv.document_ids_BS)
+def shard_mask(q: TokenShard, kv: TokenShard, pattern: AttentionPattern | None = None) -> MaskMod:
+    """Attention of `q`'s tokens to `kv`'s by `pattern` (None: causal), within documents if
+    ids are given."""
+    if is_causal(pattern):
+        return token_order_mask(q.tokens_S, kv.tokens_S, q.document_ids_BS, kv.document_ids_BS)
+    assert pattern is not None
+    return pattern.mask(q.tokens_S, kv.tokens_S, q.document_ids_BS, kv.document_ids_BS)
 
 
 class _GatherKV(torch.autograd.Function):
@@ -167,12 +172,14 @@ def kv_passing_context_attention(
     scale: float | None = None,
     backend: str | AttentionBackend = "auto",
     drop_remote: bool = False,
+    pattern: AttentionPattern | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Causal attention of this rank's queries (`shard`) over every rank's KV cache, passing
-    the keys and values: every chunk of `cache` (this rank's, the current slice's or the whole
-    sequence's included) is gathered from all ranks. `(out_BHSD, lse_BHS)` with exact gradients
-    for q and for the local chunks' k and v (each source's dK/dV returns to it).
-    `drop_remote` (an ablation) attends to this rank's chunks only."""
+    """Attention of this rank's queries (`shard`) over every rank's KV cache by `pattern`
+    (None: causal), passing the keys and values: every chunk of `cache` (this rank's, the
+    current slice's or the whole sequence's included) is gathered from all ranks.
+    `(out_BHSD, lse_BHS)` with exact gradients for q and for the local chunks' k and v (each
+    source's dK/dV returns to it). `drop_remote` (an ablation) attends to this rank's chunks
+    only."""
     rank = dist.get_rank(group)
     chunks = []
     for cached in cache:
@@ -180,7 +187,11 @@ def kv_passing_context_attention(
         ranks = len(gathered) // 2
         sources = gather_token_shards(cached.shard, group)
         chunks += [
-            KVChunk(gathered[source], gathered[ranks + source], shard_mask(shard, sources[source]))
+            KVChunk(
+                gathered[source],
+                gathered[ranks + source],
+                shard_mask(shard, sources[source], pattern),
+            )
             for source in range(ranks)
             if not drop_remote or source == rank
         ]
@@ -193,11 +204,14 @@ def _partial(
     q_shard: TokenShard,
     cache: Sequence[CachedShard],
     scale: float,
+    pattern: AttentionPattern | None,
 ) -> tuple[Tensor, Tensor]:
     """One rank's queries against this rank's cached chunks, merged."""
     return merge_attention(
         [
-            backend.forward_chunk(q_BHSD, c.k_BGKD, c.v_BGKD, shard_mask(q_shard, c.shard), scale)
+            backend.forward_chunk(
+                q_BHSD, c.k_BGKD, c.v_BGKD, shard_mask(q_shard, c.shard, pattern), scale
+            )
             for c in cache
         ]
     )
@@ -217,16 +231,18 @@ class _Commutated:
     """Forward and backward: which of the first `lendable` cached chunks pipeline peers
     compute (context exchange)."""
     lendable: int
+    pattern: AttentionPattern | None
 
 
 def _all_queries(
-    queries: Sequence[Tensor], shards: Sequence[TokenShard]
-) -> tuple[Tensor, Tensor | None]:
-    """Every rank's queries in one block, with their document ids: what a lent chunk's peer
-    attends, as every query attends to all of an earlier slice's keys."""
+    queries: Sequence[Tensor], shards: Sequence[TokenShard], pattern: AttentionPattern | None
+) -> tuple[Tensor, QueryPositions]:
+    """Every rank's queries in one block, with their document ids (and token indices, for a
+    non-causal pattern): what a lent chunk's peer attends."""
     documents = [s.document_ids_BS for s in shards]
     all_documents = None if documents[0] is None else torch.cat(documents, dim=1)
-    return torch.cat(list(queries), dim=2), all_documents
+    tokens = None if is_causal(pattern) else torch.cat([s.tokens_S for s in shards])
+    return torch.cat(list(queries), dim=2), QueryPositions(all_documents, tokens, pattern)
 
 
 def _split_by_rank(tensor: Tensor, ranks: int) -> tuple[Tensor, ...]:
@@ -246,12 +262,12 @@ class _CommutatedAttention(torch.autograd.Function):
         queries, shards = _all_gather(q_BHSD, group), gather_token_shards(settings.shard, group)
         loans = None
         if forward.parts:
-            q_all, documents_all = _all_queries(queries, shards)
+            q_all, positions = _all_queries(queries, shards, settings.pattern)
             lendable = _lendable(cache, settings)
-            loans = post_loans(forward, q_all, lendable, documents_all, settings.scale)
+            loans = post_loans(forward, q_all, lendable, positions, settings.scale)
         kept = [cache[i] for i in forward.kept(settings.lendable)] + cache[settings.lendable :]
         partials = [
-            _partial(settings.backend, q, s, kept, settings.scale)
+            _partial(settings.backend, q, s, kept, settings.scale, settings.pattern)
             for q, s in zip(queries, shards, strict=True)
         ]
         if loans is not None:
@@ -284,10 +300,10 @@ class _CommutatedAttention(torch.autograd.Function):
         loans = None
         if backward.parts:
             cache = _cache(kv_tensors, settings.cache_shards)
-            q_all, documents_all = _all_queries(queries, shards)
+            q_all, positions = _all_queries(queries, shards, settings.pattern)
             merged = (torch.cat(grad_outs, dim=2), torch.cat(outs, dim=2), torch.cat(lses, dim=2))
             lendable = _lendable(cache, settings)
-            loans = post_loans(backward, q_all, lendable, documents_all, settings.scale, merged)
+            loans = post_loans(backward, q_all, lendable, positions, settings.scale, merged)
         own = range(settings.lendable, len(settings.cache_shards))
         kept = [*backward.kept(settings.lendable), *own]
         kv_grads = [torch.zeros_like(t) for t in kv_tensors]
@@ -296,7 +312,7 @@ class _CommutatedAttention(torch.autograd.Function):
             grad_q = torch.zeros_like(q)
             for index in kept:
                 k, v = kv_tensors[2 * index], kv_tensors[2 * index + 1]
-                mask = shard_mask(s, settings.cache_shards[index])
+                mask = shard_mask(s, settings.cache_shards[index], settings.pattern)
                 dq, dk, dv = settings.backend.backward_chunk(
                     grad_out, q, k, v, out, lse, mask, settings.scale
                 )
@@ -322,8 +338,13 @@ def _cache(kv_tensors: Sequence[Tensor], shards: Sequence[TokenShard]) -> list[C
 
 
 def _lendable(cache: Sequence[CachedShard], settings: _Commutated) -> list[LentChunk]:
+    """The lendable cached chunks, with their token indices under a non-causal pattern."""
+    with_tokens = not is_causal(settings.pattern)
     return [
-        LentChunk(c.k_BGKD, c.v_BGKD, c.shard.document_ids_BS) for c in cache[: settings.lendable]
+        LentChunk(
+            c.k_BGKD, c.v_BGKD, c.shard.document_ids_BS, c.shard.tokens_S if with_tokens else None
+        )
+        for c in cache[: settings.lendable]
     ]
 
 
@@ -338,9 +359,11 @@ def commutated_context_attention(
     drop_remote: bool = False,
     lendings: tuple[Lending, Lending] = (Lending(), Lending()),
     lendable: int = 0,
+    pattern: AttentionPattern | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Causal attention of this rank's queries (`shard`) over every rank's KV cache, the cache
-    staying where it is (`cache`: this rank's chunks, the current slice's included):
+    """Attention of this rank's queries (`shard`) over every rank's KV cache by `pattern`
+    (None: causal), the cache staying where it is (`cache`: this rank's chunks, the current
+    slice's included):
     `(out_BHSD, lse_BHS)`, exact gradients for q and for the local chunks' k and v. Every rank
     of `group` calls it with queries of the same shape. `drop_remote` (an ablation) merges only
     this rank's partial.
@@ -371,6 +394,7 @@ def commutated_context_attention(
         drop_remote,
         lendings,
         lendable,
+        pattern,
     )
     return _CommutatedAttention.apply(settings, q_BHSD, *kv_tensors)
 

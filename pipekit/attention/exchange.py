@@ -12,14 +12,15 @@ Attention has no weights, so the light rank needs nothing but the query and the 
   They keep nothing between forward and backward, so the backward may be served by another rank
   than the forward (the exchange plan pairs forward and backward passes independently).
 
-Lent chunks are earlier KV slices: the query attends to all of their keys, or within documents
-when document ids are given (sent along; the server rebuilds the mask). A lender may lend to
-several peers at once (`Lending`: which chunks go to which peer). Messages go over `group` in a
-fixed order per pair. Sends are non-blocking (posted before the local work, waited on at the
-end); a lender posts the receives of all its peers' answers at once, before its local work, since
-a gloo or NCCL send may not complete until its receive is posted, and a server waits for its
-answer's send. The messages themselves (headers with the shapes and the softmax scale, the
-lent chunks, which may also go ahead of the request for early KV exchange) are
+Lent chunks are earlier KV slices: the query attends to all of their keys (within documents when
+document ids are given), or, for a layer with another `AttentionPattern`, to the keys the pattern
+allows by the tokens' indices (`QueryPositions`; sent along, the server rebuilds the mask). A lender
+may lend to several peers at once (`Lending`: which chunks go to which peer). Messages go over
+`group` in a fixed order per pair. Sends are non-blocking (posted before the local work, waited on
+at the end); a lender posts the receives of all its peers' answers at once, before its local work,
+since a gloo or NCCL send may not complete until its receive is posted, and a server waits for its
+answer's send. The messages themselves (headers with the shapes and the softmax scale, the lent
+chunks, which may also go ahead of the request for early KV exchange) are
 `pipekit.attention.loan_wire`'s. A server may split its work in two: `receive_loan`, then
 `answer_loan`.
 
@@ -54,21 +55,25 @@ from pipekit.attention.chunked import KVChunk, ring_backward
 from pipekit.attention.loan_wire import (
     AttentionLoan,
     LentChunk,
+    QueryPositions,
     ReceivedLoan,
+    lent_chunk_mask,
     receive_lent_chunks,
     receive_loan,
     send_lent_chunks,
     send_request,
     wait_all,
 )
-from pipekit.attention.masks import MaskMod, documents_or_all
+from pipekit.attention.masks import MaskMod
 from pipekit.attention.merge import merge_attention
+from pipekit.attention.patterns import AttentionPattern, is_causal
 
 __all__ = [
     "AttentionLoan",
     "Lending",
     "LentChunk",
     "LoansInFlight",
+    "QueryPositions",
     "ReceivedLoan",
     "answer_loan",
     "attention_with_lending",
@@ -138,14 +143,17 @@ def _answer_forward(
     backend: str | AttentionBackend,
     computing: _Computing,
 ) -> None:
-    chosen, scale = _ring_backend_and_scale(backend, request.scale, request.q_BHSD)
+    q_BHSD = request.q_BHSD
+    chosen, scale = _ring_backend_and_scale(backend, request.scale, q_BHSD)
     with computing(), torch.no_grad():
-        out_BHSD, lse_BHS = merge_attention(
-            [
-                chosen.forward_chunk(request.q_BHSD, c.k_BGKD, c.v_BGKD, c.mask, scale)
-                for c in request.chunks
-            ]
-        )
+        partials = [
+            chosen.forward_chunk(q_BHSD, c.k_BGKD, c.v_BGKD, c.mask, scale) for c in request.chunks
+        ]
+        if partials:
+            out_BHSD, lse_BHS = merge_attention(partials)
+        else:  # every lent chunk lay outside the layer's window: nothing attended
+            out_BHSD = torch.zeros_like(q_BHSD)
+            lse_BHS = torch.full(q_BHSD.shape[:3], float("-inf"), dtype=_lse_dtype(q_BHSD))
     wait_all(loan.send(out_BHSD, lse_BHS))
 
 
@@ -188,6 +196,17 @@ class Lending:
         lent = {index for _, indices in self.parts for index in indices}
         return [index for index in range(count) if index not in lent]
 
+    def restricted(self, visible: Sequence[int]) -> Lending:
+        """The same lending over the chunks `visible` (indices into the lendable chunks, in
+        order) only: each part keeps its visible chunks, renumbered by position in `visible`,
+        and is kept even when none is left (its peer still expects one request)."""
+        position = {index: at for at, index in enumerate(visible)}
+        parts = tuple(
+            (loan, tuple(position[i] for i in indices if i in position))
+            for loan, indices in self.parts
+        )
+        return Lending(parts, self.chunks_ahead)
+
     def check(self, count: int) -> None:
         indices = [index for _, part in self.parts for index in part]
         if len(set(indices)) != len(indices) or not all(0 <= i < count for i in indices):
@@ -222,7 +241,7 @@ def post_loans(
     lending: Lending,
     q_BHSD: Tensor,
     lendable: Sequence[LentChunk],
-    q_document_ids_BS: Tensor | None,
+    positions: QueryPositions,
     scale: float,
     backward: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> LoansInFlight:
@@ -232,7 +251,7 @@ def post_loans(
     sends = []
     for loan, indices in lending.parts:
         lent = [lendable[i] for i in indices]
-        request = (q_document_ids_BS, scale, backward is not None, lending.chunks_ahead)
+        request = (positions, scale, backward is not None, lending.chunks_ahead)
         sends += send_request(loan, q_BHSD, lent, *request)
         if backward is not None:
             sends += loan.send(*backward)
@@ -265,23 +284,23 @@ class _LentAttention(torch.autograd.Function):
         scale: float,
         local_masks: tuple,
         lendings: tuple[Lending, Lending],
-        documents: tuple[Tensor | None, tuple[Tensor | None, ...]],
+        positions: tuple[QueryPositions, tuple[_ChunkPositions, ...]],
         num_local: int,
         q_BHSD: Tensor,
         *kv_tensors: Tensor,
     ) -> tuple[Tensor, Tensor]:
         forward, _ = lendings
-        q_docs, lendable_docs = documents
+        query, lendable_positions = positions
         local_kv, lendable_kv = kv_tensors[: 2 * num_local], kv_tensors[2 * num_local :]
-        lendable = _lent_chunks(lendable_kv, lendable_docs)
-        loans = post_loans(forward, q_BHSD, lendable, q_docs, scale)
+        lendable = _lent_chunks(lendable_kv, lendable_positions)
+        loans = post_loans(forward, q_BHSD, lendable, query, scale)
         here = list(zip(local_kv[0::2], local_kv[1::2], local_masks, strict=True))
-        here += [_with_mask(q_docs, lendable[i]) for i in forward.kept(len(lendable))]
+        here += [_with_mask(query, lendable[i]) for i in forward.kept(len(lendable))]
         partials = [backend.forward_chunk(q_BHSD, k, v, mask, scale) for k, v, mask in here]
         partials += [(out, lse) for out, lse in loans.collect()]
         out_BHSD, lse_BHS = merge_attention(partials)
         ctx.backend, ctx.scale, ctx.local_masks = backend, scale, local_masks
-        ctx.lendings, ctx.documents, ctx.num_local = lendings, documents, num_local
+        ctx.lendings, ctx.positions, ctx.num_local = lendings, positions, num_local
         ctx.save_for_backward(q_BHSD, out_BHSD, lse_BHS, *kv_tensors)
         ctx.mark_non_differentiable(lse_BHS)
         return out_BHSD, lse_BHS
@@ -292,14 +311,14 @@ class _LentAttention(torch.autograd.Function):
     ) -> tuple[Tensor | None, ...]:
         q_BHSD, out_BHSD, lse_BHS, *kv_tensors = ctx.saved_tensors
         _, backward = ctx.lendings
-        q_docs, lendable_docs = ctx.documents
+        query, lendable_positions = ctx.positions
         local_kv, lendable_kv = kv_tensors[: 2 * ctx.num_local], kv_tensors[2 * ctx.num_local :]
-        lendable = _lent_chunks(lendable_kv, lendable_docs)
+        lendable = _lent_chunks(lendable_kv, lendable_positions)
         merged = (grad_out_BHSD, out_BHSD, lse_BHS)
-        loans = post_loans(backward, q_BHSD, lendable, q_docs, ctx.scale, merged)
+        loans = post_loans(backward, q_BHSD, lendable, query, ctx.scale, merged)
         kept = backward.kept(len(lendable))
         here = list(zip(local_kv[0::2], local_kv[1::2], ctx.local_masks, strict=True))
-        here += [_with_mask(q_docs, lendable[i]) for i in kept]
+        here += [_with_mask(query, lendable[i]) for i in kept]
         grad_q_BHSD, here_grads = ring_backward(
             ctx.backend, grad_out_BHSD, q_BHSD, out_BHSD, lse_BHS, here, ctx.scale
         )
@@ -326,13 +345,22 @@ def _lse_dtype(q_BHSD: Tensor) -> torch.dtype:
     return torch.promote_types(q_BHSD.dtype, torch.float32)
 
 
-def _lent_chunks(lent_kv: Sequence[Tensor], docs: Sequence[Tensor | None]) -> list[LentChunk]:
-    return [LentChunk(k, v, d) for k, v, d in zip(lent_kv[0::2], lent_kv[1::2], docs, strict=True)]
+_ChunkPositions = tuple[Tensor | None, Tensor | None]
+"""A lendable chunk's (document ids, token indices)."""
 
 
-def _with_mask(q_docs_BS: Tensor | None, chunk: LentChunk) -> tuple[Tensor, Tensor, MaskMod | None]:
+def _lent_chunks(
+    lent_kv: Sequence[Tensor], positions: Sequence[_ChunkPositions]
+) -> list[LentChunk]:
+    """The lendable chunks from the tensors autograd hands back and their positions."""
+    pairs = zip(lent_kv[0::2], lent_kv[1::2], positions, strict=True)
+    return [LentChunk(k, v, documents, tokens) for k, v, (documents, tokens) in pairs]
+
+
+def _with_mask(query: QueryPositions, chunk: LentChunk) -> tuple[Tensor, Tensor, MaskMod | None]:
     """A lendable chunk computed here: its keys, values and the query's mask against it."""
-    return chunk.k_BGKD, chunk.v_BGKD, documents_or_all(q_docs_BS, chunk.document_ids_BK)
+    mask = lent_chunk_mask(chunk, query.document_ids_BS, query.tokens_S, query.pattern)
+    return chunk.k_BGKD, chunk.v_BGKD, mask
 
 
 def attention_with_lending(
@@ -345,6 +373,8 @@ def attention_with_lending(
     q_document_ids_BS: Tensor | None = None,
     scale: float | None = None,
     backend: str | AttentionBackend = "auto",
+    q_tokens_S: Tensor | None = None,
+    pattern: AttentionPattern | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of `q` over `local_chunks` and `lendable_chunks`: `(out_BHSD, lse_BHS)`.
 
@@ -352,25 +382,35 @@ def attention_with_lending(
     `serve_attention_loan`), `backward` the same for the gradients (the peers call
     `serve_attention_loan_backward`; default: nothing lent). Gradients flow to `q`, the local
     and the lendable chunks alike. `q_document_ids_BS` (with each lendable chunk's ids)
-    restricts the lendable chunks to the query's documents.
+    restricts the lendable chunks to the query's documents. A non-causal `pattern` needs each
+    query's token index (`q_tokens_S`) and each lendable chunk's (`LentChunk.tokens_K`).
     """
     backward = backward or Lending()
-    if not lendable_chunks:
+    if not lendable_chunks and not (forward.parts or backward.parts):
         raise ValueError("attention_with_lending needs lendable chunks; use attention_over_chunks")
-    if (q_document_ids_BS is None) != (lendable_chunks[0].document_ids_BK is None):
+    if lendable_chunks and (q_document_ids_BS is None) != (
+        lendable_chunks[0].document_ids_BK is None
+    ):
         raise ValueError("give document ids for the query exactly when the lent chunks have them")
+    if not is_causal(pattern) and (
+        q_tokens_S is None or any(c.tokens_K is None for c in lendable_chunks)
+    ):
+        raise ValueError(
+            f"attention_with_lending: {pattern} needs the query's and every lendable chunk's "
+            "token indices (q_tokens_S, LentChunk.tokens_K)"
+        )
     for lending in (forward, backward):
         lending.check(len(lendable_chunks))
     kv_tensors = [t for c in local_chunks for t in (c.k_BGKD, c.v_BGKD)]
     kv_tensors += [t for c in lendable_chunks for t in (c.k_BGKD, c.v_BGKD)]
     backend, scale = _ring_backend_and_scale(backend, scale, q_BHSD, *kv_tensors)
-    lendable_docs = tuple(chunk.document_ids_BK for chunk in lendable_chunks)
+    query = QueryPositions(q_document_ids_BS, q_tokens_S, pattern)
     return _LentAttention.apply(
         backend,
         scale,
         tuple(chunk.mask for chunk in local_chunks),
         (forward, backward),
-        (q_document_ids_BS, lendable_docs),
+        (query, tuple((c.document_ids_BK, c.tokens_K) for c in lendable_chunks)),
         len(local_chunks),
         q_BHSD,
         *kv_tensors,

@@ -14,12 +14,21 @@ the cache costs nothing beyond the slices' own K/V (which attention saves anyway
 gradient accumulators. Equal-sized chunks let the caching allocator hand a released chunk's block
 straight to the next microbatch's slice.
 
+A layer's `AttentionPattern` decides which cached slices a slice attends to: a sliding window or
+local chunks skip the slices no query of the slice can see, so the attention reads (and context
+exchange and context parallelism move) only the chunks within reach. A forward-only pass
+(evaluation) also lets go of a chunk as soon as no later slice can reach it, so a windowed
+layer's cache holds about `window / slice_length + 1` chunks instead of all of them. In training
+each chunk stays until its own slice's backward, which needs it whatever the window (slices go
+backward in reverse order, and the slice's own attention saved its K/V).
+
 Legend: B batch, H query heads, G kv heads, S slice length, D head dim.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -27,22 +36,26 @@ from torch import Tensor
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
 from pipekit.attention.exchange import Lending, LentChunk, attention_with_lending
-from pipekit.attention.masks import causal_within_documents, documents_or_all
+from pipekit.attention.masks import MaskMod
+from pipekit.attention.patterns import AttentionPattern, block_mask, block_visible, is_causal
 
 __all__ = ["CachedSlice", "ChunkedKVCache", "SliceAttention"]
 
 
 @dataclass
 class CachedSlice:
-    """One layer's K/V of one slice, as leaves that collect the gradients of later slices."""
+    """One layer's K/V of one slice, as leaves that collect the gradients of later slices, and
+    where the slice lies in the sequence (`[start, start + length)`, all cp ranks' tokens)."""
 
     k_BGSD: Tensor
     v_BGSD: Tensor
     document_ids_BS: Tensor | None
+    start: int = 0
+    length: int = 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V (shared with the slice's own tensors)."""
+        """Bytes of K and V (shared with the slice's own tensors); 0 once released."""
         return self.k_BGSD.nbytes + self.v_BGSD.nbytes
 
 
@@ -87,13 +100,23 @@ class ChunkedKVCache:
     """
 
     def __init__(
-        self, backend: str | AttentionBackend = "auto", drop_cached_gradients: bool = False
+        self,
+        backend: str | AttentionBackend = "auto",
+        drop_cached_gradients: bool = False,
+        slice_bounds: Sequence[int] | None = None,
     ) -> None:
         self.backend = backend
         self.drop_cached_gradients = drop_cached_gradients
+        self.slice_bounds = None if slice_bounds is None else tuple(slice_bounds)
+        """The slices' token offsets in the whole sequence (n + 1 of them; every context
+        parallel rank's tokens counted); None: the cached slices' own lengths, one after
+        another."""
         self.recomputing: tuple[int, int] | None = None
         """(microbatch, slice) whose backward is running: a forward of it now is a recompute."""
         self._slices: dict[tuple[str, int], list[CachedSlice]] = {}
+        self.patterns: dict[str, AttentionPattern | None] = {}
+        """Each layer's pattern, as its attention last gave it (what early KV exchange
+        sends follows it)."""
 
     def __repr__(self) -> str:
         cached = sum(len(slices) for slices in self._slices.values())
@@ -146,11 +169,33 @@ class ChunkedKVCache:
         """Bytes of every cached chunk (each shares storage with its slice's K/V)."""
         return sum(cached.nbytes for slices in self._slices.values() for cached in slices)
 
+    def layer_nbytes(self, layer_id: str) -> int:
+        """Bytes of one layer's cached chunks, every microbatch."""
+        return sum(
+            cached.nbytes
+            for (layer, _), slices in self._slices.items()
+            if layer == layer_id
+            for cached in slices
+        )
+
+    def slice_range(self, past: Sequence[CachedSlice], slice_index: int, length: int) -> range:
+        """The tokens of slice `slice_index` (`length` of them here) in the sequence."""
+        if self.slice_bounds is not None:
+            return range(self.slice_bounds[slice_index], self.slice_bounds[slice_index + 1])
+        start = past[slice_index - 1].start + past[slice_index - 1].length if slice_index else 0
+        return range(start, start + length)
+
     def _slice_chunks(
-        self, context: SliceAttention, layer_id: str, k_BGSD: Tensor, v_BGSD: Tensor
+        self,
+        context: SliceAttention,
+        layer_id: str,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        pattern: AttentionPattern | None,
     ) -> tuple[list[CachedSlice], KVChunk]:
         """Cache the slice's K/V for one layer; return the earlier slices' cached K/V and the
-        slice's own chunk (causal, carrying the gradients later slices leave on its leaves)."""
+        slice's own chunk (masked by `pattern`, carrying the gradients later slices leave on its
+        leaves)."""
         past = self._slices.setdefault((layer_id, context.microbatch), [])
         # Activation checkpointing runs the slice's forward again inside its own backward: the
         # slice is then the newest cached one, and its recomputed K/V must collect the
@@ -163,25 +208,52 @@ class ChunkedKVCache:
                 "microbatch must run forward in order"
             )
         q_documents = context.document_ids_BS
+        tokens = self.slice_range(past, context.slice_index, k_BGSD.shape[2])
+        context.token_range = tokens
+        self.patterns[layer_id] = pattern
+        if pattern is not None and context.slice_index == 0:
+            pattern.check_sliced(len(tokens))
+        training = torch.is_grad_enabled() and k_BGSD.requires_grad
         if recomputing:
             cached = past[context.slice_index]
-        elif torch.is_grad_enabled() and k_BGSD.requires_grad:
+        elif training:
             cached = CachedSlice(
-                k_BGSD.detach().requires_grad_(), v_BGSD.detach().requires_grad_(), q_documents
+                k_BGSD.detach().requires_grad_(),
+                v_BGSD.detach().requires_grad_(),
+                q_documents,
+                tokens.start,
+                len(tokens),
             )
         else:
-            cached = CachedSlice(k_BGSD, v_BGSD, q_documents)
-        if k_BGSD.requires_grad and torch.is_grad_enabled() and not self.drop_cached_gradients:
+            cached = CachedSlice(k_BGSD, v_BGSD, q_documents, tokens.start, len(tokens))
+        if training and not self.drop_cached_gradients:
             k_BGSD, v_BGSD = _AddCachedGradients.apply(k_BGSD, v_BGSD, cached)
         earlier = past[: context.slice_index]
         if not recomputing:
             past.append(cached)
-        return earlier, KVChunk(k_BGSD, v_BGSD, causal_within_documents(q_documents))
+        if not training and pattern is not None:
+            _release_unreachable(past, pattern, next_query=tokens.stop)
+        own = block_mask(
+            pattern, tokens.start, len(tokens), tokens.start, len(tokens), q_documents,
+            q_documents, k_BGSD.device,
+        )  # fmt: skip
+        return earlier, KVChunk(k_BGSD, v_BGSD, own)
+
+
+def _release_unreachable(
+    past: list[CachedSlice], pattern: AttentionPattern, next_query: int
+) -> None:
+    """Forward only: drop the K/V of cached slices that no query from `next_query` on can see
+    (keeping their entries, so slice indices stay positions)."""
+    low, _ = pattern.visible_keys(next_query, next_query)
+    for cached in past:
+        if cached.start + cached.length <= low and cached.k_BGSD.numel():
+            cached.k_BGSD, cached.v_BGSD = cached.k_BGSD[:, :, :0], cached.v_BGSD[:, :, :0]
 
 
 class SliceAttention:
-    """AttentionContext of one slice: causal on its own chunk, full on the cached ones (within
-    documents when ids are given)."""
+    """AttentionContext of one slice: its own chunk and the cached ones by the layer's pattern
+    (causal: all of every earlier slice; within documents when ids are given)."""
 
     def __init__(
         self,
@@ -192,6 +264,8 @@ class SliceAttention:
     ) -> None:
         self.cache, self.microbatch, self.slice_index = cache, microbatch, slice_index
         self.document_ids_BS = document_ids_BS
+        self.token_range = range(0)
+        """This slice's tokens in the sequence (every cp rank's), known once it cached K/V."""
 
     def __repr__(self) -> str:
         return f"SliceAttention(microbatch={self.microbatch}, slice_index={self.slice_index})"
@@ -202,36 +276,69 @@ class SliceAttention:
         return self.cache.recomputing == (self.microbatch, self.slice_index)
 
     def chunks(
-        self, layer_id: str, k_BGSD: Tensor, v_BGSD: Tensor
+        self,
+        layer_id: str,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        pattern: AttentionPattern | None = None,
     ) -> tuple[list[CachedSlice], KVChunk]:
-        """Cache this slice's K/V for `layer_id`; return the earlier slices' cached K/V (attended
-        fully, within documents) and this slice's own chunk (causal)."""
-        return self.cache._slice_chunks(self, layer_id, k_BGSD, v_BGSD)
+        """Cache this slice's K/V for `layer_id`; return the earlier slices' cached K/V and this
+        slice's own chunk (masked by `pattern`, None: causal)."""
+        return self.cache._slice_chunks(self, layer_id, k_BGSD, v_BGSD, pattern)
 
     def attend(
-        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+        self,
+        layer_id: str,
+        q_BHSD: Tensor,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        scale: float,
+        pattern: AttentionPattern | None = None,
     ) -> Tensor:
         """This slice's attention output, caching its K/V for the later slices."""
-        earlier, own = self.chunks(layer_id, k_BGSD, v_BGSD)
-        return self.attention(q_BHSD, earlier, own, scale)
+        earlier, own = self.chunks(layer_id, k_BGSD, v_BGSD, pattern)
+        return self.attention(q_BHSD, earlier, own, scale, pattern)
 
     @property
     def backend(self) -> str | AttentionBackend:
         return self.cache.backend
 
     def attention(
-        self, q_BHSD: Tensor, earlier: list[CachedSlice], own: KVChunk, scale: float
+        self,
+        q_BHSD: Tensor,
+        earlier: list[CachedSlice],
+        own: KVChunk,
+        scale: float,
+        pattern: AttentionPattern | None = None,
     ) -> Tensor:
-        """Attention over the cached earlier slices (within this slice's documents) and the
-        slice's own chunk, merged by LSE."""
-        q_documents = self.document_ids_BS
+        """Attention over the cached earlier slices that `pattern` lets the slice see (within
+        its documents) and the slice's own chunk, merged by LSE."""
+        visible = [earlier[index] for index in self.visible_indices(earlier, pattern)]
         chunks = [
-            KVChunk(
-                cached.k_BGSD, cached.v_BGSD, documents_or_all(q_documents, cached.document_ids_BS)
-            )
-            for cached in earlier
+            KVChunk(cached.k_BGSD, cached.v_BGSD, self.earlier_mask(cached, pattern))
+            for cached in visible
         ]
         return attention_over_chunks(q_BHSD, [*chunks, own], scale, self.cache.backend)[0]
+
+    def earlier_mask(self, cached: CachedSlice, pattern: AttentionPattern | None) -> MaskMod | None:
+        """This slice's queries against an earlier slice's keys."""
+        tokens = self.token_range
+        return block_mask(
+            pattern, tokens.start, len(tokens), cached.start, cached.length,
+            self.document_ids_BS, cached.document_ids_BS, cached.k_BGSD.device,
+        )  # fmt: skip
+
+    def visible_indices(
+        self, earlier: list[CachedSlice], pattern: AttentionPattern | None
+    ) -> list[int]:
+        """Indices of the earlier slices some query of this slice may see: the only ones
+        context exchange lends."""
+        tokens = self.token_range
+        return [
+            index
+            for index, cached in enumerate(earlier)
+            if block_visible(pattern, tokens.start, len(tokens), cached.start, cached.length)
+        ]
 
     def lent_attention(
         self,
@@ -240,9 +347,20 @@ class SliceAttention:
         own: KVChunk,
         lendings: tuple[Lending, Lending],
         scale: float,
+        pattern: AttentionPattern | None = None,
+        lendable_slices: Sequence[CachedSlice] = (),
     ) -> Tensor:
-        """`attention` with some earlier slices (`lendable`) computed by pipeline peers
-        (context exchange): `lendings` says which, in forward and in backward."""
+        """`attention` with some earlier slices (`lendable`, cached as `lendable_slices`)
+        computed by pipeline peers (context exchange): `lendings` says which, in forward and
+        in backward."""
+        q_tokens_S = None
+        if not is_causal(pattern):  # the peers mask by token indices
+            device, tokens = q_BHSD.device, self.token_range
+            q_tokens_S = torch.arange(tokens.start, tokens.stop, device=device)
+            lendable = [
+                replace(chunk, tokens_K=torch.arange(c.start, c.start + c.length, device=device))
+                for chunk, c in zip(lendable, lendable_slices, strict=True)
+            ]
         return attention_with_lending(
             q_BHSD,
             [own],
@@ -251,4 +369,6 @@ class SliceAttention:
             q_document_ids_BS=self.document_ids_BS,
             scale=scale,
             backend=self.cache.backend,
+            q_tokens_S=q_tokens_S,
+            pattern=pattern,
         )[0]

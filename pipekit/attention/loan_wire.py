@@ -9,6 +9,12 @@ shapes, so the receiver needs no prior knowledge:
 - a request (`send_request` / `receive_loan`): its kind, the softmax scale, the query and its
   document ids, then the chunks unless they went ahead.
 
+A layer whose `AttentionPattern` is not plain causal (a sliding window, local chunks) sends the
+pattern's numbers in the request and each token's index in the sequence with the query and the
+chunks, so the server builds the same masks the lender would; a pattern with a `rule` (code)
+cannot travel and is refused. A request may carry no chunk at all (every chunk its plan lends
+lies outside the layer's window): the server answers it with an empty attention.
+
 The attention computed on either side is `pipekit.attention.exchange`'s.
 
 Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
@@ -26,13 +32,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipekit.attention.chunked import KVChunk
-from pipekit.attention.masks import documents_or_all
+from pipekit.attention.masks import MaskMod, documents_or_all
+from pipekit.attention.patterns import AttentionPattern, is_causal
 
 __all__ = [
     "DEFAULT_LOAN_TIMEOUT",
     "AttentionLoan",
     "LentChunk",
+    "QueryPositions",
     "ReceivedLoan",
+    "lent_chunk_mask",
     "receive_lent_chunks",
     "receive_loan",
     "send_lent_chunks",
@@ -47,11 +56,48 @@ _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class LentChunk:
-    """Keys and values of an earlier KV slice, and its document ids (None: attend to all)."""
+    """Keys and values of an earlier KV slice, its document ids (None: attend to all) and,
+    for a layer with a non-causal pattern, each key's token index in the sequence."""
 
     k_BGKD: Tensor
     v_BGKD: Tensor
     document_ids_BK: Tensor | None = None
+    tokens_K: Tensor | None = None
+
+
+def lent_chunk_mask(
+    chunk: LentChunk,
+    q_document_ids_BS: Tensor | None,
+    q_tokens_S: Tensor | None,
+    pattern: AttentionPattern | None,
+) -> MaskMod | None:
+    """The query's mask against a lent chunk: every key (within documents) for a causal
+    layer, whose lent chunks are earlier slices; by token indices for any other pattern."""
+    if is_causal(pattern):
+        return documents_or_all(q_document_ids_BS, chunk.document_ids_BK)
+    assert pattern is not None and q_tokens_S is not None and chunk.tokens_K is not None
+    return pattern.mask(q_tokens_S, chunk.tokens_K, q_document_ids_BS, chunk.document_ids_BK)
+
+
+def _pattern_fields(pattern: AttentionPattern | None) -> list[int]:
+    """[non-causal, window, chunk, prefix] (0 for none) of a pattern that can travel."""
+    if is_causal(pattern):
+        return [0, 0, 0, 0]
+    assert pattern is not None
+    if pattern.rule is not None:
+        raise ValueError(
+            f"context exchange: {pattern} has a rule (code), which cannot be sent to the peer "
+            "that computes a lent chunk; express it by window, chunk and prefix, or set "
+            "[parallelism] context_exchange = false"
+        )
+    return [1, pattern.window or 0, pattern.chunk or 0, pattern.prefix]
+
+
+def _pattern_of(fields: Sequence[int]) -> AttentionPattern | None:
+    non_causal, window, chunk, prefix = fields
+    if not non_causal:
+        return None
+    return AttentionPattern(window=window or None, chunk=chunk or None, prefix=prefix)
 
 
 @dataclass(frozen=True)
@@ -103,40 +149,41 @@ class AttentionLoan:
 
 
 def _chunks_header(lent: Sequence[LentChunk]) -> Tensor:
-    """[dtype, B, G, D, documents, chunks, K_1..K_c]."""
+    """[dtype, B, G, D, documents, tokens, chunks, K_1..K_c] (zeros but the count: none)."""
+    if not lent:
+        return torch.zeros(7, dtype=torch.long)
     batch, kv_heads, _, head_dim = lent[0].k_BGKD.shape
     keys = [chunk.k_BGKD.shape[2] for chunk in lent]
     documents = lent[0].document_ids_BK is not None
-    fields = [_DTYPES.index(lent[0].k_BGKD.dtype), batch, kv_heads, head_dim, documents]
+    tokens = lent[0].tokens_K is not None
+    fields = [_DTYPES.index(lent[0].k_BGKD.dtype), batch, kv_heads, head_dim, documents, tokens]
     return torch.tensor([*fields, len(lent), *keys], dtype=torch.long)
 
 
 def send_lent_chunks(loan: AttentionLoan, lent: Sequence[LentChunk]) -> list[dist.Work]:
-    """Send lent chunks (keys, values, document ids), led by a header with their shapes: inside
-    a request, or ahead of it (early KV exchange) as soon as they exist."""
+    """Send lent chunks (keys, values, document ids, token indices), led by a header with their
+    shapes: inside a request, or ahead of it (early KV exchange) as soon as they exist."""
     header = _chunks_header(lent)
     works = loan.send(torch.tensor([header.numel()]), header)
     for chunk in lent:
         works += loan.send(chunk.k_BGKD, chunk.v_BGKD)
-        if chunk.document_ids_BK is not None:
-            works += loan.send(chunk.document_ids_BK)
+        works += loan.send(*(t for t in (chunk.document_ids_BK, chunk.tokens_K) if t is not None))
     return works
 
 
 def receive_lent_chunks(loan: AttentionLoan) -> list[LentChunk]:
     """Receive what `send_lent_chunks` sent."""
     header = _receive_header(loan)
-    dtype_index, batch, kv_heads, head_dim, documents, count = (int(x) for x in header[:6])
+    dtype_index, batch, kv_heads, head_dim, documents, tokens, count = (int(x) for x in header[:7])
     chunks = []
-    for keys in header[6 : 6 + count].tolist():
+    for keys in header[7 : 7 + count].tolist():
         shape = (batch, kv_heads, keys, head_dim)
         k_BGKD, v_BGKD = (torch.empty(shape, dtype=_DTYPES[dtype_index]) for _ in "kv")
         loan.receive(k_BGKD, v_BGKD)
-        document_ids_BK = None
-        if documents:
-            document_ids_BK = torch.empty(batch, keys, dtype=torch.long)
-            loan.receive(document_ids_BK)
-        chunks.append(LentChunk(k_BGKD, v_BGKD, document_ids_BK))
+        document_ids_BK = torch.empty(batch, keys, dtype=torch.long) if documents else None
+        tokens_K = torch.empty(keys, dtype=torch.long) if tokens else None
+        loan.receive(*(t for t in (document_ids_BK, tokens_K) if t is not None))
+        chunks.append(LentChunk(k_BGKD, v_BGKD, document_ids_BK, tokens_K))
     return chunks
 
 
@@ -148,24 +195,38 @@ def _receive_header(loan: AttentionLoan) -> Tensor:
     return header
 
 
+@dataclass(frozen=True)
+class QueryPositions:
+    """Where a lent query sits: its document ids (None: one document) and, for a non-causal
+    pattern, each query's token index in the sequence and the pattern."""
+
+    document_ids_BS: Tensor | None = None
+    tokens_S: Tensor | None = None
+    pattern: AttentionPattern | None = None
+
+
 def send_request(
     loan: AttentionLoan,
     q_BHSD: Tensor,
     lent: Sequence[LentChunk],
-    q_document_ids_BS: Tensor | None,
+    positions: QueryPositions,
     scale: float,
     backward: bool,
     chunks_ahead: bool,
 ) -> list[dist.Work]:
-    """[backward, dtype, B, H, S, D, documents, ahead], the scale, the query, its document ids,
-    then the lent chunks unless they were sent ahead."""
-    documents = q_document_ids_BS is not None
+    """[backward, dtype, B, H, S, D, documents, ahead, pattern...], the scale, the query, its
+    document ids and token indices, then the lent chunks unless they were sent ahead."""
+    documents = positions.document_ids_BS is not None
     fields = [backward, _DTYPES.index(q_BHSD.dtype), *q_BHSD.shape, documents, chunks_ahead]
+    fields += _pattern_fields(positions.pattern)
     header = torch.tensor(fields, dtype=torch.long)
     works = loan.send(torch.tensor([header.numel()]), header)
     works += loan.send(torch.tensor([scale], dtype=torch.float64), q_BHSD)
-    if q_document_ids_BS is not None:
-        works += loan.send(q_document_ids_BS)
+    if positions.document_ids_BS is not None:
+        works += loan.send(positions.document_ids_BS)
+    if not is_causal(positions.pattern):
+        assert positions.tokens_S is not None
+        works += loan.send(positions.tokens_S)
     if not chunks_ahead:
         works += send_lent_chunks(loan, lent)
     return works
@@ -196,6 +257,7 @@ def receive_loan(
     is_backward, dtype_index, batch, heads, queries, head_dim, documents, ahead = (
         int(x) for x in header[:8]
     )
+    pattern = _pattern_of([int(x) for x in header[8:12]])
     if bool(is_backward) != backward or bool(ahead) != (chunks_ahead is not None):
         kinds = ("backward" if is_backward else "forward", "backward" if backward else "forward")
         where = ("ahead" if ahead else "inside", "ahead" if chunks_ahead is not None else "inside")
@@ -211,8 +273,12 @@ def receive_loan(
     if documents:
         q_docs = torch.empty(batch, queries, dtype=torch.long)
         loan.receive(q_docs)
+    q_tokens = None
+    if pattern is not None:
+        q_tokens = torch.empty(queries, dtype=torch.long)
+        loan.receive(q_tokens)
     lent = chunks_ahead if chunks_ahead is not None else receive_lent_chunks(loan)
     chunks = [
-        KVChunk(c.k_BGKD, c.v_BGKD, documents_or_all(q_docs, c.document_ids_BK)) for c in lent
+        KVChunk(c.k_BGKD, c.v_BGKD, lent_chunk_mask(c, q_docs, q_tokens, pattern)) for c in lent
     ]
     return ReceivedLoan(q_BHSD, chunks, float(scale), backward)

@@ -24,6 +24,7 @@ from torch import Tensor
 from pipekit.attention.backends import AttentionBackend, ring_backend, select_backend
 from pipekit.attention.context_parallel import TokenShard, gather_token_shards, shard_mask
 from pipekit.attention.merge import merge_attention
+from pipekit.attention.patterns import AttentionPattern
 
 __all__ = ["ring_context_attention"]
 
@@ -49,7 +50,7 @@ def _finish(works: list) -> None:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, settings: tuple, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor):
-        backend, group, scale, shard, isolated = settings
+        backend, group, scale, shard, isolated, pattern = settings
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         shards = gather_token_shards(shard, group)
         held = [k_BGSD, v_BGSD]
@@ -58,7 +59,7 @@ class _RingAttention(torch.autograd.Function):
             rotating = step + 1 < size and not isolated
             works, incoming = _start_rotation(held, group) if rotating else ([], held)
             source = (rank - step) % size
-            mask = shard_mask(shard, shards[source])
+            mask = shard_mask(shard, shards[source], pattern)
             partials.append(backend.forward_chunk(q_BHSD, held[0], held[1], mask, scale))
             _finish(works)
             if isolated:  # ablation: only this rank's own chunk
@@ -72,7 +73,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out_BHSD: Tensor, _grad_lse: Tensor | None):
-        backend, group, scale, shard, isolated = ctx.settings
+        backend, group, scale, shard, isolated, pattern = ctx.settings
         q_BHSD, k_BGSD, v_BGSD, out_BHSD, lse_BHS = ctx.saved_tensors
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         grad_out_BHSD = grad_out_BHSD.contiguous()
@@ -81,7 +82,7 @@ class _RingAttention(torch.autograd.Function):
         steps = 1 if isolated else size
         for step in range(steps):
             source = (rank - step) % size
-            mask = shard_mask(shard, ctx.shards[source])
+            mask = shard_mask(shard, ctx.shards[source], pattern)
             dq, dk, dv = backend.backward_chunk(
                 grad_out_BHSD, q_BHSD, held[0], held[1], out_BHSD, lse_BHS, mask, scale
             )
@@ -103,12 +104,14 @@ def ring_context_attention(
     scale: float | None = None,
     backend: str | AttentionBackend = "auto",
     isolated: bool = False,
+    pattern: AttentionPattern | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Causal attention of this rank's queries (`shard`) over every rank's keys, passed around
-    the ring with the transfers overlapping the attention: `(out_BHSD, lse_BHS)`, exact
-    gradients for q, k and v. `isolated` (an ablation) attends to this rank's chunk only."""
+    """Attention of this rank's queries (`shard`) over every rank's keys by `pattern` (None:
+    causal), passed around the ring with the transfers overlapping the attention:
+    `(out_BHSD, lse_BHS)`, exact gradients for q, k and v. `isolated` (an ablation) attends to
+    this rank's chunk only."""
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     if isinstance(backend, str):
         backend = select_backend(backend, q_BHSD, k_BGSD, v_BGSD)
-    settings = (ring_backend(backend), group, scale, shard, isolated)
+    settings = (ring_backend(backend), group, scale, shard, isolated, pattern)
     return _RingAttention.apply(settings, q_BHSD, k_BGSD, v_BGSD)

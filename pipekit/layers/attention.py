@@ -1,7 +1,8 @@
 """Grouped-query self-attention layer: projections, RoPE, and a call into the attention context.
 
-The layer owns weights only; what the queries attend to (causal, packed documents, a KV cache,
-chunks on other ranks) is the context's business (`pipekit.attention.context`).
+The layer owns weights and its `AttentionPattern` (causal by default; a sliding window for a
+local layer); how the pattern is honoured (packed documents, a KV cache, chunks on other ranks)
+is the context's business (`pipekit.attention.context`).
 
 Legend: B batch, S sequence, D model dim, H query heads, G kv heads, K head dim, F = K/2.
 """
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from pipekit.attention.context import AttentionContext, attend
+from pipekit.attention.patterns import AttentionPattern
 from pipekit.layers.init import trunc_normal_
 from pipekit.layers.rope import apply_rotary
 
@@ -19,11 +21,20 @@ __all__ = ["GroupedQueryAttention"]
 
 
 class GroupedQueryAttention(nn.Module):
-    """`wo(attention(rope(wq x), rope(wk x), wv x))` with `n_kv_heads` dividing `n_heads`."""
+    """`wo(attention(rope(wq x), rope(wk x), wv x))` with `n_kv_heads` dividing `n_heads`;
+    the queries see what `pattern` allows (None: causal)."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        pattern: AttentionPattern | None = None,
+    ) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.pattern = pattern
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
@@ -58,7 +69,10 @@ class GroupedQueryAttention(nn.Module):
         k_BGSK = apply_rotary(k_BSGK, cos_BSF, sin_BSF).transpose(1, 2)
         v_BGSK = v_BSGK.transpose(1, 2)
         scale = self.head_dim**-0.5
-        return self.wo(_attend_merging_heads(context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale))
+        out_BSD = _attend_merging_heads(
+            context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale, self.pattern
+        )
+        return self.wo(out_BSD)
 
 
 @torch.compiler.disable  # compiled blocks run attention eagerly (pipekit.train.compile)
@@ -69,9 +83,10 @@ def _attend_merging_heads(
     k_BGSK: Tensor,
     v_BGSK: Tensor,
     scale: float,
+    pattern: AttentionPattern | None,
 ) -> Tensor:
     """`attend`, with the heads merged into `[B, S, H*K]` before returning: contexts return
     different memory layouts (kernels, merges, exchanges), and a contiguous result gives the
     compiled code after attention one stride pattern, hence one graph."""
-    out_BHSK = attend(context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale)
+    out_BHSK = attend(context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale, pattern)
     return out_BHSK.transpose(1, 2).flatten(2)

@@ -41,6 +41,7 @@ from pipekit.pipelining.features.context_parallel import PipelineContextParallel
 from pipekit.pipelining.features.tied_weights import TiedWeights, untie_vocabulary
 from pipekit.pipelining.features.vocab_parallel import (
     PipelineVocabParallel,
+    check_elementwise,
     copy_full_vocab_rows,
     vocab_shard_modules,
 )
@@ -119,6 +120,7 @@ def build_pipeline(
         dtype=setup.message_dtype,
         vocab_parallel=plan.vocab_parallel,
         sequence_shards=plan.sequence_shards,
+        context_parallel=plan.context_parallel,
     )
     extensions: list[PipelineExtension] = []
     if plan.context_parallel > 1:  # first: context exchange wraps its attention
@@ -222,6 +224,9 @@ def _vocab_parallel(
     setattr(rank_model, embedding_name, embedding)
     setattr(rank_model, output_name, output)
     setup.parallelize_vocab(embedding, output)
+    transforms = [getattr(model, name) for name in plan.structure.logits_transforms]
+    for name, transform in zip(plan.structure.logits_transforms, transforms, strict=True):
+        check_elementwise(transform, name)
     return PipelineVocabParallel(
         embedding,
         output,
@@ -231,6 +236,7 @@ def _vocab_parallel(
         group=group,
         tensor_group=new_group_along(mesh, "tp") if "tp" in row_dims else None,
         module_names=(embedding_name, output_name),
+        logits_transforms=transforms,
         lockstep=plan.context_exchange,
     )
 

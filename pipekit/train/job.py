@@ -110,7 +110,7 @@ def plan_job(config: JobConfig, world_size: int, *, check_files: bool = True) ->
     if dims.pp > 1:
         pipeline = _pipeline(config, spec, meta_model, shape, dims, local_batch)
     if config.parallelism.vocab_parallel:
-        _check_vocab_parallel(shape, dims.pp, dims.tp)
+        _check_vocab_parallel(spec, meta_model, shape, dims.pp, dims.tp)
     offload = pipeline.activation_offload if pipeline else config.parallelism.activation_offload
     if offload:
         _check_activation_offload(config, dims.pp)
@@ -422,10 +422,13 @@ def _check_activation_offload(config: JobConfig, pp: int) -> None:
         )
 
 
-def _check_vocab_parallel(shape: ModelShape, pp: int, tp: int) -> None:
+def _check_vocab_parallel(
+    spec: ModelSpec, model: nn.Module, shape: ModelShape, pp: int, tp: int
+) -> None:
     """Vocabulary parallelism needs pipeline ranks to split the vocabulary over (and their tp
-    ranks split each pipeline rank's rows)."""
+    ranks split each pipeline rank's rows), and logits transforms it can apply shard by shard."""
     from pipekit.layers.vocab_parallel import dtensor_shard_sizes
+    from pipekit.pipelining.features.vocab_parallel import check_elementwise
 
     if pp < 2:
         raise ConfigError(
@@ -434,5 +437,7 @@ def _check_vocab_parallel(shape: ModelShape, pp: int, tp: int) -> None:
         )
     try:
         dtensor_shard_sizes(shape.vocab_size, (pp, tp))
+        for name in spec.structure.logits_transforms:
+            check_elementwise(getattr(model, name), name)
     except ValueError as error:
         raise _error("[parallelism] vocab_parallel = true:", error) from None

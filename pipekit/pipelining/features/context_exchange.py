@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
 
+import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
@@ -60,7 +61,7 @@ from pipekit.attention.context_exchange import (
     SliceExchange,
     exchange_loan,
 )
-from pipekit.attention.kv_cache import ChunkedKVCache, SliceAttention
+from pipekit.attention.kv_cache import CachedSlice, ChunkedKVCache, SliceAttention
 from pipekit.attention.loan_server import LoanRequest, LoanServer, ServingChain
 from pipekit.attention.loan_wire import (
     DEFAULT_LOAN_TIMEOUT,
@@ -68,6 +69,7 @@ from pipekit.attention.loan_wire import (
     LentChunk,
     send_lent_chunks,
 )
+from pipekit.attention.patterns import block_visible, is_causal
 from pipekit.attention.serving_priority import ServingPriority
 from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action, ComputationType
 from pipekit.pipelining.features.exchange_plan import ExchangePlan, plan_context_exchange
@@ -332,11 +334,12 @@ class PipelineContextExchange(PipelineExtension):
 
     def _send_ahead(self, lending: Action) -> None:
         """Post the sends of every layer's lent chunks of `lending` (non-blocking)."""
-        stage, (microbatch, _) = (
+        stage, (microbatch, slice_index) = (
             lending.stage_index,
             unit_microbatch_and_slice(lending.microbatch_index, self.num_slices),
         )
-        layers = self._caches[stage].layer_slices(microbatch)
+        cache = self._caches[stage]
+        layers = cache.layer_slices(microbatch)
         if len(layers) != self.layers_per_stage[stage]:
             raise RuntimeError(
                 f"context exchange: stage {stage} cached {len(layers)} attention layers, the plan "
@@ -357,11 +360,8 @@ class PipelineContextExchange(PipelineExtension):
         nbytes = 0
         for peer, kv_slices in parts:
             loan = exchange.loan(here, peer)
-            for _, cached in layers:
-                lent = [
-                    LentChunk(c.k_BGSD, c.v_BGSD, c.document_ids_BS)
-                    for c in (cached[index] for index in kv_slices)
-                ]
+            for layer, cached in layers:
+                lent = lent_chunks(cache, layer, cached, slice_index, kv_slices)
                 nbytes += sum(c.k_BGKD.nbytes + c.v_BGKD.nbytes for c in lent)
                 works += send_lent_chunks(loan, lent)
         self._ahead[lending] = _Posted(time.perf_counter(), works, nbytes, frozenset(peers))
@@ -373,6 +373,31 @@ class PipelineContextExchange(PipelineExtension):
         if posted is not None:
             lead_s = time.perf_counter() - posted.posted_at
             self.ahead_sends.append(AheadSend(action, lead_s, posted.nbytes))
+
+
+def lent_chunks(
+    cache: ChunkedKVCache,
+    layer: str,
+    cached: Sequence[CachedSlice],
+    slice_index: int,
+    kv_slices: Sequence[int],
+) -> list[LentChunk]:
+    """What slice `slice_index` lends of one layer's cached slices `kv_slices`: those its
+    pattern lets it see, as the lending attention itself chooses them (with token indices
+    when the pattern is not plain causal)."""
+    pattern = cache.patterns.get(layer)
+    tokens = cache.slice_range(cached, slice_index, 0)
+    with_tokens = not is_causal(pattern)
+    return [
+        LentChunk(
+            c.k_BGSD,
+            c.v_BGSD,
+            c.document_ids_BS,
+            torch.arange(c.start, c.start + c.length) if with_tokens else None,
+        )
+        for c in (cached[index] for index in kv_slices)
+        if block_visible(pattern, tokens.start, len(tokens), c.start, c.length)
+    ]
 
 
 def _retyped(action: Action, kinds: Mapping[ComputationType, ExchangeComputation]) -> Action:

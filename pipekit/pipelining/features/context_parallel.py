@@ -42,6 +42,7 @@ from pipekit.attention.context_parallel import (
 )
 from pipekit.attention.exchange import Lending, LentChunk
 from pipekit.attention.kv_cache import CachedSlice, SliceAttention
+from pipekit.attention.patterns import AttentionPattern
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
@@ -75,23 +76,52 @@ class ContextParallelSliceAttention:
         return self.inner.backend
 
     def chunks(
-        self, layer_id: str, k_BGSD: Tensor, v_BGSD: Tensor
+        self,
+        layer_id: str,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        pattern: AttentionPattern | None = None,
     ) -> tuple[list[CachedSlice], KVChunk]:
-        return self.inner.chunks(layer_id, k_BGSD, v_BGSD)
+        return self.inner.chunks(layer_id, k_BGSD, v_BGSD, pattern)
 
     def attend(
-        self, layer_id: str, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, scale: float
+        self,
+        layer_id: str,
+        q_BHSD: Tensor,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        scale: float,
+        pattern: AttentionPattern | None = None,
     ) -> Tensor:
-        earlier, own = self.chunks(layer_id, k_BGSD, v_BGSD)
-        return self.attention(q_BHSD, earlier, own, scale)
+        earlier, own = self.chunks(layer_id, k_BGSD, v_BGSD, pattern)
+        return self.attention(q_BHSD, earlier, own, scale, pattern)
 
     def attention(
-        self, q_BHSD: Tensor, earlier: list[CachedSlice], own: KVChunk, scale: float
+        self,
+        q_BHSD: Tensor,
+        earlier: list[CachedSlice],
+        own: KVChunk,
+        scale: float,
+        pattern: AttentionPattern | None = None,
     ) -> Tensor:
-        """Over every cp rank's earlier slices and this slice, by the slice's variant."""
+        """Over every cp rank's earlier slices that `pattern` lets the slice see, and this
+        slice, by the slice's variant; every cp rank skips the same slices (the whole slice's
+        tokens decide), so their collectives match."""
         variant = self.extension.variant_of(self.slice_index, q_BHSD, own.k_BGKD)
-        lendable = [LentChunk(c.k_BGSD, c.v_BGSD, c.document_ids_BS) for c in earlier]
-        return self._attention(_VARIANTS[variant], q_BHSD, lendable, own, scale)
+        indices = self.visible_indices(earlier, pattern)
+        lendable = [
+            LentChunk(earlier[i].k_BGSD, earlier[i].v_BGSD, earlier[i].document_ids_BS)
+            for i in indices
+        ]
+        attention = functools.partial(_VARIANTS[variant], pattern=pattern)
+        return self._attention(attention, q_BHSD, lendable, own, scale, indices)
+
+    def visible_indices(
+        self, earlier: list[CachedSlice], pattern: AttentionPattern | None
+    ) -> list[int]:
+        """The earlier slices some query of the slice (all cp ranks' tokens) may see: every cp
+        rank skips the same ones, so their collectives match."""
+        return self.inner.visible_indices(earlier, pattern)
 
     def lent_attention(
         self,
@@ -100,12 +130,21 @@ class ContextParallelSliceAttention:
         own: KVChunk,
         lendings: tuple[Lending, Lending],
         scale: float,
+        pattern: AttentionPattern | None = None,
+        lendable_slices: Sequence[CachedSlice] = (),
     ) -> Tensor:
         """Commutated, the peers computing the lent earlier slices (context exchange)."""
         attention = functools.partial(
-            commutated_context_attention, lendings=lendings, lendable=len(lendable)
+            commutated_context_attention,
+            lendings=lendings,
+            lendable=len(lendable),
+            pattern=pattern,
         )
-        return self._attention(attention, q_BHSD, lendable, own, scale)
+        length = self.extension.slice_length
+        indices = [cached.start // length for cached in lendable_slices]
+        if not lendable_slices:  # causal: every earlier slice, in order
+            indices = list(range(len(lendable)))
+        return self._attention(attention, q_BHSD, lendable, own, scale, indices)
 
     def _attention(
         self,
@@ -114,11 +153,13 @@ class ContextParallelSliceAttention:
         earlier: list[LentChunk],
         own: KVChunk,
         scale: float,
+        slice_indices: Sequence[int],
     ) -> Tensor:
+        """`earlier` are the cached slices `slice_indices`, then the slice's own chunk."""
         tokens = self.extension.slice_tokens
         cache = [
             CachedShard(c.k_BGKD, c.v_BGKD, TokenShard(tokens(index), c.document_ids_BK))
-            for index, c in enumerate(earlier)
+            for index, c in zip(slice_indices, earlier, strict=True)
         ]
         shard = TokenShard(tokens(self.slice_index), self.inner.document_ids_BS)
         cache.append(CachedShard(own.k_BGKD, own.v_BGKD, shard))

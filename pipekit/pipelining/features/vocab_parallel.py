@@ -15,6 +15,9 @@ others while its vocabulary GEMM runs. With it each pipeline rank holds the rows
   logits and the cross-entropy statistics (`vocab_parallel_cross_entropy`: two all-reduces), and
   at once the backward of its shard: its weight gradient and its part of d loss / d hidden, which
   a `reduce` sums onto the last stage. The last stage's backward then starts from that gradient.
+  The model's logits transforms (`ModelStructure.logits_transforms`, e.g. soft-capping) run on
+  each shard's logits before the loss: they act on every logit alone, which is checked when the
+  feature is built, so the sharded loss is the loss of the transformed logits.
 
 With tensor parallelism the rows are split over the pipeline x tp ranks (the cross-entropy's
 statistics over all of them), and every collective above runs per tp coordinate over the
@@ -59,7 +62,12 @@ from pipekit.pipelining.features.output_passes import OUTPUT_PASS, with_output_p
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
 from pipekit.pipelining.runtime.stage import StageShapes
 
-__all__ = ["PipelineVocabParallel", "copy_full_vocab_rows", "vocab_shard_modules"]
+__all__ = [
+    "PipelineVocabParallel",
+    "check_elementwise",
+    "copy_full_vocab_rows",
+    "vocab_shard_modules",
+]
 
 
 def vocab_shard_modules(
@@ -102,6 +110,27 @@ def copy_full_vocab_rows(
         del full, weight
 
 
+def check_elementwise(transform: nn.Module, name: str, vocab_size: int = 16) -> None:
+    """ValueError unless `transform` (a logits transform named `name`) is stateless and acts on
+    every logit alone, as vocabulary parallelism applies it to each rank's columns: probed on
+    random logits, whole and split into two column blocks."""
+    if any(True for _ in transform.parameters()) or any(True for _ in transform.buffers()):
+        raise ValueError(
+            f"logits transform {name!r} holds parameters or buffers, which vocabulary parallelism "
+            "cannot split across its shards; make it stateless or set vocab_parallel = false"
+        )
+    probe_BSV = 20 * torch.randn(2, 3, vocab_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = transform(probe_BSV)
+        halves = torch.cat([transform(part) for part in probe_BSV.chunk(2, dim=-1)], dim=-1)
+    if whole.shape != probe_BSV.shape or not torch.allclose(whole, halves, rtol=1e-5, atol=1e-6):
+        raise ValueError(
+            f"logits transform {name!r} does not act on each logit alone (its output on a block "
+            "of the vocabulary differs from the same columns of its output on the whole), so "
+            "vocabulary parallelism would change the model; set vocab_parallel = false"
+        )
+
+
 class _LossFromKnownGradient(torch.autograd.Function):
     """The unit's loss as a function of the last stage's hidden states whose gradient the output
     pass has already computed (and summed over the ranks): backward only scales it."""
@@ -141,9 +170,10 @@ class PipelineVocabParallel(PipelineExtension):
     `group` is the pipeline ranks of this rank's tp coordinate, in which `first_rank` and
     `last_rank` hold the first and the last stage. `tensor_group`: this rank's tp ranks (None
     without tp); a stage's rank holds its tp share of the tokens when `shapes` says so.
-    `module_names` are the model's names for the two (their checkpoint names). With `lockstep`,
-    output passes go at lockstep cuts, which never part two passes of one lockstep moment
-    (context exchange pairs those).
+    `module_names` are the model's names for the two (their checkpoint names).
+    `logits_transforms` (stateless, elementwise: `check_elementwise`) run on every shard's
+    logits before the loss. With `lockstep`, output passes go at lockstep cuts, which never part
+    two passes of one lockstep moment (context exchange pairs those).
     """
 
     name = "vocab_parallel"
@@ -160,6 +190,7 @@ class PipelineVocabParallel(PipelineExtension):
         group: dist.ProcessGroup,
         tensor_group: dist.ProcessGroup | None = None,
         module_names: tuple[str, str] = ("embedding", "output"),
+        logits_transforms: Sequence[nn.Module] = (),
         lockstep: bool = False,
     ) -> None:
         if embedding.reduce or output.reduce_input_grad:
@@ -171,6 +202,7 @@ class PipelineVocabParallel(PipelineExtension):
         self.embedding, self.output, self.shapes, self.group = embedding, output, shapes, group
         self.tensor_group = tensor_group
         self.module_names, self.lockstep = module_names, lockstep
+        self.logits_transforms = list(logits_transforms)
         self.rank = dist.get_rank(group)
         self.first_rank, self.last_rank = first_rank, last_rank
         self._tokens_UBS: Tensor | None = None
@@ -262,6 +294,8 @@ class PipelineVocabParallel(PipelineExtension):
         received_BSD = self._gather_sequence(received_BSD, sequence_dim=1).requires_grad_()
         with torch.enable_grad():
             logits_BSV = self.output(received_BSD)
+            for transform in self.logits_transforms:
+                logits_BSV = transform(logits_BSV)
             loss = (
                 vocab_parallel_cross_entropy(
                     logits_BSV,

@@ -19,6 +19,7 @@ Legend: B microbatch rows, S slice length, D model dim, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,7 +56,8 @@ class StageShapes:
     `vocab_parallel` the embedding and the output layer live outside the stages, so the first
     stage takes and the last stage gives hidden states. Floating examples require grad: torch
     sizes the gradient buffers of a boundary only for those. `slice_lengths`: the tokens of each
-    slice (S of its units); the examples have the longest."""
+    slice (S of its units; a context-parallel rank's share of `context_parallel`); the examples
+    have the longest."""
 
     def __init__(
         self,
@@ -67,11 +69,22 @@ class StageShapes:
         *,
         vocab_parallel: bool = False,
         sequence_shards: int = 1,
+        context_parallel: int = 1,
     ) -> None:
         self.rows, self.slice_lengths = rows, tuple(slice_lengths)
         self.model_dim, self.vocab_size, self.dtype = model_dim, vocab_size, dtype
         self.vocab_parallel = vocab_parallel
         self.sequence_shards = sequence_shards
+        self.context_parallel = context_parallel
+
+    @property
+    def slice_bounds(self) -> tuple[int, ...]:
+        """The slices' token offsets in the whole sequence (every cp rank's tokens)."""
+        return tuple(
+            itertools.accumulate(
+                (length * self.context_parallel for length in self.slice_lengths), initial=0
+            )
+        )
 
     @property
     def slice_length(self) -> int:
@@ -135,7 +148,7 @@ class SlicedPipelineStage(PipelineStage):
             group=group,
         )
         self.num_slices, self.shapes = num_slices, shapes
-        self.kv_cache = ChunkedKVCache(backend)
+        self.kv_cache = ChunkedKVCache(backend, slice_bounds=shapes.slice_bounds)
         self.sequence_statistics: dict[int, SequenceStatistics] = {}
         """Per microbatch: the sums its slices recorded for losses over the whole sequence."""
         self.extensions: Sequence[PipelineExtension] = ()

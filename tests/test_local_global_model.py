@@ -1,0 +1,112 @@
+"""A model unlike the built-in ones (examples/local_global: sliding-window and full layers,
+(1 + w) RMSNorm, GeGLU MLPs and GeGLU MoE experts, embeddings scaled by sqrt(dim), soft-capped
+logits, tied embeddings) equals one process in float64 — loss and every gradient, 1e-10 —
+under FSDP, the sliced pipeline, the sliced pipeline with context exchange (its lent slices
+sent ahead) and vocabulary parallelism, and (4 ranks) the sliced pipeline with context
+parallelism, with and without context exchange. Ablations, each of which must fail: the
+pipeline's KV cache ignoring the window; vocabulary parallelism without the soft-cap; the
+embedding scale run on every stage."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import examples.local_global.model as local_global
+import pipekit.attention.kv_cache as kv_cache_module
+from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
+from pipekit.testing import (
+    data_parallel_step,
+    max_relative_difference,
+    parity_batch,
+    pipeline_step,
+    reference_step,
+    run_on_ranks,
+)
+
+TOLERANCE = 1e-10
+ARGS = local_global.LocalGlobalArgs(
+    dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=61, max_seq_len=64,
+    window=5,
+)  # fmt: skip
+ROWS, SEQ_LEN, MICROBATCHES, SLICES = 4, 32, 2, 4
+SLICED = {"pipeline_schedule": "sliced", "num_slices": SLICES, "microbatches": MICROBATCHES}
+EXCHANGE = {**SLICED, "context_exchange": True, "vocab_parallel": True}
+SPEC = local_global.LOCAL_GLOBAL
+
+
+def _batch():
+    return parity_batch(ARGS.vocab_size, ROWS, SEQ_LEN)
+
+
+def _drop_softcap(runner) -> None:
+    for extension in runner.extensions:
+        if isinstance(extension, PipelineVocabParallel):
+            extension.logits_transforms = []
+
+
+def _cases(rank: int, world: int, ablation: str = "") -> dict:
+    """Every layout of `world` ranks on one process group (an ablation breaks one mechanism)."""
+    spec, adjust = SPEC, None
+    if ablation == "window_ignored_by_the_cache":  # the visible slices' keys seen whole
+        original = kv_cache_module.block_mask
+        kv_cache_module.block_mask = lambda pattern, *rest: original(None, *rest)
+    if ablation == "softcap_dropped_by_vocab_parallel":
+        adjust = _drop_softcap
+    if ablation == "scale_on_every_stage":
+        structure = dataclasses.replace(
+            SPEC.structure, before_blocks=(), shared=("rope", "embed_scale")
+        )
+        spec = dataclasses.replace(SPEC, structure=structure)
+    if world == 2:
+        return {
+            "fsdp": data_parallel_step(rank, world, spec, ARGS, _batch()),
+            "pp sliced": pipeline_step(rank, world, spec, ARGS, _batch(), **SLICED),
+            "pp exchange vocab": pipeline_step(
+                rank, world, spec, ARGS, _batch(), adjust=adjust, **EXCHANGE
+            ),
+        }
+    return {
+        "pp cp": pipeline_step(rank, world, spec, ARGS, _batch(), cp=2, **SLICED),
+        "pp cp exchange": pipeline_step(
+            rank, world, spec, ARGS, _batch(), cp=2, context_exchange=True, **SLICED
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    whole = reference_step(SPEC, ARGS, _batch(), microbatches=2)  # FSDP: each rank's rows
+    pipelined = reference_step(SPEC, ARGS, _batch(), microbatches=MICROBATCHES)
+    return {"fsdp": whole, "pp": pipelined}
+
+
+def _differences(references: dict, world: int, ablation: str = "") -> dict[str, float]:
+    per_rank = run_on_ranks(_cases, world, ablation, timeout=120)
+    return {
+        layout: max_relative_difference(
+            [results[layout] for results in per_rank],
+            references["fsdp" if layout == "fsdp" else "pp"],
+        )
+        for layout in per_rank[0]
+    }
+
+
+def test_every_layout_equals_one_process_fp64(references) -> None:
+    differences = _differences(references, 2) | _differences(references, 4)
+    assert max(differences.values()) <= TOLERANCE, differences
+
+
+@pytest.mark.parametrize(
+    ("ablation", "world", "layouts"),
+    [
+        ("window_ignored_by_the_cache", 2, ["pp sliced", "pp exchange vocab"]),
+        ("softcap_dropped_by_vocab_parallel", 2, ["pp exchange vocab"]),
+        ("scale_on_every_stage", 2, ["pp sliced", "pp exchange vocab"]),
+    ],
+)
+def test_each_mechanism_is_needed(references, ablation: str, world: int, layouts) -> None:
+    differences = _differences(references, world, ablation)
+    for layout in layouts:
+        assert differences[layout] > 1e-4, (ablation, layout, differences)
