@@ -110,3 +110,31 @@ def test_each_mechanism_is_needed(references, ablation: str, world: int, layouts
     differences = _differences(references, world, ablation)
     for layout in layouts:
         assert differences[layout] > 1e-4, (ablation, layout, differences)
+
+
+def test_one_rank_trains_the_losses_of_two_in_float32(tmp_path) -> None:
+    """The whole job in float32 for 5 steps: one process (tied weights kept tied), FSDP over 2
+    ranks and the 2-rank sliced pipeline with context exchange and vocabulary parallelism give
+    the same losses to 1e-5. Every run takes its MoE load-balancing statistics over 2 rows (one
+    process accumulates two micro-steps, the pipeline runs 2 microbatches), as the auxiliary
+    loss depends on them."""
+    from job_runs import REPO_ROOT, train_job
+
+    run = (
+        "--training.steps", "5", "--training.global_batch_size", "4",
+        "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_interval", "1", "--checkpoint.enable", "false",
+    )  # fmt: skip
+    configs = REPO_ROOT / "examples" / "local_global"
+    fsdp_config, pipeline_config = (
+        str(configs / "debug.toml"),
+        str(configs / "debug_sliced_pp.toml"),
+    )
+    accumulated = ("--training.gradient_accumulation_steps", "2")
+    one = train_job(tmp_path / "one", *run, *accumulated, nproc=1, config=fsdp_config)
+    fsdp = train_job(tmp_path / "fsdp", *run, config=fsdp_config)
+    pipeline = ("--parallelism.microbatches", "2")
+    pipelined = train_job(tmp_path / "pp", *run, *pipeline, config=pipeline_config)
+    assert len(one) == 5 and one[5] < one[1]
+    assert one == pytest.approx(fsdp, rel=1e-5)
+    assert one == pytest.approx(pipelined, rel=1e-5)
