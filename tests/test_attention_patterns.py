@@ -6,6 +6,7 @@ pass. Each has an ablation: the same path with the pattern ignored fails."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -24,6 +25,8 @@ PATTERNS = {
     "prefix": AttentionPattern(prefix=4),
     "rule": AttentionPattern(rule=lambda q, k: (q - k) % 3 != 1),
     "window+chunk": AttentionPattern(window=7, chunk=8),
+    "softcap": AttentionPattern(softcap=0.5),
+    "window+softcap": AttentionPattern(window=5, softcap=0.5),
 }
 
 
@@ -53,6 +56,8 @@ def _dense_reference(q, k, v, pattern, scale, documents=None) -> Tensor:
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     scores = (q @ k.transpose(-1, -2)) * scale
+    if pattern is not None and pattern.softcap is not None:
+        scores = pattern.softcap * torch.tanh(scores / pattern.softcap)
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
 
 
@@ -129,6 +134,10 @@ def test_slices_over_a_kv_cache_equal_the_whole_sequence_fp64(name):
         torch.testing.assert_close(grad, reference, rtol=1e-10, atol=1e-12)
     if pattern is not None:  # ablation: the slices ignore the pattern
         ignored = _sliced(q, k, v, None, num_slices=4, documents=documents)
+        assert (ignored - want).abs().max() > 1e-3
+    if pattern is not None and pattern.softcap is not None:  # ablation: the cap alone ignored
+        uncapped = dataclasses.replace(pattern, softcap=None)
+        ignored = _sliced(q, k, v, uncapped, num_slices=4, documents=documents)
         assert (ignored - want).abs().max() > 1e-3
 
 

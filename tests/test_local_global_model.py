@@ -1,9 +1,9 @@
-"""A model unlike the built-in ones (examples/local_global: sliding-window and full layers,
-(1 + w) RMSNorm, GeGLU MLPs and GeGLU MoE experts, embeddings scaled by sqrt(dim), soft-capped
-logits, tied embeddings) equals one process in float64 — loss and every gradient, 1e-10 —
-under FSDP, the sliced pipeline, the sliced pipeline with context exchange (its lent slices
-sent ahead) and vocabulary parallelism, and (4 ranks) the sliced pipeline with context
-parallelism, with and without context exchange. Ablations, each of which must fail: the
+"""A model unlike the built-in ones (examples/local_global: sliding-window and full layers, soft-
+capped attention scores, (1 + w) RMSNorm, GeGLU MLPs and GeGLU MoE experts, embeddings scaled by
+sqrt(dim), soft-capped logits, tied embeddings) equals one process in float64 — loss and every
+gradient, 1e-10 — under FSDP, the sliced pipeline, the sliced pipeline with context exchange
+(its lent slices sent ahead) and vocabulary parallelism, and (4 ranks) the sliced pipeline with
+context parallelism, with and without context exchange. Ablations, each of which must fail: the
 pipeline's KV cache ignoring the window; vocabulary parallelism without the soft-cap; the
 embedding scale run on every stage."""
 

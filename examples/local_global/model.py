@@ -1,6 +1,7 @@
 """A Gemma/Mistral-flavoured MoE decoder written outside pipekit, with every trait pipekit must
 honour in every layout: sliding-window attention on even layers and full causal attention on
-odd ones (`AttentionPattern`), RMSNorm applied as `(1 + w)`, GeGLU MLPs, embeddings scaled by
+odd ones, every layer's attention scores soft-capped (`AttentionPattern`), RMSNorm applied as
+`(1 + w)`, GeGLU MLPs, embeddings scaled by
 sqrt(dim) (a stateless module on the first stage only), logits soft-capped as
 `tanh(logits / 30) * 30` (a logits transform), tied input and output embeddings, and pipekit's
 MoE with GeGLU experts on every third block. `python -m pipekit.check --config
@@ -42,6 +43,8 @@ class LocalGlobalArgs:
     )
     softcap: float = 2.0
     """Soft cap of the logits (Gemma 2 uses 30; this small model's logits are small)."""
+    attention_softcap: float | None = 1.0
+    """Soft cap of every layer's attention scores (Gemma 2 uses 50; small here too)."""
     tie_embeddings: bool = True
 
     @property
@@ -106,10 +109,11 @@ class Block(nn.Module):
     def __init__(self, layer_id: int, args: LocalGlobalArgs) -> None:
         super().__init__()
         self.layer_id = str(layer_id)
-        local = AttentionPattern(window=args.window) if layer_id % 2 == 0 else None
+        window = args.window if layer_id % 2 == 0 else None
+        pattern = AttentionPattern(window=window, softcap=args.attention_softcap)
         self.attention_norm, self.ffn_norm = OnePlusRMSNorm(args.dim), OnePlusRMSNorm(args.dim)
         self.attention = GroupedQueryAttention(
-            args.dim, args.n_heads, args.n_kv_heads, args.head_dim, pattern=local
+            args.dim, args.n_heads, args.n_kv_heads, args.head_dim, pattern=pattern
         )
         self.feed_forward: nn.Module = (
             MoE(args.dim, args.ffn_dim, args.moe)

@@ -30,7 +30,12 @@ from pipekit.attention.context_parallel import (
     kv_passing_context_attention,
 )
 from pipekit.attention.masks import MaskMod
-from pipekit.attention.patterns import AttentionPattern, block_mask, block_visible
+from pipekit.attention.patterns import (
+    AttentionPattern,
+    block_mask,
+    block_visible,
+    pattern_backend,
+)
 from pipekit.attention.ring import ring_context_attention
 
 __all__ = [
@@ -77,7 +82,8 @@ class CausalAttention:
     ) -> Tensor:
         documents, length = self.document_ids_BS, q_BHSD.shape[2]
         mask = block_mask(pattern, 0, length, 0, length, documents, documents, q_BHSD.device)
-        return attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, self.backend)[0]
+        backend = pattern_backend(self.backend, pattern)
+        return attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, backend)[0]
 
 
 class SlicedKVCache:
@@ -130,7 +136,8 @@ class SlicedKVCache:
             for kv_start, k_BGKD, v_BGKD in past
             if block_visible(pattern, q_start, slice_len, kv_start, k_BGKD.shape[2])
         ]
-        return attention_over_chunks(q_BHSD, kv_chunks, scale, self.backend)[0]
+        backend = pattern_backend(self.backend, pattern)
+        return attention_over_chunks(q_BHSD, kv_chunks, scale, backend)[0]
 
     def _mask(
         self,

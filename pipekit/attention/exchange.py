@@ -66,7 +66,7 @@ from pipekit.attention.loan_wire import (
 )
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.merge import merge_attention
-from pipekit.attention.patterns import AttentionPattern, is_causal
+from pipekit.attention.patterns import AttentionPattern, is_causal, pattern_backend
 
 __all__ = [
     "AttentionLoan",
@@ -144,6 +144,7 @@ def _answer_forward(
     computing: _Computing,
 ) -> None:
     q_BHSD = request.q_BHSD
+    backend = pattern_backend(backend, request.pattern)
     chosen, scale = _ring_backend_and_scale(backend, request.scale, q_BHSD)
     with computing(), torch.no_grad():
         partials = [
@@ -167,6 +168,7 @@ def _answer_backward(
     grad_out_BHSD, out_BHSD = _buffer(q_BHSD), _buffer(q_BHSD)
     lse_BHS = torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD))
     loan.receive(grad_out_BHSD, out_BHSD, lse_BHS)
+    backend = pattern_backend(backend, request.pattern)
     chosen, scale = _ring_backend_and_scale(backend, request.scale, q_BHSD)
     with computing():
         grad_q_BHSD, kv_grads = ring_backward(
@@ -403,7 +405,9 @@ def attention_with_lending(
         lending.check(len(lendable_chunks))
     kv_tensors = [t for c in local_chunks for t in (c.k_BGKD, c.v_BGKD)]
     kv_tensors += [t for c in lendable_chunks for t in (c.k_BGKD, c.v_BGKD)]
-    backend, scale = _ring_backend_and_scale(backend, scale, q_BHSD, *kv_tensors)
+    backend, scale = _ring_backend_and_scale(
+        pattern_backend(backend, pattern), scale, q_BHSD, *kv_tensors
+    )
     query = QueryPositions(q_document_ids_BS, q_tokens_S, pattern)
     return _LentAttention.apply(
         backend,

@@ -37,7 +37,13 @@ from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
 from pipekit.attention.exchange import Lending, LentChunk, attention_with_lending
 from pipekit.attention.masks import MaskMod
-from pipekit.attention.patterns import AttentionPattern, block_mask, block_visible, is_causal
+from pipekit.attention.patterns import (
+    AttentionPattern,
+    block_mask,
+    block_visible,
+    is_causal,
+    pattern_backend,
+)
 
 __all__ = ["CachedSlice", "ChunkedKVCache", "SliceAttention"]
 
@@ -318,7 +324,8 @@ class SliceAttention:
             KVChunk(cached.k_BGSD, cached.v_BGSD, self.earlier_mask(cached, pattern))
             for cached in visible
         ]
-        return attention_over_chunks(q_BHSD, [*chunks, own], scale, self.cache.backend)[0]
+        backend = pattern_backend(self.cache.backend, pattern)
+        return attention_over_chunks(q_BHSD, [*chunks, own], scale, backend)[0]
 
     def earlier_mask(self, cached: CachedSlice, pattern: AttentionPattern | None) -> MaskMod | None:
         """This slice's queries against an earlier slice's keys."""
@@ -368,7 +375,7 @@ class SliceAttention:
             *lendings,
             q_document_ids_BS=self.document_ids_BS,
             scale=scale,
-            backend=self.cache.backend,
+            backend=self.cache.backend,  # soft-capped by the pattern inside
             q_tokens_S=q_tokens_S,
             pattern=pattern,
         )[0]

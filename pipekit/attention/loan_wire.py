@@ -80,7 +80,8 @@ def lent_chunk_mask(
 
 
 def _pattern_fields(pattern: AttentionPattern | None) -> list[int]:
-    """[non-causal, window, chunk, prefix] (0 for none) of a pattern that can travel."""
+    """[non-causal, window, chunk, prefix] (0 for none) of a pattern that can travel (its soft
+    cap travels with the softmax scale)."""
     if is_causal(pattern):
         return [0, 0, 0, 0]
     assert pattern is not None
@@ -93,11 +94,13 @@ def _pattern_fields(pattern: AttentionPattern | None) -> list[int]:
     return [1, pattern.window or 0, pattern.chunk or 0, pattern.prefix]
 
 
-def _pattern_of(fields: Sequence[int]) -> AttentionPattern | None:
+def _pattern_of(fields: Sequence[int], softcap: float) -> AttentionPattern | None:
     non_causal, window, chunk, prefix = fields
     if not non_causal:
         return None
-    return AttentionPattern(window=window or None, chunk=chunk or None, prefix=prefix)
+    return AttentionPattern(
+        window=window or None, chunk=chunk or None, prefix=prefix, softcap=softcap or None
+    )
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,8 @@ def send_request(
     fields += _pattern_fields(positions.pattern)
     header = torch.tensor(fields, dtype=torch.long)
     works = loan.send(torch.tensor([header.numel()]), header)
-    works += loan.send(torch.tensor([scale], dtype=torch.float64), q_BHSD)
+    softcap = (positions.pattern.softcap if positions.pattern else None) or 0.0
+    works += loan.send(torch.tensor([scale, softcap], dtype=torch.float64), q_BHSD)
     if positions.document_ids_BS is not None:
         works += loan.send(positions.document_ids_BS)
     if not is_causal(positions.pattern):
@@ -246,6 +250,8 @@ class ReceivedLoan:
     chunks: list[KVChunk]
     scale: float
     backward: bool
+    pattern: AttentionPattern | None = None
+    """The lender's layer pattern (None: causal): its soft cap picks the server's kernel."""
 
 
 def receive_loan(
@@ -257,7 +263,7 @@ def receive_loan(
     is_backward, dtype_index, batch, heads, queries, head_dim, documents, ahead = (
         int(x) for x in header[:8]
     )
-    pattern = _pattern_of([int(x) for x in header[8:12]])
+    pattern_fields = [int(x) for x in header[8:12]]
     if bool(is_backward) != backward or bool(ahead) != (chunks_ahead is not None):
         kinds = ("backward" if is_backward else "forward", "backward" if backward else "forward")
         where = ("ahead" if ahead else "inside", "ahead" if chunks_ahead is not None else "inside")
@@ -266,9 +272,10 @@ def receive_loan(
             f"a {kinds[1]} one with its chunks {where[1]} was expected; the two ranks' plans "
             "disagree"
         )
-    scale = torch.empty(1, dtype=torch.float64)
+    scale_and_cap = torch.empty(2, dtype=torch.float64)
     q_BHSD = torch.empty(batch, heads, queries, head_dim, dtype=_DTYPES[dtype_index])
-    loan.receive(scale, q_BHSD)
+    loan.receive(scale_and_cap, q_BHSD)
+    pattern = _pattern_of(pattern_fields, float(scale_and_cap[1]))
     q_docs = None
     if documents:
         q_docs = torch.empty(batch, queries, dtype=torch.long)
@@ -281,4 +288,4 @@ def receive_loan(
     chunks = [
         KVChunk(c.k_BGKD, c.v_BGKD, lent_chunk_mask(c, q_docs, q_tokens, pattern)) for c in lent
     ]
-    return ReceivedLoan(q_BHSD, chunks, float(scale), backward)
+    return ReceivedLoan(q_BHSD, chunks, float(scale_and_cap[0]), backward, pattern)

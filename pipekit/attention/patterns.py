@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.masks import (
     MaskMod,
     and_masks,
@@ -31,6 +32,7 @@ from pipekit.attention.masks import (
     document_mask,
     documents_or_all,
 )
+from pipekit.attention.softcap import SoftcapBackend
 
 __all__ = [
     "CAUSAL",
@@ -39,6 +41,7 @@ __all__ = [
     "block_mask",
     "block_visible",
     "is_causal",
+    "pattern_backend",
 ]
 
 PositionRule = Callable[[Tensor, Tensor], Tensor]
@@ -62,6 +65,9 @@ class AttentionPattern:
     """Bidirectional prefix: the first `prefix` tokens see each other both ways (prefix LM)."""
     rule: PositionRule | None = None
     """Any further rule on token positions (ANDed); it cannot be sent to an exchange peer."""
+    softcap: float | None = None
+    """Attention-logit soft-capping: scores become `softcap · tanh(s / softcap)` before the
+    softmax (Gemma 2); computed by `pipekit.attention.softcap.SoftcapBackend`."""
 
     def __post_init__(self) -> None:
         for name in ("window", "chunk"):
@@ -70,6 +76,8 @@ class AttentionPattern:
                 raise ValueError(f"AttentionPattern: {name}={value!r} must be a positive int")
         if not isinstance(self.prefix, int) or self.prefix < 0:
             raise ValueError(f"AttentionPattern: prefix={self.prefix!r} must be an int >= 0")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"AttentionPattern: softcap={self.softcap!r} must be positive")
 
     @property
     def causal(self) -> bool:
@@ -181,3 +189,13 @@ def block_visible(
     if pattern is None:
         return True
     return pattern.sees_any(q_start, q_start + q_length - 1, kv_start, kv_start + kv_length - 1)
+
+
+def pattern_backend(
+    backend: str | AttentionBackend, pattern: AttentionPattern | None
+) -> str | AttentionBackend:
+    """The kernel a layer with `pattern` runs on: `backend`, or the soft-capped kernel when the
+    pattern caps its scores (no other kernel has a score hook)."""
+    if pattern is None or pattern.softcap is None:
+        return backend
+    return SoftcapBackend(pattern.softcap)

@@ -24,7 +24,7 @@ from torch import Tensor
 from pipekit.attention.backends import AttentionBackend, ring_backend, select_backend
 from pipekit.attention.context_parallel import TokenShard, gather_token_shards, shard_mask
 from pipekit.attention.merge import merge_attention
-from pipekit.attention.patterns import AttentionPattern
+from pipekit.attention.patterns import AttentionPattern, pattern_backend
 
 __all__ = ["ring_context_attention"]
 
@@ -111,6 +111,7 @@ def ring_context_attention(
     `(out_BHSD, lse_BHS)`, exact gradients for q, k and v. `isolated` (an ablation) attends to
     this rank's chunk only."""
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
+    backend = pattern_backend(backend, pattern)
     if isinstance(backend, str):
         backend = select_backend(backend, q_BHSD, k_BGSD, v_BGSD)
     settings = (ring_backend(backend), group, scale, shard, isolated, pattern)
