@@ -202,3 +202,38 @@ def test_a_windowed_layer_holds_only_the_chunks_its_window_reaches(window, capsy
             f"{windowed} against full causal {full}; formula min(j+1, ceil((w-1)/L)) x "
             f"{chunk_bytes} B"
         )
+
+
+def test_early_kv_exchange_sends_only_the_slices_a_window_reaches():
+    """What a lending slice sends ahead follows the layer's pattern: slice 3 of 4 (tokens
+    18..23) with a window of 5 sends the visible slice 2 only (with token indices), where a
+    causal layer sends all three earlier slices."""
+    from pipekit.pipelining.features.context_exchange import lent_chunks
+
+    q, k, v = (t.detach() for t in _qkv(24))
+    for pattern, want in ((AttentionPattern(window=5), [2]), (None, [0, 1, 2])):
+        cache = ChunkedKVCache("cpu", slice_bounds=range(0, 25, 6))
+        with torch.no_grad():
+            for index in range(3):
+                part = slice(index * 6, (index + 1) * 6)
+                context = cache.slice_context(0, index)
+                context.attend("0", q[:, :, part], k[:, :, part], v[:, :, part], 1.0, None)
+        cache.patterns["0"] = pattern
+        ((_, cached),) = cache.layer_slices(0)
+        sent = lent_chunks(cache, "0", cached, 3, [0, 1, 2])
+        sent_slices = [chunk.k_BGKD.data_ptr() for chunk in sent]
+        assert sent_slices == [cached[index].k_BGSD.data_ptr() for index in want]
+        assert all((chunk.tokens_K is None) == (pattern is None) for chunk in sent)
+
+
+def test_vocabulary_parallelism_refuses_transforms_it_cannot_split():
+    from torch import nn
+
+    from examples.local_global.model import SoftCap
+    from pipekit.pipelining.features.vocab_parallel import check_elementwise
+
+    check_elementwise(SoftCap(2.0), "softcap")  # acts on each logit alone
+    with pytest.raises(ValueError, match="'normalise' does not act on each logit alone"):
+        check_elementwise(nn.LogSoftmax(dim=-1), "normalise")
+    with pytest.raises(ValueError, match="'scale' holds parameters"):
+        check_elementwise(nn.Linear(16, 16), "scale")
