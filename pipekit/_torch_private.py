@@ -13,27 +13,101 @@ import torch
 import torch._dynamo
 from torch import nn
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+from torch.distributed import _functional_collectives as functional_collectives
 from torch.distributed._composable import checkpoint as _composable_checkpoint
 from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 __all__ = [
+    "ATTENTION_KERNEL_OPS",
+    "FUNCTIONAL_COLLECTIVE_OPS",
+    "REDISTRIBUTE_LOGGER",
     "StridedShard",
+    "TorchDispatchMode",
     "checkpoint_module_activations",
     "concatenate_meshes",
     "cpu_flash_attention_backward",
     "cpu_flash_attention_forward",
+    "dump_cuda_memory_snapshot",
     "flatten_mesh",
     "fsdp_replicate",
+    "functional_collectives",
     "grouped_mm",
+    "ignore_profiler_markers_in_selective_checkpointing",
     "inductor_cache_dir",
     "local_shape_and_offset",
     "more_recompiles",
+    "record_cuda_memory_history",
     "simulated_rank",
     "storage_holders",
+    "tree_leaves",
 ]
+
+# TorchDispatchMode (torch.utils._python_dispatch): intercepts every ATen op of a block; the
+# serving priority and the live-tensor tracker use it. tree_leaves (torch.utils._pytree): the
+# tensors of a nested structure. functional_collectives (torch.distributed._functional_
+# collectives): the traceable collectives DTensor runs, patched by the tensor-parallel bench
+# to count bytes.
+
+ATTENTION_KERNEL_OPS = (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+)
+"""The fused attention kernels (private ATen ops), whose outputs selective checkpointing keeps."""
+
+FUNCTIONAL_COLLECTIVE_OPS = tuple(
+    getattr(torch.ops._c10d_functional, name).default
+    for name in (
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_reduce",
+        "all_to_all_single",
+    )
+)
+"""The functional collectives DTensor and FSDP2 run (`_c10d_functional`): kept, never rerun."""
+
+REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+"""The logger DTensor's redistribution warns through."""
+
+
+def ignore_profiler_markers_in_selective_checkpointing() -> None:
+    """Let selective checkpointing skip torch's profiler ranges (`SAC_IGNORED_OPS`).
+
+    A recompute runs inside the backward, where FSDP2 marks its hooks' work with other profiler
+    ranges than in the forward; the markers carry no data, so the recompute need not match them
+    (selective checkpointing refuses any op the forward did not run). Idempotent; called when
+    selective checkpointing is set up, not at import.
+    """
+    profiler = torch.ops.profiler
+    SAC_IGNORED_OPS.update(
+        (
+            profiler._record_function_enter.default,
+            profiler._record_function_enter_new.default,
+            profiler._record_function_exit.default,
+            profiler._record_function_exit._RecordFunction,
+        )
+    )
+
+
+def record_cuda_memory_history(enabled: bool) -> None:
+    """Start (up to a million events) or stop recording CUDA allocations for a snapshot."""
+    if enabled:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the recorded CUDA allocation history (for pytorch.org/memory_viz)."""
+    torch.cuda.memory._dump_snapshot(path)
+
 
 # (q, k, v, dropout_p=0., is_causal=False, *, attn_mask=None, scale=None) -> (out, logsumexp).
 # Rows with no allowed key come back with out = 0 and logsumexp = 0 (not -inf).

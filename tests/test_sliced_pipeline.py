@@ -132,7 +132,7 @@ def test_equal_cost_slices_equal_the_unsliced_single_process_fp64() -> None:
 
 def _run_without_fitted_buffers(rank: int, world: int) -> Result:
     """The ablation: every unit receives into torch's one size (the longest slice's)."""
-    SlicedPipelineStage._fit_receive_buffers = lambda self: None
+    SlicedPipelineStage.after_receive_buffers = lambda self: None
     return _run_pipeline(rank, world, "sliced", 1, 1, 4, slicing="equal_cost")
 
 

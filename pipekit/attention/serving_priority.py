@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from pipekit._torch_private import TorchDispatchMode
 
 __all__ = ["ServingPriority"]
 

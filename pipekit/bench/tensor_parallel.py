@@ -40,7 +40,7 @@ _PARTS = ("norms", "attention", "feed_forward")
 def _count_collectives(sent: list[int], ranks: int) -> None:
     """Wrap torch's functional collectives (what DTensor redistributes with) so that each call
     adds the bytes this rank sends to `sent[0]`."""
-    from torch.distributed import _functional_collectives as funcol
+    from pipekit._torch_private import functional_collectives as funcol
 
     share = (ranks - 1) / ranks
 

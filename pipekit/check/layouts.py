@@ -19,6 +19,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from pipekit._torch_private import REDISTRIBUTE_LOGGER
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.models.spec import ModelSpec
 from pipekit.testing import (
@@ -175,7 +176,7 @@ def _steps(
     """This rank's step of every planned layout, in order."""
     # Gathering a gradient sharded over two mesh dims (FSDP x tp) for the comparison takes two
     # all-gathers, which torch reports as a warning per rank; it is the check's gather only.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
     results = []
     for entry in planned:
         step = pipeline_step if entry.layout.pipeline else data_parallel_step

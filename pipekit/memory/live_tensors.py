@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from pipekit._torch_private import TorchDispatchMode, tree_leaves
 
 __all__ = ["PeakTensorMemory", "kept_bytes", "kept_bytes_by_label", "local_storage_holder"]
 

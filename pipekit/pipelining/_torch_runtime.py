@@ -35,9 +35,11 @@ __all__ = [
     "ComputationType",
     "PipelineSchedule",
     "PipelineScheduleRuntime",
+    "ReceiveBuffersHook",
     "get_schedule_class",
     "insert_after_compute",
     "is_single_stage_schedule",
+    "lower_schedule",
     "lower_to_comms",
     "register_action_function",
     "resize_receive_buffers",
@@ -146,3 +148,36 @@ def resize_receive_buffers(stage: PipelineStage, tokens_of_unit: Callable[[int],
                 buffer = info.buffer
                 if buffer is not None and buffer.shape[1] != tokens:
                     info.buffer = buffer.new_empty((buffer.shape[0], tokens, *buffer.shape[2:]))
+
+
+def lower_schedule(
+    schedule: _PipelineScheduleRuntime,
+    actions: dict[int, list[Action]],
+    extra: dict[int, list[tuple[int, Action]]],
+) -> None:
+    """Give `schedule` its compute lists `actions` lowered with sends, receives and FSDP actions
+    (`_prepare_schedule_with_comms`), then each rank's `extra` actions placed in the lowered list
+    (`insert_after_compute`; `pipeline_order_with_comms` is what the runtime executes)."""
+    schedule._prepare_schedule_with_comms(actions)
+    for rank, placed in extra.items():
+        if placed:
+            lowered = schedule.pipeline_order_with_comms[rank]
+            schedule.pipeline_order_with_comms[rank] = insert_after_compute(lowered, placed)
+
+
+class ReceiveBuffersHook(PipelineStage):
+    """A `PipelineStage` told when torch has prepared its receive buffers (`_prepare_forward_infra`
+    and `_prepare_backward_infra`), so a subclass can resize them (`after_receive_buffers`)."""
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = super()._prepare_forward_infra(*args, **kwargs)
+        self.after_receive_buffers()
+        return prepared
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = super()._prepare_backward_infra(*args, **kwargs)
+        self.after_receive_buffers()
+        return prepared
+
+    def after_receive_buffers(self) -> None:
+        """Called after each preparation; nothing by default."""

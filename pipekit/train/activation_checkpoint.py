@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    SAC_IGNORED_OPS,
-    CheckpointPolicy,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from pipekit._torch_private import checkpoint_module_activations
+from pipekit._torch_private import (
+    ATTENTION_KERNEL_OPS,
+    FUNCTIONAL_COLLECTIVE_OPS,
+    checkpoint_module_activations,
+    ignore_profiler_markers_in_selective_checkpointing,
+)
 from pipekit.config.job_config import TrainingConfig
 
 __all__ = [
@@ -41,36 +42,11 @@ ACTIVATION_CHECKPOINT_MODES = ("none", "full", "every_k", "selective")
 
 _aten = torch.ops.aten
 _MATMULS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default)
-_ATTENTION = (
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-)
-_COLLECTIVES = tuple(
-    getattr(torch.ops._c10d_functional, name).default
-    for name in (
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
-        "all_reduce",
-        "all_to_all_single",
-    )
-)
-# A recompute runs inside the backward, where FSDP2 marks its hooks' work with other profiler
-# ranges than in the forward; the markers carry no data, so selective checkpointing need not
-# match them between the two runs (it refuses any op the forward did not run).
-_profiler = torch.ops.profiler
-SAC_IGNORED_OPS.update(
-    (
-        _profiler._record_function_enter.default,
-        _profiler._record_function_enter_new.default,
-        _profiler._record_function_exit.default,
-        _profiler._record_function_exit._RecordFunction,
-    )
-)
 SELECTIVE_KEEP: dict[str, frozenset[Any]] = {
-    "matmuls_and_attention": frozenset((*_MATMULS, *_ATTENTION, *_COLLECTIVES)),
-    "attention": frozenset((*_ATTENTION, *_COLLECTIVES)),
+    "matmuls_and_attention": frozenset(
+        (*_MATMULS, *ATTENTION_KERNEL_OPS, *FUNCTIONAL_COLLECTIVE_OPS)
+    ),
+    "attention": frozenset((*ATTENTION_KERNEL_OPS, *FUNCTIONAL_COLLECTIVE_OPS)),
 }
 """`activation_checkpoint_keep` -> the ops whose outputs selective checkpointing keeps."""
 
@@ -85,6 +61,7 @@ def selective_checkpoint_context(keep: str) -> Callable[[], tuple[Any, Any]]:
         raise ValueError(
             f"activation_checkpoint_keep={keep!r} is not one of {', '.join(SELECTIVE_KEEP)}"
         )
+    ignore_profiler_markers_in_selective_checkpointing()
     policy = functools.partial(_policy, SELECTIVE_KEEP[keep])
     return functools.partial(create_selective_checkpoint_contexts, policy)
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from pipekit._torch_private import dump_cuda_memory_snapshot, record_cuda_memory_history
 from pipekit.config.job_config import ProfilingConfig
 from pipekit.memory.tracker import CATEGORIES, ActivationMemoryTracker, process_memory_bytes
 
@@ -89,7 +90,7 @@ class StepProfiler:
                     ActivationMemoryTracker(self._exclude, on_change=timeline.sample)
                 )
                 if cuda:
-                    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+                    record_cuda_memory_history(True)
             profiler = stack.enter_context(
                 profile(activities=activities, profile_memory=self.config.memory)
             )
@@ -100,8 +101,6 @@ class StepProfiler:
             memory = folder / f"rank{self.rank}_memory.json"
             memory.write_text(json.dumps(timeline.chrome_trace(self.rank)))
             if cuda:
-                torch.cuda.memory._dump_snapshot(
-                    str(folder / f"rank{self.rank}_cuda_memory.pickle")
-                )
-                torch.cuda.memory._record_memory_history(enabled=None)
+                dump_cuda_memory_snapshot(str(folder / f"rank{self.rank}_cuda_memory.pickle"))
+                record_cuda_memory_history(False)
         logger.info("profiled step %d: %s", step, folder)

@@ -21,7 +21,7 @@ from pipekit.layers.loss import token_sum_cross_entropy
 from pipekit.pipelining._torch_runtime import (
     Action,
     PipelineScheduleRuntime,
-    insert_after_compute,
+    lower_schedule,
     register_action_function,
 )
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
@@ -68,21 +68,19 @@ class ActionListSchedule(PipelineScheduleRuntime):
             list(stages), num_microbatches * num_slices, loss_fn=loss_fn, scale_grads=False
         )
         self.num_microbatches, self.num_slices = num_microbatches, num_slices
-        self._prepare_schedule_with_comms(actions)
         extra: dict[int, list[tuple[int, Action]]] = {rank: [] for rank in actions}
         for extension in extensions:
             for rank, placed in extension.extra_actions(actions, num_slices).items():
                 extra[rank] += placed
             for action_type in extension.action_types:
                 register_action_function(self, action_type, extension.run_action)
-        self.pipeline_order = {}
-        for rank, compute in actions.items():
-            ordered = sorted(extra[rank], key=lambda entry: entry[0])  # stable: list order kept
-            self.pipeline_order[rank] = _merged(compute, ordered)
-            if ordered:
-                self.pipeline_order_with_comms[rank] = insert_after_compute(
-                    self.pipeline_order_with_comms[rank], ordered
-                )
+        ordered = {  # stable: list order kept
+            rank: sorted(placed, key=lambda entry: entry[0]) for rank, placed in extra.items()
+        }
+        lower_schedule(self, actions, ordered)
+        self.pipeline_order = {
+            rank: _merged(compute, ordered[rank]) for rank, compute in actions.items()
+        }
 
 
 def _merged(compute: Sequence[Action], extra: Sequence[tuple[int, Action]]) -> list[Action]:

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.profiler import record_function
 
 from pipekit.attention.backends import AttentionBackend
@@ -41,6 +40,7 @@ from pipekit.pipelining._torch_runtime import (
     WEIGHT_BACKWARD,
     Action,
     ComputationType,
+    ReceiveBuffersHook,
     resize_receive_buffers,
     stage_saved_inputs,
 )
@@ -118,7 +118,7 @@ class StageShapes:
         return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
 
 
-class SlicedPipelineStage(PipelineStage):
+class SlicedPipelineStage(ReceiveBuffersHook):
     """A stage whose units are slices; its model takes `(x, positions=, attention_context=)`."""
 
     def __init__(
@@ -156,19 +156,8 @@ class SlicedPipelineStage(PipelineStage):
         self.action_observer: Callable[[Action, float, float], None] | None = None
         """Called with (action, start, end) after each F, B, I or W (`tools.trace`)."""
 
-    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's set-up of the receive buffers, then each unit's sized to its slice."""
-        prepared = super()._prepare_forward_infra(*args, **kwargs)
-        self._fit_receive_buffers()
-        return prepared
-
-    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's set-up of the gradient receive buffers, then each unit's sized to its slice."""
-        prepared = super()._prepare_backward_infra(*args, **kwargs)
-        self._fit_receive_buffers()
-        return prepared
-
-    def _fit_receive_buffers(self) -> None:
+    def after_receive_buffers(self) -> None:
+        """Each unit's activation and gradient receive buffers sized to its slice."""
         if len(set(self.shapes.slice_lengths)) > 1:
             resize_receive_buffers(
                 self,
