@@ -275,6 +275,10 @@ def test_context_parallel_pipelines_are_checked_before_launch():
             ("--parallelism.context_exchange", "true", "--parallelism.cp_variant", "kv_passing"),
             "use cp_variant = 'commutated' or 'auto'",
         ),
+        (
+            ("--parallelism.cp_variant", "ulysses"),
+            r"\[parallelism\] cp_variant='ulysses' is not one of auto, commutated, kv_passing",
+        ),
     ]:
         with pytest.raises(ConfigError, match=message):
             plan_job(load_job_config([*argv, *overrides]), world_size=4, check_files=False)

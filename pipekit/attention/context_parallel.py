@@ -51,6 +51,7 @@ __all__ = [
     "CONTEXT_PARALLEL_VARIANTS",
     "CachedShard",
     "TokenShard",
+    "check_context_parallel_variant",
     "choose_context_parallel",
     "commutated_context_attention",
     "context_parallel_bytes",
@@ -65,6 +66,15 @@ __all__ = [
 CONTEXT_PARALLEL_VARIANTS = ("auto", "commutated", "kv_passing", "ring")
 """How cp ranks exchange attention; "auto" picks per slice by bytes; "ring" (whole sequences
 only, `pipekit.attention.ring`) passes K/V around the ranks with overlap."""
+
+
+def check_context_parallel_variant(variant: str) -> None:
+    """ValueError unless `variant` is one of `CONTEXT_PARALLEL_VARIANTS` (the one place the
+    choice is checked: job validation and the pipeline plan both call this)."""
+    if variant not in CONTEXT_PARALLEL_VARIANTS:
+        raise ValueError(
+            f"cp_variant={variant!r} is not one of {', '.join(CONTEXT_PARALLEL_VARIANTS)}"
+        )
 
 
 def load_balanced_indices(length: int, cp: int, start: int = 0) -> Tensor:

@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipekit.attention.context_parallel import CONTEXT_PARALLEL_VARIANTS
+from pipekit.attention.context_parallel import check_context_parallel_variant
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.pipelining._torch_runtime import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
@@ -308,11 +308,7 @@ def _features(
 def _check_context_parallel(parallelism: ParallelismConfig, seq_len: int, num_slices: int) -> None:
     """Every slice is cut into 2 x cp equal pieces; context exchange lends KV-cache chunks a
     context-parallel rank does not hold whole."""
-    if parallelism.cp_variant not in CONTEXT_PARALLEL_VARIANTS:
-        raise ValueError(
-            f"cp_variant={parallelism.cp_variant!r} is not one of "
-            f"{', '.join(CONTEXT_PARALLEL_VARIANTS)}"
-        )
+    check_context_parallel_variant(parallelism.cp_variant)
     if parallelism.cp_variant == "ring":
         raise ValueError(
             "cp_variant='ring' passes a whole sequence's K/V around the ranks; inside a "

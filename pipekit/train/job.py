@@ -312,14 +312,12 @@ def _check_sequence_parallel(config: JobConfig, dims: ParallelDims) -> None:
 
 
 def _check_context_parallel(config: JobConfig, cp: int, pp: int) -> None:
-    from pipekit.attention.context_parallel import CONTEXT_PARALLEL_VARIANTS
+    from pipekit.attention.context_parallel import check_context_parallel_variant
 
-    variant = config.parallelism.cp_variant
-    if variant not in CONTEXT_PARALLEL_VARIANTS:
-        raise ConfigError(
-            f"[parallelism] cp_variant={variant!r} is not one of "
-            f"{', '.join(CONTEXT_PARALLEL_VARIANTS)}"
-        )
+    try:
+        check_context_parallel_variant(config.parallelism.cp_variant)
+    except ValueError as error:
+        raise _error("[parallelism]", error) from None
     if pp > 1:  # the pipeline plan checks its slices
         return
     seq_len, pieces = config.training.seq_len, 2 * cp
