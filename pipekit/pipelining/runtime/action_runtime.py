@@ -16,16 +16,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
+from tensordict import TensorDict
+from torch import Tensor
 
-from pipekit.layers.loss import token_sum_cross_entropy
+from pipekit.layers.loss import count_label_tokens, token_sum_cross_entropy
 from pipekit.pipelining._torch_runtime import (
     Action,
     PipelineScheduleRuntime,
     lower_schedule,
     register_action_function,
 )
+from pipekit.pipelining.runtime.batch_split import split_into_units
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
 from pipekit.pipelining.runtime.stage import SlicedPipelineStage, check_stage_slices
+from pipekit.pipelining.runtime.unit_step import run_unit_step
 from pipekit.pipelining.schedules.check import ScheduleError
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
 
@@ -68,6 +72,7 @@ class ActionListSchedule(PipelineScheduleRuntime):
             list(stages), num_microbatches * num_slices, loss_fn=loss_fn, scale_grads=False
         )
         self.num_microbatches, self.num_slices = num_microbatches, num_slices
+        self.sliced_stages, self.extensions = list(stages), list(extensions)
         extra: dict[int, list[tuple[int, Action]]] = {rank: [] for rank in actions}
         for extension in extensions:
             for rank, placed in extension.extra_actions(actions, num_slices).items():
@@ -82,6 +87,36 @@ class ActionListSchedule(PipelineScheduleRuntime):
             rank: _merged(compute, ordered[rank]) for rank, compute in actions.items()
         }
 
+    def step(
+        self,
+        *args: Tensor,
+        target: Tensor | None = None,
+        losses: list[Tensor] | None = None,
+        **kwargs: Tensor,
+    ) -> None:
+        """One training step in torch's calling convention, over the whole local batch: token
+        ids `[B, S]` as the argument on the rank with the first stage (nothing elsewhere),
+        `positions=` (and `document_ids=` for packed documents) `[B, S]` on every rank,
+        `target=` labels `[B, S]` on the rank with the last stage. The schedule cuts the batch
+        into microbatches x slices itself (torch's `step()` splits the batch dim only); each
+        unit's loss, over the batch's label-token count, is appended to `losses` on the last
+        stage's rank, so they sum to the batch's mean token loss. Gradients accumulate."""
+        if "positions" not in kwargs:
+            raise ValueError("step(...) needs positions= [B, S] on every rank")
+        fields = dict(kwargs)
+        if args:
+            fields["tokens"] = args[0]
+        if target is not None:
+            fields["labels"] = target
+        batch = TensorDict(fields, batch_size=kwargs["positions"].shape[:2])
+        units = split_into_units(batch, self.num_microbatches, self.num_slices)
+        normaliser = count_label_tokens(target) if target is not None else 1.0
+        unit_losses = run_unit_step(
+            self, self.sliced_stages, self.extensions, units, normaliser, self.num_microbatches
+        )
+        if losses is not None:
+            losses.extend(unit_losses)
+
 
 def _merged(compute: Sequence[Action], extra: Sequence[tuple[int, Action]]) -> list[Action]:
     """`compute` with each `(k, action)` of `extra` after its k-th action."""
@@ -95,19 +130,23 @@ def _merged(compute: Sequence[Action], extra: Sequence[tuple[int, Action]]) -> l
 
 
 class SlicedPipelineSchedule(ActionListSchedule):
-    """SlimPipe's sliced 1F1B (interleaved when a rank holds several stages)."""
+    """SlimPipe's sliced 1F1B (interleaved when a rank holds several stages): each sequence of
+    a microbatch is cut into `num_slices` slices, which run 1F1B with their backward in
+    reverse order over the stages' chunked KV caches. Built like torch's schedules, from this
+    rank's stages (`SlicedPipelineStage`), and run with torch's `step()` convention; it is the
+    class `build_pipeline` builds for `pipeline_schedule = "sliced"`."""
 
     def __init__(
         self,
         stages: Sequence[SlicedPipelineStage],
-        num_microbatches: int,
+        n_microbatches: int,
         num_slices: int,
         loss_fn: LossFn = token_sum_cross_entropy,
         extensions: Sequence[PipelineExtension] = (),
     ) -> None:
         num_ranks = stages[0].group_size
-        actions = sliced_pipeline_actions(num_ranks, num_microbatches, num_slices, len(stages))
-        super().__init__(stages, actions, num_microbatches, num_slices, loss_fn, extensions)
+        actions = sliced_pipeline_actions(num_ranks, n_microbatches, num_slices, len(stages))
+        super().__init__(stages, actions, n_microbatches, num_slices, loss_fn, extensions)
 
 
 class UserPipelineSchedule(ActionListSchedule):

@@ -16,7 +16,6 @@ Legend: B batch, S sequence.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,18 +26,21 @@ from torch import Tensor, nn
 
 from pipekit.checkpoint.local_shards import RowShard
 from pipekit.layers.loss import token_sum_cross_entropy
-from pipekit.moe.aux_loss import aux_loss_scale, current_aux_loss_scale
 from pipekit.pipelining._torch_runtime import (
     Action,
     PipelineSchedule,
     get_schedule_class,
     is_single_stage_schedule,
-    run_units,
 )
-from pipekit.pipelining.runtime.action_runtime import ActionListSchedule, UserPipelineSchedule
+from pipekit.pipelining.runtime.action_runtime import (
+    ActionListSchedule,
+    SlicedPipelineSchedule,
+    UserPipelineSchedule,
+)
 from pipekit.pipelining.runtime.batch_split import split_into_units
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
 from pipekit.pipelining.runtime.stage import SlicedPipelineStage
+from pipekit.pipelining.runtime.unit_step import run_unit_step
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
 
 __all__ = ["PipelineRunner", "make_schedule"]
@@ -68,6 +70,8 @@ def make_schedule(
         return UserPipelineSchedule(
             stages, actions_by_rank, num_microbatches, num_slices, loss_fn, extensions
         )
+    if entry.name == "sliced":  # the public class, the one users build by hand
+        return SlicedPipelineSchedule(stages, num_microbatches, num_slices, loss_fn, extensions)
     if entry.torch_class is not None and not extensions:
         schedule_class = get_schedule_class(entry.torch_class)
         if is_single_stage_schedule(schedule_class):
@@ -135,42 +139,13 @@ class PipelineRunner:
         None. Gradients accumulate into the stage modules' `.grad`; MoE auxiliary losses count
         once per microbatch, with weight 1/microbatches (times any enclosing
         `aux_loss_scale`)."""
-        if not torch.is_grad_enabled():
-            raise RuntimeError("PipelineRunner.step needs gradients; do not call it in no_grad")
         units = split_into_units(batch, self.num_microbatches, self.num_slices, self.slice_bounds)
-        for stage in self.stages:
-            stage.has_backward = True
-            stage.clear_runtime_states()
-        arg_units = [(unit["tokens"],) if self.has_first_stage else () for unit in units]
-        for extension in self.extensions:
-            arg_units = extension.begin_step(units, num_label_tokens) or arg_units
-        kwarg_units = [_stage_kwargs(unit) for unit in units]
-        targets = [unit["labels"] for unit in units] if self.has_last_stage else None
-        losses: list[Tensor] = []
-        with contextlib.ExitStack() as scopes:
-            for extension in self.extensions:
-                scopes.enter_context(extension.step_scope())
-            scopes.enter_context(aux_loss_scale(current_aux_loss_scale() / self.num_microbatches))
-            run_units(
-                self.schedule,
-                arg_units,
-                kwarg_units,
-                targets,
-                losses,
-                {"normaliser": num_label_tokens},
-            )
-        for extension in self.extensions:
-            extension.end_step()
-        for stage in self.stages:
-            stage.clear_runtime_states()
-        if not self.has_last_stage:
-            return None
-        # Detached: the losses' graphs reach the KV cache, which must not outlive the step.
-        return torch.stack([loss.detach() for loss in losses]).sum()
-
-
-def _stage_kwargs(unit: TensorDict) -> dict[str, Tensor]:
-    kwargs = {"positions": unit["positions"]}
-    if "document_ids" in unit:
-        kwargs["document_ids"] = unit["document_ids"]
-    return kwargs
+        losses = run_unit_step(
+            self.schedule,
+            self.stages,
+            self.extensions,
+            units,
+            num_label_tokens,
+            self.num_microbatches,
+        )
+        return torch.stack(losses).sum() if self.has_last_stage else None
