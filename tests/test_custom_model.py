@@ -47,11 +47,11 @@ def _batch():
 
 def _cases(rank: int, world: int, ablation: str = "") -> list:
     """FSDP, then the sliced pipeline (aux losses on, then off), on one process group."""
-    import pipekit.pipelining.runtime.runner as runner_module
+    import pipekit.pipelining.runtime.unit_step as unit_step_module
 
     spec = custom.TINY_GPT
     if ablation == "no_aux_scaling":
-        runner_module.aux_loss_scale = lambda scale: nullcontext()
+        unit_step_module.aux_loss_scale = lambda scale: nullcontext()
     if ablation == "norm_on_the_first_stage":
         wrong = dataclasses.replace(spec.structure, before_blocks=("wpe", "ln_f"), after_blocks=())
         spec = dataclasses.replace(spec, structure=wrong)
