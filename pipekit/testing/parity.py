@@ -143,7 +143,8 @@ def compare(results: list[Result], reference: Result) -> Comparison:
                 want = want[start:end]
             scale = ref_grads[name].abs().max().clamp_min(1e-30)
             difference = ((grad - want).abs().max() / scale).item()
-            if not math.isnan(worst) and not difference <= worst:  # larger, or NaN
+            larger = not difference <= worst  # larger, or NaN
+            if not math.isnan(worst) and (larger or not worst_name):
                 worst, worst_name = difference, name
     missing = tuple(sorted(set(ref_grads) - seen))
     return Comparison(loss_difference, worst, worst_name, missing)
