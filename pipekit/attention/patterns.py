@@ -52,8 +52,9 @@ tensors), True where attention is allowed; it is ANDed with the pattern's other 
 @dataclass(frozen=True)
 class AttentionPattern:
     """Which keys a query attends to, by the tokens' indices in the sequence: causal, narrowed
-    by a sliding `window`, local `chunk`s and a `rule`, widened by a bidirectional `prefix`.
-    Within packed documents the document mask applies on top."""
+    by a sliding `window`, local `chunk`s and a `rule`, widened by a bidirectional `prefix`;
+    and `softcap`, which caps the scores. Within packed documents the document mask applies on
+    top."""
 
     window: int | None = None
     """Sliding window: a query sees the `window` tokens ending at itself (Mistral, Gemma's
