@@ -125,7 +125,7 @@ def write_debug_llama(directory: Path, seed: int = 11, flavor: str = "debug") ->
     """A debug Llama flavor, initialised from `seed`, in Hugging Face layout."""
     import torch
 
-    from models.llama.hf import save_hf_llama
+    from pipekit.families.llama.hf import save_hf_llama
     from pipekit.models import get_model_spec
 
     spec = get_model_spec("llama")

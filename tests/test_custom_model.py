@@ -121,3 +121,17 @@ def test_the_example_job_trains_from_its_config(tmp_path: Path) -> None:
     lines = [line for line in result.stdout.splitlines() if "  loss " in line]
     losses = [float(line.split("  loss ")[1].split()[0]) for line in lines]
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, losses
+
+
+def test_pipekit_installs_no_top_level_models_package(tmp_path) -> None:
+    """A user's own `models` package cannot collide with pipekit's families: outside the
+    checkout `import models` finds nothing, and the families load as `pipekit.families`."""
+    program = (
+        "import importlib.util as u\n"
+        "from pipekit.models import get_model_spec\n"
+        "print(u.find_spec('models') is None, get_model_spec('llama').build.__module__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["True", "pipekit.families.llama.model"]

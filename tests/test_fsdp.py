@@ -189,7 +189,7 @@ def test_one_process_materialization_keeps_tied_weights_tied() -> None:
     """Without FSDP, `to_empty` gives each registration its own tensor: the one-process job
     once trained an untied model (two weights, two optimizer states) where every sharded
     layout trained the tied one. The materializer re-ties them; plain `to_empty` does not."""
-    from models.llama import Llama
+    from pipekit.families.llama import Llama
 
     args = TINY_LLAMA.with_updates(tie_embeddings=True)
     with torch.device("meta"):

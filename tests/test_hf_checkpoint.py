@@ -13,10 +13,11 @@ import torch
 from hf_reference import LLAMA3_ROPE, TINY_HF_CONFIG, rewrite_weights, save_transformers_model
 from safetensors.torch import load_file, save_file
 
-import models.decoder.hf_layout as hf_layout
-from models.decoder.hf_layout import permute_from_hf, permute_to_hf
-from models.llama.args import LlamaArgs, RopeScaling, llama_flavor
-from models.llama.hf import (
+import pipekit.families.decoder.hf_layout as hf_layout
+from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead, save_safetensors
+from pipekit.families.decoder.hf_layout import permute_from_hf, permute_to_hf
+from pipekit.families.llama.args import LlamaArgs, RopeScaling, llama_flavor
+from pipekit.families.llama.hf import (
     LLAMA_HF,
     build_llama_from_hf,
     hf_config_to_args,
@@ -24,8 +25,7 @@ from models.llama.hf import (
     read_hf_llama_args,
     save_hf_llama,
 )
-from models.llama.model import Llama
-from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead, save_safetensors
+from pipekit.families.llama.model import Llama
 from pipekit.layers.rope import RotaryEmbedding, apply_rotary
 
 transformers = pytest.importorskip("transformers")

@@ -25,10 +25,10 @@ from tiny_models import TINY_LLAMA
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.llama.hf import LLAMA_HF
-from models.llama_moe.args import LlamaMoEArgs
 from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint.local_shards import local_nbytes
+from pipekit.families.llama.hf import LLAMA_HF
+from pipekit.families.llama_moe.args import LlamaMoEArgs
 from pipekit.models import get_model_spec
 from pipekit.models.materialize import local_block
 from pipekit.moe import MoEArgs

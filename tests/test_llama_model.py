@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from models.llama import Llama, LlamaArgs, llama_flavor
 from pipekit.attention.context import CausalAttention, SlicedKVCache
+from pipekit.families.llama import Llama, LlamaArgs, llama_flavor
 
 SEQ_LEN = 48
 TINY = LlamaArgs(

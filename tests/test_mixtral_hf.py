@@ -15,10 +15,11 @@ from hf_reference import (
     spread_weights,
 )
 
-import models.decoder.hf_layout as hf_layout
-from models.llama.args import RopeScaling
-from models.llama_moe import LlamaMoE, LlamaMoEArgs
-from models.llama_moe.hf_mixtral import (
+import pipekit.families.decoder.hf_layout as hf_layout
+from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint
+from pipekit.families.llama.args import RopeScaling
+from pipekit.families.llama_moe import LlamaMoE, LlamaMoEArgs
+from pipekit.families.llama_moe.hf_mixtral import (
     MIXTRAL_HF,
     args_to_mixtral_config,
     load_hf_mixtral,
@@ -28,7 +29,6 @@ from models.llama_moe.hf_mixtral import (
     save_hf_mixtral,
     to_mixtral_names,
 )
-from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint
 from pipekit.models import get_model_spec
 from pipekit.moe import MoEArgs
 

@@ -10,7 +10,7 @@ from moe_reference import DIM, EXPERTS, reference_moe_forward, small_moe
 from tiny_models import TINY_LLAMA
 from torch.distributed.device_mesh import init_device_mesh
 
-from models.llama_moe.args import LlamaMoEArgs
+from pipekit.families.llama_moe.args import LlamaMoEArgs
 from pipekit.models import get_model_spec
 from pipekit.models.materialize import local_tensor
 from pipekit.moe import MoEArgs

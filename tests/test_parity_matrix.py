@@ -38,9 +38,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import examples.custom_model.model as custom
-from models.llama_moe.args import LlamaMoEArgs
-from models.llama_moe.upcycle import LLAMA_UPCYCLER
 from pipekit.checkpoint.upcycle import materialize_upcycled, upcycle_model
+from pipekit.families.llama_moe.args import LlamaMoEArgs
+from pipekit.families.llama_moe.upcycle import LLAMA_UPCYCLER
 from pipekit.models import get_model_spec
 from pipekit.models.upcycling import UpcycleSpec
 from pipekit.moe import MoEArgs

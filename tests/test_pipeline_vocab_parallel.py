@@ -22,7 +22,7 @@ from tiny_models import (
     tiny_reference,
 )
 
-from models.llama import Llama
+from pipekit.families.llama import Llama
 from pipekit.pipelining.features import vocab_parallel
 from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
 from pipekit.testing import max_relative_difference, run_on_ranks, runner_step
@@ -118,8 +118,8 @@ def test_dropping_a_ranks_share_breaks_parity(ablation: str) -> None:
 
 
 def _load_hf_into_shards(rank: int, world: int, directory: str) -> tuple[int, int, dict]:
-    from models.decoder.model import DECODER_STRUCTURE
-    from models.llama.hf import load_hf_llama
+    from pipekit.families.decoder.model import DECODER_STRUCTURE
+    from pipekit.families.llama.hf import load_hf_llama
     from pipekit.pipelining.features.vocab_parallel import copy_full_vocab_rows, vocab_shard_modules
 
     args = TINY_LLAMA.with_updates(vocab_size=TINY_LLAMA.vocab_size + 1)
@@ -141,7 +141,7 @@ def _load_hf_into_shards(rank: int, world: int, directory: str) -> tuple[int, in
 
 def test_hugging_face_weights_fill_the_vocabulary_shards(tmp_path) -> None:
     """Each rank keeps its rows of the checkpoint's embedding and head (uneven: 65 rows over 2)."""
-    from models.llama.hf import save_hf_llama
+    from pipekit.families.llama.hf import save_hf_llama
 
     args = TINY_LLAMA.with_updates(vocab_size=TINY_LLAMA.vocab_size + 1)
     full = Llama(args)

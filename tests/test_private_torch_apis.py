@@ -70,10 +70,7 @@ def private_torch_uses(source: str) -> list[str]:
 
 
 def _scanned() -> list[Path]:
-    files = [
-        *sorted((REPO_ROOT / "pipekit").rglob("*.py")),
-        *sorted((REPO_ROOT / "models").rglob("*.py")),
-    ]
+    files = sorted((REPO_ROOT / "pipekit").rglob("*.py"))
     files.append(REPO_ROOT / "train.py")
     return [f for f in files if str(f.relative_to(REPO_ROOT)) not in QUARANTINE]
 

@@ -18,9 +18,12 @@ import torch
 from hf_reference import TINY_HF_CONFIG, save_transformers_model, spread_weights
 from safetensors.torch import load_file
 
-from models.decoder.hf_layout import DecoderLayout
-from models.qwen3 import Qwen3, Qwen3Args, Qwen3Attention, Qwen3MoE, Qwen3MoEArgs
-from models.qwen3.hf import (
+from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint
+from pipekit.checkpoint.inspect import main as inspect_main
+from pipekit.checkpoint.upcycle import upcycle_model
+from pipekit.families.decoder.hf_layout import DecoderLayout
+from pipekit.families.qwen3 import Qwen3, Qwen3Args, Qwen3Attention, Qwen3MoE, Qwen3MoEArgs
+from pipekit.families.qwen3.hf import (
     QWEN3_HF,
     QWEN3_MOE_HF,
     args_to_qwen3_config,
@@ -28,9 +31,6 @@ from models.qwen3.hf import (
     qwen3_config_to_args,
     qwen3_moe_config_to_args,
 )
-from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint
-from pipekit.checkpoint.inspect import main as inspect_main
-from pipekit.checkpoint.upcycle import upcycle_model
 from pipekit.models import get_model_spec, spec_for_checkpoint
 from pipekit.models.upcycling import UpcycleSpec
 from pipekit.moe import MoEArgs

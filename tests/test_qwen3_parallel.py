@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.qwen3 import Qwen3Args, Qwen3Attention, Qwen3MoEArgs
+from pipekit.families.qwen3 import Qwen3Args, Qwen3Attention, Qwen3MoEArgs
 from pipekit.models import get_model_spec
 from pipekit.moe import MoEArgs
 from pipekit.testing import (

@@ -9,8 +9,8 @@ import torch
 from tiny_models import TINY_LLAMA
 from torch import nn
 
-from models.decoder.model import DECODER_STRUCTURE
-from models.llama import Llama
+from pipekit.families.decoder.model import DECODER_STRUCTURE
+from pipekit.families.llama import Llama
 from pipekit.models import ModelStructure
 from pipekit.models.stage_module import (
     build_stage_module,

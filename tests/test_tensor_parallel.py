@@ -26,10 +26,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 import examples.custom_model.model as custom_model
-from models.decoder.parallelize import decoder_tensor_parallel_plan
-from models.llama_moe.args import LlamaMoEArgs
-from models.qwen3.args import Qwen3Args
 from pipekit.distributed.tensor_parallel import check_tensor_parallel
+from pipekit.families.decoder.parallelize import decoder_tensor_parallel_plan
+from pipekit.families.llama_moe.args import LlamaMoEArgs
+from pipekit.families.qwen3.args import Qwen3Args
 from pipekit.models import get_model_spec
 from pipekit.moe import MoEArgs
 from pipekit.testing import (

@@ -83,7 +83,7 @@ def test_upcycled_job_starts_at_the_dense_loss_resumes_and_exports_mixtral(tmp_p
     sliced pipeline (2 pipeline ranks x 2 FSDP ranks splitting the experts) and under tp 2
     (sequence parallel, ep 2 over the tp ranks); training goes on and resumes exactly from its
     own (MoE) checkpoint; the exports are Mixtral checkpoints."""
-    from models.llama_moe.hf_mixtral import read_hf_mixtral_args
+    from pipekit.families.llama_moe.hf_mixtral import read_hf_mixtral_args
 
     write_debug_llama(tmp_path / "dense")
     common = (*SHORT_RUN[2:10], "--checkpoint.initial_load_path", str(tmp_path / "dense"))

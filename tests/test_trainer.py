@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import pipekit.train.model_setup as model_setup
-from models.llama.hf import build_llama_from_hf, save_hf_llama
 from pipekit.config import load_job_config
+from pipekit.families.llama.hf import build_llama_from_hf, save_hf_llama
 from pipekit.testing import run_on_ranks
 from pipekit.train.job import plan_job
 from pipekit.train.trainer import NonFiniteLossError, Trainer

@@ -12,14 +12,14 @@ from safetensors.torch import save_file
 from tiny_models import TINY_LLAMA
 from torch import nn
 
-from models.llama import Llama, LlamaArgs
-from models.llama.hf import build_llama_from_hf, load_hf_llama, save_hf_llama
-from models.llama_moe import LlamaMoE
-from models.llama_moe.upcycle import LLAMA_UPCYCLER, upcycle_llama, upcycled_args
 from pipekit.attention.backends import use_backend
 from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint import upcycle as upcycle_module
 from pipekit.checkpoint.block_sources import BlockSource, CheckpointBlock, fill_from_sources
+from pipekit.families.llama import Llama, LlamaArgs
+from pipekit.families.llama.hf import build_llama_from_hf, load_hf_llama, save_hf_llama
+from pipekit.families.llama_moe import LlamaMoE
+from pipekit.families.llama_moe.upcycle import LLAMA_UPCYCLER, upcycle_llama, upcycled_args
 from pipekit.models.upcycling import UpcycleSpec
 
 DENSE = TINY_LLAMA

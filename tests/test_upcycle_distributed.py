@@ -14,12 +14,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from models.llama_moe.upcycle import upcycle_llama
 from pipekit._torch_private import local_shape_and_offset
 from pipekit.checkpoint import SafetensorsCheckpoint, TensorRead, local_shards
 from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.families.llama_moe.upcycle import upcycle_llama
 from pipekit.models.upcycling import UpcycleSpec
 from pipekit.moe.expert_parallel import apply_expert_parallel, expert_mesh
 from pipekit.testing import run_on_ranks

@@ -11,9 +11,9 @@ import torch
 from hf_reference import LLAMA3_ROPE, TINY_HF_CONFIG, rewrite_weights, save_transformers_model
 from test_upcycle import write_dense
 
-from models.llama_moe.hf_mixtral import load_hf_mixtral, read_hf_mixtral_args
-from models.llama_moe.model import LlamaMoE
-from models.llama_moe.upcycle import upcycle_llama
+from pipekit.families.llama_moe.hf_mixtral import load_hf_mixtral, read_hf_mixtral_args
+from pipekit.families.llama_moe.model import LlamaMoE
+from pipekit.families.llama_moe.upcycle import upcycle_llama
 from pipekit.models.upcycling import UpcycleSpec
 from pipekit.upcycle import main, upcycle_offline
 

@@ -7,9 +7,9 @@ from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from models.llama import Llama, LlamaArgs
 from pipekit._torch_private import checkpoint_module_activations
 from pipekit.config.job_config import ParallelismConfig
+from pipekit.families.llama import Llama, LlamaArgs
 from pipekit.models import get_model_spec
 from pipekit.models.materialize import seeded_materializer
 from pipekit.pipelining import PipelineRunner, StageSetup, build_pipeline, plan_pipeline

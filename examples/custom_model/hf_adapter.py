@@ -2,10 +2,11 @@
 and out of a safetensors checkpoint directory with a config.json, from any layout.
 
 docs/hf_adapter.md walks through it. The file names come from two tables, pipekit name -> name
-in the file, the way the built-in decoder families build theirs (models/decoder/hf_layout.py).
-An MoE layer's experts are one stacked parameter in pipekit and one tensor per expert in the
-file, as in published MoE checkpoints. `model_type = "tiny_gpt"` is the example's own:
-transformers has no such architecture, so these files are read by pipekit only.
+in the file, the way the built-in decoder families build theirs
+(pipekit/families/decoder/hf_layout.py). An MoE layer's experts are one stacked parameter in
+pipekit and one tensor per expert in the file, as in published MoE checkpoints. `model_type =
+"tiny_gpt"` is the example's own: transformers has no such architecture, so these files are read
+by pipekit only.
 
 Importing this module registers the example's spec with the adapter (`TINY_GPT_WITH_HF`, in
 place of the plain one), so a job that names it in `[model] module` can start from a checkpoint

@@ -40,7 +40,7 @@ _SHOWN_PARTS = ("attention", "norms", "mlp", "other")
 
 def build_blocks(options: argparse.Namespace) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     """The Llama model holding the blocks, and its RoPE table for `--seq` tokens."""
-    from models.llama.args import LlamaArgs
+    from pipekit.families.llama.args import LlamaArgs
     from pipekit.models import get_model_spec
 
     spec = get_model_spec("llama")

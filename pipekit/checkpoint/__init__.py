@@ -1,8 +1,8 @@
 """Checkpoint I/O: safetensors directories in Hugging Face layout (model-agnostic).
 
-Model-specific name mappings live with each model (e.g. `models/llama/hf.py`), declared through
-its `HuggingFaceAdapter`; `python -m pipekit.checkpoint.inspect DIR` lists a checkpoint and can
-run it.
+Model-specific name mappings live with each model (e.g. `pipekit/families/llama/hf.py`),
+declared through its `HuggingFaceAdapter`; `python -m pipekit.checkpoint.inspect DIR` lists a
+checkpoint and can run it.
 """
 
 from pipekit.checkpoint.safetensors_io import (

@@ -1,6 +1,6 @@
 """Qwen3 and Qwen3-MoE: args and flavors, the models, and their Hugging Face formats."""
 
-from models.qwen3.args import (
+from pipekit.families.qwen3.args import (
     QWEN3_FLAVORS,
     QWEN3_MOE_FLAVORS,
     Qwen3Args,
@@ -8,7 +8,7 @@ from models.qwen3.args import (
     qwen3_flavor,
     qwen3_moe_flavor,
 )
-from models.qwen3.model import Qwen3, Qwen3Attention, Qwen3MoE
+from pipekit.families.qwen3.model import Qwen3, Qwen3Attention, Qwen3MoE
 
 __all__ = [
     "QWEN3_FLAVORS",

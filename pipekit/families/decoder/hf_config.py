@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from models.decoder.args import DecoderArgs, RopeScaling
 from pipekit.checkpoint.safetensors_io import CheckpointError
+from pipekit.families.decoder.args import DecoderArgs, RopeScaling
 
 __all__ = [
     "CONFIG_FILE",

@@ -1,15 +1,15 @@
 """Llama-MoE hyper-parameters: a Llama shape plus which layers are MoE and how they route.
 
 `moe_every = k` makes layers k-1, 2k-1, ... MoE (every layer for k = 1, as in Mixtral); the
-others keep the dense SwiGLU FFN of `ffn_dim` (`models.decoder.args.MoEFields`).
+others keep the dense SwiGLU FFN of `ffn_dim` (`pipekit.families.decoder.args.MoEFields`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.decoder.args import MoEFields
-from models.llama.args import LLAMA_FLAVORS, LlamaArgs
+from pipekit.families.decoder.args import MoEFields
+from pipekit.families.llama.args import LLAMA_FLAVORS, LlamaArgs
 from pipekit.moe import MoEArgs
 
 __all__ = ["LLAMA_MOE_FLAVORS", "LlamaMoEArgs", "llama_moe_flavor"]

@@ -1,14 +1,14 @@
 """Llama 3 hyper-parameters and the public flavors.
 
-`LlamaArgs` is the shared decoder's args (`models.decoder.args`) under Llama's name; flavors are
-named instances of it.
+`LlamaArgs` is the shared decoder's args (`pipekit.families.decoder.args`) under Llama's name;
+flavors are named instances of it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.decoder.args import DecoderArgs, RopeScaling
+from pipekit.families.decoder.args import DecoderArgs, RopeScaling
 
 __all__ = ["LLAMA_FLAVORS", "LlamaArgs", "RopeScaling", "llama_flavor"]  # RopeScaling re-exported
 

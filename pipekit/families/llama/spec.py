@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from models.decoder.model import DECODER_STRUCTURE, decoder_shape
-from models.decoder.parallelize import decoder_tensor_parallel_plan
-from models.llama.args import LLAMA_FLAVORS
-from models.llama.hf import LLAMA_HF
-from models.llama.model import Llama
-from models.llama_moe.upcycle import LLAMA_UPCYCLER
+from pipekit.families.decoder.model import DECODER_STRUCTURE, decoder_shape
+from pipekit.families.decoder.parallelize import decoder_tensor_parallel_plan
+from pipekit.families.llama.args import LLAMA_FLAVORS
+from pipekit.families.llama.hf import LLAMA_HF
+from pipekit.families.llama.model import Llama
+from pipekit.families.llama_moe.upcycle import LLAMA_UPCYCLER
 from pipekit.models.spec import ModelSpec
 
 __all__ = ["LLAMA"]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from models.decoder.parallelize import decoder_tensor_parallel_plan
+from pipekit.families.decoder.parallelize import decoder_tensor_parallel_plan
 
 __all__ = ["qwen3_tensor_parallel_plan"]
 

@@ -1,7 +1,7 @@
 """Upcycling a Hugging Face Llama checkpoint into pipekit's Llama-MoE (Mixtral layout on disk).
 
-The shared decoder upcycler (`models.decoder.upcycle`) with Llama's format as the dense side
-and Mixtral's as the MoE side; `upcycle_llama` is the online path for user code.
+The shared decoder upcycler (`pipekit.families.decoder.upcycle`) with Llama's format as the
+dense side and Mixtral's as the MoE side; `upcycle_llama` is the online path for user code.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from collections.abc import Callable
 
 import torch
 
-from models.decoder.upcycle import decoder_upcycler
-from models.llama.args import LlamaArgs
-from models.llama.hf import LLAMA_HF
-from models.llama_moe.args import LlamaMoEArgs
-from models.llama_moe.hf_mixtral import MIXTRAL_HF
-from models.llama_moe.model import LlamaMoE
 from pipekit.checkpoint.safetensors_io import TensorRead
 from pipekit.checkpoint.upcycle import upcycle_model
+from pipekit.families.decoder.upcycle import decoder_upcycler
+from pipekit.families.llama.args import LlamaArgs
+from pipekit.families.llama.hf import LLAMA_HF
+from pipekit.families.llama_moe.args import LlamaMoEArgs
+from pipekit.families.llama_moe.hf_mixtral import MIXTRAL_HF
+from pipekit.families.llama_moe.model import LlamaMoE
 from pipekit.models.upcycling import Upcycler, UpcycleSpec
 
 __all__ = ["LLAMA_UPCYCLER", "upcycle_llama", "upcycled_args"]

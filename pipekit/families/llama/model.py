@@ -1,8 +1,8 @@
-"""Llama 3: the shared decoder (`models.decoder.model`) as it is, under Llama's name."""
+"""Llama 3: the shared decoder (`pipekit.families.decoder.model`) as it is, under Llama's name."""
 
 from __future__ import annotations
 
-from models.decoder.model import DecoderLM, TransformerBlock
+from pipekit.families.decoder.model import DecoderLM, TransformerBlock
 
 __all__ = ["Llama", "TransformerBlock"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.decoder.args import DecoderArgs, MoEFields, RopeScaling
+from pipekit.families.decoder.args import DecoderArgs, MoEFields, RopeScaling
 from pipekit.moe import MoEArgs
 
 __all__ = [

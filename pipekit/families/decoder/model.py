@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from models.decoder.args import DecoderArgs, MoEFields
 from pipekit.attention.context import AttentionContext
+from pipekit.families.decoder.args import DecoderArgs, MoEFields
 from pipekit.layers import FeedForward, GroupedQueryAttention, RMSNorm, RotaryEmbedding
 from pipekit.layers.init import seeded, trunc_normal_
 from pipekit.models.spec import ModelShape, ModelStructure

@@ -1,7 +1,8 @@
 """Hugging Face Qwen3ForCausalLM / Qwen3MoeForCausalLM checkpoints <-> pipekit's Qwen3.
 
 Names, RoPE row order and the checked load and save are the shared decoder format's
-(`models.decoder.hf_layout`), plus Qwen3's QK-norm weights (`self_attn.q_norm`/`k_norm`, whose
+(`pipekit.families.decoder.hf_layout`), plus Qwen3's QK-norm weights
+(`self_attn.q_norm`/`k_norm`, whose
 `head_dim` entries are reordered like a head's rows of wq and wk). Qwen3-MoE's MoE blocks map as
 
     pipekit: layers.L.feed_forward.     Hugging Face: model.layers.L.mlp.
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from models.decoder.hf_config import (
+from pipekit.families.decoder.hf_config import (
     CONFIG_FILE,
     HFModelType,
     build_args,
@@ -35,14 +36,14 @@ from models.decoder.hf_config import (
     decoder_config_keys,
     is_int,
 )
-from models.decoder.hf_layout import (
+from pipekit.families.decoder.hf_layout import (
     DENSE_LAYER_NAMES,
     DecoderHF,
     DecoderLayout,
     expert_layout_problems,
 )
-from models.qwen3.args import Qwen3Args, Qwen3MoEArgs
-from models.qwen3.model import Qwen3, Qwen3MoE
+from pipekit.families.qwen3.args import Qwen3Args, Qwen3MoEArgs
+from pipekit.families.qwen3.model import Qwen3, Qwen3MoE
 from pipekit.moe import MoEArgs
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Hugging Face LlamaForCausalLM checkpoints <-> pipekit's Llama: config.json, names, load, save.
 
 The names, the RoPE row order of wq/wk and the checked load and save are the shared decoder
-format's (`models.decoder.hf_layout`); this module says what is Llama's: its model type with
-transformers' defaults, its config keys, and the family's public functions.
+format's (`pipekit.families.decoder.hf_layout`); this module says what is Llama's: its model
+type with transformers' defaults, its config keys, and the family's public functions.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.decoder.hf_config import (
+from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
+from pipekit.families.decoder.hf_config import (
     CONFIG_FILE,
     HFModelType,
     build_args,
     decoder_config_fields,
     decoder_config_keys,
 )
-from models.decoder.hf_layout import DecoderHF, DecoderLayout
-from models.llama.args import LlamaArgs
-from models.llama.model import Llama
-from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
+from pipekit.families.decoder.hf_layout import DecoderHF, DecoderLayout
+from pipekit.families.llama.args import LlamaArgs
+from pipekit.families.llama.model import Llama
 
 __all__ = [
     "LLAMA_HF",

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from models.decoder.model import DECODER_STRUCTURE, decoder_shape
-from models.decoder.upcycle import decoder_upcycler
-from models.qwen3.args import QWEN3_FLAVORS, QWEN3_MOE_FLAVORS, Qwen3Args, Qwen3MoEArgs
-from models.qwen3.hf import QWEN3_HF, QWEN3_MOE_HF
-from models.qwen3.model import Qwen3, Qwen3MoE
-from models.qwen3.parallelize import qwen3_tensor_parallel_plan
+from pipekit.families.decoder.model import DECODER_STRUCTURE, decoder_shape
+from pipekit.families.decoder.upcycle import decoder_upcycler
+from pipekit.families.qwen3.args import QWEN3_FLAVORS, QWEN3_MOE_FLAVORS, Qwen3Args, Qwen3MoEArgs
+from pipekit.families.qwen3.hf import QWEN3_HF, QWEN3_MOE_HF
+from pipekit.families.qwen3.model import Qwen3, Qwen3MoE
+from pipekit.families.qwen3.parallelize import qwen3_tensor_parallel_plan
 from pipekit.models.spec import ModelSpec
 
 __all__ = ["QWEN3", "QWEN3_MOE"]

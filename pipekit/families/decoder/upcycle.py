@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from models.decoder.args import DecoderArgs, MoEFields
-from models.decoder.hf_layout import EXPERT_ACTIVATION, EXPERT_WEIGHTS, DecoderHF
 from pipekit.checkpoint.block_sources import BlockSource
 from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint
 from pipekit.checkpoint.safetensors_write import PendingTensor
 from pipekit.checkpoint.upcycle import ExpertCopies, RouterInit
+from pipekit.families.decoder.args import DecoderArgs, MoEFields
+from pipekit.families.decoder.hf_layout import EXPERT_ACTIVATION, EXPERT_WEIGHTS, DecoderHF
 from pipekit.models.spec import HFTensor
 from pipekit.models.upcycling import Upcycler, UpcycleSpec
 from pipekit.moe import MoEArgs

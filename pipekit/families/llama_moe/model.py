@@ -7,7 +7,7 @@ dense checkpoint's names map onto it one to one except for the experts.
 
 from __future__ import annotations
 
-from models.llama.model import Llama
+from pipekit.families.llama.model import Llama
 
 __all__ = ["LlamaMoE"]
 

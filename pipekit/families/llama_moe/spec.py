@@ -3,11 +3,11 @@ point); on disk it is Hugging Face's Mixtral layout."""
 
 from __future__ import annotations
 
-from models.decoder.model import DECODER_STRUCTURE, decoder_shape
-from models.decoder.parallelize import decoder_tensor_parallel_plan
-from models.llama_moe.args import LLAMA_MOE_FLAVORS
-from models.llama_moe.hf_mixtral import MIXTRAL_HF
-from models.llama_moe.model import LlamaMoE
+from pipekit.families.decoder.model import DECODER_STRUCTURE, decoder_shape
+from pipekit.families.decoder.parallelize import decoder_tensor_parallel_plan
+from pipekit.families.llama_moe.args import LLAMA_MOE_FLAVORS
+from pipekit.families.llama_moe.hf_mixtral import MIXTRAL_HF
+from pipekit.families.llama_moe.model import LlamaMoE
 from pipekit.models.spec import ModelSpec
 
 __all__ = ["LLAMA_MOE"]

@@ -33,8 +33,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.decoder.args import DecoderArgs, MoEFields
-from models.decoder.hf_config import CONFIG_FILE, HFModelType, read_config_json
 from pipekit.checkpoint.block_sources import (
     BlockSource,
     CheckpointBlock,
@@ -45,6 +43,8 @@ from pipekit.checkpoint.hf_export import save_hf_sharded
 from pipekit.checkpoint.local_shards import RowShard, load_local_blocks
 from pipekit.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
+from pipekit.families.decoder.args import DecoderArgs, MoEFields
+from pipekit.families.decoder.hf_config import CONFIG_FILE, HFModelType, read_config_json
 from pipekit.models.materialize import local_tensor, to_empty_keeping_ties
 from pipekit.models.spec import HFTensor, HuggingFaceAdapter
 

@@ -1,12 +1,12 @@
 """Hugging Face MixtralForCausalLM checkpoints <-> pipekit's Llama-MoE: config, names, load, save.
 
 Mixtral is a Llama-MoE whose every layer is MoE (`moe_every=1`) with the `topk_softmax` router:
-transformers takes a softmax over all experts, keeps the top k and renormalises them, which gives
-the same weights as a softmax over the top-k logits. Mixtral runs dropless; a model trained with
-a `capacity_factor` still saves, and transformers computes it as pipekit would without capacity
-(outputs differ only for assignments the capacity drops). Attention, norms, embeddings and the
-RoPE row order of wq/wk are the shared decoder format's (`models.decoder.hf_layout`); the MoE
-blocks map as
+transformers takes a softmax over all experts, keeps the top k and renormalises them, which
+gives the same weights as a softmax over the top-k logits. Mixtral runs dropless; a model
+trained with a `capacity_factor` still saves, and transformers computes it as pipekit would
+without capacity (outputs differ only for assignments the capacity drops). Attention, norms,
+embeddings and the RoPE row order of wq/wk are the shared decoder format's
+(`pipekit.families.decoder.hf_layout`); the MoE blocks map as
 
     pipekit: layers.L.feed_forward.     Hugging Face: model.layers.L.block_sparse_moe.
     router.gate.weight    [E, D]        gate.weight
@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.decoder.hf_config import (
+from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
+from pipekit.families.decoder.hf_config import (
     CONFIG_FILE,
     HFModelType,
     build_args,
@@ -39,15 +40,14 @@ from models.decoder.hf_config import (
     is_int,
     read_config_json,
 )
-from models.decoder.hf_layout import (
+from pipekit.families.decoder.hf_layout import (
     DENSE_LAYER_NAMES,
     DecoderHF,
     DecoderLayout,
     expert_layout_problems,
 )
-from models.llama_moe.args import LlamaMoEArgs
-from models.llama_moe.model import LlamaMoE
-from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
+from pipekit.families.llama_moe.args import LlamaMoEArgs
+from pipekit.families.llama_moe.model import LlamaMoE
 from pipekit.models.spec import HFTensor
 from pipekit.moe import MoEArgs
 

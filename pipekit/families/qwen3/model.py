@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from models.decoder.model import DecoderLM
-from models.qwen3.args import Qwen3Args
+from pipekit.families.decoder.model import DecoderLM
+from pipekit.families.qwen3.args import Qwen3Args
 from pipekit.layers import GroupedQueryAttention, RMSNorm
 
 __all__ = ["Qwen3", "Qwen3Attention", "Qwen3MoE"]

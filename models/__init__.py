@@ -1,1 +1,0 @@
-"""Model definitions. Each model is one folder; pipekit itself never imports them."""
