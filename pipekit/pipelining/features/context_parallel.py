@@ -141,9 +141,7 @@ class ContextParallelSliceAttention:
             pattern=pattern,
         )
         length = self.extension.slice_length
-        indices = [cached.start // length for cached in lendable_slices]
-        if not lendable_slices:  # causal: every earlier slice, in order
-            indices = list(range(len(lendable)))
+        indices = [cached.start // length for cached in lendable_slices]  # one per lent chunk
         return self._attention(attention, q_BHSD, lendable, own, scale, indices)
 
     def _attention(
