@@ -68,4 +68,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    if "WORLD_SIZE" in os.environ:  # torchrun: a gloo group ran here (see exit_process)
+        from pipekit.distributed.process_group import exit_process
+
+        exit_process(code)
+    sys.exit(code)

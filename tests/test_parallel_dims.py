@@ -3,6 +3,8 @@ meshes build_mesh lays out on 1 and 4 gloo ranks."""
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch.distributed as dist
@@ -187,3 +189,20 @@ def test_build_mesh_on_a_world_of_one():
     assert layout["world"] == ("dp_shard",)
     assert layout["sizes"] == {"world": 1, "dp_shard": 1, "dp": 1, "dp_shard_cp": 1, "dp_cp": 1}
     assert layout["dp_mesh"] is None and layout["dp_rank"] == 0
+
+
+def test_exit_process_runs_exit_handlers_and_flushes_before_it_ends():
+    """A rank ends through exit_process: its exit handlers run and its buffered output arrives,
+    although the interpreter's finalization is skipped."""
+    program = (
+        "import atexit, sys\n"
+        "from pipekit.distributed.process_group import exit_process\n"
+        "atexit.register(lambda: print('handler ran'))\n"
+        "print('buffered', end='')\n"
+        "sys.stderr.write('on stderr')\n"
+        "exit_process(3)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert result.returncode == 3
+    assert result.stdout == "bufferedhandler ran\n"
+    assert result.stderr == "on stderr"

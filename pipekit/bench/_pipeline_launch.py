@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipekit.config.job_config import ParallelismConfig
+from pipekit.distributed.process_group import exit_process
 from pipekit.models.materialize import seeded_materializer
 from pipekit.models.registry import get_model_spec
 from pipekit.pipelining.build import StageSetup, build_pipeline
@@ -394,3 +395,4 @@ def synthetic_batch(rows: int, seq_len: int, vocab_size: int) -> TensorDict:
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    exit_process(0)  # the result is written; see exit_process for why not a plain return

@@ -3,16 +3,19 @@
 `init_distributed` picks the backend from the hardware (nccl with one GPU per process on CUDA,
 gloo on CPU) and applies the config's collective timeout. Run as plain `python` (no torchrun
 variables), it creates no group and reports a world of one, so single-process runs and tests need
-no launcher.
+no launcher. `exit_process` ends a rank after its group is destroyed.
 """
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -21,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = [
     "DistributedInfo",
     "destroy_distributed",
+    "exit_process",
     "init_distributed",
     "new_group_along",
     "new_group_between",
@@ -154,3 +158,19 @@ def destroy_distributed(wait_for_peers: bool = True) -> None:
         if wait_for_peers:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with `code`: run its exit handlers and flush its output while the
+    interpreter is whole, then skip the interpreter's own finalization.
+
+    torch keeps a gloo group's worker threads running after `destroy_process_group` while a
+    device mesh or FSDP state still refers to the group. A worker that needs the GIL once the
+    interpreter finalizes is ended by Python with a forced unwind, which C++ turns into
+    std::terminate: a rank whose run succeeded dies with SIGABRT ("terminate called without an
+    active exception"). Without finalization there is no such moment.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
