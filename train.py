@@ -15,7 +15,7 @@ import sys
 from pipekit.checkpoint.safetensors_io import CheckpointError
 from pipekit.config import ConfigError, help_text, load_job_config, to_dict
 from pipekit.config.dump import dump_toml
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 from pipekit.train.log import setup_logging
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
             from pipekit.distributed.parallel_dims import ParallelDims
 
             world_size = ParallelDims.smallest_world_size(config.parallelism)
-        job = plan_job(config, world_size)
+        job = validate_job(config, world_size)
     except ConfigError as error:
         # Every rank checks the same config, so one line per machine says it; a file missing
         # on one machine only is reported by that machine.

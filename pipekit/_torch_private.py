@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 # TorchDispatchMode (torch.utils._python_dispatch): intercepts every ATen op of a block; the
-# serving priority and the live-tensor tracker use it. tree_leaves (torch.utils._pytree): the
+# live-tensor tracker uses it. tree_leaves (torch.utils._pytree): the
 # tensors of a nested structure. functional_collectives (torch.distributed._functional_
 # collectives): the traceable collectives DTensor runs, patched by the tensor-parallel bench
 # to count bytes.

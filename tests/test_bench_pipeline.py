@@ -186,7 +186,7 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
     figures = _run_bench(
         "context-exchange", "--pp", "2", "--slices", "8", "--seq", "128", "--microbatches", "2",
         "--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "48", "--layers", "2",
-        "--repeats", "1", "--no-pin", "--compare-serving-priority",
+        "--repeats", "1", "--no-pin",
     )  # fmt: skip
     assert list(figures) == [
         "bubble_with",
@@ -199,12 +199,9 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
         "sliced_vs_1f1b",
         "per_round_speedup",
         "exchange_cpu_ratio",
-        "gave_way_s",
-        "priority_speedup",
         "share_of_simulated_gain",
     ]
     share = figures.pop("share_of_simulated_gain")  # any sign: timings this small are noise
-    assert figures.pop("gave_way_s") >= 0  # 0 when no answer overlapped a pass's operation
     assert math.isfinite(share) and figures["makespan_ratio"] < 1  # a gain is simulated here
     assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
 

@@ -20,7 +20,7 @@ from pipekit.config import load_job_config
 from pipekit.models import get_model_spec
 from pipekit.testing import max_relative_difference, run_on_ranks, runner_step
 from pipekit.train.compile import compile_blocks
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 from pipekit.train.trainer import Trainer
 
 STEPS = 3
@@ -41,7 +41,7 @@ def _losses_and_frames(output_dir, overrides, compiled, world_size):
     torch._dynamo.utils.counters.clear()
     argv = [*BASE, *overrides, "--job.output_dir", str(output_dir)]
     config = load_job_config([*argv, "--compile.enable", str(compiled).lower()])
-    losses = Trainer(plan_job(config, world_size=world_size)).train()
+    losses = Trainer(validate_job(config, world_size=world_size)).train()
     return losses, torch._dynamo.utils.counters["frames"]["ok"]
 
 

@@ -1,17 +1,26 @@
 """Config loading: precedence, errors that name the fix, help, dump round trip, validation."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from pipekit.attention.backends import available_backends
 from pipekit.config import ConfigError, JobConfig, help_text, load_job_config
 from pipekit.config.dump import dump_toml
 from pipekit.config.loader import field_docs, to_dict
+from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.distributed.parallel_dims import ParallelDims
-from pipekit.train.job import plan_job
+from pipekit.moe.execution import ExpertExecution
+from pipekit.moe.restore import MEMORY_REUSE_CHOICES
+from pipekit.train.activation_checkpoint import ACTIVATION_CHECKPOINT_MODES, SELECTIVE_KEEP
+from pipekit.train.config_values import check_values
+from pipekit.train.job import validate_job
+from pipekit.train.lr_schedule import DECAY_TYPES
+from pipekit.train.optimizer import OPTIMIZERS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,7 +230,7 @@ _PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 def test_cross_field_rules_say_how_to_fix(argv, world_size, message):
     config = load_job_config(argv)
     with pytest.raises(ConfigError, match=message):
-        plan_job(config, world_size=world_size)
+        validate_job(config, world_size=world_size)
 
 
 DEBUG_WORLD_SIZES = {
@@ -237,7 +246,7 @@ def test_shipped_configs_load_and_debug_configs_validate():
         config = load_job_config(["--config", str(path)])
         if path.name.startswith("debug") and not config.checkpoint.initial_load_path:
             # the others name files not shipped
-            plan_job(config, world_size=DEBUG_WORLD_SIZES.get(path.name, 2))
+            validate_job(config, world_size=DEBUG_WORLD_SIZES.get(path.name, 2))
 
 
 def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
@@ -252,10 +261,10 @@ def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
     dims = _parallel_dims(config, world_size=512)
     assert (dims.dp_shard, dims.ep, dims.tp, dims.pp) == (512, 8, 1, 1)
     config.parallelism.tp = 2
-    assert plan_job(config, world_size=512, check_files=False).dims.tp == 2
+    assert validate_job(config, world_size=512, check_files=False).dims.tp == 2
     config.parallelism.sequence_parallel = False
     with pytest.raises(ConfigError, match="mixture-of-experts model needs sequence_parallel"):
-        plan_job(config, world_size=512, check_files=False)
+        validate_job(config, world_size=512, check_files=False)
 
 
 def test_context_parallel_pipelines_are_checked_before_launch():
@@ -263,12 +272,12 @@ def test_context_parallel_pipelines_are_checked_before_launch():
     slices and cp ranks do not divide, and exchange with KV passing, are refused with the
     fix."""
     argv = ["--config", str(REPO_ROOT / "configs/debug_sliced_pp.toml"), "--parallelism.cp", "2"]
-    job = plan_job(load_job_config(argv), world_size=4, check_files=False)
+    job = validate_job(load_job_config(argv), world_size=4, check_files=False)
     assert job.pipeline is not None and job.pipeline.context_parallel == 2
     assert job.pipeline.slice_length == 256 // 4 // 2
     exchange = [*argv, "--parallelism.context_exchange", "true"]
-    job = plan_job(load_job_config(exchange), world_size=4, check_files=False)
-    assert job.pipeline is not None and job.pipeline.context_exchange
+    job = validate_job(load_job_config(exchange), world_size=4, check_files=False)
+    assert job.pipeline is not None and "context_exchange" in job.pipeline.features
     for overrides, message in [
         (("--training.seq_len", "248"), "seq_len=248 must be a multiple of 2 x cp x num_slices"),
         (
@@ -281,7 +290,50 @@ def test_context_parallel_pipelines_are_checked_before_launch():
         ),
     ]:
         with pytest.raises(ConfigError, match=message):
-            plan_job(load_job_config([*argv, *overrides]), world_size=4, check_files=False)
+            validate_job(load_job_config([*argv, *overrides]), world_size=4, check_files=False)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "choices"),
+    [
+        ("model", "attention_backend", available_backends()),
+        ("training", "mixed_precision_param", MIXED_PRECISION_DTYPES),
+        ("training", "mixed_precision_reduce", MIXED_PRECISION_DTYPES),
+        ("training", "activation_checkpoint", ACTIVATION_CHECKPOINT_MODES),
+        ("training", "activation_checkpoint_keep", SELECTIVE_KEEP),
+        ("optimizer", "name", OPTIMIZERS),
+        ("lr_scheduler", "decay_type", DECAY_TYPES),
+        ("moe", "memory_reuse", MEMORY_REUSE_CHOICES),
+    ],
+)
+def test_a_keys_choices_are_its_components(section, key, choices):
+    """The config accepts exactly the choices the component that reads the key lists, and its
+    help names each of them."""
+    config = JobConfig()
+    for value in choices:
+        setattr(getattr(config, section), key, value)
+        check_values(config)
+        assert value in field_docs(type(getattr(config, section)))[key]
+    setattr(getattr(config, section), key, "none_of_these")
+    listed = re.escape(", ".join(choices))
+    message = rf"\[{section}\] {key}='none_of_these' is not one of {listed}$"
+    with pytest.raises(ConfigError, match=message):
+        check_values(config)
+
+
+@pytest.mark.parametrize("partitions", [0, -2, "most", 2.5])
+def test_moe_partitions_rule_is_the_experts(partitions):
+    """The config refuses the partitions `ExpertExecution` refuses, with its words."""
+    with pytest.raises(ValueError) as refused:
+        ExpertExecution(partitions=partitions)
+    config = JobConfig()
+    config.moe.partitions = partitions
+    with pytest.raises(ConfigError) as error:
+        check_values(config)
+    assert str(error.value) == f"[moe] {refused.value}"
+    for accepted in (1, 4, "auto"):
+        config.moe.partitions = accepted
+        check_values(config)
 
 
 def test_config_reference_doc_is_current():

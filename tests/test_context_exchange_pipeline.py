@@ -47,7 +47,6 @@ def _run(
     checkpoint_activations: bool = False,
     vocab_parallel: bool = False,
     chunks_ahead: bool = True,
-    serving_priority: bool = False,
 ) -> tuple:
     runner = tiny_pipeline(
         pp_mesh(world),
@@ -63,9 +62,6 @@ def _run(
     )
     exchange = runner.extension("context_exchange")
     assert isinstance(exchange, PipelineContextExchange)
-    assert exchange.priority is None, "the passes run beside the serving threads by default"
-    if serving_priority:  # the passes give way to the serving threads' answers
-        exchange = _replace_exchange(runner, m, n, serving_priority=True)
     if drop_remote_kv_grads:  # ablation: the same plan, lent chunks' dK/dV dropped
         exchange = _replace_exchange(runner, m, n, drop_remote_kv_grads=True)
     if not chunks_ahead:  # the lent chunks travel inside each request
@@ -94,11 +90,7 @@ def _replace_exchange(runner, m: int, n: int, **options) -> PipelineContextExcha
     """The runner's context exchange rebuilt with `options` (the other extensions kept)."""
     exchange = runner.extension("context_exchange")
     kept = ("downward_group", "chunks_ahead", "backend", "timeout")
-    options = {
-        **{name: getattr(exchange, name) for name in kept},
-        "serving_priority": exchange.priority is not None,
-        **options,
-    }
+    options = {**{name: getattr(exchange, name) for name in kept}, **options}
     ablated = PipelineContextExchange(exchange.group, exchange.layers_per_stage, **options)
     extensions = [ablated if ext is exchange else ext for ext in runner.extensions]
     runner.schedule = make_schedule("sliced", runner.stages, m, n, extensions=extensions)
@@ -154,8 +146,7 @@ def _differences(world: int, configs: list[tuple], timeout: float) -> dict[tuple
 @pytest.mark.parametrize("world", [2, 4])
 def test_exchange_keeps_loss_and_every_gradient_fp64(world: int) -> None:
     """(v, m, n, layers): n = 2p and 4p with m = 2, one and two layers per stage."""
-    with_priority = (False, False, False, True, True)  # the passes give way to the answers
-    configs = [(1, 2, 2 * world, world), (1, 2, 4 * world, 2 * world, *with_priority)]
+    configs = [(1, 2, 2 * world, world), (1, 2, 4 * world, 2 * world)]
     if world == 2:
         configs += [(2, 2, 4, 4), (1, 2, 4, 3)]  # interleaved; stages of 2 and 1 layers
         configs += [(1, 2, 4, 2, False, False, True)]  # vocabulary parallel
@@ -167,7 +158,7 @@ def test_exchange_keeps_loss_and_every_gradient_fp64(world: int) -> None:
 def test_exchange_with_activation_checkpointing_fp64() -> None:
     """A recomputed layer neither lends nor serves forward work again, and still records its
     backward's lending and serving."""
-    configs = [(1, 2, 4, 2, False, True), (1, 2, 8, 4, False, True, False, True, True)]
+    configs = [(1, 2, 4, 2, False, True), (1, 2, 8, 4, False, True)]
     for config, difference in _differences(2, configs, timeout=120).items():
         assert difference <= PARITY_TOLERANCE, f"{config}: max relative difference {difference:.2e}"
 

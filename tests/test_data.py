@@ -28,7 +28,7 @@ from pipekit.train.data import (
     stdlib_files,
 )
 from pipekit.train.data.loader import check_data_config
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 from pipekit.train.trainer import Trainer
 
 BYTES = ByteTokenizer()
@@ -376,21 +376,21 @@ def test_debug_flavors_take_the_tokenizers_vocabulary_or_the_override(tmp_path):
         "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "false",
         "--metrics.peak_flops", "1e9", "--parallelism.dp_shard", "1",
     ]  # fmt: skip
-    job = plan_job(load_job_config(argv), world_size=1)
+    job = validate_job(load_job_config(argv), world_size=1)
     assert job.shape.vocab_size == 12
     trainer = Trainer(job)
     embedding = getattr(trainer.model, job.spec.structure.embedding)
     assert embedding.weight.shape[0] == 12
     losses = trainer.train()
     assert losses[0] == pytest.approx(math.log(12), abs=0.5)  # about uniform over 12 ids
-    override = plan_job(load_job_config([*argv, "--model.vocab_size", "64"]), world_size=1)
+    override = validate_job(load_job_config([*argv, "--model.vocab_size", "64"]), world_size=1)
     assert override.shape.vocab_size == 64
     with pytest.raises(ConfigError, match=r"has 12 ids .* set \[model\] vocab_size >= 12"):
-        plan_job(load_job_config([*argv, "--model.vocab_size", "8"]), world_size=1)
-    sized = plan_job(load_job_config([*argv, "--model.flavor", "1B"]), world_size=1)
+        validate_job(load_job_config([*argv, "--model.vocab_size", "8"]), world_size=1)
+    sized = validate_job(load_job_config([*argv, "--model.flavor", "1B"]), world_size=1)
     assert sized.shape.vocab_size == 128256  # a published flavor keeps its vocabulary
     with pytest.raises(ConfigError, match="vocab_size=-1 must be >= 0"):
-        plan_job(load_job_config([*argv, "--model.vocab_size", "-1"]), world_size=1)
+        validate_job(load_job_config([*argv, "--model.vocab_size", "-1"]), world_size=1)
 
 
 def test_hf_datasets_source_reads_local_parquet_and_jsonl(tmp_path):

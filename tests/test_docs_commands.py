@@ -25,7 +25,7 @@ DOCUMENTS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))
 
 # Commands whose flags argparse does not know go to the job config loader (`parse_known_args`
 # then `load_job_config`), as train.py's do: `--config` and `--section.key` are theirs.
-_TAKES_JOB_CONFIG = {("train.py", ""), ("pipekit.plan", ""), ("pipekit.check", ""),
+_TAKES_JOB_CONFIG = {("train.py", ""), ("pipekit.memory_plan", ""), ("pipekit.check", ""),
                      ("pipekit.bench", "step")}  # fmt: skip
 _TRAIN_FLAGS = {"--config", "--print-config", "--help"}  # train.py's main, besides the keys
 _SUBCOMMANDS = {"pipekit.tools.plot": {"compare"}}  # modules with a subcommand of their own
@@ -281,10 +281,10 @@ slices = 4
 tp = 2
 ```
 
-and `python -m pipekit.plan --config configs/debug_model.toml --world-sise 8`.
+and `python -m pipekit.memory_plan --config configs/debug_model.toml --world-sise 8`.
 """
 _RIGHT = """
-Run `python -m pipekit.bench schedules` or `python -m pipekit.plan --help`, then
+Run `python -m pipekit.bench schedules` or `python -m pipekit.memory_plan --help`, then
 `torchrun --nproc-per-node 2 train.py --config configs/debug_model.toml --parallelism.tp 2`
 with `[compile] enable` and
 
@@ -297,18 +297,18 @@ num_slices = 4
 top_k = 2
 ```
 
-and `python -m pipekit.plan --config configs/debug_model.toml --world-size 8`.
+and `python -m pipekit.memory_plan --config configs/debug_model.toml --world-size 8`.
 """
 
 
 def _all_problems(markdown: str) -> list[str]:
-    plan_help = "usage: python -m pipekit.plan [-h] --world-size WORLD_SIZE\n  -h, --help"
+    plan_help = "usage: python -m pipekit.memory_plan [-h] --world-size WORLD_SIZE\n  -h, --help"
     found = snippets(markdown, "x.md")
     problems = path_problems(markdown, "x.md")
     for snippet in found:
         problems += config_problems(snippet)
         for command in commands(snippet):
-            problems += command_problems(command, {("pipekit.plan", ""): plan_help})
+            problems += command_problems(command, {("pipekit.memory_plan", ""): plan_help})
     return problems
 
 
@@ -322,7 +322,7 @@ def test_the_checks_catch_a_wrong_bench_module_key_flag_and_path() -> None:
         "compile.enabled is not a config key",
         "parallelism.slices is not a config key",
         "[paralelism] is not a config section",
-        "--world-sise is not in `python -m pipekit.plan --help`",
+        "--world-sise is not in `python -m pipekit.memory_plan --help`",
     ]:
         assert expected in problems, f"{expected!r} not reported in:\n{problems}"
     assert len(problems.splitlines()) == 8

@@ -10,20 +10,20 @@ import torch
 
 from pipekit.bench import plan_accuracy
 from pipekit.config.loader import load_job_config
+from pipekit.memory_plan.__main__ import main, parse_bytes
+from pipekit.memory_plan.activations import TensorSplit, profile_activations
+from pipekit.memory_plan.layout import rank_layouts
+from pipekit.memory_plan.memory import plan_memory
 from pipekit.models import get_model_spec
 from pipekit.pipelining.features.offload_plan import resident_peak
-from pipekit.plan.__main__ import main, parse_bytes
-from pipekit.plan.activations import TensorSplit, profile_activations
-from pipekit.plan.layout import rank_layouts
-from pipekit.plan.memory import plan_memory
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _job(config: str, world: int, *overrides: str):
     argv = ["--config", str(REPO_ROOT / config), *overrides]
-    return plan_job(load_job_config(argv), world, check_files=False)
+    return validate_job(load_job_config(argv), world, check_files=False)
 
 
 def test_the_large_configs_validate_for_the_world_they_are_written_for() -> None:
@@ -130,9 +130,10 @@ def test_offload_takes_what_the_schedule_moves_off_the_first_rank(capsys) -> Non
     without offload, by the blocks' bytes but their K/V times the units the schedule's replay
     moves away; the command prints the ratios and what the job needs without them."""
     job = _job("configs/debug_sliced_pp.toml", 2, "--parallelism.activation_offload", "0.9")
-    assert job.pipeline is not None and job.pipeline.activation_offload == (0.9, 0.9)
+    assert job.pipeline is not None
+    assert job.pipeline.feature_plans["activation_offload"] == (0.9, 0.9)
     plain_job = dataclasses.replace(
-        job, pipeline=dataclasses.replace(job.pipeline, activation_offload=())
+        job, pipeline=job.pipeline.without_feature("activation_offload")
     )
     plan = plan_memory(job)
     plain = plan_memory(plain_job, profile=plan.profile)

@@ -7,7 +7,7 @@ from pipekit.config.job_config import JobConfig, ParallelismConfig
 from pipekit.config.loader import ConfigError
 from pipekit.models import get_model_spec
 from pipekit.pipelining.plan import plan_pipeline
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 
 
 def _plan(num_layers: int = 8, local_batch: int = 4, seq_len: int = 64, **keys):
@@ -77,21 +77,21 @@ def _job(**parallelism) -> JobConfig:
 
 
 def test_job_validation_checks_the_pipeline_before_any_process_group():
-    plan_job(_job(), world_size=2)
+    validate_job(_job(), world_size=2)
     with pytest.raises(ConfigError, match=r"\[parallelism\] num_slices=3 must be a multiple"):
-        plan_job(_job(num_slices=3), world_size=2)
+        validate_job(_job(num_slices=3), world_size=2)
     bad_modules = ["tok_embeddings,layers.0,layers.1", "layers.3,layers.2,norm,output,extra"]
     with pytest.raises(ConfigError, match="unknown module names"):
-        plan_job(_job(pipeline_stage_modules=bad_modules), world_size=2)
+        validate_job(_job(pipeline_stage_modules=bad_modules), world_size=2)
     config = _job()
     config.training.mixed_precision_param = "bfloat16"
-    plan_job(config, world_size=2)  # bf16 stages: FSDP2's mixed precision, bf16 messages
+    validate_job(config, world_size=2)  # bf16 stages: FSDP2's mixed precision, bf16 messages
     config.checkpoint.export_hf_at_end = True
-    plan_job(config, world_size=2)  # every rank exports its stages' tensors
+    validate_job(config, world_size=2)  # every rank exports its stages' tensors
 
 
 def test_context_exchange_needs_sliced_passes_and_a_layer_on_every_stage():
-    assert _plan(context_exchange=True).context_exchange
+    assert _plan(context_exchange=True).features == ("context_exchange",)
     with pytest.raises(ValueError, match="'1F1B' cannot carry context_exchange"):
         _plan(context_exchange=True, pipeline_schedule="1F1B")
     entries = ["tok_embeddings", "layers.0,layers.1,norm,output"]
@@ -101,7 +101,7 @@ def test_context_exchange_needs_sliced_passes_and_a_layer_on_every_stage():
 
 def test_vocab_parallel_output_passes_fit_an_exchanging_schedule():
     plan = _plan(pp=4, context_exchange=True, vocab_parallel=True, local_batch=8)
-    assert plan.context_exchange and plan.vocab_parallel
+    assert plan.features == ("context_exchange", "vocab_parallel")
 
 
 @pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble"])
@@ -117,6 +117,6 @@ def test_split_backward_schedules_are_refused_on_data_parallel_stages(schedule: 
     config.parallelism.pipeline_schedule = schedule
     config.training.global_batch_size = 8
     with pytest.raises(ConfigError, match=r"\[parallelism\].*full backwards"):
-        plan_job(config, world_size=4)
+        validate_job(config, world_size=4)
     config.parallelism.dp_shard = 1
-    assert plan_job(config, world_size=2).pipeline is not None
+    assert validate_job(config, world_size=2).pipeline is not None

@@ -13,7 +13,7 @@ from pipekit.pipelining.plan import plan_pipeline
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.pipelining.schedules.slice_bounds import slice_bounds
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 
 
 def _costs(bounds: tuple[int, ...], ratio: float) -> list[float]:
@@ -101,7 +101,7 @@ def test_the_plan_carries_equal_cost_bounds_rounded_for_the_tp_shares():
     [
         ({"context_exchange": True}, "with context_exchange = true: that feature needs slices"),
         ({"vocab_parallel": True}, "with vocab_parallel = true"),
-        ({"cp": 2}, "with cp = 2"),
+        ({"cp": 2}, "with cp > 1"),
         ({"pipeline_schedule": "1F1B"}, "needs sliced passes: num_slices >= 2, not 1"),
         ({"slicing": "equal"}, "slicing='equal' is not one of equal_length, equal_cost"),
     ],
@@ -118,8 +118,8 @@ def test_a_job_places_equal_cost_slices_from_the_model_flops():
     config.parallelism = ParallelismConfig(
         dp_shard=1, pipeline_parallel_degree=2, num_slices=4, slicing="equal_cost"
     )
-    lengths = plan_job(config, world_size=2).pipeline.slice_lengths
+    lengths = validate_job(config, world_size=2).pipeline.slice_lengths
     assert lengths[0] > lengths[-1], lengths
     config.parallelism.cp, config.parallelism.dp_shard = 2, 1
-    with pytest.raises(ConfigError, match=r"\[parallelism\] slicing='equal_cost' with cp = 2"):
-        plan_job(config, world_size=4)
+    with pytest.raises(ConfigError, match=r"\[parallelism\] slicing='equal_cost' with cp > 1"):
+        validate_job(config, world_size=4)

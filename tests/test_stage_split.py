@@ -17,6 +17,7 @@ from pipekit.models.stage_module import (
     check_structure,
     validate_stage_module_names,
 )
+from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
 from pipekit.pipelining.model_split.partition import (
     blocks_per_stage,
     partition_layers,
@@ -109,7 +110,8 @@ def test_stage_names_follow_any_model_structure():
     ]
     # vocabulary parallelism takes the embedding, the head and its transforms out; positions
     # stay on stage 0
-    parallel = stage_module_names(structure, 4, 2, vocab_parallel=True)
+    outside = PipelineVocabParallel.modules_outside_stages(structure)
+    parallel = stage_module_names(structure, 4, 2, outside=outside)
     assert parallel == [["wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "l"]]
     assert blocks_per_stage(structure, parallel) == {0: 2, 1: 2}
 

@@ -40,7 +40,7 @@ from job_runs import (
 
 from pipekit.config import ConfigError, load_job_config
 from pipekit.train.data import stdlib_files
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 
 
 def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp_path, monkeypatch):
@@ -189,7 +189,7 @@ def test_bad_input_is_named_before_launch(tmp_path, overrides, message):
     line's one line and exit status 2 are checked below)."""
     argv = ["--config", CONFIG, "--job.output_dir", str(tmp_path), *overrides]
     with pytest.raises(ConfigError) as error:
-        plan_job(load_job_config(argv), world_size=2)
+        validate_job(load_job_config(argv), world_size=2)
     assert message in str(error.value)
 
 

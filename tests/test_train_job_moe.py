@@ -21,7 +21,7 @@ from job_runs import (
 
 from pipekit.config import ConfigError, load_job_config
 from pipekit.models import get_model_spec
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 
 
 def test_expert_parallel_moe_job_matches_fsdp_experts_and_resumes(tmp_path: Path) -> None:
@@ -159,11 +159,11 @@ def test_bad_upcycling_input_gives_one_error_line_and_exit_2(tmp_path: Path) -> 
     base = ("--config", CONFIG, "--job.output_dir", str(tmp_path / "job"))
     for overrides, message in cases[1:]:
         with pytest.raises(ConfigError) as error:
-            plan_job(load_job_config([*base, *upcycle, *overrides]), world_size=2)
+            validate_job(load_job_config([*base, *upcycle, *overrides]), world_size=2)
         assert message in str(error.value), error.value
     moe_export = ("--config", MOE_CONFIG, "--checkpoint.export_hf_at_end", "true")
     with pytest.raises(ConfigError, match="moe_every=2"):
-        plan_job(load_job_config([*base, *moe_export]), world_size=2)
+        validate_job(load_job_config([*base, *moe_export]), world_size=2)
 
 
 def test_upcycled_job_with_tied_embeddings_starts_at_the_dense_loss(tmp_path: Path) -> None:

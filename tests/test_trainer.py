@@ -9,7 +9,7 @@ import pipekit.train.model_setup as model_setup
 from pipekit.config import load_job_config
 from pipekit.families.llama.hf import build_llama_from_hf, save_hf_llama
 from pipekit.testing import run_on_ranks
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 from pipekit.train.trainer import NonFiniteLossError, Trainer
 
 STEPS = 3
@@ -24,7 +24,7 @@ BASE = [
 
 def _config(output_dir, *overrides, world_size=1):
     config = load_job_config([*BASE, "--job.output_dir", str(output_dir), *overrides])
-    return plan_job(config, world_size=world_size)
+    return validate_job(config, world_size=world_size)
 
 
 def _losses_on_ranks(rank, world_size, output_dir, overrides):

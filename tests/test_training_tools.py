@@ -18,7 +18,7 @@ import pipekit.train.trainer as trainer_module
 from pipekit.config import ConfigError, load_job_config
 from pipekit.testing import run_on_ranks
 from pipekit.tools import plot
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 from pipekit.train.metric_writers import JsonlWriter, read_jsonl_rows
 from pipekit.train.metrics import console_line
 from pipekit.train.trainer import Trainer
@@ -36,7 +36,7 @@ BASE = [
 
 def _trainer(output_dir, *overrides):
     config = load_job_config([*BASE, "--job.output_dir", str(output_dir), *overrides])
-    return Trainer(plan_job(config, world_size=1))
+    return Trainer(validate_job(config, world_size=1))
 
 
 def _tensorboard_losses(output_dir):
@@ -213,7 +213,7 @@ PROFILED_PIPELINE = [
 
 def _profiled_pipeline_rank(rank, world_size, output_dir):
     config = load_job_config([*PROFILED_PIPELINE, "--job.output_dir", str(output_dir)])
-    trainer = Trainer(plan_job(config, world_size=world_size))
+    trainer = Trainer(validate_job(config, world_size=world_size))
     trainer.train()
     schedule = trainer.pipeline.schedule
     return [str(action) for action in schedule.pipeline_order[rank]], trainer.pipeline.num_slices
@@ -260,7 +260,7 @@ SLICED_PIPELINE = [
 
 def _validated_run(output_dir, argv, world_size=1):
     config = load_job_config([*argv, *VALIDATED, "--job.output_dir", str(output_dir)])
-    losses = Trainer(plan_job(config, world_size=world_size)).train()
+    losses = Trainer(validate_job(config, world_size=world_size)).train()
     rows = read_jsonl_rows(output_dir / "metrics.jsonl")
     return losses, {row["step"]: row["val_loss"] for row in rows if "val_loss" in row}
 

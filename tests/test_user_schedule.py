@@ -24,7 +24,7 @@ from pipekit.pipelining.schedules.simulate import ScheduleDeadlockError
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
 from pipekit.pipelining.schedules.user import Task, load_schedule_file, tasks_to_actions
 from pipekit.testing import RankFailedError, max_relative_difference, run_on_ranks, runner_step
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 
 SCHEDULES = Path(__file__).resolve().parents[1] / "configs" / "schedules"
 ONE_F_ONE_B_CSV = SCHEDULES / "1f1b_p2_m4.csv"
@@ -228,17 +228,17 @@ def test_a_bad_schedule_file_fails_config_validation_with_its_name(tmp_path):
         dp_shard=1, pipeline_parallel_degree=2, microbatches=4, pipeline_schedule_file="none.csv"
     )
     with pytest.raises(ConfigError, match=r"schedule file 'none\.csv' does not exist"):
-        plan_job(config, world_size=2)
+        validate_job(config, world_size=2)
     broken = tmp_path / "broken.csv"
     broken.write_text("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3\n")
     config.parallelism.pipeline_schedule_file = str(broken)
     with pytest.raises(ConfigError, match=r"broken.csv.*stage=1 mb=3 \(rank 1\) has no backward"):
-        plan_job(config, world_size=2)
+        validate_job(config, world_size=2)
     config.parallelism.pipeline_schedule_file = str(ONE_F_ONE_B_CSV)
-    plan_job(config, world_size=2)
+    validate_job(config, world_size=2)
     config.parallelism.microbatches = 2
     with pytest.raises(ConfigError, match=r"runs 4 microbatches .* set microbatches = 4"):
-        plan_job(config, world_size=2)
+        validate_job(config, world_size=2)
 
 
 # -- runs ------------------------------------------------------------------------------------

@@ -23,11 +23,10 @@ from torch import Tensor
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
 from pipekit.attention.context_parallel import (
+    CACHED_SHARD_ATTENTION,
     CachedShard,
     TokenShard,
-    choose_context_parallel,
-    commutated_context_attention,
-    kv_passing_context_attention,
+    context_parallel_variant,
 )
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.patterns import (
@@ -185,26 +184,20 @@ class ContextParallelAttention:
         pattern: AttentionPattern | None = None,
     ) -> Tensor:
         options = {"scale": scale, "backend": self.backend, "pattern": pattern}
-        variant, ranks = self.variant, dist.get_world_size(self.group)
-        if variant == "auto":
-            variant = choose_context_parallel(
-                slice_index=0,
-                slice_tokens=q_BHSD.shape[2] * ranks,
-                cp=ranks,
-                q_heads=q_BHSD.shape[1],
-                kv_heads=k_BGSD.shape[1],
-                head_dim=q_BHSD.shape[-1],
-                element_bytes=q_BHSD.element_size(),
-            )
+        ranks = dist.get_world_size(self.group)
+        variant = context_parallel_variant(
+            self.variant,
+            q_BHSD,
+            k_BGSD,
+            slice_index=0,
+            slice_tokens=q_BHSD.shape[2] * ranks,
+            cp=ranks,
+        )
         if variant == "ring":
             ring = ring_context_attention(q_BHSD, k_BGSD, v_BGSD, self.shard, self.group, **options)
             return ring[0]
         cache = [CachedShard(k_BGSD, v_BGSD, self.shard)]
-        exchange = (
-            commutated_context_attention
-            if variant == "commutated"
-            else kv_passing_context_attention
-        )
+        exchange = CACHED_SHARD_ATTENTION[variant]
         return exchange(q_BHSD, self.shard, cache, self.group, **options)[0]
 
 

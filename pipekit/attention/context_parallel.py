@@ -48,14 +48,17 @@ from pipekit.attention.merge import merge_attention
 from pipekit.attention.patterns import AttentionPattern, is_causal, pattern_backend
 
 __all__ = [
+    "CACHED_SHARD_ATTENTION",
     "CONTEXT_PARALLEL_VARIANTS",
     "CachedShard",
     "TokenShard",
+    "check_context_parallel_split",
     "check_context_parallel_variant",
     "choose_context_parallel",
     "commutated_context_attention",
     "context_parallel_bytes",
     "context_parallel_tokens",
+    "context_parallel_variant",
     "gather_token_shards",
     "kv_passing_context_attention",
     "load_balanced_indices",
@@ -74,6 +77,23 @@ def check_context_parallel_variant(variant: str) -> None:
     if variant not in CONTEXT_PARALLEL_VARIANTS:
         raise ValueError(
             f"cp_variant={variant!r} is not one of {', '.join(CONTEXT_PARALLEL_VARIANTS)}"
+        )
+
+
+def check_context_parallel_split(seq_len: int, cp: int, num_slices: int = 1) -> None:
+    """ValueError unless each of `num_slices` slices of a `seq_len`-token sequence cuts into
+    2 x cp equal pieces, two per cp rank for equal causal work (the one rule, for context
+    parallelism inside pipelines and outside)."""
+    pieces = 2 * cp * num_slices
+    if seq_len % pieces:
+        factors, part = (
+            ("2 x cp x num_slices", "slice") if num_slices > 1 else ("2 x cp", "sequence")
+        )
+        nearest = max(pieces, seq_len // pieces * pieces)
+        raise ValueError(
+            f"training.seq_len={seq_len} must be a multiple of {factors} = {pieces}: context "
+            f"parallelism cuts every {part} into 2 x cp = {2 * cp} equal pieces (two per rank, "
+            f"for equal causal work); try seq_len = {nearest}, or change cp or num_slices"
         )
 
 
@@ -441,3 +461,29 @@ def choose_context_parallel(**shape: int) -> str:
     commutated = context_parallel_bytes("commutated", **shape)
     cheaper = commutated < context_parallel_bytes("kv_passing", **shape)
     return "commutated" if cheaper else "kv_passing"
+
+
+def context_parallel_variant(
+    variant: str, q_BHSD: Tensor, k_BGSD: Tensor, *, slice_index: int, slice_tokens: int, cp: int
+) -> str:
+    """The variant a slice's attention runs by: `variant`, or for "auto" the one that moves
+    fewer bytes for these queries and keys (`choose_context_parallel`). The one dispatcher of
+    context parallelism, inside pipelines (per slice) and outside them (one slice)."""
+    if variant != "auto":
+        return variant
+    return choose_context_parallel(
+        slice_index=slice_index,
+        slice_tokens=slice_tokens,
+        cp=cp,
+        q_heads=q_BHSD.shape[1],
+        kv_heads=k_BGSD.shape[1],
+        head_dim=q_BHSD.shape[-1],
+        element_bytes=q_BHSD.element_size(),
+    )
+
+
+CACHED_SHARD_ATTENTION = {
+    "commutated": commutated_context_attention,
+    "kv_passing": kv_passing_context_attention,
+}
+"""The variants that attend over cached shards (every slice's, or the one sequence's), by name."""

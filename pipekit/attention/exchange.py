@@ -33,10 +33,8 @@ Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,9 +83,6 @@ __all__ = [
     "serve_attention_loan_backward",
 ]
 
-_Computing = Callable[[], AbstractContextManager[None]]
-"""A context around an answer's compute (`ServingPriority.computing`, or none)."""
-
 
 def _ring_backend_and_scale(
     backend: str | AttentionBackend, scale: float | None, q_BHSD: Tensor, *tensors: Tensor
@@ -104,18 +99,15 @@ def answer_loan(
     loan: AttentionLoan,
     received: ReceivedLoan,
     backend: str | AttentionBackend = "auto",
-    computing: _Computing = contextlib.nullcontext,
 ) -> None:
     """Compute and send the answer to a received request: forward `(out, lse)` over the lent
-    chunks; backward (after receiving `dO`, `O`, lse) `dQ` and each lent chunk's `dK`, `dV`.
-    The compute alone runs inside `computing()` (`ServingPriority.computing`: the rank's own
-    passes give way to it)."""
+    chunks; backward (after receiving `dO`, `O`, lse) `dQ` and each lent chunk's `dK`, `dV`."""
     kind = "backward" if received.backward else "forward"
     with record_function(f"exchange: serve {kind} for rank {loan.peer}"):
         if received.backward:
-            _answer_backward(loan, received, backend, computing)
+            _answer_backward(loan, received, backend)
         else:
-            _answer_forward(loan, received, backend, computing)
+            _answer_forward(loan, received, backend)
 
 
 def serve_attention_loan(
@@ -141,12 +133,11 @@ def _answer_forward(
     loan: AttentionLoan,
     request: ReceivedLoan,
     backend: str | AttentionBackend,
-    computing: _Computing,
 ) -> None:
     q_BHSD = request.q_BHSD
     backend = pattern_backend(backend, request.pattern)
     chosen, scale = _ring_backend_and_scale(backend, request.scale, q_BHSD)
-    with computing(), torch.no_grad():
+    with torch.no_grad():
         partials = [
             chosen.forward_chunk(q_BHSD, c.k_BGKD, c.v_BGKD, c.mask, scale) for c in request.chunks
         ]
@@ -162,7 +153,6 @@ def _answer_backward(
     loan: AttentionLoan,
     request: ReceivedLoan,
     backend: str | AttentionBackend,
-    computing: _Computing,
 ) -> None:
     q_BHSD = request.q_BHSD
     grad_out_BHSD, out_BHSD = _buffer(q_BHSD), _buffer(q_BHSD)
@@ -170,16 +160,15 @@ def _answer_backward(
     loan.receive(grad_out_BHSD, out_BHSD, lse_BHS)
     backend = pattern_backend(backend, request.pattern)
     chosen, scale = _ring_backend_and_scale(backend, request.scale, q_BHSD)
-    with computing():
-        grad_q_BHSD, kv_grads = ring_backward(
-            chosen,
-            grad_out_BHSD,
-            q_BHSD,
-            out_BHSD,
-            lse_BHS,
-            [(c.k_BGKD, c.v_BGKD, c.mask) for c in request.chunks],
-            scale,
-        )
+    grad_q_BHSD, kv_grads = ring_backward(
+        chosen,
+        grad_out_BHSD,
+        q_BHSD,
+        out_BHSD,
+        lse_BHS,
+        [(c.k_BGKD, c.v_BGKD, c.mask) for c in request.chunks],
+        scale,
+    )
     wait_all(loan.send(grad_q_BHSD, *kv_grads))
 
 

@@ -27,7 +27,6 @@ the threads before it. The rank's own passes never wait for the threads until `f
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +35,6 @@ from typing import NamedTuple
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.exchange import answer_loan
 from pipekit.attention.loan_wire import AttentionLoan, receive_lent_chunks, receive_loan
-from pipekit.attention.serving_priority import ServingPriority
 
 __all__ = ["LoanRequest", "LoanServer", "ServingChain"]
 
@@ -74,8 +72,7 @@ class ServingChain:
 class LoanServer:
     """The requests one serving pass answers (`requests`, in the order each peer sends them);
     `loan(peer)` gives the peer's `AttentionLoan` (group and timeout). With a `chain`, each
-    peer's thread first waits for the thread of the chain's previous server of that peer; with a
-    `priority`, the rank's passes give way to the threads' compute (`ServingPriority`)."""
+    peer's thread first waits for the thread of the chain's previous server of that peer."""
 
     def __init__(
         self,
@@ -83,10 +80,8 @@ class LoanServer:
         loan: Callable[[int], AttentionLoan],
         backend: str | AttentionBackend,
         chain: ServingChain | None = None,
-        priority: ServingPriority | None = None,
     ) -> None:
         self.backend, self.chain = backend, chain
-        self._computing = priority.computing if priority is not None else contextlib.nullcontext
         self._requests: dict[int, list[LoanRequest]] = {}
         for request in requests:
             self._requests.setdefault(request.peer, []).append(request)
@@ -169,5 +164,5 @@ class LoanServer:
             received = receive_loan(loan, request.backward, chunks)
             if chunks is not None and index == 0:
                 self.chunk_leads_s.append(time.perf_counter() - chunks_at)
-            answer_loan(loan, received, self.backend, self._computing)
+            answer_loan(loan, received, self.backend)
             self.answered += 1

@@ -369,7 +369,6 @@ def build_runner(spec: Mapping[str, int], *, rank: int, **keywords: Any) -> Pipe
     rank of the world calls it together. Every stage gets the same seeded weights whatever the
     schedule."""
     del rank  # the mesh knows it
-    priority = keywords.pop("serving_priority", False)
     plan, model = _plan_and_model(spec, **keywords)
     mesh = init_device_mesh("cpu", (plan.num_ranks,), mesh_dim_names=("pp",))
     materialize = seeded_materializer("cpu", _SEED)
@@ -377,7 +376,6 @@ def build_runner(spec: Mapping[str, int], *, rank: int, **keywords: Any) -> Pipe
         device=torch.device("cpu"),
         materialize=materialize,
         attention_backend="cpu",
-        context_exchange_priority=priority,
     )
     return build_pipeline(plan, model, mesh, setup)
 

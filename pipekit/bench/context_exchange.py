@@ -23,22 +23,17 @@ each then splits every rank's step into compute and idle (the pipeline-throughpu
 breakdown), and `share_of_simulated_gain` is the measured step-time gain of the exchange as a
 share of the gain the simulated makespans predict at the same shape; `per_round_speedup` is the
 median of the per-round ratios (each round times every schedule once, so a pair shares the
-machine's drifting state). `--serving-priority` runs the exchange with serving priority
-(`pipekit.attention.serving_priority`: a rank's passes give way to its serving threads'
-answers) and `--compare-serving-priority` times it as a row of its own beside the plain
-exchange (`priority_speedup`: sliced over it); `gave_way_s` is how long the passes waited for
-the answers in its recorded step, all ranks. A table of CPU seconds per step by thread (the
-rank's own, the serving threads', gloo's) shows what the moved work and its transfers cost on
-the cores that also run the passes; `exchange_cpu_ratio` is the exchange's CPU per step over
-the plain sliced one's, all ranks, the median of the per-round ratios (1 when moving attention
-costs nothing, as the simulation assumes).
+machine's drifting state). A table of CPU seconds per step by thread (the rank's own, the
+serving threads', gloo's) shows what the moved work and its transfers cost on the cores that
+also run the passes; `exchange_cpu_ratio` is the exchange's CPU per step over the plain sliced
+one's, all ranks, the median of the per-round ratios (1 when moving attention costs nothing, as
+the simulation assumes).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from itertools import islice
 
 from pipekit.bench._cpu_per_step import print_cpu_per_step
 from pipekit.bench._pipeline_launch import (
@@ -68,9 +63,6 @@ __all__ = ["main"]
 _GIB = 2**30
 
 
-_PRIORITY = "sliced+exchange, priority"
-
-
 def overall_bubble(result: SimulationResult) -> float:
     """Idle over busy time summed over all ranks."""
     busy = sum(result.busy_time.values())
@@ -88,17 +80,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--simulate", action="store_true", help="simulate only, run nothing")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each schedule")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of each schedule")
-    priority = parser.add_mutually_exclusive_group()
-    priority.add_argument(
-        "--serving-priority",
-        action="store_true",
-        help="the ranks' passes give way to the serving threads instead of running beside them",
-    )
-    priority.add_argument(
-        "--compare-serving-priority",
-        action="store_true",
-        help=f"also time the exchange with serving priority, as {_PRIORITY!r}",
-    )
     add_pinning_argument(parser)
     add_model_arguments(parser, dim=None, layers=None, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
     options = parser.parse_args(argv)
@@ -193,14 +174,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, float]:
-    """Time the four schedules (five with `--compare-serving-priority`) in one set of ranks;
-    print the table; the measured ratios."""
+    """Time the four schedules in one set of ranks; print the table; the measured ratios."""
     runs = schedule_runs(options.slices)
-    if options.serving_priority:
-        runs["sliced+exchange"]["serving_priority"] = True
-    if options.compare_serving_priority:
-        giving_way = {**runs["sliced+exchange"], "serving_priority": True}
-        runs = dict(islice(runs.items(), 2)) | {_PRIORITY: giving_way} | runs
     spec = {
         "model": model,
         "microbatches": options.microbatches,
@@ -241,13 +216,11 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
             for name in runs
         ],
     )
-    exchanges = [name for name in runs if name.startswith("sliced+exchange")]
-    rounds = {name: _per_round(samples["sliced"], samples[name]) for name in exchanges}
-    for name, (ratio, faster) in rounds.items():
-        print(
-            f"per round (the schedules alternate), sliced / {name}: median {ratio:.4g}, the "
-            f"exchange faster in {faster} of {options.repeats}"
-        )
+    per_round, faster = _per_round(samples["sliced"], samples["sliced+exchange"])
+    print(
+        f"per round (the schedules alternate), sliced / sliced+exchange: median {per_round:.4g}, "
+        f"the exchange faster in {faster} of {options.repeats}"
+    )
     cpu_ratio = print_cpu_per_step(ranks, list(runs), "sliced", "sliced+exchange")
     print_step_breakdown(
         [rank["recorded"] for rank in ranks], options.pp, options.microbatches, options.slices
@@ -265,28 +238,14 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
         f"serving threads held them a mean {held_ms:.4g} ms (least {held_min_ms:.3g} ms) before "
         "the first request came"
     )
-    figures = {
+    return {
         "ahead_held_ms": held_ms,
         "measured_speedup": medians["sliced"] / medians["sliced+exchange"],
         "vs_1f1b": medians["1F1B"] / medians["sliced+exchange"],
         "sliced_vs_1f1b": medians["1F1B"] / medians["sliced"],
-        "per_round_speedup": rounds["sliced+exchange"][0],
+        "per_round_speedup": per_round,
         "exchange_cpu_ratio": cpu_ratio,
     }
-    giving_way = next((name for name, run in runs.items() if run.get("serving_priority")), None)
-    if giving_way is None:
-        print("serving priority: off")
-        return figures
-    gave_way = [rank["recorded"][giving_way].get("gave_way_s", 0.0) for rank in ranks]
-    waits = ", ".join(f"{seconds:.3g} s" for seconds in gave_way)
-    print(
-        f"serving priority ({giving_way}, recorded step): the ranks' passes gave way to the "
-        f"answers for {waits}"
-    )
-    figures["gave_way_s"] = sum(gave_way)
-    if options.compare_serving_priority:
-        figures["priority_speedup"] = medians["sliced"] / medians[_PRIORITY]
-    return figures
 
 
 def _per_round(sliced_s: list[float], exchange_s: list[float]) -> tuple[float, int]:

@@ -164,8 +164,6 @@ def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) 
     left is idle: waiting for the other ranks (the bubble, which causal imbalance lengthens)
     plus everything outside the compute, the runtime's Python, sends, receives and the loss."""
     exchange = runner.extension("context_exchange")
-    priority = exchange.priority if isinstance(exchange, PipelineContextExchange) else None
-    gave_way_before = priority.gave_way_s if priority is not None else 0.0
     with record_schedule(runner) as recorder:
         runner.step(batch, num_label_tokens)
     dist.barrier()  # every rank's step ends when the last rank's does, as the bubble counts it
@@ -173,8 +171,6 @@ def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) 
     _zero_gradients(runner)
     compute_s = sum(event.end - event.start for event in recorder.events)
     figures = {"step_s": step_s, "compute_s": compute_s, "actions": len(recorder.events)}
-    if priority is not None:  # the passes' waits for the serving threads' answers
-        figures["gave_way_s"] = priority.gave_way_s - gave_way_before
     if isinstance(exchange, PipelineContextExchange):  # early KV exchange
         figures["ahead_passes"] = len(exchange.ahead_sends)
         figures["ahead_posted_s"] = sum(sent.lead_s for sent in exchange.ahead_sends)
@@ -336,7 +332,7 @@ def simulated_makespan(plan: PipelinePlan, backward_ratio: float = 2.0) -> float
         slice_bounds=plan.slice_fractions,
     )
     attended = None
-    if plan.context_exchange:
+    if "context_exchange" in plan.features:
         exchange = plan_context_exchange(plan.actions_by_rank, plan.num_slices, backward_ratio)
         attended = exchange.attended_slices()
     result = simulate(

@@ -2,13 +2,13 @@
 
 For each debug config (FSDP2, context parallelism, tensor parallelism with and without sequence
 parallelism, the sliced pipeline with and without activation offload, expert parallelism, an
-upcycled MoE), the
-planner's per-rank peak (`python -m pipekit.plan`) is compared with what the ranks of a real run
-hold: each rank, in a fresh process, builds the trainer, runs one step (so optimizer states
-exist), then measures the second step with `PeakTensorMemory` (every tensor the step creates:
-activations, gradients, FSDP2's gathered parameters, messages, the optimizer's temporaries).
-Measured peak = local parameter shards + optimizer states + that step's peak. The runs use a
-short sequence (`--seq-len`) and the configs' own layouts and batch sizes.
+upcycled MoE), the planner's per-rank peak (`python -m pipekit.memory_plan`) is compared with
+what the ranks of a real run hold: each rank, in a fresh process, builds the trainer, runs one
+step (so optimizer states exist), then measures the second step with `PeakTensorMemory` (every
+tensor the step creates: activations, gradients, FSDP2's gathered parameters, messages, the
+optimizer's temporaries). Measured peak = local parameter shards + optimizer states + that
+step's peak. The runs use a short sequence (`--seq-len`) and the configs' own layouts and batch
+sizes.
 
 RESULT: plan_max_rel_err, the largest |plan - measured| / measured over configs and ranks.
 """
@@ -27,9 +27,9 @@ from pipekit.bench._pipeline_launch import run_ranks
 from pipekit.bench._report import machine_description, print_result, print_table
 from pipekit.config.loader import load_job_config
 from pipekit.memory.live_tensors import PeakTensorMemory
+from pipekit.memory_plan.memory import plan_memory
 from pipekit.models.registry import get_model_spec
-from pipekit.plan.memory import plan_memory
-from pipekit.train.job import plan_job
+from pipekit.train.job import validate_job
 from pipekit.train.metrics import tensor_bytes
 
 __all__ = ["main"]
@@ -97,7 +97,7 @@ def _argv(name: str, options: argparse.Namespace, folder: str, dense: str) -> li
 def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     from pipekit.train.trainer import Trainer
 
-    job = plan_job(load_job_config(spec["argv"]), num_ranks)
+    job = validate_job(load_job_config(spec["argv"]), num_ranks)
     trainer = Trainer(job)
     trainer.train_step()
     static = tensor_bytes(trainer.model, trainer.optimizer)  # no gradients between steps
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> None:
         for name in chosen:
             ranks = _CONFIGS[name][1]
             argv_ = _argv(name, options, str(Path(folder, name.replace(" ", "_"))), dense)
-            plan = plan_memory(plan_job(load_job_config(argv_), ranks, check_files=False))
+            plan = plan_memory(validate_job(load_job_config(argv_), ranks, check_files=False))
             planned = {memory.layout.pipeline_rank: memory for memory in plan.ranks}
             results = run_ranks(
                 "pipekit.bench.plan_accuracy:_rank_worker",

@@ -20,9 +20,9 @@ import time
 
 from pipekit.bench._report import machine_description, print_result, print_table
 from pipekit.config import load_job_config
-from pipekit.train.job import plan_job
+from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
+from pipekit.train.job import validate_job
 from pipekit.train.metrics import measure_matmul_flops
-from pipekit.train.model_setup import DTYPES
 
 __all__ = ["main"]
 
@@ -47,7 +47,7 @@ class _TimedTrainer:
         for key, value in overrides.items():
             argv += [f"--{key}", str(value)]
         self.config = load_job_config(argv)
-        self.trainer = Trainer(plan_job(self.config, world_size=1))
+        self.trainer = Trainer(validate_job(self.config, world_size=1))
         self.losses: list[float] = []
         self.seconds, self.tokens = 0.0, 0
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             for run in runs:
                 run.step(timed=step >= options.warmup)
     config, trainer = runs[0].config, runs[0].trainer
-    compute_dtype = DTYPES[config.training.mixed_precision_param]
+    compute_dtype = MIXED_PRECISION_DTYPES[config.training.mixed_precision_param]
     peak, flops_per_token = (
         measure_matmul_flops(trainer.device, compute_dtype),
         trainer.flops_per_token,

@@ -21,7 +21,7 @@ from pipekit.check.layouts import LAYOUTS, Layout, PlannedLayout, plan_layout, r
 from pipekit.config.loader import ConfigError, load_job_config
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.testing import Comparison, Result, compare, parity_batch, reference_step
-from pipekit.train.job import Job, plan_job
+from pipekit.train.job import Job, validate_job
 
 __all__ = ["main"]
 
@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
     options, config_argv = _parse(argv)
     try:
         config = load_job_config(config_argv)
-        job = plan_job(config, ParallelDims.smallest_world_size(config.parallelism))
+        job = validate_job(config, ParallelDims.smallest_world_size(config.parallelism))
         world_size = _world_size(options.world_size, job)
         layouts = _layouts(options.layouts)
         seq_len = _checked_options(options, config.training.seq_len)

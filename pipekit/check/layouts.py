@@ -4,7 +4,7 @@ Each layout is one parallel feature on 2 ranks, the rest of the world size going
 (`dp_shard`): FSDP alone, tensor parallelism, context parallelism, the sliced pipeline, the
 sliced pipeline with context exchange and vocabulary parallelism, and expert parallelism. A
 layout is planned from the job's config with its `[parallelism]` replaced and checked by the
-rules training applies (`pipekit.train.job.plan_job`), so what the check refuses, training
+rules training applies (`pipekit.train.job.validate_job`), so what the check refuses, training
 refuses too; it runs one step through `pipekit.testing` and is compared with one process on the
 same microbatches (MoE auxiliary losses take their statistics per microbatch).
 """
@@ -29,7 +29,7 @@ from pipekit.testing import (
     pipeline_step,
     run_on_ranks,
 )
-from pipekit.train.job import Job, plan_job
+from pipekit.train.job import Job, validate_job
 
 __all__ = ["LAYOUTS", "Layout", "PlannedLayout", "plan_layout", "run_layouts"]
 
@@ -135,7 +135,7 @@ def plan_layout(
     if _has_field(job.args, "vocab_size"):  # the size the job resolved (e.g. the tokenizer's)
         model = dataclasses.replace(model, vocab_size=job.shape.vocab_size)
     derived = dataclasses.replace(config, model=model, training=training, parallelism=parallelism)
-    return PlannedLayout(layout, plan_job(derived, world_size, check_files=False))
+    return PlannedLayout(layout, validate_job(derived, world_size, check_files=False))
 
 
 def run_layouts(

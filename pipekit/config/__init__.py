@@ -1,4 +1,5 @@
-"""Job configuration: dataclass sections, TOML + CLI loading, validation, dump."""
+"""Job configuration: dataclass sections, TOML + CLI loading, dump (torch-free; the values
+are checked by `pipekit.train.config_values`)."""
 
 from pipekit.config.job_config import (
     CheckpointConfig,
@@ -17,7 +18,6 @@ from pipekit.config.job_config import (
     ValidationConfig,
 )
 from pipekit.config.loader import ConfigError, help_text, load_job_config, to_dict
-from pipekit.config.validate import check_values
 
 __all__ = [
     "CheckpointConfig",
@@ -35,7 +35,6 @@ __all__ = [
     "ProfilingConfig",
     "TrainingConfig",
     "ValidationConfig",
-    "check_values",
     "help_text",
     "load_job_config",
     "to_dict",

@@ -1,8 +1,11 @@
 """The job config: nested dataclass sections, one per concern.
 
 Every field has a one-line docstring under it: that text is `train.py --help` and the config
-reference in docs/. Required fields have no default. Cross-field rules live in
-`pipekit.config.validate`, and run before any process group exists.
+reference in docs/. Required fields have no default. The rules live elsewhere:
+`pipekit.train.config_values` checks choices, ranges and the rules between keys that need no
+subsystem (each key's choices read from the component that uses the key); the rules that need
+a subsystem (model, data files, parallel degrees, pipeline plan) are that subsystem's.
+`pipekit.train.job.validate_job` runs them all before any process group exists.
 """
 
 from __future__ import annotations
@@ -266,6 +269,10 @@ class ParallelismConfig:
     docs/activation_memory.md). Pipelines only; 0 turns it off."""
     activation_offload_dir: str = ""
     """On CPU, the folder of the offload file (empty: the system's temporary folder)."""
+    pipeline_features: list[str] = field(default_factory=list)
+    """Pipeline features of your own to turn on, by the name they were registered under
+    (`register_pipeline_feature`, in the module `[model] module` names; see
+    docs/pipelining.md). pipekit's own features have settings of their own."""
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows from the data-parallel ranks)."""
     collective_timeout_s: int = 300

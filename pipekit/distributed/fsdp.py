@@ -26,6 +26,7 @@ router's gradients over the tp ranks the block's other units do not span.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,10 +35,16 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from pipekit._torch_private import concatenate_meshes, fsdp_replicate
-from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.moe.layer import MoE
 
-__all__ = ["apply_data_parallel", "data_parallel_mesh"]
+if TYPE_CHECKING:  # pipekit.config imports this module's dtypes: no import back at run time
+    from pipekit.distributed.parallel_dims import ParallelDims
+
+__all__ = ["MIXED_PRECISION_DTYPES", "apply_data_parallel", "data_parallel_mesh"]
+
+MIXED_PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The dtypes `[training] mixed_precision_param` and `mixed_precision_reduce` name, for FSDP2's
+`MixedPrecisionPolicy` (`apply_data_parallel`'s `param_dtype` and `reduce_dtype`)."""
 
 
 def data_parallel_mesh(mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceMesh | None:

@@ -45,7 +45,20 @@ from torch.distributed.tensor.parallel import (
 
 from pipekit.models.spec import ModelShape, ModelSpec
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel"]
+__all__ = ["apply_tensor_parallel", "check_sequence_parallel_split", "check_tensor_parallel"]
+
+
+def check_sequence_parallel_split(seq_len: int, tp: int, cp: int = 1, num_slices: int = 1) -> None:
+    """ValueError unless each tp rank can hold an equal run of every slice's tokens on a cp rank
+    (the one rule of sequence parallelism, inside pipelines and outside)."""
+    parts = tp * cp * num_slices
+    if seq_len % parts:
+        raise ValueError(
+            f"sequence_parallel = true with tp={tp}: training.seq_len={seq_len} must be a "
+            f"multiple of tp x cp x num_slices = {parts} (each tp rank holds an equal run of "
+            "every slice's tokens on a cp rank); choose seq_len, tp, cp or num_slices to fit, "
+            "or sequence_parallel = false"
+        )
 
 
 def check_tensor_parallel(

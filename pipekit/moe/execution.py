@@ -39,9 +39,18 @@ from pipekit.moe.restore import (
 from pipekit.moe.routing import Routing
 from pipekit.moe.token_exchange import LocalExchange, TokenExchange
 
-__all__ = ["ExpertExecution"]
+__all__ = ["ExpertExecution", "check_partitions"]
 
 _TRIAL_REPEATS = 2
+
+
+def check_partitions(partitions: int | str) -> None:
+    """ValueError unless `partitions` is an int >= 1 or "auto"; the config checks
+    `[moe] partitions` with it too, before launch."""
+    if not (partitions == "auto" or (isinstance(partitions, int) and partitions >= 1)):
+        raise ValueError(
+            f"partitions={partitions!r} must be a positive integer or 'auto' (Algorithm 1)"
+        )
 
 
 class ExpertExecution:
@@ -53,10 +62,7 @@ class ExpertExecution:
         partitions: int | str = 1,
         memory_reuse: str = "none",
     ) -> None:
-        if not (partitions == "auto" or (isinstance(partitions, int) and partitions >= 1)):
-            raise ValueError(
-                f"partitions={partitions!r} must be a positive integer or 'auto' (Algorithm 1)"
-            )
+        check_partitions(partitions)
         if memory_reuse != "auto":
             restore_strategy(memory_reuse)  # validates the name
         self.exchange = exchange or LocalExchange()

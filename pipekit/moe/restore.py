@@ -37,6 +37,7 @@ from pipekit.moe.grouped_mm import grouped_matmul
 from pipekit.moe.token_exchange import TokenExchange
 
 __all__ = [
+    "MEMORY_REUSE_CHOICES",
     "RESTORE_STRATEGIES",
     "ExpertShape",
     "HardwareSpeeds",
@@ -75,6 +76,9 @@ RESTORE_STRATEGIES: dict[str, RestoreStrategy] = {
         RestoreStrategy("S4", "communicate", "recompute"),
     )
 }
+
+MEMORY_REUSE_CHOICES: tuple[str, ...] = (*RESTORE_STRATEGIES, "auto")
+"""`memory_reuse`'s choices: a strategy of Table II, or "auto" (Eq. 10 picks one)."""
 
 
 def restore_strategy(name: str) -> RestoreStrategy:
@@ -155,7 +159,7 @@ def restore_cost(strategy: RestoreStrategy, speeds: HardwareSpeeds, shape: Exper
 
 def choose_restore_strategy(speeds: HardwareSpeeds, shape: ExpertShape) -> RestoreStrategy:
     """The sharing strategy (S1-S4) of lowest Eq. 10 cost; ties go to the lower number."""
-    candidates = [RESTORE_STRATEGIES[name] for name in ("S1", "S2", "S3", "S4")]
+    candidates = [strategy for strategy in RESTORE_STRATEGIES.values() if strategy.shares_buffers]
     return min(candidates, key=lambda strategy: restore_cost(strategy, speeds, shape))
 
 

@@ -6,7 +6,8 @@ Subpackages, lowest first (each imports only those above it in this list):
 - `model_split`: which blocks each stage holds, on which rank, and the stage as a module;
 - `runtime`: the sliced stage, torch's runtime fed with action lists, the extension hooks,
   the runner;
-- `features`: vocabulary parallelism and context exchange, as extensions;
+- `features`: the feature table (`features.registry`) and pipekit's features (vocabulary
+  parallelism, context exchange, context parallelism, activation offload) as extensions;
 - `plan.py` (config -> plan, pure) and `build.py` (plan + model -> runner);
 - `tools`: recorded timelines, traces and pictures.
 """
@@ -15,8 +16,18 @@ from pipekit.models.stage_module import (
     build_stage_module,
     validate_stage_module_names,
 )
+from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action
 from pipekit.pipelining.build import StageSetup, build_pipeline
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
+from pipekit.pipelining.features.registry import (
+    FeatureBuilding,
+    FeaturePlanning,
+    PipelineFeature,
+    enabled_pipeline_features,
+    get_pipeline_feature,
+    pipeline_feature_names,
+    register_pipeline_feature,
+)
 from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
 from pipekit.pipelining.model_split.partition import (
     blocks_per_stage,
@@ -65,11 +76,17 @@ from pipekit.pipelining.schedules.user import (
 )
 
 __all__ = [
+    "BACKWARD",
+    "FORWARD",
     "SCHEDULES",
+    "Action",
     "ActionListSchedule",
     "CostModel",
+    "FeatureBuilding",
+    "FeaturePlanning",
     "PipelineContextExchange",
     "PipelineExtension",
+    "PipelineFeature",
     "PipelinePlan",
     "PipelineRunner",
     "PipelineVocabParallel",
@@ -88,13 +105,17 @@ __all__ = [
     "build_pipeline",
     "build_stage_module",
     "check_schedule",
+    "enabled_pipeline_features",
+    "get_pipeline_feature",
     "get_schedule",
     "load_schedule_file",
     "make_schedule",
     "partition_layers",
     "peak_units_in_flight",
+    "pipeline_feature_names",
     "plan_pipeline",
     "read_actions_csv",
+    "register_pipeline_feature",
     "register_schedule",
     "simulate",
     "sliced_pipeline_actions",

@@ -27,31 +27,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipekit.attention.loan_wire import DEFAULT_LOAN_TIMEOUT
-from pipekit.distributed.process_group import new_group_along, new_group_between
+from pipekit.distributed.process_group import new_group_between
 from pipekit.layers.loss import token_sum_cross_entropy
-from pipekit.memory.offload_store import store_for
 from pipekit.models.stage_module import (
     build_stage_module,
     check_structure,
     validate_stage_module_names,
 )
-from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
-from pipekit.pipelining.features.context_exchange import PipelineContextExchange
-from pipekit.pipelining.features.context_parallel import PipelineContextParallel
+from pipekit.pipelining.features.registry import FeatureBuilding, get_pipeline_feature
 from pipekit.pipelining.features.tied_weights import TiedWeights, untie_vocabulary
-from pipekit.pipelining.features.vocab_parallel import (
-    PipelineVocabParallel,
-    check_elementwise,
-    copy_full_vocab_rows,
-    vocab_shard_modules,
-)
-from pipekit.pipelining.model_split.partition import blocks_per_stage
+from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
 from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
 from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
 from pipekit.pipelining.runtime.stage import SlicedPipelineStage, StageShapes
 
-__all__ = ["StageSetup", "build_pipeline", "vocabulary_row_dims"]
+__all__ = ["StageSetup", "build_pipeline"]
 
 
 def _unchanged(*_: nn.Module) -> None:
@@ -84,11 +75,6 @@ class StageSetup:
     """Folder of the activation offload file on CPU (empty: the system's temporary folder)."""
     loss_fn: LossFn = token_sum_cross_entropy
     """The last stage's loss of (logits, labels, normaliser) (e.g. a compiled one)."""
-    context_exchange_priority: bool = False
-    """Whether the rank's passes give way to its context-exchange serving threads
-    (`ServingPriority`, for a CPU, where both share the rank's cores; not under `torch.compile`,
-    whose blocks would run eagerly under its dispatch mode). Off by default: at 8K context it
-    made no difference to the step beyond the noise, and it costs small models time."""
 
 
 def build_pipeline(
@@ -118,39 +104,27 @@ def build_pipeline(
         model_dim=plan.model.dim,
         vocab_size=plan.model.vocab_size,
         dtype=setup.message_dtype,
-        vocab_parallel=plan.vocab_parallel,
+        embedding_outside=plan.embedding_outside,
+        output_outside=plan.output_outside,
         sequence_shards=plan.sequence_shards,
         context_parallel=plan.context_parallel,
     )
     extensions: list[PipelineExtension] = []
-    if plan.context_parallel > 1:  # first: context exchange wraps its attention
-        extensions.append(
-            PipelineContextParallel(
-                mesh["cp"].get_group(),
-                plan.slice_length * plan.context_parallel,
-                plan.context_parallel_variant,
-            )
+    for name in plan.features:  # in the table's order
+        building = FeatureBuilding(
+            plan,
+            model,
+            rank_model,
+            mesh,
+            setup,
+            shapes,
+            tuple(extensions),
+            plan.feature_plans[name],
         )
-    if plan.context_exchange:  # before vocabulary parallelism: it plans on the compute lists
-        extensions.append(
-            PipelineContextExchange(
-                new_group_along(mesh, "pp"),
-                blocks_per_stage(plan.structure, plan.module_names_per_stage),
-                downward_group=new_group_along(mesh, "pp"),
-                chunks_ahead=plan.context_parallel == 1,  # cp lends chunks it builds itself
-                backend=setup.attention_backend,
-                serving_priority=setup.context_exchange_priority,
-                timeout=setup.collective_timeout,
-            )
-        )
-    if plan.vocab_parallel:
-        extensions.append(_vocab_parallel(plan, model, rank_model, mesh, setup, shapes))
-    if plan.activation_offload:
-        store = store_for(setup.device, setup.offload_dir or None)
-        extensions.append(PipelineActivationOffload(rank, plan.activation_offload, store))
+        extensions.append(get_pipeline_feature(name).build(building))
     stages = []
     for stage_index in indices:
-        if len(indices) == 1 and not plan.vocab_parallel:  # the rank model is the stage
+        if len(indices) == 1 and not plan.modules_outside_stages:  # the rank model is the stage
             stage_module = rank_model
         else:
             stage_module = build_stage_module(
@@ -189,55 +163,6 @@ def build_pipeline(
         extensions,
         model=rank_model,
         slice_bounds=plan.rank_slice_bounds,
-    )
-
-
-def vocabulary_row_dims(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The mesh dims whose ranks split the vocabulary rows under vocabulary parallelism, in
-    mesh order: the pipeline ranks, and the tp ranks of each."""
-    tensor_parallel = "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1
-    return ("pp", "tp") if tensor_parallel else ("pp",)
-
-
-def _vocab_parallel(
-    plan: PipelinePlan,
-    model: nn.Module,
-    rank_model: nn.Module,
-    mesh: DeviceMesh,
-    setup: StageSetup,
-    shapes: StageShapes,
-) -> PipelineVocabParallel:
-    """This rank's vocabulary rows (of a split over the pipeline x tp ranks), filled from the
-    unsplit model's and set on `rank_model` under the model's names (checkpoints see row shards
-    of the full matrices); the output passes' collectives get groups of their own: on NCCL a
-    pipeline send blocks its communicator until received, and a pass may sit behind one."""
-    group = new_group_along(mesh, "pp")
-    row_dims = vocabulary_row_dims(mesh)
-    rows_group = new_group_along(mesh, *row_dims)
-    row_ranks = [mesh[dim].size() for dim in row_dims]
-    with setup.device:
-        embedding, output = vocab_shard_modules(
-            plan.model.vocab_size, plan.model.dim, rows_group, row_ranks
-        )
-    copy_full_vocab_rows(embedding, output, setup.materialize, model, plan.structure)
-    embedding_name, output_name = plan.structure.vocabulary_modules
-    setattr(rank_model, embedding_name, embedding)
-    setattr(rank_model, output_name, output)
-    setup.parallelize_vocab(embedding, output)
-    transforms = [getattr(model, name) for name in plan.structure.logits_transforms]
-    for name, transform in zip(plan.structure.logits_transforms, transforms, strict=True):
-        check_elementwise(transform, name)
-    return PipelineVocabParallel(
-        embedding,
-        output,
-        shapes,
-        first_rank=plan.stage_rank(0),
-        last_rank=plan.stage_rank(plan.num_stages - 1),
-        group=group,
-        tensor_group=new_group_along(mesh, "tp") if "tp" in row_dims else None,
-        module_names=(embedding_name, output_name),
-        logits_transforms=transforms,
-        lockstep=plan.context_exchange,
     )
 
 

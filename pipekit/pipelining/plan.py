@@ -1,26 +1,31 @@
 """From the `[parallelism]` section to a concrete pipeline: schedule, slices, stages, placement.
 
 Pure and cheap, so config validation runs it before any process group exists and the trainer
-runs the same code to build the pipeline: every rule is checked in one place.
+runs the same code to build the pipeline: every rule is checked in one place. The pipeline
+features' rules and their parts of the plan come from the feature table
+(`features.registry`), the schedules' from the schedule table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from pipekit.attention.context_parallel import check_context_parallel_variant
 from pipekit.config.job_config import ParallelismConfig
+from pipekit.distributed.tensor_parallel import check_sequence_parallel_split
 from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.pipelining._torch_runtime import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
-from pipekit.pipelining.features.exchange_plan import plan_context_exchange
-from pipekit.pipelining.features.offload_plan import resolve_offload_ratios
-from pipekit.pipelining.features.output_passes import with_output_passes
+from pipekit.pipelining.features.registry import (
+    FeaturePlanning,
+    PipelineFeature,
+    enabled_pipeline_features,
+    get_pipeline_feature,
+)
 from pipekit.pipelining.model_split.partition import (
-    blocks_per_stage,
-    modules_outside_stages,
     stage_module_names,
     stages_of_rank,
     with_shared_modules,
@@ -58,32 +63,20 @@ class PipelinePlan:
     slice_bounds: tuple[int, ...]
     """Token offsets, from 0 to seq_len, where a sequence's slices start and end (the whole
     sequence's, before context parallelism splits each slice)."""
-    vocab_parallel: bool = False
-    """The embedding and output layer are split across the pipeline ranks, outside the stages."""
-    context_exchange: bool = False
+    features: tuple[str, ...] = ()
+    """The pipeline features the job turns on (feature table names), in build order."""
+    feature_plans: Mapping[str, Any] = field(default_factory=dict)
+    """What each feature fixed at planning (its entry's `plan`), by name."""
+    modules_outside_stages: tuple[str, ...] = ()
+    """Modules no stage holds (a feature holds them: vocabulary parallelism's)."""
     context_parallel: int = 1
     """cp ranks sharing every slice (`slice_length` is one rank's share)."""
-    context_parallel_variant: str = "auto"
-    """"commutated", "kv_passing" or "auto" (per slice, by bytes)."""
     sequence_shards: int = 1
     """Sequence parallelism's tp ranks: hidden states between stages hold `slice_length /
     sequence_shards` tokens."""
     attention_to_linear: float = 0.0
     """The model's causal-attention over matmul FLOPs on whole sequences, as planning was told
     (what equal-cost slices are placed by; 0 when not given)."""
-    activation_offload: tuple[float, ...] = ()
-    """Per pipeline rank, the share of an offloaded unit's activations moved off the device
-    (`features.offload_plan`); () when nothing is offloaded."""
-
-    @property
-    def features(self) -> frozenset[str]:
-        """The pipeline features the plan turns on (registry names)."""
-        return _features(
-            self.vocab_parallel,
-            self.context_exchange,
-            self.context_parallel,
-            bool(self.activation_offload),
-        )
 
     @property
     def slice_lengths(self) -> tuple[int, ...]:
@@ -109,10 +102,24 @@ class PipelinePlan:
         """Tokens of one sequence in the longest slice, per context-parallel rank."""
         return max(self.slice_lengths)
 
+    def without_feature(self, name: str) -> PipelinePlan:
+        """This plan with feature `name` off: the what-if of a feature that leaves the stages
+        and lists as they are (activation offload's, in the memory plan)."""
+        return dataclasses.replace(
+            self,
+            features=tuple(feature for feature in self.features if feature != name),
+            feature_plans={key: value for key, value in self.feature_plans.items() if key != name},
+        )
+
     @property
-    def modules_outside_stages(self) -> tuple[str, ...]:
-        """Modules no stage holds (vocabulary parallelism's)."""
-        return modules_outside_stages(self.structure, self.vocab_parallel)
+    def embedding_outside(self) -> bool:
+        """A feature holds the embedding: the first stage takes hidden states."""
+        return self.structure.embedding in self.modules_outside_stages
+
+    @property
+    def output_outside(self) -> bool:
+        """A feature holds the output layer: the last stage gives hidden states."""
+        return self.structure.output in self.modules_outside_stages
 
     @property
     def num_stages(self) -> int:
@@ -161,13 +168,9 @@ def plan_pipeline(
             "sequences (global_batch_size / (data-parallel degree x gradient_accumulation_steps))"
         )
     shape = ScheduleShape(num_ranks, num_microbatches, num_slices, stages_per_rank)
-    features = _features(
-        parallelism.vocab_parallel,
-        parallelism.context_exchange,
-        parallelism.cp,
-        bool(parallelism.activation_offload),
-    )
-    entry.check(shape, features)
+    features = enabled_pipeline_features(parallelism)
+    entries = [get_pipeline_feature(name) for name in features]
+    entry.check(shape, sliced_only=[f.name for f in entries if f.extension.sliced_only])
     if entry.actions is None:
         where = f"pipeline_schedule_file={schedule_file!r}" if schedule_file else "the schedule"
         lists = load_schedule_file(schedule_file, num_slices) if schedule_file else user_actions
@@ -199,7 +202,12 @@ def plan_pipeline(
         )
     sequence_shards = parallelism.tp if parallelism.sequence_parallel else 1
     if parallelism.slicing != "equal_length":
-        _check_equal_cost(parallelism, num_slices)
+        _check_equal_cost(
+            parallelism, num_slices, [f for f in entries if f.extension.equal_length_slices]
+        )
+    outside = tuple(
+        name for feature in entries for name in feature.extension.modules_outside_stages(structure)
+    )
     num_stages = num_ranks * stages_per_rank
     if parallelism.pipeline_stage_modules:
         names = with_shared_modules(
@@ -222,18 +230,18 @@ def plan_pipeline(
             num_stages,
             parallelism.pipeline_embedding_cost,
             parallelism.pipeline_output_cost,
-            vocab_parallel=parallelism.vocab_parallel,
+            outside=outside,
         )
-    if parallelism.context_exchange:
-        _check_context_exchange(structure, names, actions_by_rank, num_slices)
-    if parallelism.cp > 1:
-        _check_context_parallel(parallelism, seq_len, num_slices)
     if sequence_shards > 1:
-        _check_sequence_parallel(parallelism, seq_len // num_slices // parallelism.cp)
+        check_sequence_parallel_split(seq_len, parallelism.tp, parallelism.cp, num_slices)
+    planning = FeaturePlanning(
+        parallelism, structure, model, seq_len, num_slices, names, actions_by_rank, features
+    )
+    feature_plans = {}
+    for feature in entries:
+        feature.check(planning)
+        feature_plans[feature.name] = feature.plan(planning)
     granularity = _slice_granularity(seq_len // num_slices, sequence_shards)
-    if parallelism.vocab_parallel:  # the output passes must fit the schedule without deadlock
-        with_output_passes(actions_by_rank, num_slices, lockstep=parallelism.context_exchange)
-    offload = resolve_offload_ratios(parallelism.activation_offload, actions_by_rank)
     return PipelinePlan(
         schedule=entry.name,
         num_ranks=num_ranks,
@@ -249,13 +257,12 @@ def plan_pipeline(
         slice_bounds=slice_bounds(
             seq_len, num_slices, parallelism.slicing, attention_to_linear, granularity
         ),
-        vocab_parallel=parallelism.vocab_parallel,
-        context_exchange=parallelism.context_exchange,
+        features=features,
+        feature_plans=feature_plans,
+        modules_outside_stages=outside,
         context_parallel=parallelism.cp,
-        context_parallel_variant=parallelism.cp_variant,
         sequence_shards=sequence_shards,
         attention_to_linear=attention_to_linear,
-        activation_offload=offload,
     )
 
 
@@ -269,9 +276,11 @@ def _slice_granularity(equal_slice: int, sequence_shards: int) -> int:
     return math.lcm(granularity, sequence_shards)
 
 
-def _check_equal_cost(parallelism: ParallelismConfig, num_slices: int) -> None:
+def _check_equal_cost(
+    parallelism: ParallelismConfig, num_slices: int, needing_equal: Sequence[PipelineFeature]
+) -> None:
     """Equal-cost slices differ in length; the features that pair slices across ranks or cut
-    them into equal pieces need equal lengths."""
+    them into equal pieces (`equal_length_slices`) need equal lengths."""
     if parallelism.slicing not in SLICINGS:
         raise ValueError(f"slicing={parallelism.slicing!r} is not one of {', '.join(SLICINGS)}")
     if num_slices < 2:
@@ -279,86 +288,12 @@ def _check_equal_cost(parallelism: ParallelismConfig, num_slices: int) -> None:
             f"slicing={parallelism.slicing!r} needs sliced passes: num_slices >= 2, not "
             f"{num_slices}"
         )
-    clashes = {
-        "context_exchange = true": parallelism.context_exchange,
-        "vocab_parallel = true": parallelism.vocab_parallel,
-        f"cp = {parallelism.cp}": parallelism.cp > 1,
-    }
-    for setting, on in clashes.items():
-        if on:
-            raise ValueError(
-                f"slicing='equal_cost' with {setting}: that feature needs slices of equal "
-                "length; use slicing = 'equal_length' with it"
-            )
-
-
-def _features(
-    vocab_parallel: bool, context_exchange: bool, cp: int, offload: bool = False
-) -> frozenset[str]:
-    """The registry names of the features these settings turn on."""
-    on = {
-        "vocab_parallel": vocab_parallel,
-        "context_exchange": context_exchange,
-        "context_parallel": cp > 1,
-        "activation_offload": offload,
-    }
-    return frozenset(name for name, enabled in on.items() if enabled)
-
-
-def _check_context_parallel(parallelism: ParallelismConfig, seq_len: int, num_slices: int) -> None:
-    """Every slice is cut into 2 x cp equal pieces; context exchange lends KV-cache chunks a
-    context-parallel rank does not hold whole."""
-    check_context_parallel_variant(parallelism.cp_variant)
-    if parallelism.cp_variant == "ring":
+    if needing_equal:
+        feature = needing_equal[0]
         raise ValueError(
-            "cp_variant='ring' passes a whole sequence's K/V around the ranks; inside a "
-            "pipeline use commutated, kv_passing or auto"
+            f"slicing='equal_cost' with {feature.how_to_enable}: that feature needs slices of "
+            "equal length; use slicing = 'equal_length' with it"
         )
-    pieces = 2 * parallelism.cp * num_slices
-    if seq_len % pieces:
-        raise ValueError(
-            f"training.seq_len={seq_len} must be a multiple of 2 x cp x num_slices = {pieces} "
-            f"(each of the {num_slices} slices is cut into 2 x cp = {2 * parallelism.cp} equal "
-            "pieces for the cp ranks); choose seq_len, cp or num_slices to fit"
-        )
-    if parallelism.context_exchange and parallelism.cp_variant == "kv_passing":
-        raise ValueError(
-            "context_exchange = true with cp_variant='kv_passing': a lending slice hands its "
-            "peer this rank's share of earlier slices, which only the commutated variant keeps "
-            "at home; use cp_variant = 'commutated' or 'auto' (lending slices run commutated)"
-        )
-
-
-def _check_sequence_parallel(parallelism: ParallelismConfig, slice_length: int) -> None:
-    """Each tp rank holds an equal run of every slice's tokens between the stages."""
-    if slice_length % parallelism.tp:
-        raise ValueError(
-            f"sequence_parallel = true with tp={parallelism.tp}: a slice's {slice_length} tokens "
-            "per cp rank must split evenly over the tp ranks; choose seq_len, num_slices or cp "
-            "so that seq_len / (num_slices x cp) is a multiple of tp, or sequence_parallel = false"
-        )
-
-
-def _check_context_exchange(
-    structure: ModelStructure,
-    names: list[list[str]],
-    actions_by_rank: dict[int, list[Action]],
-    num_slices: int,
-) -> None:
-    """Context exchange moves attention between slices' passes: it needs several slices, and
-    every stage must hold an attention layer to serve with."""
-    if num_slices < 2:
-        raise ValueError(
-            f"context_exchange = true needs sliced passes: num_slices >= 2, not {num_slices}"
-        )
-    blocks = blocks_per_stage(structure, names)
-    empty = [stage for stage, count in blocks.items() if not count]
-    if empty:
-        raise ValueError(
-            f"context_exchange = true: stages {empty} hold no transformer layer to serve "
-            "attention with; change the stage split or set context_exchange = false"
-        )
-    plan_context_exchange(actions_by_rank, num_slices)
 
 
 def _check_user_lists(

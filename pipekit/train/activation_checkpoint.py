@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,7 +29,9 @@ from pipekit._torch_private import (
     checkpoint_module_activations,
     ignore_profiler_markers_in_selective_checkpointing,
 )
-from pipekit.config.job_config import TrainingConfig
+
+if TYPE_CHECKING:  # pipekit.config imports this module's choices: no import back at run time
+    from pipekit.config.job_config import TrainingConfig
 
 __all__ = [
     "ACTIVATION_CHECKPOINT_MODES",
@@ -39,6 +41,7 @@ __all__ = [
 ]
 
 ACTIVATION_CHECKPOINT_MODES = ("none", "full", "every_k", "selective")
+"""`activation_checkpoint`'s choices; `pipekit.train.config_values` reads them here."""
 
 _aten = torch.ops.aten
 _MATMULS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default)
@@ -48,7 +51,8 @@ SELECTIVE_KEEP: dict[str, frozenset[Any]] = {
     ),
     "attention": frozenset((*ATTENTION_KERNEL_OPS, *FUNCTIONAL_COLLECTIVE_OPS)),
 }
-"""`activation_checkpoint_keep` -> the ops whose outputs selective checkpointing keeps."""
+"""`activation_checkpoint_keep` -> the ops whose outputs selective checkpointing keeps (its keys
+are that key's choices; `pipekit.train.config_values` reads them here)."""
 
 
 def _policy(keep: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -1,6 +1,6 @@
 """From a loaded config to a `Job`: every rule checked, everything the trainer builds resolved.
 
-`plan_job(config, world_size)` runs before any process group, file read beyond headers, or
+`validate_job(config, world_size)` runs before any process group, file read beyond headers, or
 model exists. Each subsystem checks its own part (the config's value ranges, the model registry,
 the data sources, parallel degrees, expert parallelism, the pipeline plan, upcycling); this
 module runs them in order, adds the rules that combine sections, and turns every refusal into a
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
-from pipekit.config.validate import check_values
 from pipekit.models.registry import get_model_spec, import_model_module, resolve_model
 from pipekit.models.spec import ModelShape, ModelSpec
+from pipekit.train.config_values import check_values
 
 if TYPE_CHECKING:
     from torch import nn
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pipekit.models.upcycling import UpcycleSpec
     from pipekit.pipelining.plan import PipelinePlan
 
-__all__ = ["Job", "plan_job"]
+__all__ = ["Job", "validate_job"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _error(section: str, error: Exception) -> ConfigError:
     return ConfigError(f"{section} {error}" if section else str(error))
 
 
-def plan_job(config: JobConfig, world_size: int, *, check_files: bool = True) -> Job:
+def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True) -> Job:
     """Check `config` (for `world_size` ranks) and resolve it; ConfigError for the first rule
     it breaks. `check_files=False` skips what reads the files the config names (data,
     tokenizer, checkpoints): planning a job for machines that hold them."""
@@ -111,9 +111,17 @@ def plan_job(config: JobConfig, world_size: int, *, check_files: bool = True) ->
         pipeline = _pipeline(config, spec, meta_model, shape, dims, local_batch)
     if config.parallelism.vocab_parallel:
         _check_vocab_parallel(spec, meta_model, shape, dims.pp, dims.tp)
-    offload = pipeline.activation_offload if pipeline else config.parallelism.activation_offload
+    if pipeline is not None:
+        offload = "activation_offload" in pipeline.features
+    else:
+        offload = bool(config.parallelism.activation_offload)
     if offload:
         _check_activation_offload(config, dims.pp)
+    if config.parallelism.pipeline_features and pipeline is None:
+        raise ConfigError(
+            f"[parallelism] pipeline_features={config.parallelism.pipeline_features} are "
+            "pipeline features: set pipeline_parallel_degree >= 2, or pipeline_features = []"
+        )
     return Job(config, spec, args, shape, upcycle, dims, pipeline, local_batch)
 
 
@@ -298,36 +306,30 @@ def _check_tensor_parallel(
 
 
 def _check_sequence_parallel(config: JobConfig, dims: ParallelDims) -> None:
-    """Outside pipelines each tp rank holds an equal run of a cp rank's tokens (the pipeline
-    plan checks its slices)."""
+    """Outside pipelines (the pipeline plan checks its slices by the same rule)."""
+    from pipekit.distributed.tensor_parallel import check_sequence_parallel_split
+
     if not config.parallelism.sequence_parallel or dims.pp > 1:
         return
-    seq_len = config.training.seq_len
-    if seq_len % (dims.cp * dims.tp):
-        raise ConfigError(
-            f"[parallelism] sequence_parallel = true with tp={dims.tp}, cp={dims.cp}: "
-            f"training.seq_len={seq_len} must be a multiple of cp x tp = {dims.cp * dims.tp}; "
-            "choose seq_len to fit, or sequence_parallel = false"
-        )
+    try:
+        check_sequence_parallel_split(config.training.seq_len, dims.tp, dims.cp)
+    except ValueError as error:
+        raise _error("[parallelism]", error) from None
 
 
 def _check_context_parallel(config: JobConfig, cp: int, pp: int) -> None:
-    from pipekit.attention.context_parallel import check_context_parallel_variant
+    """Outside pipelines (the pipeline plan checks its slices by the same rules)."""
+    from pipekit.attention.context_parallel import (
+        check_context_parallel_split,
+        check_context_parallel_variant,
+    )
 
     try:
         check_context_parallel_variant(config.parallelism.cp_variant)
+        if pp == 1:
+            check_context_parallel_split(config.training.seq_len, cp)
     except ValueError as error:
         raise _error("[parallelism]", error) from None
-    if pp > 1:  # the pipeline plan checks its slices
-        return
-    seq_len, pieces = config.training.seq_len, 2 * cp
-    if seq_len % pieces:
-        nearest = max(pieces, seq_len // pieces * pieces)
-        raise ConfigError(
-            f"[training] seq_len={seq_len} must be a multiple of 2 x cp = {pieces}: context "
-            f"parallelism cuts every sequence into {pieces} equal pieces (two per rank, for "
-            f"equal causal work); try seq_len = {nearest}"
-        )
 
 
 def _check_expert_parallel(config: JobConfig, args: Any, ep: int) -> None:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from pipekit.config.job_config import LRSchedulerConfig
+if TYPE_CHECKING:  # pipekit.config imports this module's choices: no import back at run time
+    from pipekit.config.job_config import LRSchedulerConfig
 
-__all__ = ["StepLambdaLR", "build_lr_scheduler", "lr_multiplier"]
+__all__ = ["DECAY_TYPES", "StepLambdaLR", "build_lr_scheduler", "lr_multiplier"]
+
+DECAY_TYPES = ("cosine", "linear", "constant")
+"""`[lr_scheduler] decay_type`'s choices: the decays `lr_multiplier` computes."""
 
 
 def lr_multiplier(step: int, total_steps: int, config: LRSchedulerConfig) -> float:

@@ -25,7 +25,7 @@ from pipekit._torch_private import flatten_mesh
 from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.checkpoint.safetensors_io import TensorRead
 from pipekit.checkpoint.upcycle import materialize_upcycled
-from pipekit.distributed.fsdp import apply_data_parallel
+from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES, apply_data_parallel
 from pipekit.distributed.process_group import single_rank_mesh
 from pipekit.distributed.tensor_parallel import apply_tensor_parallel
 from pipekit.models.materialize import materialize_sharded, to_empty_keeping_ties
@@ -40,11 +40,9 @@ from pipekit.train.activation_checkpoint import apply_activation_checkpointing
 from pipekit.train.compile import compile_blocks, job_loss_fn
 from pipekit.train.job import Job
 
-__all__ = ["DTYPES", "JobModel", "build_job_model"]
+__all__ = ["JobModel", "build_job_model"]
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -111,10 +109,10 @@ class _ModelSetup:
             assert self.expert_mesh is not None
             self.routers_mesh = flatten_mesh(self.expert_mesh, "ep_tokens")
         training = job.config.training
-        self.compute_dtype = DTYPES[training.mixed_precision_param]
+        self.compute_dtype = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
         self.precision: dict[str, Any] = {
             "param_dtype": self.compute_dtype,
-            "reduce_dtype": DTYPES[training.mixed_precision_reduce],
+            "reduce_dtype": MIXED_PRECISION_DTYPES[training.mixed_precision_reduce],
         }
         single_data_rank = dims.dp_degree * dims.cp == 1
         if job.pipeline is not None and single_data_rank and self.compute_dtype != torch.float32:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from pipekit.config.job_config import OptimizerConfig
+if TYPE_CHECKING:  # pipekit.config imports this module's choices: no import back at run time
+    from pipekit.config.job_config import OptimizerConfig
 
-__all__ = ["build_optimizer"]
+__all__ = ["OPTIMIZERS", "build_optimizer"]
+
+OPTIMIZERS = ("AdamW", "AdamW8bit", "AdamW4bit")
+"""`[optimizer] name`'s choices: torch's AdamW, or torchao's class of that name."""
 
 
 def build_optimizer(
@@ -29,12 +34,11 @@ def build_optimizer(
         eps=config.eps,
         weight_decay=config.weight_decay,
     )
+    if config.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {config.name!r}; use one of {', '.join(OPTIMIZERS)}")
     if config.name == "AdamW":
         return torch.optim.AdamW(params, foreach=True, **kwargs)
     # torchao prints warnings about its CUDA extensions on import, so it is imported on demand.
-    from torchao.optim import AdamW4bit, AdamW8bit
+    import torchao.optim
 
-    low_bit = {"AdamW8bit": AdamW8bit, "AdamW4bit": AdamW4bit}
-    if config.name not in low_bit:
-        raise ValueError(f"unknown optimizer {config.name!r}; use AdamW, AdamW8bit or AdamW4bit")
-    return low_bit[config.name](params, **kwargs)
+    return getattr(torchao.optim, config.name)(params, **kwargs)

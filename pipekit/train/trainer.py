@@ -1,6 +1,6 @@
 """The training loop: build, step, log, checkpoint; resume and export.
 
-`Trainer(job)` takes a `Job` (`pipekit.train.job.plan_job`: the config, checked and resolved)
+`Trainer(job)` takes a `Job` (`pipekit.train.job.validate_job`: the config, checked and resolved)
 inside an initialised process group, builds this rank's model or pipeline
 (`pipekit.train.model_setup`), the optimizer, LR schedule and data loader, and resumes from the
 newest complete checkpoint. `train()` runs to `training.steps`.
@@ -35,11 +35,12 @@ from pipekit.checkpoint.dcp import (
     capture_rng_state,
     restore_rng_state,
 )
+from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.layers.loss import count_label_tokens
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.moe.aux_loss import aux_loss_scale
-from pipekit.pipelining.build import vocabulary_row_dims
+from pipekit.pipelining.features.vocab_parallel import vocabulary_row_dims
 from pipekit.pipelining.tools.trace import record_pipeline_step
 from pipekit.train.compile import job_loss_fn
 from pipekit.train.data import build_data_loader
@@ -57,7 +58,7 @@ from pipekit.train.metrics import (
     memory_stats,
     training_flops_per_token,
 )
-from pipekit.train.model_setup import DTYPES, build_job_model
+from pipekit.train.model_setup import build_job_model
 from pipekit.train.optimizer import build_optimizer
 from pipekit.train.profiling import StepProfiler
 from pipekit.train.stop_signals import StopSignals
@@ -165,7 +166,7 @@ class Trainer:
         return writers
 
     def _measured_peak_flops(self) -> float:
-        compute_dtype = DTYPES[self.config.training.mixed_precision_param]
+        compute_dtype = MIXED_PRECISION_DTYPES[self.config.training.mixed_precision_param]
         flops = torch.tensor(measure_matmul_flops(self.device, compute_dtype), dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(flops)
@@ -190,7 +191,7 @@ class Trainer:
 
     def _autocast(self) -> Any:
         """Mixed precision without FSDP (one rank): autocast; FSDP2 does it by itself."""
-        param_dtype = DTYPES[self.config.training.mixed_precision_param]
+        param_dtype = MIXED_PRECISION_DTYPES[self.config.training.mixed_precision_param]
         enabled = self.mesh is None and param_dtype != torch.float32
         return torch.autocast(self.device.type, dtype=param_dtype, enabled=enabled)
 

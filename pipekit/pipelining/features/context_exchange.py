@@ -38,12 +38,10 @@ out with an error naming the pair.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -70,7 +68,6 @@ from pipekit.attention.loan_wire import (
     send_lent_chunks,
 )
 from pipekit.attention.patterns import block_visible, is_causal
-from pipekit.attention.serving_priority import ServingPriority
 from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action, ComputationType
 from pipekit.pipelining.features.exchange_plan import ExchangePlan, plan_context_exchange
 from pipekit.pipelining.runtime.extension import PipelineExtension
@@ -144,13 +141,14 @@ class PipelineContextExchange(PipelineExtension):
     to lower ranks the second). `layers_per_stage`: attention layers of every stage, all ranks'
     (the servers need the lenders' counts). `chunks_ahead`: early KV exchange (see the module
     doc; off under context parallelism, whose lent chunks are built inside the attention).
-    `backend`: the attention backend the serving threads compute with. `serving_priority`: the
-    rank's passes give way to its serving threads' compute (`ServingPriority`; for a CPU,
-    where they share the rank's cores; off by default). `backward_ratio`: a backward slice's
-    cost in forward slices, for the balance. `drop_remote_kv_grads`: for the ablation test only.
+    `backend`: the attention backend the serving threads compute with. `backward_ratio`: a
+    backward slice's cost in forward slices, for the balance. `drop_remote_kv_grads`: for the
+    ablation test only.
     """
 
     name = "context_exchange"
+    sliced_only = True  # it lends between slices' passes
+    equal_length_slices = True  # a lending slice and its peer's are paired by index
     action_types = tuple(ExchangeComputation)
 
     def __init__(
@@ -161,7 +159,6 @@ class PipelineContextExchange(PipelineExtension):
         downward_group: dist.ProcessGroup | None,
         chunks_ahead: bool = True,
         backend: str | AttentionBackend = "auto",
-        serving_priority: bool = False,
         backward_ratio: float = 2.0,
         timeout: timedelta = DEFAULT_LOAN_TIMEOUT,
         drop_remote_kv_grads: bool = False,
@@ -181,7 +178,6 @@ class PipelineContextExchange(PipelineExtension):
         self.layers_per_stage = dict(layers_per_stage)
         self.chunks_ahead, self.backward_ratio = chunks_ahead, backward_ratio
         self.backend = backend
-        self.priority = ServingPriority() if serving_priority else None
         self.timeout, self.drop_remote_kv_grads = timeout, drop_remote_kv_grads
         self.plan: ExchangePlan | None = None
         self.ahead_sends: list[AheadSend] = []
@@ -264,18 +260,10 @@ class PipelineContextExchange(PipelineExtension):
         (they wait for the requests; the rank's passes never wait for them)."""
         self.ahead_sends, self.chunk_leads_s, self.serving_cpu_s = [], [], 0.0
         for action, requests in self._serving:
-            server = LoanServer(
-                requests, self._server_loan, self.backend, self._chain, self.priority
-            )
+            server = LoanServer(requests, self._server_loan, self.backend, self._chain)
             self._servers[_retyped(action, _SERVE_AFTER)] = server
             server.start()
         return None
-
-    def step_scope(self) -> AbstractContextManager[None]:
-        """With serving priority on a rank that serves, its passes give way to the answers."""
-        if self.priority is None or not self._serving:
-            return contextlib.nullcontext()
-        return self.priority.giving_way()
 
     def run_action(self, action: Action, context: object) -> None:
         """A serving action waits until its pass's requests are answered; a sending-ahead action

@@ -33,11 +33,11 @@ from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk
 from pipekit.attention.context import AttentionContext
 from pipekit.attention.context_parallel import (
+    CACHED_SHARD_ATTENTION,
     CachedShard,
     TokenShard,
-    choose_context_parallel,
     commutated_context_attention,
-    kv_passing_context_attention,
+    context_parallel_variant,
     load_balanced_indices,
 )
 from pipekit.attention.exchange import Lending, LentChunk
@@ -48,11 +48,6 @@ from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
 
 __all__ = ["ContextParallelSliceAttention", "PipelineContextParallel"]
-
-_VARIANTS = {
-    "commutated": commutated_context_attention,
-    "kv_passing": kv_passing_context_attention,
-}
 
 
 class ContextParallelSliceAttention:
@@ -113,7 +108,7 @@ class ContextParallelSliceAttention:
             LentChunk(earlier[i].k_BGSD, earlier[i].v_BGSD, earlier[i].document_ids_BS)
             for i in indices
         ]
-        attention = functools.partial(_VARIANTS[variant], pattern=pattern)
+        attention = functools.partial(CACHED_SHARD_ATTENTION[variant], pattern=pattern)
         return self._attention(attention, q_BHSD, lendable, own, scale, indices)
 
     def visible_indices(
@@ -178,6 +173,7 @@ class PipelineContextParallel(PipelineExtension):
     tokens (the whole slice, all cp ranks' shares), by `variant` ("auto" chooses per slice)."""
 
     name = "context_parallel"
+    equal_length_slices = True  # every slice is cut into 2 x cp equal pieces
 
     def __init__(
         self,
@@ -199,16 +195,13 @@ class PipelineContextParallel(PipelineExtension):
 
     def variant_of(self, slice_index: int, q_BHSD: Tensor, k_BGSD: Tensor) -> str:
         """The variant slice `slice_index` uses."""
-        if self.variant != "auto":
-            return self.variant
-        return choose_context_parallel(
+        return context_parallel_variant(
+            self.variant,
+            q_BHSD,
+            k_BGSD,
             slice_index=slice_index,
             slice_tokens=self.slice_length,
             cp=self.cp,
-            q_heads=q_BHSD.shape[1],
-            kv_heads=k_BGSD.shape[1],
-            head_dim=q_BHSD.shape[-1],
-            element_bytes=q_BHSD.element_size(),
         )
 
     def slice_tokens(self, slice_index: int) -> Tensor:

@@ -39,15 +39,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from pipekit.checkpoint.local_shards import RowShard
+from pipekit.distributed.process_group import new_group_along
 from pipekit.layers.loss import IGNORE_INDEX
 from pipekit.layers.vocab_parallel import (
     VocabParallelEmbedding,
@@ -62,12 +64,63 @@ from pipekit.pipelining.features.output_passes import OUTPUT_PASS, with_output_p
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
 from pipekit.pipelining.runtime.stage import StageShapes
 
+if TYPE_CHECKING:
+    from pipekit.pipelining.features.registry import FeatureBuilding
+
 __all__ = [
     "PipelineVocabParallel",
+    "build_vocab_parallel",
     "check_elementwise",
     "copy_full_vocab_rows",
     "vocab_shard_modules",
+    "vocabulary_row_dims",
 ]
+
+
+def vocabulary_row_dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The mesh dims whose ranks split the vocabulary rows, in mesh order: the pipeline ranks,
+    and the tp ranks of each."""
+    tensor_parallel = "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1
+    return ("pp", "tp") if tensor_parallel else ("pp",)
+
+
+def build_vocab_parallel(building: FeatureBuilding) -> PipelineVocabParallel:
+    """This rank's vocabulary rows (of a split over the pipeline x tp ranks), filled from the
+    unsplit model's and set on the rank model under the model's names (checkpoints see row
+    shards of the full matrices); the output passes' collectives get groups of their own: on
+    NCCL a pipeline send blocks its communicator until received, and a pass may sit behind
+    one."""
+    plan, mesh, setup, model = building.plan, building.mesh, building.setup, building.model
+    row_dims = vocabulary_row_dims(mesh)
+    group = new_group_along(mesh, "pp")
+    rows_group = new_group_along(mesh, *row_dims)
+    with setup.device:
+        embedding, output = vocab_shard_modules(
+            plan.model.vocab_size,
+            plan.model.dim,
+            rows_group,
+            [mesh[dim].size() for dim in row_dims],
+        )
+    copy_full_vocab_rows(embedding, output, setup.materialize, model, plan.structure)
+    embedding_name, output_name = plan.structure.vocabulary_modules
+    setattr(building.rank_model, embedding_name, embedding)
+    setattr(building.rank_model, output_name, output)
+    setup.parallelize_vocab(embedding, output)
+    transforms = [getattr(model, name) for name in plan.structure.logits_transforms]
+    for name, transform in zip(plan.structure.logits_transforms, transforms, strict=True):
+        check_elementwise(transform, name)
+    return PipelineVocabParallel(
+        embedding,
+        output,
+        building.shapes,
+        first_rank=plan.stage_rank(0),
+        last_rank=plan.stage_rank(plan.num_stages - 1),
+        group=group,
+        tensor_group=new_group_along(mesh, "tp") if "tp" in row_dims else None,
+        module_names=(embedding_name, output_name),
+        logits_transforms=transforms,
+        lockstep="context_exchange" in plan.features,
+    )
 
 
 def vocab_shard_modules(
@@ -178,6 +231,12 @@ class PipelineVocabParallel(PipelineExtension):
 
     name = "vocab_parallel"
     action_types = (OUTPUT_PASS,)
+    equal_length_slices = True  # refused with equal-cost slices, as the exchange and cp are
+
+    @staticmethod
+    def modules_outside_stages(structure: ModelStructure) -> tuple[str, ...]:
+        """The embedding, the output layer and the logits transforms: split by rows here."""
+        return (*structure.vocabulary_modules, *structure.logits_transforms)
 
     def __init__(
         self,

@@ -13,7 +13,6 @@ from pipekit.models.spec import ModelStructure
 
 __all__ = [
     "blocks_per_stage",
-    "modules_outside_stages",
     "partition_layers",
     "stage_module_names",
     "stage_to_rank",
@@ -91,24 +90,26 @@ def stage_module_names(
     embedding_weight: float = 1.0,
     output_weight: float = 1.0,
     *,
-    vocab_parallel: bool = False,
+    outside: Sequence[str] = (),
 ) -> list[list[str]]:
     """Module names of each stage, its blocks split by `partition_layers`: the first stage also
     holds the embedding and `before_blocks`, the last `after_blocks`, the output and the
     `logits_transforms`, and every stage the `shared` modules.
 
-    With `vocab_parallel` the embedding, the output layer and the logits transforms are split
-    across the pipeline ranks outside the stages (`pipekit.pipelining.features.vocab_parallel`):
-    no stage holds them or pays for them.
+    `outside`: modules a pipeline feature holds outside the stages (vocabulary parallelism's
+    embedding, output and logits transforms); no stage holds them or pays for them.
     """
-    if vocab_parallel:
-        embedding_weight = output_weight = 0.0
+    if structure.embedding in outside:
+        embedding_weight = 0.0
+    if structure.output in outside:
+        output_weight = 0.0
     ranges = partition_layers(num_layers, num_stages, embedding_weight, output_weight)
     names = [[structure.block_name(layer) for layer in layers] for layers in ranges]
-    first = [] if vocab_parallel else [structure.embedding]
-    names[0][:0] = [*first, *structure.before_blocks]
-    output = [] if vocab_parallel else [structure.output, *structure.logits_transforms]
-    names[-1] += [*structure.after_blocks, *output]
+    names[0][:0] = [
+        name for name in (structure.embedding, *structure.before_blocks) if name not in outside
+    ]
+    ends = (*structure.after_blocks, structure.output, *structure.logits_transforms)
+    names[-1] += [name for name in ends if name not in outside]
     return with_shared_modules(structure, names)
 
 
@@ -121,13 +122,6 @@ def with_shared_modules(
         [*(name for name in structure.shared if name not in names), *names]
         for names in names_per_stage
     ]
-
-
-def modules_outside_stages(structure: ModelStructure, vocab_parallel: bool) -> tuple[str, ...]:
-    """The modules vocabulary parallelism takes out of the stages (none without it)."""
-    if not vocab_parallel:
-        return ()
-    return (*structure.vocabulary_modules, *structure.logits_transforms)
 
 
 def blocks_per_stage(

@@ -13,9 +13,12 @@ fixed points, so no schedule, stage or runner signature grows a keyword per feat
 | `forward_scope` | a context the forward runs in | saved-tensor hooks of an offload |
 | `loss_fn` | once: the last stage's loss | the vocabulary-parallel loss |
 | `begin_step` / `end_step` | around each step | embed tokens / their backward |
-| `step_scope` | a context the step's actions run in | passes giving way to serving threads |
 | `row_sharded_parameters` | checkpointing | vocabulary rows per rank |
 | `duplicate_parameters` | gradient clipping | the second copy of a tied weight |
+
+A feature also declares what it needs of the plan, read at planning through the feature table
+(`pipelining.features.registry`): `sliced_only`, `equal_length_slices` and
+`modules_outside_stages`.
 
 Extensions that communicate must use a process group of their own (`group`): their messages
 must not queue behind the stages' sends (an NCCL send blocks until it is received).
@@ -35,6 +38,7 @@ from torch.nn import Parameter
 
 from pipekit.attention.context import AttentionContext
 from pipekit.checkpoint.local_shards import RowShard
+from pipekit.models.spec import ModelStructure
 from pipekit.pipelining._torch_runtime import Action
 
 __all__ = ["LossFn", "PipelineExtension"]
@@ -51,6 +55,17 @@ class PipelineExtension:
     """The feature's own process group, if it communicates."""
     action_types: tuple[Any, ...] = ()
     """Computation types of the actions `extra_actions` adds (run by `run_action`)."""
+    sliced_only: bool = False
+    """The feature works between slices' passes: only schedules whose units may be slices
+    (sliced, user) carry it."""
+    equal_length_slices: bool = False
+    """The feature pairs slices across ranks or cuts them evenly: equal-cost slicing, whose
+    slices differ in length, is refused with it."""
+
+    @staticmethod
+    def modules_outside_stages(structure: ModelStructure) -> tuple[str, ...]:
+        """The model's modules the feature holds itself, outside every stage (none)."""
+        return ()
 
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
         """See every rank's compute-only lists before anything runs."""
@@ -96,10 +111,6 @@ class PipelineExtension:
 
     def end_step(self) -> None:
         """After the step's last action."""
-
-    def step_scope(self) -> AbstractContextManager[None]:
-        """A context the step's actions run in, after `begin_step` (default: none)."""
-        return contextlib.nullcontext()
 
     def row_sharded_parameters(self) -> dict[str, RowShard]:
         """Parameters this rank holds only some rows of: name -> which rows of how many."""

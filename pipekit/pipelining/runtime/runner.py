@@ -63,9 +63,8 @@ def make_schedule(
         raise ValueError(
             f"pass actions_by_rank exactly for a schedule given by its lists ({schedule_name!r})"
         )
-    features = frozenset(extension.name for extension in extensions)
     shape = ScheduleShape(stages[0].group_size, num_microbatches, num_slices, len(stages))
-    entry.check(shape, features)
+    entry.check(shape, sliced_only=[ext.name for ext in extensions if ext.sliced_only])
     if actions_by_rank is not None:
         return UserPipelineSchedule(
             stages, actions_by_rank, num_microbatches, num_slices, loss_fn, extensions

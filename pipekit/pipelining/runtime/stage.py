@@ -52,9 +52,10 @@ __all__ = ["SlicedPipelineStage", "StageShapes", "check_stage_slices"]
 
 class StageShapes:
     """Static shapes of a unit at a stage boundary: tokens `[B, S]` into the first stage,
-    hidden states `[B, S, D]` between stages, logits `[B, S, V]` out of the last. With
-    `vocab_parallel` the embedding and the output layer live outside the stages, so the first
-    stage takes and the last stage gives hidden states. Floating examples require grad: torch
+    hidden states `[B, S, D]` between stages, logits `[B, S, V]` out of the last. When a
+    pipeline feature holds the embedding (`embedding_outside`) or the output layer
+    (`output_outside`) outside the stages, the first stage takes or the last gives hidden
+    states. Floating examples require grad: torch
     sizes the gradient buffers of a boundary only for those. `slice_lengths`: the tokens of each
     slice (S of its units; a context-parallel rank's share of `context_parallel`); the examples
     have the longest."""
@@ -67,13 +68,14 @@ class StageShapes:
         vocab_size: int,
         dtype: torch.dtype,
         *,
-        vocab_parallel: bool = False,
+        embedding_outside: bool = False,
+        output_outside: bool = False,
         sequence_shards: int = 1,
         context_parallel: int = 1,
     ) -> None:
         self.rows, self.slice_lengths = rows, tuple(slice_lengths)
         self.model_dim, self.vocab_size, self.dtype = model_dim, vocab_size, dtype
-        self.vocab_parallel = vocab_parallel
+        self.embedding_outside, self.output_outside = embedding_outside, output_outside
         self.sequence_shards = sequence_shards
         self.context_parallel = context_parallel
 
@@ -97,16 +99,16 @@ class StageShapes:
         return self.slice_lengths[slice_index] // self.sequence_shards
 
     def stage_input(self, is_first: bool, device: torch.device) -> torch.Tensor:
-        """The first stage takes token ids (embeddings with vocab_parallel); the others take
-        hidden states."""
-        if is_first and not self.vocab_parallel:
+        """The first stage takes token ids (embeddings when the embedding is outside); the
+        others take hidden states."""
+        if is_first and not self.embedding_outside:
             return torch.empty(self.rows, self.slice_length, dtype=torch.long, device=device)
         return self.hidden(device)
 
     def stage_output(self, is_last: bool, device: torch.device) -> torch.Tensor:
-        """The last stage gives logits (hidden states with vocab_parallel); the others give
-        hidden states."""
-        if is_last and not self.vocab_parallel:
+        """The last stage gives logits (hidden states when the output layer is outside); the
+        others give hidden states."""
+        if is_last and not self.output_outside:
             size = (self.rows, self.slice_length, self.vocab_size)
             return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
         return self.hidden(device)

@@ -13,7 +13,6 @@ Legend: B batch, S sequence.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -52,10 +51,7 @@ def run_unit_step(
     kwarg_units = [_stage_kwargs(unit) for unit in units]
     targets = [unit["labels"] for unit in units] if has_last else None
     losses: list[Tensor] = []
-    with contextlib.ExitStack() as scopes:
-        for extension in extensions:
-            scopes.enter_context(extension.step_scope())
-        scopes.enter_context(aux_loss_scale(current_aux_loss_scale() / num_microbatches))
+    with aux_loss_scale(current_aux_loss_scale() / num_microbatches):
         run_units(
             schedule, arg_units, kwarg_units, targets, losses, {"normaliser": num_label_tokens}
         )

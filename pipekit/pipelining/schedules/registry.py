@@ -3,8 +3,9 @@
 Planning (`pipelining.plan`), the runner, the pictures and simulator (`tools.draw`) and the
 benches read this table; nothing else lists schedule names or their rules. An entry says how to
 get every rank's compute-only action lists, where stages sit, how many stages a rank may hold,
-whether units may be slices, which pipeline features the schedule can carry, and (for torch's
-schedules) the torch class that runs it when no feature needs pipekit's action runtime.
+whether units may be slices (what the pipeline features that work between slices' passes
+need), and (for torch's schedules) the torch class that runs it when no feature needs
+pipekit's action runtime.
 
 Adding a generated schedule: write `def my_actions(shape: ScheduleShape) -> dict[int,
 list[Action]]` and `register_schedule(ScheduleEntry("mine", my_actions, ...))`. A hand-written
@@ -13,7 +14,7 @@ one needs no entry: give its file as `pipeline_schedule_file` (the "user" entry)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipekit.pipelining._torch_runtime import Action
@@ -21,7 +22,6 @@ from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
 from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
 
 __all__ = [
-    "FEATURES",
     "SCHEDULES",
     "ScheduleEntry",
     "ScheduleShape",
@@ -29,9 +29,6 @@ __all__ = [
     "register_schedule",
     "schedule_names",
 ]
-
-FEATURES = ("vocab_parallel", "context_exchange", "context_parallel", "activation_offload")
-"""The pipeline features a schedule may support (`pipelining.features`)."""
 
 
 @dataclass(frozen=True)
@@ -57,15 +54,15 @@ class ScheduleEntry:
     stages_per_rank: int | None = None
     """The stages a rank must hold (1 or 2), or None for any number >= 1."""
     sliced: bool = False
-    """Units may be slices of a sequence (num_slices > 1)."""
-    features: frozenset[str] = frozenset()
-    """Pipeline features (of `FEATURES`) the schedule can carry."""
+    """Units may be slices of a sequence (num_slices > 1): the schedule carries the features
+    that work between slices' passes."""
     torch_class: str | None = None
     """torch's class for this schedule, run as it is when no feature is on (the baseline)."""
     description: str = ""
 
-    def check(self, shape: ScheduleShape, features: frozenset[str] = frozenset()) -> None:
-        """ValueError naming the fix when `shape` or `features` break this schedule's rules."""
+    def check(self, shape: ScheduleShape, sliced_only: Sequence[str] = ()) -> None:
+        """ValueError naming the fix when `shape` breaks this schedule's rules, or when it runs
+        whole microbatches and `sliced_only` names features that need sliced passes."""
         if shape.stages_per_rank < 1:
             raise ValueError(f"stages_per_rank={shape.stages_per_rank} must be at least 1")
         required = self.stages_per_rank
@@ -80,11 +77,12 @@ class ScheduleEntry:
                 f"'sliced' or a schedule file); {self.name!r} runs whole microbatches (set "
                 "num_slices=0 or 1)"
             )
-        unsupported = sorted(features - self.features)
-        if unsupported:
+        if sliced_only and not self.sliced:
+            sliced = [name for name, entry in SCHEDULES.items() if entry.sliced]
             raise ValueError(
-                f"pipeline_schedule={self.name!r} cannot carry {', '.join(unsupported)}; use a "
-                f"schedule that can ({', '.join(_supporting(unsupported))}) or turn it off"
+                f"pipeline_schedule={self.name!r} cannot carry {', '.join(sliced_only)}: it runs "
+                "whole microbatches, and that works between slices' passes; use a schedule "
+                f"that can ({', '.join(sliced)}) or turn it off"
             )
 
 
@@ -96,30 +94,21 @@ def _sliced(shape: ScheduleShape) -> dict[int, list[Action]]:
 
 def _torch_entry(name: str, **rules: object) -> ScheduleEntry:
     """torch's schedule `name`: its own class without features; its lists (read from that
-    class) with vocabulary parallelism, whose output passes go between its actions, or with
-    context parallelism, which wraps each pass's attention, or with activation offload, whose
-    reloads go between its actions. Context exchange needs sliced
-    passes, which torch's schedules do not run."""
+    class) under pipekit's action runtime with features that fit whole-microbatch passes."""
 
     def actions(shape: ScheduleShape) -> dict[int, list[Action]]:
         return torch_schedule_actions(
             name, shape.num_ranks, shape.num_microbatches, shape.stages_per_rank
         )
 
-    features = frozenset({"vocab_parallel", "context_parallel", "activation_offload"})
-    return ScheduleEntry(name, actions, features=features, torch_class=name, **rules)
+    return ScheduleEntry(name, actions, torch_class=name, **rules)
 
-
-_ALL = frozenset(FEATURES)
 
 SCHEDULES: dict[str, ScheduleEntry] = {}
 
 
 def register_schedule(entry: ScheduleEntry) -> None:
     """Add (or replace) a schedule in the table."""
-    unknown = sorted(entry.features - set(FEATURES))
-    if unknown:
-        raise ValueError(f"schedule {entry.name!r}: unknown features {unknown}; known {FEATURES}")
     SCHEDULES[entry.name] = entry
 
 
@@ -128,7 +117,6 @@ for _entry in (
         "sliced",
         _sliced,
         sliced=True,
-        features=_ALL,
         description="SlimPipe: sequence slices, 1F1B over slices, chunked KV cache",
     ),
     ScheduleEntry(
@@ -136,7 +124,6 @@ for _entry in (
         None,
         stage_style="user",
         sliced=True,
-        features=_ALL,
         description="a schedule file (pipeline_schedule_file): per-rank task lists",
     ),
     _torch_entry("GPipe", stages_per_rank=1),
@@ -162,7 +149,3 @@ def get_schedule(name: str) -> ScheduleEntry:
             f"pipeline_schedule={name!r} is not known; choose one of {', '.join(SCHEDULES)}"
         )
     return SCHEDULES[name]
-
-
-def _supporting(features: list[str]) -> list[str]:
-    return [name for name, entry in SCHEDULES.items() if set(features) <= entry.features]

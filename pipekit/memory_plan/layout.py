@@ -20,8 +20,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from pipekit._torch_private import simulated_rank
+from pipekit.memory_plan.forked import in_forked_child
 from pipekit.models.materialize import local_tensor
-from pipekit.plan.forked import in_forked_child
 from pipekit.train.job import Job
 from pipekit.train.model_setup import build_job_model
 

@@ -45,10 +45,10 @@ from pipekit.distributed.tensor_parallel import apply_tensor_parallel
 from pipekit.layers.loss import token_sum_cross_entropy
 from pipekit.memory.live_tensors import PeakTensorMemory, kept_bytes
 from pipekit.memory.tracker import SAVED, ActivationMemoryTracker
+from pipekit.memory_plan.forked import in_forked_child
 from pipekit.models.materialize import local_tensor
 from pipekit.models.spec import ModelSpec
 from pipekit.models.stage_module import build_stage_module
-from pipekit.plan.forked import in_forked_child
 
 __all__ = ["ActivationProfile", "TensorSplit", "profile_activations"]
 

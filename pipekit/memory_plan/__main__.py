@@ -1,4 +1,4 @@
-"""`python -m pipekit.plan --config x.toml --world-size N [--device-memory 80GiB] [overrides]`.
+"""`python -m pipekit.memory_plan --config x.toml --world-size N [--device-memory 80GiB] [...]`.
 
 Checks the config for N ranks (everything but the files it names, which live where the job
 runs), builds every pipeline rank's share of the model on the meta device, measures the
@@ -15,8 +15,8 @@ import re
 import sys
 
 from pipekit.config.loader import ConfigError, load_job_config
-from pipekit.plan.memory import MemoryPlan, RankMemory, plan_memory
-from pipekit.train.job import Job, plan_job
+from pipekit.memory_plan.memory import MemoryPlan, RankMemory, plan_memory
+from pipekit.train.job import Job, validate_job
 
 __all__ = ["main", "parse_bytes"]
 
@@ -47,7 +47,8 @@ def parse_bytes(text: str) -> int:
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
-        prog="python -m pipekit.plan", description=__doc__.split("\n\n")[1].replace("\n", " ")
+        prog="python -m pipekit.memory_plan",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
     parser.add_argument("--world-size", type=int, required=True, help="ranks the job runs on")
     parser.add_argument(
@@ -78,8 +79,9 @@ def describe(plan: MemoryPlan, device_memory: int) -> str:
 def _without_offload(job: Job, plan: MemoryPlan, device_memory: int) -> str:
     """The offload ratios, and what the same job would need without them."""
     assert job.pipeline is not None
-    ratios = ", ".join(f"{ratio:g}" for ratio in job.pipeline.activation_offload)
-    plain_pipeline = dataclasses.replace(job.pipeline, activation_offload=())
+    pipeline = job.pipeline
+    ratios = ", ".join(f"{ratio:g}" for ratio in pipeline.feature_plans["activation_offload"])
+    plain_pipeline = pipeline.without_feature("activation_offload")
     plain = plan_memory(dataclasses.replace(job, pipeline=plain_pipeline), profile=plan.profile)
     lines = [f"\nactivation offload per pipeline rank: {ratios}"]
     over = [rank for rank in plain.ranks if rank.peak > device_memory]
@@ -117,7 +119,7 @@ def main(argv: list[str]) -> None:
     options, config_argv = _parse(argv)
     try:
         device_memory = parse_bytes(options.device_memory)
-        job = plan_job(load_job_config(config_argv), options.world_size, check_files=False)
+        job = validate_job(load_job_config(config_argv), options.world_size, check_files=False)
     except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -138,7 +140,7 @@ def main(argv: list[str]) -> None:
     )
     plan = plan_memory(job)
     print(describe(plan, device_memory))
-    if job.pipeline is not None and job.pipeline.activation_offload:
+    if job.pipeline is not None and "activation_offload" in job.pipeline.features:
         print(_without_offload(job, plan, device_memory))
     over = [rank for rank in plan.ranks if rank.peak > device_memory]
     if over:

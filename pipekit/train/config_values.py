@@ -1,27 +1,38 @@
-"""The value rules of each config section: allowed choices and ranges, and the rules between
-keys of one concern. Pure: no model, file or process group.
+"""The value rules of the config: allowed choices and ranges, and the rules between keys that
+need no subsystem. Pure: no model, file or process group.
 
-Rules that need a subsystem (the model registry, data files, parallel degrees, the pipeline
-plan) are that subsystem's; `pipekit.train.job.plan_job` runs them all.
+A key's choices, and the rule of a key whose component checks it too (`[moe] partitions`), are
+the component's, imported from it and never listed here, so config and component cannot
+disagree. Rules that need a subsystem (the model registry, data files, parallel degrees, the
+pipeline plan) are that subsystem's. `pipekit.train.job.validate_job` runs them all, this module's
+first, before any process group exists.
 """
 
 from __future__ import annotations
 
+from pipekit.attention.backends import available_backends
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
+from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
+from pipekit.moe.execution import check_partitions
+from pipekit.moe.restore import MEMORY_REUSE_CHOICES
+from pipekit.train.activation_checkpoint import ACTIVATION_CHECKPOINT_MODES, SELECTIVE_KEEP
+from pipekit.train.lr_schedule import DECAY_TYPES
+from pipekit.train.optimizer import OPTIMIZERS
 
 __all__ = ["check_values"]
 
-_CHOICES = {
-    ("model", "attention_backend"): ("auto", "cpu", "flex"),
-    ("training", "mixed_precision_param"): ("float32", "bfloat16"),
-    ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
-    ("training", "activation_checkpoint"): ("none", "full", "every_k", "selective"),
-    ("training", "activation_checkpoint_keep"): ("matmuls_and_attention", "attention"),
-    ("optimizer", "name"): ("AdamW", "AdamW8bit", "AdamW4bit"),
-    ("lr_scheduler", "decay_type"): ("cosine", "linear", "constant"),
-    ("moe", "memory_reuse"): ("none", "S1", "S2", "S3", "S4", "auto"),
+_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("model", "attention_backend"): tuple(available_backends()),
+    ("training", "mixed_precision_param"): tuple(MIXED_PRECISION_DTYPES),
+    ("training", "mixed_precision_reduce"): tuple(MIXED_PRECISION_DTYPES),
+    ("training", "activation_checkpoint"): ACTIVATION_CHECKPOINT_MODES,
+    ("training", "activation_checkpoint_keep"): tuple(SELECTIVE_KEEP),
+    ("optimizer", "name"): OPTIMIZERS,
+    ("lr_scheduler", "decay_type"): DECAY_TYPES,
+    ("moe", "memory_reuse"): MEMORY_REUSE_CHOICES,
 }
+"""Each key's choices, as the component that reads the key lists them."""
 
 _POSITIVE = (
     ("training", "steps"),
@@ -39,20 +50,19 @@ _POSITIVE = (
 
 
 def check_values(config: JobConfig) -> None:
-    """ConfigError for the first value outside its section's choices or range."""
+    """ConfigError for the first value outside its choices or range, or breaking a rule."""
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(config, section), key)
         if value not in choices:
             raise ConfigError(f"[{section}] {key}={value!r} is not one of {', '.join(choices)}")
+    try:
+        check_partitions(config.moe.partitions)
+    except ValueError as error:
+        raise ConfigError(f"[moe] {error}") from None
     for section, key in _POSITIVE:
         value = getattr(getattr(config, section), key)
         if value <= 0:
             raise ConfigError(f"[{section}] {key}={value} must be positive")
-    partitions = config.moe.partitions
-    if partitions != "auto" and not (isinstance(partitions, int) and partitions >= 1):
-        raise ConfigError(
-            f"[moe] partitions={partitions!r} must be a positive integer or 'auto' (Algorithm 1)"
-        )
     load_step = config.checkpoint.load_step
     if load_step < 0 or (load_step and not config.checkpoint.resume):
         raise ConfigError(

@@ -3,12 +3,12 @@ fits.
 
 Terms per rank (bytes):
 - parameters: the local shards, in their storage dtype (float32 master weights), from the
-  rank's real layout (`pipekit.plan.layout`);
+  rank's real layout (`pipekit.memory_plan.layout`);
 - gradients: the same shards' gradients (FSDP2 reduces into sharded float32 gradients);
 - optimizer: AdamW's two moments per element in the parameters' dtype (torchao's 8-bit and
   4-bit AdamW: 1 and 0.5 bytes per moment, plus a float32 scale per 256 / 128 elements);
 - activations: what the step keeps for backward at its fullest, from measured bytes per token
-  (`pipekit.plan.activations`): without a pipeline, every block's activations for the
+  (`pipekit.memory_plan.activations`): without a pipeline, every block's activations for the
   micro-step's tokens (a checkpointed block keeps its input), one block's backward (its working
   set, after rebuilding its activations if it is checkpointed) and the head's logits and their
   gradient (under context parallelism, for the rank's share of the tokens, each block also
@@ -42,13 +42,13 @@ from dataclasses import dataclass
 
 import torch
 
+from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
+from pipekit.memory_plan.activations import ActivationProfile, TensorSplit, profile_activations
+from pipekit.memory_plan.layout import RankLayout, rank_layouts
 from pipekit.moe.expert_parallel import set_expert_execution
 from pipekit.pipelining.features.offload_plan import resident_peak
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
-from pipekit.plan.activations import ActivationProfile, TensorSplit, profile_activations
-from pipekit.plan.layout import RankLayout, rank_layouts
 from pipekit.train.job import Job
-from pipekit.train.model_setup import DTYPES
 
 __all__ = ["MemoryPlan", "RankMemory", "plan_memory"]
 
@@ -112,7 +112,7 @@ def plan_memory(
 
 def _profile(job: Job, probe_tokens: tuple[int, int]) -> ActivationProfile:
     training, moe = job.config.training, job.config.moe
-    compute = DTYPES[training.mixed_precision_param]
+    compute = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
     split = TensorSplit(job.tensor_parallel, job.sequence_parallel, job.loss_parallel)
     return profile_activations(
         job.spec,
@@ -127,8 +127,8 @@ def _profile(job: Job, probe_tokens: tuple[int, int]) -> ActivationProfile:
 
 def _rank_memory(job: Job, layout: RankLayout, profile: ActivationProfile) -> RankMemory:
     training, optimizer = job.config.training, job.config.optimizer
-    compute = DTYPES[training.mixed_precision_param]
-    reduce = DTYPES[training.mixed_precision_reduce]
+    compute = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
+    reduce = MIXED_PRECISION_DTYPES[training.mixed_precision_reduce]
     element = layout.param_bytes // max(layout.param_numel, 1)
     if optimizer.name in _LOW_BIT:
         moment, block = _LOW_BIT[optimizer.name]
@@ -209,7 +209,7 @@ def _stage_output_bytes(
     last stage that computes its logits, those and what the head and the loss save."""
     plan = job.pipeline
     assert plan is not None
-    if stage < plan.num_stages - 1 or plan.vocab_parallel:
+    if stage < plan.num_stages - 1 or plan.output_outside:
         return job.shape.dim * compute.itemsize / plan.sequence_shards
     rows = layout.output_rows
     return rows * (compute.itemsize + profile.head_saved_bytes_per_row)
@@ -239,7 +239,7 @@ def _pipeline_activations(
     result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
     in_flight = result.peak_memory[layout.pipeline_rank]["total"]
     head_pass = profile.head_bytes_per_row
-    if not plan.vocab_parallel:  # what the head saved is held with the unit (above)
+    if not plan.output_outside:  # what the head saved is held with the unit (above)
         head_pass -= profile.head_saved_bytes_per_row
     head = head_pass * layout.output_rows * unit_tokens
     in_flight -= _offloaded_bytes(job, layout, profile, unit_tokens / stages)
@@ -258,9 +258,10 @@ def _offloaded_bytes(
     (`offload_plan.resident_peak`) moves away at the rank's ratio."""
     plan = job.pipeline
     assert plan is not None
-    if not plan.activation_offload:
+    offload = plan.feature_plans.get("activation_offload", ())
+    if not offload:
         return 0.0
-    ratio = plan.activation_offload[layout.pipeline_rank]
+    ratio = offload[layout.pipeline_rank]
     names = layout.block_names
     kv = sum(profile.kv_bytes[name] for name in names) if plan.num_slices > 1 else 0.0
     movable = (_block_bytes(job, names, profile) - kv) * stage_unit_tokens

@@ -1,0 +1,155 @@
+"""pipekit's own pipeline features, as entries of the feature table (`features.registry`).
+
+Each entry says which `[parallelism]` setting turns the feature on, its rules, what it fixes at
+planning and how a rank builds it; the feature's runtime lives in its own module. Order: context
+parallelism first (context exchange wraps its attention), context exchange before vocabulary
+parallelism (it plans on the compute lists), activation offload last.
+"""
+
+from __future__ import annotations
+
+from pipekit.attention.context_parallel import (
+    check_context_parallel_split,
+    check_context_parallel_variant,
+)
+from pipekit.distributed.process_group import new_group_along
+from pipekit.memory.offload_store import store_for
+from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
+from pipekit.pipelining.features.context_exchange import PipelineContextExchange
+from pipekit.pipelining.features.context_parallel import PipelineContextParallel
+from pipekit.pipelining.features.exchange_plan import plan_context_exchange
+from pipekit.pipelining.features.offload_plan import resolve_offload_ratios
+from pipekit.pipelining.features.output_passes import with_output_passes
+from pipekit.pipelining.features.registry import (
+    FeatureBuilding,
+    FeaturePlanning,
+    PipelineFeature,
+    register_pipeline_feature,
+)
+from pipekit.pipelining.features.vocab_parallel import (
+    PipelineVocabParallel,
+    build_vocab_parallel,
+)
+from pipekit.pipelining.model_split.partition import blocks_per_stage
+
+__all__: list[str] = []
+
+
+def _check_context_parallel(planning: FeaturePlanning) -> None:
+    """Every slice is cut into 2 x cp equal pieces; context exchange lends KV-cache chunks a
+    context-parallel rank does not hold whole."""
+    parallelism = planning.parallelism
+    check_context_parallel_variant(parallelism.cp_variant)
+    if parallelism.cp_variant == "ring":
+        raise ValueError(
+            "cp_variant='ring' passes a whole sequence's K/V around the ranks; inside a "
+            "pipeline use commutated, kv_passing or auto"
+        )
+    check_context_parallel_split(planning.seq_len, parallelism.cp, planning.num_slices)
+    if "context_exchange" in planning.features and parallelism.cp_variant == "kv_passing":
+        raise ValueError(
+            "context_exchange = true with cp_variant='kv_passing': a lending slice hands its "
+            "peer this rank's share of earlier slices, which only the commutated variant keeps "
+            "at home; use cp_variant = 'commutated' or 'auto' (lending slices run commutated)"
+        )
+
+
+def _build_context_parallel(building: FeatureBuilding) -> PipelineContextParallel:
+    plan = building.plan
+    return PipelineContextParallel(
+        building.mesh["cp"].get_group(),
+        plan.slice_length * plan.context_parallel,
+        building.feature_plan,
+    )
+
+
+def _check_context_exchange(planning: FeaturePlanning) -> None:
+    """Context exchange moves attention between slices' passes: it needs several slices, and
+    every stage must hold an attention layer to serve with."""
+    if planning.num_slices < 2:
+        raise ValueError(
+            f"context_exchange = true needs sliced passes: num_slices >= 2, not "
+            f"{planning.num_slices}"
+        )
+    blocks = blocks_per_stage(planning.structure, planning.module_names_per_stage)
+    empty = [stage for stage, count in blocks.items() if not count]
+    if empty:
+        raise ValueError(
+            f"context_exchange = true: stages {empty} hold no transformer layer to serve "
+            "attention with; change the stage split or set context_exchange = false"
+        )
+    plan_context_exchange(planning.actions_by_rank, planning.num_slices)
+
+
+def _build_context_exchange(building: FeatureBuilding) -> PipelineContextExchange:
+    plan, setup = building.plan, building.setup
+    return PipelineContextExchange(
+        new_group_along(building.mesh, "pp"),
+        blocks_per_stage(plan.structure, plan.module_names_per_stage),
+        downward_group=new_group_along(building.mesh, "pp"),
+        chunks_ahead=plan.context_parallel == 1,  # cp lends chunks it builds itself
+        backend=setup.attention_backend,
+        timeout=setup.collective_timeout,
+    )
+
+
+def _check_vocab_parallel(planning: FeaturePlanning) -> None:
+    """The output passes must fit between the schedule's actions without deadlock."""
+    with_output_passes(
+        planning.actions_by_rank,
+        planning.num_slices,
+        lockstep="context_exchange" in planning.features,
+    )
+
+
+def _plan_activation_offload(planning: FeaturePlanning) -> tuple[float, ...]:
+    """One offload ratio per pipeline rank."""
+    return resolve_offload_ratios(planning.parallelism.activation_offload, planning.actions_by_rank)
+
+
+def _build_activation_offload(building: FeatureBuilding) -> PipelineActivationOffload:
+    setup = building.setup
+    store = store_for(setup.device, setup.offload_dir or None)
+    return PipelineActivationOffload(building.pipeline_rank, building.feature_plan, store)
+
+
+for _feature in (
+    PipelineFeature(
+        "context_parallel",
+        PipelineContextParallel,
+        _build_context_parallel,
+        setting=lambda parallelism: parallelism.cp > 1,
+        setting_name="cp > 1",
+        order=10,
+        check=_check_context_parallel,
+        plan=lambda planning: planning.parallelism.cp_variant,
+    ),
+    PipelineFeature(
+        "context_exchange",
+        PipelineContextExchange,
+        _build_context_exchange,
+        setting=lambda parallelism: parallelism.context_exchange,
+        setting_name="context_exchange = true",
+        order=20,
+        check=_check_context_exchange,
+    ),
+    PipelineFeature(
+        "vocab_parallel",
+        PipelineVocabParallel,
+        build_vocab_parallel,
+        setting=lambda parallelism: parallelism.vocab_parallel,
+        setting_name="vocab_parallel = true",
+        order=30,
+        check=_check_vocab_parallel,
+    ),
+    PipelineFeature(
+        "activation_offload",
+        PipelineActivationOffload,
+        _build_activation_offload,
+        setting=lambda parallelism: bool(parallelism.activation_offload),
+        setting_name="activation_offload = <ratio>",
+        order=40,
+        plan=_plan_activation_offload,
+    ),
+):
+    register_pipeline_feature(_feature)

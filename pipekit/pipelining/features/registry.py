@@ -1,0 +1,188 @@
+"""The open table of pipeline features: how each is switched on, its rules, its part of the
+plan, how it builds, and its place among the others.
+
+Planning (`pipelining.plan`), building (`pipelining.build`) and the memory plan read this
+table; nothing else lists feature names. A feature is a `PipelineExtension` subclass (its
+runtime hooks and its static needs: `sliced_only`, `equal_length_slices`,
+`modules_outside_stages`) plus one `PipelineFeature` entry:
+
+    register_pipeline_feature(PipelineFeature("my_feature", MyExtension, build=build_mine))
+
+A job turns a registered feature on with `[parallelism] pipeline_features = ["my_feature"]`;
+the module that registers it is the one `[model] module` names (imported before planning), or
+any module imported first. pipekit's own features (`features.builtin`) each have a setting of
+their own (`vocab_parallel = true`, `cp = 2`, ...) and are registered on the first lookup.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from pipekit.config.job_config import ParallelismConfig
+from pipekit.models.spec import ModelShape, ModelStructure
+from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.runtime.extension import PipelineExtension
+from pipekit.pipelining.runtime.stage import StageShapes
+
+if TYPE_CHECKING:
+    from pipekit.pipelining.build import StageSetup
+    from pipekit.pipelining.plan import PipelinePlan
+
+__all__ = [
+    "FeatureBuilding",
+    "FeaturePlanning",
+    "PipelineFeature",
+    "enabled_pipeline_features",
+    "get_pipeline_feature",
+    "pipeline_feature_names",
+    "register_pipeline_feature",
+]
+
+_BUILTIN_MODULE = "pipekit.pipelining.features.builtin"
+
+
+@dataclass(frozen=True)
+class FeaturePlanning:
+    """What a feature's rules and its part of the plan are decided from."""
+
+    parallelism: ParallelismConfig
+    structure: ModelStructure
+    model: ModelShape
+    seq_len: int
+    num_slices: int
+    module_names_per_stage: list[list[str]]
+    actions_by_rank: dict[int, list[Action]]
+    """Every rank's compute-only lists (before any feature's own actions)."""
+    features: tuple[str, ...]
+    """Every feature the job turns on, in build order (rules may depend on each other)."""
+
+
+@dataclass(frozen=True)
+class FeatureBuilding:
+    """What a feature's extension is built from, on one rank (every rank builds together:
+    a feature that communicates creates its process groups here)."""
+
+    plan: PipelinePlan
+    model: nn.Module
+    """The whole model, on the meta device."""
+    rank_model: nn.Module
+    """This rank's modules under the whole model's names (what the optimizer sees)."""
+    mesh: DeviceMesh
+    """The world's mesh; its "pp" dim is the pipeline."""
+    setup: StageSetup
+    shapes: StageShapes
+    extensions: tuple[PipelineExtension, ...]
+    """The extensions of the features built before this one."""
+    feature_plan: Any
+    """What this feature's `plan` returned at planning (None without one)."""
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank()
+
+
+def _no_rules(_: FeaturePlanning) -> None:
+    """The default `check`: no rules beyond the extension's static needs."""
+
+
+def _no_plan(_: FeaturePlanning) -> None:
+    """The default `plan`: nothing to fix before building."""
+
+
+@dataclass(frozen=True)
+class PipelineFeature:
+    """One pipeline feature's entry in the table."""
+
+    name: str
+    extension: type[PipelineExtension]
+    """The runtime class: its static needs are read from it (one place for each fact)."""
+    build: Callable[[FeatureBuilding], PipelineExtension]
+    """This rank's extension (every rank calls it together)."""
+    setting: Callable[[ParallelismConfig], bool] | None = None
+    """Whether `[parallelism]` turns the feature on by a setting of its own (pipekit's
+    features); None: by naming it in `pipeline_features`."""
+    setting_name: str = ""
+    """That setting as a user writes it (for messages), e.g. "vocab_parallel = true"."""
+    order: int = 100
+    """Features build, and their hooks run, in increasing order (pipekit's use 10..40)."""
+    check: Callable[[FeaturePlanning], None] = _no_rules
+    """ValueError naming the fix when the job breaks the feature's rules."""
+    plan: Callable[[FeaturePlanning], Any] = _no_plan
+    """What the feature fixes at planning (kept in `PipelinePlan.feature_plans[name]`)."""
+
+    @property
+    def how_to_enable(self) -> str:
+        return self.setting_name or f"pipeline_features = [{self.name!r}]"
+
+
+_FEATURES: dict[str, PipelineFeature] = {}
+_builtins_loaded = False
+
+
+def register_pipeline_feature(feature: PipelineFeature, *, replace: bool = False) -> None:
+    """Add `feature` to the table (replacing one of the same name needs `replace=True`)."""
+    _load_builtins()
+    if not issubclass(feature.extension, PipelineExtension):
+        raise TypeError(
+            f"pipeline feature {feature.name!r}: extension must be a PipelineExtension subclass"
+        )
+    if feature.name in _FEATURES and not replace:
+        raise ValueError(
+            f"a pipeline feature named {feature.name!r} is already registered; pick another name "
+            "or pass replace=True"
+        )
+    _FEATURES[feature.name] = feature
+
+
+def _load_builtins() -> None:
+    """Register pipekit's own features (once, at the first use of the table)."""
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        importlib.import_module(_BUILTIN_MODULE)
+
+
+def pipeline_feature_names() -> list[str]:
+    """Every registered feature, in build order."""
+    _load_builtins()
+    return [f.name for f in sorted(_FEATURES.values(), key=lambda feature: feature.order)]
+
+
+def get_pipeline_feature(name: str) -> PipelineFeature:
+    """The entry of `name`, with an error listing the known ones."""
+    _load_builtins()
+    if name not in _FEATURES:
+        raise ValueError(
+            f"pipeline_features: no pipeline feature named {name!r} is registered (known: "
+            f"{', '.join(pipeline_feature_names())}); register it with "
+            "register_pipeline_feature in the module [model] module names"
+        )
+    return _FEATURES[name]
+
+
+def enabled_pipeline_features(parallelism: ParallelismConfig) -> tuple[str, ...]:
+    """The features `parallelism` turns on, in build order: pipekit's by their own settings,
+    registered ones by `pipeline_features`."""
+    _load_builtins()
+    listed = list(parallelism.pipeline_features)
+    for name in listed:
+        feature = get_pipeline_feature(name)
+        if feature.setting is not None:
+            raise ValueError(
+                f"pipeline_features lists {name!r}, which has a setting of its own: set "
+                f"{feature.setting_name} instead"
+            )
+    if len(set(listed)) != len(listed):
+        raise ValueError(f"pipeline_features={listed} names a feature twice; list each once")
+    on = [
+        feature
+        for feature in _FEATURES.values()
+        if (feature.setting(parallelism) if feature.setting is not None else feature.name in listed)
+    ]
+    return tuple(feature.name for feature in sorted(on, key=lambda feature: feature.order))
