@@ -4,6 +4,7 @@ Mixtral export."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from job_runs import (
     MOE_SLICED_CONFIG,
     REPO_ROOT,
     SHORT_RUN,
+    logged_losses,
     single_process_error,
     train_job,
     write_debug_llama,
@@ -204,3 +206,27 @@ def test_moe_sliced_pipeline_job_trains_and_exports_what_transformers_loads(tmp_
     with torch.no_grad():
         difference = (ours.eval()(tokens) - theirs.eval()(tokens).logits).abs().max()
     assert difference < 1e-4, difference
+
+
+BALANCED_CONFIG = str(REPO_ROOT / "configs" / "debug_moe_balanced.toml")
+
+
+def test_bias_balanced_moe_pipeline_job_resumes_with_its_expert_biases(tmp_path: Path) -> None:
+    """configs/debug_moe_balanced.toml (sliced pp 2 x ep 2: sigmoid routing with bias balancing,
+    grouped routing, a shared expert, the sequence-wise loss) on 4 ranks: its step-2 checkpoint,
+    resumed, gives the uninterrupted run's steps 3 and 4 exactly, so the routers' biases (moved
+    after every step, steering steps 3 and 4's routing) come back with the checkpoint."""
+    run = (
+        "--training.steps", "4", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_interval", "1", "--checkpoint.interval", "2", "--checkpoint.keep_last", "2",
+    )  # fmt: skip
+    whole = train_job(tmp_path / "whole", *run, nproc=4, config=BALANCED_CONFIG)
+    assert sorted(whole) == [1, 2, 3, 4]
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(
+        tmp_path / "whole" / "checkpoints" / "step-2", resumed_dir / "checkpoints" / "step-2"
+    )
+    train_job(resumed_dir, *run, nproc=4, config=BALANCED_CONFIG)
+    resumed = logged_losses(resumed_dir)
+    assert sorted(resumed) == [3, 4]
+    assert resumed == {step: whole[step] for step in (3, 4)}

@@ -18,9 +18,9 @@ tensor stays one rectangle of whole experts.
 
 Under tensor parallelism with sequence parallelism every tp rank routes its own tokens, so the
 experts and the routers are data parallel over the tp ranks too: the expert mesh then spans
-them (expert parallelism may fold over them), and each router is a unit of its own sharded
-over all the ranks that hold tokens of the stage (`routers_mesh`), whose reduce-scatter sums the
-router's gradients over the tp ranks the block's other units do not span.
+them (expert parallelism may fold over them), and each router (and shared-experts FFN) is a
+unit of its own sharded over all the ranks that hold tokens of the stage (`routers_mesh`),
+whose reduce-scatter sums its gradients over the tp ranks the block's other units do not span.
 """
 
 from __future__ import annotations
@@ -103,12 +103,14 @@ def apply_data_parallel(
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
-        # experts keep whole experts per rank (Shard(1)); routers shard as FSDP2 does (Shard(0))
+        # experts keep whole experts per rank (Shard(1)); routers and shared experts shard as
+        # FSDP2 does (Shard(0))
         for unit, unit_mesh, placement in (
             (module.experts, experts_mesh, Shard(1)),
             (module.router, routers_mesh, Shard(0)),
+            (module.shared_experts, routers_mesh, Shard(0)),
         ):
-            if unit_mesh is not None:
+            if unit is not None and unit_mesh is not None:
                 fully_shard(
                     unit,
                     mesh=unit_mesh,

@@ -47,6 +47,7 @@ _FLATTENED = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
     "cp_tp": ("cp", "tp"),
+    "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"),
 }
 
 

@@ -7,15 +7,22 @@ from pipekit.moe.aux_loss import (
     aux_loss_scale,
     importance_cv2_loss,
     router_z_loss,
+    sequence_balance_loss,
     switch_balance_loss,
+)
+from pipekit.moe.bias_balance import (
+    balanced_routers,
+    discard_expert_loads,
+    update_expert_biases,
 )
 from pipekit.moe.execution import ExpertExecution
 from pipekit.moe.experts import GroupedExperts
 from pipekit.moe.granularity import GranularitySearch
 from pipekit.moe.layer import MoE, MoEArgs
 from pipekit.moe.restore import RESTORE_STRATEGIES, choose_restore_strategy, restore_cost
-from pipekit.moe.routers import ROUTERS, Router, build_router
+from pipekit.moe.routers import ROUTERS, Router, SigmoidTopKRouter, build_router
 from pipekit.moe.routing import Routing
+from pipekit.moe.shared_experts import SharedExperts
 
 __all__ = [
     "BALANCE_LOSSES",
@@ -30,12 +37,18 @@ __all__ = [
     "MoEArgs",
     "Router",
     "Routing",
+    "SharedExperts",
+    "SigmoidTopKRouter",
     "attach_aux_loss",
     "aux_loss_scale",
+    "balanced_routers",
     "build_router",
     "choose_restore_strategy",
+    "discard_expert_loads",
     "importance_cv2_loss",
     "restore_cost",
     "router_z_loss",
+    "sequence_balance_loss",
     "switch_balance_loss",
+    "update_expert_biases",
 ]

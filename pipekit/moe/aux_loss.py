@@ -14,6 +14,9 @@ Losses (T tokens, E experts, K per token):
 - `switch`:     E x sum_i f_i P_i; f_i the fraction of the T x K choices that went to expert i,
                 P_i the mean router probability of expert i (Switch Transformer);
 - `importance`: CV(importance)^2, importance_i the sum of expert i's combine weights (Shazeer);
+- `sequence`:   the switch loss of each sequence (row) alone, averaged over the rows
+                (DeepSeek-V3's sequence-wise balance loss; its routers' P_i are normalised
+                scores);
 - z-loss:       mean over tokens of logsumexp(logits)^2 (ST-MoE), keeps logits small.
 """
 
@@ -37,6 +40,7 @@ __all__ = [
     "current_aux_loss_scale",
     "importance_cv2_loss",
     "router_z_loss",
+    "sequence_balance_loss",
     "switch_balance_loss",
 ]
 
@@ -61,6 +65,12 @@ def current_aux_loss_scale() -> float:
 def switch_balance_loss(routing: Routing) -> Tensor:
     """E x sum_i f_i P_i; equals 1 when choices and probabilities are uniform."""
     return _switch_of_sums(_switch_sums(routing))
+
+
+def sequence_balance_loss(routing: Routing, rows: int = 1) -> Tensor:
+    """The switch loss of each of the `rows` sequences alone (the tokens are rows x S in row
+    order), averaged over the rows."""
+    return _sequence_of_sums(_sequence_sums(routing, rows))
 
 
 def importance_cv2_loss(routing: Routing) -> Tensor:
@@ -93,6 +103,23 @@ def _switch_of_sums(sums: Tensor) -> Tensor:
     return num_experts * torch.dot(fraction_E, probs_E / num_tokens.clamp(min=1))
 
 
+def _sequence_sums(routing: Routing, rows: int) -> Tensor:
+    """`[rows, 2E + 1]`: each sequence's switch sums (choices, probabilities, tokens)."""
+    dtype = _sum_dtype(routing)
+    chosen_BSE = routing.chosen_TE.to(dtype).view(rows, -1, routing.num_experts)
+    probs_BSE = routing.probs_TE.to(dtype).view(rows, -1, routing.num_experts)
+    tokens_B1 = chosen_BSE.new_full((rows, 1), chosen_BSE.shape[1])
+    return torch.cat([chosen_BSE.sum(1), probs_BSE.sum(1), tokens_B1], dim=1)
+
+
+def _sequence_of_sums(sums_BK: Tensor) -> Tensor:
+    num_experts = (sums_BK.shape[1] - 1) // 2
+    choices_BE, probs_BE = sums_BK[:, :num_experts], sums_BK[:, num_experts:-1]
+    tokens_B1 = sums_BK[:, -1:].clamp(min=1)
+    fraction_BE = choices_BE / choices_BE.sum(1, keepdim=True).clamp(min=1)
+    return num_experts * (fraction_BE * probs_BE / tokens_B1).sum(1).mean()
+
+
 def _importance_sums(routing: Routing) -> Tensor:
     """Each expert's summed combine weights."""
     weight_A = routing.weight_A.to(_sum_dtype(routing))
@@ -116,11 +143,16 @@ def _mean_of_sums(sums: Tensor) -> Tensor:
 
 
 _BALANCE_TERMS = {
-    "switch": (_switch_sums, _switch_of_sums),
-    "importance": (_importance_sums, _cv2_of_sums),
+    "switch": (lambda routing, rows: _switch_sums(routing), _switch_of_sums),
+    "importance": (lambda routing, rows: _importance_sums(routing), _cv2_of_sums),
+    "sequence": (_sequence_sums, _sequence_of_sums),
 }
 
-BALANCE_LOSSES = {"switch": switch_balance_loss, "importance": importance_cv2_loss}
+BALANCE_LOSSES = {
+    "switch": switch_balance_loss,
+    "importance": importance_cv2_loss,
+    "sequence": sequence_balance_loss,
+}
 """Load-balancing loss name (as a config spells it) -> function of a Routing."""
 
 
@@ -130,12 +162,14 @@ def balance_loss(
     balance_weight: float,
     z_loss_weight: float,
     owner: object = None,
+    rows: int = 1,
 ) -> Tensor | None:
     """The weighted sum of the configured losses, or None when both weights are 0.
 
     Each is a function of sums over the tokens (`pipekit.layers.sequence_statistics`): when the
     forward runs as one slice of a sequence, its gradient is the whole sequence's, kept apart
-    per `owner` (the MoE layer)."""
+    per `owner` (the MoE layer). `rows`: the sequences the tokens are, in row order (the
+    sequence-wise loss keeps them apart)."""
     total: Tensor | None = None
     if balance_weight:
         if kind not in _BALANCE_TERMS:
@@ -143,7 +177,7 @@ def balance_loss(
                 f"unknown load-balancing loss {kind!r}; known: {sorted(BALANCE_LOSSES)}"
             )
         sums_of, loss_fn = _BALANCE_TERMS[kind]
-        total = balance_weight * loss_of_sums(sums_of(routing), loss_fn, (owner, kind))
+        total = balance_weight * loss_of_sums(sums_of(routing, rows), loss_fn, (owner, kind))
     if z_loss_weight:
         z_loss = z_loss_weight * loss_of_sums(_z_sums(routing), _mean_of_sums, (owner, "z"))
         total = z_loss if total is None else total + z_loss

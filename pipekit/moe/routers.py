@@ -1,6 +1,6 @@
 """Routers: a linear gate scores each token against each expert and picks assignments.
 
-Five routers, one class each, named in `ROUTERS` (the name a config uses):
+Six routers, one class each, named in `ROUTERS` (the name a config uses):
 
 - `topk_softmax`  (Mixtral; the default): top-k of the logits, then a softmax over those k.
   The weights of a token sum to 1, so experts that are copies of one FFN (upcycling) give
@@ -12,6 +12,10 @@ Five routers, one class each, named in `ROUTERS` (the name a config uses):
 - `switch`        (Switch Transformer): softmax, then top-1 with its probability as weight.
 - `expert_choice` (Zhou et al. 2022): each expert picks its top-c tokens by probability,
   c = ceil(capacity_factor x T / E); perfectly balanced, a token may get 0..E experts.
+- `sigmoid_topk`  (DeepSeek-V3): sigmoid scores; the top-k of score + a per-expert bias (moved
+  outside autograd toward even loads: `pipekit.moe.bias_balance`), optionally within the best
+  `topk_groups` of `num_groups` expert groups; weights are the chosen scores normalised over
+  the k, times `routed_scaling`.
 
 Token-choice routers take `capacity_factor` (None: dropless); over-capacity assignments are the
 ones of lowest probability (`routing_from_choices`). Scores are computed in at least float32
@@ -37,6 +41,7 @@ __all__ = [
     "ExpertChoiceRouter",
     "NoisyTopKRouter",
     "Router",
+    "SigmoidTopKRouter",
     "SoftmaxTopKRouter",
     "SwitchRouter",
     "TopKSoftmaxRouter",
@@ -192,20 +197,127 @@ class ExpertChoiceRouter(Router):
         )
 
 
+class SigmoidTopKRouter(Router):
+    """DeepSeek-V3: sigmoid scores, top-k of score + bias (within the best groups), weights the
+    chosen scores over their sum times `routed_scaling`.
+
+    `expert_bias` (float32 whatever the model's dtype; persistent: checkpoints carry it) only
+    steers which experts are
+    chosen, never the weights. In training, with `bias_update_rate` > 0, `expert_load` counts
+    the choices of every forward until `pipekit.moe.bias_balance.update_expert_biases` moves
+    the bias after the optimizer step and clears it. `probs_TE` of the routing are the scores
+    normalised over all experts (the sequence-wise balance loss reads them)."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        capacity_factor: float | None,
+        *,
+        num_groups: int = 1,
+        topk_groups: int = 1,
+        routed_scaling: float = 1.0,
+        bias_update_rate: float = 0.0,
+    ) -> None:
+        super().__init__(dim, num_experts, top_k, capacity_factor)
+        check_group_limits(num_experts, top_k, num_groups, topk_groups)
+        self.num_groups, self.topk_groups = num_groups, topk_groups
+        self.routed_scaling, self.bias_update_rate = routed_scaling, bias_update_rate
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        # float64: the step's counts stay exact at any scale (float32 stops at 2^24)
+        self.register_buffer(
+            "expert_load", torch.zeros(num_experts, dtype=torch.float64), persistent=False
+        )
+
+    def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
+        super().reset_parameters(init_std)
+        self.expert_bias.zero_()
+        self.expert_load.zero_()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def] - nn.Module's signature
+        """Moves as any module, but a cast leaves the balancing state in its dtypes, with its
+        values (a bf16 bias could not take steps of 1e-3 near 1)."""
+        before = {name: getattr(self, name) for name in ("expert_bias", "expert_load")}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = getattr(self, name)
+            if new.dtype != old.dtype:
+                setattr(self, name, old.to(new.device))
+        return self
+
+    def forward(self, x_TD: Tensor) -> Routing:
+        logits_TE = self.logits(x_TD)
+        scores_TE = torch.sigmoid(logits_TE)
+        choice_TE = scores_TE.detach() + self.expert_bias.to(scores_TE.dtype)
+        if self.num_groups > 1:
+            choice_TE = _within_best_groups(choice_TE, self.num_groups, self.topk_groups)
+        expert_index_TK = torch.topk(choice_TE, self.top_k, dim=-1).indices
+        weight_TK = scores_TE.gather(1, expert_index_TK)
+        weight_TK = weight_TK / (weight_TK.sum(-1, keepdim=True) + 1e-20) * self.routed_scaling
+        if self.training and self.bias_update_rate:
+            self.expert_load += torch.bincount(
+                expert_index_TK.reshape(-1), minlength=self.num_experts
+            ).to(self.expert_load.dtype)
+        return routing_from_choices(
+            expert_index_TK,
+            weight_TK,
+            logits_TE=logits_TE,
+            probs_TE=scores_TE / scores_TE.sum(-1, keepdim=True),
+            capacity=self.capacity(x_TD.shape[0]),
+        )
+
+
+def check_group_limits(num_experts: int, top_k: int, num_groups: int, topk_groups: int) -> None:
+    """ValueError naming the fix unless group-limited routing can pick `top_k` experts."""
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(
+            f"num_groups={num_groups} must divide num_experts={num_experts} (experts are "
+            "grouped in equal runs, e.g. one group per node)"
+        )
+    if not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"topk_groups={topk_groups} must be between 1 and num_groups={num_groups}")
+    if top_k > topk_groups * (num_experts // num_groups):
+        raise ValueError(
+            f"top_k={top_k} experts cannot be picked from topk_groups={topk_groups} groups of "
+            f"{num_experts // num_groups}; raise topk_groups or lower top_k"
+        )
+
+
+def _within_best_groups(choice_TE: Tensor, num_groups: int, topk_groups: int) -> Tensor:
+    """`choice_TE` with the experts outside each token's best `topk_groups` groups set to 0
+    (DeepSeek-V3's node-limited routing: a group's score is the sum of its two best)."""
+    num_tokens, num_experts = choice_TE.shape
+    grouped_TGX = choice_TE.view(num_tokens, num_groups, num_experts // num_groups)
+    best = min(2, grouped_TGX.shape[-1])
+    group_score_TG = grouped_TGX.topk(best, dim=-1).values.sum(-1)
+    group_index_TG = group_score_TG.topk(topk_groups, dim=-1).indices
+    keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, group_index_TG, True)
+    keep_TE = keep_TG[:, :, None].expand_as(grouped_TGX).reshape(num_tokens, num_experts)
+    return choice_TE.masked_fill(~keep_TE, 0.0)
+
+
 ROUTERS: dict[str, type[Router]] = {
     "topk_softmax": TopKSoftmaxRouter,
     "softmax_topk": SoftmaxTopKRouter,
     "noisy_topk": NoisyTopKRouter,
     "switch": SwitchRouter,
     "expert_choice": ExpertChoiceRouter,
+    "sigmoid_topk": SigmoidTopKRouter,
 }
 """Router name (as a config spells it) -> class."""
 
 
 def build_router(
-    name: str, dim: int, num_experts: int, top_k: int, capacity_factor: float | None
+    name: str,
+    dim: int,
+    num_experts: int,
+    top_k: int,
+    capacity_factor: float | None,
+    **options: float,
 ) -> Router:
-    """The router called `name`, with an error listing the known names."""
+    """The router called `name`, with an error listing the known names; `options` go to
+    routers that take them (`sigmoid_topk`'s groups, scaling and bias rate)."""
     if name not in ROUTERS:
         raise ValueError(f"unknown router {name!r}; known routers: {sorted(ROUTERS)}")
-    return ROUTERS[name](dim, num_experts, top_k, capacity_factor)
+    return ROUTERS[name](dim, num_experts, top_k, capacity_factor, **options)

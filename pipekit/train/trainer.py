@@ -40,6 +40,7 @@ from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.layers.loss import count_label_tokens
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.moe.aux_loss import aux_loss_scale
+from pipekit.moe.bias_balance import discard_expert_loads, update_expert_biases
 from pipekit.pipelining.features.vocab_parallel import vocabulary_row_dims
 from pipekit.pipelining.tools.trace import record_pipeline_step
 from pipekit.train.compile import job_loss_fn
@@ -224,6 +225,7 @@ class Trainer:
             tensor_split=self.pipeline.tensor_split_parameters() if self.pipeline else None,
         )
         self.optimizer.step()
+        update_expert_biases(self.model, self._stage_group())
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -263,7 +265,13 @@ class Trainer:
             loss, tokens = self._loss(batches, backward=False)
             loss_sum, token_sum = loss_sum + loss * tokens, token_sum + tokens
         self.optimizer.zero_grad(set_to_none=True)
+        discard_expert_loads(self.model)  # the routers' counts are the training steps'
         return loss_sum / token_sum
+
+    def _stage_group(self) -> dist.ProcessGroup | None:
+        """Every rank holding tokens of this rank's pipeline stage (all but the pp dim): the
+        routers' expert loads are summed over them."""
+        return self.dims.mesh("dp_cp_tp").get_group() if self.dims.has_mesh("dp_cp_tp") else None
 
     def _sequence_group(self) -> dist.ProcessGroup | None:
         """The ranks that split a sequence's tokens (cp, and tp under sequence parallelism):

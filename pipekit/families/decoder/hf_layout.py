@@ -116,16 +116,22 @@ def _whole_heads(w_RD: torch.Tensor, head_dim: int) -> int:
 
 
 def expert_layout_problems(args: MoEFields) -> list[str]:
-    """What no Hugging Face MoE layout can hold of `args` (experts that are not SwiGLU), each
-    with its fix; a family's `check_layout` adds its own."""
+    """What the Hugging Face MoE layouts pipekit writes cannot hold of `args` (experts that
+    are not SwiGLU, shared experts), each with its fix; a family's `check_layout` adds its own."""
+    problems = []
     activation = args.moe.activation
-    if activation == EXPERT_ACTIVATION:
-        return []
-    return [
-        f"moe.activation={activation!r} experts, but the layout's experts are SwiGLU (w1 gate, "
-        f"w3 up, w2 down); use activation={EXPERT_ACTIVATION!r}, or keep the model in pipekit's "
-        "DCP checkpoints"
-    ]
+    if activation != EXPERT_ACTIVATION:
+        problems.append(
+            f"moe.activation={activation!r} experts, but the layout's experts are SwiGLU (w1 "
+            f"gate, w3 up, w2 down); use activation={EXPERT_ACTIVATION!r}, or keep the model in "
+            "pipekit's DCP checkpoints"
+        )
+    if args.moe.num_shared_experts:
+        problems.append(
+            f"moe.num_shared_experts={args.moe.num_shared_experts}, but the layout has no shared "
+            "experts; set num_shared_experts=0, or keep the model in pipekit's DCP checkpoints"
+        )
+    return problems
 
 
 @dataclass(frozen=True)

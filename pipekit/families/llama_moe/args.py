@@ -34,6 +34,25 @@ LLAMA_MOE_FLAVORS: dict[str, LlamaMoEArgs] = {
         moe=MoEArgs(num_experts=4, top_k=2, load_balance_weight=0.01, z_loss_weight=0.001),
         moe_every=1,
     ),
+    # CPU-sized with DeepSeek-V3's MoE: 8 routed experts in 4 groups (a token's from the best 2),
+    # sigmoid routing with bias balancing instead of an auxiliary loss, one shared expert, and a
+    # small sequence-wise balance loss; configs/debug_moe_balanced.toml trains it.
+    "debug_balanced": LlamaMoEArgs(
+        **{**vars(LLAMA_FLAVORS["debug"]), "ffn_dim": 256},
+        moe=MoEArgs(
+            num_experts=8,
+            top_k=2,
+            router="sigmoid_topk",
+            num_groups=4,
+            topk_groups=2,
+            routed_scaling=2.5,
+            bias_update_rate=1e-3,
+            num_shared_experts=1,
+            load_balance="sequence",
+            load_balance_weight=1e-4,
+        ),
+        moe_every=2,
+    ),
     # Mixtral 8x7B's shape.
     "8x7B": LlamaMoEArgs(
         dim=4096,
