@@ -127,6 +127,9 @@ class TrainingConfig:
     """Compute dtype of parameters: float32 or bfloat16 (master weights stay float32)."""
     mixed_precision_reduce: str = "float32"
     """Dtype of gradient reduction across data-parallel ranks: float32 or bfloat16."""
+    float8: str = "none"
+    """FP8 training of the linear layers through torchao: none, tensorwise or rowwise (the
+    output layer and routers stay high precision; emulated off CUDA; docs/training.md)."""
     activation_checkpoint: str = "none"
     """Activation checkpointing: none; full (every block keeps only its input); every_k (every
     k-th block does); selective (op-level, every block: keeps what activation_checkpoint_keep

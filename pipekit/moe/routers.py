@@ -285,8 +285,10 @@ def check_group_limits(num_experts: int, top_k: int, num_groups: int, topk_group
 
 
 def _within_best_groups(choice_TE: Tensor, num_groups: int, topk_groups: int) -> Tensor:
-    """`choice_TE` with the experts outside each token's best `topk_groups` groups set to 0
-    (DeepSeek-V3's node-limited routing: a group's score is the sum of its two best)."""
+    """`choice_TE` with the experts outside each token's best `topk_groups` groups set to -inf
+    (DeepSeek-V3's node-limited routing: a group's score is the sum of its two best). Not 0: a
+    choice is score + bias, negative once a bias is below -score, and a masked 0 would then
+    win over it, picking an expert of a group the token may not use."""
     num_tokens, num_experts = choice_TE.shape
     grouped_TGX = choice_TE.view(num_tokens, num_groups, num_experts // num_groups)
     best = min(2, grouped_TGX.shape[-1])
@@ -294,7 +296,7 @@ def _within_best_groups(choice_TE: Tensor, num_groups: int, topk_groups: int) ->
     group_index_TG = group_score_TG.topk(topk_groups, dim=-1).indices
     keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, group_index_TG, True)
     keep_TE = keep_TG[:, :, None].expand_as(grouped_TGX).reshape(num_tokens, num_experts)
-    return choice_TE.masked_fill(~keep_TE, 0.0)
+    return choice_TE.masked_fill(~keep_TE, float("-inf"))
 
 
 ROUTERS: dict[str, type[Router]] = {

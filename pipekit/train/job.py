@@ -92,6 +92,7 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     if upcycle is not None:
         _check_upcycle(config, check_files)
     dims = _parallel_dims(config, world_size)
+    _check_float8(config, dims.tp)
     if dims.tp > 1:
         _check_tensor_parallel(config, dims, spec, args)
         _check_sequence_parallel(config, dims)
@@ -303,6 +304,15 @@ def _check_tensor_parallel(
         )
     except ValueError as error:
         raise _error("[parallelism]", error) from None
+
+
+def _check_float8(config: JobConfig, tp: int) -> None:
+    from pipekit.train.float8 import check_float8
+
+    try:
+        check_float8(config.training.float8, tp)
+    except ValueError as error:
+        raise _error("[training]", error) from None
 
 
 def _check_sequence_parallel(config: JobConfig, dims: ParallelDims) -> None:

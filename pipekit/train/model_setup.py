@@ -38,6 +38,7 @@ from pipekit.pipelining.build import StageSetup, build_pipeline
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.train.activation_checkpoint import apply_activation_checkpointing
 from pipekit.train.compile import compile_blocks, job_loss_fn
+from pipekit.train.float8 import apply_float8
 from pipekit.train.job import Job
 
 __all__ = ["JobModel", "build_job_model"]
@@ -173,9 +174,19 @@ class _ModelSetup:
         )
 
     def parallelize(self, module: nn.Module) -> None:
-        """Tensor parallelism, activation checkpointing, expert parallelism, compiled blocks,
-        then data parallelism, in place."""
+        """FP8 linear layers, tensor parallelism, activation checkpointing, expert
+        parallelism, compiled blocks, then data parallelism, in place."""
         job, moe = self.job, self.job.config.moe
+        converted = apply_float8(
+            module, job.config.training.float8, job.spec.structure, self.device.type
+        )
+        if converted:
+            logger.info(
+                "float8 (%s%s): %d linear layers",
+                job.config.training.float8,
+                "" if self.device.type == "cuda" else ", emulated",
+                len(converted),
+            )
         if job.tensor_parallel > 1:
             assert self.mesh is not None
             apply_tensor_parallel(
