@@ -36,7 +36,7 @@ _SPAN = re.compile(r"`([^`]+)`")
 _COMMAND = re.compile(r"\bpython3? -m (pipekit(?:\.\w+)*)|(?<![\w/.-])train\.py\b")
 _COMMAND_END = re.compile(r"&&|;|\s\|\s|(?:^|\s)#|\bpython3? -m |(?<![\w/.-])train\.py\b")
 _FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*(?:\.[\w-]+)*")
-_SECTION_KEY = re.compile(r"(?<![\w\[])\[([a-z_]+(?:\.[a-z_]+)*)\][ \t]+([a-z_]+\*?)")
+_SECTION_KEY = re.compile(r"(?<![\w\[])\[([a-z_]+(?:\.[a-z_]+)*)\][ \t]+([a-z_][a-z0-9_]*\*?)")
 _PATH = re.compile(r"(?<![\w/.-])(?:\.\./)?((?:configs|examples)/[\w./-]*[\w/])")
 _PLACEHOLDER_KEY = "section.key"  # `[--section.key value ...]` in usage lines
 

@@ -515,14 +515,14 @@ def test_context_exchange_job_matches_the_sliced_pipeline(
 def test_a_float8_job_trains_near_float32_and_resumes_exactly(
     tmp_path: Path, data_parallel_losses: dict
 ) -> None:
-    """FSDP2 over 2 ranks with float8 = "tensorwise" (torchao, emulated on CPU): within 3% of
+    """FSDP2 over 2 ranks with float8 = "tensorwise" (torchao, emulated on CPU): within 1% of
     the float32 job's losses at every step, and its step-2 checkpoint resumes to the same steps
     3 and 4."""
     fp8 = ("--training.float8", "tensorwise")
     float8 = train_job(tmp_path / "float8", *LAYOUT_RUN, *fp8)
     assert sorted(float8) == [1, 2, 3, 4]
     for step, loss in data_parallel_losses.items():
-        assert abs(float8[step] - loss) <= 0.03 * loss, (step, float8[step], loss)
+        assert abs(float8[step] - loss) <= 0.01 * loss, (step, float8[step], loss)
     assert float8 != data_parallel_losses  # the casts did happen
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(
