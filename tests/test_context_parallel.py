@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from tiny_models import TINY_LLAMA
 import examples.custom_model.model as custom
 import pipekit.testing.data_parallel as data_parallel_module
 from pipekit.attention import attention, token_order_mask
+from pipekit.attention import ulysses as ulysses_module
 from pipekit.attention.context import ContextParallelAttention
 from pipekit.attention.context_parallel import (
     CachedShard,
@@ -259,14 +261,14 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
         for name, run in (
             *(
                 (f"{variant}, whole sequence", _whole_sequence_run(variant))
-                for variant in ("kv_passing", "ring", "commutated")
+                for variant in ("kv_passing", "ring", "commutated", "ulysses")
             ),
             ("ring rotation", _ring_rotation_run),
             ("kv passing, sliced", _sliced_run(kv_passing_context_attention)),
             ("commutated, sliced", _sliced_run(commutated_context_attention)),
             *(
                 (f"{variant}, whole sequence, window", _whole_sequence_run(variant, WINDOW))
-                for variant in ("kv_passing", "ring", "commutated")
+                for variant in ("kv_passing", "ring", "commutated", "ulysses")
             ),
             ("kv passing, sliced, window", _sliced_run(kv_passing_context_attention, WINDOW)),
             ("commutated, sliced, window", _sliced_run(commutated_context_attention, WINDOW)),
@@ -278,7 +280,8 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_attention_matches_one_process_fp64(world: int) -> None:
-    """Every variant over the whole sequence (KV all-gather, ring, commutated) and over a
+    """Every variant over the whole sequence (KV all-gather, ring, commutated, Ulysses: with 4
+    ranks its 2 kv heads are repeated to split) and over a
     chunked cache of slices (KV passing, commutated) equals single-process attention in output
     and every gradient, causal and with a sliding window; the ablations (shards masked as if
     their tokens came first; attending to the local cache only; the window ignored) do not."""
@@ -375,3 +378,63 @@ def test_fsdp_with_context_parallelism_matches_one_process_fp64() -> None:
         assert max_relative_difference(ablated, reference) > 1e-3, name
     per_rank_statistics = [results["statistics per rank"] for results in per_rank]
     assert max_relative_difference(per_rank_statistics, reference) > 1e-3
+
+
+def _ulysses_runs(rank: int, world: int) -> dict[str, Result]:
+    """Llama with Ulysses CP on 4 ranks: cp 2 x tp 2 (each tp rank's heads split again over
+    the cp ranks) and cp 2 x dp_shard 2; the ablation gathers the shards' token indices in the
+    wrong order (the mask no longer matches the all-to-all's token order)."""
+    args = _MODELS["llama"]
+    batch = parity_batch(args.vocab_size, 8, LENGTH)
+    spec = get_model_spec("llama")
+    layouts = {"cp2 tp2": {"tp": 2}, "cp2 dp2": {}}
+    results = {
+        name: data_parallel_step(
+            rank, world, spec, args, batch, cp=2, cp_variant="ulysses", **extra
+        )
+        for name, extra in layouts.items()
+    }
+    gather = ulysses_module.gather_token_shards
+    ulysses_module.gather_token_shards = lambda shard, group: gather(shard, group)[::-1]
+    results["ablated"] = data_parallel_step(
+        rank, world, spec, args, batch, cp=2, cp_variant="ulysses"
+    )
+    ulysses_module.gather_token_shards = gather
+    return results
+
+
+def test_ulysses_context_parallelism_composes_with_tp_and_fsdp_fp64() -> None:
+    per_rank = run_on_ranks(_ulysses_runs, 4, timeout=300)
+    args = _MODELS["llama"]
+    reference = reference_step(
+        get_model_spec("llama"), args, parity_batch(args.vocab_size, 8, LENGTH), microbatches=2
+    )
+    for layout in ("cp2 tp2", "cp2 dp2"):
+        results = [results[layout] for results in per_rank]
+        assert max_relative_difference(results, reference) <= 1e-10, layout
+    ablated = [results["ablated"] for results in per_rank]
+    assert max_relative_difference(ablated, reference) > 1e-3
+
+
+def test_ulysses_is_refused_where_it_cannot_run() -> None:
+    """Heads that do not split over the cp ranks (after tp), and pipelines (per-slice caches),
+    are refused before launch with one line."""
+    from pipekit.attention.ulysses import check_ulysses_heads
+    from pipekit.config import ConfigError, load_job_config
+    from pipekit.train.job import validate_job
+
+    with pytest.raises(ValueError, match=r"cp=4 ranks heads / cp query heads, but a rank holds 6"):
+        check_ulysses_heads(6, 4)
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    sliced = ["--config", str(configs / "debug_sliced_pp.toml"), "--parallelism.cp", "2"]
+    with pytest.raises(ConfigError, match=r"cp_variant='ulysses' runs on whole sequences"):
+        validate_job(
+            load_job_config([*sliced, "--parallelism.cp_variant", "ulysses"]), 4, check_files=False
+        )
+    flat = ["--config", str(configs / "debug_model.toml"), "--parallelism.dp_shard", "1"]
+    job = validate_job(
+        load_job_config([*flat, "--parallelism.cp", "2", "--parallelism.cp_variant", "ulysses"]),
+        2,
+        check_files=False,
+    )
+    assert job.dims.cp == 2

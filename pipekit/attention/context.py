@@ -36,6 +36,7 @@ from pipekit.attention.patterns import (
     pattern_backend,
 )
 from pipekit.attention.ring import ring_context_attention
+from pipekit.attention.ulysses import ulysses_context_attention
 
 __all__ = [
     "AttentionContext",
@@ -160,7 +161,9 @@ class ContextParallelAttention:
     """The attention context of a context-parallel rank: its load-balanced share of each
     sequence (`tokens_S`, with their document ids) attends to every cp rank's keys by the
     layer's pattern over `group`, by `variant`: "kv_passing" (all-gather), "ring"
-    (overlapped), "commutated" (the queries travel), or "auto" (whichever moves fewer bytes).
+    (overlapped), "commutated" (the queries travel), "ulysses" (heads travel: all-to-all to
+    head shards and back), or "auto" (of commutated and KV passing, whichever moves fewer
+    bytes).
     Not a dataclass, so FSDP2's input handling passes it through as it is."""
 
     def __init__(
@@ -196,6 +199,10 @@ class ContextParallelAttention:
         if variant == "ring":
             ring = ring_context_attention(q_BHSD, k_BGSD, v_BGSD, self.shard, self.group, **options)
             return ring[0]
+        if variant == "ulysses":
+            return ulysses_context_attention(
+                q_BHSD, k_BGSD, v_BGSD, self.shard, self.group, **options
+            )
         cache = [CachedShard(k_BGSD, v_BGSD, self.shard)]
         exchange = CACHED_SHARD_ATTENTION[variant]
         return exchange(q_BHSD, self.shard, cache, self.group, **options)[0]

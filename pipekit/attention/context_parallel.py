@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 
-CONTEXT_PARALLEL_VARIANTS = ("auto", "commutated", "kv_passing", "ring")
+CONTEXT_PARALLEL_VARIANTS = ("auto", "commutated", "kv_passing", "ring", "ulysses")
 """How cp ranks exchange attention; "auto" picks per slice by bytes; "ring" (whole sequences
 only, `pipekit.attention.ring`) passes K/V around the ranks with overlap."""
 

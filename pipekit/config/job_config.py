@@ -219,7 +219,8 @@ class ParallelismConfig:
     cp_variant: str = "auto"
     """How cp ranks exchange attention: "commutated" (queries travel, the KV cache stays
     home), "kv_passing" (K/V gathered), "ring" (K/V passed around the ranks, overlapped;
-    outside pipelines), or "auto" (per slice, whichever moves fewer bytes)."""
+    outside pipelines), "ulysses" (all-to-all to head shards and back; outside pipelines, heads
+    divisible by tp x cp), or "auto" (per slice, commutated or KV passing by bytes)."""
     tp: int = 1
     """Tensor-parallel degree: the blocks' projections split over this many ranks by the model
     family's plan (composes with FSDP2, pipelines, cp and, under sequence parallelism, MoE

@@ -103,6 +103,7 @@ def data_parallel_step(
     ep: int = 1,
     dp_replicate: int = 1,
     cp: int = 1,
+    cp_variant: str = "auto",
     tp: int = 1,
     tp_plan: ModelSpec | None = None,
     sequence_parallel: bool = True,
@@ -114,8 +115,9 @@ def data_parallel_step(
 ) -> Result:
     """FSDP2 over all ranks (HSDP with `dp_replicate` replicas; experts sharded over `ep` of
     them and by FSDP2 over the ep groups), each data rank its share of the rows, each of its
-    `cp` context-parallel ranks its load-balanced share of their tokens; the full gradients,
-    gathered. `adjust` sees the parallelized model before the step (ablations)."""
+    `cp` context-parallel ranks its load-balanced share of their tokens (attending by
+    `cp_variant`); the full gradients, gathered. `adjust` sees the parallelized model before
+    the step (ablations)."""
     model, dims, mesh = data_parallel_model(
         world, spec, args, ep=ep, dp_replicate=dp_replicate, cp=cp, tp=tp, tp_plan=tp_plan,
         sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, routers=routers,
@@ -132,7 +134,9 @@ def data_parallel_step(
     if cp > 1:
         tokens_S = load_balanced_indices(batch.batch_size[1], cp)[mesh["cp"].get_local_rank()]
         part = part[:, tokens_S]
-        context = ContextParallelAttention(tokens_S, part["document_ids"], cp_group)
+        context = ContextParallelAttention(
+            tokens_S, part["document_ids"], cp_group, variant=cp_variant
+        )
     with loss_parallel_context() if loss_parallel else nullcontext():
         with aux_loss_scale(1.0 / dims.dp_degree), statistics_group(sequence_group):
             logits = model(part["tokens"], part["positions"], context)

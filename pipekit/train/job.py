@@ -92,6 +92,8 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     if upcycle is not None:
         _check_upcycle(config, check_files)
     dims = _parallel_dims(config, world_size)
+    if dims.cp > 1:
+        _check_context_parallel(config, dims.cp, dims.pp, shape)
     _check_float8(config, dims.tp)
     if dims.tp > 1:
         _check_tensor_parallel(config, dims, spec, args)
@@ -284,8 +286,6 @@ def _parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
         dims = ParallelDims.from_config(config.parallelism, world_size)
     except ValueError as error:
         raise _error("[parallelism]", error) from None
-    if dims.cp > 1:
-        _check_context_parallel(config, dims.cp, dims.pp)
     return dims
 
 
@@ -327,17 +327,20 @@ def _check_sequence_parallel(config: JobConfig, dims: ParallelDims) -> None:
         raise _error("[parallelism]", error) from None
 
 
-def _check_context_parallel(config: JobConfig, cp: int, pp: int) -> None:
+def _check_context_parallel(config: JobConfig, cp: int, pp: int, shape: ModelShape) -> None:
     """Outside pipelines (the pipeline plan checks its slices by the same rules)."""
     from pipekit.attention.context_parallel import (
         check_context_parallel_split,
         check_context_parallel_variant,
     )
+    from pipekit.attention.ulysses import check_ulysses_heads
 
     try:
         check_context_parallel_variant(config.parallelism.cp_variant)
         if pp == 1:
             check_context_parallel_split(config.training.seq_len, cp)
+        if config.parallelism.cp_variant == "ulysses":
+            check_ulysses_heads(shape.num_heads // max(config.parallelism.tp, 1), cp)
     except ValueError as error:
         raise _error("[parallelism]", error) from None
 

@@ -40,10 +40,10 @@ def _check_context_parallel(planning: FeaturePlanning) -> None:
     context-parallel rank does not hold whole."""
     parallelism = planning.parallelism
     check_context_parallel_variant(parallelism.cp_variant)
-    if parallelism.cp_variant == "ring":
+    if parallelism.cp_variant in ("ring", "ulysses"):
         raise ValueError(
-            "cp_variant='ring' passes a whole sequence's K/V around the ranks; inside a "
-            "pipeline use commutated, kv_passing or auto"
+            f"cp_variant={parallelism.cp_variant!r} runs on whole sequences, outside pipelines; "
+            "inside a pipeline use commutated, kv_passing or auto"
         )
     check_context_parallel_split(planning.seq_len, parallelism.cp, planning.num_slices)
     if "context_exchange" in planning.features and parallelism.cp_variant == "kv_passing":

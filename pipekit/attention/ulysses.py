@@ -1,0 +1,127 @@
+"""Ulysses context parallelism: an all-to-all from sequence shards to head shards and back.
+
+Each cp rank holds its load-balanced share of every sequence's tokens for all heads. Before
+attention one all-to-all per tensor gives each rank every token of `heads / cp` query heads
+(and their key/value heads); attention runs over the whole sequence, masked by the tokens'
+indices in it (the pattern and the documents they belong to), and a second all-to-all returns
+each rank its own tokens for all heads (DeepSpeed-Ulysses). It moves
+`(cp-1)/cp x tokens x (2 x query heads + 2 x kv heads) x head_dim` elements per rank and layer
+forward, whatever the sequence length, and needs the heads (after tensor parallelism) to split
+over the cp ranks; grouped key/value heads that do not split are repeated up to one per query
+head first. Gradients go back by the inverse all-to-alls.
+
+Legend: B batch, H query heads, G kv heads, N heads of either, S tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.chunked import attention
+from pipekit.attention.context_parallel import TokenShard, gather_token_shards, shard_mask
+from pipekit.attention.patterns import AttentionPattern, pattern_backend
+
+__all__ = ["check_ulysses_heads", "ulysses_bytes", "ulysses_context_attention"]
+
+
+def check_ulysses_heads(query_heads: int, cp: int) -> None:
+    """ValueError naming the fix unless the (tensor-parallel rank's) query heads split over
+    the cp ranks."""
+    if query_heads % cp:
+        raise ValueError(
+            f"cp_variant='ulysses' gives each of the cp={cp} ranks heads / cp query heads, but "
+            f"a rank holds {query_heads}; choose cp dividing them (after tp), or another "
+            "cp_variant"
+        )
+
+
+def ulysses_bytes(
+    *, tokens: int, cp: int, q_heads: int, kv_heads: int, head_dim: int, element_bytes: int = 2
+) -> float:
+    """Bytes one rank sends for one layer's attention forward over a sequence of `tokens`
+    (all cp ranks'): its share of q, k, v out and of the output back."""
+    if kv_heads % cp:
+        kv_heads = q_heads  # repeated up to one per query head
+    share = (cp - 1) / cp * tokens / cp * element_bytes
+    return share * (2 * q_heads + 2 * kv_heads) * head_dim
+
+
+def _sequence_to_heads(x_BNSD: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """`[B, N, S, D]` of this rank's tokens -> `[B, N / cp, cp x S, D]`: every rank's tokens
+    (by source rank) of this rank's heads."""
+    cp = dist.get_world_size(group)
+    batch, heads, tokens, dim = x_BNSD.shape
+    send = x_BNSD.reshape(batch, cp, heads // cp, tokens, dim).movedim(1, 0).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received.movedim(0, 2).reshape(batch, heads // cp, cp * tokens, dim)
+
+
+def _heads_to_sequence(x_BNSD: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """The inverse: `[B, N / cp, cp x S, D]` -> `[B, N, S, D]` of this rank's tokens."""
+    cp = dist.get_world_size(group)
+    batch, heads, tokens, dim = x_BNSD.shape
+    send = x_BNSD.reshape(batch, heads, cp, tokens // cp, dim).movedim(2, 0).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received.movedim(0, 1).reshape(batch, cp * heads, tokens // cp, dim)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BNSD: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        ctx.group = group
+        return _sequence_to_heads(x_BNSD, group)
+
+    @staticmethod
+    def backward(ctx, grad_BNSD: Tensor) -> tuple[Tensor, None]:
+        return _heads_to_sequence(grad_BNSD.contiguous(), ctx.group), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BNSD: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        ctx.group = group
+        return _heads_to_sequence(x_BNSD, group)
+
+    @staticmethod
+    def backward(ctx, grad_BNSD: Tensor) -> tuple[Tensor, None]:
+        return _sequence_to_heads(grad_BNSD.contiguous(), ctx.group), None
+
+
+def ulysses_context_attention(
+    q_BHSD: Tensor,
+    k_BGSD: Tensor,
+    v_BGSD: Tensor,
+    shard: TokenShard,
+    group: dist.ProcessGroup | None,
+    *,
+    scale: float | None = None,
+    backend: str | AttentionBackend = "auto",
+    pattern: AttentionPattern | None = None,
+) -> Tensor:
+    """This rank's tokens' (`shard`) attention output `[B, H, S, D]` over the whole sequence by
+    `pattern` (None: causal), computed head-sharded (see the module docstring)."""
+    cp = dist.get_world_size(group)
+    query_heads, kv_heads = q_BHSD.shape[1], k_BGSD.shape[1]
+    check_ulysses_heads(query_heads, cp)
+    if kv_heads % cp:
+        repeats = query_heads // kv_heads
+        k_BGSD = k_BGSD.repeat_interleave(repeats, dim=1)
+        v_BGSD = v_BGSD.repeat_interleave(repeats, dim=1)
+    q_BHSD, k_BGSD, v_BGSD = (
+        _SequenceToHeads.apply(tensor, group) for tensor in (q_BHSD, k_BGSD, v_BGSD)
+    )
+    shards = gather_token_shards(shard, group)
+    documents = (
+        None
+        if shard.document_ids_BS is None
+        else torch.cat([s.document_ids_BS for s in shards], dim=1)
+    )
+    whole = TokenShard(torch.cat([s.tokens_S for s in shards]), documents)
+    mask = shard_mask(whole, whole, pattern)
+    out_BHSD, _ = attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, pattern_backend(backend, pattern))
+    return _HeadsToSequence.apply(out_BHSD, group)
