@@ -286,8 +286,8 @@ def test_context_parallel_pipelines_are_checked_before_launch():
             "use cp_variant = 'commutated' or 'auto'",
         ),
         (
-            ("--parallelism.cp_variant", "ulysses"),
-            r"\[parallelism\] cp_variant='ulysses' is not one of auto, commutated, kv_passing",
+            ("--parallelism.cp_variant", "hybrid"),
+            r"\[parallelism\] cp_variant='hybrid' is not one of auto, commutated, kv_passing",
         ),
     ]:
         with pytest.raises(ConfigError, match=message):
