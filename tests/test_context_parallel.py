@@ -323,7 +323,7 @@ def test_the_cheaper_variant_depends_on_grouped_query_attention_and_the_slice() 
     assert context_parallel_bytes("kv_passing", slice_index=3, **gqa) == 4 * context_parallel_bytes(
         "kv_passing", slice_index=0, **gqa
     )
-    with pytest.raises(ValueError, match="choose 'commutated' or 'kv_passing'"):
+    with pytest.raises(ValueError, match="choose 'commutated', 'kv_passing' or 'ulysses'"):
         context_parallel_bytes("ring", slice_index=0, **gqa)
 
 
@@ -438,3 +438,25 @@ def test_ulysses_is_refused_where_it_cannot_run() -> None:
         check_files=False,
     )
     assert job.dims.cp == 2
+
+
+def test_auto_picks_ulysses_on_whole_sequences_only_where_it_moves_fewest_bytes() -> None:
+    """Multi-head attention over 4 ranks: Ulysses' all-to-alls move (2 h + 2 h) d / cp per
+    token against KV passing's 2 h d, so the whole-sequence rule picks it; with one kv head
+    (grouped-query) KV passing stays cheaper; the per-slice rule never considers it."""
+    from pipekit.attention.context_parallel import context_parallel_variant
+
+    q_BHSD, k_mha, k_gqa = (
+        torch.zeros(1, 8, 16, 4),
+        torch.zeros(1, 8, 16, 4),
+        torch.zeros(1, 1, 16, 4),
+    )
+    whole = {"slice_index": 0, "slice_tokens": 64, "cp": 4}
+    assert (
+        context_parallel_variant("auto", q_BHSD, k_mha, **whole, whole_sequence=True) == "ulysses"
+    )
+    assert (
+        context_parallel_variant("auto", q_BHSD, k_gqa, **whole, whole_sequence=True)
+        == "kv_passing"
+    )
+    assert context_parallel_variant("auto", q_BHSD, k_mha, **whole) != "ulysses"

@@ -195,6 +195,7 @@ class ContextParallelAttention:
             slice_index=0,
             slice_tokens=q_BHSD.shape[2] * ranks,
             cp=ranks,
+            whole_sequence=True,
         )
         if variant == "ring":
             ring = ring_context_attention(q_BHSD, k_BGSD, v_BGSD, self.shard, self.group, **options)

@@ -446,32 +446,56 @@ def context_parallel_bytes(
     `slice_tokens` tokens over `cp` ranks, forward only. Commutated: its queries out and the
     peers' partial outputs and lse back, `(cp-1)/cp · T · (2·h_q·d + h_q)` elements, constant
     over slices. KV passing: the keys and values of the slice and of every cached one,
-    `(cp-1)/cp · (j+1) · T · 2·h_kv·d`."""
+    `(cp-1)/cp · (j+1) · T · 2·h_kv·d`. Ulysses (whole sequences): its tokens' q, k, v out to
+    the head owners and their outputs back, `(cp-1)/cp · T/cp · (2·h_q + 2·h_kv)·d`, kv heads
+    that do not split over the ranks counted as repeated to h_q."""
     share = (cp - 1) / cp * slice_tokens * element_bytes
     if variant == "commutated":
         return share * (2 * q_heads * head_dim + q_heads)
     if variant == "kv_passing":
         return share * (slice_index + 1) * 2 * kv_heads * head_dim
-    raise ValueError(f"context parallel variant {variant!r}: choose 'commutated' or 'kv_passing'")
+    if variant == "ulysses":
+        kv_heads = kv_heads if kv_heads % cp == 0 else q_heads
+        return share / cp * (2 * q_heads + 2 * kv_heads) * head_dim
+    raise ValueError(
+        f"context parallel variant {variant!r}: choose 'commutated', 'kv_passing' or 'ulysses'"
+    )
 
 
-def choose_context_parallel(**shape: int) -> str:
-    """'commutated' or 'kv_passing', whichever moves fewer bytes for this slice
-    (`context_parallel_bytes`' keywords); KV passing on a tie, as it needs no merge."""
-    commutated = context_parallel_bytes("commutated", **shape)
-    cheaper = commutated < context_parallel_bytes("kv_passing", **shape)
-    return "commutated" if cheaper else "kv_passing"
+_TIE_ORDER = ("kv_passing", "commutated", "ulysses")
+"""Among variants moving equal bytes: KV passing needs no merge; commutated no all-to-all."""
+
+
+def choose_context_parallel(
+    variants: Sequence[str] = ("commutated", "kv_passing"), **shape: int
+) -> str:
+    """Of `variants`, the one that moves the fewest bytes for this slice
+    (`context_parallel_bytes`' keywords); ties by `_TIE_ORDER`."""
+    ordered = sorted(variants, key=_TIE_ORDER.index)
+    return min(ordered, key=lambda variant: context_parallel_bytes(variant, **shape))
 
 
 def context_parallel_variant(
-    variant: str, q_BHSD: Tensor, k_BGSD: Tensor, *, slice_index: int, slice_tokens: int, cp: int
+    variant: str,
+    q_BHSD: Tensor,
+    k_BGSD: Tensor,
+    *,
+    slice_index: int,
+    slice_tokens: int,
+    cp: int,
+    whole_sequence: bool = False,
 ) -> str:
     """The variant a slice's attention runs by: `variant`, or for "auto" the one that moves
-    fewer bytes for these queries and keys (`choose_context_parallel`). The one dispatcher of
-    context parallelism, inside pipelines (per slice) and outside them (one slice)."""
+    fewer bytes for these queries and keys (`choose_context_parallel`; Ulysses too on a
+    `whole_sequence` whose heads split over the ranks). The one dispatcher of context
+    parallelism, inside pipelines (per slice) and outside them (one slice)."""
     if variant != "auto":
         return variant
+    variants = ["commutated", "kv_passing"]
+    if whole_sequence and q_BHSD.shape[1] % cp == 0:
+        variants.append("ulysses")
     return choose_context_parallel(
+        variants,
         slice_index=slice_index,
         slice_tokens=slice_tokens,
         cp=cp,

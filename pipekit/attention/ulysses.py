@@ -1,14 +1,14 @@
 """Ulysses context parallelism: an all-to-all from sequence shards to head shards and back.
 
 Each cp rank holds its load-balanced share of every sequence's tokens for all heads. Before
-attention one all-to-all per tensor gives each rank every token of `heads / cp` query heads
-(and their key/value heads); attention runs over the whole sequence, masked by the tokens'
-indices in it (the pattern and the documents they belong to), and a second all-to-all returns
-each rank its own tokens for all heads (DeepSpeed-Ulysses). It moves
-`(cp-1)/cp x tokens x (2 x query heads + 2 x kv heads) x head_dim` elements per rank and layer
-forward, whatever the sequence length, and needs the heads (after tensor parallelism) to split
-over the cp ranks; grouped key/value heads that do not split are repeated up to one per query
-head first. Gradients go back by the inverse all-to-alls.
+attention one all-to-all per tensor gives each rank every token of `heads / cp` query heads (and
+their key/value heads); attention runs over the whole sequence, masked by the tokens' indices in
+it (the pattern and the documents they belong to), and a second all-to-all returns each rank its
+own tokens for all heads (DeepSpeed-Ulysses). It moves `(cp-1)/cp x tokens / cp x (2 x query
+heads + 2 x kv heads) x head_dim` elements per rank and layer forward
+(`context_parallel_bytes("ulysses", ...)`), whatever the sequence length, and needs the heads
+(after tensor parallelism) to split over the cp ranks; grouped key/value heads that do not split
+are repeated up to one per query head first. Gradients go back by the inverse all-to-alls.
 
 Legend: B batch, H query heads, G kv heads, N heads of either, S tokens, D head dim.
 """
@@ -24,7 +24,7 @@ from pipekit.attention.chunked import attention
 from pipekit.attention.context_parallel import TokenShard, gather_token_shards, shard_mask
 from pipekit.attention.patterns import AttentionPattern, pattern_backend
 
-__all__ = ["check_ulysses_heads", "ulysses_bytes", "ulysses_context_attention"]
+__all__ = ["check_ulysses_heads", "ulysses_context_attention"]
 
 
 def check_ulysses_heads(query_heads: int, cp: int) -> None:
@@ -36,17 +36,6 @@ def check_ulysses_heads(query_heads: int, cp: int) -> None:
             f"a rank holds {query_heads}; choose cp dividing them (after tp), or another "
             "cp_variant"
         )
-
-
-def ulysses_bytes(
-    *, tokens: int, cp: int, q_heads: int, kv_heads: int, head_dim: int, element_bytes: int = 2
-) -> float:
-    """Bytes one rank sends for one layer's attention forward over a sequence of `tokens`
-    (all cp ranks'): its share of q, k, v out and of the output back."""
-    if kv_heads % cp:
-        kv_heads = q_heads  # repeated up to one per query head
-    share = (cp - 1) / cp * tokens / cp * element_bytes
-    return share * (2 * q_heads + 2 * kv_heads) * head_dim
 
 
 def _sequence_to_heads(x_BNSD: Tensor, group: dist.ProcessGroup | None) -> Tensor:
