@@ -120,3 +120,14 @@ def test_split_backward_schedules_are_refused_on_data_parallel_stages(schedule: 
         validate_job(config, world_size=4)
     config.parallelism.dp_shard = 1
     assert validate_job(config, world_size=2).pipeline is not None
+
+
+@pytest.mark.parametrize("setting", [[0.0, 0.0], "auto"])
+def test_offload_that_moves_nothing_is_off(setting) -> None:
+    """Ratios that are all 0 (given, or what "auto" finds on ranks already even) turn the
+    feature off at planning: it is not built, and torch's own schedule class runs."""
+    plan = _plan(
+        pipeline_schedule="GPipe", microbatches=1, num_slices=1, activation_offload=setting
+    )
+    assert "activation_offload" not in plan.features
+    assert "activation_offload" not in plan.feature_plans

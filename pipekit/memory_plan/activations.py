@@ -49,6 +49,7 @@ from pipekit.memory_plan.forked import in_forked_child
 from pipekit.models.materialize import local_tensor
 from pipekit.models.spec import ModelSpec
 from pipekit.models.stage_module import build_stage_module
+from pipekit.moe.routers import SigmoidTopKRouter
 
 __all__ = ["ActivationProfile", "TensorSplit", "profile_activations"]
 
@@ -165,6 +166,8 @@ def _kind(block: nn.Module) -> tuple:
 
 
 def _give_weights(module: nn.Module) -> None:
+    """Values that make the probe's forward run like a trained model's (any values do: only
+    the bytes are measured), buffers the model reads included."""
     module.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -175,6 +178,10 @@ def _give_weights(module: nn.Module) -> None:
                 param.normal_(0.0, _INIT_STD, generator=generator)
             else:
                 param.fill_(_INIT_STD)
+        for router in module.modules():  # even selection, nothing counted yet
+            if isinstance(router, SigmoidTopKRouter):
+                router.expert_bias.zero_()
+                router.expert_load.zero_()
 
 
 def _slope(measure, tokens: tuple[int, int]) -> float:

@@ -72,8 +72,10 @@ class Router(nn.Module, abc.ABC):
         trunc_normal_(self.gate.weight, init_std)
 
     def logits(self, x_TD: Tensor) -> Tensor:
+        """In at least float32, under autocast too (which would run the linear in bf16)."""
         dtype = torch.promote_types(x_TD.dtype, torch.float32)
-        return F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
+        with torch.autocast(x_TD.device.type, enabled=False):
+            return F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
 
     def capacity(self, num_tokens: int) -> int | None:
         if self.capacity_factor is None:
@@ -249,7 +251,7 @@ class SigmoidTopKRouter(Router):
     def forward(self, x_TD: Tensor) -> Routing:
         logits_TE = self.logits(x_TD)
         scores_TE = torch.sigmoid(logits_TE)
-        choice_TE = scores_TE.detach() + self.expert_bias.to(scores_TE.dtype)
+        choice_TE = scores_TE.detach() + self.expert_bias
         if self.num_groups > 1:
             choice_TE = _within_best_groups(choice_TE, self.num_groups, self.topk_groups)
         expert_index_TK = torch.topk(choice_TE, self.top_k, dim=-1).indices

@@ -20,6 +20,7 @@ from pipekit.distributed.tensor_parallel import check_sequence_parallel_split
 from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.pipelining._torch_runtime import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
 from pipekit.pipelining.features.registry import (
+    FEATURE_OFF,
     FeaturePlanning,
     PipelineFeature,
     enabled_pipeline_features,
@@ -241,6 +242,8 @@ def plan_pipeline(
     for feature in entries:
         feature.check(planning)
         feature_plans[feature.name] = feature.plan(planning)
+    features = tuple(name for name in features if feature_plans[name] is not FEATURE_OFF)
+    feature_plans = {name: feature_plans[name] for name in features}
     granularity = _slice_granularity(seq_len // num_slices, sequence_shards)
     return PipelinePlan(
         schedule=entry.name,

@@ -21,6 +21,7 @@ from pipekit.pipelining.features.exchange_plan import plan_context_exchange
 from pipekit.pipelining.features.offload_plan import resolve_offload_ratios
 from pipekit.pipelining.features.output_passes import with_output_passes
 from pipekit.pipelining.features.registry import (
+    FEATURE_OFF,
     FeatureBuilding,
     FeaturePlanning,
     PipelineFeature,
@@ -102,9 +103,13 @@ def _check_vocab_parallel(planning: FeaturePlanning) -> None:
     )
 
 
-def _plan_activation_offload(planning: FeaturePlanning) -> tuple[float, ...]:
-    """One offload ratio per pipeline rank."""
-    return resolve_offload_ratios(planning.parallelism.activation_offload, planning.actions_by_rank)
+def _plan_activation_offload(planning: FeaturePlanning) -> tuple[float, ...] | object:
+    """One offload ratio per pipeline rank; off when every ratio is 0 (a list of zeros, or
+    "auto" on a schedule whose ranks are already even)."""
+    ratios = resolve_offload_ratios(
+        planning.parallelism.activation_offload, planning.actions_by_rank
+    )
+    return ratios or FEATURE_OFF
 
 
 def _build_activation_offload(building: FeatureBuilding) -> PipelineActivationOffload:

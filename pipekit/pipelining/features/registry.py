@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from pipekit.pipelining.plan import PipelinePlan
 
 __all__ = [
+    "FEATURE_OFF",
     "FeatureBuilding",
     "FeaturePlanning",
     "PipelineFeature",
@@ -45,6 +46,10 @@ __all__ = [
 ]
 
 _BUILTIN_MODULE = "pipekit.pipelining.features.builtin"
+
+FEATURE_OFF = object()
+"""What a feature's `plan` returns when the job's settings leave it nothing to do (activation
+offload whose ratios are all 0): planning then turns it off."""
 
 
 @dataclass(frozen=True)
@@ -110,11 +115,13 @@ class PipelineFeature:
     setting_name: str = ""
     """That setting as a user writes it (for messages), e.g. "vocab_parallel = true"."""
     order: int = 100
-    """Features build, and their hooks run, in increasing order (pipekit's use 10..40)."""
+    """Features build, and their hooks run, in increasing order, then by name (pipekit's use
+    10..40)."""
     check: Callable[[FeaturePlanning], None] = _no_rules
     """ValueError naming the fix when the job breaks the feature's rules."""
     plan: Callable[[FeaturePlanning], Any] = _no_plan
-    """What the feature fixes at planning (kept in `PipelinePlan.feature_plans[name]`)."""
+    """What the feature fixes at planning (kept in `PipelinePlan.feature_plans[name]`), or
+    `FEATURE_OFF`."""
 
     @property
     def how_to_enable(self) -> str:
@@ -143,15 +150,15 @@ def register_pipeline_feature(feature: PipelineFeature, *, replace: bool = False
 def _load_builtins() -> None:
     """Register pipekit's own features (once, at the first use of the table)."""
     global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
+    if not _builtins_loaded:  # (the builtins' own registrations find their module importing)
         importlib.import_module(_BUILTIN_MODULE)
+        _builtins_loaded = True
 
 
 def pipeline_feature_names() -> list[str]:
     """Every registered feature, in build order."""
     _load_builtins()
-    return [f.name for f in sorted(_FEATURES.values(), key=lambda feature: feature.order)]
+    return [feature.name for feature in sorted(_FEATURES.values(), key=_build_order)]
 
 
 def get_pipeline_feature(name: str) -> PipelineFeature:
@@ -185,4 +192,10 @@ def enabled_pipeline_features(parallelism: ParallelismConfig) -> tuple[str, ...]
         for feature in _FEATURES.values()
         if (feature.setting(parallelism) if feature.setting is not None else feature.name in listed)
     ]
-    return tuple(feature.name for feature in sorted(on, key=lambda feature: feature.order))
+    return tuple(feature.name for feature in sorted(on, key=_build_order))
+
+
+def _build_order(feature: PipelineFeature) -> tuple[int, str]:
+    """By `order`, then by name: the same on every rank whatever the import order (features
+    create process groups as they build)."""
+    return feature.order, feature.name
