@@ -59,26 +59,18 @@ def _heads_to_sequence(x_BNSD: Tensor, group: dist.ProcessGroup | None) -> Tenso
     return received.movedim(0, 1).reshape(batch, cp * heads, tokens // cp, dim)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_BNSD: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-        ctx.group = group
-        return _sequence_to_heads(x_BNSD, group)
+class _Reshard(torch.autograd.Function):
+    """`_sequence_to_heads` (or, `to_heads=False`, its inverse); the backward is the other."""
 
     @staticmethod
-    def backward(ctx, grad_BNSD: Tensor) -> tuple[Tensor, None]:
-        return _heads_to_sequence(grad_BNSD.contiguous(), ctx.group), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_BNSD: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-        ctx.group = group
-        return _heads_to_sequence(x_BNSD, group)
+    def forward(ctx, x_BNSD: Tensor, group: dist.ProcessGroup | None, to_heads: bool) -> Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x_BNSD, group)
 
     @staticmethod
-    def backward(ctx, grad_BNSD: Tensor) -> tuple[Tensor, None]:
-        return _sequence_to_heads(grad_BNSD.contiguous(), ctx.group), None
+    def backward(ctx, grad_BNSD: Tensor) -> tuple[Tensor, None, None]:
+        inverse = _heads_to_sequence if ctx.to_heads else _sequence_to_heads
+        return inverse(grad_BNSD.contiguous(), ctx.group), None, None
 
 
 def ulysses_context_attention(
@@ -102,7 +94,7 @@ def ulysses_context_attention(
         k_BGSD = k_BGSD.repeat_interleave(repeats, dim=1)
         v_BGSD = v_BGSD.repeat_interleave(repeats, dim=1)
     q_BHSD, k_BGSD, v_BGSD = (
-        _SequenceToHeads.apply(tensor, group) for tensor in (q_BHSD, k_BGSD, v_BGSD)
+        _Reshard.apply(tensor, group, True) for tensor in (q_BHSD, k_BGSD, v_BGSD)
     )
     shards = gather_token_shards(shard, group)
     documents = (
@@ -113,4 +105,4 @@ def ulysses_context_attention(
     whole = TokenShard(torch.cat([s.tokens_S for s in shards]), documents)
     mask = shard_mask(whole, whole, pattern)
     out_BHSD, _ = attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, pattern_backend(backend, pattern))
-    return _HeadsToSequence.apply(out_BHSD, group)
+    return _Reshard.apply(out_BHSD, group, False)
