@@ -27,6 +27,7 @@ __all__ = [
     "ATTENTION_KERNEL_OPS",
     "FUNCTIONAL_COLLECTIVE_OPS",
     "REDISTRIBUTE_LOGGER",
+    "BufferDtypesKept",
     "StridedShard",
     "TorchDispatchMode",
     "checkpoint_module_activations",
@@ -209,3 +210,22 @@ def storage_holders(tensor: torch.Tensor) -> int:
     excluded (`torch._C._storage_Use_Count`): activation offload moves a storage only when the
     saved tensors are all that hold it, so moving it frees its memory."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1
+
+
+class BufferDtypesKept(nn.Module):
+    """A module whose buffers named in `kept_dtype_buffers` keep their dtype and values through
+    casts (`module.to(torch.bfloat16)`) while moving with the module like any buffer.
+
+    Every cast and move of a module goes through torch's `nn.Module._apply`: it is overridden
+    here, after the move, to restore each named buffer from its value before the call."""
+
+    kept_dtype_buffers: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def] - nn.Module's signature
+        before = {name: getattr(self, name) for name in self.kept_dtype_buffers}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = getattr(self, name)
+            if new.dtype != old.dtype:
+                setattr(self, name, old.to(new.device))
+        return self

@@ -211,22 +211,24 @@ def test_moe_sliced_pipeline_job_trains_and_exports_what_transformers_loads(tmp_
 BALANCED_CONFIG = str(REPO_ROOT / "configs" / "debug_moe_balanced.toml")
 
 
-def test_bias_balanced_moe_pipeline_job_resumes_with_its_expert_biases(tmp_path: Path) -> None:
-    """configs/debug_moe_balanced.toml (sliced pp 2 x ep 2: sigmoid routing with bias balancing,
-    grouped routing, a shared expert, the sequence-wise loss) on 4 ranks: its step-2 checkpoint,
-    resumed, gives the uninterrupted run's steps 3 and 4 exactly, so the routers' biases (moved
-    after every step, steering steps 3 and 4's routing) come back with the checkpoint."""
+def test_bias_balanced_moe_job_resumes_with_its_expert_biases(tmp_path: Path) -> None:
+    """configs/debug_moe_balanced.toml's model (sigmoid routing with bias balancing, grouped
+    routing, a shared expert, the sequence-wise loss) on 2 ranks as ep 2 over FSDP 2 (the loads
+    summed over both; the pipeline layouts: tests/test_moe_balanced_routing.py): its step-2
+    checkpoint, resumed, gives the uninterrupted run's steps 3 and 4 exactly, so the routers'
+    biases (moved after every step, steering steps 3 and 4's routing) come back with it."""
     run = (
+        "--parallelism.pipeline_parallel_degree", "1",
         "--training.steps", "4", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2",
         "--metrics.log_interval", "1", "--checkpoint.interval", "2", "--checkpoint.keep_last", "2",
     )  # fmt: skip
-    whole = train_job(tmp_path / "whole", *run, nproc=4, config=BALANCED_CONFIG)
+    whole = train_job(tmp_path / "whole", *run, config=BALANCED_CONFIG)
     assert sorted(whole) == [1, 2, 3, 4]
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(
         tmp_path / "whole" / "checkpoints" / "step-2", resumed_dir / "checkpoints" / "step-2"
     )
-    train_job(resumed_dir, *run, nproc=4, config=BALANCED_CONFIG)
+    train_job(resumed_dir, *run, config=BALANCED_CONFIG)
     resumed = logged_losses(resumed_dir)
     assert sorted(resumed) == [3, 4]
     assert resumed == {step: whole[step] for step in (3, 4)}

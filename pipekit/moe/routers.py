@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipekit._torch_private import BufferDtypesKept
 from pipekit.layers.init import trunc_normal_
 from pipekit.moe.routing import Routing, expert_capacity, routing_from_choices
 
@@ -199,7 +200,7 @@ class ExpertChoiceRouter(Router):
         )
 
 
-class SigmoidTopKRouter(Router):
+class SigmoidTopKRouter(BufferDtypesKept, Router):
     """DeepSeek-V3: sigmoid scores, top-k of score + bias (within the best groups), weights the
     chosen scores over their sum times `routed_scaling`.
 
@@ -209,6 +210,10 @@ class SigmoidTopKRouter(Router):
     the choices of every forward until `pipekit.moe.bias_balance.update_expert_biases` moves
     the bias after the optimizer step and clears it. `probs_TE` of the routing are the scores
     normalised over all experts (the sequence-wise balance loss reads them)."""
+
+    kept_dtype_buffers = ("expert_bias", "expert_load")
+    """A cast leaves them float32 / float64 with their values: a bf16 bias could not take
+    steps of 1e-3 near 1."""
 
     def __init__(
         self,
@@ -236,17 +241,6 @@ class SigmoidTopKRouter(Router):
         super().reset_parameters(init_std)
         self.expert_bias.zero_()
         self.expert_load.zero_()
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def] - nn.Module's signature
-        """Moves as any module, but a cast leaves the balancing state in its dtypes, with its
-        values (a bf16 bias could not take steps of 1e-3 near 1)."""
-        before = {name: getattr(self, name) for name in ("expert_bias", "expert_load")}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = getattr(self, name)
-            if new.dtype != old.dtype:
-                setattr(self, name, old.to(new.device))
-        return self
 
     def forward(self, x_TD: Tensor) -> Routing:
         logits_TE = self.logits(x_TD)
