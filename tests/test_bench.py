@@ -78,8 +78,10 @@ def test_context_parallel_bench_counts_the_bytes_the_formula_predicts(capsys):
     figures = dict(item.split("=") for item in result.removeprefix("RESULT ").split())
     assert set(figures) == {
         "auto_vs_commutated", "auto_vs_kv_passing", "mha_commutated_vs_kv_bytes",
+        "whole_auto_vs_best", "whole_ulysses_vs_kv_passing",
         "commutated_vs_kv_bytes", "formula", "chosen_vs_best", "measured_vs_formula",
     }  # fmt: skip
+    assert float(figures["whole_auto_vs_best"]) == 1.0
     assert float(figures["measured_vs_formula"]) < 0.05
     measured, predicted = float(figures["commutated_vs_kv_bytes"]), float(figures["formula"])
     assert measured == pytest.approx(predicted, rel=0.05)

@@ -1,5 +1,6 @@
 """`python -m pipekit.bench context-parallel`: bytes per slice of commutated attention against KV
-passing, the choice per slice, and both measured on gloo ranks.
+passing, the choice per slice, and both measured on gloo ranks; over a whole sequence, Ulysses
+too.
 
 Part 1, formula: for a model shape (default Llama 3 70B: 64 query heads, 8 kv heads, head dim
 128) and a sliced sequence on `cp` ranks, the bytes one rank sends per layer for each slice
@@ -11,10 +12,12 @@ rank sent are counted at the collectives, and compared with the formula (forward
 wall time per slice. Timings with as many ranks as cores say little about a GPU; the bytes are
 what carry over.
 
-RESULT: auto_vs_commutated and auto_vs_kv_passing (the formula's total bytes of "auto" over
-each fixed variant's), mha_commutated_vs_kv_bytes (the formula's commutated over KV-passing
-total with as many kv heads as query heads); measured: commutated_vs_kv_bytes (total forward
-bytes over the sequence, commutated over KV passing) beside `formula` (the same ratio
+RESULT: auto_vs_commutated and auto_vs_kv_passing (the formula's total bytes of "auto" over each
+fixed variant's), mha_commutated_vs_kv_bytes (the formula's commutated over KV-passing total
+with as many kv heads as query heads); whole_auto_vs_best and whole_ulysses_vs_kv_passing
+(outside pipelines, over the whole sequence, Ulysses among the variants: what "auto" takes over
+the fewest bytes, and Ulysses' bytes over KV passing's); measured: commutated_vs_kv_bytes (total
+forward bytes over the sequence, commutated over KV passing) beside `formula` (the same ratio
 predicted), chosen_vs_best (the measured bytes of the variant the rule chose per slice over the
 cheaper one's: 1 when the rule always picks the cheaper), measured_vs_formula (the largest
 |measured - formula| / formula of any slice's forward bytes).
@@ -71,6 +74,27 @@ def _formula_rows(
         totals["auto"] += sent[choice]
         rows.append([index, sent["commutated"] / _MIB, sent["kv_passing"] / _MIB, choice])
     return rows, totals, mha_ratio
+
+
+def _whole_sequence_bytes(options: argparse.Namespace) -> tuple[dict[str, float], str]:
+    """Outside pipelines (one slice: the whole sequence), each variant's bytes by the formula
+    (Ulysses among them when the heads split over the ranks) and what "auto" takes."""
+    from pipekit.attention.context_parallel import choose_context_parallel, context_parallel_bytes
+
+    shape = {
+        "slice_index": 0,
+        "slice_tokens": options.slice_tokens * options.slices,
+        "cp": options.cp,
+        "q_heads": options.heads,
+        "kv_heads": options.kv_heads,
+        "head_dim": options.head_dim,
+        "element_bytes": 2,
+    }
+    variants = ["commutated", "kv_passing"]
+    if options.heads % options.cp == 0:
+        variants.append("ulysses")
+    sizes = {variant: context_parallel_bytes(variant, **shape) for variant in variants}
+    return sizes, choose_context_parallel(variants, **shape)
 
 
 def _measure_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -166,10 +190,19 @@ def main(argv: list[str]) -> None:
         + ", ".join(f"{name} {size / _MIB:.1f}" for name, size in totals.items())
         + f"; with {options.heads} kv heads (MHA), commutated / kv passing = {mha_ratio:.3f}"
     )
+    whole, whole_choice = _whole_sequence_bytes(options)
+    print(
+        f"whole sequence of {options.slice_tokens * options.slices} tokens outside pipelines "
+        "(MiB one rank sends per layer): "
+        + ", ".join(f"{name} {size / _MIB:.1f}" for name, size in whole.items())
+        + f"; auto takes {whole_choice}"
+    )
     figures: dict[str, Any] = {
         "auto_vs_commutated": totals["auto"] / totals["commutated"],
         "auto_vs_kv_passing": totals["auto"] / totals["kv_passing"],
         "mha_commutated_vs_kv_bytes": mha_ratio,
+        "whole_auto_vs_best": whole[whole_choice] / min(whole.values()),
+        "whole_ulysses_vs_kv_passing": whole["ulysses"] / whole["kv_passing"],
     }
     if options.measure_ranks > 1:
         figures.update(_measure(options))
