@@ -24,11 +24,13 @@ from pipekit.attention.context import ContextParallelAttention
 from pipekit.attention.context_parallel import (
     CachedShard,
     TokenShard,
-    choose_context_parallel,
     commutated_context_attention,
-    context_parallel_bytes,
     kv_passing_context_attention,
     load_balanced_indices,
+)
+from pipekit.attention.context_parallel_choice import (
+    choose_context_parallel,
+    context_parallel_bytes,
 )
 from pipekit.attention.exchange import (
     AttentionLoan,
@@ -444,7 +446,9 @@ def test_auto_picks_ulysses_on_whole_sequences_only_where_it_moves_fewest_bytes(
     """Multi-head attention over 4 ranks: Ulysses' all-to-alls move (2 h + 2 h) d / cp per
     token against KV passing's 2 h d, so the whole-sequence rule picks it; with one kv head
     (grouped-query) KV passing stays cheaper; the per-slice rule never considers it."""
-    from pipekit.attention.context_parallel import context_parallel_variant
+    from pipekit.attention.context_parallel_choice import (
+        context_parallel_variant,
+    )
 
     q_BHSD, k_mha, k_gqa = (
         torch.zeros(1, 8, 16, 4),

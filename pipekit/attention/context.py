@@ -26,6 +26,8 @@ from pipekit.attention.context_parallel import (
     CACHED_SHARD_ATTENTION,
     CachedShard,
     TokenShard,
+)
+from pipekit.attention.context_parallel_choice import (
     context_parallel_variant,
 )
 from pipekit.attention.masks import MaskMod

@@ -44,7 +44,10 @@ def _formula_rows(
 ) -> tuple[list[list[Any]], dict[str, float], float]:
     """Per slice rows, the totals of each variant and of "auto", and the commutated over
     KV-passing total with as many kv heads as query heads (MHA)."""
-    from pipekit.attention.context_parallel import choose_context_parallel, context_parallel_bytes
+    from pipekit.attention.context_parallel_choice import (
+        choose_context_parallel,
+        context_parallel_bytes,
+    )
 
     shape = {
         "slice_tokens": options.slice_tokens,
@@ -79,7 +82,10 @@ def _formula_rows(
 def _whole_sequence_bytes(options: argparse.Namespace) -> tuple[dict[str, float], str]:
     """Outside pipelines (one slice: the whole sequence), each variant's bytes by the formula
     (Ulysses among them when the heads split over the ranks) and what "auto" takes."""
-    from pipekit.attention.context_parallel import choose_context_parallel, context_parallel_bytes
+    from pipekit.attention.context_parallel_choice import (
+        choose_context_parallel,
+        context_parallel_bytes,
+    )
 
     shape = {
         "slice_index": 0,
@@ -210,7 +216,10 @@ def main(argv: list[str]) -> None:
 
 
 def _measure(options: argparse.Namespace) -> dict[str, float]:
-    from pipekit.attention.context_parallel import choose_context_parallel, context_parallel_bytes
+    from pipekit.attention.context_parallel_choice import (
+        choose_context_parallel,
+        context_parallel_bytes,
+    )
 
     ranks = options.measure_ranks
     spec = {

@@ -329,7 +329,7 @@ def _check_sequence_parallel(config: JobConfig, dims: ParallelDims) -> None:
 
 def _check_context_parallel(config: JobConfig, cp: int, pp: int, shape: ModelShape) -> None:
     """Outside pipelines (the pipeline plan checks its slices by the same rules)."""
-    from pipekit.attention.context_parallel import (
+    from pipekit.attention.context_parallel_choice import (
         check_context_parallel_split,
         check_context_parallel_variant,
     )

@@ -8,7 +8,7 @@ parallelism (it plans on the compute lists), activation offload last.
 
 from __future__ import annotations
 
-from pipekit.attention.context_parallel import (
+from pipekit.attention.context_parallel_choice import (
     check_context_parallel_split,
     check_context_parallel_variant,
 )

@@ -37,8 +37,10 @@ from pipekit.attention.context_parallel import (
     CachedShard,
     TokenShard,
     commutated_context_attention,
-    context_parallel_variant,
     load_balanced_indices,
+)
+from pipekit.attention.context_parallel_choice import (
+    context_parallel_variant,
 )
 from pipekit.attention.exchange import Lending, LentChunk
 from pipekit.attention.kv_cache import CachedSlice, SliceAttention
