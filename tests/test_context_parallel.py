@@ -94,8 +94,13 @@ def _reference(
     return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
 
 
-def _leaves(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: inputs[name].clone().requires_grad_() for name in "qkv"}
+def _leaves(inputs: dict[str, torch.Tensor], shared: bool = False) -> dict[str, torch.Tensor]:
+    """q, k, v as leaves; `shared`: the keys are also the values (one leaf, as multi-head
+    latent attention's latent form hands them over)."""
+    leaves = {name: inputs[name].clone().requires_grad_() for name in "qkv"}
+    if shared:
+        leaves["v"] = leaves["k"]
+    return leaves
 
 
 def _summed_grads(leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -109,7 +114,7 @@ def _summed_grads(leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _whole_sequence_run(
-    variant: str, pattern: AttentionPattern | None = None
+    variant: str, pattern: AttentionPattern | None = None, shared: bool = False
 ) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
     """The trainer's context outside pipelines, by `variant`, over the unsliced sequence; the
     ablation masks each rank's tokens as if they were the first of the sequence (with a
@@ -117,13 +122,14 @@ def _whole_sequence_run(
 
     def run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
         inputs = _inputs()
-        leaves = _leaves(inputs)
+        leaves = _leaves(inputs, shared)
         tokens = load_balanced_indices(LENGTH, world)[rank]
         masked_tokens = torch.arange(len(tokens)) if ablate and pattern is None else tokens
         context = ContextParallelAttention(
             masked_tokens, inputs["documents"][:, tokens], None, "cpu", variant
         )
-        local = {name: leaves[name][:, :, tokens] for name in "qkv"}
+        local = {name: leaves[name][:, :, tokens] for name in "qk"}
+        local["v"] = local["k"] if shared else leaves["v"][:, :, tokens]
         seen = None if ablate else pattern
         out = context.attend("0", local["q"], local["k"], local["v"], HEAD_DIM**-0.5, seen)
         (out * inputs["upstream"][:, :, tokens]).sum().backward()
@@ -245,9 +251,16 @@ def _lending_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]
 
 
 def _worst_difference(
-    results: list[dict[str, torch.Tensor]], pattern: AttentionPattern | None = None
+    results: list[dict[str, torch.Tensor]],
+    pattern: AttentionPattern | None = None,
+    shared: bool = False,
 ) -> float:
     reference = _reference(_inputs(), pattern)
+    if shared:  # the one leaf collects the keys' and the values' gradients
+        inputs = _inputs()
+        inputs["v"] = inputs["k"]
+        reference = _reference(inputs, pattern)
+        reference["k"] = reference["k"] + reference.pop("v")
     worst = 0.0
     for result in results:
         for name, want in reference.items():
@@ -272,6 +285,13 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
                 (f"{variant}, whole sequence, window", _whole_sequence_run(variant, WINDOW))
                 for variant in ("kv_passing", "ring", "commutated", "ulysses")
             ),
+            *(
+                (
+                    f"{variant}, whole sequence, keys are values",
+                    _whole_sequence_run(variant, shared=True),
+                )
+                for variant in ("kv_passing", "commutated", "ulysses")
+            ),
             ("kv passing, sliced, window", _sliced_run(kv_passing_context_attention, WINDOW)),
             ("commutated, sliced, window", _sliced_run(commutated_context_attention, WINDOW)),
             *((("commutated, sliced, exchange", _lending_run),) if world == 4 else ()),
@@ -290,7 +310,8 @@ def test_context_parallel_attention_matches_one_process_fp64(world: int) -> None
     per_rank = run_on_ranks(_runs, world, timeout=120)
     for case in per_rank[0]:
         pattern = WINDOW if "window" in case else None
-        difference = _worst_difference([results[case] for results in per_rank], pattern)
+        shared = "keys are values" in case
+        difference = _worst_difference([results[case] for results in per_rank], pattern, shared)
         if case.endswith("ablated"):
             assert difference > 1e-3, (case, difference)
         else:

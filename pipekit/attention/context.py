@@ -198,6 +198,7 @@ class ContextParallelAttention:
             slice_tokens=q_BHSD.shape[2] * ranks,
             cp=ranks,
             whole_sequence=True,
+            keys_are_values=v_BGSD is k_BGSD,
         )
         if variant == "ring":
             ring = ring_context_attention(q_BHSD, k_BGSD, v_BGSD, self.shard, self.group, **options)

@@ -140,20 +140,35 @@ def shard_mask(q: TokenShard, kv: TokenShard, pattern: AttentionPattern | None =
     return pattern.mask(q.tokens_S, kv.tokens_S, q.document_ids_BS, kv.document_ids_BS)
 
 
-class _GatherKV(torch.autograd.Function):
-    """All ranks' K and V; in backward each source's gradients return to it and are summed."""
+class _GatherFromRanks(torch.autograd.Function):
+    """All ranks' copies of each tensor (K and V, or one tensor that is both); in backward
+    each source's gradients return to it and are summed."""
 
     @staticmethod
-    def forward(ctx, group: dist.ProcessGroup | None, k_BGKD: Tensor, v_BGKD: Tensor):
-        ctx.group = group
-        return (*_all_gather(k_BGKD, group), *_all_gather(v_BGKD, group))
+    def forward(ctx, group: dist.ProcessGroup | None, *tensors: Tensor):
+        ctx.group, ctx.count = group, len(tensors)
+        return tuple(part for tensor in tensors for part in _all_gather(tensor, group))
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        ranks = len(grads) // 2  # autograd gives zeros for chunks no attention used
-        grad_k = torch.stack(_exchange(grads[:ranks], ctx.group)).sum(0)
-        grad_v = torch.stack(_exchange(grads[ranks:], ctx.group)).sum(0)
-        return None, grad_k, grad_v
+        ranks = len(grads) // ctx.count  # autograd gives zeros for chunks no attention used
+        return None, *(
+            torch.stack(_exchange(grads[index * ranks : (index + 1) * ranks], ctx.group)).sum(0)
+            for index in range(ctx.count)
+        )
+
+
+def gather_keys_values(
+    k_BGKD: Tensor, v_BGKD: Tensor, group: dist.ProcessGroup | None
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Every rank's keys and values, by rank; keys that are their own values (multi-head
+    latent attention's latent form) travel once."""
+    if v_BGKD is k_BGKD:
+        keys = list(_GatherFromRanks.apply(group, k_BGKD))
+        return keys, keys
+    gathered = _GatherFromRanks.apply(group, k_BGKD, v_BGKD)
+    ranks = len(gathered) // 2
+    return list(gathered[:ranks]), list(gathered[ranks:])
 
 
 def kv_passing_context_attention(
@@ -177,16 +192,11 @@ def kv_passing_context_attention(
     rank = dist.get_rank(group)
     chunks = []
     for cached in cache:
-        gathered = _GatherKV.apply(group, cached.k_BGKD, cached.v_BGKD)
-        ranks = len(gathered) // 2
+        keys, values = gather_keys_values(cached.k_BGKD, cached.v_BGKD, group)
         sources = gather_token_shards(cached.shard, group)
         chunks += [
-            KVChunk(
-                gathered[source],
-                gathered[ranks + source],
-                shard_mask(shard, sources[source], pattern),
-            )
-            for source in range(ranks)
+            KVChunk(keys[source], values[source], shard_mask(shard, sources[source], pattern))
+            for source in range(len(keys))
             if not drop_remote or source == rank
         ]
     return attention_over_chunks(q_BHSD, chunks, scale, backend)

@@ -63,6 +63,7 @@ def context_parallel_bytes(
     kv_heads: int,
     head_dim: int,
     element_bytes: int = 2,
+    keys_are_values: bool = False,
 ) -> float:
     """Bytes one rank sends for one layer's attention of slice `slice_index` (0-based) of
     `slice_tokens` tokens over `cp` ranks, forward only. Commutated: its queries out and the
@@ -70,15 +71,18 @@ def context_parallel_bytes(
     over slices. KV passing: the keys and values of the slice and of every cached one,
     `(cp-1)/cp · (j+1) · T · 2·h_kv·d`. Ulysses (whole sequences): its tokens' q, k, v out to
     the head owners and their outputs back, `(cp-1)/cp · T/cp · (2·h_q + 2·h_kv)·d`, kv heads
-    that do not split over the ranks counted as repeated to h_q."""
+    that do not split over the ranks counted as repeated to h_q. `keys_are_values` (multi-head
+    latent attention's latent form: one tensor is both) halves what K/V passing and Ulysses
+    send of them."""
+    kv_tensors = 1 if keys_are_values else 2
     share = (cp - 1) / cp * slice_tokens * element_bytes
     if variant == "commutated":
         return share * (2 * q_heads * head_dim + q_heads)
     if variant == "kv_passing":
-        return share * (slice_index + 1) * 2 * kv_heads * head_dim
+        return share * (slice_index + 1) * kv_tensors * kv_heads * head_dim
     if variant == "ulysses":
         kv_heads = kv_heads if kv_heads % cp == 0 else q_heads
-        return share / cp * (2 * q_heads + 2 * kv_heads) * head_dim
+        return share / cp * (2 * q_heads + kv_tensors * kv_heads) * head_dim
     raise ValueError(
         f"context parallel variant {variant!r}: choose 'commutated', 'kv_passing' or 'ulysses'"
     )
@@ -106,6 +110,7 @@ def context_parallel_variant(
     slice_tokens: int,
     cp: int,
     whole_sequence: bool = False,
+    keys_are_values: bool = False,
 ) -> str:
     """The variant a slice's attention runs by: `variant`, or for "auto" the one that moves
     fewer bytes for these queries and keys (`choose_context_parallel`; Ulysses too on a
@@ -125,4 +130,5 @@ def context_parallel_variant(
         kv_heads=k_BGSD.shape[1],
         head_dim=q_BHSD.shape[-1],
         element_bytes=q_BHSD.element_size(),
+        keys_are_values=keys_are_values,
     )

@@ -60,9 +60,20 @@ class CachedSlice:
     length: int = 0
 
     @property
+    def keys_are_values(self) -> bool:
+        """One tensor serves as keys and values (multi-head latent attention's latent form):
+        it is cached, and its gradient collected, once."""
+        return self.v_BGSD is self.k_BGSD
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The distinct cached tensors: K and V, or the one tensor that is both."""
+        return (self.k_BGSD,) if self.keys_are_values else (self.k_BGSD, self.v_BGSD)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of K and V (shared with the slice's own tensors); 0 once released."""
-        return self.k_BGSD.nbytes + self.v_BGSD.nbytes
+        return sum(tensor.nbytes for tensor in self.tensors)
 
 
 class _AddCachedGradients(torch.autograd.Function):
@@ -81,6 +92,8 @@ class _AddCachedGradients(torch.autograd.Function):
     ) -> tuple[Tensor | None, Tensor | None, None]:
         cached: CachedSlice = ctx.cached
         ctx.cached = None  # the graph may outlive the step (a loss kept for logging)
+        if cached.keys_are_values:  # one leaf collected both; k and v are one tensor upstream
+            return _plus(grad_k, cached.k_BGSD.grad), grad_v, None
         return (
             _plus(grad_k, cached.k_BGSD.grad),
             _plus(grad_v, cached.v_BGSD.grad),
@@ -154,7 +167,7 @@ class ChunkedKVCache:
             tensor
             for (_, cached_microbatch), slices in self._slices.items()
             if cached_microbatch == microbatch and len(slices) > slice_index
-            for tensor in (slices[slice_index].k_BGSD, slices[slice_index].v_BGSD)
+            for tensor in slices[slice_index].tensors
         ]
 
     def layer_slices(self, microbatch: int) -> list[tuple[str, list[CachedSlice]]]:
@@ -223,17 +236,15 @@ class ChunkedKVCache:
         if recomputing:
             cached = past[context.slice_index]
         elif training:
-            cached = CachedSlice(
-                k_BGSD.detach().requires_grad_(),
-                v_BGSD.detach().requires_grad_(),
-                q_documents,
-                tokens.start,
-                len(tokens),
-            )
+            k_leaf = k_BGSD.detach().requires_grad_()
+            v_leaf = k_leaf if v_BGSD is k_BGSD else v_BGSD.detach().requires_grad_()
+            cached = CachedSlice(k_leaf, v_leaf, q_documents, tokens.start, len(tokens))
         else:
             cached = CachedSlice(k_BGSD, v_BGSD, q_documents, tokens.start, len(tokens))
         if training and not self.drop_cached_gradients:
+            shared = v_BGSD is k_BGSD
             k_BGSD, v_BGSD = _AddCachedGradients.apply(k_BGSD, v_BGSD, cached)
+            v_BGSD = k_BGSD if shared else v_BGSD
         earlier = past[: context.slice_index]
         if not recomputing:
             past.append(cached)
@@ -254,7 +265,9 @@ def _release_unreachable(
     low, _ = pattern.visible_keys(next_query, next_query)
     for cached in past:
         if cached.start + cached.length <= low and cached.k_BGSD.numel():
-            cached.k_BGSD, cached.v_BGSD = cached.k_BGSD[:, :, :0], cached.v_BGSD[:, :, :0]
+            empty_k = cached.k_BGSD[:, :, :0]
+            cached.v_BGSD = empty_k if cached.keys_are_values else cached.v_BGSD[:, :, :0]
+            cached.k_BGSD = empty_k
 
 
 class SliceAttention:

@@ -89,13 +89,16 @@ def ulysses_context_attention(
     cp = dist.get_world_size(group)
     query_heads, kv_heads = q_BHSD.shape[1], k_BGSD.shape[1]
     check_ulysses_heads(query_heads, cp)
+    keys_are_values = v_BGSD is k_BGSD  # latent attention: one tensor travels for both
     if kv_heads % cp:
-        repeats = query_heads // kv_heads
-        k_BGSD = k_BGSD.repeat_interleave(repeats, dim=1)
-        v_BGSD = v_BGSD.repeat_interleave(repeats, dim=1)
-    q_BHSD, k_BGSD, v_BGSD = (
-        _Reshard.apply(tensor, group, True) for tensor in (q_BHSD, k_BGSD, v_BGSD)
-    )
+        k_BGSD = k_BGSD.repeat_interleave(query_heads // kv_heads, dim=1)
+    q_BHSD, k_BGSD = (_Reshard.apply(tensor, group, True) for tensor in (q_BHSD, k_BGSD))
+    if keys_are_values:
+        v_BGSD = k_BGSD
+    else:
+        if kv_heads % cp:
+            v_BGSD = v_BGSD.repeat_interleave(query_heads // kv_heads, dim=1)
+        v_BGSD = _Reshard.apply(v_BGSD, group, True)
     shards = gather_token_shards(shard, group)
     documents = (
         None

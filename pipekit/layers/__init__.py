@@ -3,7 +3,13 @@ vocabulary-parallel embedding, output layer and cross-entropy."""
 
 from pipekit.layers.attention import GroupedQueryAttention
 from pipekit.layers.norms import RMSNorm
-from pipekit.layers.rope import RopeScaling, RotaryEmbedding, apply_rotary, rope_inverse_frequencies
+from pipekit.layers.rope import (
+    RopeScaling,
+    RotaryEmbedding,
+    YarnScaling,
+    apply_rotary,
+    rope_inverse_frequencies,
+)
 from pipekit.layers.swiglu import FeedForward
 from pipekit.layers.vocab_parallel import (
     VocabParallelEmbedding,
@@ -20,6 +26,7 @@ __all__ = [
     "RotaryEmbedding",
     "VocabParallelEmbedding",
     "VocabParallelOutput",
+    "YarnScaling",
     "apply_rotary",
     "rope_inverse_frequencies",
     "vocab_parallel_cross_entropy",

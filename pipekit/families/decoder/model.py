@@ -94,7 +94,7 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.rope = RotaryEmbedding(args.per_head_dim, args.rope_theta, args.rope_scaling)
+        self.rope = self.build_rope()
         self.layers = nn.ModuleDict(
             {
                 str(layer_id): TransformerBlock(
@@ -106,6 +106,11 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
+
+    def build_rope(self) -> RotaryEmbedding:
+        """The rotary embedding every layer shares: over the whole head dim."""
+        args = self.args
+        return RotaryEmbedding(args.per_head_dim, args.rope_theta, args.rope_scaling)
 
     def build_attention(self, layer_id: int) -> nn.Module:
         """Layer `layer_id`'s attention: grouped-query attention with RoPE."""

@@ -104,7 +104,9 @@ class ContextParallelSliceAttention:
         """Over every cp rank's earlier slices that `pattern` lets the slice see, and this
         slice, by the slice's variant; every cp rank skips the same slices (the whole slice's
         tokens decide), so their collectives match."""
-        variant = self.extension.variant_of(self.slice_index, q_BHSD, own.k_BGKD)
+        variant = self.extension.variant_of(
+            self.slice_index, q_BHSD, own.k_BGKD, keys_are_values=own.v_BGKD is own.k_BGKD
+        )
         indices = self.visible_indices(earlier, pattern)
         lendable = [
             LentChunk(earlier[i].k_BGSD, earlier[i].v_BGSD, earlier[i].document_ids_BS)
@@ -195,7 +197,9 @@ class PipelineContextParallel(PipelineExtension):
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
         self.num_slices = num_slices
 
-    def variant_of(self, slice_index: int, q_BHSD: Tensor, k_BGSD: Tensor) -> str:
+    def variant_of(
+        self, slice_index: int, q_BHSD: Tensor, k_BGSD: Tensor, keys_are_values: bool = False
+    ) -> str:
         """The variant slice `slice_index` uses."""
         return context_parallel_variant(
             self.variant,
@@ -204,6 +208,7 @@ class PipelineContextParallel(PipelineExtension):
             slice_index=slice_index,
             slice_tokens=self.slice_length,
             cp=self.cp,
+            keys_are_values=keys_are_values,
         )
 
     def slice_tokens(self, slice_index: int) -> Tensor:
