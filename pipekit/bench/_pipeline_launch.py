@@ -42,6 +42,7 @@ from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.process_group import exit_process
 from pipekit.models.materialize import seeded_materializer
 from pipekit.models.registry import get_model_spec
+from pipekit.models.spec import ModelSpec
 from pipekit.pipelining.build import StageSetup, build_pipeline
 from pipekit.pipelining.plan import PipelinePlan, plan_pipeline
 from pipekit.pipelining.runtime.runner import PipelineRunner
@@ -244,17 +245,17 @@ def model_spec(options: argparse.Namespace, seq_len: int) -> dict[str, int]:
         "vocab_size": options.vocab,
         "max_seq_len": seq_len,
     }
-    _llama_args(spec)  # raises ValueError on an impossible shape
+    bench_model(spec)  # raises ValueError on an impossible shape
     return spec
 
 
-def describe_model(spec: Mapping[str, int]) -> str:
+def describe_model(spec: Mapping[str, Any]) -> str:
     """One line: the model's shape and parameter count."""
-    args = _llama_args(spec)
+    family, args = bench_model(spec)
     with torch.device("meta"):
-        params = sum(p.numel() for p in get_model_spec("llama").build(args).parameters())
+        params = sum(p.numel() for p in family.build(args).parameters())
     return (
-        f"Llama dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads "
+        f"{family.name} dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads "
         f"({args.num_kv_heads} kv, head dim {args.per_head_dim}), ffn {args.ffn_dim}, "
         f"vocab {args.vocab_size}, {params / 1e6:.2f} M parameters, float32"
     )
@@ -269,10 +270,13 @@ def describe_slices(plan: PipelinePlan) -> str:
     )
 
 
-def _llama_args(spec: Mapping[str, int]) -> Any:
-    """The registered Llama's args of `spec`'s shape (plain RoPE, theta 10000)."""
-    debug = get_model_spec("llama").flavor("debug")
-    return dataclasses.replace(debug, **spec, rope_scaling=None, rope_theta=10000.0)
+def bench_model(spec: Mapping[str, Any]) -> tuple[ModelSpec, Any]:
+    """The family and args of a bench's model: `spec["family"]`'s debug flavor (default:
+    Llama) with `spec`'s other fields, plain RoPE of theta 10000."""
+    fields = dict(spec)
+    family = get_model_spec(fields.pop("family", "llama"))
+    debug = family.flavor("debug")
+    return family, dataclasses.replace(debug, **fields, rope_scaling=None, rope_theta=10000.0)
 
 
 def check_pipeline_shape(
@@ -309,7 +313,7 @@ def check_pipeline_shape(
 
 
 def _plan_and_model(
-    spec: Mapping[str, int],
+    spec: Mapping[str, Any],
     *,
     schedule: str,
     stages_per_rank: int,
@@ -338,7 +342,7 @@ def _plan_and_model(
         activation_offload=activation_offload,
         slicing=slicing,
     )
-    family, args = get_model_spec("llama"), _llama_args(spec)
+    family, args = bench_model(spec)
     with torch.device("meta"):
         model = family.build(args)
     shape, seq_len = family.shape(args), args.max_seq_len
@@ -349,7 +353,7 @@ def _plan_and_model(
     return plan, model
 
 
-def bench_plan(spec: Mapping[str, int], **keywords: Any) -> PipelinePlan:
+def bench_plan(spec: Mapping[str, Any], **keywords: Any) -> PipelinePlan:
     """The plan of `schedule` over an evenly split Llama (equal layers per stage).
 
     `keywords`: `schedule`, `stages_per_rank`, `num_ranks`, `microbatches`, `num_slices`,
@@ -364,7 +368,7 @@ def bench_plan(spec: Mapping[str, int], **keywords: Any) -> PipelinePlan:
     return _plan_and_model(spec, **keywords)[0]
 
 
-def build_runner(spec: Mapping[str, int], *, rank: int, **keywords: Any) -> PipelineRunner:
+def build_runner(spec: Mapping[str, Any], *, rank: int, **keywords: Any) -> PipelineRunner:
     """This rank's runner of `bench_plan(spec, **keywords)`, by the one pipeline builder; every
     rank of the world calls it together. Every stage gets the same seeded weights whatever the
     schedule."""

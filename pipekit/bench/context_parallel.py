@@ -12,13 +12,19 @@ rank sent are counted at the collectives, and compared with the formula (forward
 wall time per slice. Timings with as many ranks as cores say little about a GPU; the bytes are
 what carry over.
 
+Part 3, multi-head latent attention (default DeepSeek-V3's shape): the same per slice for its
+expanded form (every head's K and V) and its latent form (one latent key that is its own value).
+
 RESULT: auto_vs_commutated and auto_vs_kv_passing (the formula's total bytes of "auto" over each
 fixed variant's), mha_commutated_vs_kv_bytes (the formula's commutated over KV-passing total
 with as many kv heads as query heads); whole_auto_vs_best and whole_ulysses_vs_kv_passing
 (outside pipelines, over the whole sequence, Ulysses among the variants: what "auto" takes over
 the fewest bytes, and Ulysses' bytes over KV passing's); measured: commutated_vs_kv_bytes (total
 forward bytes over the sequence, commutated over KV passing) beside `formula` (the same ratio
-predicted), chosen_vs_best (the measured bytes of the variant the rule chose per slice over the
+predicted); mla_auto_vs_expanded_auto (the latent form's bytes under "auto" over the expanded
+form's), mla_kv_passing_vs_expanded (K/V passing, latent over expanded), mla_chosen_vs_best (the
+latent form's "auto" over the fewest bytes per slice: 1 when the rule never loses); measured:
+chosen_vs_best (the measured bytes of the variant the rule chose per slice over the
 cheaper one's: 1 when the rule always picks the cheaper), measured_vs_formula (the largest
 |measured - formula| / formula of any slice's forward bytes).
 """
@@ -44,10 +50,6 @@ def _formula_rows(
 ) -> tuple[list[list[Any]], dict[str, float], float]:
     """Per slice rows, the totals of each variant and of "auto", and the commutated over
     KV-passing total with as many kv heads as query heads (MHA)."""
-    from pipekit.attention.context_parallel_choice import (
-        choose_context_parallel,
-        context_parallel_bytes,
-    )
 
     shape = {
         "slice_tokens": options.slice_tokens,
@@ -57,17 +59,24 @@ def _formula_rows(
         "head_dim": options.head_dim,
         "element_bytes": 2,
     }
-    rows, totals = [], {"commutated": 0.0, "kv_passing": 0.0, "auto": 0.0}
     mha = dict(shape, kv_heads=options.heads)
-    mha_totals = {
-        variant: sum(
-            context_parallel_bytes(variant, slice_index=index, **mha)
-            for index in range(options.slices)
-        )
-        for variant in ("commutated", "kv_passing")
-    }
+    mha_totals = _slice_bytes(mha, options.slices)[1]
     mha_ratio = mha_totals["commutated"] / mha_totals["kv_passing"]
-    for index in range(options.slices):
+    rows, totals = _slice_bytes(shape, options.slices)
+    return rows, totals, mha_ratio
+
+
+def _slice_bytes(shape: dict[str, Any], slices: int) -> tuple[list[list[Any]], dict[str, float]]:
+    """Per slice of a sequence: the bytes of commutated and KV passing (`shape`:
+    `context_parallel_bytes`' keywords), what "auto" takes; and the totals of each and of
+    "auto"."""
+    from pipekit.attention.context_parallel_choice import (
+        choose_context_parallel,
+        context_parallel_bytes,
+    )
+
+    rows, totals = [], {"commutated": 0.0, "kv_passing": 0.0, "auto": 0.0}
+    for index in range(slices):
         sent = {
             v: context_parallel_bytes(v, slice_index=index, **shape) for v in totals if v != "auto"
         }
@@ -76,7 +85,55 @@ def _formula_rows(
             totals[variant] += size
         totals["auto"] += sent[choice]
         rows.append([index, sent["commutated"] / _MIB, sent["kv_passing"] / _MIB, choice])
-    return rows, totals, mha_ratio
+    return rows, totals
+
+
+def _latent_attention_bytes(options: argparse.Namespace) -> dict[str, float]:
+    """Part 3: per slice, the bytes of multi-head latent attention's two forms (expanded: every
+    head's key and value, padded to the key's dims; latent: one key of latent + RoPE dims that
+    is its own value, queries absorbed to those dims), each variant and auto's pick; RESULT
+    figures."""
+    heads, key_dim = options.mla_heads, options.mla_nope + options.mla_rope
+    latent_dim = options.mla_latent + options.mla_rope
+    common = {"slice_tokens": options.slice_tokens, "cp": options.cp, "element_bytes": 2}
+    forms = {
+        "expanded": common
+        | {"q_heads": heads, "kv_heads": heads, "head_dim": max(key_dim, options.mla_v)},
+        "latent": common
+        | {"q_heads": heads, "kv_heads": 1, "head_dim": latent_dim, "keys_are_values": True},
+    }
+    print(
+        f"\nmulti-head latent attention ({heads} heads, key {key_dim}, value {options.mla_v}, "
+        f"latent {options.mla_latent} + RoPE {options.mla_rope}), cp {options.cp}, "
+        f"{options.slices} slices of {options.slice_tokens} tokens; MiB one rank sends per "
+        "layer (forward)"
+    )
+    per_form = {form: _slice_bytes(shape, options.slices) for form, shape in forms.items()}
+    rows = [
+        [index, *expanded[1:], *latent[1:]]
+        for index, (expanded, latent) in enumerate(
+            zip(per_form["expanded"][0], per_form["latent"][0], strict=True)
+        )
+    ]
+    print_table(
+        [
+            "slice",
+            "expanded commutated",
+            "expanded kv passing",
+            "auto takes",
+            "latent commutated",
+            "latent kv passing",
+            "auto takes",
+        ],
+        rows,
+    )
+    expanded, latent = per_form["expanded"][1], per_form["latent"][1]
+    best_latent = sum(min(row[4], row[5]) for row in rows) * _MIB
+    return {
+        "mla_auto_vs_expanded_auto": latent["auto"] / expanded["auto"],
+        "mla_kv_passing_vs_expanded": latent["kv_passing"] / expanded["kv_passing"],
+        "mla_chosen_vs_best": latent["auto"] / best_latent,
+    }
 
 
 def _whole_sequence_bytes(options: argparse.Namespace) -> tuple[dict[str, float], str]:
@@ -173,6 +230,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--seq", type=int, default=0, help="tokens per sequence (sets --slice-tokens to seq/slices)"
     )
+    parser.add_argument("--mla-heads", type=int, default=128, help="MLA query heads (part 3)")
+    parser.add_argument("--mla-latent", type=int, default=512, help="MLA kv_lora_rank")
+    parser.add_argument("--mla-rope", type=int, default=64, help="MLA qk_rope_head_dim")
+    parser.add_argument("--mla-nope", type=int, default=128, help="MLA qk_nope_head_dim")
+    parser.add_argument("--mla-v", type=int, default=128, help="MLA v_head_dim")
     parser.add_argument("--measure-ranks", type=int, default=2, help="gloo ranks (0: skip)")
     parser.add_argument("--measure-heads", type=int, default=16)
     parser.add_argument("--measure-kv-heads", type=int, default=2)
@@ -209,6 +271,7 @@ def main(argv: list[str]) -> None:
         "mha_commutated_vs_kv_bytes": mha_ratio,
         "whole_auto_vs_best": whole[whole_choice] / min(whole.values()),
         "whole_ulysses_vs_kv_passing": whole["ulysses"] / whole["kv_passing"],
+        **_latent_attention_bytes(options),
     }
     if options.measure_ranks > 1:
         figures.update(_measure(options))

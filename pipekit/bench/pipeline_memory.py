@@ -18,7 +18,9 @@ microbatches for every warm-up to fill; where `--microbatches` is too few for in
 a second interleaved row runs with the fewest that fill it.
 
 With `--offload auto|<ratio>` the bench compares the sliced schedule with and without
-pipeline-aware activation offload instead (`pipekit.bench.pipeline_offload`).
+pipeline-aware activation offload instead (`pipekit.bench.pipeline_offload`); with
+`--model deepseek_v3`, multi-head latent attention's latent KV cache with expanded K/V
+(`pipekit.bench.latent_cache`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pipekit.bench._pipeline_launch import (
     synthetic_batch,
 )
 from pipekit.bench._report import print_result, print_table
+from pipekit.bench.latent_cache import add_latent_cache_arguments, run_latent_cache_comparison
 from pipekit.bench.pipeline_offload import parse_offload, run_offload_comparison
 from pipekit.memory.tracker import ActivationMemoryTracker
 from pipekit.pipelining.plan import PipelinePlan
@@ -162,9 +165,24 @@ def main(argv: list[str] | None = None) -> None:
         help='compare the sliced schedule with activation offload at this ratio (or "auto", '
         "each rank down to the last rank's peak) against none",
     )
+    add_latent_cache_arguments(parser)
     options = parser.parse_args(argv)
     if options.layers is None:
         options.layers = 2 * options.pp
+    if options.model == "deepseek_v3":
+        try:
+            check_pipeline_shape(
+                num_ranks=options.pp,
+                microbatches=options.microbatches,
+                num_slices=options.slices,
+                seq_len=options.seq,
+                num_layers=options.layers,
+                stages_per_rank=1,
+            )
+            run_latent_cache_comparison(options)
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        return
     p, m, n = options.pp, options.microbatches, options.slices
     try:
         check_pipeline_shape(
