@@ -21,6 +21,8 @@ from pipekit.attention.context_parallel_choice import context_parallel_bytes
 from pipekit.attention.kv_cache import ChunkedKVCache
 from pipekit.families.deepseek_v3 import DeepSeekV3, DeepSeekV3Args, deepseek_v3_flavor
 from pipekit.layers.rope import YarnScaling
+from pipekit.memory_plan.activations import profile_activations
+from pipekit.models import get_model_spec
 
 SEQ_LEN, SLICES, BATCH = 32, 4, 2
 YARN = YarnScaling(
@@ -154,3 +156,16 @@ def test_deepseek_v3_args_refuse_what_they_cannot_build() -> None:
         _args("latent", head_dim=64)
     with pytest.raises(ValueError, match="first_dense_layers=2 must be in"):
         _args("latent", first_dense_layers=2)
+
+
+def test_memory_plan_counts_the_latent_kv_cache() -> None:
+    """The plan measures what a layer's attention caches: the latent form's bytes per token
+    are (latent + RoPE) dims, the expanded form's 2 x heads x head_dim."""
+    spec = get_model_spec("deepseek_v3")
+    per_token = {}
+    for cache in ("expanded", "latent"):
+        profile = profile_activations(spec, _args(cache), torch.bfloat16)
+        per_token[cache] = set(profile.kv_bytes.values())
+    args = _args("latent")
+    assert per_token["latent"] == {2.0 * (args.kv_lora_rank + args.qk_rope_head_dim)}
+    assert per_token["expanded"] == {2.0 * 2 * args.n_heads * args.per_head_dim}

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from pipekit._torch_private import checkpoint_module_activations, simulated_rank
+from pipekit.attention.kv_cache import ChunkedKVCache
 from pipekit.distributed.tensor_parallel import apply_tensor_parallel
 from pipekit.layers.loss import token_sum_cross_entropy
 from pipekit.memory.live_tensors import PeakTensorMemory, kept_bytes
@@ -113,11 +114,14 @@ def profile_activations(
     shape = spec.shape(args)
     names = [structure.block_name(index) for index in range(shape.num_layers)]
     kinds: dict[tuple, tuple[float, float]] = {}
-    block_bytes = {}
+    block_bytes, kv_bytes, kv_by_kind = {}, {}, {}
+    # a tp rank caches its share of the kv heads (or all of them, when fewer than tp)
+    kv_heads_share = max(shape.num_kv_heads // split.tp, 1) / shape.num_kv_heads
     for name in names:
         kind = _kind(model.get_submodule(name))
         if kind not in kinds:
             block = build_stage_module(model, [*structure.shared, name])
+            kv_by_kind[kind] = _probe_kv_cache(block, shape.dim, dtype) * kv_heads_share
             setup = _with_selective_checkpointing(configure) if selective else configure
             if split.tp == 1:
                 kinds[kind] = _probe_block(block, shape.dim, dtype, tokens, setup, selective)
@@ -126,8 +130,7 @@ def profile_activations(
                     _probe_split_block, block, spec, split, shape.dim, dtype, tokens, setup,
                     selective,
                 )  # fmt: skip
-        block_bytes[name] = kinds[kind][0]
-    kv = 2 * shape.num_kv_heads // split.tp * shape.head_dim * dtype.itemsize
+        block_bytes[name], kv_bytes[name] = kinds[kind][0], kv_by_kind[kind]
     head_names = [structure.output, *structure.logits_transforms]
     if shape.tied_embeddings:  # the output's weight is the embedding's; the probe's input is
         head_names.append(structure.embedding)  # hidden states, so the embedding never runs
@@ -143,7 +146,7 @@ def profile_activations(
         head_bytes_per_row=head_peak / shape.vocab_size,
         head_saved_bytes_per_row=head_saved / shape.vocab_size,
         input_bytes=shape.dim * dtype.itemsize // split.sequence_shards,
-        kv_bytes=dict.fromkeys(names, float(kv)),
+        kv_bytes=kv_bytes,
     )
 
 
@@ -226,6 +229,17 @@ def _probe_split_block(
         apply_tensor_parallel(block, mesh, spec, sequence_parallel=split.sequence_parallel)
         lengths = (tokens[0] * shards, tokens[1] * shards)
         return _probe_block(block, dim, dtype, lengths, configure, kept, sequence_shards=shards)
+
+
+def _probe_kv_cache(block: nn.Module, dim: int, dtype: torch.dtype, length: int = 4) -> float:
+    """Bytes per token the block's attention leaves in a sliced KV cache (what its attention
+    hands its context: expanded K/V, or a latent kept once), measured by one forward."""
+    _give_weights(block)
+    cache = ChunkedKVCache(backend="cpu")
+    with torch.no_grad():
+        hidden_BSD = torch.randn(1, length, dim, dtype=dtype)
+        block(hidden_BSD, None, cache.slice_context(0, 0))
+    return cache.nbytes / length
 
 
 def _probe_block(
