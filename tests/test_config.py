@@ -192,7 +192,7 @@ _PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
         (["--data.tokenizer", "/no/tokenizer.json"], 1, "is not a file"),
         (["--checkpoint.initial_load_path", "/no/dir"], 1, "has no config.json"),
         (["--model.flavor", "9B"], 1, "unknown llama flavor '9B'"),
-        (["--model.name", "gpt5"], 1, r"unknown model 'gpt5'; known models: \['llama'"),
+        (["--model.name", "gpt5"], 1, r"unknown model 'gpt5'; known models: \['deepseek_v3'"),
         (["--model.module", "no_such_pkg.model"], 1, "module='no_such_pkg.model' cannot be"),
         (["--training.seq_len", "9000"], 1, "seq_len=9000 is longer than model llama"),
         (["--model.attention_backend", "fast"], 1, "attention_backend='fast' is not one of"),
@@ -234,6 +234,7 @@ def test_cross_field_rules_say_how_to_fix(argv, world_size, message):
 
 
 DEBUG_WORLD_SIZES = {
+    "debug_deepseek_v3.toml": 4,
     "debug_moe_balanced.toml": 4,
     "debug_moe_sliced_pp.toml": 4,
     "debug_cp_sliced_pp.toml": 4,

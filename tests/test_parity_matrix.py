@@ -16,9 +16,10 @@ stages' local blocks; Llama only). In bf16 (FSDP2 mixed precision, float32 weigh
 reductions, bf16 messages) against float32, within 5e-2: the sliced pipeline with 2 data ranks
 and with one. For Llama-MoE and for the custom example (GPT-2 style, registered from outside
 pipekit); DeepSeek-V3 with latent MLA (its caches and exchanges hold the latent) runs the rows
-without tensor parallelism or bf16 (`MLA_ROWS`). Pipelines run on 2 pipeline x 2 FSDP ranks unless the row says otherwise. Every row
-has an ablation that breaks the mechanism the row relies on, and it must fail. All rows of a
-model share one process group, all ablations another.
+without tensor parallelism or bf16 (`MLA_ROWS`). Pipelines run on 2 pipeline x 2 FSDP ranks
+unless the row says otherwise. Every row has an ablation that breaks the mechanism the row
+relies on, and it must fail. All rows of a model share one process group, all ablations
+another.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ Legend: a block's bounds are (start, stop) per dim of the whole parameter.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -92,15 +93,17 @@ def save_hf_sharded(
     row_shards: Mapping[str, RowShard] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    buffers: Mapping[str, Tensor] | None = None,
 ) -> list[Path]:
     """Write `entries` (the checkpoint's tensors, in order) from this rank's part of `model`
     into `directory`; every rank of the default process group calls it (or one process
     without one). `to_hf(param name, whole tensor)` puts a non-expert tensor in the Hugging
-    Face layout. Returns the tensor files."""
+    Face layout; `buffers` (by name) are written beside the parameters (a router's bias).
+    Returns the tensor files."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
     rank, world = _rank_and_world()
-    local = _local_blocks(model, row_shards or {})
+    local = _local_blocks(model, row_shards or {}, buffers or {})
     infos = [info for info, _ in local.values()]
     every_rank: list[list[_BlockInfo]] = [infos]
     if world > 1:
@@ -145,11 +148,12 @@ def _barrier(world: int) -> None:
 
 
 def _local_blocks(
-    model: nn.Module, row_shards: Mapping[str, RowShard]
+    model: nn.Module, row_shards: Mapping[str, RowShard], buffers: Mapping[str, Tensor]
 ) -> dict[str, tuple[_BlockInfo, Tensor]]:
-    """This rank's non-empty block of each parameter (a tied parameter under its first name)."""
+    """This rank's non-empty block of each parameter (a tied parameter under its first name)
+    and of each of `buffers`."""
     blocks = {}
-    for name, param in model.named_parameters():
+    for name, param in itertools.chain(model.named_parameters(), buffers.items()):
         values = local_tensor(param)
         if values.is_meta:
             raise ValueError(f"{name} is on the meta device; materialise the model before export")

@@ -5,14 +5,16 @@ files); transformers 5 writes `rope_parameters` with `rope_theta` inside. Both a
 with transformers' defaults for absent keys, so a file means the same model to pipekit as to
 transformers. We write the published dialect, which every transformers version reads.
 
-Every model type with Llama's config keys (Llama, Mixtral, Qwen3, Qwen3-MoE) parses and writes
-them here; `HFModelType` holds what differs between them: the model_type and transformers'
-defaults for absent keys. Each family adds its own keys (`problems` of its own, extra fields).
+Every model type with Llama's config keys (Llama, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3) parses
+and writes them here; `HFModelType` holds what differs between them: the model_type,
+transformers' defaults for absent keys, and the RoPE scalings the family computes (Llama 3.1's,
+and YaRN for DeepSeek-V3). Each family adds its own keys (`problems` of its own, extra fields).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ import torch
 
 from pipekit.checkpoint.safetensors_io import CheckpointError
 from pipekit.families.decoder.args import DecoderArgs, RopeScaling
+from pipekit.layers.rope import YarnScaling
 
 __all__ = [
     "CONFIG_FILE",
@@ -66,6 +69,8 @@ class HFModelType:
     """Default of `max_position_embeddings`."""
     num_key_value_heads: int | None
     """Default of an absent `num_key_value_heads`; None: `num_attention_heads` (as for null)."""
+    rope_types: tuple[str, ...] = ("llama3",)
+    """The scaled `rope_type`s the family computes ("llama3", "yarn"); others are refused."""
 
 
 def read_config_json(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
@@ -145,7 +150,7 @@ def decoder_config_keys(
 ) -> dict[str, Any]:
     """The Llama keys of a published-dialect config.json of `model_type` (no bias keys)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    scaling = args.rope_scaling
+    scaling: RopeScaling | YarnScaling | None = args.rope_scaling
     return {
         "architectures": [model_type.architecture],
         "model_type": model_type.model_type,
@@ -160,19 +165,32 @@ def decoder_config_keys(
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_scaling": None
-        if scaling is None
-        else {
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        },
+        "rope_scaling": None if scaling is None else _rope_scaling_keys(scaling),
         "tie_word_embeddings": args.tie_embeddings,
         "vocab_size": args.vocab_size,
         "torch_dtype": dtype_name,  # transformers 4 reads this key,
         "dtype": dtype_name,  # transformers 5 this one.
+    }
+
+
+def _rope_scaling_keys(scaling: RopeScaling | YarnScaling) -> dict[str, Any]:
+    """The `rope_scaling` object of `scaling`."""
+    if isinstance(scaling, YarnScaling):
+        return {
+            "rope_type": "yarn",
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow,
+            "mscale": scaling.mscale,
+            "mscale_all_dim": scaling.mscale_all_dim,
+        }
+    return {
+        "rope_type": "llama3",
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
     }
 
 
@@ -196,7 +214,7 @@ def _unsupported_features(config: Mapping[str, Any], model_type: HFModelType) ->
 
 def _rope(
     config: Mapping[str, Any], model_type: HFModelType, problems: list[str]
-) -> tuple[float, RopeScaling | None]:
+) -> tuple[float, RopeScaling | YarnScaling | None]:
     """(rope_theta, rope_scaling) from either dialect; unsupported kinds go to `problems`."""
     # transformers gives a non-null legacy `rope_scaling` priority over `rope_parameters`.
     parameters = config.get("rope_scaling") or config.get("rope_parameters") or {}
@@ -208,25 +226,53 @@ def _rope(
     rope_type = parameters.get("rope_type", parameters.get("type"))
     if rope_type in _UNSCALED_ROPE_TYPES:
         return rope_theta, None
-    if rope_type != "llama3":
+    if rope_type not in model_type.rope_types:
+        known = ", ".join(repr(kind) for kind in ("default", *model_type.rope_types))
         problems.append(
-            f"rope type {rope_type!r} (pipekit's decoders support 'default' and 'llama3'; "
+            f"rope type {rope_type!r} (pipekit's {model_type.pipekit_model} supports {known}; "
             "convert or fine-tune the checkpoint to one of those)"
         )
         return rope_theta, None
-    missing = [key for key in _LLAMA3_KEYS if parameters.get(key) is None]
+    required = _LLAMA3_KEYS if rope_type == "llama3" else ("factor",)
+    missing = [key for key in required if parameters.get(key) is None]
     if missing:
-        problems.append(f"llama3 rope scaling lacks {missing}")
+        problems.append(f"{rope_type} rope scaling lacks {missing}")
         return rope_theta, None
+    original = int(
+        parameters.get("original_max_position_embeddings")
+        or _max_position_embeddings(config, model_type)
+    )
+    if rope_type == "yarn":
+        return rope_theta, _yarn(parameters, original, problems)
     return rope_theta, RopeScaling(
         factor=float(parameters["factor"]),
         low_freq_factor=float(parameters["low_freq_factor"]),
         high_freq_factor=float(parameters["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            parameters.get("original_max_position_embeddings")
-            or _max_position_embeddings(config, model_type)
-        ),
+        original_max_position_embeddings=original,
     )
+
+
+def _yarn(parameters: Mapping[str, Any], original: int, problems: list[str]) -> YarnScaling:
+    """YaRN with transformers' defaults: an absent (or 0) `mscale` or `mscale_all_dim` is 0,
+    which both read as "not given" (the cos/sin magnitude then depends on `factor` alone)."""
+    scaling = YarnScaling(
+        factor=float(parameters["factor"]),
+        original_max_position_embeddings=original,
+        beta_fast=float(parameters.get("beta_fast") or 32.0),
+        beta_slow=float(parameters.get("beta_slow") or 1.0),
+        mscale=float(parameters.get("mscale") or 0.0),
+        mscale_all_dim=float(parameters.get("mscale_all_dim") or 0.0),
+    )
+    if parameters.get("truncate", True) is not True:
+        problems.append("yarn truncate=false (pipekit's YaRN rounds the ramp's ends; need true)")
+    given = parameters.get("attention_factor")
+    close = isinstance(given, int | float) and math.isclose(given, scaling.attention_factor)
+    if given is not None and not close:
+        problems.append(
+            f"yarn attention_factor={given} differs from the {scaling.attention_factor} that "
+            "factor, mscale and mscale_all_dim give (pipekit derives it); drop attention_factor"
+        )
+    return scaling
 
 
 def _max_position_embeddings(config: Mapping[str, Any], model_type: HFModelType) -> int:

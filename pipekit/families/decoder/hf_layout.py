@@ -1,10 +1,11 @@
 """Hugging Face safetensors <-> pipekit decoder parameters: names, RoPE row order, experts.
 
 One `DecoderHF` describes one Hugging Face architecture of a decoder family (Llama, Mixtral,
-Qwen3, Qwen3-MoE): how its tensors are named (`DecoderLayout`), how its config.json maps to the
-family's args, and which pipekit model it loads into. From that it provides the checked load and
-save, the tensor list (`tensors`, the upcycling writer's and the bench's too), and single
-parameter reads (whole, or a row block of whole heads: a tensor-parallel rank reads its heads).
+Qwen3, Qwen3-MoE, DeepSeek-V3): how its tensors are named (`DecoderLayout`), how its config.json
+maps to the family's args, and which pipekit model it loads into. From that it provides the
+checked load and save, the tensor list (`tensors`, the upcycling writer's and the bench's too),
+and single parameter reads (whole, or a row block of whole heads: a tensor-parallel rank reads
+its heads).
 
 pipekit (like Meta's reference code) rotates the interleaved pairs (x[2i], x[2i+1]) of each head;
 Hugging Face rotates (x[i], x[i + head_dim/2]) ("rotate_half"). Both compute the same model once
@@ -14,7 +15,8 @@ row range of whole heads is the same row range in both layouts.
 
 An MoE FFN's experts are one pipekit parameter per weight, stacked on a leading expert dim;
 Hugging Face files hold one tensor per expert (the published per-expert layout, which
-transformers 4 loads as is and transformers 5 converts on load and writes back on save).
+transformers 4 loads as is and transformers 5 converts on load and writes back on save). A
+buffer the layout names (DeepSeek-V3's router bias) is a checkpoint tensor like a parameter.
 
 Shape legend: R rows (output features), D model dim, E experts.
 """
@@ -40,7 +42,7 @@ from pipekit.checkpoint.block_sources import (
     fill_from_sources,
 )
 from pipekit.checkpoint.hf_export import save_hf_sharded
-from pipekit.checkpoint.local_shards import RowShard, load_local_blocks
+from pipekit.checkpoint.local_shards import RowShard, global_block, load_local_blocks
 from pipekit.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
 from pipekit.families.decoder.args import DecoderArgs, MoEFields
@@ -115,9 +117,10 @@ def _whole_heads(w_RD: torch.Tensor, head_dim: int) -> int:
     return w_RD.shape[0] // head_dim
 
 
-def expert_layout_problems(args: MoEFields) -> list[str]:
+def expert_layout_problems(args: MoEFields, *, shared_experts: bool = False) -> list[str]:
     """What the Hugging Face MoE layouts pipekit writes cannot hold of `args` (experts that
-    are not SwiGLU, shared experts), each with its fix; a family's `check_layout` adds its own."""
+    are not SwiGLU, shared experts unless the layout has them), each with its fix; a family's
+    `check_layout` adds its own."""
     problems = []
     activation = args.moe.activation
     if activation != EXPERT_ACTIVATION:
@@ -126,7 +129,7 @@ def expert_layout_problems(args: MoEFields) -> list[str]:
             f"gate, w3 up, w2 down); use activation={EXPERT_ACTIVATION!r}, or keep the model in "
             "pipekit's DCP checkpoints"
         )
-    if args.moe.num_shared_experts:
+    if args.moe.num_shared_experts and not shared_experts:
         problems.append(
             f"moe.num_shared_experts={args.moe.num_shared_experts}, but the layout has no shared "
             "experts; set num_shared_experts=0, or keep the model in pipekit's DCP checkpoints"
@@ -149,6 +152,9 @@ class DecoderLayout:
     Qwen3-MoE's "mlp"); None: no MoE layers."""
     expert_names: Mapping[str, str] = field(default_factory=dict)
     """SwiGLU weight ("w1", "w2", "w3") -> its name within `experts.J` of the MoE block."""
+    buffers: tuple[str, ...] = ()
+    """Names within a block of the buffers the checkpoint holds (DeepSeek-V3's router bias;
+    their Hugging Face names are in `layer_names`); the model's other buffers are not saved."""
 
     def hf_names(self, name: str, args: DecoderArgs) -> list[str]:
         """Hugging Face names of pipekit parameter `name`: one per expert for an expert
@@ -174,6 +180,11 @@ class DecoderLayout:
             f"{name!r} is not a parameter of a {self.model_type.pipekit_model} in Hugging Face "
             f"{self.model_type.model_type} layout"
         )
+
+    def is_buffer(self, name: str) -> bool:
+        """Whether `name` is a buffer the checkpoint holds."""
+        match = _LAYER.fullmatch(name)
+        return match is not None and match[2] in self.buffers
 
     def is_permuted(self, name: str) -> bool:
         """Whether parameter `name` has its rows reordered per head."""
@@ -220,8 +231,12 @@ class DecoderHF:
                 "moe.num_experts": moe.num_experts,
                 "moe.top_k": moe.top_k,
                 "moe.router": moe.router,
+                "moe.num_shared_experts": moe.num_shared_experts,
                 "expert_ffn_dim": args.moe_ffn_dim,
             }
+            # a group-limited router's options compute the routing; its bias step trains it
+            options = moe.router_options().items()
+            values |= {f"moe.{k}": v for k, v in options if k != "bias_update_rate"}
             if all(args.is_moe_layer(layer) for layer in range(args.n_layers)):
                 del values["ffn_dim"]  # no dense FFN left to size
         return {key: value for key, value in values.items() if key not in self.training_fields}
@@ -251,7 +266,7 @@ class DecoderHF:
         with torch.device("meta"):
             model = self.build(args)
         listing = []
-        for name, param in model.named_parameters():
+        for name, param in self._checkpoint_tensors(model).items():
             if args.tie_embeddings and name == "output.weight":
                 continue
             hf_names = self.layout.hf_names(name, args)
@@ -336,7 +351,11 @@ class DecoderHF:
         with SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
             self.check_checkpoint(checkpoint, args)
             sources = {name: self.source(checkpoint, name, args) for name in params}
-            load_local_blocks(model, fill_from_sources(sources), row_shards)
+            fill = fill_from_sources(sources)
+            load_local_blocks(model, fill, row_shards)
+            for name, buffer in params.items():  # load_local_blocks fills the parameters
+                if self.layout.is_buffer(name):
+                    fill(name, global_block(buffer), local_tensor(buffer))
 
     def save(
         self,
@@ -381,6 +400,7 @@ class DecoderHF:
             row_shards=row_shards,
             max_shard_bytes=max_shard_bytes,
             overwrite=overwrite,
+            buffers={name: t for name, t in params.items() if self.layout.is_buffer(name)},
         )
 
     def build_from_checkpoint(
@@ -407,15 +427,22 @@ class DecoderHF:
             build_from_checkpoint=self.build_from_checkpoint,
         )
 
+    def _checkpoint_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's parameters (tied ones under both names) and the buffers the layout
+        names: what its checkpoint holds."""
+        tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        buffers = model.named_buffers()
+        return tensors | {name: buf for name, buf in buffers if self.layout.is_buffer(name)}
+
     def _parameters_matching(
         self, model: nn.Module, args: Any, row_shards: Mapping[str, RowShard] | None = None
-    ) -> dict[str, nn.Parameter]:
-        """The model's parameters (tied ones under both names), checked against those a model
-        of `args` has. A model that holds only some modules (a pipeline stage) is checked, and
-        loaded, for those; a parameter in `row_shards` for its rows."""
-        params = dict(model.named_parameters(remove_duplicate=False))
+    ) -> dict[str, torch.Tensor]:
+        """The model's checkpoint tensors (`_checkpoint_tensors`), checked against those a
+        model of `args` has. A model that holds only some modules (a pipeline stage) is
+        checked, and loaded, for those; a parameter in `row_shards` for its rows."""
+        params = self._checkpoint_tensors(model)
         with torch.device("meta"):
-            full = dict(self.build(args).named_parameters(remove_duplicate=False))
+            full = self._checkpoint_tensors(self.build(args))
         expected = {name: tuple(param.shape) for name, param in full.items() if _holds(model, name)}
         for name, shard in (row_shards or {}).items():
             if name in expected and name in params and expected[name][0] == shard.rows:

@@ -161,10 +161,11 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     ),
     "671B": DeepSeekV3Args(),
 }
-# The debug shape whose attention hands the latent to its context (what a sliced pipeline caches).
-DEEPSEEK_V3_FLAVORS["debug_latent"] = DEEPSEEK_V3_FLAVORS["debug"].with_updates(
-    attention_cache="latent"
-)
+# The shapes whose attention hands the latent to its context (what a sliced pipeline caches).
+for _name in ("debug", "16B", "671B"):
+    DEEPSEEK_V3_FLAVORS[f"{_name}_latent"] = DEEPSEEK_V3_FLAVORS[_name].with_updates(
+        attention_cache="latent"
+    )
 
 
 def deepseek_v3_flavor(name: str) -> DeepSeekV3Args:
