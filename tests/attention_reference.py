@@ -24,15 +24,26 @@ def dense_allowed(mask: MaskMod | None, batch: int, heads: int, q_len: int, kv_l
 
 
 def reference_attention(
-    q_BHSD: Tensor, k_BGKD: Tensor, v_BGKD: Tensor, allowed: Tensor, scale: float
+    q_BHSD: Tensor,
+    k_BGKD: Tensor,
+    v_BGKD: Tensor,
+    allowed: Tensor,
+    scale: float,
+    sinks_H: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """`(out, lse)` by materialising the scores; fully masked rows give out 0, lse -inf."""
+    """`(out, lse)` by materialising the scores; fully masked rows give out 0, lse -inf.
+    `sinks_H`: one more score per row and head, of that value, whose value vector is zero."""
     heads, kv_heads = q_BHSD.shape[1], k_BGKD.shape[1]
     k_BHKD = k_BGKD.repeat_interleave(heads // kv_heads, dim=1)
     v_BHKD = v_BGKD.repeat_interleave(heads // kv_heads, dim=1)
     scores = (q_BHSD @ k_BHKD.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks_H is not None:
+        sink_BHS1 = sinks_H.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink_BHS1.to(scores.dtype)], dim=-1)
     lse_BHS = scores.logsumexp(dim=-1)
     finite_lse = torch.where(torch.isfinite(lse_BHS), lse_BHS, 0.0)
     probs = torch.exp(scores - finite_lse.unsqueeze(-1))
+    if sinks_H is not None:
+        probs = probs[..., :-1]
     return probs @ v_BHKD, lse_BHS

@@ -6,8 +6,10 @@ choice by bytes."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -73,15 +75,16 @@ def _inputs() -> dict[str, torch.Tensor]:
         "v": draw(BATCH, KV_HEADS, LENGTH, HEAD_DIM),
         "upstream": draw(BATCH, HEADS, LENGTH, HEAD_DIM),
         "documents": (torch.arange(LENGTH) >= split_B1).long(),
+        "sinks": draw(HEADS),
     }
 
 
 def _reference(
-    inputs: dict[str, torch.Tensor], pattern: AttentionPattern | None = None
+    inputs: dict[str, torch.Tensor], pattern: AttentionPattern | None = None, sinks: bool = False
 ) -> dict[str, torch.Tensor]:
-    """One process: causal (or `pattern`'s) attention within documents, its output and
-    gradients."""
-    q, k, v = (inputs[name].clone().requires_grad_() for name in "qkv")
+    """One process: causal (or `pattern`'s) attention within documents (with the attention
+    sinks if `sinks`), its output and gradients."""
+    q, k, v, sinks_H = (inputs[name].clone().requires_grad_() for name in ("q", "k", "v", "sinks"))
     tokens = torch.arange(LENGTH)
     documents = inputs["documents"]
     allowed_SK = (tokens[:, None] >= tokens[None, :]) & (
@@ -89,15 +92,19 @@ def _reference(
     )
     allowed_BSK = allowed_SK & (documents[:, :, None] == documents[:, None, :])
     allowed = allowed_BSK[:, None].expand(BATCH, HEADS, LENGTH, LENGTH)
-    out, _ = reference_attention(q, k, v, allowed, HEAD_DIM**-0.5)
+    out, _ = reference_attention(q, k, v, allowed, HEAD_DIM**-0.5, sinks_H if sinks else None)
     (out * inputs["upstream"]).sum().backward()
-    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+    grads = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+    return grads | ({"sinks": sinks_H.grad} if sinks else {})
 
 
-def _leaves(inputs: dict[str, torch.Tensor], shared: bool = False) -> dict[str, torch.Tensor]:
-    """q, k, v as leaves; `shared`: the keys are also the values (one leaf, as multi-head
-    latent attention's latent form hands them over)."""
-    leaves = {name: inputs[name].clone().requires_grad_() for name in "qkv"}
+def _leaves(
+    inputs: dict[str, torch.Tensor], shared: bool = False, sinks: bool = False
+) -> dict[str, torch.Tensor]:
+    """q, k, v (and the sinks) as leaves; `shared`: the keys are also the values (one leaf, as
+    multi-head latent attention's latent form hands them over)."""
+    names = ("q", "k", "v", "sinks") if sinks else ("q", "k", "v")
+    leaves = {name: inputs[name].clone().requires_grad_() for name in names}
     if shared:
         leaves["v"] = leaves["k"]
     return leaves
@@ -113,8 +120,19 @@ def _summed_grads(leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return grads
 
 
+def _sinks(leaves: dict[str, torch.Tensor], ablate: bool) -> torch.Tensor | None:
+    """The attention sinks of a run that has them; the ablation counts them twice (2 e^s =
+    e^(s + ln 2)), as a merge that added them per partial would."""
+    if "sinks" not in leaves:
+        return None
+    return leaves["sinks"] + math.log(2) if ablate else leaves["sinks"]
+
+
 def _whole_sequence_run(
-    variant: str, pattern: AttentionPattern | None = None, shared: bool = False
+    variant: str,
+    pattern: AttentionPattern | None = None,
+    shared: bool = False,
+    sinks: bool = False,
 ) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
     """The trainer's context outside pipelines, by `variant`, over the unsliced sequence; the
     ablation masks each rank's tokens as if they were the first of the sequence (with a
@@ -122,7 +140,8 @@ def _whole_sequence_run(
 
     def run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
         inputs = _inputs()
-        leaves = _leaves(inputs, shared)
+        leaves = _leaves(inputs, shared, sinks)
+        sinks_H, ablate = _sinks(leaves, ablate), ablate and not sinks
         tokens = load_balanced_indices(LENGTH, world)[rank]
         masked_tokens = torch.arange(len(tokens)) if ablate and pattern is None else tokens
         context = ContextParallelAttention(
@@ -131,7 +150,9 @@ def _whole_sequence_run(
         local = {name: leaves[name][:, :, tokens] for name in "qk"}
         local["v"] = local["k"] if shared else leaves["v"][:, :, tokens]
         seen = None if ablate else pattern
-        out = context.attend("0", local["q"], local["k"], local["v"], HEAD_DIM**-0.5, seen)
+        out = context.attend(
+            "0", local["q"], local["k"], local["v"], HEAD_DIM**-0.5, seen, sinks_H=sinks_H
+        )
         (out * inputs["upstream"][:, :, tokens]).sum().backward()
         full_out = torch.zeros_like(inputs["q"])
         full_out[:, :, tokens] = out.detach()
@@ -157,7 +178,7 @@ def _ring_rotation_run(rank: int, world: int, ablate: bool) -> dict[str, torch.T
 
 
 def _sliced_run(
-    attend, pattern: AttentionPattern | None = None
+    attend, pattern: AttentionPattern | None = None, sinks: bool = False
 ) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
     """The sequence in SLICES slices, each split over the ranks; every rank caches the K/V of
     its tokens of every slice so far and calls `attend` (a variant) for each slice; the
@@ -165,7 +186,8 @@ def _sliced_run(
 
     def run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
         inputs = _inputs()
-        leaves = _leaves(inputs)
+        leaves = _leaves(inputs, sinks=sinks)
+        sinks_H, ablate = _sinks(leaves, ablate), ablate and not sinks
         slice_length = LENGTH // SLICES
         cache: list[CachedShard] = []
         full_out = torch.zeros_like(inputs["q"])
@@ -177,10 +199,10 @@ def _sliced_run(
             cache.append(CachedShard(k, v, shard))
             q = leaves["q"][:, :, tokens]
             if pattern is None:
-                out, _ = attend(q, shard, cache, backend="cpu", drop_remote=ablate)
+                out, _ = attend(q, shard, cache, backend="cpu", drop_remote=ablate, sinks_H=sinks_H)
             else:
                 seen = None if ablate else pattern
-                out, _ = attend(q, shard, cache, backend="cpu", pattern=seen)
+                out, _ = attend(q, shard, cache, backend="cpu", pattern=seen, sinks_H=sinks_H)
             loss = loss + (out * inputs["upstream"][:, :, tokens]).sum()
             full_out[:, :, tokens] = out.detach()
         loss.backward()
@@ -200,7 +222,9 @@ class _ZeroGradient(torch.autograd.Function):
         return torch.zeros_like(grad)
 
 
-def _lending_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
+def _lending_run(
+    rank: int, world: int, ablate: bool, sinks: bool = False
+) -> dict[str, torch.Tensor]:
     """Commutated attention with context exchange on top, 2 cp x 2 pipeline ranks: cp ranks 0
     and 1 attend the sliced sequence, lending earlier slices to their pipeline peers 2 and 3
     (slice 0 in forward, every earlier slice in backward), which serve them for both cp
@@ -209,7 +233,8 @@ def _lending_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]
     pipeline_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pipeline_group = pipeline_groups[rank % 2]
     inputs = _inputs()
-    leaves = _leaves(inputs)
+    leaves = _leaves(inputs, sinks=sinks)
+    sinks_H, ablate = _sinks(leaves, ablate), ablate and not sinks
     full_out = torch.zeros_like(inputs["q"])
     if rank >= 2:  # a pipeline peer: serve every lending slice's forward, then its backward
         loan = AttentionLoan(0, pipeline_group)
@@ -241,8 +266,9 @@ def _lending_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]
         )
         q = leaves["q"][:, :, tokens]
         out, _ = commutated_context_attention(
-            q, shard, lent_cache, cp_groups[0], backend="cpu", lendings=lendings, lendable=index
-        )
+            q, shard, lent_cache, cp_groups[0], backend="cpu", lendings=lendings, lendable=index,
+            sinks_H=sinks_H,
+        )  # fmt: skip
         loss = loss + (out * inputs["upstream"][:, :, tokens]).sum()
         full_out[:, :, tokens] = out.detach()
     loss.backward()
@@ -254,8 +280,9 @@ def _worst_difference(
     results: list[dict[str, torch.Tensor]],
     pattern: AttentionPattern | None = None,
     shared: bool = False,
+    sinks: bool = False,
 ) -> float:
-    reference = _reference(_inputs(), pattern)
+    reference = _reference(_inputs(), pattern, sinks)
     if shared:  # the one leaf collects the keys' and the values' gradients
         inputs = _inputs()
         inputs["v"] = inputs["k"]
@@ -292,9 +319,22 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
                 )
                 for variant in ("kv_passing", "commutated", "ulysses")
             ),
+            *(
+                (f"{variant}, whole sequence, sinks", _whole_sequence_run(variant, sinks=True))
+                for variant in ("kv_passing", "ring", "commutated", "ulysses")
+            ),
+            ("kv passing, sliced, sinks", _sliced_run(kv_passing_context_attention, sinks=True)),
+            ("commutated, sliced, sinks", _sliced_run(commutated_context_attention, sinks=True)),
             ("kv passing, sliced, window", _sliced_run(kv_passing_context_attention, WINDOW)),
             ("commutated, sliced, window", _sliced_run(commutated_context_attention, WINDOW)),
-            *((("commutated, sliced, exchange", _lending_run),) if world == 4 else ()),
+            *(
+                (
+                    ("commutated, sliced, exchange", _lending_run),
+                    ("commutated, sliced, exchange, sinks", partial(_lending_run, sinks=True)),
+                )
+                if world == 4
+                else ()
+            ),
         )
         for ablate in (False, True)
     }
@@ -310,8 +350,9 @@ def test_context_parallel_attention_matches_one_process_fp64(world: int) -> None
     per_rank = run_on_ranks(_runs, world, timeout=120)
     for case in per_rank[0]:
         pattern = WINDOW if "window" in case else None
-        shared = "keys are values" in case
-        difference = _worst_difference([results[case] for results in per_rank], pattern, shared)
+        shared, sinks = "keys are values" in case, "sinks" in case
+        results = [results[case] for results in per_rank]
+        difference = _worst_difference(results, pattern, shared, sinks)
         if case.endswith("ablated"):
             assert difference > 1e-3, (case, difference)
         else:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend, RingBackend, select_backend
 from pipekit.attention.masks import MaskMod
-from pipekit.attention.merge import merge_attention
+from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
 
 __all__ = ["KVChunk", "attention", "attention_over_chunks", "ring_backward"]
 
@@ -95,6 +95,7 @@ class _RingIdentityAttention(torch.autograd.Function):
         backend: RingBackend,
         masks: tuple[MaskMod | None, ...],
         scale: float,
+        sinks_H: Tensor | None,
         q_BHSD: Tensor,
         *kv_tensors: Tensor,
     ) -> tuple[Tensor, Tensor]:
@@ -103,8 +104,8 @@ class _RingIdentityAttention(torch.autograd.Function):
             backend.forward_chunk(q_BHSD, k, v, mask, scale)
             for k, v, mask in zip(keys, values, masks, strict=True)
         ]
-        out_BHSD, lse_BHS = merge_attention(partials)
-        ctx.backend, ctx.masks, ctx.scale = backend, masks, scale
+        out_BHSD, lse_BHS = merge_attention(partials, sinks_H)
+        ctx.backend, ctx.masks, ctx.scale, ctx.sinks_H = backend, masks, scale, sinks_H
         ctx.save_for_backward(q_BHSD, out_BHSD, lse_BHS, *kv_tensors)
         ctx.mark_non_differentiable(lse_BHS)
         return out_BHSD, lse_BHS
@@ -118,7 +119,10 @@ class _RingIdentityAttention(torch.autograd.Function):
         grad_q_BHSD, kv_grads = ring_backward(
             ctx.backend, grad_out_BHSD, q_BHSD, out_BHSD, lse_BHS, list(chunks), ctx.scale
         )
-        return None, None, None, grad_q_BHSD, *kv_grads
+        grad_sinks = None
+        if ctx.sinks_H is not None and ctx.needs_input_grad[3]:
+            grad_sinks = sink_gradient(grad_out_BHSD, out_BHSD, lse_BHS, ctx.sinks_H)
+        return None, None, None, grad_sinks, grad_q_BHSD, *kv_grads
 
 
 def attention_over_chunks(
@@ -126,25 +130,29 @@ def attention_over_chunks(
     chunks: Sequence[KVChunk],
     scale: float | None = None,
     backend: str | AttentionBackend = "auto",
+    sinks_H: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of `q` over the union of the chunks: `(out_BHSD, lse_BHS)`, exact gradients.
 
-    Rows with no allowed key in any chunk give `out = 0`, `lse = -inf`. GQA: chunks may have
-    fewer heads than `q` (a divisor of them).
+    Rows with no allowed key in any chunk give `out = 0`, `lse = -inf` (without sinks).
+    GQA: chunks may have fewer heads than `q` (a divisor of them). `sinks_H`: attention sinks,
+    one logit per query head, counted once in the merge.
     """
     _check_shapes(q_BHSD, chunks)
+    check_sinks(sinks_H, q_BHSD)
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     kv_tensors = [t for chunk in chunks for t in (chunk.k_BGKD, chunk.v_BGKD)]
     if isinstance(backend, str):
         backend = select_backend(backend, q_BHSD, *kv_tensors)
     if backend.lse_has_grad:
         return merge_attention(
-            [backend.forward_chunk(q_BHSD, c.k_BGKD, c.v_BGKD, c.mask, scale) for c in chunks]
+            [backend.forward_chunk(q_BHSD, c.k_BGKD, c.v_BGKD, c.mask, scale) for c in chunks],
+            sinks_H,
         )
     if not isinstance(backend, RingBackend):
         raise TypeError(f"backend {backend.name!r} has lse_has_grad=False but no backward_chunk")
     masks = tuple(chunk.mask for chunk in chunks)
-    return _RingIdentityAttention.apply(backend, masks, scale, q_BHSD, *kv_tensors)
+    return _RingIdentityAttention.apply(backend, masks, scale, sinks_H, q_BHSD, *kv_tensors)
 
 
 def attention(

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend
-from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
+from pipekit.attention.chunked import KVChunk, attention_over_chunks
 from pipekit.attention.context_parallel import (
     CACHED_SHARD_ATTENTION,
     CachedShard,
@@ -52,7 +52,8 @@ __all__ = [
 @runtime_checkable
 class AttentionContext(Protocol):
     """Computes a layer's attention output from its projected, rotated q, k, v, seeing what
-    `pattern` allows (None: causal)."""
+    `pattern` allows (None: causal), with the layer's attention sinks (one logit per query
+    head, counted once in the softmax's denominator) if it has them."""
 
     def attend(
         self,
@@ -62,6 +63,7 @@ class AttentionContext(Protocol):
         v_BGSD: Tensor,
         scale: float,
         pattern: AttentionPattern | None = None,
+        sinks_H: Tensor | None = None,
     ) -> Tensor: ...
 
 
@@ -81,11 +83,13 @@ class CausalAttention:
         v_BGSD: Tensor,
         scale: float,
         pattern: AttentionPattern | None = None,
+        sinks_H: Tensor | None = None,
     ) -> Tensor:
         documents, length = self.document_ids_BS, q_BHSD.shape[2]
         mask = block_mask(pattern, 0, length, 0, length, documents, documents, q_BHSD.device)
         backend = pattern_backend(self.backend, pattern)
-        return attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, backend)[0]
+        chunk = KVChunk(k_BGSD, v_BGSD, mask)
+        return attention_over_chunks(q_BHSD, [chunk], scale, backend, sinks_H)[0]
 
 
 class SlicedKVCache:
@@ -122,6 +126,7 @@ class SlicedKVCache:
         v_BGSD: Tensor,
         scale: float,
         pattern: AttentionPattern | None = None,
+        sinks_H: Tensor | None = None,
     ) -> Tensor:
         q_start, slice_len = self.cached_length(layer_id), q_BHSD.shape[2]
         if self.document_ids_BS is not None and q_start + slice_len > self.document_ids_BS.shape[1]:
@@ -139,7 +144,7 @@ class SlicedKVCache:
             if block_visible(pattern, q_start, slice_len, kv_start, k_BGKD.shape[2])
         ]
         backend = pattern_backend(self.backend, pattern)
-        return attention_over_chunks(q_BHSD, kv_chunks, scale, backend)[0]
+        return attention_over_chunks(q_BHSD, kv_chunks, scale, backend, sinks_H)[0]
 
     def _mask(
         self,
@@ -187,8 +192,9 @@ class ContextParallelAttention:
         v_BGSD: Tensor,
         scale: float,
         pattern: AttentionPattern | None = None,
+        sinks_H: Tensor | None = None,
     ) -> Tensor:
-        options = {"scale": scale, "backend": self.backend, "pattern": pattern}
+        options = {"scale": scale, "backend": self.backend, "pattern": pattern, "sinks_H": sinks_H}
         ranks = dist.get_world_size(self.group)
         variant = context_parallel_variant(
             self.variant,
@@ -221,9 +227,13 @@ def attend(
     v_BGSD: Tensor,
     scale: float,
     pattern: AttentionPattern | None = None,
+    sinks_H: Tensor | None = None,
 ) -> Tensor:
     """A layer's attention under `context` (None: over the given tokens alone), seeing what
-    `pattern` allows (None: causal)."""
+    `pattern` allows (None: causal), with attention sinks `sinks_H` (one logit per query head)
+    if the layer has them."""
     if context is None:
         context = CausalAttention(backend="auto")
-    return context.attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern=pattern)
+    if sinks_H is None:
+        return context.attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern=pattern)
+    return context.attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern=pattern, sinks_H=sinks_H)

@@ -70,6 +70,7 @@ class LendingAttention(Protocol):
         own: KVChunk,
         scale: float,
         pattern: AttentionPattern | None = None,
+        sinks_H: Tensor | None = None,
     ) -> Tensor: ...
 
     def visible_indices(
@@ -85,6 +86,7 @@ class LendingAttention(Protocol):
         scale: float,
         pattern: AttentionPattern | None = None,
         lendable_slices: Sequence[CachedSlice] = (),
+        sinks_H: Tensor | None = None,
     ) -> Tensor: ...
 
 
@@ -206,6 +208,7 @@ class ContextExchangeAttention:
         v_BGSD: Tensor,
         scale: float,
         pattern: AttentionPattern | None = None,
+        sinks_H: Tensor | None = None,
     ) -> Tensor:
         """The slice's attention output, lending what the plan gives the pass."""
         sliced, exchange = self.slice_attention, self.exchange
@@ -229,10 +232,10 @@ class ContextExchangeAttention:
             )
             lendable_slices = [earlier[index] for index in visible]
             out_BHSD = sliced.lent_attention(
-                q_BHSD, lendable, own, lendings, scale, pattern, lendable_slices
+                q_BHSD, lendable, own, lendings, scale, pattern, lendable_slices, sinks_H
             )
         else:
-            out_BHSD = sliced.attention(q_BHSD, earlier, own, scale, pattern)
+            out_BHSD = sliced.attention(q_BHSD, earlier, own, scale, pattern, sinks_H)
         if not recomputing:
             self.forward_calls += 1
         if lend_backward and exchange.lending_started is not None:

@@ -44,7 +44,7 @@ from pipekit.attention.backends import AttentionBackend, RingBackend, ring_backe
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
 from pipekit.attention.exchange import Lending, LentChunk, QueryPositions, post_loans
 from pipekit.attention.masks import MaskMod, token_order_mask
-from pipekit.attention.merge import merge_attention
+from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
 from pipekit.attention.patterns import AttentionPattern, is_causal, pattern_backend
 
 __all__ = [
@@ -181,10 +181,12 @@ def kv_passing_context_attention(
     backend: str | AttentionBackend = "auto",
     drop_remote: bool = False,
     pattern: AttentionPattern | None = None,
+    sinks_H: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of this rank's queries (`shard`) over every rank's KV cache by `pattern`
-    (None: causal), passing the keys and values: every chunk of `cache` (this rank's, the
-    current slice's or the whole sequence's included) is gathered from all ranks.
+    (None: causal) and attention sinks `sinks_H` (if given), passing the keys and values:
+    every chunk of `cache` (this rank's, the current slice's or the whole sequence's
+    included) is gathered from all ranks.
     `(out_BHSD, lse_BHS)` with exact gradients for q and for the local chunks' k and v (each
     source's dK/dV returns to it). `drop_remote` (an ablation) attends to this rank's chunks
     only."""
@@ -199,7 +201,7 @@ def kv_passing_context_attention(
             for source in range(len(keys))
             if not drop_remote or source == rank
         ]
-    return attention_over_chunks(q_BHSD, chunks, scale, backend)
+    return attention_over_chunks(q_BHSD, chunks, scale, backend, sinks_H)
 
 
 def _partial(
@@ -236,6 +238,8 @@ class _Commutated:
     compute (context exchange)."""
     lendable: int
     pattern: AttentionPattern | None
+    has_sinks: bool
+    """The last input is the attention sinks, counted once in the owner's final merge."""
 
 
 def _all_queries(
@@ -262,6 +266,7 @@ class _CommutatedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, settings: _Commutated, q_BHSD: Tensor, *kv_tensors: Tensor):
         group, forward = settings.group, settings.lendings[0]
+        kv_tensors, sinks_H = _split_sinks(kv_tensors, settings.has_sinks)
         cache = _cache(kv_tensors, settings.cache_shards)
         queries, shards = _all_gather(q_BHSD, group), gather_token_shards(settings.shard, group)
         loans = None
@@ -286,8 +291,8 @@ class _CommutatedAttention(torch.autograd.Function):
         if settings.drop_remote:  # ablation: keep only this rank's own cache
             rank = dist.get_rank(group)
             outs, lses = outs[rank : rank + 1], lses[rank : rank + 1]
-        out_BHSD, lse_BHS = merge_attention(list(zip(outs, lses, strict=True)))
-        ctx.settings = settings
+        out_BHSD, lse_BHS = merge_attention(list(zip(outs, lses, strict=True)), sinks_H)
+        ctx.settings, ctx.sinks_H = settings, sinks_H
         ctx.save_for_backward(q_BHSD, out_BHSD, lse_BHS, *kv_tensors)
         ctx.mark_non_differentiable(lse_BHS)
         return out_BHSD, lse_BHS
@@ -333,7 +338,17 @@ class _CommutatedAttention(torch.autograd.Function):
                     kv_grads[2 * index] += remote[1 + 2 * position]
                     kv_grads[2 * index + 1] += remote[2 + 2 * position]
         grad_q_BHSD = torch.stack(_exchange(grad_queries, group)).sum(0)
-        return None, grad_q_BHSD, *kv_grads
+        if not settings.has_sinks:
+            return None, grad_q_BHSD, *kv_grads
+        grad_sinks = sink_gradient(grad_out_BHSD, out_BHSD, lse_BHS, ctx.sinks_H)
+        return None, grad_q_BHSD, *kv_grads, grad_sinks
+
+
+def _split_sinks(
+    tensors: Sequence[Tensor], has_sinks: bool
+) -> tuple[Sequence[Tensor], Tensor | None]:
+    """The K/V tensors and the sinks that follow them (if any) among a function's inputs."""
+    return (tensors[:-1], tensors[-1]) if has_sinks else (tensors, None)
 
 
 def _cache(kv_tensors: Sequence[Tensor], shards: Sequence[TokenShard]) -> list[CachedShard]:
@@ -364,10 +379,11 @@ def commutated_context_attention(
     lendings: tuple[Lending, Lending] = (Lending(), Lending()),
     lendable: int = 0,
     pattern: AttentionPattern | None = None,
+    sinks_H: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of this rank's queries (`shard`) over every rank's KV cache by `pattern`
-    (None: causal), the cache staying where it is (`cache`: this rank's chunks, the current
-    slice's included):
+    (None: causal) and attention sinks `sinks_H` (if given), the cache staying where it is
+    (`cache`: this rank's chunks, the current slice's included):
     `(out_BHSD, lse_BHS)`, exact gradients for q and for the local chunks' k and v. Every rank
     of `group` calls it with queries of the same shape. `drop_remote` (an ablation) merges only
     this rank's partial.
@@ -400,8 +416,11 @@ def commutated_context_attention(
         lendings,
         lendable,
         pattern,
+        has_sinks=sinks_H is not None,
     )
-    return _CommutatedAttention.apply(settings, q_BHSD, *kv_tensors)
+    check_sinks(sinks_H, q_BHSD)
+    sinks = () if sinks_H is None else (sinks_H,)
+    return _CommutatedAttention.apply(settings, q_BHSD, *kv_tensors, *sinks)
 
 
 CACHED_SHARD_ATTENTION = {

@@ -63,7 +63,7 @@ from pipekit.attention.loan_wire import (
     wait_all,
 )
 from pipekit.attention.masks import MaskMod
-from pipekit.attention.merge import merge_attention
+from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
 from pipekit.attention.patterns import AttentionPattern, is_causal, pattern_backend
 
 __all__ = [
@@ -277,6 +277,7 @@ class _LentAttention(torch.autograd.Function):
         lendings: tuple[Lending, Lending],
         positions: tuple[QueryPositions, tuple[_ChunkPositions, ...]],
         num_local: int,
+        sinks_H: Tensor | None,
         q_BHSD: Tensor,
         *kv_tensors: Tensor,
     ) -> tuple[Tensor, Tensor]:
@@ -289,8 +290,9 @@ class _LentAttention(torch.autograd.Function):
         here += [_with_mask(query, lendable[i]) for i in forward.kept(len(lendable))]
         partials = [backend.forward_chunk(q_BHSD, k, v, mask, scale) for k, v, mask in here]
         partials += [(out, lse) for out, lse in loans.collect()]
-        out_BHSD, lse_BHS = merge_attention(partials)
+        out_BHSD, lse_BHS = merge_attention(partials, sinks_H)
         ctx.backend, ctx.scale, ctx.local_masks = backend, scale, local_masks
+        ctx.sinks_H = sinks_H
         ctx.lendings, ctx.positions, ctx.num_local = lendings, positions, num_local
         ctx.save_for_backward(q_BHSD, out_BHSD, lse_BHS, *kv_tensors)
         ctx.mark_non_differentiable(lse_BHS)
@@ -324,7 +326,13 @@ class _LentAttention(torch.autograd.Function):
                 lendable_grads[2 * index : 2 * index + 2] = remote[
                     1 + 2 * position : 3 + 2 * position
                 ]
-        return None, None, None, None, None, None, grad_q_BHSD, *local_grads, *lendable_grads
+        grad_sinks = None
+        if ctx.sinks_H is not None and ctx.needs_input_grad[6]:
+            grad_sinks = sink_gradient(grad_out_BHSD, out_BHSD, lse_BHS, ctx.sinks_H)
+        return (
+            None, None, None, None, None, None, grad_sinks, grad_q_BHSD, *local_grads,
+            *lendable_grads,
+        )  # fmt: skip
 
 
 def _buffer(like: Tensor) -> Tensor:
@@ -366,8 +374,10 @@ def attention_with_lending(
     backend: str | AttentionBackend = "auto",
     q_tokens_S: Tensor | None = None,
     pattern: AttentionPattern | None = None,
+    sinks_H: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention of `q` over `local_chunks` and `lendable_chunks`: `(out_BHSD, lse_BHS)`.
+    """Attention of `q` over `local_chunks` and `lendable_chunks` (and the attention sinks
+    `sinks_H`, if given, counted here): `(out_BHSD, lse_BHS)`.
 
     `forward` says which lendable chunks which peer computes (each peer calls
     `serve_attention_loan`), `backward` the same for the gradients (the peers call
@@ -392,6 +402,7 @@ def attention_with_lending(
         )
     for lending in (forward, backward):
         lending.check(len(lendable_chunks))
+    check_sinks(sinks_H, q_BHSD)
     kv_tensors = [t for c in local_chunks for t in (c.k_BGKD, c.v_BGKD)]
     kv_tensors += [t for c in lendable_chunks for t in (c.k_BGKD, c.v_BGKD)]
     backend, scale = _ring_backend_and_scale(
@@ -405,6 +416,7 @@ def attention_with_lending(
         (forward, backward),
         (query, tuple((c.document_ids_BK, c.tokens_K) for c in lendable_chunks)),
         len(local_chunks),
+        sinks_H,
         q_BHSD,
         *kv_tensors,
     )

@@ -313,10 +313,11 @@ class SliceAttention:
         v_BGSD: Tensor,
         scale: float,
         pattern: AttentionPattern | None = None,
+        sinks_H: Tensor | None = None,
     ) -> Tensor:
         """This slice's attention output, caching its K/V for the later slices."""
         earlier, own = self.chunks(layer_id, k_BGSD, v_BGSD, pattern)
-        return self.attention(q_BHSD, earlier, own, scale, pattern)
+        return self.attention(q_BHSD, earlier, own, scale, pattern, sinks_H)
 
     @property
     def backend(self) -> str | AttentionBackend:
@@ -329,16 +330,17 @@ class SliceAttention:
         own: KVChunk,
         scale: float,
         pattern: AttentionPattern | None = None,
+        sinks_H: Tensor | None = None,
     ) -> Tensor:
         """Attention over the cached earlier slices that `pattern` lets the slice see (within
-        its documents) and the slice's own chunk, merged by LSE."""
+        its documents) and the slice's own chunk, merged by LSE (with the sinks, if any)."""
         visible = [earlier[index] for index in self.visible_indices(earlier, pattern)]
         chunks = [
             KVChunk(cached.k_BGSD, cached.v_BGSD, self.earlier_mask(cached, pattern))
             for cached in visible
         ]
         backend = pattern_backend(self.cache.backend, pattern)
-        return attention_over_chunks(q_BHSD, [*chunks, own], scale, backend)[0]
+        return attention_over_chunks(q_BHSD, [*chunks, own], scale, backend, sinks_H)[0]
 
     def earlier_mask(self, cached: CachedSlice, pattern: AttentionPattern | None) -> MaskMod | None:
         """This slice's queries against an earlier slice's keys."""
@@ -369,6 +371,7 @@ class SliceAttention:
         scale: float,
         pattern: AttentionPattern | None = None,
         lendable_slices: Sequence[CachedSlice] = (),
+        sinks_H: Tensor | None = None,
     ) -> Tensor:
         """`attention` with some earlier slices (`lendable`, cached as `lendable_slices`)
         computed by pipeline peers (context exchange): `lendings` says which, in forward and
@@ -391,4 +394,5 @@ class SliceAttention:
             backend=self.cache.backend,  # soft-capped by the pattern inside
             q_tokens_S=q_tokens_S,
             pattern=pattern,
+            sinks_H=sinks_H,
         )[0]

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend, ring_backend, select_backend
 from pipekit.attention.context_parallel import TokenShard, gather_token_shards, shard_mask
-from pipekit.attention.merge import merge_attention
+from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
 from pipekit.attention.patterns import AttentionPattern, pattern_backend
 
 __all__ = ["ring_context_attention"]
@@ -49,7 +49,9 @@ def _finish(works: list) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, settings: tuple, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor):
+    def forward(
+        ctx, settings: tuple, sinks_H: Tensor | None, q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor
+    ):
         backend, group, scale, shard, isolated, pattern = settings
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         shards = gather_token_shards(shard, group)
@@ -65,8 +67,8 @@ class _RingAttention(torch.autograd.Function):
             if isolated:  # ablation: only this rank's own chunk
                 break
             held = incoming
-        out_BHSD, lse_BHS = merge_attention(partials)
-        ctx.settings, ctx.shards = settings, shards
+        out_BHSD, lse_BHS = merge_attention(partials, sinks_H)
+        ctx.settings, ctx.shards, ctx.sinks_H = settings, shards, sinks_H
         ctx.save_for_backward(q_BHSD, k_BGSD, v_BGSD, out_BHSD, lse_BHS)
         ctx.mark_non_differentiable(lse_BHS)
         return out_BHSD, lse_BHS
@@ -91,7 +93,10 @@ class _RingAttention(torch.autograd.Function):
             if not isolated:  # on to the next rank; after `size` moves the sums are home
                 works, held = _start_rotation(held, group)
                 _finish(works)
-        return None, grad_q_BHSD, held[2], held[3]
+        grad_sinks = None
+        if ctx.sinks_H is not None and ctx.needs_input_grad[1]:
+            grad_sinks = sink_gradient(grad_out_BHSD, out_BHSD, lse_BHS, ctx.sinks_H)
+        return None, grad_sinks, grad_q_BHSD, held[2], held[3]
 
 
 def ring_context_attention(
@@ -105,14 +110,16 @@ def ring_context_attention(
     backend: str | AttentionBackend = "auto",
     isolated: bool = False,
     pattern: AttentionPattern | None = None,
+    sinks_H: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of this rank's queries (`shard`) over every rank's keys by `pattern` (None:
     causal), passed around the ring with the transfers overlapping the attention:
     `(out_BHSD, lse_BHS)`, exact gradients for q, k and v. `isolated` (an ablation) attends to
-    this rank's chunk only."""
+    this rank's chunk only. `sinks_H`: attention sinks, counted once in the merge."""
+    check_sinks(sinks_H, q_BHSD)
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     backend = pattern_backend(backend, pattern)
     if isinstance(backend, str):
         backend = select_backend(backend, q_BHSD, k_BGSD, v_BGSD)
     settings = (ring_backend(backend), group, scale, shard, isolated, pattern)
-    return _RingAttention.apply(settings, q_BHSD, k_BGSD, v_BGSD)
+    return _RingAttention.apply(settings, sinks_H, q_BHSD, k_BGSD, v_BGSD)

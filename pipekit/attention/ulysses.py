@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend
-from pipekit.attention.chunked import attention
+from pipekit.attention.chunked import KVChunk, attention_over_chunks
 from pipekit.attention.context_parallel import TokenShard, gather_token_shards, shard_mask
+from pipekit.attention.merge import check_sinks
 from pipekit.attention.patterns import AttentionPattern, pattern_backend
 
 __all__ = ["check_ulysses_heads", "ulysses_context_attention"]
@@ -83,9 +84,12 @@ def ulysses_context_attention(
     scale: float | None = None,
     backend: str | AttentionBackend = "auto",
     pattern: AttentionPattern | None = None,
+    sinks_H: Tensor | None = None,
 ) -> Tensor:
     """This rank's tokens' (`shard`) attention output `[B, H, S, D]` over the whole sequence by
-    `pattern` (None: causal), computed head-sharded (see the module docstring)."""
+    `pattern` (None: causal), computed head-sharded (see the module docstring); each rank
+    counts the attention sinks `sinks_H` of the heads it computes."""
+    check_sinks(sinks_H, q_BHSD)
     cp = dist.get_world_size(group)
     query_heads, kv_heads = q_BHSD.shape[1], k_BGSD.shape[1]
     check_ulysses_heads(query_heads, cp)
@@ -107,5 +111,9 @@ def ulysses_context_attention(
     )
     whole = TokenShard(torch.cat([s.tokens_S for s in shards]), documents)
     mask = shard_mask(whole, whole, pattern)
-    out_BHSD, _ = attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, pattern_backend(backend, pattern))
+    local_sinks_H = None if sinks_H is None else sinks_H.chunk(cp)[dist.get_rank(group)]
+    out_BHSD, _ = attention_over_chunks(
+        q_BHSD, [KVChunk(k_BGSD, v_BGSD, mask)], scale, pattern_backend(backend, pattern),
+        local_sinks_H,
+    )  # fmt: skip
     return _Reshard.apply(out_BHSD, group, False)

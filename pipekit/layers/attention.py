@@ -22,7 +22,9 @@ __all__ = ["GroupedQueryAttention"]
 
 class GroupedQueryAttention(nn.Module):
     """`wo(attention(rope(wq x), rope(wk x), wv x))` with `n_kv_heads` dividing `n_heads`;
-    the queries see what `pattern` allows (None: causal)."""
+    the queries see what `pattern` allows (None: causal). With `sinks`, each head has a learned
+    attention sink: one more logit in its softmax's denominator, with no value (gpt-oss), which
+    every attention context counts once."""
 
     def __init__(
         self,
@@ -31,10 +33,12 @@ class GroupedQueryAttention(nn.Module):
         n_kv_heads: int,
         head_dim: int,
         pattern: AttentionPattern | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.pattern = pattern
+        self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
@@ -45,6 +49,8 @@ class GroupedQueryAttention(nn.Module):
         for linear in (self.wq, self.wk, self.wv):
             trunc_normal_(linear.weight, init_std)
         trunc_normal_(self.wo.weight, init_std if output_std is None else output_std)
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
 
     def transform_qk(self, q_BSHK: Tensor, k_BSGK: Tensor) -> tuple[Tensor, Tensor]:
         """Queries and keys per head, before RoPE: unchanged here; a subclass adds what its
@@ -70,7 +76,7 @@ class GroupedQueryAttention(nn.Module):
         v_BGSK = v_BSGK.transpose(1, 2)
         scale = self.head_dim**-0.5
         out_BSD = _attend_merging_heads(
-            context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale, self.pattern
+            context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale, self.pattern, self.sinks
         )
         return self.wo(out_BSD)
 
@@ -84,9 +90,10 @@ def _attend_merging_heads(
     v_BGSK: Tensor,
     scale: float,
     pattern: AttentionPattern | None,
+    sinks_H: Tensor | None = None,
 ) -> Tensor:
     """`attend`, with the heads merged into `[B, S, H*K]` before returning: contexts return
     different memory layouts (kernels, merges, exchanges), and a contiguous result gives the
     compiled code after attention one stride pattern, hence one graph."""
-    out_BHSK = attend(context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale, pattern)
+    out_BHSK = attend(context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale, pattern, sinks_H)
     return out_BHSK.transpose(1, 2).flatten(2)

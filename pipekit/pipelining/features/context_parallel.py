@@ -89,9 +89,10 @@ class ContextParallelSliceAttention:
         v_BGSD: Tensor,
         scale: float,
         pattern: AttentionPattern | None = None,
+        sinks_H: Tensor | None = None,
     ) -> Tensor:
         earlier, own = self.chunks(layer_id, k_BGSD, v_BGSD, pattern)
-        return self.attention(q_BHSD, earlier, own, scale, pattern)
+        return self.attention(q_BHSD, earlier, own, scale, pattern, sinks_H)
 
     def attention(
         self,
@@ -100,6 +101,7 @@ class ContextParallelSliceAttention:
         own: KVChunk,
         scale: float,
         pattern: AttentionPattern | None = None,
+        sinks_H: Tensor | None = None,
     ) -> Tensor:
         """Over every cp rank's earlier slices that `pattern` lets the slice see, and this
         slice, by the slice's variant; every cp rank skips the same slices (the whole slice's
@@ -112,7 +114,9 @@ class ContextParallelSliceAttention:
             LentChunk(earlier[i].k_BGSD, earlier[i].v_BGSD, earlier[i].document_ids_BS)
             for i in indices
         ]
-        attention = functools.partial(CACHED_SHARD_ATTENTION[variant], pattern=pattern)
+        attention = functools.partial(
+            CACHED_SHARD_ATTENTION[variant], pattern=pattern, sinks_H=sinks_H
+        )
         return self._attention(attention, q_BHSD, lendable, own, scale, indices)
 
     def visible_indices(
@@ -131,6 +135,7 @@ class ContextParallelSliceAttention:
         scale: float,
         pattern: AttentionPattern | None = None,
         lendable_slices: Sequence[CachedSlice] = (),
+        sinks_H: Tensor | None = None,
     ) -> Tensor:
         """Commutated, the peers computing the lent earlier slices (context exchange)."""
         attention = functools.partial(
@@ -138,6 +143,7 @@ class ContextParallelSliceAttention:
             lendings=lendings,
             lendable=len(lendable),
             pattern=pattern,
+            sinks_H=sinks_H,
         )
         length = self.extension.slice_length
         indices = [cached.start // length for cached in lendable_slices]  # one per lent chunk
