@@ -481,8 +481,9 @@ def test_ulysses_context_parallelism_composes_with_tp_and_fsdp_fp64() -> None:
 
 
 def test_ulysses_is_refused_where_it_cannot_run() -> None:
-    """Heads that do not split over the cp ranks (after tp), and pipelines (per-slice caches),
-    are refused before launch with one line."""
+    """Heads that do not split over the cp ranks (after tp), ring inside a pipeline, and
+    Ulysses under context exchange (which lends token shards) are refused before launch with
+    one line; Ulysses in a sliced pipeline plans."""
     from pipekit.attention.ulysses import check_ulysses_heads
     from pipekit.config import ConfigError, load_job_config
     from pipekit.train.job import validate_job
@@ -491,10 +492,18 @@ def test_ulysses_is_refused_where_it_cannot_run() -> None:
         check_ulysses_heads(6, 4)
     configs = Path(__file__).resolve().parents[1] / "configs"
     sliced = ["--config", str(configs / "debug_sliced_pp.toml"), "--parallelism.cp", "2"]
-    with pytest.raises(ConfigError, match=r"cp_variant='ulysses' runs on whole sequences"):
+    with pytest.raises(ConfigError, match=r"cp_variant='ring' runs on whole sequences"):
         validate_job(
-            load_job_config([*sliced, "--parallelism.cp_variant", "ulysses"]), 4, check_files=False
+            load_job_config([*sliced, "--parallelism.cp_variant", "ring"]), 4, check_files=False
         )
+    ulysses = [*sliced, "--parallelism.cp_variant", "ulysses"]
+    with pytest.raises(ConfigError, match=r"context_exchange = true with cp_variant='ulysses'"):
+        validate_job(
+            load_job_config([*ulysses, "--parallelism.context_exchange", "true"]),
+            4,
+            check_files=False,
+        )
+    assert validate_job(load_job_config(ulysses), 4, check_files=False).dims.cp == 2
     flat = ["--config", str(configs / "debug_model.toml"), "--parallelism.dp_shard", "1"]
     job = validate_job(
         load_job_config([*flat, "--parallelism.cp", "2", "--parallelism.cp_variant", "ulysses"]),

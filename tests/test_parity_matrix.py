@@ -87,6 +87,7 @@ MLA_ROWS = (
     "FSDP", "sliced v=1", "sliced v=2", "sliced + context exchange", "EP", "sliced + EP",
     "sliced + context parallel (commutated)", "sliced + context parallel (kv_passing)",
     "sliced + context parallel (auto)", "sliced + context parallel (auto) + context exchange",
+    "sliced + context parallel (ulysses)",
 )  # fmt: skip
 """DeepSeek-V3's rows: it has no tensor-parallel plan, and the bf16 rows hold for any model."""
 DENSE_LLAMA = dataclasses.replace(TINY_LLAMA, n_layers=4)
@@ -217,6 +218,11 @@ ROWS_ = [
         )
         for variant in ("commutated", "kv_passing", "auto")
     ),
+    Row(  # each slice resharded to heads; the caches hold every token of a rank's heads
+        "sliced + context parallel (ulysses)",
+        pipeline=SLICED | {"dp_shard": 1, "cp": 2, "cp_variant": "ulysses"},
+        ablation="ulysses_tokens_misordered",
+    ),
     Row(  # lending slices run commutated, each pipeline peer attending all cp ranks' queries
         "sliced + context parallel (auto) + context exchange",
         pipeline=SLICED | {"dp_shard": 1, "cp": 2, "context_exchange": True},
@@ -337,6 +343,11 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
             parallel = runner.extension("context_parallel")
             assert isinstance(parallel, PipelineContextParallel)
             parallel.drop_remote = True
+        elif name == "ulysses_tokens_misordered":  # the gathered tokens put in the wrong order
+            parallel = runner.extension("context_parallel")
+            assert isinstance(parallel, PipelineContextParallel)
+            rank_tokens = parallel.rank_tokens
+            parallel.rank_tokens = lambda index: rank_tokens(index).flip(0)
         elif name in ("router_seed_per_rank", "routers_outside_tp"):
             pass  # applied when the stages are built (`_run_row`)
         elif name == "untied_gradients":  # each copy keeps its own stage's gradient

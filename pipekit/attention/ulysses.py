@@ -10,6 +10,11 @@ heads + 2 x kv heads) x head_dim` elements per rank and layer forward
 (after tensor parallelism) to split over the cp ranks; grouped key/value heads that do not split
 are repeated up to one per query head first. Gradients go back by the inverse all-to-alls.
 
+Inside a sliced pipeline (`UlyssesSliceAttention`) each slice is resharded the same way, its
+tokens put back in sequence order, and the stage's chunked KV cache keeps, per slice, every
+token of this rank's heads: the slice attends to the cache exactly as without context
+parallelism (contiguous slices, the layer's pattern, documents), on `heads / cp` heads.
+
 Legend: B batch, H query heads, G kv heads, N heads of either, S tokens, D head dim.
 """
 
@@ -22,10 +27,11 @@ from torch import Tensor
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
 from pipekit.attention.context_parallel import TokenShard, gather_token_shards, shard_mask
+from pipekit.attention.kv_cache import SliceAttention
 from pipekit.attention.merge import check_sinks
 from pipekit.attention.patterns import AttentionPattern, pattern_backend
 
-__all__ = ["check_ulysses_heads", "ulysses_context_attention"]
+__all__ = ["UlyssesSliceAttention", "check_ulysses_heads", "ulysses_context_attention"]
 
 
 def check_ulysses_heads(query_heads: int, cp: int) -> None:
@@ -74,6 +80,33 @@ class _Reshard(torch.autograd.Function):
         return inverse(grad_BNSD.contiguous(), ctx.group), None, None
 
 
+def _to_head_shards(
+    q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, group: dist.ProcessGroup | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v of this rank's tokens, all heads -> every rank's tokens (by source rank) of this
+    rank's heads; kv heads that do not split are repeated first, and keys that are their own
+    values (latent attention) travel once."""
+    cp = dist.get_world_size(group)
+    query_heads, kv_heads = q_BHSD.shape[1], k_BGSD.shape[1]
+    check_ulysses_heads(query_heads, cp)
+    keys_are_values = v_BGSD is k_BGSD
+    if kv_heads % cp:
+        k_BGSD = k_BGSD.repeat_interleave(query_heads // kv_heads, dim=1)
+    q_BHSD, k_BGSD = (_Reshard.apply(tensor, group, True) for tensor in (q_BHSD, k_BGSD))
+    if keys_are_values:
+        return q_BHSD, k_BGSD, k_BGSD
+    if kv_heads % cp:
+        v_BGSD = v_BGSD.repeat_interleave(query_heads // kv_heads, dim=1)
+    return q_BHSD, k_BGSD, _Reshard.apply(v_BGSD, group, True)
+
+
+def _local_sinks(sinks_H: Tensor | None, group: dist.ProcessGroup | None) -> Tensor | None:
+    """The attention sinks of the heads this rank computes."""
+    if sinks_H is None:
+        return None
+    return sinks_H.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+
+
 def ulysses_context_attention(
     q_BHSD: Tensor,
     k_BGSD: Tensor,
@@ -90,19 +123,7 @@ def ulysses_context_attention(
     `pattern` (None: causal), computed head-sharded (see the module docstring); each rank
     counts the attention sinks `sinks_H` of the heads it computes."""
     check_sinks(sinks_H, q_BHSD)
-    cp = dist.get_world_size(group)
-    query_heads, kv_heads = q_BHSD.shape[1], k_BGSD.shape[1]
-    check_ulysses_heads(query_heads, cp)
-    keys_are_values = v_BGSD is k_BGSD  # latent attention: one tensor travels for both
-    if kv_heads % cp:
-        k_BGSD = k_BGSD.repeat_interleave(query_heads // kv_heads, dim=1)
-    q_BHSD, k_BGSD = (_Reshard.apply(tensor, group, True) for tensor in (q_BHSD, k_BGSD))
-    if keys_are_values:
-        v_BGSD = k_BGSD
-    else:
-        if kv_heads % cp:
-            v_BGSD = v_BGSD.repeat_interleave(query_heads // kv_heads, dim=1)
-        v_BGSD = _Reshard.apply(v_BGSD, group, True)
+    q_BHSD, k_BGSD, v_BGSD = _to_head_shards(q_BHSD, k_BGSD, v_BGSD, group)
     shards = gather_token_shards(shard, group)
     documents = (
         None
@@ -111,9 +132,67 @@ def ulysses_context_attention(
     )
     whole = TokenShard(torch.cat([s.tokens_S for s in shards]), documents)
     mask = shard_mask(whole, whole, pattern)
-    local_sinks_H = None if sinks_H is None else sinks_H.chunk(cp)[dist.get_rank(group)]
     out_BHSD, _ = attention_over_chunks(
         q_BHSD, [KVChunk(k_BGSD, v_BGSD, mask)], scale, pattern_backend(backend, pattern),
-        local_sinks_H,
+        _local_sinks(sinks_H, group),
     )  # fmt: skip
     return _Reshard.apply(out_BHSD, group, False)
+
+
+class UlyssesSliceAttention:
+    """A slice's attention context under Ulysses context parallelism inside a sliced pipeline.
+
+    `inner` is the stage's KV-cache context of the unit (this rank's tokens of the slice);
+    `rank_tokens_RS` the slice's token indices on every cp rank, by rank. The slice's q, k, v go to
+    head shards, are put in sequence order, attend through the stage's cache as one whole slice
+    (`SliceAttention` with the slice's document ids), and come back to this rank's tokens."""
+
+    def __init__(
+        self,
+        inner: SliceAttention,
+        group: dist.ProcessGroup | None,
+        rank_tokens_RS: Tensor,
+    ) -> None:
+        self.inner, self.group = inner, group
+        self.order_S = torch.argsort(rank_tokens_RS.flatten())
+        """Gathered (by source rank) -> sequence order."""
+        self.unorder_S = torch.argsort(self.order_S)
+
+    def __repr__(self) -> str:
+        return f"UlyssesSliceAttention({self.inner!r})"
+
+    @property
+    def recomputing(self) -> bool:
+        return self.inner.recomputing
+
+    def _slice_documents(self) -> Tensor | None:
+        documents_BS = self.inner.document_ids_BS
+        if documents_BS is None:
+            return None
+        parts = [torch.empty_like(documents_BS) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, documents_BS.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)[:, self.order_S]
+
+    def attend(
+        self,
+        layer_id: str,
+        q_BHSD: Tensor,
+        k_BGSD: Tensor,
+        v_BGSD: Tensor,
+        scale: float,
+        pattern: AttentionPattern | None = None,
+        sinks_H: Tensor | None = None,
+    ) -> Tensor:
+        keys_are_values = v_BGSD is k_BGSD
+        q_BHSD, k_BGSD, v_BGSD = _to_head_shards(q_BHSD, k_BGSD, v_BGSD, self.group)
+        order = self.order_S.to(q_BHSD.device)
+        q_BHSD, k_BGSD = q_BHSD[:, :, order], k_BGSD[:, :, order]
+        v_BGSD = k_BGSD if keys_are_values else v_BGSD[:, :, order]
+        inner = self.inner
+        whole = SliceAttention(
+            inner.cache, inner.microbatch, inner.slice_index, self._slice_documents()
+        )
+        out_BHSD = whole.attend(
+            layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern, _local_sinks(sinks_H, self.group)
+        )
+        return _Reshard.apply(out_BHSD[:, :, self.unorder_S.to(out_BHSD.device)], self.group, False)

@@ -219,9 +219,10 @@ class ParallelismConfig:
     cp_variant: str = "auto"
     """How cp ranks exchange attention: "commutated" (queries travel, the KV cache stays
     home), "kv_passing" (K/V gathered), "ring" (K/V passed around the ranks, overlapped;
-    outside pipelines), "ulysses" (all-to-all to head shards and back; outside pipelines, heads
-    divisible by tp x cp), or "auto" (per slice, the fewest bytes of commutated, KV passing
-    and, on whole sequences whose heads split, Ulysses)."""
+    outside pipelines), "ulysses" (all-to-all to head shards and back; heads divisible by
+    tp x cp; in a pipeline every slice, without context exchange), or "auto" (per slice, the
+    fewest bytes of commutated, KV passing and, on whole sequences whose heads split,
+    Ulysses)."""
     tp: int = 1
     """Tensor-parallel degree: the blocks' projections split over this many ranks by the model
     family's plan (composes with FSDP2, pipelines, cp and, under sequence parallelism, MoE

@@ -41,12 +41,18 @@ def _check_context_parallel(planning: FeaturePlanning) -> None:
     context-parallel rank does not hold whole."""
     parallelism = planning.parallelism
     check_context_parallel_variant(parallelism.cp_variant)
-    if parallelism.cp_variant in ("ring", "ulysses"):
+    if parallelism.cp_variant == "ring":
         raise ValueError(
-            f"cp_variant={parallelism.cp_variant!r} runs on whole sequences, outside pipelines; "
-            "inside a pipeline use commutated, kv_passing or auto"
+            "cp_variant='ring' runs on whole sequences, outside pipelines; inside a pipeline "
+            "use commutated, kv_passing, ulysses or auto"
         )
     check_context_parallel_split(planning.seq_len, parallelism.cp, planning.num_slices)
+    if "context_exchange" in planning.features and parallelism.cp_variant == "ulysses":
+        raise ValueError(
+            "context_exchange = true with cp_variant='ulysses': a lending slice hands its peer "
+            "this rank's tokens of earlier slices, and a Ulysses cache holds heads instead; use "
+            "cp_variant = 'commutated' or 'auto'"
+        )
     if "context_exchange" in planning.features and parallelism.cp_variant == "kv_passing":
         raise ValueError(
             "context_exchange = true with cp_variant='kv_passing': a lending slice hands its "

@@ -1,5 +1,6 @@
 """Context parallelism inside pipeline stages: SlimPipe's commutated attention on the KV cache,
-or KV passing, chosen per slice.
+or KV passing, chosen per slice; or Ulysses (`UlyssesSliceAttention`: each slice resharded to
+heads, the cache holding every token of this rank's heads).
 
 With `cp` context-parallel ranks per pipeline rank, every slice of a sequence is split over the
 cp ranks, load-balanced within the slice (`context_parallel_tokens`): each cp rank runs the
@@ -45,6 +46,7 @@ from pipekit.attention.context_parallel_choice import (
 from pipekit.attention.exchange import Lending, LentChunk
 from pipekit.attention.kv_cache import CachedSlice, SliceAttention
 from pipekit.attention.patterns import AttentionPattern
+from pipekit.attention.ulysses import UlyssesSliceAttention
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
@@ -180,7 +182,9 @@ class ContextParallelSliceAttention:
 
 class PipelineContextParallel(PipelineExtension):
     """Context parallelism over `group` (the mesh's `cp` dim) for slices of `slice_length`
-    tokens (the whole slice, all cp ranks' shares), by `variant` ("auto" chooses per slice)."""
+    tokens (the whole slice, all cp ranks' shares), by `variant` ("auto" chooses per slice
+    between commutated and KV passing; "ulysses" for every slice, the caches being head
+    shards)."""
 
     name = "context_parallel"
     equal_length_slices = True  # every slice is cut into 2 x cp equal pieces
@@ -217,13 +221,16 @@ class PipelineContextParallel(PipelineExtension):
             keys_are_values=keys_are_values,
         )
 
+    def rank_tokens(self, slice_index: int) -> Tensor:
+        """`[cp, S]`: every cp rank's sequence indices in slice `slice_index`, by rank."""
+        start = slice_index * self.slice_length
+        return load_balanced_indices(self.slice_length, self.cp, start=start)
+
     def slice_tokens(self, slice_index: int) -> Tensor:
         """This rank's sequence indices in slice `slice_index` (computed once per slice, not
         per layer)."""
         if slice_index not in self._slice_tokens:
-            start = slice_index * self.slice_length
-            tokens = load_balanced_indices(self.slice_length, self.cp, start=start)[self.rank]
-            self._slice_tokens[slice_index] = tokens
+            self._slice_tokens[slice_index] = self.rank_tokens(slice_index)[self.rank]
         return self._slice_tokens[slice_index]
 
     def stage_context(
@@ -235,4 +242,6 @@ class PipelineContextParallel(PipelineExtension):
                 "give the pipeline its context_parallel extension before context_exchange"
             )
         _, slice_index = unit_microbatch_and_slice(unit, self.num_slices)
+        if self.variant == "ulysses":  # the cache holds head shards of whole slices
+            return UlyssesSliceAttention(context, self.group, self.rank_tokens(slice_index))
         return ContextParallelSliceAttention(context, self, slice_index)
