@@ -235,6 +235,7 @@ def test_cross_field_rules_say_how_to_fix(argv, world_size, message):
 
 DEBUG_WORLD_SIZES = {
     "debug_deepseek_v3.toml": 4,
+    "debug_gpt_oss.toml": 4,
     "debug_moe_balanced.toml": 4,
     "debug_moe_sliced_pp.toml": 4,
     "debug_cp_sliced_pp.toml": 4,

@@ -24,8 +24,16 @@ REFERENCE_FORMS: dict[str, tuple[Callable[[Tensor], Tensor], bool]] = {
     "swiglu": (F.silu, True),
     "geglu": (lambda gate: F.gelu(gate, approximate="tanh"), True),
     "gelu": (F.gelu, False),
+    "swiglu_clamped": (
+        lambda gate: gate.clamp(max=7.0) * torch.sigmoid(1.702 * gate.clamp(max=7.0)),
+        True,
+    ),
 }
 """(act, gated) of each activation, written independently of `pipekit.moe.activations`."""
+UP_FORMS: dict[str, Callable[[Tensor], Tensor]] = {
+    "swiglu_clamped": lambda up: up.clamp(-7.0, 7.0) + 1
+}
+"""The transform of the up projection of the activations that have one (gpt-oss's)."""
 
 
 def _moe(activation: str) -> MoE:
@@ -48,7 +56,8 @@ def _per_expert_reference(moe: MoE, x_BSD: Tensor) -> Tensor:
         rows_AD = x_TD[tokens]
         hidden_AF = act(rows_AD @ experts.w1_EFD[expert].T)
         if gated:
-            hidden_AF = hidden_AF * (rows_AD @ experts.w3_EFD[expert].T)
+            up = UP_FORMS.get(moe.args.activation, lambda up_AF: up_AF)
+            hidden_AF = hidden_AF * up(rows_AD @ experts.w3_EFD[expert].T)
         expert_AD = hidden_AF @ experts.w2_EDF[expert].T
         out_TD = out_TD.index_add(0, tokens, expert_AD * routing.weight_A[mine_A, None])
     return out_TD.view_as(x_BSD)
@@ -126,7 +135,7 @@ def test_unknown_activation_names_the_known_ones() -> None:
         lambda: GroupedExperts(DIM, 12, EXPERTS, "silu"),
         lambda: MoE(DIM, 12, MoEArgs(), activation="reglu"),
     ):
-        with pytest.raises(ValueError, match=r"\['geglu', 'gelu', 'swiglu'\]"):
+        with pytest.raises(ValueError, match=r"\['geglu', 'gelu', 'swiglu', 'swiglu_clamped'\]"):
             build()
 
 

@@ -15,8 +15,9 @@ checkpoint inside the sliced pipeline with expert parallelism (each rank reading
 stages' local blocks; Llama only). In bf16 (FSDP2 mixed precision, float32 weights and
 reductions, bf16 messages) against float32, within 5e-2: the sliced pipeline with 2 data ranks
 and with one. For Llama-MoE and for the custom example (GPT-2 style, registered from outside
-pipekit); DeepSeek-V3 with latent MLA (its caches and exchanges hold the latent) runs the rows
-without tensor parallelism or bf16 (`MLA_ROWS`). Pipelines run on 2 pipeline x 2 FSDP ranks
+pipekit); DeepSeek-V3 with latent MLA (its caches and exchanges hold the latent) and gpt-oss
+(attention sinks, sliding windows shorter than a slice) run the rows without tensor
+parallelism or bf16 (`MLA_ROWS`). Pipelines run on 2 pipeline x 2 FSDP ranks
 unless the row says otherwise. Every row has an ablation that breaks the mechanism the row
 relies on, and it must fail. All rows of a model share one process group, all ablations
 another.
@@ -42,6 +43,7 @@ from torch.distributed.tensor import DTensor
 import examples.custom_model.model as custom
 from pipekit.checkpoint.upcycle import materialize_upcycled, upcycle_model
 from pipekit.families.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
+from pipekit.families.gpt_oss import GPT_OSS_FLAVORS
 from pipekit.families.llama_moe.args import LlamaMoEArgs
 from pipekit.families.llama_moe.upcycle import LLAMA_UPCYCLER
 from pipekit.models import get_model_spec
@@ -78,10 +80,18 @@ _TINY_MLA = {
 }  # fmt: skip
 """DeepSeek-V3 at the matrix's size: latent MLA (the caches and exchanges hold one latent key
 that is its own value), a dense first layer, shared experts, the grouped sigmoid router."""
+_TINY_GPT_OSS = {
+    "dim": 32, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "vocab_size": 64, "ffn_dim": 32,
+    "max_seq_len": 64, "sliding_window": 3,
+    "moe": dataclasses.replace(GPT_OSS_FLAVORS["debug"].moe, num_experts=4),
+}  # fmt: skip
+"""gpt-oss at the matrix's size: attention sinks in every merge, a sliding window shorter than
+a slice on even layers, biased projections and experts with the clamped SwiGLU."""
 MODELS = {
     "llama_moe": LlamaMoEArgs(**{**vars(TINY_LLAMA), "n_layers": 4}, moe=MOE, moe_every=2),
     "tiny_gpt": custom.TinyGPTArgs(dim=32, n_layers=4, n_heads=2, vocab_size=64, max_seq_len=64),
     "deepseek_v3": DeepSeekV3Args(**{**vars(DEEPSEEK_V3_FLAVORS["debug"]), **_TINY_MLA}),
+    "gpt_oss": dataclasses.replace(GPT_OSS_FLAVORS["debug"], **_TINY_GPT_OSS),
 }
 MLA_ROWS = (
     "FSDP", "sliced v=1", "sliced v=2", "sliced + context exchange", "EP", "sliced + EP",
@@ -89,7 +99,8 @@ MLA_ROWS = (
     "sliced + context parallel (auto)", "sliced + context parallel (auto) + context exchange",
     "sliced + context parallel (ulysses)",
 )  # fmt: skip
-"""DeepSeek-V3's rows: it has no tensor-parallel plan, and the bf16 rows hold for any model."""
+"""DeepSeek-V3's and gpt-oss's rows: they have no tensor-parallel plan, and the bf16 rows hold
+for any model."""
 DENSE_LLAMA = dataclasses.replace(TINY_LLAMA, n_layers=4)
 UPCYCLE = UpcycleSpec(num_experts=2, top_k=1, granularity=2)
 """Two copies of each dense FFN in two pieces: 4 experts, 2 per token, 2 per EP rank."""
@@ -251,7 +262,7 @@ ROWS_ = [
 
 def _rows(model: str) -> list[Row]:
     """The rows `model` runs: upcycling starts from a dense Llama, so only Llama-MoE has it."""
-    if model == "deepseek_v3":
+    if model in ("deepseek_v3", "gpt_oss"):
         return [row for row in ROWS_ if row.layout in MLA_ROWS]
     return [row for row in ROWS_ if not row.upcycled or model == "llama_moe"]
 

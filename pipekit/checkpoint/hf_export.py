@@ -7,8 +7,10 @@ which rank writes each Hugging Face tensor (greedy by bytes, so every rank write
 1/world of the checkpoint) and which rank sends each block of it (one holder per block; a
 replica or tied copy is not sent twice). Tensors are then assembled one at a time on their
 writer from point-to-point messages, converted to the Hugging Face layout and buffered until the
-writer's current file is full. A rank holds its shards, one tensor being assembled and at most
-one file's worth of whole tensors (`max_shard_bytes`).
+writer's current file is full. A tensor that fuses several parameters (`FusedTensor`: gpt-oss's
+gate and up projections in one) is assembled from each parameter's blocks alike. A rank holds
+its shards, one tensor being assembled and at most one file's worth of whole tensors
+(`max_shard_bytes`).
 
 Every rank writes into one hidden staging folder (the ranks must share a file system); rank 0
 adds the index and the extra files (config.json) and renames the folder into place once every
@@ -46,7 +48,7 @@ from pipekit.checkpoint.safetensors_write import (
 from pipekit.models.materialize import local_tensor
 from pipekit.models.spec import HFTensor
 
-__all__ = ["save_hf_sharded"]
+__all__ = ["FusedTensor", "save_hf_sharded"]
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -71,16 +73,36 @@ class _Piece:
 
 
 @dataclass(frozen=True)
+class _Part:
+    """One parameter's region of a Hugging Face tensor, and the pieces that cover it."""
+
+    param: str
+    region: Bounds
+    pieces: tuple[_Piece, ...]
+
+
+@dataclass(frozen=True)
 class _Assignment:
     entry: HFTensor
     writer: int
-    region: Bounds
     dtype: torch.dtype
-    pieces: tuple[_Piece, ...]
+    parts: tuple[_Part, ...]
+    """One per parameter the tensor is built from (several for a `FusedTensor`)."""
 
     @property
     def nbytes(self) -> int:
-        return _volume(self.region) * self.dtype.itemsize
+        return sum(_volume(part.region) for part in self.parts) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FusedTensor:
+    """A checkpoint tensor built from several parameters rather than copied from one (gpt-oss
+    interleaves the gate and up projections of its experts in one tensor)."""
+
+    params: tuple[str, ...]
+    """The parameters, in the order `build` takes them (the entry's `param_name` first)."""
+    build: Callable[[Sequence[Tensor]], Tensor]
+    """Their tensors (whole, or the entry's expert of each) -> the checkpoint tensor."""
 
 
 def save_hf_sharded(
@@ -94,11 +116,13 @@ def save_hf_sharded(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     buffers: Mapping[str, Tensor] | None = None,
+    fused: Mapping[str, FusedTensor] | None = None,
 ) -> list[Path]:
     """Write `entries` (the checkpoint's tensors, in order) from this rank's part of `model`
     into `directory`; every rank of the default process group calls it (or one process
     without one). `to_hf(param name, whole tensor)` puts a non-expert tensor in the Hugging
-    Face layout; `buffers` (by name) are written beside the parameters (a router's bias).
+    Face layout; `buffers` (by name) are written beside the parameters (a router's bias);
+    `fused` (by Hugging Face name) builds the entries that fuse several parameters.
     Returns the tensor files."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
@@ -109,13 +133,14 @@ def save_hf_sharded(
     if world > 1:
         every_rank = [[] for _ in range(world)]
         dist.all_gather_object(every_rank, infos)
-    plan = _plan(entries, every_rank)
+    fused = fused or {}
+    plan = _plan(entries, every_rank, fused)
     files = _files_per_writer(plan, world, max_shard_bytes)
     names = shard_file_names(sum(len(shards) for shards in files))
     target = Path(directory)
     staging = _shared_staging(target, overwrite, rank, world)
     try:
-        _write_own_files(plan, files, names, local, to_hf, staging, rank)
+        _write_own_files(plan, files, names, local, to_hf, fused, staging, rank)
     except BaseException:
         if rank == 0:
             discard_staging(staging)
@@ -166,7 +191,11 @@ def _local_blocks(
     return blocks
 
 
-def _plan(entries: Sequence[HFTensor], every_rank: list[list[_BlockInfo]]) -> list[_Assignment]:
+def _plan(
+    entries: Sequence[HFTensor],
+    every_rank: list[list[_BlockInfo]],
+    fused: Mapping[str, FusedTensor],
+) -> list[_Assignment]:
     """Writer and pieces of every tensor, the same on every rank (or one ValueError naming
     the parameter that no rank holds whole)."""
     holders: dict[str, dict[Bounds, int]] = {}
@@ -179,33 +208,50 @@ def _plan(entries: Sequence[HFTensor], every_rank: list[list[_BlockInfo]]) -> li
     loads = [0] * len(every_rank)
     plan = []
     for entry in entries:
-        if entry.param_name not in holders:
+        params = fused[entry.hf_name].params if entry.hf_name in fused else (entry.param_name,)
+        parts = tuple(_part(entry, param, holders, shapes) for param in params)
+        kinds = sorted({str(dtypes[param]) for param in params})
+        if len(kinds) > 1:
             raise ValueError(
-                f"no rank holds {entry.param_name} (for {entry.hf_name}); export from every "
-                "rank of the job, with each rank's model or pipeline stages"
+                f"{entry.hf_name} fuses {', '.join(params)} of dtypes {kinds}; give the fused "
+                "parameters one dtype before export"
             )
-        shape = shapes[entry.param_name]
-        region = tuple((0, size) for size in shape)
-        if entry.expert is not None:
-            region = ((entry.expert, entry.expert + 1), *region[1:])
-        pieces = []
-        for bounds, holder in holders[entry.param_name].items():
-            overlap = _intersection(bounds, region)
-            if overlap is not None:
-                pieces.append(_Piece(overlap, holder, bounds))
-        covered = sum(_volume(piece.bounds) for piece in pieces)
-        if covered != _volume(region):
-            raise ValueError(
-                f"the ranks' blocks of {entry.param_name} cover {covered} of its "
-                f"{_volume(region)} elements for {entry.hf_name}; its shards overlap or one is "
-                "missing (export from every rank, with the same model layout)"
-            )
-        dtype = dtypes[entry.param_name]
         writer = loads.index(min(loads))
-        assignment = _Assignment(entry, writer, region, dtype, tuple(pieces))
+        assignment = _Assignment(entry, writer, dtypes[params[0]], parts)
         loads[writer] += assignment.nbytes
         plan.append(assignment)
     return plan
+
+
+def _part(
+    entry: HFTensor,
+    param: str,
+    holders: Mapping[str, Mapping[Bounds, int]],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> _Part:
+    """The region of `param` that `entry` takes (its expert's, or all of it), and the ranks'
+    blocks covering it."""
+    if param not in holders:
+        raise ValueError(
+            f"no rank holds {param} (for {entry.hf_name}); export from every "
+            "rank of the job, with each rank's model or pipeline stages"
+        )
+    region = tuple((0, size) for size in shapes[param])
+    if entry.expert is not None:
+        region = ((entry.expert, entry.expert + 1), *region[1:])
+    pieces = []
+    for bounds, holder in holders[param].items():
+        overlap = _intersection(bounds, region)
+        if overlap is not None:
+            pieces.append(_Piece(overlap, holder, bounds))
+    covered = sum(_volume(piece.bounds) for piece in pieces)
+    if covered != _volume(region):
+        raise ValueError(
+            f"the ranks' blocks of {param} cover {covered} of its "
+            f"{_volume(region)} elements for {entry.hf_name}; its shards overlap or one is "
+            "missing (export from every rank, with the same model layout)"
+        )
+    return _Part(param, region, tuple(pieces))
 
 
 def _files_per_writer(
@@ -254,6 +300,7 @@ def _write_own_files(
     names: list[str],
     local: Mapping[str, tuple[_BlockInfo, Tensor]],
     to_hf: Callable[[str, Tensor], Tensor],
+    fused: Mapping[str, FusedTensor],
     staging: Path,
     rank: int,
 ) -> None:
@@ -266,11 +313,14 @@ def _write_own_files(
     device = next((values.device for _, values in local.values()), torch.device("cpu"))
     pending: dict[str, Tensor] = {}
     for assignment in plan:
-        whole = _assemble(assignment, local, rank, device)
-        if whole is None:
+        wholes = [_assemble(assignment, part, local, rank, device) for part in assignment.parts]
+        if wholes[0] is None:
             continue
         entry = assignment.entry
-        whole = to_hf(entry.param_name, whole) if entry.expert is None else whole[0]
+        if entry.hf_name in fused:
+            whole = fused[entry.hf_name].build(wholes)
+        else:
+            whole = to_hf(entry.param_name, wholes[0]) if entry.expert is None else wholes[0][0]
         pending[entry.hf_name] = whole.to("cpu").contiguous()
         if entry.hf_name in last_of_file:
             path = staging / names[file_of[entry.hf_name]]
@@ -281,22 +331,23 @@ def _write_own_files(
 
 def _assemble(
     assignment: _Assignment,
+    part: _Part,
     local: Mapping[str, tuple[_BlockInfo, Tensor]],
     rank: int,
     device: torch.device,
 ) -> Tensor | None:
-    """The whole region on its writer (None elsewhere), each piece sent by its holder over
-    the process group, on the model's device (NCCL sends device tensors)."""
-    writer, region = assignment.writer, assignment.region
+    """The whole region of one part on its writer (None elsewhere), each piece sent by its
+    holder over the process group, on the model's device (NCCL sends device tensors)."""
+    writer, region = assignment.writer, part.region
     whole = None
     if rank == writer:
         whole = torch.empty(
             [stop - start for start, stop in region], dtype=assignment.dtype, device=device
         )
     handles, received = [], []
-    for piece in assignment.pieces:
+    for piece in part.pieces:
         if piece.holder == rank:
-            _, values = local[assignment.entry.param_name]
+            _, values = local[part.param]
             block = values[_relative(piece.bounds, piece.holder_bounds)]
             if rank == writer:
                 whole[_relative(piece.bounds, region)].copy_(block)

@@ -22,7 +22,8 @@ __all__ = ["GroupedQueryAttention"]
 
 class GroupedQueryAttention(nn.Module):
     """`wo(attention(rope(wq x), rope(wk x), wv x))` with `n_kv_heads` dividing `n_heads`;
-    the queries see what `pattern` allows (None: causal). With `sinks`, each head has a learned
+    the queries see what `pattern` allows (None: causal); `bias` gives the projections biases
+    (gpt-oss, Qwen2). With `sinks`, each head has a learned
     attention sink: one more logit in its softmax's denominator, with no value (gpt-oss), which
     every attention context counts once."""
 
@@ -34,21 +35,26 @@ class GroupedQueryAttention(nn.Module):
         head_dim: int,
         pattern: AttentionPattern | None = None,
         sinks: bool = False,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.pattern = pattern
         self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
 
     def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
-        """Truncated-normal init; `output_std` for wo lets deep models scale it down."""
+        """Truncated-normal init, zero biases; `output_std` for wo lets deep models scale it
+        down."""
         for linear in (self.wq, self.wk, self.wv):
             trunc_normal_(linear.weight, init_std)
         trunc_normal_(self.wo.weight, init_std if output_std is None else output_std)
+        for linear in (self.wq, self.wk, self.wv, self.wo):
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
         if self.sinks is not None:
             nn.init.zeros_(self.sinks)
 

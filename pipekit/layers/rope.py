@@ -60,6 +60,8 @@ class YarnScaling:
     """Numerator of the rotation's magnitude factor (`0.1 mscale ln(factor) + 1`)."""
     mscale_all_dim: float = 0.0
     """Denominator of that factor, and DeepSeek's softmax-scale correction (0: none)."""
+    truncate: bool = True
+    """Round the ramp's ends to whole pairs (DeepSeek); gpt-oss keeps them fractional."""
 
     @staticmethod
     def magnitude(factor: float, mscale: float) -> float:
@@ -92,8 +94,10 @@ class YarnScaling:
             # the (fractional) pair index that turns `rotations` times over the original context
             return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-        low = max(math.floor(pair_turning(self.beta_fast)), 0)
-        high = min(math.ceil(pair_turning(self.beta_slow)), head_dim - 1)
+        low, high = pair_turning(self.beta_fast), pair_turning(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         width = (high - low) or 0.001
         ramp_F = ((torch.arange(pairs, dtype=torch.float32) - low) / width).clamp(0, 1)
         return inv_freq_F / self.factor * ramp_F + inv_freq_F * (1 - ramp_F)

@@ -25,7 +25,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from pipekit.moe.activations import ExpertActivation
 from pipekit.moe.dispatch_plan import plan_partitions
-from pipekit.moe.experts import ExpertWeights
+from pipekit.moe.experts import ExpertBiases, ExpertWeights
 from pipekit.moe.granularity import GranularitySearch
 from pipekit.moe.pipelined import ExpertPipeline, pipelined_experts
 from pipekit.moe.restore import (
@@ -78,9 +78,12 @@ class ExpertExecution:
         routing: Routing,
         weights: ExpertWeights,
         activation: ExpertActivation,
+        *,
+        biases: ExpertBiases | None = None,
     ) -> Tensor:
         """Sum over each token's assignments of weight x expert(token), the experts being
-        `weights` (w3 None when `activation` is plain) under `activation`."""
+        `weights` (w3 None when `activation` is plain) and `biases` (None: none) under
+        `activation`."""
         w1_EFD = weights[0]
         if w1_EFD.shape[0] * self.exchange.size != routing.num_experts:
             raise ValueError(
@@ -89,15 +92,16 @@ class ExpertExecution:
                 "experts with apply_expert_parallel over the same ep group"
             )
         batch_tokens = self._agreed_batch_tokens(x_TD)
-        partitions = self._partitions(batch_tokens, x_TD, routing, weights, activation)
+        partitions = self._partitions(batch_tokens, x_TD, routing, weights, biases, activation)
         strategy = self._restore_strategy(batch_tokens, x_TD, w1_EFD, activation, partitions)
-        return self._run(x_TD, routing, weights, activation, partitions, strategy)
+        return self._run(x_TD, routing, weights, biases, activation, partitions, strategy)
 
     def _run(
         self,
         x_TD: Tensor,
         routing: Routing,
         weights: ExpertWeights,
+        biases: ExpertBiases | None,
         activation: ExpertActivation,
         partitions: int,
         strategy: RestoreStrategy,
@@ -113,8 +117,9 @@ class ExpertExecution:
         )
         # Routers score in float32; experts and combine run in the activations' dtype.
         weight_A = routing.weight_A[order_A].to(x_TD.dtype)
-        weights = tuple(None if weight is None else weight.to(x_TD.dtype) for weight in weights)
-        return pipelined_experts(x_TD, weight_A, *weights, pipeline)
+        weights = _cast(weights, x_TD.dtype)
+        biases = None if biases is None else _cast(biases, x_TD.dtype)
+        return pipelined_experts(x_TD, weight_A, *weights, pipeline, biases)
 
     def _agreed_batch_tokens(self, x_TD: Tensor) -> int:
         """This call's B; the largest rank's when a choice depends on it (ranks must agree)."""
@@ -138,11 +143,12 @@ class ExpertExecution:
         x_TD: Tensor,
         routing: Routing,
         weights: ExpertWeights,
+        biases: ExpertBiases | None,
         activation: ExpertActivation,
     ) -> int:
         if self.granularity is None:
             return self.partitions
-        self._trial_inputs = (batch_tokens, x_TD, routing, weights, activation)
+        self._trial_inputs = (batch_tokens, x_TD, routing, weights, biases, activation)
         try:
             return self.granularity.search(batch_tokens)
         finally:
@@ -150,12 +156,10 @@ class ExpertExecution:
 
     def _trial(self, batch_tokens: int, partitions: int) -> float:
         """Seconds of one forward + backward with `partitions`, the slowest rank's."""
-        agreed_tokens, x_TD, routing, weights, activation = self._trial_inputs
+        agreed_tokens, x_TD, routing, weights, biases, activation = self._trial_inputs
         strategy = self._restore_strategy(agreed_tokens, x_TD, weights[0], activation, partitions)
-        inputs = [
-            None if tensor is None else tensor.detach().requires_grad_()
-            for tensor in (x_TD, *weights)
-        ]
+        x_TD, weights = x_TD.detach().requires_grad_(), _detached(weights)
+        biases = None if biases is None else _detached(biases)
         detached = dataclasses.replace(routing, weight_A=routing.weight_A.detach())
         best = float("inf")
         # The trial's own backward must not unpack through the hooks of an enclosing activation
@@ -165,7 +169,7 @@ class ExpertExecution:
                 _synchronize(x_TD.device)
                 started = time.perf_counter()
                 out_TD = self._run(
-                    inputs[0], detached, tuple(inputs[1:]), activation, partitions, strategy
+                    x_TD, detached, weights, biases, activation, partitions, strategy
                 )
                 out_TD.sum().backward()
                 _synchronize(x_TD.device)
@@ -196,6 +200,15 @@ class ExpertExecution:
             )
             self._strategy = choose_restore_strategy(speeds, shape)
         return self._strategy
+
+
+def _cast(tensors: tuple[Tensor | None, ...], dtype: torch.dtype) -> tuple[Tensor | None, ...]:
+    return tuple(None if tensor is None else tensor.to(dtype) for tensor in tensors)
+
+
+def _detached(tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    """Leaf copies of `tensors` for a trial, whose backward must not reach the real ones."""
+    return tuple(None if tensor is None else tensor.detach().requires_grad_() for tensor in tensors)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -1,11 +1,12 @@
 """Expert parallelism, applied from outside the model: shard experts, swap in the all-to-all.
 
 `apply_expert_parallel(model, ep_mesh, ...)` turns every `MoE` layer of `model` expert-parallel:
-its three expert weights become DTensors sharded on the expert dim over the 1-D `ep_mesh`
-(rank r keeps experts [r E/ep, (r+1) E/ep)), and its `ExpertExecution` becomes the pipelined
-all-to-all over that mesh's group. The layer's router stays replicated: FSDP treats it like any
-dense weight. Call it before data parallelism, on the meta device (then each rank materialises
-only its experts) or on a materialised model whose ranks hold the same full weights.
+its expert weights (and biases, `MoEArgs.expert_biases`) become DTensors sharded on the expert
+dim over the 1-D `ep_mesh` (rank r keeps experts [r E/ep, (r+1) E/ep)), and its
+`ExpertExecution` becomes the pipelined all-to-all over that mesh's group. The layer's router
+stays replicated: FSDP treats it like any dense weight. Call it before data parallelism, on the
+meta device (then each rank materialises only its experts) or on a materialised model whose
+ranks hold the same full weights.
 
 The all-to-all's backward brings each expert the gradient of every token its ep group routed
 to it. With fewer ep ranks than data ranks, each ep group holds all experts and the groups hold
@@ -101,7 +102,7 @@ def set_expert_execution(
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The expert weights of every MoE layer."""
+    """The expert weights (and expert biases) of every MoE layer."""
     return {
         param
         for module in model.modules()

@@ -4,6 +4,8 @@
 rows; `grouped_weight_grad(a_AI, b_AO, counts)` computes `a_e^T @ b_e` (a weight gradient). They
 use `torch._grouped_mm` where the dtype, device and strides allow it, and otherwise a loop of
 plain matmuls over the experts (float64, odd widths, CUDA fp32): the same result, E launches.
+`grouped_bias_add_` and `grouped_row_sum` are the bias of each expert's rows and its gradient
+(the per-expert sum of those rows' output gradients).
 
 Legend: A assignments (rows), E experts, I input width, O output width.
 """
@@ -15,7 +17,13 @@ from torch import Tensor
 
 from pipekit._torch_private import grouped_mm
 
-__all__ = ["grouped_kernel_applies", "grouped_matmul", "grouped_weight_grad"]
+__all__ = [
+    "grouped_bias_add_",
+    "grouped_kernel_applies",
+    "grouped_matmul",
+    "grouped_row_sum",
+    "grouped_weight_grad",
+]
 
 _KERNEL_DTYPES = {
     "cpu": (torch.float32, torch.bfloat16, torch.float16),
@@ -70,3 +78,25 @@ def grouped_weight_grad(a_AI: Tensor, b_AO: Tensor, counts_E: list[int]) -> Tens
             )
         start += count
     return out_EIO
+
+
+def _lengths(counts_E: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(counts_E, dtype=torch.int64, device=device)
+
+
+def grouped_bias_add_(out_AO: Tensor, b_EO: Tensor, counts_E: list[int]) -> Tensor:
+    """Add `b_EO[e]` to each row of expert e in `out_AO`, in place; returns `out_AO`."""
+    rows = out_AO.shape[0]
+    if rows:
+        lengths_E = _lengths(counts_E, out_AO.device)
+        out_AO.add_(b_EO.repeat_interleave(lengths_E, dim=0, output_size=rows))
+    return out_AO
+
+
+def grouped_row_sum(x_AO: Tensor, counts_E: list[int]) -> Tensor:
+    """The sum of each expert's rows, [E, O] (zero for an expert with no rows): a bias's
+    gradient from its output's, in one segmented reduction."""
+    if not x_AO.shape[0]:
+        return x_AO.new_zeros(len(counts_E), x_AO.shape[-1])
+    lengths_E = _lengths(counts_E, x_AO.device)
+    return torch.segment_reduce(x_AO, "sum", lengths=lengths_E, axis=0)

@@ -6,6 +6,8 @@ its `ExpertExecution` (single-process by default; expert-parallel and pipelined 
 outputs. A token the router drops gets zero here, and keeps its residual in the block. The
 experts' activation (`MoEArgs.activation`, one of `pipekit.moe.EXPERT_ACTIVATIONS`) matches the
 dense FFN they replace: SwiGLU for Llama-style models, GeGLU for Gemma, plain GELU for GPT-2.
+gpt-oss's MoE is `expert_biases`, `router_bias`, activation "swiglu_clamped" and the default
+"topk_softmax" router (softmax over the top-k logits, as gpt-oss routes).
 
 With `num_shared_experts` > 0 an always-on FFN (`SharedExperts`) runs beside the routed
 experts, its output added to theirs (DeepSeek-V3, Qwen-MoE).
@@ -56,7 +58,12 @@ class MoEArgs:
     router_init_std: float = 0.02
     """Std of the router's truncated-normal init."""
     activation: str = "swiglu"
-    """Expert activation, one of `pipekit.moe.EXPERT_ACTIVATIONS`: swiglu, geglu or gelu (no w3)."""
+    """Expert activation, one of `pipekit.moe.EXPERT_ACTIVATIONS`: swiglu, geglu, gelu (no w3),
+    or gpt-oss's swiglu_clamped."""
+    expert_biases: bool = False
+    """Biases on every expert projection (gpt-oss), zero-initialised; not the router's."""
+    router_bias: bool = False
+    """A bias on the router's gate (gpt-oss), zero-initialised."""
     num_shared_experts: int = 0
     """Always-on experts beside the routed ones (one FFN of this many times the expert hidden
     dim); 0: none."""
@@ -131,11 +138,19 @@ class MoE(nn.Module):
             args.num_experts,
             args.top_k,
             args.capacity_factor,
+            bias=args.router_bias,
             **args.router_options(),
         )
-        self.experts = GroupedExperts(dim, hidden_dim, args.num_experts, args.activation)
+        self.experts = GroupedExperts(
+            dim, hidden_dim, args.num_experts, args.activation, biases=args.expert_biases
+        )
         self.shared_experts = (
-            SharedExperts(dim, args.num_shared_experts * hidden_dim, args.activation)
+            SharedExperts(
+                dim,
+                args.num_shared_experts * hidden_dim,
+                args.activation,
+                biases=args.expert_biases,
+            )
             if args.num_shared_experts
             else None
         )

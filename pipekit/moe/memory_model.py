@@ -7,6 +7,8 @@ T_DO dispatched output, T_O combined output, each `[B, M]` except T_M `[B, H]`.
 The paper's expert is a two-matrix FFN with one middle tensor. A SwiGLU expert has three
 matrices and two middle tensors (gate and up, each `[B, H]`); `middle_tensors` and
 `matrices_per_expert` carry that difference, and their defaults give the paper's formulas.
+`biases` adds gpt-oss's bias vectors (one per expert matrix, and the gate's) to the model
+states; activations are unchanged (a bias is added in place).
 Multiply by the element size for bytes.
 """
 
@@ -23,10 +25,22 @@ __all__ = [
 
 
 def model_state_elements(
-    num_experts: int, dim: int, hidden: int, *, local_experts: int = 1, matrices_per_expert: int = 2
+    num_experts: int,
+    dim: int,
+    hidden: int,
+    *,
+    local_experts: int = 1,
+    matrices_per_expert: int = 2,
+    biases: bool = False,
 ) -> float:
-    """Eq. 1: parameters, gradients and Adam's two moments of the gate and the local experts."""
-    return 4 * (num_experts * dim + matrices_per_expert * hidden * dim * local_experts)
+    """Eq. 1: parameters, gradients and Adam's two moments of the gate and the local experts
+    (with `biases`: an expert's H-wide gate/up biases and M-wide output bias, the gate's E)."""
+    per_expert = matrices_per_expert * hidden * dim
+    gate = num_experts * dim
+    if biases:
+        per_expert += (matrices_per_expert - 1) * hidden + dim
+        gate += num_experts
+    return 4 * (gate + per_expert * local_experts)
 
 
 def activation_elements(tokens: int, dim: int, hidden: int, *, middle_tensors: int = 1) -> float:
@@ -69,6 +83,7 @@ def reuse_saving_ratio(
     local_experts: int = 1,
     matrices_per_expert: int = 2,
     middle_tensors: int = 1,
+    biases: bool = False,
 ) -> float:
     """Eq. 6: saving of activations plus buffers over model states + activations + buffers."""
     saving = reuse_saving_elements(tokens, dim, hidden, partitions, middle_tensors=middle_tensors)
@@ -79,6 +94,7 @@ def reuse_saving_ratio(
             hidden,
             local_experts=local_experts,
             matrices_per_expert=matrices_per_expert,
+            biases=biases,
         )
         + activation_elements(tokens, dim, hidden, middle_tensors=middle_tensors)
         + pipelined_buffer_elements(tokens, dim, hidden, middle_tensors=middle_tensors)

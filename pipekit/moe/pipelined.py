@@ -16,7 +16,10 @@ works partition by partition: its temporaries (the paper's gradient buffers) are
 with or without sharing, freed as each partition ends, so it allocates no shared buffers.
 
 The expert math is `pipekit.moe.experts`', for the layer's activation: T_M holds K = 2 tensors
-per row (gate and up) for a gated expert, 1 (gate) for a plain one.
+per row (gate and up) for a gated expert, 1 (gate) for a plain one. Expert biases, when the
+experts have them, are inputs of the node like the weights: T_M holds the biased gate and up
+(a recomputed T_M adds them again), and their gradients accumulate over partitions as the
+weights' do.
 
 One autograd node covers the whole layer's expert part; every tensor it keeps for backward goes
 through `save_for_backward`, so saved-tensor hooks (memory tracking, activation checkpointing)
@@ -35,7 +38,13 @@ from torch.profiler import record_function
 
 from pipekit.moe.activations import ExpertActivation
 from pipekit.moe.dispatch_plan import PartitionPlan
-from pipekit.moe.experts import ExpertGrads, expert_backward, expert_middle, expert_output
+from pipekit.moe.experts import (
+    ExpertBiases,
+    ExpertGrads,
+    expert_backward,
+    expert_middle,
+    expert_output,
+)
 from pipekit.moe.restore import Offloader, RestoreStrategy
 from pipekit.moe.token_exchange import PendingRows, TokenExchange
 
@@ -68,10 +77,21 @@ def pipelined_experts(
     w3_EFD: Tensor | None,
     w2_EDF: Tensor,
     pipeline: ExpertPipeline,
+    biases: ExpertBiases | None = None,
 ) -> Tensor:
     """Sum over each token's assignments of weight x expert(token); `weight_A` in plan order,
-    `w3_EFD` None for a plain (non-gated) activation."""
-    return _PipelinedExperts.apply(x_TD, weight_A, w1_EFD, w3_EFD, w2_EDF, pipeline)
+    `w3_EFD` None for a plain (non-gated) activation, `biases` None for bias-free experts."""
+    b1_EF, b3_EF, b2_ED = (None, None, None) if biases is None else biases
+    return _PipelinedExperts.apply(
+        x_TD, weight_A, w1_EFD, w3_EFD, w2_EDF, b1_EF, b3_EF, b2_ED, pipeline
+    )
+
+
+def _biases(
+    b1_EF: Tensor | None, b3_EF: Tensor | None, b2_ED: Tensor | None
+) -> ExpertBiases | None:
+    """The autograd node's bias inputs as one tuple again (None: bias-free experts)."""
+    return None if b1_EF is None else (b1_EF, b3_EF, b2_ED)
 
 
 class _Buffers:
@@ -112,8 +132,11 @@ def _gather(
 
 class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, weight_A, w1_EFD, w3_EFD, w2_EDF, pipeline: ExpertPipeline):
+    def forward(
+        ctx, x_TD, weight_A, w1_EFD, w3_EFD, w2_EDF, b1_EF, b3_EF, b2_ED, pipeline: ExpertPipeline
+    ):
         plans, exchange, strategy = pipeline.plans, pipeline.exchange, pipeline.strategy
+        biases = _biases(b1_EF, b3_EF, b2_ED)
         share = strategy.shares_buffers
         dim, hidden = x_TD.shape[1], w1_EFD.shape[1]
         activation, middles = pipeline.activation, pipeline.activation.middle_tensors
@@ -151,6 +174,7 @@ class _PipelinedExperts(torch.autograd.Function):
                     out=None
                     if middle_buffer_rows is None
                     else middle_buffer_rows.view(middles, rows, hidden),
+                    biases=biases,
                 )
                 for restore, tensor, kept in (
                     (strategy.dispatched_input, dispatched, kept_inputs),
@@ -160,7 +184,9 @@ class _PipelinedExperts(torch.autograd.Function):
                         kept.append(tensor)
                     elif restore == "offload":
                         kept.append(pipeline.offloader.offload(tensor))
-                expert_output_rows = expert_output(middle, w2_EDF, plan.local_counts_L, activation)
+                expert_output_rows = expert_output(
+                    middle, w2_EDF, plan.local_counts_L, activation, biases
+                )
                 if p >= 2:  # its send buffer is about to be reused
                     combines[p - 2].wait()
                 send = _to_source_major(expert_output_rows, plan, output_buffers.get(p, rows))
@@ -177,7 +203,17 @@ class _PipelinedExperts(torch.autograd.Function):
         ctx.pipeline = pipeline
         ctx.kept = (len(kept_inputs), len(kept_middles))
         ctx.save_for_backward(
-            x_TD, weight_A, w1_EFD, w3_EFD, w2_EDF, combined_AD, *kept_inputs, *kept_middles
+            x_TD,
+            weight_A,
+            w1_EFD,
+            w3_EFD,
+            w2_EDF,
+            b1_EF,
+            b3_EF,
+            b2_ED,
+            combined_AD,
+            *kept_inputs,
+            *kept_middles,
         )
         return out_TD
 
@@ -185,12 +221,14 @@ class _PipelinedExperts(torch.autograd.Function):
     def backward(ctx, grad_out_TD):
         pipeline: ExpertPipeline = ctx.pipeline
         plans, exchange, strategy = pipeline.plans, pipeline.exchange, pipeline.strategy
-        x_TD, weight_A, w1_EFD, w3_EFD, w2_EDF, combined_AD, *kept = ctx.saved_tensors
+        x_TD, weight_A, w1_EFD, w3_EFD, w2_EDF, b1_EF, b3_EF, b2_ED, combined_AD, *kept = (
+            ctx.saved_tensors
+        )
         kept_inputs, kept_middles = kept[: ctx.kept[0]], kept[ctx.kept[0] :]
-        weights = (w1_EFD, w3_EFD, w2_EDF)
+        weights, biases = (w1_EFD, w3_EFD, w2_EDF), _biases(b1_EF, b3_EF, b2_ED)
         grad_out_TD = grad_out_TD.contiguous()
         grad_weight_A = (grad_out_TD[pipeline.token_index_A] * combined_AD).sum(-1)
-        grads = ExpertGrads.zeros_like(*weights)
+        grads = ExpertGrads.zeros_like(*weights, biases)
         grad_x_TD = torch.zeros_like(x_TD)
 
         def start_transfers(p: int) -> tuple[PendingRows, PendingRows | None]:
@@ -220,7 +258,9 @@ class _PipelinedExperts(torch.autograd.Function):
                 else:
                     dispatched = kept_inputs[p]
                 if strategy.middle == "recompute":
-                    middle = expert_middle(dispatched, w1_EFD, w3_EFD, plan.local_counts_L)
+                    middle = expert_middle(
+                        dispatched, w1_EFD, w3_EFD, plan.local_counts_L, biases=biases
+                    )
                 elif strategy.middle == "offload":
                     middle = pipeline.offloader.restore(kept_middles[p])
                 else:
@@ -240,7 +280,17 @@ class _PipelinedExperts(torch.autograd.Function):
                 returns.append((plan, exchange.start(send, plan.recv_splits, plan.send_splits)))
         for plan, pending in returns[max(0, len(plans) - 2) :]:
             _accumulate(grad_x_TD, plan, pending)
-        return grad_x_TD, grad_weight_A, grads.w1_EFD, grads.w3_EFD, grads.w2_EDF, None
+        return (
+            grad_x_TD,
+            grad_weight_A,
+            grads.w1_EFD,
+            grads.w3_EFD,
+            grads.w2_EDF,
+            grads.b1_EF,
+            grads.b3_EF,
+            grads.b2_ED,
+            None,
+        )
 
 
 def _accumulate(grad_x_TD: Tensor, plan: PartitionPlan, pending: PendingRows) -> None:

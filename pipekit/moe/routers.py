@@ -17,7 +17,9 @@ Six routers, one class each, named in `ROUTERS` (the name a config uses):
   `topk_groups` of `num_groups` expert groups; weights are the chosen scores normalised over
   the k, times `routed_scaling`.
 
-Token-choice routers take `capacity_factor` (None: dropless); over-capacity assignments are the
+Every router's gate is bias-free unless built with `bias=True` (`MoEArgs.router_bias`; gpt-oss,
+whose routing is `topk_softmax` with that bias). Token-choice routers take `capacity_factor`
+(None: dropless); over-capacity assignments are the
 ones of lowest probability (`routing_from_choices`). Scores are computed in at least float32
 (Switch's selective precision) whatever the model's dtype.
 
@@ -51,10 +53,17 @@ __all__ = [
 
 
 class Router(nn.Module, abc.ABC):
-    """A bias-free gate `D -> E`; subclasses turn its logits into a `Routing`."""
+    """A gate `D -> E` (with a bias only when `bias`); subclasses turn its logits into a
+    `Routing`."""
 
     def __init__(
-        self, dim: int, num_experts: int, top_k: int, capacity_factor: float | None
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        capacity_factor: float | None,
+        *,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -66,17 +75,23 @@ class Router(nn.Module, abc.ABC):
         self.num_experts = num_experts
         self.top_k = top_k
         self.capacity_factor = capacity_factor
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = nn.Linear(dim, num_experts, bias=bias)
 
     def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
-        """Truncated-normal gate (a router writes nothing back: `output_std` does not apply)."""
+        """Truncated-normal gate, zero bias (a router writes nothing back: `output_std` does
+        not apply)."""
         trunc_normal_(self.gate.weight, init_std)
+        if self.gate.bias is not None:
+            nn.init.zeros_(self.gate.bias)
 
     def logits(self, x_TD: Tensor) -> Tensor:
         """In at least float32, under autocast too (which would run the linear in bf16)."""
         dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        bias = self.gate.bias
         with torch.autocast(x_TD.device.type, enabled=False):
-            return F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
+            return F.linear(
+                x_TD.to(dtype), self.gate.weight.to(dtype), None if bias is None else bias.to(dtype)
+            )
 
     def capacity(self, num_tokens: int) -> int | None:
         if self.capacity_factor is None:
@@ -110,9 +125,15 @@ class NoisyTopKRouter(TopKSoftmaxRouter):
     """Shazeer et al.: logits + N(0,1) x softplus(x W_noise) while training, then top-k softmax."""
 
     def __init__(
-        self, dim: int, num_experts: int, top_k: int, capacity_factor: float | None
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        capacity_factor: float | None,
+        *,
+        bias: bool = False,
     ) -> None:
-        super().__init__(dim, num_experts, top_k, capacity_factor)
+        super().__init__(dim, num_experts, top_k, capacity_factor, bias=bias)
         self.noise_gate = nn.Linear(dim, num_experts, bias=False)
 
     def reset_parameters(self, init_std: float = 0.02, output_std: float | None = None) -> None:
@@ -151,25 +172,37 @@ class SwitchRouter(SoftmaxTopKRouter):
     """Switch Transformer: top-1 of the softmax, weighted by its probability."""
 
     def __init__(
-        self, dim: int, num_experts: int, top_k: int, capacity_factor: float | None
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        capacity_factor: float | None,
+        *,
+        bias: bool = False,
     ) -> None:
         if top_k != 1:
             raise ValueError(f"the switch router routes each token to 1 expert; got top_k={top_k}")
-        super().__init__(dim, num_experts, top_k, capacity_factor)
+        super().__init__(dim, num_experts, top_k, capacity_factor, bias=bias)
 
 
 class ExpertChoiceRouter(Router):
     """Each expert takes its c most probable tokens, c = ceil(capacity_factor x T / E)."""
 
     def __init__(
-        self, dim: int, num_experts: int, top_k: int, capacity_factor: float | None
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        capacity_factor: float | None,
+        *,
+        bias: bool = False,
     ) -> None:
         if capacity_factor is None:
             raise ValueError(
                 "the expert_choice router needs a capacity_factor (the mean number of experts "
                 "per token; c = capacity_factor x tokens / experts); set e.g. 2.0"
             )
-        super().__init__(dim, num_experts, top_k, capacity_factor)
+        super().__init__(dim, num_experts, top_k, capacity_factor, bias=bias)
 
     def forward(self, x_TD: Tensor) -> Routing:
         num_tokens = x_TD.shape[0]
@@ -222,12 +255,13 @@ class SigmoidTopKRouter(BufferDtypesKept, Router):
         top_k: int,
         capacity_factor: float | None,
         *,
+        bias: bool = False,
         num_groups: int = 1,
         topk_groups: int = 1,
         routed_scaling: float = 1.0,
         bias_update_rate: float = 0.0,
     ) -> None:
-        super().__init__(dim, num_experts, top_k, capacity_factor)
+        super().__init__(dim, num_experts, top_k, capacity_factor, bias=bias)
         check_group_limits(num_experts, top_k, num_groups, topk_groups)
         self.num_groups, self.topk_groups = num_groups, topk_groups
         self.routed_scaling, self.bias_update_rate = routed_scaling, bias_update_rate
@@ -312,10 +346,13 @@ def build_router(
     num_experts: int,
     top_k: int,
     capacity_factor: float | None,
+    *,
+    bias: bool = False,
     **options: float,
 ) -> Router:
-    """The router called `name`, with an error listing the known names; `options` go to
-    routers that take them (`sigmoid_topk`'s groups, scaling and bias rate)."""
+    """The router called `name`, with an error listing the known names; `bias` gives its gate
+    a bias (any router); `options` go to routers that take them (`sigmoid_topk`'s groups,
+    scaling and bias rate)."""
     if name not in ROUTERS:
         raise ValueError(f"unknown router {name!r}; known routers: {sorted(ROUTERS)}")
-    return ROUTERS[name](dim, num_experts, top_k, capacity_factor, **options)
+    return ROUTERS[name](dim, num_experts, top_k, capacity_factor, bias=bias, **options)

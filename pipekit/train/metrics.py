@@ -82,8 +82,9 @@ def _expert_active_share(model: nn.Module) -> dict[int, float]:
         if isinstance(module, MoE):
             args = module.args
             per_token = args.capacity_factor if args.router == "expert_choice" else args.top_k
-            for param in module.experts.parameters():
-                shares[id(param)] = per_token / args.num_experts
+            for name, param in module.experts.named_parameters():
+                # expert biases are 2-D ([E, F]) but no matmul: a token runs through none
+                shares[id(param)] = 0.0 if name.startswith("b") else per_token / args.num_experts
     return shares
 
 

@@ -71,6 +71,9 @@ class HFModelType:
     """Default of an absent `num_key_value_heads`; None: `num_attention_heads` (as for null)."""
     rope_types: tuple[str, ...] = ("llama3",)
     """The scaled `rope_type`s the family computes ("llama3", "yarn"); others are refused."""
+    attention_bias: bool = False
+    """Whether the family's attention projections have biases (gpt-oss): also the default of
+    an absent `attention_bias`, and the only value read."""
 
 
 def read_config_json(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
@@ -184,6 +187,7 @@ def _rope_scaling_keys(scaling: RopeScaling | YarnScaling) -> dict[str, Any]:
             "beta_slow": scaling.beta_slow,
             "mscale": scaling.mscale,
             "mscale_all_dim": scaling.mscale_all_dim,
+            "truncate": scaling.truncate,
         }
     return {
         "rope_type": "llama3",
@@ -200,11 +204,15 @@ def _unsupported_features(config: Mapping[str, Any], model_type: HFModelType) ->
         problems.append(f"model_type={config.get('model_type')!r} (need {model_type.model_type!r})")
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={config['hidden_act']!r} (pipekit's decoders use 'silu')")
-    problems += [
-        f"{key}=true (pipekit's decoders have no biases)"
-        for key in ("attention_bias", "mlp_bias")
-        if config.get(key)
-    ]
+    if bool(config.get("attention_bias", model_type.attention_bias)) != model_type.attention_bias:
+        problems.append(
+            "attention_bias=true (pipekit's decoders have no biases)"
+            if not model_type.attention_bias
+            else f"attention_bias=false (pipekit's {model_type.pipekit_model} has biased "
+            "attention projections; need true)"
+        )
+    if config.get("mlp_bias"):
+        problems.append("mlp_bias=true (pipekit's decoders have no biases)")
     if config.get("partial_rotary_factor") not in (None, 1.0):
         problems.append(f"partial_rotary_factor={config['partial_rotary_factor']} (need 1.0)")
     if config.get("quantization_config") is not None:
@@ -262,9 +270,8 @@ def _yarn(parameters: Mapping[str, Any], original: int, problems: list[str]) -> 
         beta_slow=float(parameters.get("beta_slow") or 1.0),
         mscale=float(parameters.get("mscale") or 0.0),
         mscale_all_dim=float(parameters.get("mscale_all_dim") or 0.0),
+        truncate=parameters.get("truncate", True) is not False,
     )
-    if parameters.get("truncate", True) is not True:
-        problems.append("yarn truncate=false (pipekit's YaRN rounds the ramp's ends; need true)")
     given = parameters.get("attention_factor")
     close = isinstance(given, int | float) and math.isclose(given, scaling.attention_factor)
     if given is not None and not close:

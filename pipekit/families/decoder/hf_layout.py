@@ -7,16 +7,16 @@ checked load and save, the tensor list (`tensors`, the upcycling writer's and th
 and single parameter reads (whole, or a row block of whole heads: a tensor-parallel rank reads
 its heads).
 
-pipekit (like Meta's reference code) rotates the interleaved pairs (x[2i], x[2i+1]) of each head;
-Hugging Face rotates (x[i], x[i + head_dim/2]) ("rotate_half"). Both compute the same model once
-the rows of every head of wq and wk (and of a per-head QK-norm weight) are reordered: pipekit
-row 2i+c of a head is Hugging Face row c*head_dim/2 + i. The reorder stays inside a head, so a
-row range of whole heads is the same row range in both layouts.
+The rows of every head of wq and wk (and of their biases, of a per-head QK-norm weight) are
+reordered between pipekit's interleaved RoPE pairs and Hugging Face's halves (`rope_order`); the
+reorder stays inside a head, so a row range of whole heads is the same rows in both layouts.
 
 An MoE FFN's experts are one pipekit parameter per weight, stacked on a leading expert dim;
 Hugging Face files hold one tensor per expert (the published per-expert layout, which
 transformers 4 loads as is and transformers 5 converts on load and writes back on save). A
-buffer the layout names (DeepSeek-V3's router bias) is a checkpoint tensor like a parameter.
+buffer the layout names (DeepSeek-V3's router bias) is a checkpoint tensor like a parameter. A
+tensor holding parameters otherwise (gpt-oss's fused experts) is the layout's `custom` one
+(`hf_fused_experts`): it builds itself on save and gives each parameter's blocks on load.
 
 Shape legend: R rows (output features), D model dim, E experts.
 """
@@ -41,12 +41,15 @@ from pipekit.checkpoint.block_sources import (
     StackedBlocks,
     fill_from_sources,
 )
-from pipekit.checkpoint.hf_export import save_hf_sharded
+from pipekit.checkpoint.hf_export import FusedTensor, save_hf_sharded
 from pipekit.checkpoint.local_shards import RowShard, global_block, load_local_blocks
 from pipekit.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint.safetensors_write import DEFAULT_MAX_SHARD_BYTES
 from pipekit.families.decoder.args import DecoderArgs, MoEFields
+from pipekit.families.decoder.hf_checks import name_and_shape_problems
 from pipekit.families.decoder.hf_config import CONFIG_FILE, HFModelType, read_config_json
+from pipekit.families.decoder.hf_fused_experts import CustomLayerTensor
+from pipekit.families.decoder.rope_order import permute_from_hf, permute_to_hf
 from pipekit.models.materialize import local_tensor, to_empty_keeping_ties
 from pipekit.models.spec import HFTensor, HuggingFaceAdapter
 
@@ -90,37 +93,12 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _IGNORED_HF_SUFFIX = "rotary_emb.inv_freq"
 _TIED_HEAD = TOP_LEVEL_NAMES["output.weight"]
 _EMBEDDING = TOP_LEVEL_NAMES["tok_embeddings.weight"]
-_LISTED_NAMES = 20
-
-
-def permute_to_hf(w_RD: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Reorder each head's rows from interleaved RoPE pairs to rotate_half halves (a 1-D
-    per-head weight, such as a QK-norm's, is one column)."""
-    rows = w_RD.reshape(w_RD.shape[0], -1)
-    heads = _whole_heads(rows, head_dim)
-    return rows.reshape(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w_RD.shape)
-
-
-def permute_from_hf(w_RD: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Inverse of permute_to_hf: rotate_half halves back to interleaved pairs."""
-    rows = w_RD.reshape(w_RD.shape[0], -1)
-    heads = _whole_heads(rows, head_dim)
-    return rows.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w_RD.shape)
-
-
-def _whole_heads(w_RD: torch.Tensor, head_dim: int) -> int:
-    if w_RD.shape[0] % head_dim:
-        raise ValueError(
-            f"{w_RD.shape[0]} rows are not whole heads of head_dim={head_dim}; "
-            "pass rows that are multiples of head_dim"
-        )
-    return w_RD.shape[0] // head_dim
 
 
 def expert_layout_problems(args: MoEFields, *, shared_experts: bool = False) -> list[str]:
     """What the Hugging Face MoE layouts pipekit writes cannot hold of `args` (experts that
-    are not SwiGLU, shared experts unless the layout has them), each with its fix; a family's
-    `check_layout` adds its own."""
+    are not SwiGLU, expert or router biases, shared experts unless the layout has them), each
+    with its fix; a family's `check_layout` adds its own."""
     problems = []
     activation = args.moe.activation
     if activation != EXPERT_ACTIVATION:
@@ -128,6 +106,12 @@ def expert_layout_problems(args: MoEFields, *, shared_experts: bool = False) -> 
             f"moe.activation={activation!r} experts, but the layout's experts are SwiGLU (w1 "
             f"gate, w3 up, w2 down); use activation={EXPERT_ACTIVATION!r}, or keep the model in "
             "pipekit's DCP checkpoints"
+        )
+    if args.moe.expert_biases or args.moe.router_bias:
+        problems.append(
+            f"moe.expert_biases={args.moe.expert_biases}, router_bias={args.moe.router_bias}, but "
+            "the layout's experts and router have no biases; set both False, or keep the model "
+            "in pipekit's DCP checkpoints"
         )
     if args.moe.num_shared_experts and not shared_experts:
         problems.append(
@@ -155,6 +139,8 @@ class DecoderLayout:
     buffers: tuple[str, ...] = ()
     """Names within a block of the buffers the checkpoint holds (DeepSeek-V3's router bias;
     their Hugging Face names are in `layer_names`); the model's other buffers are not saved."""
+    custom: tuple[CustomLayerTensor, ...] = ()
+    """Tensors within `model.layers.L` holding parameters otherwise than as they are."""
 
     def hf_names(self, name: str, args: DecoderArgs) -> list[str]:
         """Hugging Face names of pipekit parameter `name`: one per expert for an expert
@@ -166,6 +152,9 @@ class DecoderLayout:
             layer, rest = match[1], match[2]
             if rest in self.layer_names:
                 return [f"model.layers.{layer}.{self.layer_names[rest]}"]
+            custom = self.custom_tensor(name)
+            if custom is not None:
+                return [f"model.layers.{layer}.{custom[0].hf_name}"]
             moe_param = rest.removeprefix("feed_forward.")
             if self.moe_block is not None and isinstance(args, MoEFields):
                 prefix = f"model.layers.{layer}.{self.moe_block}"
@@ -180,6 +169,15 @@ class DecoderLayout:
             f"{name!r} is not a parameter of a {self.model_type.pipekit_model} in Hugging Face "
             f"{self.model_type.model_type} layout"
         )
+
+    def custom_tensor(self, name: str) -> tuple[CustomLayerTensor, list[str]] | None:
+        """The custom tensor holding parameter `name` and its parameters' full names; None
+        if no custom tensor holds it."""
+        match = _LAYER.fullmatch(name)
+        for tensor in self.custom if match is not None else ():
+            if match[2] in tensor.params:
+                return tensor, [f"layers.{match[1]}.{param}" for param in tensor.params]
+        return None
 
     def is_buffer(self, name: str) -> bool:
         """Whether `name` is a buffer the checkpoint holds."""
@@ -271,7 +269,11 @@ class DecoderHF:
                 continue
             hf_names = self.layout.hf_names(name, args)
             shape = tuple(param.shape)
-            if self.layout.is_expert_weight(name):
+            custom = self.layout.custom_tensor(name)
+            if custom is not None:  # listed once, under its first parameter
+                if name == custom[1][0]:
+                    listing.append(HFTensor(hf_names[0], custom[0].hf_shape(shape), name, None))
+            elif self.layout.is_expert_weight(name):
                 listing += [HFTensor(hf, shape[1:], name, j) for j, hf in enumerate(hf_names)]
             else:
                 listing.append(HFTensor(hf_names[0], shape, name, None))
@@ -279,6 +281,9 @@ class DecoderHF:
 
     def to_hf(self, name: str, tensor: torch.Tensor, args: Any) -> torch.Tensor:
         """Parameter `name` (one expert's slice for an expert weight) in Hugging Face order."""
+        custom = self.layout.custom_tensor(name)
+        if custom is not None:  # built from all its parameters (`save` passes them together)
+            raise ValueError(f"{name} is part of {custom[0].hf_name}; build it with its to_hf")
         return permute_to_hf(tensor, args.per_head_dim) if self.layout.is_permuted(name) else tensor
 
     def source_name(self, name: str, args: Any) -> str:
@@ -291,7 +296,11 @@ class DecoderHF:
     def source(self, checkpoint: SafetensorsCheckpoint, name: str, args: Any) -> BlockSource:
         """Parameter `name` as a block source over `checkpoint`, in pipekit's layout: an expert
         weight stacks its experts' tensors, a permuted weight reads whole heads and reorders
-        them, a tied output reads the embedding."""
+        them, a tied output reads the embedding, a custom tensor gives its own source."""
+        custom = self.layout.custom_tensor(name)
+        if custom is not None:
+            hf_name = self.layout.hf_names(name, args)[0]
+            return custom[0].source(checkpoint, hf_name, custom[1].index(name))
         if self.layout.is_expert_weight(name):
             hf_names = self.layout.hf_names(name, args)
             return StackedBlocks([CheckpointBlock(checkpoint, hf) for hf in hf_names])
@@ -313,7 +322,7 @@ class DecoderHF:
         if tied_head:
             expected[_TIED_HEAD] = expected[_EMBEDDING]
         found = {name: checkpoint.info(name).shape for name in present}
-        problems = _name_and_shape_problems(found, expected)
+        problems = name_and_shape_problems(found, expected)
         if problems:
             raise CheckpointError(f"{checkpoint.directory} does not fit the model: {problems}")
         if tied_head and not torch.equal(checkpoint.read(_TIED_HEAD), checkpoint.read(_EMBEDDING)):
@@ -391,9 +400,12 @@ class DecoderHF:
             )
         dtype = next(iter(params.values())).dtype
         config = self.args_to_config(args, dtype)
+        entries = self.tensors(args)
+        customs = {entry.hf_name: self.layout.custom_tensor(entry.param_name) for entry in entries}
+        fused = {name: FusedTensor(tuple(c[1]), c[0].to_hf) for name, c in customs.items() if c}
         save_hf_sharded(
             model,
-            self.tensors(args),
+            entries,
             lambda name, tensor: self.to_hf(name, tensor, args),
             directory,
             extra_files={CONFIG_FILE: json.dumps(config, indent=2) + "\n"},
@@ -401,6 +413,7 @@ class DecoderHF:
             max_shard_bytes=max_shard_bytes,
             overwrite=overwrite,
             buffers={name: t for name, t in params.items() if self.layout.is_buffer(name)},
+            fused=fused,
         )
 
     def build_from_checkpoint(
@@ -447,7 +460,7 @@ class DecoderHF:
         for name, shard in (row_shards or {}).items():
             if name in expected and name in params and expected[name][0] == shard.rows:
                 expected[name] = (params[name].shape[0], *expected[name][1:])
-        problems = _name_and_shape_problems(
+        problems = name_and_shape_problems(
             {name: tuple(param.shape) for name, param in params.items()}, expected
         )
         if problems:
@@ -466,32 +479,3 @@ def _holds(model: nn.Module, name: str) -> bool:
     if module is None or top != "layers":
         return module is not None
     return rest.partition(".")[0] in module
-
-
-def _name_and_shape_problems(
-    found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]
-) -> str:
-    """'' when `found` has exactly the expected names and shapes, else what is wrong."""
-    missing = sorted(expected.keys() - found.keys())
-    unexpected = sorted(found.keys() - expected.keys())
-    mismatched = [
-        f"{name} expected {list(expected[name])}, got {list(found[name])}"
-        for name in sorted(expected.keys() & found.keys())
-        if found[name] != expected[name]
-    ]
-    parts = [
-        f"{label} ({len(items)}): {_listing(items)}"
-        for label, items in (
-            ("missing tensors", missing),
-            ("unexpected tensors", unexpected),
-            ("shape mismatches", mismatched),
-        )
-        if items
-    ]
-    return "; ".join(parts)
-
-
-def _listing(items: list[str]) -> str:
-    shown = ", ".join(items[:_LISTED_NAMES])
-    hidden = len(items) - _LISTED_NAMES
-    return f"{shown}, ... ({hidden} more)" if hidden > 0 else shown
