@@ -78,10 +78,16 @@ def test_context_parallel_bench_counts_the_bytes_the_formula_predicts(capsys):
     figures = dict(item.split("=") for item in result.removeprefix("RESULT ").split())
     assert set(figures) == {
         "auto_vs_commutated", "auto_vs_kv_passing", "mha_commutated_vs_kv_bytes",
-        "whole_auto_vs_best", "whole_ulysses_vs_kv_passing",
+        "whole_auto_vs_best", "whole_ulysses_vs_kv_passing", "mla_auto_vs_expanded_auto",
+        "mla_kv_passing_vs_expanded", "mla_chosen_vs_best",
         "commutated_vs_kv_bytes", "formula", "chosen_vs_best", "measured_vs_formula",
     }  # fmt: skip
     assert float(figures["whole_auto_vs_best"]) == 1.0
+    # DeepSeek-V3's latent (512 + 64) once per token against 128 heads x 2 x 192 (padded values)
+    assert float(figures["mla_kv_passing_vs_expanded"]) == pytest.approx(
+        576 / (128 * 2 * 192), 1e-3
+    )
+    assert float(figures["mla_chosen_vs_best"]) == 1.0
     assert float(figures["measured_vs_formula"]) < 0.05
     measured, predicted = float(figures["commutated_vs_kv_bytes"]), float(figures["formula"])
     assert measured == pytest.approx(predicted, rel=0.05)

@@ -73,6 +73,18 @@ def test_pipeline_memory_bench_offload_keeps_gradients_and_lowers_resident_bytes
     assert figures["offload_resident_ratio"] == pytest.approx(figures["predicted"], rel=0.1)
 
 
+def test_pipeline_memory_bench_latent_cache_is_the_formula_of_the_expanded_one():
+    """DeepSeek-V3's latent KV cache against the same model caching expanded K/V, one sliced
+    step each: the measured ratio is the formula's, and the two forms train the same loss."""
+    figures = _run_bench(
+        "pipeline-memory", "--model", "deepseek_v3", "--pp", "2", "--slices", "2",
+        "--microbatches", "2", "--seq", "64", "--heads", "8", "--dim", "64", "--vocab", "64",
+    )  # fmt: skip
+    assert figures["formula"] == pytest.approx((32 + 16) / (2 * 8 * 48))
+    assert figures["mla_cache_vs_expanded"] == pytest.approx(figures["formula"], rel=0.05)
+    assert figures["loss_difference"] < 1e-4
+
+
 def test_pipeline_throughput_bench_prints_the_ratios_of_both_allocators_and_variants():
     figures = _run_bench(
         "pipeline-throughput", "--pp", "2", "--slices", "4", "--microbatches", "2",
