@@ -187,3 +187,14 @@ def test_configs_pipekit_cannot_compute_are_refused(overrides: dict, message: st
     with pytest.raises(CheckpointError, match=message) as error:
         deepseek_v3_config_to_args(config)
     assert "\n" not in str(error.value)
+
+
+def test_a_yarn_export_declares_the_scaled_context_whatever_the_training_length() -> None:
+    """Some transformers versions take YaRN's factor from max_position_embeddings /
+    original_max_position_embeddings: the export declares factor x original (DeepSeek-V3's
+    163840), not the length the model was trained at."""
+    from pipekit.families.deepseek_v3.hf import args_to_deepseek_v3_config
+
+    args = get_model_spec("deepseek_v3").flavor("671B").with_updates(max_seq_len=4096)
+    config = args_to_deepseek_v3_config(args)
+    assert config["max_position_embeddings"] == 40 * 4096 == 163840

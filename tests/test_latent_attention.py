@@ -169,3 +169,20 @@ def test_memory_plan_counts_the_latent_kv_cache() -> None:
     args = _args("latent")
     assert per_token["latent"] == {2.0 * (args.kv_lora_rank + args.qk_rope_head_dim)}
     assert per_token["expanded"] == {2.0 * 2 * args.n_heads * args.per_head_dim}
+
+
+def test_ulysses_gathers_a_latent_once_instead_of_repeating_it_per_head() -> None:
+    """Kv heads fewer than the cp ranks (the latent's one) are all-gathered whole, once: the
+    bytes rule counts (cp-1)/cp x T x C for them, not heads x C; kv heads that neither split
+    over the ranks nor divide them are refused."""
+    from pipekit.attention.ulysses import check_ulysses_heads
+
+    tokens, cp, heads, latent = 1024, 4, 128, 576
+    shape = {"slice_index": 0, "slice_tokens": tokens, "cp": cp, "q_heads": heads}
+    sent = context_parallel_bytes(
+        "ulysses", kv_heads=1, head_dim=latent, keys_are_values=True, element_bytes=1, **shape
+    )
+    queries = (cp - 1) / cp * tokens / cp * 2 * heads * latent
+    assert sent == pytest.approx(queries + (cp - 1) / cp * tokens * latent)
+    with pytest.raises(ValueError, match="3 kv heads per rank on cp=2 ranks"):
+        check_ulysses_heads(6, 2, 3)

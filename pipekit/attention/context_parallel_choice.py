@@ -69,11 +69,11 @@ def context_parallel_bytes(
     `slice_tokens` tokens over `cp` ranks, forward only. Commutated: its queries out and the
     peers' partial outputs and lse back, `(cp-1)/cp · T · (2·h_q·d + h_q)` elements, constant
     over slices. KV passing: the keys and values of the slice and of every cached one,
-    `(cp-1)/cp · (j+1) · T · 2·h_kv·d`. Ulysses (whole sequences): its tokens' q, k, v out to
-    the head owners and their outputs back, `(cp-1)/cp · T/cp · (2·h_q + 2·h_kv)·d`, kv heads
-    that do not split over the ranks counted as repeated to h_q. `keys_are_values` (multi-head
-    latent attention's latent form: one tensor is both) halves what K/V passing and Ulysses
-    send of them."""
+    `(cp-1)/cp · (j+1) · T · 2·h_kv·d`. Ulysses: its tokens' q, k, v out to the head owners
+    and their outputs back, `(cp-1)/cp · T/cp · (2·h_q + 2·h_kv)·d`; kv heads fewer than the
+    ranks are all-gathered instead, `(cp-1)/cp · T · 2·h_kv·d` of them. `keys_are_values`
+    (multi-head latent attention's latent form: one tensor is both) halves what K/V passing
+    and Ulysses send of them."""
     kv_tensors = 1 if keys_are_values else 2
     share = (cp - 1) / cp * slice_tokens * element_bytes
     if variant == "commutated":
@@ -81,8 +81,8 @@ def context_parallel_bytes(
     if variant == "kv_passing":
         return share * (slice_index + 1) * kv_tensors * kv_heads * head_dim
     if variant == "ulysses":
-        kv_heads = kv_heads if kv_heads % cp == 0 else q_heads
-        return share / cp * (2 * q_heads + kv_tensors * kv_heads) * head_dim
+        kv_share = share / cp if kv_heads % cp == 0 else share  # all-to-all, or all-gather
+        return (share / cp * 2 * q_heads + kv_share * kv_tensors * kv_heads) * head_dim
     raise ValueError(
         f"context parallel variant {variant!r}: choose 'commutated', 'kv_passing' or 'ulysses'"
     )

@@ -6,9 +6,12 @@ their key/value heads); attention runs over the whole sequence, masked by the to
 it (the pattern and the documents they belong to), and a second all-to-all returns each rank its
 own tokens for all heads (DeepSpeed-Ulysses). It moves `(cp-1)/cp x tokens / cp x (2 x query
 heads + 2 x kv heads) x head_dim` elements per rank and layer forward
-(`context_parallel_bytes("ulysses", ...)`), whatever the sequence length, and needs the heads
-(after tensor parallelism) to split over the cp ranks; grouped key/value heads that do not split
-are repeated up to one per query head first. Gradients go back by the inverse all-to-alls.
+(`context_parallel_bytes("ulysses", ...)`), whatever the sequence length, and needs the query
+heads (after tensor parallelism) to split over the cp ranks. Key/value heads fewer than the
+ranks (a divisor of them: grouped-query attention with few kv heads, or multi-head latent
+attention's one latent) are all-gathered along the sequence instead, each rank keeping the one
+its query heads read: one copy of each, never a repeat per query head. Gradients go back by the
+inverse collectives.
 
 Inside a sliced pipeline (`UlyssesSliceAttention`) each slice is resharded the same way, its
 tokens put back in sequence order, and the stage's chunked KV cache keeps, per slice, every
@@ -26,7 +29,12 @@ from torch import Tensor
 
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
-from pipekit.attention.context_parallel import TokenShard, gather_token_shards, shard_mask
+from pipekit.attention.context_parallel import (
+    TokenShard,
+    gather_keys_values,
+    gather_token_shards,
+    shard_mask,
+)
 from pipekit.attention.kv_cache import SliceAttention
 from pipekit.attention.merge import check_sinks
 from pipekit.attention.patterns import AttentionPattern, pattern_backend
@@ -34,13 +42,19 @@ from pipekit.attention.patterns import AttentionPattern, pattern_backend
 __all__ = ["UlyssesSliceAttention", "check_ulysses_heads", "ulysses_context_attention"]
 
 
-def check_ulysses_heads(query_heads: int, cp: int) -> None:
+def check_ulysses_heads(query_heads: int, cp: int, kv_heads: int | None = None) -> None:
     """ValueError naming the fix unless the (tensor-parallel rank's) query heads split over
-    the cp ranks."""
+    the cp ranks, and its kv heads split over them or divide them."""
     if query_heads % cp:
         raise ValueError(
             f"cp_variant='ulysses' gives each of the cp={cp} ranks heads / cp query heads, but "
             f"a rank holds {query_heads}; choose cp dividing them (after tp), or another "
+            "cp_variant"
+        )
+    if kv_heads is not None and kv_heads % cp and cp % kv_heads:
+        raise ValueError(
+            f"cp_variant='ulysses' with {kv_heads} kv heads per rank on cp={cp} ranks: the kv "
+            "heads must split over the ranks or divide them; choose such a cp, or another "
             "cp_variant"
         )
 
@@ -84,20 +98,21 @@ def _to_head_shards(
     q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, group: dist.ProcessGroup | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v of this rank's tokens, all heads -> every rank's tokens (by source rank) of this
-    rank's heads; kv heads that do not split are repeated first, and keys that are their own
-    values (latent attention) travel once."""
+    rank's heads. Kv heads fewer than the ranks are all-gathered whole and the one this rank's
+    query heads read is kept; keys that are their own values (latent attention) travel once."""
     cp = dist.get_world_size(group)
     query_heads, kv_heads = q_BHSD.shape[1], k_BGSD.shape[1]
-    check_ulysses_heads(query_heads, cp)
-    keys_are_values = v_BGSD is k_BGSD
-    if kv_heads % cp:
-        k_BGSD = k_BGSD.repeat_interleave(query_heads // kv_heads, dim=1)
-    q_BHSD, k_BGSD = (_Reshard.apply(tensor, group, True) for tensor in (q_BHSD, k_BGSD))
-    if keys_are_values:
-        return q_BHSD, k_BGSD, k_BGSD
-    if kv_heads % cp:
-        v_BGSD = v_BGSD.repeat_interleave(query_heads // kv_heads, dim=1)
-    return q_BHSD, k_BGSD, _Reshard.apply(v_BGSD, group, True)
+    check_ulysses_heads(query_heads, cp, kv_heads)
+    q_BHSD = _Reshard.apply(q_BHSD, group, True)
+    if kv_heads % cp == 0:
+        k_BGSD = _Reshard.apply(k_BGSD, group, True)
+        v_BGSD = k_BGSD if v_BGSD is k_BGSD else _Reshard.apply(v_BGSD, group, True)
+        return q_BHSD, k_BGSD, v_BGSD
+    keys, values = gather_keys_values(k_BGSD, v_BGSD, group)
+    head = dist.get_rank(group) // (cp // kv_heads)  # the kv head of this rank's query heads
+    k_BGSD = torch.cat(keys, dim=2)[:, head : head + 1]
+    v_BGSD = k_BGSD if values is keys else torch.cat(values, dim=2)[:, head : head + 1]
+    return q_BHSD, k_BGSD, v_BGSD
 
 
 def _local_sinks(sinks_H: Tensor | None, group: dist.ProcessGroup | None) -> Tensor | None:
@@ -157,13 +172,25 @@ class UlyssesSliceAttention:
         self.order_S = torch.argsort(rank_tokens_RS.flatten())
         """Gathered (by source rank) -> sequence order."""
         self.unorder_S = torch.argsort(self.order_S)
+        self._whole: SliceAttention | None = None
 
     def __repr__(self) -> str:
         return f"UlyssesSliceAttention({self.inner!r})"
 
     @property
     def recomputing(self) -> bool:
+        """Whether this forward is activation checkpointing's recompute (the inner context's)."""
         return self.inner.recomputing
+
+    def _whole_slice(self) -> SliceAttention:
+        """The stage cache's context of the whole slice (every cp rank's tokens, in order),
+        built on the first layer and kept for the slice's other layers."""
+        if self._whole is None:
+            inner = self.inner
+            self._whole = SliceAttention(
+                inner.cache, inner.microbatch, inner.slice_index, self._slice_documents()
+            )
+        return self._whole
 
     def _slice_documents(self) -> Tensor | None:
         documents_BS = self.inner.document_ids_BS
@@ -183,16 +210,14 @@ class UlyssesSliceAttention:
         pattern: AttentionPattern | None = None,
         sinks_H: Tensor | None = None,
     ) -> Tensor:
+        """This rank's tokens' attention output, computed on its heads of the whole slice."""
         keys_are_values = v_BGSD is k_BGSD
         q_BHSD, k_BGSD, v_BGSD = _to_head_shards(q_BHSD, k_BGSD, v_BGSD, self.group)
-        order = self.order_S.to(q_BHSD.device)
-        q_BHSD, k_BGSD = q_BHSD[:, :, order], k_BGSD[:, :, order]
-        v_BGSD = k_BGSD if keys_are_values else v_BGSD[:, :, order]
-        inner = self.inner
-        whole = SliceAttention(
-            inner.cache, inner.microbatch, inner.slice_index, self._slice_documents()
-        )
-        out_BHSD = whole.attend(
+        self.order_S = self.order_S.to(q_BHSD.device)
+        self.unorder_S = self.unorder_S.to(q_BHSD.device)
+        q_BHSD, k_BGSD = q_BHSD[:, :, self.order_S], k_BGSD[:, :, self.order_S]
+        v_BGSD = k_BGSD if keys_are_values else v_BGSD[:, :, self.order_S]
+        out_BHSD = self._whole_slice().attend(
             layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern, _local_sinks(sinks_H, self.group)
         )
-        return _Reshard.apply(out_BHSD[:, :, self.unorder_S.to(out_BHSD.device)], self.group, False)
+        return _Reshard.apply(out_BHSD[:, :, self.unorder_S], self.group, False)

@@ -93,7 +93,8 @@ class ModelConfig:
     """Which model to build."""
 
     name: str = "llama"
-    """Registered model family: llama, llama_moe, qwen3, qwen3_moe, or one of your own."""
+    """Registered model family: llama, llama_moe, qwen3, qwen3_moe, deepseek_v3, gpt_oss, or one
+    of your own."""
     flavor: str = "debug"
     """Named size of the model family (e.g. debug, 1B, 8B, 70B)."""
     module: str = ""

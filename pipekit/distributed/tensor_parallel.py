@@ -106,6 +106,13 @@ def apply_tensor_parallel(
     within `model` kept. Returns `model` (changed in place)."""
     assert spec.tensor_parallel_plan is not None  # check_tensor_parallel
     for block in spec.structure.blocks_of(model):
+        sinks = [name for name, _ in block.named_parameters() if name.endswith(".sinks")]
+        if sinks:  # one logit per head, which no plan splits with the heads yet
+            raise ValueError(
+                f"tensor parallelism of model {spec.name!r}: {sinks[0]} (attention sinks) "
+                "would need to split with the heads, which pipekit's plans do not do yet; set "
+                "tp = 1"
+            )
         plan = spec.tensor_parallel_plan(block, sequence_parallel)
         parallelize_module(block, tp_mesh, dict(plan))
     boundaries = _residual_stream_plan(model, tp_mesh, spec, sequence_parallel)

@@ -106,7 +106,14 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> Tensor:
         batch, seq_len, _ = x_BSD.shape
         cos_BSF, sin_BSF = rope_cos_sin
-        q_BSHX = self._queries(x_BSD).view(batch, seq_len, self.n_heads, -1)
+        queries = self._queries(x_BSD)
+        if queries.shape[-1] != self.n_heads * (self.nope_dim + self.rope_dim):
+            raise ValueError(
+                f"MultiHeadLatentAttention: the query projection gives {queries.shape[-1]} "
+                f"features, not {self.n_heads} heads x {self.nope_dim + self.rope_dim}: its "
+                "heads were split (tensor parallelism), which it does not support; use tp = 1"
+            )
+        q_BSHX = queries.view(batch, seq_len, self.n_heads, -1)
         q_nope_BSHN, q_rope_BSHR = q_BSHX.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope_BSHR = apply_rotary(q_rope_BSHR, cos_BSF, sin_BSF)
         latent_BSL, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], -1)

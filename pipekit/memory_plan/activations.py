@@ -93,6 +93,8 @@ class ActivationProfile:
     """Bytes of one token's hidden state (what a checkpointed block keeps)."""
     kv_bytes: dict[str, float]
     """Block name -> bytes of its K and V per token (what a KV cache holds)."""
+    kv_heads: dict[str, int]
+    """Block name -> kv heads its attention hands a KV cache (one for a latent)."""
 
 
 def profile_activations(
@@ -114,14 +116,15 @@ def profile_activations(
     shape = spec.shape(args)
     names = [structure.block_name(index) for index in range(shape.num_layers)]
     kinds: dict[tuple, tuple[float, float]] = {}
-    block_bytes, kv_bytes, kv_by_kind = {}, {}, {}
+    block_bytes, kv_bytes, kv_by_kind, kv_heads = {}, {}, {}, {}
     # a tp rank caches its share of the kv heads (or all of them, when fewer than tp)
     kv_heads_share = max(shape.num_kv_heads // split.tp, 1) / shape.num_kv_heads
     for name in names:
         kind = _kind(model.get_submodule(name))
         if kind not in kinds:
             block = build_stage_module(model, [*structure.shared, name])
-            kv_by_kind[kind] = _probe_kv_cache(block, shape.dim, dtype) * kv_heads_share
+            kv_per_token, heads = _probe_kv_cache(block, shape.dim, dtype)
+            kv_by_kind[kind] = (kv_per_token * kv_heads_share, heads)
             setup = _with_selective_checkpointing(configure) if selective else configure
             if split.tp == 1:
                 kinds[kind] = _probe_block(block, shape.dim, dtype, tokens, setup, selective)
@@ -130,7 +133,8 @@ def profile_activations(
                     _probe_split_block, block, spec, split, shape.dim, dtype, tokens, setup,
                     selective,
                 )  # fmt: skip
-        block_bytes[name], kv_bytes[name] = kinds[kind][0], kv_by_kind[kind]
+        block_bytes[name] = kinds[kind][0]
+        kv_bytes[name], kv_heads[name] = kv_by_kind[kind]
     head_names = [structure.output, *structure.logits_transforms]
     if shape.tied_embeddings:  # the output's weight is the embedding's; the probe's input is
         head_names.append(structure.embedding)  # hidden states, so the embedding never runs
@@ -147,6 +151,7 @@ def profile_activations(
         head_saved_bytes_per_row=head_saved / shape.vocab_size,
         input_bytes=shape.dim * dtype.itemsize // split.sequence_shards,
         kv_bytes=kv_bytes,
+        kv_heads=kv_heads,
     )
 
 
@@ -231,15 +236,19 @@ def _probe_split_block(
         return _probe_block(block, dim, dtype, lengths, configure, kept, sequence_shards=shards)
 
 
-def _probe_kv_cache(block: nn.Module, dim: int, dtype: torch.dtype, length: int = 4) -> float:
+def _probe_kv_cache(
+    block: nn.Module, dim: int, dtype: torch.dtype, length: int = 4
+) -> tuple[float, int]:
     """Bytes per token the block's attention leaves in a sliced KV cache (what its attention
-    hands its context: expanded K/V, or a latent kept once), measured by one forward."""
+    hands its context: expanded K/V, or a latent kept once), and its kv heads, measured by one
+    forward (no attention: 0 bytes, 0 heads)."""
     _give_weights(block)
     cache = ChunkedKVCache(backend="cpu")
     with torch.no_grad():
         hidden_BSD = torch.randn(1, length, dim, dtype=dtype)
         block(hidden_BSD, None, cache.slice_context(0, 0))
-    return cache.nbytes / length
+    heads = [cached.k_BGSD.shape[1] for _, slices in cache.layer_slices(0) for cached in slices]
+    return cache.nbytes / length, max(heads, default=0)
 
 
 def _probe_block(

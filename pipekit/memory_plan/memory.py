@@ -227,7 +227,13 @@ def _pipeline_activations(
     stages = max(len(layout.stages), 1)
     outputs = sum(_stage_output_bytes(job, s, layout, profile, compute) for s in layout.stages)
     per_token = (_block_bytes(job, layout.block_names, profile) + outputs) / stages
-    kv_per_token = sum(profile.kv_bytes[name] for name in layout.block_names) / stages
+    kv_per_token = (
+        sum(
+            profile.kv_bytes[name] * _ulysses_gathered_kv(job, profile.kv_heads[name])
+            for name in layout.block_names
+        )
+        / stages
+    )
     if plan.num_slices == 1:
         kv_per_token = 0.0  # no cache: K/V are among the saved activations
     scale = plan.num_stages * sequence_tokens  # the simulator takes a whole model's microbatch
@@ -248,6 +254,17 @@ def _pipeline_activations(
     # slices of the microbatch in backward, up to the whole microbatch's K/V
     kv_gradients = kv_per_token * sequence_tokens
     return in_flight + head + backward + kv_gradients
+
+
+def _ulysses_gathered_kv(job: Job, kv_heads: int) -> float:
+    """How many times a token's K/V a rank caches under Ulysses in a pipeline, over its share
+    without: kv heads fewer than the cp ranks are gathered whole (every token of one head,
+    `cp / kv_heads` times the token shard's bytes); otherwise each rank holds its heads of
+    every token, the same bytes."""
+    cp = job.dims.cp
+    if job.config.parallelism.cp_variant != "ulysses" or not kv_heads or kv_heads % cp == 0:
+        return 1.0
+    return cp / kv_heads
 
 
 def _offloaded_bytes(

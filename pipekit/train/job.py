@@ -340,7 +340,8 @@ def _check_context_parallel(config: JobConfig, cp: int, pp: int, shape: ModelSha
         if pp == 1:
             check_context_parallel_split(config.training.seq_len, cp)
         if config.parallelism.cp_variant == "ulysses":
-            check_ulysses_heads(shape.num_heads // max(config.parallelism.tp, 1), cp)
+            tp = max(config.parallelism.tp, 1)
+            check_ulysses_heads(shape.num_heads // tp, cp, max(shape.num_kv_heads // tp, 1))
     except ValueError as error:
         raise _error("[parallelism]", error) from None
 

@@ -165,7 +165,7 @@ def decoder_config_keys(
         "head_dim": args.per_head_dim,
         "hidden_act": "silu",
         "attention_dropout": 0.0,
-        "max_position_embeddings": args.max_seq_len,
+        "max_position_embeddings": _max_position_embeddings_of(args.max_seq_len, scaling),
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
         "rope_scaling": None if scaling is None else _rope_scaling_keys(scaling),
@@ -174,6 +174,15 @@ def decoder_config_keys(
         "torch_dtype": dtype_name,  # transformers 4 reads this key,
         "dtype": dtype_name,  # transformers 5 this one.
     }
+
+
+def _max_position_embeddings_of(max_seq_len: int, scaling: RopeScaling | YarnScaling | None) -> int:
+    """The context a config.json declares: the training length, but for YaRN the scaled
+    context `factor x original` (some transformers versions derive YaRN's factor from
+    `max_position_embeddings / original_max_position_embeddings` and ignore `factor`)."""
+    if isinstance(scaling, YarnScaling):
+        return round(scaling.factor * scaling.original_max_position_embeddings)
+    return max_seq_len
 
 
 def _rope_scaling_keys(scaling: RopeScaling | YarnScaling) -> dict[str, Any]:

@@ -136,7 +136,8 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         ),
         expert_ffn_dim=96,
     ),
-    # DeepSeek-V2-Lite's shape with V3's routing: 27 layers, 64 experts top-6, no query LoRA.
+    # DeepSeek-V2-Lite's shape with V3's routing and YaRN (V2-Lite's own mscale is 0.707):
+    # 27 layers, 64 experts top-6, no query LoRA.
     "16B": DeepSeekV3Args(
         dim=2048,
         n_layers=27,
