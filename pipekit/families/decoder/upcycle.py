@@ -86,6 +86,11 @@ def _sources(
             f"copy of the dense SwiGLU FFN; use activation={EXPERT_ACTIVATION!r} (the upcycler's "
             "moe_args give it)"
         )
+    if args.moe.expert_biases or args.moe.router_bias:
+        raise ValueError(
+            "upcycling into experts or a router with biases: a dense FFN has none to copy; set "
+            "moe.expert_biases = moe.router_bias = false (the upcycler's moe_args do)"
+        )
     dense = _dense_args(args, dense_args_type)
     dense_hf.check_checkpoint(checkpoint, dense)
     with torch.device("meta"):
