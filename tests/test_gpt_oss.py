@@ -141,3 +141,71 @@ def test_flavors_build(flavor: str) -> None:
     params = sum(p.numel() for p in model.parameters())
     expected = {"20B": (20e9, 22.5e9), "120B": (115e9, 121e9), "debug": (0, 1e7)}[flavor]
     assert expected[0] < params < expected[1], params
+
+
+SINKS_H = torch.linspace(-1.5, 1.5, 4, dtype=torch.float64)
+"""Sinks far from their zero init, one per head, so a rank holding other heads' shows."""
+
+
+def _set_sinks(model: torch.nn.Module, first_heads: bool = False) -> None:
+    """Give every layer SINKS_H (a sharded one its share); `first_heads` (the ablation): every
+    tp rank the first tp rank's heads' sinks."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    values_H = SINKS_H[:2].repeat(2) if first_heads else SINKS_H
+    for module in model.modules():
+        sinks = getattr(module, "sinks", None)
+        if sinks is None:
+            continue
+        with torch.no_grad():
+            if isinstance(sinks, DTensor):
+                split = distribute_tensor(values_H, sinks.device_mesh, sinks.placements)
+                sinks.to_local().copy_(split.to_local())
+            else:
+                sinks.copy_(values_H)
+
+
+def _tensor_parallel_runs(rank: int, world: int) -> dict:
+    from pipekit.models import get_model_spec
+    from pipekit.testing import data_parallel_step, parity_batch
+
+    spec, args = get_model_spec("gpt_oss"), _tp_args()
+    batch = parity_batch(args.vocab_size, 8, 16)
+    return {
+        "tp": data_parallel_step(rank, world, spec, args, batch, tp=2, adjust=_set_sinks),
+        "ablated": data_parallel_step(
+            rank, world, spec, args, batch, tp=2,
+            adjust=lambda model: _set_sinks(model, first_heads=True),
+        ),
+    }  # fmt: skip
+
+
+def _tp_args() -> GptOssArgs:
+    base = gpt_oss_flavor("debug")
+    return dataclasses.replace(
+        base, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, ffn_dim=32,
+        max_seq_len=64, sliding_window=5, moe=dataclasses.replace(base.moe, num_experts=4),
+    )  # fmt: skip
+
+
+def test_tensor_parallel_splits_the_sinks_with_their_heads_fp64() -> None:
+    """tp 2 x FSDP 2 (sequence parallel, the MoE routing each rank's tokens): the biases split
+    with their projections and each rank's sinks are its heads', so loss and every gradient
+    equal one process's; giving every rank the first heads' sinks does not."""
+    from pipekit.models import get_model_spec
+    from pipekit.testing import (
+        build_model,
+        max_relative_difference,
+        parity_batch,
+        reference_step,
+        run_on_ranks,
+    )
+
+    per_rank = run_on_ranks(_tensor_parallel_runs, 4, timeout=300)
+    spec, args = get_model_spec("gpt_oss"), _tp_args()
+    model = build_model(spec, args, seed=3, dtype=torch.float64)
+    _set_sinks(model)
+    batch = parity_batch(args.vocab_size, 8, 16)
+    reference = reference_step(spec, args, batch, microbatches=2, model=model)
+    assert max_relative_difference([r["tp"] for r in per_rank], reference) <= 1e-10
+    assert max_relative_difference([r["ablated"] for r in per_rank], reference) > 1e-3

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -88,6 +88,16 @@ def check_tensor_parallel(
         )
 
 
+def _split_attention_sinks(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Attention sinks (one logit per query head, `*.sinks`) split with their heads: each a
+    DTensor sharded on its head dim, as the column-split query projection's heads are."""
+    for name, sinks in list(block.named_parameters()):
+        if name.endswith(".sinks") and not isinstance(sinks, DTensor):
+            owner = block.get_submodule(name.removesuffix(".sinks"))
+            split = distribute_tensor(sinks.data, tp_mesh, [Shard(0)])
+            owner.register_parameter("sinks", nn.Parameter(split, sinks.requires_grad))
+
+
 def apply_tensor_parallel(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -106,15 +116,9 @@ def apply_tensor_parallel(
     within `model` kept. Returns `model` (changed in place)."""
     assert spec.tensor_parallel_plan is not None  # check_tensor_parallel
     for block in spec.structure.blocks_of(model):
-        sinks = [name for name, _ in block.named_parameters() if name.endswith(".sinks")]
-        if sinks:  # one logit per head, which no plan splits with the heads yet
-            raise ValueError(
-                f"tensor parallelism of model {spec.name!r}: {sinks[0]} (attention sinks) "
-                "would need to split with the heads, which pipekit's plans do not do yet; set "
-                "tp = 1"
-            )
         plan = spec.tensor_parallel_plan(block, sequence_parallel)
         parallelize_module(block, tp_mesh, dict(plan))
+        _split_attention_sinks(block, tp_mesh)
     boundaries = _residual_stream_plan(model, tp_mesh, spec, sequence_parallel)
     embedding, output = (getattr(model, name, None) for name in spec.structure.vocabulary_modules)
     tied = embedding is not None and output is not None and embedding.weight is output.weight

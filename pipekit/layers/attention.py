@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from pipekit.attention.context import AttentionContext, attend
 from pipekit.attention.patterns import AttentionPattern
@@ -81,8 +82,10 @@ class GroupedQueryAttention(nn.Module):
         k_BGSK = apply_rotary(k_BSGK, cos_BSF, sin_BSF).transpose(1, 2)
         v_BGSK = v_BSGK.transpose(1, 2)
         scale = self.head_dim**-0.5
+        # under tensor parallelism the sinks are sharded with the heads: this rank's heads'
+        sinks_H = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
         out_BSD = _attend_merging_heads(
-            context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale, self.pattern, self.sinks
+            context, layer_id, q_BHSK, k_BGSK, v_BGSK, scale, self.pattern, sinks_H
         )
         return self.wo(out_BSD)
 

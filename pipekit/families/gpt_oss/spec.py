@@ -1,11 +1,12 @@
 """The gpt-oss family as pipekit sees it (registered through the `pipekit.models` entry point).
-It has no tensor-parallel plan yet (the sinks would have to split with the heads): a job with
-tp > 1 is refused before launch. Its Hugging Face format is `GptOssForCausalLM`'s
+Its tensor-parallel plan is the decoder's (the biases split with their projections, the sinks
+with their heads: `apply_tensor_parallel`). Its Hugging Face format is `GptOssForCausalLM`'s
 (`pipekit.families.gpt_oss.hf`)."""
 
 from __future__ import annotations
 
 from pipekit.families.decoder.model import DECODER_STRUCTURE, decoder_shape
+from pipekit.families.decoder.parallelize import decoder_tensor_parallel_plan
 from pipekit.families.gpt_oss.args import GPT_OSS_FLAVORS
 from pipekit.families.gpt_oss.hf import GPT_OSS_HF
 from pipekit.families.gpt_oss.model import GptOss
@@ -20,4 +21,5 @@ GPT_OSS = ModelSpec(
     shape=decoder_shape,
     structure=DECODER_STRUCTURE,
     hf=GPT_OSS_HF.adapter(),
+    tensor_parallel_plan=decoder_tensor_parallel_plan,
 )
