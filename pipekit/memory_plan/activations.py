@@ -115,16 +115,12 @@ def profile_activations(
     structure = spec.structure
     shape = spec.shape(args)
     names = [structure.block_name(index) for index in range(shape.num_layers)]
-    kinds: dict[tuple, tuple[float, float]] = {}
-    block_bytes, kv_bytes, kv_by_kind, kv_heads = {}, {}, {}, {}
-    # a tp rank caches its share of the kv heads (or all of them, when fewer than tp)
-    kv_heads_share = max(shape.num_kv_heads // split.tp, 1) / shape.num_kv_heads
+    kinds: dict[tuple, _BlockProbe] = {}
+    block_bytes, kv_bytes, kv_heads = {}, {}, {}
     for name in names:
         kind = _kind(model.get_submodule(name))
         if kind not in kinds:
             block = build_stage_module(model, [*structure.shared, name])
-            kv_per_token, heads = _probe_kv_cache(block, shape.dim, dtype)
-            kv_by_kind[kind] = (kv_per_token * kv_heads_share, heads)
             setup = _with_selective_checkpointing(configure) if selective else configure
             if split.tp == 1:
                 kinds[kind] = _probe_block(block, shape.dim, dtype, tokens, setup, selective)
@@ -133,8 +129,8 @@ def profile_activations(
                     _probe_split_block, block, spec, split, shape.dim, dtype, tokens, setup,
                     selective,
                 )  # fmt: skip
-        block_bytes[name] = kinds[kind][0]
-        kv_bytes[name], kv_heads[name] = kv_by_kind[kind]
+        block_bytes[name] = kinds[kind].saved
+        kv_bytes[name], kv_heads[name] = kinds[kind].kv_cache, kinds[kind].kv_heads
     head_names = [structure.output, *structure.logits_transforms]
     if shape.tied_embeddings:  # the output's weight is the embedding's; the probe's input is
         head_names.append(structure.embedding)  # hidden states, so the embedding never runs
@@ -146,7 +142,7 @@ def profile_activations(
         head_saved, head_peak = in_forked_child(_probe_split_head, spec, split, *head_args)
     return ActivationProfile(
         block_bytes=block_bytes,
-        backward_bytes=max(working - saved for saved, working in kinds.values()),
+        backward_bytes=max(probe.working - probe.saved for probe in kinds.values()),
         head_bytes_per_row=head_peak / shape.vocab_size,
         head_saved_bytes_per_row=head_saved / shape.vocab_size,
         input_bytes=shape.dim * dtype.itemsize // split.sequence_shards,
@@ -222,7 +218,7 @@ def _probe_split_block(
     tokens: tuple[int, int],
     configure: Callable[[nn.Module], object] | None,
     kept: bool = False,
-) -> tuple[float, float]:
+) -> _BlockProbe:
     """`_probe_block` as tp rank 0 of a simulated group runs the block: its collectives
     return at once, and give tensors of the real shapes."""
     # in a forked child: GNU OpenMP's thread pool does not survive fork once the parent used
@@ -236,19 +232,28 @@ def _probe_split_block(
         return _probe_block(block, dim, dtype, lengths, configure, kept, sequence_shards=shards)
 
 
-def _probe_kv_cache(
-    block: nn.Module, dim: int, dtype: torch.dtype, length: int = 4
+def _kv_cache_bytes(
+    block: nn.Module, dim: int, dtype: torch.dtype, sequence_shards: int, length: int = 4
 ) -> tuple[float, int]:
     """Bytes per token the block's attention leaves in a sliced KV cache (what its attention
-    hands its context: expanded K/V, or a latent kept once), and its kv heads, measured by one
-    forward (no attention: 0 bytes, 0 heads)."""
-    _give_weights(block)
+    hands its context: expanded K/V, or a latent kept once; a tp rank's heads), and its kv
+    heads, measured by one forward (no attention: 0 bytes, 0 heads)."""
     cache = ChunkedKVCache(backend="cpu")
     with torch.no_grad():
-        hidden_BSD = torch.randn(1, length, dim, dtype=dtype)
+        hidden_BSD = torch.randn(1, length // sequence_shards, dim, dtype=dtype)
         block(hidden_BSD, None, cache.slice_context(0, 0))
     heads = [cached.k_BGSD.shape[1] for _, slices in cache.layer_slices(0) for cached in slices]
     return cache.nbytes / length, max(heads, default=0)
+
+
+@dataclass(frozen=True)
+class _BlockProbe:
+    """What one kind of block measured, per token."""
+
+    saved: float
+    working: float
+    kv_cache: float
+    kv_heads: int
 
 
 def _probe_block(
@@ -259,16 +264,17 @@ def _probe_block(
     configure: Callable[[nn.Module], object] | None,
     kept: bool = False,
     sequence_shards: int = 1,
-) -> tuple[float, float]:
-    """(bytes per token the block saves, peak bytes per token over its forward and its
-    backward to the input); under sequence parallelism the block takes a rank's
-    `1/sequence_shards` of the tokens. With `kept` the saved bytes are all the forward keeps
-    alive (`kept_bytes`: selective checkpointing keeps op outputs outside autograd's saved
-    tensors). Weights take no gradient here: their gradients' sizes do not grow with the
-    tokens, and would move the peak to a moment that does not."""
+) -> _BlockProbe:
+    """Bytes per token the block saves, its peak over its forward and its backward to the
+    input, and its KV cache's (`_kv_cache_bytes`); under sequence parallelism the block takes
+    a rank's `1/sequence_shards` of the tokens. With `kept` the saved bytes are all the
+    forward keeps alive (`kept_bytes`: selective checkpointing keeps op outputs outside
+    autograd's saved tensors). Weights take no gradient here: their gradients' sizes do not
+    grow with the tokens, and would move the peak to a moment that does not."""
     _give_weights(block)
     if configure is not None:
         configure(block)
+    kv_cache, kv_heads = _kv_cache_bytes(block, dim, dtype, sequence_shards)
 
     def saved_bytes(length: int) -> int:
         hidden_BSD = torch.randn(1, length // sequence_shards, dim, dtype=dtype)
@@ -289,7 +295,8 @@ def _probe_block(
 
     saved = _slope(saved_bytes, tokens)
     block.requires_grad_(False)
-    return saved, _largest_moment_slope(working_bytes, tokens)
+    working = _largest_moment_slope(working_bytes, tokens)
+    return _BlockProbe(saved, working, kv_cache, kv_heads)
 
 
 def _probe_split_head(

@@ -16,7 +16,32 @@ from pipekit.layers.latent_attention import LATENT_ATTENTION_CACHES
 from pipekit.layers.rope import RopeScaling, YarnScaling
 from pipekit.moe import MoEArgs
 
-__all__ = ["DEEPSEEK_V3_FLAVORS", "DeepSeekV3Args", "deepseek_v3_flavor"]
+__all__ = ["DEEPSEEK_V3_FLAVORS", "DeepSeekV3Args", "deepseek_v3_flavor", "deepseek_v3_moe"]
+
+
+def deepseek_v3_moe(
+    num_experts: int,
+    top_k: int,
+    *,
+    shared: int,
+    groups: int,
+    topk_groups: int,
+    routed_scaling: float = 2.5,
+) -> MoEArgs:
+    """DeepSeek-V3's MoE at a size: shared experts, the grouped sigmoid router with routed
+    scaling, bias balancing (step 1e-3) and a small sequence-wise balance loss."""
+    return MoEArgs(
+        num_experts=num_experts,
+        top_k=top_k,
+        router="sigmoid_topk",
+        num_shared_experts=shared,
+        num_groups=groups,
+        topk_groups=topk_groups,
+        routed_scaling=routed_scaling,
+        bias_update_rate=1e-3,
+        load_balance="sequence",
+        load_balance_weight=1e-4,
+    )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -54,18 +79,7 @@ class DeepSeekV3Args(MoEFields, DecoderArgs):
     per-head keys and values, or "latent" (the absorbed form: one latent key that is its own
     value, `kv_lora_rank + qk_rope_head_dim` per token)."""
     moe: MoEArgs = field(
-        default_factory=lambda: MoEArgs(
-            num_experts=256,
-            top_k=8,
-            router="sigmoid_topk",
-            num_shared_experts=1,
-            num_groups=8,
-            topk_groups=4,
-            routed_scaling=2.5,
-            bias_update_rate=1e-3,
-            load_balance="sequence",
-            load_balance_weight=1e-4,
-        )
+        default_factory=lambda: deepseek_v3_moe(256, 8, shared=1, groups=8, topk_groups=4)
     )
     expert_ffn_dim: int | None = 2048
 
@@ -122,18 +136,7 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         qk_rope_head_dim=16,
         v_head_dim=32,
         first_dense_layers=1,
-        moe=MoEArgs(
-            num_experts=8,
-            top_k=2,
-            router="sigmoid_topk",
-            num_shared_experts=1,
-            num_groups=4,
-            topk_groups=2,
-            routed_scaling=2.5,
-            bias_update_rate=1e-3,
-            load_balance="sequence",
-            load_balance_weight=1e-4,
-        ),
+        moe=deepseek_v3_moe(8, 2, shared=1, groups=4, topk_groups=2),
         expert_ffn_dim=96,
     ),
     # DeepSeek-V2-Lite's shape with V3's routing and YaRN (V2-Lite's own mscale is 0.707):
@@ -146,18 +149,7 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         ffn_dim=10944,
         q_lora_rank=None,
         first_dense_layers=1,
-        moe=MoEArgs(
-            num_experts=64,
-            top_k=6,
-            router="sigmoid_topk",
-            num_shared_experts=2,
-            num_groups=1,
-            topk_groups=1,
-            routed_scaling=1.0,
-            bias_update_rate=1e-3,
-            load_balance="sequence",
-            load_balance_weight=1e-4,
-        ),
+        moe=deepseek_v3_moe(64, 6, shared=2, groups=1, topk_groups=1, routed_scaling=1.0),
         expert_ffn_dim=1408,
     ),
     "671B": DeepSeekV3Args(),
