@@ -79,10 +79,12 @@ def test_context_parallel_bench_counts_the_bytes_the_formula_predicts(capsys):
     assert set(figures) == {
         "auto_vs_commutated", "auto_vs_kv_passing", "mha_commutated_vs_kv_bytes",
         "whole_auto_vs_best", "whole_ulysses_vs_kv_passing", "mla_auto_vs_expanded_auto",
-        "mla_kv_passing_vs_expanded", "mla_chosen_vs_best",
+        "mla_kv_passing_vs_expanded", "mla_chosen_vs_best", "whole_hierarchical_vs_kv_passing",
+        "hierarchical_vs_flat_auto", "hierarchical_chosen_vs_best",
         "commutated_vs_kv_bytes", "formula", "chosen_vs_best", "measured_vs_formula",
     }  # fmt: skip
     assert float(figures["whole_auto_vs_best"]) == 1.0
+    assert float(figures["hierarchical_chosen_vs_best"]) == 1.0
     # DeepSeek-V3's latent (512 + 64) once per token against 128 heads x 2 x 192 (padded values)
     assert float(figures["mla_kv_passing_vs_expanded"]) == pytest.approx(
         576 / (128 * 2 * 192), 1e-3

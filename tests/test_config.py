@@ -289,7 +289,7 @@ def test_context_parallel_pipelines_are_checked_before_launch():
         ),
         (
             ("--parallelism.cp_variant", "hybrid"),
-            r"\[parallelism\] cp_variant='hybrid' is not one of auto, commutated, kv_passing",
+            r"\[parallelism\] cp_variant='hybrid' is not one of auto, commutated, hierarchical",
         ),
     ]:
         with pytest.raises(ConfigError, match=message):

@@ -6,7 +6,6 @@ choice by bytes."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
@@ -15,7 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from attention_reference import reference_attention
+from context_parallel_cases import (
+    LENGTH,
+    SLICES,
+    TOLERANCE,
+    WINDOW,
+    case_inputs,
+    case_leaves,
+    case_sinks,
+    summed_grads,
+    whole_sequence_run,
+    worst_difference,
+)
 from tiny_models import TINY_LLAMA
 
 import examples.custom_model.model as custom
@@ -53,119 +63,11 @@ from pipekit.testing import (
     run_on_ranks,
 )
 
-BATCH, HEADS, KV_HEADS, LENGTH, HEAD_DIM = 2, 4, 2, 32, 8
-SLICES = 4
-TOLERANCE = 1e-12
-WINDOW = AttentionPattern(window=6)
-"""A sliding window shorter than a slice: later slices see only the end of the one before."""
-
-
-def _inputs() -> dict[str, torch.Tensor]:
-    """The same full sequence on every rank: q, k, v, the upstream gradient and two packed
-    documents per row (split at a row-dependent point)."""
-    generator = torch.Generator().manual_seed(5)
-
-    def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, dtype=torch.float64, generator=generator)
-
-    split_B1 = torch.tensor([[11], [20]])
-    return {
-        "q": draw(BATCH, HEADS, LENGTH, HEAD_DIM),
-        "k": draw(BATCH, KV_HEADS, LENGTH, HEAD_DIM),
-        "v": draw(BATCH, KV_HEADS, LENGTH, HEAD_DIM),
-        "upstream": draw(BATCH, HEADS, LENGTH, HEAD_DIM),
-        "documents": (torch.arange(LENGTH) >= split_B1).long(),
-        "sinks": draw(HEADS),
-    }
-
-
-def _reference(
-    inputs: dict[str, torch.Tensor], pattern: AttentionPattern | None = None, sinks: bool = False
-) -> dict[str, torch.Tensor]:
-    """One process: causal (or `pattern`'s) attention within documents (with the attention
-    sinks if `sinks`), its output and gradients."""
-    q, k, v, sinks_H = (inputs[name].clone().requires_grad_() for name in ("q", "k", "v", "sinks"))
-    tokens = torch.arange(LENGTH)
-    documents = inputs["documents"]
-    allowed_SK = (tokens[:, None] >= tokens[None, :]) & (
-        tokens[:, None] - tokens[None, :] < (pattern.window if pattern else LENGTH)
-    )
-    allowed_BSK = allowed_SK & (documents[:, :, None] == documents[:, None, :])
-    allowed = allowed_BSK[:, None].expand(BATCH, HEADS, LENGTH, LENGTH)
-    out, _ = reference_attention(q, k, v, allowed, HEAD_DIM**-0.5, sinks_H if sinks else None)
-    (out * inputs["upstream"]).sum().backward()
-    grads = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
-    return grads | ({"sinks": sinks_H.grad} if sinks else {})
-
-
-def _leaves(
-    inputs: dict[str, torch.Tensor], shared: bool = False, sinks: bool = False
-) -> dict[str, torch.Tensor]:
-    """q, k, v (and the sinks) as leaves; `shared`: the keys are also the values (one leaf, as
-    multi-head latent attention's latent form hands them over)."""
-    names = ("q", "k", "v", "sinks") if sinks else ("q", "k", "v")
-    leaves = {name: inputs[name].clone().requires_grad_() for name in names}
-    if shared:
-        leaves["v"] = leaves["k"]
-    return leaves
-
-
-def _summed_grads(leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each rank's gradients cover its own tokens; their sum is the whole sequence's."""
-    grads = {}
-    for name, leaf in leaves.items():
-        grad = leaf.grad.clone()
-        dist.all_reduce(grad)
-        grads[name] = grad
-    return grads
-
-
-def _sinks(leaves: dict[str, torch.Tensor], ablate: bool) -> torch.Tensor | None:
-    """The attention sinks of a run that has them; the ablation counts them twice (2 e^s =
-    e^(s + ln 2)), as a merge that added them per partial would."""
-    if "sinks" not in leaves:
-        return None
-    return leaves["sinks"] + math.log(2) if ablate else leaves["sinks"]
-
-
-def _whole_sequence_run(
-    variant: str,
-    pattern: AttentionPattern | None = None,
-    shared: bool = False,
-    sinks: bool = False,
-) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
-    """The trainer's context outside pipelines, by `variant`, over the unsliced sequence; the
-    ablation masks each rank's tokens as if they were the first of the sequence (with a
-    `pattern`: ignores the pattern)."""
-
-    def run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
-        inputs = _inputs()
-        leaves = _leaves(inputs, shared, sinks)
-        sinks_H, ablate = _sinks(leaves, ablate), ablate and not sinks
-        tokens = load_balanced_indices(LENGTH, world)[rank]
-        masked_tokens = torch.arange(len(tokens)) if ablate and pattern is None else tokens
-        context = ContextParallelAttention(
-            masked_tokens, inputs["documents"][:, tokens], None, "cpu", variant
-        )
-        local = {name: leaves[name][:, :, tokens] for name in "qk"}
-        local["v"] = local["k"] if shared else leaves["v"][:, :, tokens]
-        seen = None if ablate else pattern
-        out = context.attend(
-            "0", local["q"], local["k"], local["v"], HEAD_DIM**-0.5, seen, sinks_H=sinks_H
-        )
-        (out * inputs["upstream"][:, :, tokens]).sum().backward()
-        full_out = torch.zeros_like(inputs["q"])
-        full_out[:, :, tokens] = out.detach()
-        dist.all_reduce(full_out)
-        return {"out": full_out, **_summed_grads(leaves)}
-
-    return run
-
 
 def _ring_rotation_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
     """Ring KV passing called directly; the ablation stops the rotation (own chunk only)."""
-    inputs = _inputs()
-    leaves = _leaves(inputs)
+    inputs = case_inputs()
+    leaves = case_leaves(inputs)
     tokens = load_balanced_indices(LENGTH, world)[rank]
     shard = TokenShard(tokens, inputs["documents"][:, tokens])
     q, k, v = (leaves[name][:, :, tokens] for name in "qkv")
@@ -174,7 +76,7 @@ def _ring_rotation_run(rank: int, world: int, ablate: bool) -> dict[str, torch.T
     full_out = torch.zeros_like(inputs["q"])
     full_out[:, :, tokens] = out.detach()
     dist.all_reduce(full_out)
-    return {"out": full_out, **_summed_grads(leaves)}
+    return {"out": full_out, **summed_grads(leaves)}
 
 
 def _sliced_run(
@@ -185,9 +87,9 @@ def _sliced_run(
     ablation attends to the rank's own cache only (with a `pattern`: ignores the pattern)."""
 
     def run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
-        inputs = _inputs()
-        leaves = _leaves(inputs, sinks=sinks)
-        sinks_H, ablate = _sinks(leaves, ablate), ablate and not sinks
+        inputs = case_inputs()
+        leaves = case_leaves(inputs, sinks=sinks)
+        sinks_H, ablate = case_sinks(leaves, ablate), ablate and not sinks
         slice_length = LENGTH // SLICES
         cache: list[CachedShard] = []
         full_out = torch.zeros_like(inputs["q"])
@@ -207,7 +109,7 @@ def _sliced_run(
             full_out[:, :, tokens] = out.detach()
         loss.backward()
         dist.all_reduce(full_out)
-        return {"out": full_out, **_summed_grads(leaves)}
+        return {"out": full_out, **summed_grads(leaves)}
 
     return run
 
@@ -232,9 +134,9 @@ def _lending_run(
     cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pipeline_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pipeline_group = pipeline_groups[rank % 2]
-    inputs = _inputs()
-    leaves = _leaves(inputs, sinks=sinks)
-    sinks_H, ablate = _sinks(leaves, ablate), ablate and not sinks
+    inputs = case_inputs()
+    leaves = case_leaves(inputs, sinks=sinks)
+    sinks_H, ablate = case_sinks(leaves, ablate), ablate and not sinks
     full_out = torch.zeros_like(inputs["q"])
     if rank >= 2:  # a pipeline peer: serve every lending slice's forward, then its backward
         loan = AttentionLoan(0, pipeline_group)
@@ -245,7 +147,7 @@ def _lending_run(
         for leaf in leaves.values():
             leaf.grad = torch.zeros_like(leaf)
         dist.all_reduce(full_out)
-        return {"out": full_out, **_summed_grads(leaves)}
+        return {"out": full_out, **summed_grads(leaves)}
     slice_length, peer = LENGTH // SLICES, AttentionLoan(1, pipeline_group)
     cache: list[CachedShard] = []
     loss = torch.zeros((), dtype=torch.float64)
@@ -273,27 +175,7 @@ def _lending_run(
         full_out[:, :, tokens] = out.detach()
     loss.backward()
     dist.all_reduce(full_out)
-    return {"out": full_out, **_summed_grads(leaves)}
-
-
-def _worst_difference(
-    results: list[dict[str, torch.Tensor]],
-    pattern: AttentionPattern | None = None,
-    shared: bool = False,
-    sinks: bool = False,
-) -> float:
-    reference = _reference(_inputs(), pattern, sinks)
-    if shared:  # the one leaf collects the keys' and the values' gradients
-        inputs = _inputs()
-        inputs["v"] = inputs["k"]
-        reference = _reference(inputs, pattern)
-        reference["k"] = reference["k"] + reference.pop("v")
-    worst = 0.0
-    for result in results:
-        for name, want in reference.items():
-            scale = want.abs().max()
-            worst = max(worst, ((result[name] - want).abs().max() / scale).item())
-    return worst
+    return {"out": full_out, **summed_grads(leaves)}
 
 
 def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -302,25 +184,25 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
         f"{name}{' ablated' if ablate else ''}": run(rank, world, ablate)
         for name, run in (
             *(
-                (f"{variant}, whole sequence", _whole_sequence_run(variant))
+                (f"{variant}, whole sequence", whole_sequence_run(variant))
                 for variant in ("kv_passing", "ring", "commutated", "ulysses")
             ),
             ("ring rotation", _ring_rotation_run),
             ("kv passing, sliced", _sliced_run(kv_passing_context_attention)),
             ("commutated, sliced", _sliced_run(commutated_context_attention)),
             *(
-                (f"{variant}, whole sequence, window", _whole_sequence_run(variant, WINDOW))
+                (f"{variant}, whole sequence, window", whole_sequence_run(variant, WINDOW))
                 for variant in ("kv_passing", "ring", "commutated", "ulysses")
             ),
             *(
                 (
                     f"{variant}, whole sequence, keys are values",
-                    _whole_sequence_run(variant, shared=True),
+                    whole_sequence_run(variant, shared=True),
                 )
                 for variant in ("kv_passing", "commutated", "ulysses")
             ),
             *(
-                (f"{variant}, whole sequence, sinks", _whole_sequence_run(variant, sinks=True))
+                (f"{variant}, whole sequence, sinks", whole_sequence_run(variant, sinks=True))
                 for variant in ("kv_passing", "ring", "commutated", "ulysses")
             ),
             ("kv passing, sliced, sinks", _sliced_run(kv_passing_context_attention, sinks=True)),
@@ -352,7 +234,7 @@ def test_context_parallel_attention_matches_one_process_fp64(world: int) -> None
         pattern = WINDOW if "window" in case else None
         shared, sinks = "keys are values" in case, "sinks" in case
         results = [results[case] for results in per_rank]
-        difference = _worst_difference(results, pattern, shared, sinks)
+        difference = worst_difference(results, pattern, shared, sinks)
         if case.endswith("ablated"):
             assert difference > 1e-3, (case, difference)
         else:
@@ -387,7 +269,7 @@ def test_the_cheaper_variant_depends_on_grouped_query_attention_and_the_slice() 
     assert context_parallel_bytes("kv_passing", slice_index=3, **gqa) == 4 * context_parallel_bytes(
         "kv_passing", slice_index=0, **gqa
     )
-    with pytest.raises(ValueError, match="choose 'commutated', 'kv_passing' or 'ulysses'"):
+    with pytest.raises(ValueError, match="choose 'commutated', 'kv_passing', 'ulysses' or"):
         context_parallel_bytes("ring", slice_index=0, **gqa)
 
 

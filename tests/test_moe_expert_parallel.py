@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from moe_reference import DIM, EXPERTS, reference_moe_forward, small_moe
 from tiny_models import TINY_LLAMA
 from torch.distributed.device_mesh import init_device_mesh
 
+from pipekit.config import ConfigError, load_job_config
 from pipekit.families.llama_moe.args import LlamaMoEArgs
 from pipekit.models import get_model_spec
 from pipekit.models.materialize import local_tensor
@@ -19,6 +21,7 @@ from pipekit.moe.dispatch_plan import plan_partitions
 from pipekit.moe.expert_parallel import apply_expert_parallel
 from pipekit.moe.token_exchange import CollectiveExchange, PacedExchange, link_rows
 from pipekit.testing import data_parallel_model, run_on_ranks
+from pipekit.train.job import validate_job
 
 CASES = [
     ("topk_softmax", 2, None, 1, "none"),
@@ -167,17 +170,46 @@ def test_dispatch_then_combine_is_the_identity(paced: bool) -> None:
         assert all(r["elapsed"] >= r["paced_floor"] for r in results)
 
 
-def _parameter_shares(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
+def _parameter_shares(rank: int, world_size: int) -> dict[str, dict[str, tuple[int, int]]]:
     args = LlamaMoEArgs(**vars(TINY_LLAMA), moe=MoEArgs(num_experts=4, top_k=2))
-    model, _, _ = data_parallel_model(world_size, get_model_spec("llama_moe"), args, ep=2)
-    return {name: (local_tensor(p).numel(), p.numel()) for name, p in model.named_parameters()}
+    shares = {}
+    for name, degrees in {"ep 2": {"ep": 2}, "ep 1 x etp 2": {"etp": 2}}.items():
+        model, _, _ = data_parallel_model(world_size, get_model_spec("llama_moe"), args, **degrees)
+        shares[name] = {
+            n: (local_tensor(p).numel(), p.numel()) for n, p in model.named_parameters()
+        }
+    return shares
 
 
 def test_experts_are_sharded_over_the_ep_groups_that_hold_them() -> None:
     """4 ranks, ep = 2: the two ep groups hold the same experts, and FSDP2 splits each rank's
     experts again over them, so every rank holds a quarter of every expert tensor, as of
-    every dense one (replicated experts would be half)."""
-    for shares in run_on_ranks(_parameter_shares, 4):
-        assert any(".experts." in name for name in shares)
-        for name, (local, total) in shares.items():
-            assert local * 4 == total, (name, local, total)
+    every dense one (replicated experts would be half); with etp = 2 instead, each expert's
+    hidden dim over 2 ranks and FSDP2 over the other 2, a quarter again."""
+    for per_layout in run_on_ranks(_parameter_shares, 4):
+        for shares in per_layout.values():
+            assert any(".experts." in name for name in shares)
+            for name, (local, total) in shares.items():
+                assert local * 4 == total, (name, local, total)
+
+
+def test_expert_tensor_parallelism_is_refused_where_it_cannot_run() -> None:
+    """One line each, before launch: ep x etp not dividing the token ranks, a hidden dim etp
+    does not divide, experts with biases (gpt-oss)."""
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    moe = ["--config", str(configs / "debug_moe.toml")]
+    cases = [
+        ([*moe, "--parallelism.etp", "2"], 2, "ep x etp = 4 must divide"),
+        ([*moe, "--parallelism.ep", "1", "--parallelism.etp", "5"], 5, "etp=5 must divide the"),
+        (
+            ["--config", str(configs / "debug_gpt_oss.toml"), "--parallelism.ep", "1",
+             "--parallelism.etp", "2"],
+            4,
+            "etp=2 with expert biases",
+        ),
+    ]  # fmt: skip
+    for arguments, world, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            validate_job(load_job_config(arguments), world, check_files=False)
+    job = validate_job(load_job_config([*moe, "--parallelism.etp", "2"]), 4, check_files=False)
+    assert (job.dims.ep, job.dims.etp) == (2, 2)

@@ -8,7 +8,9 @@ schedule (v = 1 and 2), sliced with context exchange, with context parallelism (
 commutated attention over the chunked KV cache, KV passing, and the choice per slice, on 2
 pipeline x 2 cp ranks, and with context exchange on top), with tensor parallelism (sequence and
 loss parallel, 2 pipeline x 2 tp ranks, the MoE's experts split over the tp ranks' tokens),
-with vocabulary parallelism, expert parallelism alone and inside the sliced pipeline, everything
+with vocabulary parallelism, expert parallelism alone and inside the sliced pipeline, expert
+tensor parallelism (each expert's hidden dim split over 2 ranks) with EP and inside the sliced
+pipeline, everything
 at once, and tied embeddings across stages (on two ranks, as
 vocabulary shards, and on one rank of a V), and a MoE upcycled from a dense Hugging Face
 checkpoint inside the sliced pipeline with expert parallelism (each rank reading only its
@@ -50,6 +52,8 @@ from pipekit.models import get_model_spec
 from pipekit.models.upcycling import UpcycleSpec
 from pipekit.moe import MoEArgs
 from pipekit.moe.expert_parallel import expert_parameters
+from pipekit.moe.layer import MoE
+from pipekit.moe.routing import Routing
 from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
@@ -97,10 +101,10 @@ MLA_ROWS = (
     "FSDP", "sliced v=1", "sliced v=2", "sliced + context exchange", "EP", "sliced + EP",
     "sliced + context parallel (commutated)", "sliced + context parallel (kv_passing)",
     "sliced + context parallel (auto)", "sliced + context parallel (auto) + context exchange",
-    "sliced + context parallel (ulysses)",
+    "sliced + context parallel (ulysses)", "EP x ETP", "sliced + ETP",
 )  # fmt: skip
 """DeepSeek-V3's and gpt-oss's rows: they have no tensor-parallel plan, and the bf16 rows hold
-for any model."""
+for any model; gpt-oss's experts have biases, which expert tensor parallelism refuses."""
 DENSE_LLAMA = dataclasses.replace(TINY_LLAMA, n_layers=4)
 UPCYCLE = UpcycleSpec(num_experts=2, top_k=1, granularity=2)
 """Two copies of each dense FFN in two pieces: 4 experts, 2 per token, 2 per EP rank."""
@@ -185,7 +189,13 @@ ROWS_ = [
         ablation="hidden_grad_last_rank_only",
     ),
     Row("EP", data_parallel={"ep": 2}, ablation="misplaced_experts"),
+    Row(  # each expert's hidden dim over 2 ranks, its experts over the other 2
+        "EP x ETP", data_parallel={"ep": 2, "etp": 2}, ablation="first_piece_only"
+    ),
     Row("sliced + EP", pipeline=SLICED | {"ep": 2}, ablation="aux_statistics_per_slice"),
+    Row(  # each pipeline rank's experts split on the hidden dim over its 2 data ranks
+        "sliced + ETP", pipeline=SLICED | {"etp": 2}, ablation="first_piece_only"
+    ),
     Row(
         "sliced + EP + vocabulary parallel + context exchange",
         pipeline=SLICED | {"ep": 2, "vocab_parallel": True, "context_exchange": True},
@@ -263,7 +273,8 @@ ROWS_ = [
 def _rows(model: str) -> list[Row]:
     """The rows `model` runs: upcycling starts from a dense Llama, so only Llama-MoE has it."""
     if model in ("deepseek_v3", "gpt_oss"):
-        return [row for row in ROWS_ if row.layout in MLA_ROWS]
+        rows = [row for row in ROWS_ if row.layout in MLA_ROWS]
+        return [row for row in rows if model != "gpt_oss" or "ETP" not in row.layout]
     return [row for row in ROWS_ if not row.upcycled or model == "llama_moe"]
 
 
@@ -288,7 +299,27 @@ def _model_ablation(name: str) -> Callable[[nn.Module], None] | None:
         ]
     if name == "misplaced_experts":
         return _roll_local_experts
+    if name == "first_piece_only":
+        return _first_piece_only
     raise ValueError(name)
+
+
+def _first_piece_only(model: nn.Module) -> None:
+    """Ablation of expert tensor parallelism: each assignment goes to its expert's first
+    piece only (the other pieces' slices of the hidden dim never see the token)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            execution = module.execution
+            pieces = execution.routing_of_pieces
+            execution.routing_of_pieces = lambda routing, pieces=pieces: _first_piece(
+                pieces(routing), routing.num_experts
+            )
+
+
+def _first_piece(routing: Routing, num_experts: int) -> Routing:
+    """`routing` (split into pieces) with the weights of every piece but the first zeroed."""
+    first_A = routing.expert_index_A < num_experts
+    return dataclasses.replace(routing, weight_A=routing.weight_A * first_A)
 
 
 class _ZeroGradient(torch.autograd.Function):
@@ -350,6 +381,9 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
         elif name == "misplaced_experts":
             assert runner.model is not None
             _roll_local_experts(runner.model)
+        elif name == "first_piece_only":
+            assert runner.model is not None
+            _first_piece_only(runner.model)
         elif name == "local_kv_cache_only":  # queries never reach the other cp rank's cache
             parallel = runner.extension("context_parallel")
             assert isinstance(parallel, PipelineContextParallel)

@@ -30,6 +30,7 @@ from pipekit.attention.context_parallel import (
 from pipekit.attention.context_parallel_choice import (
     context_parallel_variant,
 )
+from pipekit.attention.hierarchical import HierarchicalGroups, hierarchical_context_attention
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.patterns import (
     AttentionPattern,
@@ -169,8 +170,8 @@ class ContextParallelAttention:
     sequence (`tokens_S`, with their document ids) attends to every cp rank's keys by the
     layer's pattern over `group`, by `variant`: "kv_passing" (all-gather), "ring"
     (overlapped), "commutated" (the queries travel), "ulysses" (heads travel: all-to-all to
-    head shards and back), or "auto" (of commutated and KV passing, whichever moves fewer
-    bytes).
+    head shards and back), "hierarchical" (Ulysses inside `hierarchy`'s groups, its
+    `across_variant` across them), or "auto" (whichever of these moves the fewest bytes).
     Not a dataclass, so FSDP2's input handling passes it through as it is."""
 
     def __init__(
@@ -180,9 +181,15 @@ class ContextParallelAttention:
         group: dist.ProcessGroup | None,
         backend: str | AttentionBackend = "auto",
         variant: str = "auto",
+        hierarchy: HierarchicalGroups | None = None,
     ) -> None:
+        if variant == "hierarchical" and hierarchy is None:
+            raise ValueError(
+                "cp_variant='hierarchical' needs the Ulysses and across groups (hierarchy=); "
+                "set cp_ulysses"
+            )
         self.shard, self.group = TokenShard(tokens_S, document_ids_BS), group
-        self.backend, self.variant = backend, variant
+        self.backend, self.variant, self.hierarchy = backend, variant, hierarchy
 
     def attend(
         self,
@@ -194,7 +201,7 @@ class ContextParallelAttention:
         pattern: AttentionPattern | None = None,
         sinks_H: Tensor | None = None,
     ) -> Tensor:
-        options = {"scale": scale, "backend": self.backend, "pattern": pattern, "sinks_H": sinks_H}
+        options = {"scale": scale, "backend": self.backend, "pattern": pattern}
         ranks = dist.get_world_size(self.group)
         variant = context_parallel_variant(
             self.variant,
@@ -205,17 +212,50 @@ class ContextParallelAttention:
             cp=ranks,
             whole_sequence=True,
             keys_are_values=v_BGSD is k_BGSD,
+            ulysses_size=self.hierarchy.ulysses_size if self.hierarchy is not None else 1,
         )
-        if variant == "ring":
-            ring = ring_context_attention(q_BHSD, k_BGSD, v_BGSD, self.shard, self.group, **options)
-            return ring[0]
-        if variant == "ulysses":
-            return ulysses_context_attention(
-                q_BHSD, k_BGSD, v_BGSD, self.shard, self.group, **options
+        if variant != "hierarchical":
+            return _attend_by(variant, q_BHSD, k_BGSD, v_BGSD, self.shard, self.group,
+                              sinks_H=sinks_H, **options)  # fmt: skip
+        hierarchy = self.hierarchy
+        assert hierarchy is not None
+
+        def across(q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, shard: TokenShard,
+                   sinks_H: Tensor | None) -> Tensor:  # fmt: skip
+            groups = dist.get_world_size(hierarchy.across)
+            variant = context_parallel_variant(
+                hierarchy.across_variant,
+                q_BHSD,
+                k_BGSD,
+                slice_index=0,
+                slice_tokens=q_BHSD.shape[2] * groups,
+                cp=groups,
+                keys_are_values=v_BGSD is k_BGSD,
             )
-        cache = [CachedShard(k_BGSD, v_BGSD, self.shard)]
-        exchange = CACHED_SHARD_ATTENTION[variant]
-        return exchange(q_BHSD, self.shard, cache, self.group, **options)[0]
+            return _attend_by(variant, q_BHSD, k_BGSD, v_BGSD, shard, hierarchy.across,
+                              sinks_H=sinks_H, **options)  # fmt: skip
+
+        return hierarchical_context_attention(
+            q_BHSD, k_BGSD, v_BGSD, self.shard, hierarchy, across, sinks_H
+        )
+
+
+def _attend_by(
+    variant: str,
+    q_BHSD: Tensor,
+    k_BGSD: Tensor,
+    v_BGSD: Tensor,
+    shard: TokenShard,
+    group: dist.ProcessGroup | None,
+    **options: object,
+) -> Tensor:
+    """Whole-sequence attention of `shard`'s tokens over `group` by one named variant."""
+    if variant == "ring":
+        return ring_context_attention(q_BHSD, k_BGSD, v_BGSD, shard, group, **options)[0]
+    if variant == "ulysses":
+        return ulysses_context_attention(q_BHSD, k_BGSD, v_BGSD, shard, group, **options)
+    cache = [CachedShard(k_BGSD, v_BGSD, shard)]
+    return CACHED_SHARD_ATTENTION[variant](q_BHSD, shard, cache, group, **options)[0]
 
 
 @torch.compiler.disable  # compiled blocks run it eagerly (pipekit.train.compile says why)

@@ -19,12 +19,15 @@ __all__ = [
     "choose_context_parallel",
     "context_parallel_bytes",
     "context_parallel_variant",
+    "hierarchical_bytes",
 ]
 
 
-CONTEXT_PARALLEL_VARIANTS = ("auto", "commutated", "kv_passing", "ring", "ulysses")
+CONTEXT_PARALLEL_VARIANTS = ("auto", "commutated", "hierarchical", "kv_passing", "ring", "ulysses")
 """How cp ranks exchange attention; "auto" picks per slice by bytes; "ring" (whole sequences
-only, `pipekit.attention.ring`) passes K/V around the ranks with overlap."""
+only, `pipekit.attention.ring`) passes K/V around the ranks with overlap; "hierarchical"
+(`pipekit.attention.hierarchical`) runs Ulysses inside groups of `cp_ulysses` ranks and
+another variant across them."""
 
 
 def check_context_parallel_variant(variant: str) -> None:
@@ -64,6 +67,7 @@ def context_parallel_bytes(
     head_dim: int,
     element_bytes: int = 2,
     keys_are_values: bool = False,
+    ulysses_size: int = 1,
 ) -> float:
     """Bytes one rank sends for one layer's attention of slice `slice_index` (0-based) of
     `slice_tokens` tokens over `cp` ranks, forward only. Commutated: its queries out and the
@@ -73,7 +77,15 @@ def context_parallel_bytes(
     and their outputs back, `(cp-1)/cp · T/cp · (2·h_q + 2·h_kv)·d`; kv heads fewer than the
     ranks are all-gathered instead, `(cp-1)/cp · T · 2·h_kv·d` of them. `keys_are_values`
     (multi-head latent attention's latent form: one tensor is both) halves what K/V passing
-    and Ulysses send of them."""
+    and Ulysses send of them. Hierarchical (groups of `ulysses_size` ranks): Ulysses within a
+    group on its tokens, plus the cheaper of commutated and K/V passing across the groups on
+    the group's heads (`hierarchical_bytes` names the variant across)."""
+    if variant == "hierarchical":
+        return hierarchical_bytes(
+            "auto", slice_index=slice_index, slice_tokens=slice_tokens, cp=cp, q_heads=q_heads,
+            kv_heads=kv_heads, head_dim=head_dim, element_bytes=element_bytes,
+            keys_are_values=keys_are_values, ulysses_size=ulysses_size,
+        )  # fmt: skip
     kv_tensors = 1 if keys_are_values else 2
     share = (cp - 1) / cp * slice_tokens * element_bytes
     if variant == "commutated":
@@ -84,11 +96,35 @@ def context_parallel_bytes(
         kv_share = share / cp if kv_heads % cp == 0 else share  # all-to-all, or all-gather
         return (share / cp * 2 * q_heads + kv_share * kv_tensors * kv_heads) * head_dim
     raise ValueError(
-        f"context parallel variant {variant!r}: choose 'commutated', 'kv_passing' or 'ulysses'"
+        f"context parallel variant {variant!r}: choose 'commutated', 'kv_passing', 'ulysses' "
+        "or 'hierarchical'"
     )
 
 
-_TIE_ORDER = ("kv_passing", "commutated", "ulysses")
+def hierarchical_bytes(across: str, *, ulysses_size: int, cp: int, **shape: int) -> float:
+    """Bytes one rank sends under hierarchical context parallelism (`context_parallel_bytes`'
+    keywords): Ulysses over its group of `ulysses_size` ranks on the group's `slice_tokens x u /
+    cp` tokens, then `across` ("ring" moves what K/V passing does; "auto" the cheaper of
+    commutated and K/V passing) over the `cp / u` groups on `1 / u` of the heads (the kv heads
+    fewer than a group: one, gathered whole)."""
+    groups, kv_heads = cp // ulysses_size, shape["kv_heads"]
+    group_tokens = shape["slice_tokens"] * ulysses_size // cp
+    within = context_parallel_bytes(
+        "ulysses", **{**shape, "slice_tokens": group_tokens}, cp=ulysses_size
+    )
+    heads = {
+        "q_heads": shape["q_heads"] // ulysses_size,
+        "kv_heads": kv_heads // ulysses_size if kv_heads % ulysses_size == 0 else 1,
+    }
+    variants = {"auto": ("commutated", "kv_passing"), "ring": ("kv_passing",)}.get(
+        across, (across,)
+    )
+    return within + min(
+        context_parallel_bytes(variant, **{**shape, **heads}, cp=groups) for variant in variants
+    )
+
+
+_TIE_ORDER = ("kv_passing", "commutated", "ulysses", "hierarchical")
 """Among variants moving equal bytes: KV passing needs no merge; commutated no all-to-all."""
 
 
@@ -111,16 +147,21 @@ def context_parallel_variant(
     cp: int,
     whole_sequence: bool = False,
     keys_are_values: bool = False,
+    ulysses_size: int = 1,
 ) -> str:
     """The variant a slice's attention runs by: `variant`, or for "auto" the one that moves
-    fewer bytes for these queries and keys (`choose_context_parallel`; Ulysses too on a
-    `whole_sequence` whose heads split over the ranks). The one dispatcher of context
+    fewer bytes for these queries and keys (`choose_context_parallel`; on a `whole_sequence`
+    also Ulysses where the heads split over the ranks, and hierarchical with groups of
+    `ulysses_size` ranks where they split over a group). The one dispatcher of context
     parallelism, inside pipelines (per slice) and outside them (one slice)."""
     if variant != "auto":
         return variant
     variants = ["commutated", "kv_passing"]
-    if whole_sequence and q_BHSD.shape[1] % cp == 0:
+    heads = (q_BHSD.shape[1], k_BGSD.shape[1])
+    if whole_sequence and _heads_split(*heads, cp):
         variants.append("ulysses")
+    if whole_sequence and 1 < ulysses_size < cp and _heads_split(*heads, ulysses_size):
+        variants.append("hierarchical")
     return choose_context_parallel(
         variants,
         slice_index=slice_index,
@@ -131,4 +172,10 @@ def context_parallel_variant(
         head_dim=q_BHSD.shape[-1],
         element_bytes=q_BHSD.element_size(),
         keys_are_values=keys_are_values,
+        ulysses_size=ulysses_size,
     )
+
+
+def _heads_split(query_heads: int, kv_heads: int, ranks: int) -> bool:
+    """Whether Ulysses can reshard these heads over `ranks` (`check_ulysses_heads`' rule)."""
+    return query_heads % ranks == 0 and (kv_heads % ranks == 0 or ranks % kv_heads == 0)

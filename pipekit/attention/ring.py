@@ -90,7 +90,7 @@ class _RingAttention(torch.autograd.Function):
             )
             grad_q_BHSD += dq
             held[2], held[3] = held[2] + dk, held[3] + dv
-            if not isolated:  # on to the next rank; after `size` moves the sums are home
+            if not isolated and size > 1:  # on to the next; after `size` moves sums are home
                 works, held = _start_rotation(held, group)
                 _finish(works)
         grad_sinks = None

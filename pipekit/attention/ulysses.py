@@ -23,6 +23,9 @@ Legend: B batch, H query heads, G kv heads, N heads of either, S tokens, D head 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -38,6 +41,9 @@ from pipekit.attention.context_parallel import (
 from pipekit.attention.kv_cache import SliceAttention
 from pipekit.attention.merge import check_sinks
 from pipekit.attention.patterns import AttentionPattern, pattern_backend
+
+if TYPE_CHECKING:
+    from pipekit.attention.context import AttentionContext
 
 __all__ = ["UlyssesSliceAttention", "check_ulysses_heads", "ulysses_context_attention"]
 
@@ -94,7 +100,12 @@ class _Reshard(torch.autograd.Function):
         return inverse(grad_BNSD.contiguous(), ctx.group), None, None
 
 
-def _to_head_shards(
+def reshard_to_sequence(out_BHSD: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """A head shard's output of every rank's tokens -> this rank's tokens of all heads."""
+    return _Reshard.apply(out_BHSD, group, False)
+
+
+def to_head_shards(
     q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, group: dist.ProcessGroup | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v of this rank's tokens, all heads -> every rank's tokens (by source rank) of this
@@ -115,11 +126,23 @@ def _to_head_shards(
     return q_BHSD, k_BGSD, v_BGSD
 
 
-def _local_sinks(sinks_H: Tensor | None, group: dist.ProcessGroup | None) -> Tensor | None:
-    """The attention sinks of the heads this rank computes."""
+def local_sinks(sinks_H: Tensor | None, group: dist.ProcessGroup | None) -> Tensor | None:
+    """The attention sinks of the heads this rank computes after the all-to-all."""
     if sinks_H is None:
         return None
     return sinks_H.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+
+
+def group_shard(shard: TokenShard, group: dist.ProcessGroup | None) -> TokenShard:
+    """The tokens (and document ids) of every rank of `group`, by rank: what a rank holds of
+    its heads after the all-to-all."""
+    shards = gather_token_shards(shard, group)
+    documents = (
+        None
+        if shard.document_ids_BS is None
+        else torch.cat([s.document_ids_BS for s in shards], dim=1)
+    )
+    return TokenShard(torch.cat([s.tokens_S for s in shards]), documents)
 
 
 def ulysses_context_attention(
@@ -138,41 +161,39 @@ def ulysses_context_attention(
     `pattern` (None: causal), computed head-sharded (see the module docstring); each rank
     counts the attention sinks `sinks_H` of the heads it computes."""
     check_sinks(sinks_H, q_BHSD)
-    q_BHSD, k_BGSD, v_BGSD = _to_head_shards(q_BHSD, k_BGSD, v_BGSD, group)
-    shards = gather_token_shards(shard, group)
-    documents = (
-        None
-        if shard.document_ids_BS is None
-        else torch.cat([s.document_ids_BS for s in shards], dim=1)
-    )
-    whole = TokenShard(torch.cat([s.tokens_S for s in shards]), documents)
+    q_BHSD, k_BGSD, v_BGSD = to_head_shards(q_BHSD, k_BGSD, v_BGSD, group)
+    whole = group_shard(shard, group)
     mask = shard_mask(whole, whole, pattern)
     out_BHSD, _ = attention_over_chunks(
         q_BHSD, [KVChunk(k_BGSD, v_BGSD, mask)], scale, pattern_backend(backend, pattern),
-        _local_sinks(sinks_H, group),
+        local_sinks(sinks_H, group),
     )  # fmt: skip
-    return _Reshard.apply(out_BHSD, group, False)
+    return reshard_to_sequence(out_BHSD, group)
 
 
 class UlyssesSliceAttention:
     """A slice's attention context under Ulysses context parallelism inside a sliced pipeline.
 
     `inner` is the stage's KV-cache context of the unit (this rank's tokens of the slice);
-    `rank_tokens_RS` the slice's token indices on every cp rank, by rank. The slice's q, k, v go to
-    head shards, are put in sequence order, attend through the stage's cache as one whole slice
-    (`SliceAttention` with the slice's document ids), and come back to this rank's tokens."""
+    `rank_tokens_RS` the slice's token indices on every rank of `group`, by rank. The slice's q,
+    k, v go to head shards, are put in sequence order, attend through the stage's cache as one
+    whole slice (`SliceAttention` with the slice's document ids), and come back to this rank's
+    tokens. Under hierarchical context parallelism `group` is a Ulysses group, its tokens a part
+    of the slice, and `across` wraps the cache's context in context parallelism across the
+    groups."""
 
     def __init__(
         self,
         inner: SliceAttention,
         group: dist.ProcessGroup | None,
         rank_tokens_RS: Tensor,
+        across: Callable[[SliceAttention], AttentionContext] | None = None,
     ) -> None:
-        self.inner, self.group = inner, group
+        self.inner, self.group, self.across = inner, group, across
         self.order_S = torch.argsort(rank_tokens_RS.flatten())
         """Gathered (by source rank) -> sequence order."""
         self.unorder_S = torch.argsort(self.order_S)
-        self._whole: SliceAttention | None = None
+        self._whole: AttentionContext | None = None
 
     def __repr__(self) -> str:
         return f"UlyssesSliceAttention({self.inner!r})"
@@ -182,14 +203,16 @@ class UlyssesSliceAttention:
         """Whether this forward is activation checkpointing's recompute (the inner context's)."""
         return self.inner.recomputing
 
-    def _whole_slice(self) -> SliceAttention:
-        """The stage cache's context of the whole slice (every cp rank's tokens, in order),
-        built on the first layer and kept for the slice's other layers."""
+    def _whole_slice(self) -> AttentionContext:
+        """The stage cache's context of the group's tokens of the slice (in order: under plain
+        Ulysses the whole slice; hierarchically wrapped by `across`), built on the first layer
+        and kept for the slice's other layers."""
         if self._whole is None:
             inner = self.inner
-            self._whole = SliceAttention(
+            whole = SliceAttention(
                 inner.cache, inner.microbatch, inner.slice_index, self._slice_documents()
             )
+            self._whole = whole if self.across is None else self.across(whole)
         return self._whole
 
     def _slice_documents(self) -> Tensor | None:
@@ -212,12 +235,12 @@ class UlyssesSliceAttention:
     ) -> Tensor:
         """This rank's tokens' attention output, computed on its heads of the whole slice."""
         keys_are_values = v_BGSD is k_BGSD
-        q_BHSD, k_BGSD, v_BGSD = _to_head_shards(q_BHSD, k_BGSD, v_BGSD, self.group)
+        q_BHSD, k_BGSD, v_BGSD = to_head_shards(q_BHSD, k_BGSD, v_BGSD, self.group)
         self.order_S = self.order_S.to(q_BHSD.device)
         self.unorder_S = self.unorder_S.to(q_BHSD.device)
         q_BHSD, k_BGSD = q_BHSD[:, :, self.order_S], k_BGSD[:, :, self.order_S]
         v_BGSD = k_BGSD if keys_are_values else v_BGSD[:, :, self.order_S]
         out_BHSD = self._whole_slice().attend(
-            layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern, _local_sinks(sinks_H, self.group)
+            layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern, local_sinks(sinks_H, self.group)
         )
-        return _Reshard.apply(out_BHSD[:, :, self.unorder_S], self.group, False)
+        return reshard_to_sequence(out_BHSD[:, :, self.unorder_S], self.group)

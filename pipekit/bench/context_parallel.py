@@ -1,6 +1,6 @@
 """`python -m pipekit.bench context-parallel`: bytes per slice of commutated attention against KV
 passing, the choice per slice, and both measured on gloo ranks; over a whole sequence, Ulysses
-too.
+and hierarchical too.
 
 Part 1, formula: for a model shape (default Llama 3 70B: 64 query heads, 8 kv heads, head dim
 128) and a sliced sequence on `cp` ranks, the bytes one rank sends per layer for each slice
@@ -15,11 +15,18 @@ what carry over.
 Part 3, multi-head latent attention (default DeepSeek-V3's shape): the same per slice for its
 expanded form (every head's K and V) and its latent form (one latent key that is its own value).
 
+Part 4, hierarchical context parallelism (Ulysses inside groups of `--cp-ulysses` ranks, the
+cheaper of commutated and K/V passing across the groups, per slice) against "auto" over all cp
+ranks.
+
 RESULT: auto_vs_commutated and auto_vs_kv_passing (the formula's total bytes of "auto" over each
 fixed variant's), mha_commutated_vs_kv_bytes (the formula's commutated over KV-passing total
-with as many kv heads as query heads); whole_auto_vs_best and whole_ulysses_vs_kv_passing
-(outside pipelines, over the whole sequence, Ulysses among the variants: what "auto" takes over
-the fewest bytes, and Ulysses' bytes over KV passing's); measured: commutated_vs_kv_bytes (total
+with as many kv heads as query heads); whole_auto_vs_best, whole_ulysses_vs_kv_passing and
+whole_hierarchical_vs_kv_passing (outside pipelines, over the whole sequence, Ulysses and
+hierarchical among the variants: what "auto" takes over the fewest bytes, and each one's bytes
+over KV passing's); hierarchical_vs_flat_auto (part 4: inside a pipeline, hierarchical with the
+cheaper variant across per slice, over "auto" on all cp ranks) and hierarchical_chosen_vs_best
+(1 when the per-slice choice across never loses); measured: commutated_vs_kv_bytes (total
 forward bytes over the sequence, commutated over KV passing) beside `formula` (the same ratio
 predicted); mla_auto_vs_expanded_auto (the latent form's bytes under "auto" over the expanded
 form's), mla_kv_passing_vs_expanded (K/V passing, latent over expanded), mla_chosen_vs_best (the
@@ -138,26 +145,74 @@ def _latent_attention_bytes(options: argparse.Namespace) -> dict[str, float]:
 
 def _whole_sequence_bytes(options: argparse.Namespace) -> tuple[dict[str, float], str]:
     """Outside pipelines (one slice: the whole sequence), each variant's bytes by the formula
-    (Ulysses among them when the heads split over the ranks) and what "auto" takes."""
+    (Ulysses among them when the heads split over the ranks, hierarchical when they split over
+    a group of `--cp-ulysses`) and what "auto" takes (the trainer's rule)."""
     from pipekit.attention.context_parallel_choice import (
-        choose_context_parallel,
         context_parallel_bytes,
+        context_parallel_variant,
     )
 
+    tokens = options.slice_tokens * options.slices
     shape = {
-        "slice_index": 0,
-        "slice_tokens": options.slice_tokens * options.slices,
-        "cp": options.cp,
-        "q_heads": options.heads,
-        "kv_heads": options.kv_heads,
-        "head_dim": options.head_dim,
-        "element_bytes": 2,
-    }
-    variants = ["commutated", "kv_passing"]
-    if options.heads % options.cp == 0:
-        variants.append("ulysses")
+        "slice_index": 0, "slice_tokens": tokens, "cp": options.cp, "q_heads": options.heads,
+        "kv_heads": options.kv_heads, "head_dim": options.head_dim, "element_bytes": 2,
+        "ulysses_size": options.cp_ulysses,
+    }  # fmt: skip
+    q_BHSD = torch.empty(1, options.heads, 0, options.head_dim, dtype=torch.bfloat16)
+    k_BGSD = torch.empty(1, options.kv_heads, 0, options.head_dim, dtype=torch.bfloat16)
+    choice = context_parallel_variant(
+        "auto", q_BHSD, k_BGSD, slice_index=0, slice_tokens=tokens, cp=options.cp,
+        whole_sequence=True, ulysses_size=options.cp_ulysses,
+    )  # fmt: skip
+    variants = ["commutated", "kv_passing", "ulysses", "hierarchical"]
+    if options.heads % options.cp:
+        variants.remove("ulysses")
+    if not 1 < options.cp_ulysses < options.cp:
+        variants.remove("hierarchical")
     sizes = {variant: context_parallel_bytes(variant, **shape) for variant in variants}
-    return sizes, choose_context_parallel(variants, **shape)
+    return sizes, choice
+
+
+def _hierarchical_slices(options: argparse.Namespace) -> dict[str, float]:
+    """Part 4, inside a sliced pipeline: per slice, hierarchical context parallelism's bytes
+    (Ulysses in groups of `--cp-ulysses`, the cheaper of commutated and K/V passing across),
+    against "auto" over all cp ranks; RESULT figures of the totals over the sequence."""
+    from pipekit.attention.context_parallel_choice import hierarchical_bytes
+
+    if not 1 < options.cp_ulysses < options.cp:
+        return {}
+    shape = {
+        "slice_tokens": options.slice_tokens, "cp": options.cp, "q_heads": options.heads,
+        "kv_heads": options.kv_heads, "head_dim": options.head_dim, "element_bytes": 2,
+    }  # fmt: skip
+    flat_rows, flat = _slice_bytes(shape, options.slices)
+    rows, totals = [], {"commutated": 0.0, "kv_passing": 0.0, "auto": 0.0}
+    for index, flat_row in enumerate(flat_rows):
+        sent = {
+            across: hierarchical_bytes(
+                across, slice_index=index, ulysses_size=options.cp_ulysses, **shape
+            )
+            for across in totals
+        }
+        for across, size in sent.items():
+            totals[across] += size
+        rows.append([index, *(sent[v] / _MIB for v in totals), flat_row[-1]])
+    print(
+        f"part 4, hierarchical: Ulysses in groups of {options.cp_ulysses}, cp / "
+        f"{options.cp_ulysses} groups across (MiB one rank sends per layer and slice)"
+    )
+    print_table(
+        ["slice", "across commutated", "across kv passing", "across auto", "flat auto"], rows
+    )
+    print(
+        f"totals (MiB): hierarchical {totals['auto'] / _MIB:.1f}, flat auto "
+        f"{flat['auto'] / _MIB:.1f}"
+    )
+    best = sum(min(row[1], row[2]) for row in rows) * _MIB
+    return {
+        "hierarchical_vs_flat_auto": totals["auto"] / flat["auto"],
+        "hierarchical_chosen_vs_best": totals["auto"] / best,
+    }
 
 
 def _measure_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -230,6 +285,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--seq", type=int, default=0, help="tokens per sequence (sets --slice-tokens to seq/slices)"
     )
+    parser.add_argument(
+        "--cp-ulysses", type=int, default=2, help="ranks per Ulysses group, hierarchical (part 4)"
+    )
     parser.add_argument("--mla-heads", type=int, default=128, help="MLA query heads (part 3)")
     parser.add_argument("--mla-latent", type=int, default=512, help="MLA kv_lora_rank")
     parser.add_argument("--mla-rope", type=int, default=64, help="MLA qk_rope_head_dim")
@@ -270,9 +328,12 @@ def main(argv: list[str]) -> None:
         "auto_vs_kv_passing": totals["auto"] / totals["kv_passing"],
         "mha_commutated_vs_kv_bytes": mha_ratio,
         "whole_auto_vs_best": whole[whole_choice] / min(whole.values()),
-        "whole_ulysses_vs_kv_passing": whole["ulysses"] / whole["kv_passing"],
         **_latent_attention_bytes(options),
+        **_hierarchical_slices(options),
     }
+    for variant in ("ulysses", "hierarchical"):
+        if variant in whole:
+            figures[f"whole_{variant}_vs_kv_passing"] = whole[variant] / whole["kv_passing"]
     if options.measure_ranks > 1:
         figures.update(_measure(options))
     print_result(**figures)

@@ -221,9 +221,17 @@ class ParallelismConfig:
     """How cp ranks exchange attention: "commutated" (queries travel, the KV cache stays
     home), "kv_passing" (K/V gathered), "ring" (K/V passed around the ranks, overlapped;
     outside pipelines), "ulysses" (all-to-all to head shards and back; heads divisible by
-    tp x cp; in a pipeline every slice, without context exchange), or "auto" (per slice, the
-    fewest bytes of commutated, KV passing and, on whole sequences whose heads split,
-    Ulysses)."""
+    tp x cp; in a pipeline every slice, without context exchange), "hierarchical" (Ulysses
+    inside groups of cp_ulysses ranks, cp_across across them; heads divisible by tp x
+    cp_ulysses), or "auto" (per slice, the fewest bytes of commutated, KV passing and, on
+    whole sequences whose heads split, Ulysses and hierarchical)."""
+    cp_ulysses: int = 0
+    """Ranks per Ulysses group of hierarchical context parallelism: adjacent cp ranks (a
+    node's GPUs), dividing cp into two groups or more (0 = not hierarchical)."""
+    cp_across: str = "auto"
+    """What hierarchical context parallelism runs across its Ulysses groups: "commutated",
+    "kv_passing", "ring" (outside pipelines) or "auto" (per slice, the fewer bytes of the
+    first two)."""
     tp: int = 1
     """Tensor-parallel degree: the blocks' projections split over this many ranks by the model
     family's plan (composes with FSDP2, pipelines, cp and, under sequence parallelism, MoE
@@ -282,6 +290,10 @@ class ParallelismConfig:
     docs/pipelining.md). pipekit's own features have settings of their own."""
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows from the data-parallel ranks)."""
+    etp: int = 1
+    """Expert tensor parallelism (Megatron's ETP): each expert's hidden dim split over this
+    many ranks, which hold the same experts; ep x etp ranks hold every expert once (borrowed
+    from the ranks that hold tokens, like ep; not with expert biases)."""
     collective_timeout_s: int = 300
     """Timeout of every collective, in seconds."""
 

@@ -14,7 +14,8 @@ ranks already split the experts, so each expert tensor is sharded further only o
 groups that hold the same experts (`ep_replicate`), FSDP2 composing with the `ep` placement as it
 does with tensor parallelism. It shards the experts' second dim (`Shard(1)`: hidden rows of the
 gate and up projections, model-dim rows of the down projection), so a rank's block of an expert
-tensor stays one rectangle of whole experts.
+tensor stays one rectangle of whole experts; under expert tensor parallelism, which splits the
+hidden dim, the model dim instead.
 
 Under tensor parallelism with sequence parallelism every tp rank routes its own tokens, so the
 experts and the routers are data parallel over the tp ranks too: the expert mesh then spans
@@ -45,6 +46,14 @@ __all__ = ["MIXED_PRECISION_DTYPES", "apply_data_parallel", "data_parallel_mesh"
 MIXED_PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The dtypes `[training] mixed_precision_param` and `mixed_precision_reduce` name, for FSDP2's
 `MixedPrecisionPolicy` (`apply_data_parallel`'s `param_dtype` and `reduce_dtype`)."""
+
+
+def _expert_placement(param: nn.Parameter) -> Shard:
+    """FSDP2's dim of an expert tensor: its second (`Shard(1)`), or under expert tensor
+    parallelism (which splits the hidden dim) its first dim after the expert dim that no other
+    placement splits, so every rank's block stays one rectangle."""
+    taken = {p.dim for p in getattr(param, "placements", ()) if isinstance(p, Shard)}
+    return Shard(next(dim for dim in range(1, param.ndim) if dim not in taken))
 
 
 def data_parallel_mesh(mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceMesh | None:
@@ -103,12 +112,12 @@ def apply_data_parallel(
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
-        # experts keep whole experts per rank (Shard(1)); routers and shared experts shard as
-        # FSDP2 does (Shard(0))
-        for unit, unit_mesh, placement in (
-            (module.experts, experts_mesh, Shard(1)),
-            (module.router, routers_mesh, Shard(0)),
-            (module.shared_experts, routers_mesh, Shard(0)),
+        # experts keep whole experts per rank (`_expert_placement`); routers and shared
+        # experts shard as FSDP2 does (Shard(0))
+        for unit, unit_mesh, placement_of in (
+            (module.experts, experts_mesh, _expert_placement),
+            (module.router, routers_mesh, lambda _: Shard(0)),
+            (module.shared_experts, routers_mesh, lambda _: Shard(0)),
         ):
             if unit is not None and unit_mesh is not None:
                 fully_shard(
@@ -116,7 +125,7 @@ def apply_data_parallel(
                     mesh=unit_mesh,
                     mp_policy=mp_policy,
                     reshard_after_forward=reshard_after_forward,
-                    shard_placement_fn=lambda _, placement=placement: placement,
+                    shard_placement_fn=placement_of,
                 )
     dp_mesh = data_parallel_mesh(mesh, parallel_dims)
     precision_only = dp_mesh is None and precision_mesh is not None

@@ -62,6 +62,8 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    etp: int = 1
+    """Expert tensor parallelism: each expert's hidden dim over this many of the token ranks."""
     _meshes: dict[str, DeviceMesh] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -69,7 +71,7 @@ class ParallelDims:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world size {self.world_size} must be >= 1")
-        for name in (*MESH_DIM_ORDER, "ep"):
+        for name in (*MESH_DIM_ORDER, "ep", "etp"):
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"parallelism.{name}={getattr(self, name)} must be >= 1 once resolved; "
@@ -83,10 +85,11 @@ class ParallelDims:
                 f"launch {product} processes"
             )
         ranks_for_experts = self.dp_replicate * self.dp_shard * self.cp * self.tp
-        if ranks_for_experts % self.ep:
+        if ranks_for_experts % (self.ep * self.etp):
+            degree = f"ep={self.ep}" if self.etp == 1 else f"ep x etp = {self.ep * self.etp}"
             raise ValueError(
-                f"parallelism.ep={self.ep} must divide dp_replicate x dp_shard x cp x tp = "
-                f"{ranks_for_experts} (experts borrow the ranks that hold tokens); choose ep "
+                f"parallelism.{degree} must divide dp_replicate x dp_shard x cp x tp = "
+                f"{ranks_for_experts} (experts borrow the ranks that hold tokens); choose "
                 f"among the divisors of {ranks_for_experts}"
             )
 
@@ -94,7 +97,7 @@ class ParallelDims:
     def from_config(cls, config: ParallelismConfig, world_size: int) -> ParallelDims:
         """Resolve the one degree that may be -1 to the rest of `world_size`, then validate."""
         degrees = {name: getattr(config, _CONFIG_KEYS.get(name, name)) for name in MESH_DIM_ORDER}
-        for name, degree in (*degrees.items(), ("ep", config.ep)):
+        for name, degree in (*degrees.items(), ("ep", config.ep), ("etp", config.etp)):
             if degree == 0 or degree < -1:
                 raise ValueError(
                     f"parallelism.{_CONFIG_KEYS.get(name, name)}={degree} is invalid; use a "
@@ -123,7 +126,7 @@ class ParallelDims:
                     f"whose product divides {world_size}"
                 )
             degrees[unresolved[0]] = world_size // known_product
-        return cls(**degrees, ep=config.ep, world_size=world_size)
+        return cls(**degrees, ep=config.ep, world_size=world_size, etp=max(config.etp, 1))
 
     @staticmethod
     def smallest_world_size(config: ParallelismConfig) -> int:
@@ -132,7 +135,7 @@ class ParallelDims:
         degrees = {name: getattr(config, _CONFIG_KEYS.get(name, name)) for name in MESH_DIM_ORDER}
         fixed = {name: max(degree, 1) for name, degree in degrees.items()}
         token_ranks = math.prod(fixed[name] for name in ("dp_replicate", "dp_shard", "cp", "tp"))
-        ep = max(config.ep, 1)
+        ep = max(config.ep, 1) * max(config.etp, 1)
         unresolved = [name for name, degree in degrees.items() if degree == -1]
         if unresolved and unresolved[0] != "pp":
             fixed[unresolved[0]] = ep // math.gcd(ep, token_ranks)
@@ -177,7 +180,8 @@ class ParallelDims:
 
     @property
     def ep_enabled(self) -> bool:
-        return self.ep > 1
+        """Whether the experts are split over ranks (expert and/or expert tensor parallelism)."""
+        return self.ep * self.etp > 1
 
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
         """This rank's index among the `dp_degree` data-parallel ranks: which batch slice it reads.

@@ -28,6 +28,7 @@ __all__ = [
     "init_distributed",
     "new_group_along",
     "new_group_between",
+    "new_groups_within",
     "single_rank_mesh",
 ]
 
@@ -102,17 +103,42 @@ def new_group_along(mesh: DeviceMesh, *dims: str) -> dist.ProcessGroup:
     `dims` (ranked in mesh order), separate from the mesh's own (e.g. collectives that must not
     queue behind the pipeline's sends: an NCCL send blocks its communicator until received).
     Every rank of the mesh must call it."""
-    indices = [_dim_index(mesh, dim) for dim in dims]
-    others = [index for index in range(mesh.ndim) if index not in indices]
-    size = math.prod(mesh.mesh.shape[index] for index in indices)
-    rows = mesh.mesh.permute(*others, *sorted(indices)).reshape(-1, size).tolist()
     mine = None
-    for row in rows:  # every rank creates every group, in the same order
+    for row in _rows_along(mesh, dims):  # every rank creates every group, in the same order
         group = dist.new_group(sorted(row))
         if dist.get_rank() in row:
             mine = group
     assert mine is not None  # this rank is in the mesh
     return mine
+
+
+def new_groups_within(
+    mesh: DeviceMesh, dim: str, inner_size: int
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Split `mesh`'s `dim` into (outer, inner) with `inner_size` adjacent ranks inside:
+    this rank's inner group (its block of `inner_size` consecutive positions along `dim`) and
+    its outer group (the ranks at its position in every block). Every rank of the mesh must
+    call it."""
+    size = mesh.mesh.shape[_dim_index(mesh, dim)]
+    if inner_size < 1 or size % inner_size:
+        raise ValueError(f"{inner_size} ranks per group do not split the {size} {dim!r} ranks")
+    inner = outer = None
+    for row in _rows_along(mesh, (dim,)):  # every rank creates every group, in the same order
+        blocks = [row[start : start + inner_size] for start in range(0, size, inner_size)]
+        for ranks in [*blocks, *(row[offset::inner_size] for offset in range(inner_size))]:
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                inner, outer = (group, outer) if ranks in blocks else (inner, group)
+    assert inner is not None and outer is not None  # this rank is in the mesh
+    return inner, outer
+
+
+def _rows_along(mesh: DeviceMesh, dims: Sequence[str]) -> list[list[int]]:
+    """The mesh's ranks in rows that differ only along `dims` (ranked in mesh order)."""
+    indices = [_dim_index(mesh, dim) for dim in dims]
+    others = [index for index in range(mesh.ndim) if index not in indices]
+    size = math.prod(mesh.mesh.shape[index] for index in indices)
+    return mesh.mesh.permute(*others, *sorted(indices)).reshape(-1, size).tolist()
 
 
 def new_group_between(

@@ -257,14 +257,18 @@ def _pipeline_activations(
 
 
 def _ulysses_gathered_kv(job: Job, kv_heads: int) -> float:
-    """How many times a token's K/V a rank caches under Ulysses in a pipeline, over its share
-    without: kv heads fewer than the cp ranks are gathered whole (every token of one head,
-    `cp / kv_heads` times the token shard's bytes); otherwise each rank holds its heads of
-    every token, the same bytes."""
-    cp = job.dims.cp
-    if job.config.parallelism.cp_variant != "ulysses" or not kv_heads or kv_heads % cp == 0:
+    """How many times a token's K/V a rank caches under Ulysses (or hierarchical context
+    parallelism) in a pipeline, over its share without: kv heads fewer than the ranks of the
+    Ulysses group are gathered whole (every group token of one head, `ranks / kv_heads` times
+    the token shard's bytes); otherwise each rank holds its heads of the group's tokens, the
+    same bytes."""
+    parallelism = job.config.parallelism
+    ranks = {"ulysses": job.dims.cp, "hierarchical": parallelism.cp_ulysses}.get(
+        parallelism.cp_variant
+    )
+    if ranks is None or not kv_heads or kv_heads % ranks == 0:
         return 1.0
-    return cp / kv_heads
+    return ranks / kv_heads
 
 
 def _offloaded_bytes(

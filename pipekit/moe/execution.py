@@ -36,7 +36,7 @@ from pipekit.moe.restore import (
     measure_speeds,
     restore_strategy,
 )
-from pipekit.moe.routing import Routing
+from pipekit.moe.routing import Routing, split_experts
 from pipekit.moe.token_exchange import LocalExchange, TokenExchange
 
 __all__ = ["ExpertExecution", "check_partitions"]
@@ -61,8 +61,12 @@ class ExpertExecution:
         exchange: TokenExchange | None = None,
         partitions: int | str = 1,
         memory_reuse: str = "none",
+        tensor_parallel: int = 1,
     ) -> None:
         check_partitions(partitions)
+        self.tensor_parallel = tensor_parallel
+        """Expert tensor parallelism: each expert is this many pieces on the exchange's ranks
+        (`split_experts`), each a slice of its hidden dim."""
         if memory_reuse != "auto":
             restore_strategy(memory_reuse)  # validates the name
         self.exchange = exchange or LocalExchange()
@@ -83,8 +87,10 @@ class ExpertExecution:
     ) -> Tensor:
         """Sum over each token's assignments of weight x expert(token), the experts being
         `weights` (w3 None when `activation` is plain) and `biases` (None: none) under
-        `activation`."""
+        `activation`; under expert tensor parallelism each assignment goes to every piece of
+        its expert."""
         w1_EFD = weights[0]
+        routing = self.routing_of_pieces(routing)
         if w1_EFD.shape[0] * self.exchange.size != routing.num_experts:
             raise ValueError(
                 f"this rank holds {w1_EFD.shape[0]} experts on {self.exchange.size} "
@@ -95,6 +101,11 @@ class ExpertExecution:
         partitions = self._partitions(batch_tokens, x_TD, routing, weights, biases, activation)
         strategy = self._restore_strategy(batch_tokens, x_TD, w1_EFD, activation, partitions)
         return self._run(x_TD, routing, weights, biases, activation, partitions, strategy)
+
+    def routing_of_pieces(self, routing: Routing) -> Routing:
+        """What the exchange's ranks run: under expert tensor parallelism each assignment
+        once per piece of its expert (`split_experts`), else `routing` itself."""
+        return split_experts(routing, self.tensor_parallel)
 
     def _run(
         self,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Routing", "expert_capacity", "routing_from_choices"]
+__all__ = ["Routing", "expert_capacity", "routing_from_choices", "split_experts"]
 
 
 @dataclass(frozen=True)
@@ -113,3 +113,25 @@ def _within_capacity(
     keep_A = torch.empty_like(order_A, dtype=torch.bool)
     keep_A[order_A] = rank_in_expert_A < capacity
     return keep_A
+
+
+def split_experts(routing: Routing, pieces: int) -> Routing:
+    """The same decision over `pieces` x E expert pieces (expert tensor parallelism): each
+    assignment (token, e, weight) becomes one per piece j, to piece expert j x E + e with the
+    same weight. An expert's FFN split on its hidden dim is the sum of its pieces, so combining
+    the pieces' outputs gives the expert's; pieces are ordered piece-major, so the ranks of one
+    piece hold it for a contiguous block of experts, like expert parallelism's. The losses'
+    fields (logits, probabilities, choices) stay the router's."""
+    if pieces == 1:
+        return routing
+    num_experts = routing.num_experts
+    offsets = [routing.expert_index_A + piece * num_experts for piece in range(pieces)]
+    return Routing(
+        token_index_A=routing.token_index_A.repeat(pieces),
+        expert_index_A=torch.cat(offsets),
+        weight_A=routing.weight_A.repeat(pieces),
+        tokens_per_expert_E=routing.tokens_per_expert_E.repeat(pieces),
+        logits_TE=routing.logits_TE,
+        probs_TE=routing.probs_TE,
+        chosen_TE=routing.chosen_TE,
+    )

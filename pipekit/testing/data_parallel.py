@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_con
 from pipekit._torch_private import flatten_mesh
 from pipekit.attention.context import CausalAttention, ContextParallelAttention
 from pipekit.attention.context_parallel import load_balanced_indices
+from pipekit.attention.hierarchical import hierarchical_groups
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
@@ -31,7 +32,11 @@ from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.models.materialize import seeded_materializer
 from pipekit.models.spec import ModelSpec
 from pipekit.moe.aux_loss import aux_loss_scale
-from pipekit.moe.expert_parallel import apply_expert_parallel, expert_mesh
+from pipekit.moe.expert_parallel import (
+    apply_expert_parallel,
+    expert_mesh,
+    expert_parallel_mesh,
+)
 from pipekit.testing.parity import Result, full_gradient
 
 __all__ = ["data_parallel_model", "data_parallel_step"]
@@ -43,6 +48,7 @@ def data_parallel_model(
     args: Any,
     *,
     ep: int = 1,
+    etp: int = 1,
     dp_replicate: int = 1,
     cp: int = 1,
     tp: int = 1,
@@ -59,7 +65,7 @@ def data_parallel_model(
     (an ablation) leaves an MoE's routers out of the units over the tp ranks."""
     config = ParallelismConfig(
         dp_replicate=dp_replicate, dp_shard=world // (dp_replicate * cp * tp), cp=cp, tp=tp,
-        ep=ep,
+        ep=ep, etp=etp,
     )  # fmt: skip
     dims = ParallelDims.from_config(config, world)
     mesh = dims.build_mesh("cpu")
@@ -72,10 +78,10 @@ def data_parallel_model(
         )  # fmt: skip
     experts_mesh = routers_mesh = None
     tp_moe = tp > 1 and getattr(args, "moe", None) is not None
-    if ep > 1 or tp_moe:  # every rank holds tokens of its own (tp: sequence parallelism)
-        experts = expert_mesh("cpu", world, ep)
-        if ep > 1:
-            apply_expert_parallel(model, experts["ep"])
+    if dims.ep_enabled or tp_moe:  # every rank holds tokens of its own (tp: sequence parallel)
+        experts = expert_mesh("cpu", world, ep, etp=etp)
+        if dims.ep_enabled:
+            apply_expert_parallel(model, expert_parallel_mesh(experts))
         experts_mesh = experts["ep_replicate"]
         if tp_moe and routers:
             routers_mesh = flatten_mesh(experts, "ep_tokens")
@@ -104,6 +110,9 @@ def data_parallel_step(
     dp_replicate: int = 1,
     cp: int = 1,
     cp_variant: str = "auto",
+    cp_ulysses: int = 0,
+    cp_across: str = "auto",
+    etp: int = 1,
     tp: int = 1,
     tp_plan: ModelSpec | None = None,
     sequence_parallel: bool = True,
@@ -116,10 +125,11 @@ def data_parallel_step(
     """FSDP2 over all ranks (HSDP with `dp_replicate` replicas; experts sharded over `ep` of
     them and by FSDP2 over the ep groups), each data rank its share of the rows, each of its
     `cp` context-parallel ranks its load-balanced share of their tokens (attending by
-    `cp_variant`); the full gradients, gathered. `adjust` sees the parallelized model before
-    the step (ablations)."""
+    `cp_variant`; hierarchical: Ulysses in groups of `cp_ulysses`, `cp_across` across them);
+    the full gradients, gathered. `adjust` sees the parallelized model before the step
+    (ablations)."""
     model, dims, mesh = data_parallel_model(
-        world, spec, args, ep=ep, dp_replicate=dp_replicate, cp=cp, tp=tp, tp_plan=tp_plan,
+        world, spec, args, ep=ep, etp=etp, dp_replicate=dp_replicate, cp=cp, tp=tp, tp_plan=tp_plan,
         sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, routers=routers,
         seed=seed, dtype=dtype,
     )  # fmt: skip
@@ -134,8 +144,9 @@ def data_parallel_step(
     if cp > 1:
         tokens_S = load_balanced_indices(batch.batch_size[1], cp)[mesh["cp"].get_local_rank()]
         part = part[:, tokens_S]
+        hierarchy = hierarchical_groups(mesh, cp_ulysses, cp_across) if cp_ulysses else None
         context = ContextParallelAttention(
-            tokens_S, part["document_ids"], cp_group, variant=cp_variant
+            tokens_S, part["document_ids"], cp_group, variant=cp_variant, hierarchy=hierarchy
         )
     with loss_parallel_context() if loss_parallel else nullcontext():
         with aux_loss_scale(1.0 / dims.dp_degree), statistics_group(sequence_group):

@@ -32,7 +32,11 @@ from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.models.materialize import seeded_materializer
 from pipekit.models.spec import ModelSpec
 from pipekit.moe.aux_loss import aux_loss_scale
-from pipekit.moe.expert_parallel import apply_expert_parallel, expert_mesh
+from pipekit.moe.expert_parallel import (
+    apply_expert_parallel,
+    expert_mesh,
+    expert_parallel_mesh,
+)
 from pipekit.pipelining import (
     PipelineVocabParallel,
     StageSetup,
@@ -128,8 +132,8 @@ def pipeline_layout(
     tp_moe = tp > 1 and getattr(args, "moe", None) is not None
     token_ranks = dp_shard * cp * tp
     experts = None
-    if ep > 1 or tp_moe:
-        experts = expert_mesh("cpu", token_ranks, ep, pipeline_ranks=dims.pp)
+    if dims.ep_enabled or tp_moe:
+        experts = expert_mesh("cpu", token_ranks, ep, pipeline_ranks=dims.pp, etp=dims.etp)
     routers_mesh = flatten_mesh(experts, "ep_tokens") if tp_moe and routers else None
     loss_parallel = tp > 1
 
@@ -143,9 +147,9 @@ def pipeline_layout(
                 module, mesh["tp"], spec, loss_parallel=loss_parallel,
                 tied_embeddings=spec.shape(args).tied_embeddings,
             )  # fmt: skip
-        if ep > 1:
+        if dims.ep_enabled:
             assert experts is not None
-            apply_expert_parallel(module, experts["ep"])
+            apply_expert_parallel(module, expert_parallel_mesh(experts))
         checkpointing = TrainingConfig(activation_checkpoint=activation_checkpoint)
         apply_activation_checkpointing(spec.structure.blocks_of(module), checkpointing)
         apply_data_parallel(

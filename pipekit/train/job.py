@@ -98,8 +98,8 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     if dims.tp > 1:
         _check_tensor_parallel(config, dims, spec, args)
         _check_sequence_parallel(config, dims)
-    if dims.ep > 1:
-        _check_expert_parallel(config, args, dims.ep)
+    if dims.ep_enabled:
+        _check_expert_parallel(config, meta_model, args, dims.ep, dims.etp)
     per_step = dims.dp_degree * config.training.gradient_accumulation_steps
     if config.training.global_batch_size % per_step:
         raise ConfigError(
@@ -333,21 +333,38 @@ def _check_context_parallel(config: JobConfig, cp: int, pp: int, shape: ModelSha
         check_context_parallel_split,
         check_context_parallel_variant,
     )
+    from pipekit.attention.hierarchical import check_hierarchical
     from pipekit.attention.ulysses import check_ulysses_heads
 
+    parallelism = config.parallelism
+    variant, tp = parallelism.cp_variant, max(parallelism.tp, 1)
+    heads = (shape.num_heads // tp, max(shape.num_kv_heads // tp, 1))
     try:
-        check_context_parallel_variant(config.parallelism.cp_variant)
+        check_context_parallel_variant(variant)
         if pp == 1:
             check_context_parallel_split(config.training.seq_len, cp)
-        if config.parallelism.cp_variant == "ulysses":
-            tp = max(config.parallelism.tp, 1)
-            check_ulysses_heads(shape.num_heads // tp, cp, max(shape.num_kv_heads // tp, 1))
+        if variant == "ulysses":
+            check_ulysses_heads(heads[0], cp, heads[1])
+        hierarchical = variant == "hierarchical" or (variant == "auto" and pp == 1)
+        if parallelism.cp_ulysses and not hierarchical:
+            raise ValueError(
+                f"cp_ulysses = {parallelism.cp_ulysses} sets the groups of "
+                f"cp_variant='hierarchical' (or 'auto' outside pipelines), not of "
+                f"{variant!r}; set cp_variant = 'hierarchical' or cp_ulysses = 0"
+            )
+        if variant == "hierarchical" or parallelism.cp_ulysses:
+            check_hierarchical(
+                cp, parallelism.cp_ulysses, parallelism.cp_across, *heads, pipeline=pp > 1
+            )
     except ValueError as error:
         raise _error("[parallelism]", error) from None
 
 
-def _check_expert_parallel(config: JobConfig, args: Any, ep: int) -> None:
-    from pipekit.moe.expert_parallel import check_expert_parallel
+def _check_expert_parallel(
+    config: JobConfig, meta_model: nn.Module, args: Any, ep: int, etp: int
+) -> None:
+    from pipekit.moe.expert_parallel import check_expert_parallel, check_expert_tensor_parallel
+    from pipekit.moe.experts import GroupedExperts
 
     model = config.model
     upcycle = model.upcycle
@@ -358,6 +375,10 @@ def _check_expert_parallel(config: JobConfig, args: Any, ep: int) -> None:
     )
     try:
         check_expert_parallel(getattr(args, "moe", None), ep, source)
+        if etp > 1:  # the experts' hidden dim and biases
+            for experts in meta_model.modules():
+                if isinstance(experts, GroupedExperts):
+                    check_expert_tensor_parallel(experts.w1_EFD.shape[1], experts.has_biases, etp)
     except ValueError as error:
         raise _error("[parallelism]", error) from None
 

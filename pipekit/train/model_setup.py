@@ -32,6 +32,7 @@ from pipekit.models.materialize import materialize_sharded, to_empty_keeping_tie
 from pipekit.moe.expert_parallel import (
     apply_expert_parallel,
     expert_mesh,
+    expert_parallel_mesh,
     set_expert_execution,
 )
 from pipekit.pipelining.build import StageSetup, build_pipeline
@@ -104,7 +105,7 @@ class _ModelSetup:
             # under sequence parallelism, which tp with MoE requires)
             token_ranks = dims.dp_degree * dims.cp * (dims.tp if tp_moe else 1)
             self.expert_mesh = expert_mesh(
-                device.type, token_ranks, dims.ep, pipeline_ranks=dims.pp
+                device.type, token_ranks, dims.ep, pipeline_ranks=dims.pp, etp=dims.etp
             )
         if tp_moe:
             assert self.expert_mesh is not None
@@ -201,7 +202,7 @@ class _ModelSetup:
             assert self.expert_mesh is not None
             apply_expert_parallel(
                 module,
-                self.expert_mesh["ep"],
+                expert_parallel_mesh(self.expert_mesh),
                 partitions=moe.partitions,
                 memory_reuse=moe.memory_reuse,
             )

@@ -29,6 +29,7 @@ from pipekit.attention.context import (
     ContextParallelAttention,
 )
 from pipekit.attention.context_parallel import context_parallel_tokens
+from pipekit.attention.hierarchical import HierarchicalGroups, hierarchical_groups
 from pipekit.checkpoint.dcp import (
     CheckpointManager,
     ModelOptimizerState,
@@ -87,6 +88,7 @@ class Trainer:
         self.dims = job.dims
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         self._context_parallel: tuple[Tensor, dist.ProcessGroup] | None = None
+        self._hierarchy: HierarchicalGroups | None = None
         if self.dims.cp_enabled:  # this rank's tokens of every sequence (slice by slice), group
             assert self.mesh is not None
             cp_mesh = self.mesh["cp"]
@@ -95,6 +97,11 @@ class Trainer:
                 config.training.seq_len, self.dims.cp, cp_mesh.get_local_rank(), num_slices
             )
             self._context_parallel = (tokens_S.to(self.device), cp_mesh.get_group())
+            parallelism = config.parallelism
+            if parallelism.cp_ulysses and job.pipeline is None:  # the pipeline builds its own
+                self._hierarchy = hierarchical_groups(
+                    self.mesh, parallelism.cp_ulysses, parallelism.cp_across
+                )
         self._statistics_group = self._sequence_group()
         self.output_dir = Path(config.job.output_dir)
         self.checkpoints = CheckpointManager(
@@ -313,7 +320,7 @@ class Trainer:
             tokens_S = self._context_parallel[0]
             variant = self.config.parallelism.cp_variant
             context = ContextParallelAttention(
-                tokens_S, batch["document_ids"], cp_group, backend, variant
+                tokens_S, batch["document_ids"], cp_group, backend, variant, self._hierarchy
             )
         with self._autocast(), statistics_group(self._statistics_group):
             logits_BSV = self.model(batch["tokens"], batch["positions"], context)

@@ -12,6 +12,7 @@ from pipekit.attention.context_parallel_choice import (
     check_context_parallel_split,
     check_context_parallel_variant,
 )
+from pipekit.attention.hierarchical import check_hierarchical, hierarchical_groups
 from pipekit.distributed.process_group import new_group_along
 from pipekit.memory.offload_store import store_for
 from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
@@ -44,14 +45,21 @@ def _check_context_parallel(planning: FeaturePlanning) -> None:
     if parallelism.cp_variant == "ring":
         raise ValueError(
             "cp_variant='ring' runs on whole sequences, outside pipelines; inside a pipeline "
-            "use commutated, kv_passing, ulysses or auto"
+            "use commutated, kv_passing, ulysses, hierarchical or auto"
         )
     check_context_parallel_split(planning.seq_len, parallelism.cp, planning.num_slices)
-    if "context_exchange" in planning.features and parallelism.cp_variant == "ulysses":
+    variant = parallelism.cp_variant
+    if variant == "hierarchical":
+        tp, shape = max(parallelism.tp, 1), planning.model
+        check_hierarchical(
+            parallelism.cp, parallelism.cp_ulysses, parallelism.cp_across,
+            shape.num_heads // tp, max(shape.num_kv_heads // tp, 1), pipeline=True,
+        )  # fmt: skip
+    if "context_exchange" in planning.features and variant in ("ulysses", "hierarchical"):
         raise ValueError(
-            "context_exchange = true with cp_variant='ulysses': a lending slice hands its peer "
-            "this rank's tokens of earlier slices, and a Ulysses cache holds heads instead; use "
-            "cp_variant = 'commutated' or 'auto'"
+            f"context_exchange = true with cp_variant={variant!r}: a lending slice hands its "
+            "peer this rank's tokens of earlier slices, and a Ulysses cache holds heads "
+            "instead; use cp_variant = 'commutated' or 'auto'"
         )
     if "context_exchange" in planning.features and parallelism.cp_variant == "kv_passing":
         raise ValueError(
@@ -61,12 +69,23 @@ def _check_context_parallel(planning: FeaturePlanning) -> None:
         )
 
 
+def _plan_context_parallel(planning: FeaturePlanning) -> tuple[str, int, str]:
+    """The variant, and hierarchical context parallelism's group size and variant across."""
+    parallelism = planning.parallelism
+    return parallelism.cp_variant, parallelism.cp_ulysses, parallelism.cp_across
+
+
 def _build_context_parallel(building: FeatureBuilding) -> PipelineContextParallel:
     plan = building.plan
+    variant, ulysses_size, across = building.feature_plan
+    hierarchy = None
+    if variant == "hierarchical":
+        hierarchy = hierarchical_groups(building.mesh, ulysses_size, across)
     return PipelineContextParallel(
         building.mesh["cp"].get_group(),
         plan.slice_length * plan.context_parallel,
-        building.feature_plan,
+        variant,
+        hierarchy=hierarchy,
     )
 
 
@@ -133,7 +152,7 @@ for _feature in (
         setting_name="cp > 1",
         order=10,
         check=_check_context_parallel,
-        plan=lambda planning: planning.parallelism.cp_variant,
+        plan=_plan_context_parallel,
     ),
     PipelineFeature(
         "context_exchange",

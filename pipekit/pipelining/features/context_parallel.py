@@ -1,6 +1,8 @@
 """Context parallelism inside pipeline stages: SlimPipe's commutated attention on the KV cache,
 or KV passing, chosen per slice; or Ulysses (`UlyssesSliceAttention`: each slice resharded to
-heads, the cache holding every token of this rank's heads).
+heads, the cache holding every token of this rank's heads), or hierarchical (Ulysses within
+groups of `cp_ulysses` ranks, the cache holding the group's tokens of this rank's heads, and
+commutated or KV passing across the groups, chosen per slice).
 
 With `cp` context-parallel ranks per pipeline rank, every slice of a sequence is split over the
 cp ranks, load-balanced within the slice (`context_parallel_tokens`): each cp rank runs the
@@ -44,6 +46,7 @@ from pipekit.attention.context_parallel_choice import (
     context_parallel_variant,
 )
 from pipekit.attention.exchange import Lending, LentChunk
+from pipekit.attention.hierarchical import HierarchicalGroups
 from pipekit.attention.kv_cache import CachedSlice, SliceAttention
 from pipekit.attention.patterns import AttentionPattern
 from pipekit.attention.ulysses import UlyssesSliceAttention
@@ -62,7 +65,10 @@ class ContextParallelSliceAttention:
     for every cp rank's queries."""
 
     def __init__(
-        self, inner: SliceAttention, extension: PipelineContextParallel, slice_index: int
+        self,
+        inner: SliceAttention,
+        extension: PipelineContextParallel | _AcrossGroups,
+        slice_index: int,
     ) -> None:
         self.inner, self.extension, self.slice_index = inner, extension, slice_index
 
@@ -195,8 +201,14 @@ class PipelineContextParallel(PipelineExtension):
         slice_length: int,
         variant: str = "auto",
         drop_remote: bool = False,
+        hierarchy: HierarchicalGroups | None = None,
     ) -> None:
-        self.group, self.variant = group, variant
+        if variant == "hierarchical" and hierarchy is None:
+            raise ValueError(
+                "cp_variant='hierarchical' needs the Ulysses and across groups (hierarchy=); "
+                "set cp_ulysses"
+            )
+        self.group, self.variant, self.hierarchy = group, variant, hierarchy
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.slice_length = slice_length
         self.drop_remote = drop_remote
@@ -244,4 +256,51 @@ class PipelineContextParallel(PipelineExtension):
         _, slice_index = unit_microbatch_and_slice(unit, self.num_slices)
         if self.variant == "ulysses":  # the cache holds head shards of whole slices
             return UlyssesSliceAttention(context, self.group, self.rank_tokens(slice_index))
+        if self.variant == "hierarchical":  # head shards of the group's tokens, cp across
+            across = _AcrossGroups(self)
+            return UlyssesSliceAttention(
+                context,
+                across.hierarchy.ulysses,
+                across.group_rank_tokens(slice_index),
+                across=lambda whole: ContextParallelSliceAttention(whole, across, slice_index),
+            )
         return ContextParallelSliceAttention(context, self, slice_index)
+
+
+class _AcrossGroups:
+    """Hierarchical context parallelism's level across the Ulysses groups, as
+    `ContextParallelSliceAttention` sees its extension: the ranks holding the same heads of the
+    other groups' tokens, this rank's shard being its group's tokens, in sequence order."""
+
+    def __init__(self, parallel: PipelineContextParallel) -> None:
+        assert parallel.hierarchy is not None
+        self.parallel, self.hierarchy = parallel, parallel.hierarchy
+        self.group = self.hierarchy.across
+        self.cp = dist.get_world_size(self.group)
+        self.slice_length, self.drop_remote = parallel.slice_length, parallel.drop_remote
+
+    def group_rank_tokens(self, slice_index: int) -> Tensor:
+        """`[u, S]`: the token indices of slice `slice_index` on each rank of this rank's
+        Ulysses group, by rank."""
+        size = self.hierarchy.ulysses_size
+        start = self.hierarchy.group_index * size
+        return self.parallel.rank_tokens(slice_index)[start : start + size]
+
+    def slice_tokens(self, slice_index: int) -> Tensor:
+        """This rank's group's tokens of slice `slice_index`, in sequence order (as its
+        Ulysses context caches them)."""
+        return self.group_rank_tokens(slice_index).flatten().sort().values
+
+    def variant_of(
+        self, slice_index: int, q_BHSD: Tensor, k_BGSD: Tensor, keys_are_values: bool = False
+    ) -> str:
+        """The variant across the groups for slice `slice_index`."""
+        return context_parallel_variant(
+            self.hierarchy.across_variant,
+            q_BHSD,
+            k_BGSD,
+            slice_index=slice_index,
+            slice_tokens=self.slice_length,
+            cp=self.cp,
+            keys_are_values=keys_are_values,
+        )

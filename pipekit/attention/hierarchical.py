@@ -1,0 +1,122 @@
+"""Hierarchical context parallelism: Ulysses inside groups of cp ranks, another variant across.
+
+The cp ranks form `cp / u` groups of `u` adjacent ranks (`cp_ulysses = u`; on GPUs, a node's
+fast links). Inside a group, Ulysses' all-to-all gives each rank every group token of `heads /
+u` heads; across the groups, the ranks holding the same heads attend to each other's tokens by
+`cp_across` (K/V passing, ring, commutated, or per slice whichever moves fewer bytes), exactly as
+plain context parallelism does over `cp / u` ranks whose shards are the groups' tokens. A second
+all-to-all returns each rank its own tokens for all heads. The heads split only `u` ways, so a
+model with fewer heads than cp ranks can still use them all (Megatron-Core's hierarchical
+context parallelism; DeepSpeed-Ulysses inside, a ring across).
+
+Legend: B batch, H query heads, G kv heads, S tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from pipekit.attention.context_parallel import TokenShard
+from pipekit.attention.merge import check_sinks
+from pipekit.attention.ulysses import (
+    check_ulysses_heads,
+    group_shard,
+    local_sinks,
+    reshard_to_sequence,
+    to_head_shards,
+)
+
+__all__ = [
+    "ACROSS_VARIANTS",
+    "HierarchicalGroups",
+    "check_hierarchical",
+    "hierarchical_context_attention",
+    "hierarchical_groups",
+]
+
+ACROSS_VARIANTS = ("auto", "commutated", "kv_passing", "ring")
+"""What runs across the Ulysses groups ("ring": whole sequences only)."""
+
+AcrossAttention = Callable[[Tensor, Tensor, Tensor, TokenShard, Tensor | None], Tensor]
+"""q, k, v of the group's tokens on this rank's heads, their shard, the heads' sinks -> out."""
+
+
+@dataclass(frozen=True)
+class HierarchicalGroups:
+    """This rank's two groups: `ulysses` (the `u` ranks whose tokens it gathers for its heads)
+    and `across` (the ranks of the other groups holding the same heads), and the variant that
+    runs across."""
+
+    ulysses: dist.ProcessGroup
+    across: dist.ProcessGroup
+    across_variant: str = "auto"
+
+    @property
+    def ulysses_size(self) -> int:
+        return dist.get_world_size(self.ulysses)
+
+    @property
+    def group_index(self) -> int:
+        """Which group of `u` adjacent cp ranks this rank is in (its rank across)."""
+        return dist.get_rank(self.across)
+
+
+def check_hierarchical(
+    cp: int,
+    ulysses_size: int,
+    across_variant: str,
+    query_heads: int,
+    kv_heads: int,
+    pipeline: bool = False,
+) -> None:
+    """ValueError naming the fix unless `ulysses_size` ranks per group split the cp ranks into
+    two groups or more, the (tensor-parallel rank's) heads split over a group, and
+    `across_variant` can run here (no ring inside a pipeline)."""
+    if not 1 < ulysses_size < cp or cp % ulysses_size:
+        raise ValueError(
+            f"cp_variant='hierarchical' needs cp_ulysses, the ranks per Ulysses group, to "
+            f"divide cp={cp} into two groups or more; got cp_ulysses={ulysses_size}: choose a "
+            f"divisor of {cp} between 2 and {cp // 2}"
+        )
+    allowed = [v for v in ACROSS_VARIANTS if not (pipeline and v == "ring")]
+    if across_variant not in allowed:
+        where = "inside a pipeline " if pipeline else ""
+        raise ValueError(f"cp_across={across_variant!r} {where}is not one of {', '.join(allowed)}")
+    check_ulysses_heads(query_heads, ulysses_size, kv_heads)
+
+
+def hierarchical_groups(
+    mesh: DeviceMesh, ulysses_size: int, across_variant: str
+) -> HierarchicalGroups:
+    """The groups of `mesh`'s `cp` dim split into blocks of `ulysses_size` adjacent ranks.
+    Every rank of the mesh must call it."""
+    from pipekit.distributed.process_group import new_groups_within
+
+    ulysses, across = new_groups_within(mesh, "cp", ulysses_size)
+    return HierarchicalGroups(ulysses, across, across_variant)
+
+
+def hierarchical_context_attention(
+    q_BHSD: Tensor,
+    k_BGSD: Tensor,
+    v_BGSD: Tensor,
+    shard: TokenShard,
+    groups: HierarchicalGroups,
+    attend_across: AcrossAttention,
+    sinks_H: Tensor | None = None,
+) -> Tensor:
+    """This rank's tokens' (`shard`) attention output `[B, H, S, D]`: resharded to heads over
+    `groups.ulysses`, attended across the groups by `attend_across` (context parallelism over
+    `groups.across` on the group's tokens), resharded back."""
+    check_sinks(sinks_H, q_BHSD)
+    q_BHSD, k_BGSD, v_BGSD = to_head_shards(q_BHSD, k_BGSD, v_BGSD, groups.ulysses)
+    whole_group = group_shard(shard, groups.ulysses)
+    out_BHSD = attend_across(
+        q_BHSD, k_BGSD, v_BGSD, whole_group, local_sinks(sinks_H, groups.ulysses)
+    )
+    return reshard_to_sequence(out_BHSD, groups.ulysses)
