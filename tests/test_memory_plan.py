@@ -11,6 +11,7 @@ import torch
 from pipekit.bench import plan_accuracy
 from pipekit.config.loader import load_job_config
 from pipekit.memory_plan.__main__ import main, parse_bytes
+from pipekit.memory_plan import activations as activations_module
 from pipekit.memory_plan.activations import TensorSplit, profile_activations
 from pipekit.memory_plan.layout import rank_layouts
 from pipekit.memory_plan.memory import plan_memory
@@ -33,6 +34,8 @@ def test_the_large_configs_validate_for_the_world_they_are_written_for() -> None
         ("configs/llama3_8b_e8t2_upcycle.toml", 512),
         ("configs/llama3_70b_2m_slimpipe.toml", 256),
         ("configs/mixtral_8x7b_4m_slimpipe.toml", 256),
+        ("configs/gpt_oss_120b_128k.toml", 64),
+        ("configs/deepseek_v3_671b_128k.toml", 1024),
     ]:
         job = _job(config, world)
         assert job.dims is not None and job.dims.world_size == world
@@ -101,6 +104,42 @@ def test_moe_backward_bytes_are_those_of_the_fastest_growing_moment() -> None:
     long = profile_activations(moe, args, torch.float32, (512, 1024))
     assert short.backward_bytes == long.backward_bytes
     assert short.block_bytes == long.block_bytes
+
+
+def test_experts_too_heavy_to_build_are_measured_at_two_counts_and_extrapolated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A block's bytes per token are linear in its expert count (the router's scores): the
+    DeepSeek-V3 debug block with 32 experts (4 groups, top-2) measured at the two smallest
+    counts its router accepts (4, 8) and extrapolated equals the block measured whole; an
+    ablation that takes the larger count's bytes as they are does not."""
+    spec = get_model_spec("deepseek_v3")
+    debug = spec.flavor("debug")
+    args = dataclasses.replace(debug, moe=dataclasses.replace(debug.moe, num_experts=32))
+    whole = profile_activations(spec, args, torch.float32)
+    monkeypatch.setattr(activations_module, "_EXPERT_BYTES_BUDGET", 0)
+    counted = []
+    real = activations_module.profile_activations
+
+    def counting(spec_, args_, *rest, **options):
+        counted.append(args_.moe.num_experts)
+        return real(spec_, args_, *rest, **options)
+
+    monkeypatch.setattr(activations_module, "profile_activations", counting)
+    extrapolated = real(spec, args, torch.float32)
+    assert counted == [4, 8]
+    moe_blocks = [
+        name
+        for name, saved in whole.block_bytes.items()
+        if saved != min(whole.block_bytes.values())
+    ]
+    assert moe_blocks
+    for name, saved in whole.block_bytes.items():
+        assert extrapolated.block_bytes[name] == pytest.approx(saved, rel=1e-9), name
+    assert extrapolated.backward_bytes == pytest.approx(whole.backward_bytes, rel=1e-9)
+    monkeypatch.setattr(activations_module, "_extrapolated", lambda small, large, counts: large)
+    ablated = real(spec, args, torch.float32)
+    assert any(ablated.block_bytes[name] < 0.999 * whole.block_bytes[name] for name in moe_blocks)
 
 
 def test_the_head_saves_its_float32_log_probabilities_not_its_logits() -> None:

@@ -24,7 +24,9 @@ stream and the norms; the head stays whole on every tp rank, as it trains.
 One block of a kind exists at a time, so probing a 70B-class model needs one block's weights in
 the compute dtype (about 1.7 GB) and the head's (about 2 GB), not the model's; it takes about a
 minute for an 8B model on 2 CPU cores (bf16 matrix products on a CPU without bf16 units are
-slow).
+slow). An MoE block whose experts weigh more than 2 GiB is measured at the two smallest expert
+counts its router accepts and extrapolated on the line through them (its bytes per token grow
+linearly with the count: the router's scores).
 
 Legend: D model dim, V vocabulary.
 """
@@ -32,8 +34,10 @@ Legend: D model dim, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -50,12 +54,16 @@ from pipekit.memory_plan.forked import in_forked_child
 from pipekit.models.materialize import local_tensor
 from pipekit.models.spec import ModelSpec
 from pipekit.models.stage_module import build_stage_module
+from pipekit.moe.layer import MoE
 from pipekit.moe.routers import SigmoidTopKRouter
 
 __all__ = ["ActivationProfile", "TensorSplit", "profile_activations"]
 
 _PROBE_TOKENS = (2, 6)
 """Two sequence lengths; bytes per token is the slope between them."""
+_EXPERT_BYTES_BUDGET = 2 << 30
+"""One MoE layer's experts weighing more than this (compute dtype) are probed at smaller
+counts: a real-size DeepSeek-V3 block's 256 experts are 22 GB in bf16."""
 _INIT_STD = 0.02
 _RANDOM_UP_TO = 1 << 20
 """Parameters of at most this many elements (routers) are drawn at random."""
@@ -109,9 +117,16 @@ def profile_activations(
     """Measure `spec.build(args)`'s blocks and head in `dtype` at the two lengths `tokens`;
     `configure(block)` sets a block up as the job runs it (its MoE execution); `split`: the
     blocks as one tensor-parallel rank runs them (bytes per token of the whole sequence);
-    `selective`: the blocks op-level checkpointed, their bytes what that keeps."""
+    `selective`: the blocks op-level checkpointed, their bytes what that keeps. Experts too
+    heavy to build on this machine are probed at two smaller counts (`_fewer_experts`)."""
     with torch.device("meta"):
         model = spec.build(args).to(dtype)
+    fewer = _fewer_experts(model, args)
+    if fewer is not None:
+        options = {"tokens": tokens, "configure": configure, "split": split, "selective": selective}
+        (small, large), counts = fewer
+        profiles = [profile_activations(spec, a, dtype, **options) for a in (small, large)]
+        return _extrapolated(*profiles, counts)
     structure = spec.structure
     shape = spec.shape(args)
     names = [structure.block_name(index) for index in range(shape.num_layers)]
@@ -148,6 +163,53 @@ def profile_activations(
         input_bytes=shape.dim * dtype.itemsize // split.sequence_shards,
         kv_bytes=kv_bytes,
         kv_heads=kv_heads,
+    )
+
+
+def _fewer_experts(
+    model: nn.Module, args: Any
+) -> tuple[tuple[Any, Any], tuple[int, int, int]] | None:
+    """None, or the model args with two smaller expert counts (the two smallest its router
+    accepts) and (those counts, the real one), when one MoE layer's experts would weigh more
+    than `_EXPERT_BYTES_BUDGET`. A block saves per token the router's scores (a few per
+    expert) plus what its top-k experts compute (independent of the count): linear in the
+    count, so two counts give the line exactly."""
+    moe = getattr(args, "moe", None)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if moe is None or not layers:
+        return None
+    experts = layers[0].experts
+    if sum(p.numel() * p.element_size() for p in experts.parameters()) <= _EXPERT_BYTES_BUDGET:
+        return None
+    counts = []
+    first = -(-moe.top_k // moe.num_groups) * moe.num_groups  # at least top-k, whole groups
+    for count in range(first, moe.num_experts, moe.num_groups):
+        with contextlib.suppress(ValueError):  # the router's limits (top-k, groups)
+            counts.append(
+                (count, dataclasses.replace(args, moe=dataclasses.replace(moe, num_experts=count)))
+            )
+        if len(counts) == 2:
+            (small, small_args), (large, large_args) = counts
+            return (small_args, large_args), (small, large, moe.num_experts)
+    return None
+
+
+def _extrapolated(
+    small: ActivationProfile, large: ActivationProfile, counts: tuple[int, int, int]
+) -> ActivationProfile:
+    """The profile at `counts[2]` experts from the two measured at `counts[0]` and
+    `counts[1]`, on the line through them (what does not depend on experts is equal)."""
+    step = (counts[2] - counts[0]) / (counts[1] - counts[0])
+
+    def line(at_small: float, at_large: float) -> float:
+        return at_small + (at_large - at_small) * step
+
+    return dataclasses.replace(
+        large,
+        block_bytes={
+            name: line(small.block_bytes[name], saved) for name, saved in large.block_bytes.items()
+        },
+        backward_bytes=line(small.backward_bytes, large.backward_bytes),
     )
 
 
