@@ -11,12 +11,17 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 
 from pipekit.checkpoint.safetensors_io import CheckpointError
 from pipekit.config import ConfigError, help_text, load_job_config, to_dict
 from pipekit.config.dump import dump_toml
 from pipekit.train.job import validate_job
 from pipekit.train.log import setup_logging
+from pipekit.train.output_lock import OutputFolderInUse, lock_output_dir
+
+_REPORTER_GRACE_S = 30.0
+"""How long a rank that will not print a config error waits for the one that does to exit."""
 
 
 def main(argv: list[str]) -> int:
@@ -41,7 +46,17 @@ def main(argv: list[str]) -> int:
         if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
             where = f" (rank {rank} on {socket.gethostname()})" if rank else ""
             print(f"config error{where}: {error}", file=sys.stderr)
+        elif launched:
+            # torchrun stops the other ranks when one exits: leave the exit to the rank that
+            # says why (it fails on the same config), or its line may never be printed
+            time.sleep(_REPORTER_GRACE_S)
         return 2
+    if rank == 0 and not print_config:
+        try:
+            lock_output_dir(config.job.output_dir)
+        except (OutputFolderInUse, OSError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     if print_config:
         if rank == 0:
             print(dump_toml(to_dict(config)), end="")

@@ -424,6 +424,30 @@ def test_hf_datasets_source_reads_local_parquet_and_jsonl(tmp_path):
         check_data_config(DataConfig(source="hf"))
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["in_memory", "streamed"])
+def test_hf_datasets_bad_files_are_one_line_naming_file_and_line(tmp_path, streaming):
+    """A corrupt JSON line read through `datasets` is named `file:line` (1-based) as the local
+    reader names it; an empty file is named too; neither is a traceback of datasets'."""
+    lines = [json.dumps({"text": f"document {index}"}) for index in range(80)]
+    lines[56] = '{"text": "torn'
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    for name, message in (
+        ("bad.jsonl", r"bad\.jsonl:57: not valid JSON"),
+        ("empty.jsonl", r"could not be read \(empty files: .*empty\.jsonl\)"),
+    ):
+        config = DataConfig(
+            source="hf", hf_path="json", hf_data_files=str(tmp_path / name), shuffle=False,
+            streaming=streaming,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=message) as error:
+            if streaming:
+                next(_streaming_loader(config))
+            else:
+                load_token_stream(config)
+        assert type(error.value) is ValueError and "\n" not in str(error.value)
+
+
 def _streaming_loader(config, **overrides):
     options = dict(seq_len=16, local_batch_size=4, dp_rank=0, dp_world_size=1, seed=3)
     return build_data_loader(config, **{**options, **overrides})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -248,6 +249,38 @@ def test_missing_unexpected_and_misshapen_tensors_are_all_listed(
     assert "inv_freq" not in message
     for name, tensor in model.state_dict().items():  # a failed load changes nothing
         assert torch.equal(tensor, before[name]), name
+
+
+def test_integer_weights_are_refused_not_cast(hf_checkpoint: Path, tmp_path: Path) -> None:
+    """An I32 tensor where the model has float weights is refused by name before any load."""
+    directory = _copy(hf_checkpoint, tmp_path / "integers")
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+
+    rewrite_weights(directory, edit)
+    args = read_hf_llama_args(directory)
+    with pytest.raises(
+        CheckpointError, match=r"integer or bool data .*model\.norm\.weight \(int32\)"
+    ):
+        load_hf_llama(directory, _empty_model(args), args)
+
+
+def test_an_index_naming_files_outside_its_folder_is_refused(
+    hf_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A weight_map naming `../outside/...` or an absolute path is refused before any file it
+    names is opened (the outside file exists and would parse)."""
+    outside = _copy(hf_checkpoint, tmp_path / "outside")
+    for target in ("../outside/model.safetensors", str(outside / "model.safetensors")):
+        directory = _copy(hf_checkpoint, tmp_path / "escaping")
+        weights = load_file(directory / "model.safetensors")
+        (directory / "model.safetensors").unlink()
+        index = {"metadata": {}, "weight_map": dict.fromkeys(weights, target)}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(CheckpointError, match=r"names shard files outside its folder"):
+            SafetensorsCheckpoint(directory)
+        shutil.rmtree(directory)
 
 
 def test_config_that_differs_from_model_lists_fields(hf_checkpoint: Path) -> None:

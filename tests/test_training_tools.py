@@ -8,8 +8,10 @@ import json
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -22,6 +24,8 @@ from pipekit.train.job import validate_job
 from pipekit.train.metric_writers import JsonlWriter, read_jsonl_rows
 from pipekit.train.metrics import console_line
 from pipekit.train.trainer import Trainer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = 4
 BASE = [
@@ -89,6 +93,19 @@ def test_jsonl_writer_drops_rows_after_the_start_step(tmp_path):
     ]
     JsonlWriter(path, start_step=0)  # a fresh start keeps nothing of an earlier run
     assert read_jsonl_rows(path) == []
+
+
+def test_a_torn_last_row_does_not_block_a_resume_but_a_bad_middle_row_does(tmp_path):
+    """A kill while a row is written leaves half a line: the resuming writer drops it; a bad
+    row before others is not a kill's and stays an error naming its line."""
+    path = tmp_path / "metrics.jsonl"
+    rows = "".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in (1, 2))
+    path.write_text(rows + '{"step": 3, "lo')
+    JsonlWriter(path, start_step=2)
+    assert read_jsonl_rows(path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}]
+    path.write_text('{"step": 1, "lo\n' + rows)
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1: not a JSON object"):
+        JsonlWriter(path, start_step=2)
 
 
 def test_console_line_shows_throughput_mfu_memory_and_eta():
@@ -303,3 +320,38 @@ def test_validation_loss_of_the_sliced_pipeline_equals_one_process_and_leaves_tr
     leaked_losses = leaked[0][0]
     assert leaked_losses[:2] == pytest.approx(losses[:2], rel=1e-5)
     assert abs(leaked_losses[3] - losses[3]) > 1e-4
+
+
+_HOLD_LOCK = (
+    "import sys; from pipekit.train.output_lock import lock_output_dir; "
+    "lock_output_dir(sys.argv[1]); print('locked', flush=True); sys.stdin.read()"
+)
+
+
+def test_a_second_job_on_a_folder_in_use_is_refused_before_it_touches_it(tmp_path):
+    """While a job holds the output folder, train.py on it exits 2 with one line naming the
+    holder and writes nothing there; once the holder ends (the OS drops its lock, even on a
+    kill), the folder is free again."""
+    output = tmp_path / "job"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(output)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    config = str(REPO_ROOT / "configs" / "debug_model.toml")
+    second = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "train.py"), "--config", config,
+         "--job.output_dir", str(output)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    lines = second.stderr.strip().splitlines()
+    assert second.returncode == 2 and len(lines) == 1, second.stderr
+    assert "is in use by a running job (pid" in lines[0]
+    assert sorted(path.name for path in output.iterdir()) == [".pipekit.lock"]
+    holder.kill()
+    holder.wait()
+    again = subprocess.run(
+        [sys.executable, "-c", _HOLD_LOCK, str(output)],
+        input="", capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0 and again.stdout.strip() == "locked", again.stderr

@@ -299,6 +299,16 @@ class SafetensorsCheckpoint:
                 f"cannot read {index_path}: {error!r}; it must be JSON with a 'weight_map' object "
                 "from tensor name to shard file name"
             ) from error
+        outside = sorted(
+            str(name)
+            for name in set(weight_map.values())
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")
+        )
+        if outside:
+            raise CheckpointError(
+                f"{index_path} names shard files outside its folder: {outside}; a weight_map "
+                "may name only files in the checkpoint's own folder (plain file names)"
+            )
         files = {file_name: self.directory / file_name for file_name in set(weight_map.values())}
         missing = sorted(name for name, path in files.items() if not path.is_file())
         if missing:

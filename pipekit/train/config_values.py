@@ -10,6 +10,9 @@ first, before any process group exists.
 
 from __future__ import annotations
 
+import math
+from dataclasses import fields, is_dataclass
+
 from pipekit.attention.backends import available_backends
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
@@ -51,8 +54,45 @@ _POSITIVE = (
 )
 
 
+_AT_LEAST_ZERO = (
+    ("optimizer", "weight_decay"),
+    ("data", "shuffle_buffer"),
+    ("parallelism", "pipeline_embedding_cost"),
+    ("parallelism", "pipeline_output_cost"),
+)
+
+
+def _check_finite(config: JobConfig) -> None:
+    """Every float key is a number (no NaN or infinity)."""
+    for section in fields(config):
+        values = getattr(config, section.name)
+        if not is_dataclass(values):
+            continue
+        for key in fields(values):
+            value = getattr(values, key.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"[{section.name}] {key.name}={value} must be a finite number")
+
+
+def _check_optimizer(config: JobConfig) -> None:
+    """AdamW's ranges: a learning rate in (0, 1], betas in [0, 1), eps > 0."""
+    optimizer = config.optimizer
+    if not 0.0 < optimizer.lr <= 1.0:
+        raise ConfigError(
+            f"[optimizer] lr={optimizer.lr} must be in (0, 1] (AdamW's step is about lr per "
+            "weight; typical peaks are 1e-5 to 1e-2)"
+        )
+    for key in ("beta1", "beta2"):
+        value = getattr(optimizer, key)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"[optimizer] {key}={value} must be in [0, 1)")
+    if optimizer.eps <= 0.0:
+        raise ConfigError(f"[optimizer] eps={optimizer.eps} must be positive")
+
+
 def check_values(config: JobConfig) -> None:
     """ConfigError for the first value outside its choices or range, or breaking a rule."""
+    _check_finite(config)
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(config, section), key)
         if value not in choices:
@@ -65,6 +105,11 @@ def check_values(config: JobConfig) -> None:
         value = getattr(getattr(config, section), key)
         if value <= 0:
             raise ConfigError(f"[{section}] {key}={value} must be positive")
+    for section, key in _AT_LEAST_ZERO:
+        value = getattr(getattr(config, section), key)
+        if value < 0:
+            raise ConfigError(f"[{section}] {key}={value} must be >= 0")
+    _check_optimizer(config)
     load_step = config.checkpoint.load_step
     if load_step < 0 or (load_step and not config.checkpoint.resume):
         raise ConfigError(

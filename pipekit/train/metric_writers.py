@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import abc
 import json
+import logging
 import os
 import uuid
 from pathlib import Path
 from typing import Any
 
 from pipekit.checkpoint._durable import fsync_path
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["JsonlWriter", "MetricWriter", "TensorBoardWriter", "WandbWriter", "read_jsonl_rows"]
 
@@ -31,15 +34,20 @@ class MetricWriter(abc.ABC):
         """Flush and release what the writer holds."""
 
 
-def read_jsonl_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics JSONL file; ValueError naming the file and line of a bad row."""
+def read_jsonl_rows(path: Path, torn_tail: bool = False) -> list[dict[str, Any]]:
+    """The rows of a metrics JSONL file; ValueError naming the file and line of a bad row.
+    `torn_tail`: a last line that does not parse is dropped (a kill while it was written)."""
+    lines = path.read_text().splitlines()
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as error:
+            if torn_tail and number == len(lines):
+                logger.warning("%s:%d: dropped a torn last row (%s)", path, number, error.msg)
+                break
             raise ValueError(f"{path}:{number}: not a JSON object ({error.msg})") from None
     return rows
 
@@ -54,7 +62,8 @@ class JsonlWriter(MetricWriter):
             self._truncate_after(start_step)
 
     def _truncate_after(self, step: int) -> None:
-        kept = [row for row in read_jsonl_rows(self.path) if row.get("step", 0) <= step]
+        rows = read_jsonl_rows(self.path, torn_tail=True)
+        kept = [row for row in rows if row.get("step", 0) <= step]
         temporary = self.path.with_name(f"{self.path.name}.tmp-{uuid.uuid4().hex[:8]}")
         temporary.write_text("".join(json.dumps(row) + "\n" for row in kept))
         fsync_path(temporary)

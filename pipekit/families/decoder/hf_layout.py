@@ -314,17 +314,31 @@ class DecoderHF:
 
     def check_checkpoint(self, checkpoint: SafetensorsCheckpoint, args: Any) -> None:
         """CheckpointError unless `checkpoint` holds a model of `args`: its config.json and
-        every tensor's name and shape (from the file headers; no data read unless tied)."""
+        every tensor's name, shape and float dtype (from the file headers; no data read unless
+        tied). A float dtype other than the model's is cast on load."""
         self.check_config(checkpoint.directory, args)
         expected = {entry.hf_name: entry.hf_shape for entry in self.tensors(args)}
         present = {name for name in checkpoint.names if not name.endswith(_IGNORED_HF_SUFFIX)}
         tied_head = args.tie_embeddings and _TIED_HEAD in present
         if tied_head:
             expected[_TIED_HEAD] = expected[_EMBEDDING]
-        found = {name: checkpoint.info(name).shape for name in present}
-        problems = name_and_shape_problems(found, expected)
+        infos = {name: checkpoint.info(name) for name in present}
+        problems = name_and_shape_problems(
+            {name: info.shape for name, info in infos.items()}, expected
+        )
         if problems:
             raise CheckpointError(f"{checkpoint.directory} does not fit the model: {problems}")
+        not_float = [
+            f"{name} ({str(info.dtype).removeprefix('torch.')})"
+            for name, info in sorted(infos.items())
+            if not info.dtype.is_floating_point
+        ]
+        if not_float:
+            raise CheckpointError(
+                f"{checkpoint.directory}: tensors with integer or bool data where the model "
+                f"has float weights ({len(not_float)}): {', '.join(not_float[:5])}; the files "
+                "are not this model's weights (re-export them in a float dtype)"
+            )
         if tied_head and not torch.equal(checkpoint.read(_TIED_HEAD), checkpoint.read(_EMBEDDING)):
             raise CheckpointError(
                 f"{checkpoint.directory}: config.json says tie_word_embeddings=true but "

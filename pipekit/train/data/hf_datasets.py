@@ -16,13 +16,14 @@ it does any source. `datasets` keeps its own Arrow cache of what it read
 
 from __future__ import annotations
 
+import contextlib
 import glob
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pipekit.config.job_config import DataConfig
-from pipekit.train.data.corpus import file_fingerprint
+from pipekit.train.data.corpus import file_fingerprint, iter_documents
 
 __all__ = ["HF_SOURCE", "check_hf_source", "hf_documents", "hf_source_key", "hf_stream"]
 
@@ -39,6 +40,7 @@ def _datasets() -> Any:
             "pip install 'pipekit[datasets]'"
         ) from None
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as one line
     return datasets
 
 
@@ -69,14 +71,40 @@ def hf_source_key(config: DataConfig) -> tuple:
     return (config.hf_path, config.hf_name, config.hf_split, config.jsonl_field, files)
 
 
+@contextlib.contextmanager
+def _read_errors(config: DataConfig) -> Iterator[None]:
+    """`datasets`' and pyarrow's errors while reading as one ValueError: for local JSON lines
+    files, the first bad line as `file:line` (found by pipekit's own reader, as for local
+    sources); otherwise the dataset and the error's first line."""
+    try:
+        yield
+    except Exception as error:  # DatasetGenerationError, ArrowInvalid, StopIteration, ...
+        if type(error) is ValueError:  # pipekit's own, already one line
+            raise
+        files = [Path(name) for name in _data_files(config)]
+        lines = [path for path in files if path.suffix == ".jsonl"]
+        for _ in iter_documents(lines, jsonl_field=config.jsonl_field):
+            pass  # raises at the first bad line, naming file:line
+        empty = [str(path) for path in files if path.is_file() and not path.stat().st_size]
+        cause = error.__cause__ or error.__context__ or error
+        message = str(cause).strip().splitlines()
+        what = f"{type(cause).__name__}: {message[0]}" if message else type(cause).__name__
+        if empty:
+            what = f"empty files: {', '.join(empty)}"
+        raise ValueError(
+            f"dataset {config.hf_path!r} could not be read ({what}); check the data files"
+        ) from None
+
+
 def _load(config: DataConfig, streaming: bool) -> Any:
-    dataset = _datasets().load_dataset(
-        config.hf_path,
-        name=config.hf_name or None,
-        data_files=_data_files(config) or None,
-        split=config.hf_split,
-        streaming=streaming,
-    )
+    with _read_errors(config):
+        dataset = _datasets().load_dataset(
+            config.hf_path,
+            name=config.hf_name or None,
+            data_files=_data_files(config) or None,
+            split=config.hf_split,
+            streaming=streaming,
+        )
     field = config.jsonl_field
     if dataset.column_names is not None and field not in dataset.column_names:
         raise ValueError(
@@ -114,6 +142,7 @@ def hf_stream(config: DataConfig, seed: int) -> Callable[[int], Iterator[str]]:
 
     def documents_of_epoch(epoch: int) -> Iterator[str]:
         dataset.set_epoch(epoch)
-        return _texts(config, (row[config.jsonl_field] for row in dataset))
+        with _read_errors(config):  # a stream reads its files as it goes
+            yield from _texts(config, (row[config.jsonl_field] for row in dataset))
 
     return documents_of_epoch
