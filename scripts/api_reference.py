@@ -34,6 +34,7 @@ MODULES = (
     "pipekit.distributed.tensor_parallel_styles",
     "pipekit.models.materialize",
     "pipekit.testing",
+    "pipekit.generate",
 )
 """What a model author imports, in reading order: the contract, then the building blocks."""
 

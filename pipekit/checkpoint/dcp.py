@@ -56,6 +56,7 @@ __all__ = [
     "CheckpointManager",
     "ModelOptimizerState",
     "capture_rng_state",
+    "quiet_without_process_group",
     "restore_rng_state",
 ]
 
@@ -231,7 +232,7 @@ class CheckpointManager:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp_folders()
         tmp = self.folder / f"step-{step}.tmp-{_shared_token()}"
-        with _quiet_without_process_group(), _as_checkpoint_error(step, tmp):
+        with quiet_without_process_group(), _as_checkpoint_error(step, tmp):
             if not self.asynchronous:
                 dcp.save(dict(state), checkpoint_id=tmp)
             else:
@@ -282,7 +283,7 @@ class CheckpointManager:
                 f"interrupted); complete steps in {self.folder}: {self.complete_steps()}"
             )
         try:
-            with _quiet_without_process_group(), _dcp_logging_silenced():
+            with quiet_without_process_group(), _dcp_logging_silenced():
                 dcp.load(dict(state), storage_reader=SafeFileSystemReader(path))
         # DCP reports a failure on any rank as CheckpointException, a BaseException.
         except (Exception, dcp.CheckpointException) as error:
@@ -311,7 +312,7 @@ def _as_checkpoint_error(step: int, tmp: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet_without_process_group() -> Iterator[None]:
+def quiet_without_process_group() -> Iterator[None]:
     """Silence DCP's warning that it works in one process: at world size 1 that is the plan."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,15 @@ from pipekit.attention.context import (
 )
 from pipekit.attention.context_parallel import context_parallel_tokens
 from pipekit.attention.hierarchical import HierarchicalGroups, hierarchical_groups
+from pipekit.checkpoint._durable import fsync_path
 from pipekit.checkpoint.dcp import (
     CheckpointManager,
     ModelOptimizerState,
     capture_rng_state,
     restore_rng_state,
 )
+from pipekit.config import to_dict
+from pipekit.config.dump import dump_toml
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.layers.loss import count_label_tokens
@@ -335,6 +339,7 @@ class Trainer:
         config = self.config
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            _write_config(config, self.output_dir / JOB_CONFIG_FILE)
         logger.info(
             "training %s on %d rank(s), steps %d..%d",
             self._model_description(),
@@ -447,3 +452,16 @@ class _ThroughputWindow:
         self.first_step = step
         self.start = time.perf_counter()
         self.tokens = 0
+
+
+JOB_CONFIG_FILE = "config.toml"
+"""The resolved config a job writes into its output folder: what built the model of its
+checkpoints (`python -m pipekit.generate` reads it)."""
+
+
+def _write_config(config: Any, path: Path) -> None:
+    """The resolved config as TOML, replaced atomically."""
+    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(dump_toml(to_dict(config)))
+    fsync_path(temporary)
+    os.replace(temporary, path)
