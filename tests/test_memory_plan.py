@@ -10,8 +10,8 @@ import torch
 
 from pipekit.bench import plan_accuracy
 from pipekit.config.loader import load_job_config
-from pipekit.memory_plan.__main__ import main, parse_bytes
 from pipekit.memory_plan import activations as activations_module
+from pipekit.memory_plan.__main__ import main, parse_bytes
 from pipekit.memory_plan.activations import TensorSplit, profile_activations
 from pipekit.memory_plan.layout import rank_layouts
 from pipekit.memory_plan.memory import plan_memory
