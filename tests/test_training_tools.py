@@ -355,3 +355,25 @@ def test_a_second_job_on_a_folder_in_use_is_refused_before_it_touches_it(tmp_pat
         input="", capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert again.returncode == 0 and again.stdout.strip() == "locked", again.stderr
+
+
+def test_learning_rate_schedules_warm_up_hold_and_decay_to_the_floor():
+    """Warm-up ramps to the peak; cosine and linear decay over the rest to the floor; with
+    decay_ratio (warmup-stable-decay) the peak holds until the last fifth, then decays."""
+    from pipekit.config.job_config import LRSchedulerConfig
+    from pipekit.train.lr_schedule import lr_multiplier
+
+    def rates(**options) -> list[float]:
+        config = LRSchedulerConfig(warmup_steps=4, min_lr_ratio=0.1, **options)
+        return [lr_multiplier(step, 100, config) for step in range(100)]
+
+    cosine, linear = rates(), rates(decay_type="linear")
+    wsd = rates(decay_type="linear", decay_ratio=0.2)
+    for schedule in (cosine, linear, wsd):
+        assert schedule[:5] == [0.2, 0.4, 0.6, 0.8, 1.0]
+        assert schedule[-1] == pytest.approx(0.1)
+    assert 0.1 < cosine[50] < 1.0 and linear[50] == pytest.approx(1 - 0.9 * 46 / 95)
+    assert wsd[4:80] == [1.0] * 76 and wsd[80] == 1.0 and 0.1 < wsd[90] < 1.0
+    assert rates(decay_type="constant")[4:] == [1.0] * 96
+    with pytest.raises(ConfigError, match=r"decay_ratio=1.5 must be in \[0, 1\]"):
+        validate_job(load_job_config(["--lr_scheduler.decay_ratio", "1.5"]), 1, check_files=False)

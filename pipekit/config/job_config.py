@@ -171,6 +171,9 @@ class LRSchedulerConfig:
     """Decay after warm-up: cosine, linear or constant."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
+    decay_ratio: float = 0.0
+    """Warmup-stable-decay: decay over the last decay_ratio of the steps only, the peak
+    before (0 = decay over every step after the warm-up)."""
 
 
 @dataclass(kw_only=True)

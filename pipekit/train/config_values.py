@@ -136,6 +136,11 @@ def check_values(config: JobConfig) -> None:
         raise ConfigError(
             f"[lr_scheduler] min_lr_ratio={config.lr_scheduler.min_lr_ratio} must be in [0, 1]"
         )
+    if not 0.0 <= config.lr_scheduler.decay_ratio <= 1.0:
+        raise ConfigError(
+            f"[lr_scheduler] decay_ratio={config.lr_scheduler.decay_ratio} must be in [0, 1] "
+            "(0 = decay after the warm-up)"
+        )
     if not 0 <= config.lr_scheduler.warmup_steps <= config.training.steps:
         raise ConfigError(
             f"[lr_scheduler] warmup_steps={config.lr_scheduler.warmup_steps} must be between 0 "

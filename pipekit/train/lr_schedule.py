@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warm-up, then cosine, linear or no decay to a floor."""
+"""Learning-rate schedule: linear warm-up, then cosine, linear or no decay to a floor, over
+the rest of the run or (warmup-stable-decay) over its last `decay_ratio` only."""
 
 from __future__ import annotations
 
@@ -18,13 +19,20 @@ DECAY_TYPES = ("cosine", "linear", "constant")
 
 
 def lr_multiplier(step: int, total_steps: int, config: LRSchedulerConfig) -> float:
-    """Fraction of the peak LR used for optimizer step `step` (0-based)."""
+    """Fraction of the peak LR used for optimizer step `step` (0-based): warm-up, then (with
+    `decay_ratio` > 0, warmup-stable-decay) the peak until the last `decay_ratio` of the
+    steps, then the decay to the floor."""
     warmup = config.warmup_steps
     if step < warmup:
         return (step + 1) / (warmup + 1)
     if config.decay_type == "constant" or total_steps <= warmup:
         return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup - 1))
+    decay_start = warmup
+    if config.decay_ratio:
+        decay_start = max(warmup, total_steps - round(config.decay_ratio * total_steps))
+        if step < decay_start:
+            return 1.0
+    progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start - 1))
     floor = config.min_lr_ratio
     if config.decay_type == "linear":
         return 1.0 - (1.0 - floor) * progress
