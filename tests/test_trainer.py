@@ -2,6 +2,8 @@
 single-process losses step for step (float32, same global batch), plus initial load from a
 Hugging Face checkpoint, export, activation checkpointing and the non-finite-loss stop."""
 
+import math
+
 import pytest
 import torch
 
@@ -111,6 +113,37 @@ def test_non_finite_loss_stops_before_the_update_and_saves_nothing(tmp_path, mon
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
     for name, tensor in trainer.model.state_dict().items():
         assert torch.equal(tensor, weights_before[name]), name
+
+
+def test_skip_step_leaves_the_weights_and_training_goes_on(tmp_path, monkeypatch):
+    """With on_nonfinite = "skip_step", a step whose loss is NaN (the second here) changes no
+    weight and no optimizer state, is counted, and the next step trains; a non-finite gradient
+    norm with a finite loss is named with the parameters it came from."""
+    trainer = Trainer(_config(tmp_path, "--parallelism.dp_shard", "1",
+                              "--training.on_nonfinite", "skip_step"))  # fmt: skip
+    loss_fn, calls = trainer._loss_fn, []
+
+    def second_step_nan(logits, labels, count):
+        calls.append(1)
+        loss = loss_fn(logits, labels, count)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    monkeypatch.setattr(trainer, "_loss_fn", second_step_nan)
+    trainer.train_step()
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    loss, grad_norm, _ = trainer.train_step()
+    assert math.isnan(loss) and math.isnan(grad_norm) and trainer.step == 2
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+    loss, _, _ = trainer.train_step()
+    assert math.isfinite(loss)
+    assert any(not torch.equal(t, weights[k]) for k, t in trainer.model.state_dict().items())
+
+    stopping = Trainer(_config(tmp_path / "stop", "--parallelism.dp_shard", "1"))
+    first = next(stopping.model.parameters())
+    first.register_hook(lambda grad: grad * float("inf"))
+    with pytest.raises(NonFiniteLossError, match=r"gradient norm is (inf|nan) \(rank 0: "):
+        stopping.train_step()
 
 
 def test_low_bit_adamw_from_torchao_trains(tmp_path):

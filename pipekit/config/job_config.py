@@ -124,6 +124,9 @@ class TrainingConfig:
     """Micro-steps per optimizer step; each rank sees global_batch_size / (dp * this) sequences."""
     max_norm: float = 1.0
     """Gradient clipping threshold on the global L2 norm (0 disables clipping)."""
+    on_nonfinite: str = "stop"
+    """A non-finite loss or gradient norm (the same on every rank): "stop" before the update,
+    nothing saved (exit 1), or "skip_step": no update, the step counted and logged."""
     mixed_precision_param: str = "float32"
     """Compute dtype of parameters: float32 or bfloat16 (master weights stay float32)."""
     mixed_precision_reduce: str = "float32"

@@ -22,6 +22,7 @@ from pipekit.moe.restore import MEMORY_REUSE_CHOICES
 from pipekit.train.activation_checkpoint import ACTIVATION_CHECKPOINT_MODES, SELECTIVE_KEEP
 from pipekit.train.float8 import FLOAT8_RECIPES
 from pipekit.train.lr_schedule import DECAY_TYPES
+from pipekit.train.non_finite import NON_FINITE_CHOICES
 from pipekit.train.optimizer import OPTIMIZERS
 
 __all__ = ["check_values"]
@@ -34,6 +35,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("training", "activation_checkpoint_keep"): tuple(SELECTIVE_KEEP),
     ("training", "float8"): FLOAT8_RECIPES,
     ("optimizer", "name"): OPTIMIZERS,
+    ("training", "on_nonfinite"): NON_FINITE_CHOICES,
     ("lr_scheduler", "decay_type"): DECAY_TYPES,
     ("moe", "memory_reuse"): MEMORY_REUSE_CHOICES,
 }

@@ -65,6 +65,7 @@ from pipekit.train.metrics import (
     training_flops_per_token,
 )
 from pipekit.train.model_setup import build_job_model
+from pipekit.train.non_finite import NonFiniteLossError, handle_non_finite
 from pipekit.train.optimizer import build_optimizer
 from pipekit.train.profiling import StepProfiler
 from pipekit.train.stop_signals import StopSignals
@@ -72,10 +73,6 @@ from pipekit.train.stop_signals import StopSignals
 __all__ = ["NonFiniteLossError", "Trainer"]
 
 logger = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; the run stops before that step is applied or saved."""
 
 
 class Trainer:
@@ -222,25 +219,30 @@ class Trainer:
             self.pipeline, self.output_dir, enabled=trace, write=self.rank == 0
         ):
             global_loss, global_tokens = self._loss(micro_batches, backward=True)
-        if not math.isfinite(global_loss):
-            raise NonFiniteLossError(
-                f"loss is {global_loss} at step {self.step + 1}; stopping before the update. "
-                "Lower optimizer.lr, raise lr_scheduler.warmup_steps, or set training.max_norm"
+        grad_norm = math.nan
+        if math.isfinite(global_loss):
+            max_norm = self.config.training.max_norm
+            grad_norm = float(
+                clip_grad_norm_(
+                    list(self.model.parameters()),
+                    max_norm or math.inf,
+                    pipeline_group=self.dims.mesh("pp").get_group()
+                    if self.dims.pp_enabled
+                    else None,
+                    duplicates=self.pipeline.duplicate_parameters() if self.pipeline else (),
+                    tensor_split=self.pipeline.tensor_split_parameters() if self.pipeline else None,
+                )
             )
-        max_norm = self.config.training.max_norm
-        grad_norm = clip_grad_norm_(
-            list(self.model.parameters()),
-            max_norm or math.inf,
-            pipeline_group=self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None,
-            duplicates=self.pipeline.duplicate_parameters() if self.pipeline else (),
-            tensor_split=self.pipeline.tensor_split_parameters() if self.pipeline else None,
-        )
-        self.optimizer.step()
-        update_expert_biases(self.model, self._stage_group())
+        if math.isfinite(global_loss) and math.isfinite(grad_norm):
+            self.optimizer.step()
+            update_expert_biases(self.model, self._stage_group())
+        else:  # the loss and the norm are global: every rank takes this branch
+            policy = self.config.training.on_nonfinite
+            handle_non_finite(self.model, policy, global_loss, grad_norm, self.step + 1, self.rank)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return global_loss, float(grad_norm), int(global_tokens)
+        return global_loss, grad_norm, int(global_tokens)
 
     def _loss(self, micro_batches: list[TensorDict], backward: bool) -> tuple[float, int]:
         """The loss of one global batch (its micro-batches' token sums over the global label
