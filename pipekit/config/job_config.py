@@ -206,6 +206,11 @@ class DataConfig:
     """Loader worker processes that assemble batches ahead of the step (0 = in the trainer)."""
     prefetch_factor: int = 2
     """Batches each worker keeps ready (with num_workers > 0)."""
+    mix_sources: list[str] = field(default_factory=list)
+    """Corpora mixed by weight instead of `source` (each a file, folder, glob or "stdlib",
+    packed on its own; with mix_weights; not with streaming)."""
+    mix_weights: list[float] = field(default_factory=list)
+    """One weight per mix_sources entry: its share of every epoch's rows (normalised)."""
     tokenizer: str = "bytes"
     """bytes (256 byte ids + BOS + EOS), or the path of a Hugging Face tokenizer.json."""
     shuffle: bool = True

@@ -23,6 +23,7 @@ Legend: B local batch, S seq_len, G global batch (B * dp_world_size).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import glob
 import hashlib
 import itertools
@@ -46,6 +47,7 @@ from pipekit.train.data.hf_datasets import (
     hf_source_key,
     hf_stream,
 )
+from pipekit.train.data.mixture import MixedTokenStream
 from pipekit.train.data.packing import TokenStream, check_batch_args, pack_documents
 from pipekit.train.data.streaming import StreamingPackedLoader
 from pipekit.train.data.tokenizer import build_tokenizer
@@ -66,7 +68,7 @@ class PackedDataLoader:
 
     def __init__(
         self,
-        stream: TokenStream,
+        stream: TokenStream | MixedTokenStream,
         *,
         seq_len: int,
         local_batch_size: int,
@@ -179,18 +181,20 @@ class PackedDataLoader:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_rows": self.num_rows,
+            "mixture": getattr(self.stream, "key", 0),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved `state_dict()`; the order must be the one it was saved with."""
-        saved = {key: int(value) for key, value in state.items()}
+        saved = {"mixture": 0} | {key: int(value) for key, value in state.items()}
         mine = self.state_dict()
-        for key in ("seed", "shuffle", "num_rows"):
+        for key in ("seed", "shuffle", "num_rows", "mixture"):
             if saved[key] != int(mine[key]):
                 raise ValueError(
                     f"data loader state was saved with {key}={saved[key]}, this loader has "
                     f"{key}={int(mine[key])}: the saved position would name other rows; resume "
-                    "with the same data source, tokenizer, seq_len, seed and shuffle setting"
+                    "with the same data source (and mixture), tokenizer, seq_len, seed and "
+                    "shuffle setting"
                 )
         if not 0 <= saved["position"] <= self.num_rows or saved["epoch"] < 0:
             raise ValueError(f"data loader state {saved} is out of range ({self.num_rows} rows)")
@@ -225,12 +229,12 @@ def check_data_config(data_config: DataConfig) -> int:
     ValueError (naming the fix) when the source matches no file or the tokenizer cannot be
     built."""
     source = data_config.source
-    if source == HF_SOURCE:
+    if data_config.mix_sources or data_config.mix_weights:
+        _check_mixture(data_config)
+    elif source == HF_SOURCE:
         check_hf_source(data_config)
-    elif source != "stdlib" and not (os.path.exists(source) or glob.glob(source, recursive=True)):
-        raise ValueError(
-            f"source={source!r} matches no file; give a file, a folder, a glob, 'stdlib' or 'hf'"
-        )
+    else:
+        _check_source(source)
     if data_config.streaming and source != HF_SOURCE:
         raise ValueError(
             f"streaming = true reads a Hugging Face dataset as a stream, but source={source!r}; "
@@ -252,6 +256,33 @@ def check_data_config(data_config: DataConfig) -> int:
             f"tokenizer={tokenizer!r} is not a file; use 'bytes' or a tokenizer.json path"
         )
     return build_tokenizer(tokenizer).vocab_size
+
+
+def _check_source(source: str, key: str = "source") -> None:
+    if source != "stdlib" and not (os.path.exists(source) or glob.glob(source, recursive=True)):
+        raise ValueError(
+            f"{key}={source!r} matches no file; give a file, a folder, a glob, 'stdlib' or 'hf'"
+        )
+
+
+def _check_mixture(data_config: DataConfig) -> None:
+    """One positive weight per mixed source, each source found; not with a `source` of its
+    own or a stream."""
+    sources, weights = data_config.mix_sources, data_config.mix_weights
+    if len(sources) != len(weights) or len(sources) < 2:
+        raise ValueError(
+            f"mix_sources has {len(sources)} entries and mix_weights {len(weights)}: give two "
+            "sources or more, one weight each"
+        )
+    if any(not weight > 0 for weight in weights):
+        raise ValueError(f"mix_weights={weights} must all be positive")
+    if data_config.source not in ("stdlib",) or data_config.streaming:
+        raise ValueError(
+            "mix_sources replaces source and reads corpora packed in memory: leave source at "
+            "its default and streaming = false"
+        )
+    for index, source in enumerate(sources):
+        _check_source(source, f"mix_sources[{index}]")
 
 
 def load_token_stream(data_config: DataConfig) -> TokenStream:
@@ -308,7 +339,15 @@ def build_data_loader(
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
         )
-    stream = load_token_stream(data_config)
+    stream: TokenStream | MixedTokenStream
+    if data_config.mix_sources:
+        streams = [
+            load_token_stream(dataclasses.replace(data_config, source=source, mix_sources=[]))
+            for source in data_config.mix_sources
+        ]
+        stream = MixedTokenStream(streams, data_config.mix_weights, seed, seq_len)
+    else:
+        stream = load_token_stream(data_config)
     total = stream.num_rows(seq_len)
     first_held_out = total - round(total * held_out)
     validation = split == "validation"
