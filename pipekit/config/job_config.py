@@ -206,6 +206,9 @@ class DataConfig:
     """Loader worker processes that assemble batches ahead of the step (0 = in the trainer)."""
     prefetch_factor: int = 2
     """Batches each worker keeps ready (with num_workers > 0)."""
+    format: str = "text"
+    """text (documents), or chat: .jsonl lines of {"messages": [{role, content}, ...]}
+    rendered by a plain template, the loss on the assistant's tokens only."""
     mix_sources: list[str] = field(default_factory=list)
     """Corpora mixed by weight instead of `source` (each a file, folder, glob or "stdlib",
     packed on its own; with mix_weights; not with streaming)."""

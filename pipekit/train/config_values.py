@@ -20,6 +20,7 @@ from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.moe.execution import check_partitions
 from pipekit.moe.restore import MEMORY_REUSE_CHOICES
 from pipekit.train.activation_checkpoint import ACTIVATION_CHECKPOINT_MODES, SELECTIVE_KEEP
+from pipekit.train.data.chat import DATA_FORMATS
 from pipekit.train.float8 import FLOAT8_RECIPES
 from pipekit.train.lr_schedule import DECAY_TYPES
 from pipekit.train.non_finite import NON_FINITE_CHOICES
@@ -35,6 +36,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("training", "activation_checkpoint_keep"): tuple(SELECTIVE_KEEP),
     ("training", "float8"): FLOAT8_RECIPES,
     ("optimizer", "name"): OPTIMIZERS,
+    ("data", "format"): DATA_FORMATS,
     ("training", "on_nonfinite"): NON_FINITE_CHOICES,
     ("lr_scheduler", "decay_type"): DECAY_TYPES,
     ("moe", "memory_reuse"): MEMORY_REUSE_CHOICES,

@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from pipekit.config.job_config import DataConfig
+from pipekit.train.data.chat import chat_conversations, pack_conversations
 from pipekit.train.data.corpus import file_fingerprint, iter_documents, source_files
 from pipekit.train.data.hf_datasets import (
     HF_SOURCE,
@@ -235,6 +236,11 @@ def check_data_config(data_config: DataConfig) -> int:
         check_hf_source(data_config)
     else:
         _check_source(source)
+    if data_config.format == "chat" and (source in (HF_SOURCE, "stdlib") or data_config.streaming):
+        raise ValueError(
+            f"format = 'chat' reads .jsonl files of conversations; source={source!r} is not "
+            "one (give a .jsonl file, folder or glob; streaming = false)"
+        )
     if data_config.streaming and source != HF_SOURCE:
         raise ValueError(
             f"streaming = true reads a Hugging Face dataset as a stream, but source={source!r}; "
@@ -290,6 +296,7 @@ def load_token_stream(data_config: DataConfig) -> TokenStream:
     cache) so that several loaders in one process tokenize once."""
     tokenizer = build_tokenizer(data_config.tokenizer)
     tokenizer_files = [tokenizer.path] if hasattr(tokenizer, "path") else []
+    chat = data_config.format == "chat"
     if data_config.source == HF_SOURCE:
         source_key = hf_source_key(data_config)
         documents = hf_documents(data_config)
@@ -297,11 +304,14 @@ def load_token_stream(data_config: DataConfig) -> TokenStream:
         files = source_files(data_config.source)
         source_key = (data_config.source, data_config.jsonl_field, file_fingerprint(files))
         documents = iter_documents(files, jsonl_field=data_config.jsonl_field)
-    key = (source_key, data_config.tokenizer, file_fingerprint(tokenizer_files))
+    key = (source_key, data_config.format, data_config.tokenizer, file_fingerprint(tokenizer_files))
     if key in _STREAM_CACHE:
         _STREAM_CACHE.move_to_end(key)
         return _STREAM_CACHE[key]
-    stream = pack_documents(documents, tokenizer)
+    if chat:
+        stream = pack_conversations(chat_conversations(files), tokenizer)
+    else:
+        stream = pack_documents(documents, tokenizer)
     _STREAM_CACHE[key] = stream
     while len(_STREAM_CACHE) > _STREAM_CACHE_SIZE:
         _STREAM_CACHE.popitem(last=False)

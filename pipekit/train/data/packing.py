@@ -52,6 +52,9 @@ class TokenStream:
     """int64 offset of each document's BOS in `tokens_T` (increasing, first is 0)."""
     vocab_size: int
     """Vocabulary size of the tokenizer that made the stream."""
+    loss_mask_T: Tensor | None = None
+    """Per token, whether it counts as a label (chat data: the assistant's tokens); None:
+    every token does."""
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +81,10 @@ class TokenStream:
         window_BW = self.tokens_T[offsets_BW].long()
         document_BW = torch.searchsorted(self.document_starts_D, offsets_BW, right=True) - 1
         crosses_document_BS = document_BW[:, 1:] != document_BW[:, :-1]
-        labels_BS = window_BW[:, 1:].masked_fill(crosses_document_BS, IGNORE_INDEX)
+        ignored_BS = crosses_document_BS
+        if self.loss_mask_T is not None:  # the targets that do not count
+            ignored_BS = ignored_BS | ~self.loss_mask_T[offsets_BW[:, 1:]]
+        labels_BS = window_BW[:, 1:].masked_fill(ignored_BS, IGNORE_INDEX)
         document_BS = document_BW[:, :-1]
         positions_BS = offsets_BW[:, :-1] - self.document_starts_D[document_BS]
         return TensorDict(
