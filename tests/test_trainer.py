@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pipekit.train.model_setup as model_setup
-from pipekit.config import load_job_config
+from pipekit.config import ConfigError, load_job_config
 from pipekit.families.llama.hf import build_llama_from_hf, save_hf_llama
 from pipekit.testing import run_on_ranks
 from pipekit.train.job import validate_job
@@ -144,6 +144,29 @@ def test_skip_step_leaves_the_weights_and_training_goes_on(tmp_path, monkeypatch
     first.register_hook(lambda grad: grad * float("inf"))
     with pytest.raises(NonFiniteLossError, match=r"gradient norm is (inf|nan) \(rank 0: "):
         stopping.train_step()
+
+
+def test_exclude_from_loading_leaves_those_parts_fresh(tmp_path):
+    """A resume loads the model always; `optimizer` leaves the optimizer's states empty,
+    `progress` and `data` start the step counter and the loader over; unknown parts are one
+    line before launch."""
+    saving = ("--parallelism.dp_shard", "1", "--checkpoint.enable", "true",
+              "--checkpoint.interval", "2", "--checkpoint.resume", "true")  # fmt: skip
+    first = Trainer(_config(tmp_path, *saving, "--training.steps", "2"))
+    first.train()
+    saved = {k: v.clone() for k, v in first.model.state_dict().items()}
+
+    cases = {
+        "optimizer": lambda t: not t.optimizer.state and t.step == 2,
+        "progress;data": lambda t: bool(t.optimizer.state) and t.step == 0 and t.data.step == 0,
+    }
+    for parts, expected in cases.items():
+        resumed = Trainer(_config(tmp_path, *saving, "--checkpoint.exclude_from_loading", parts))
+        for name, tensor in resumed.model.state_dict().items():
+            assert torch.equal(tensor, saved[name]), (parts, name)
+        assert expected(resumed), parts
+    with pytest.raises(ConfigError, match=r"exclude_from_loading names \['model'\]"):
+        _config(tmp_path, "--checkpoint.exclude_from_loading", "model")
 
 
 def test_low_bit_adamw_from_torchao_trains(tmp_path):

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
@@ -107,11 +108,14 @@ class ModelOptimizerState:
         row_shards: Mapping[str, int] | None = None,
         mesh: DeviceMesh | None = None,
         row_dims: tuple[str, ...] = ("pp",),
+        with_optimizer: bool = True,
     ) -> None:
         if row_shards and mesh is None:
             raise ValueError("row_shards needs the world mesh that holds their row dims")
         self.model = model
         self.optimizer = optimizer
+        self.with_optimizer = with_optimizer
+        """False: load (or save) the model alone; the optimizer keeps its state."""
         self.row_shards, self.mesh, self.row_dims = dict(row_shards or {}), mesh, row_dims
         self._rows: dict[tuple[str, str], Tensor] = {}
 
@@ -124,10 +128,18 @@ class ModelOptimizerState:
             for key, full_rows in self._row_sharded_keys(state):
                 self._rows[part, key] = state[key]
                 state[key] = self._full_matrix_view(state[key], full_rows)
+        if not self.with_optimizer:
+            return {"model": model_state}
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        model_state, optimizer_state = dict(state_dict["model"]), dict(state_dict["optimizer"])
+        model_state = dict(state_dict["model"])
+        if not self.with_optimizer:
+            for key, _ in self._row_sharded_keys(model_state):
+                model_state[key] = self._rows["model", key]
+            set_model_state_dict(self.model, model_state, options=_FLAT_OPTIMIZER)
+            return
+        optimizer_state = dict(state_dict["optimizer"])
         # DCP filled the full-matrix views in place, so the rows they wrap hold the loaded values
         for part, state in (("model", model_state), ("optimizer", optimizer_state)):
             for key, _ in self._row_sharded_keys(state):

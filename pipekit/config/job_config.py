@@ -343,6 +343,11 @@ class CheckpointConfig:
     """Resume from the newest complete checkpoint in the folder if there is one."""
     load_step: int = 0
     """Resume from this step's checkpoint rather than the newest (0 = the newest)."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of the checkpoint a resume leaves as a fresh run has them: optimizer (its
+    states start over), data (the loader starts at the first batch), progress (the step
+    counter and random states: step 1 again, and the learning-rate schedule with it). The
+    model is always loaded."""
     initial_load_path: str = ""
     """Hugging Face checkpoint directory to initialise the model from (when not resuming)."""
     export_hf_at_end: bool = False

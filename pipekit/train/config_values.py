@@ -43,6 +43,9 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
 }
 """Each key's choices, as the component that reads the key lists them."""
 
+LOADING_EXCLUSIONS = ("optimizer", "data", "progress")
+"""Parts of a checkpoint `[checkpoint] exclude_from_loading` may leave out."""
+
 _POSITIVE = (
     ("training", "steps"),
     ("training", "global_batch_size"),
@@ -114,6 +117,12 @@ def check_values(config: JobConfig) -> None:
         if value < 0:
             raise ConfigError(f"[{section}] {key}={value} must be >= 0")
     _check_optimizer(config)
+    unknown = set(config.checkpoint.exclude_from_loading) - set(LOADING_EXCLUSIONS)
+    if unknown:
+        raise ConfigError(
+            f"[checkpoint] exclude_from_loading names {sorted(unknown)}; choose among "
+            f"{', '.join(LOADING_EXCLUSIONS)} (the model is always loaded)"
+        )
     load_step = config.checkpoint.load_step
     if load_step < 0 or (load_step and not config.checkpoint.resume):
         raise ConfigError(

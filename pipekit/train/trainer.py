@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,10 @@ class Trainer:
         self._aux_loss_share = 1.0 / (dp_degree * config.training.gradient_accumulation_steps)
         self.step = 0
         if resume_step is not None:
-            self.checkpoints.load(resume_step, self._checkpoint_state())
+            excluded = config.checkpoint.exclude_from_loading
+            self.checkpoints.load(resume_step, self._checkpoint_state(excluded))
+            if "optimizer" in excluded:  # as built: the states start at the first update
+                self.optimizer.state.clear()
             logger.info(
                 "resumed from %s (step %d)", self.checkpoints.path(resume_step), resume_step
             )
@@ -182,21 +186,27 @@ class Trainer:
             flops /= self.world_size
         return float(flops)
 
-    def _checkpoint_state(self) -> dict[str, Any]:
+    def _checkpoint_state(self, excluded: Sequence[str] = ()) -> dict[str, Any]:
+        """What a checkpoint holds, less the `excluded` parts (a resume's
+        `exclude_from_loading`: the model is always there)."""
         row_shards = self.pipeline.row_sharded_parameters() if self.pipeline else {}
         full_rows = {name: shard.rows for name, shard in row_shards.items()}
-        return {
+        state = {
             "model_and_optimizer": ModelOptimizerState(
                 self.model,
                 self.optimizer,
                 row_shards=full_rows,
                 mesh=self.mesh,
                 row_dims=vocabulary_row_dims(self.mesh) if self.mesh else ("pp",),
+                with_optimizer="optimizer" not in excluded,
             ),
             "lr_scheduler": self.lr_scheduler,
             "data": self.data,
             "trainer": _TrainerProgress(self),
         }
+        parts = {"data": ("data",), "progress": ("trainer", "lr_scheduler")}
+        dropped = {key for name in excluded for key in parts.get(name, ())}
+        return {key: value for key, value in state.items() if key not in dropped}
 
     def _autocast(self) -> Any:
         """Mixed precision without FSDP (one rank): autocast; FSDP2 does it by itself."""
