@@ -201,11 +201,14 @@ SLICED = {"pipeline_schedule": "sliced", "num_slices": 4, "microbatches": 2, "dp
 HIERARCHICAL = {"cp_variant": "hierarchical", "cp_ulysses": 2}
 LAYOUTS = {
     "sliced pp 2 x Ulysses cp 2 x tp 2": SLICED | {"cp": 2, "tp": 2, "cp_variant": "ulysses"},
-    "sliced pp 2 x hierarchical cp 4 (2 x 2)": SLICED | {"cp": 4} | HIERARCHICAL,
     "hierarchical cp 4 (2 x 2, ring across) x tp 2": {"cp": 4, "tp": 2} | HIERARCHICAL,
 }
 """8 ranks each: Ulysses and hierarchical context parallelism with tensor parallelism, inside
 a sliced pipeline and over whole sequences under FSDP2."""
+LAYOUTS_16 = {
+    "sliced pp 2 x hierarchical cp 4 (2 x 2) x tp 2": SLICED | {"cp": 4, "tp": 2} | HIERARCHICAL
+}
+"""16 ranks: hierarchical context parallelism, tensor parallelism and the sliced pipeline."""
 
 
 def _ablate(name: str, runner: PipelineRunner) -> None:
@@ -224,10 +227,10 @@ def _reversed(gather: Callable[..., list], shard: object, group: object) -> list
     return gather(shard, group)[::-1]
 
 
-def _model_runs(rank: int, world: int) -> dict[str, Result]:
+def _model_runs(rank: int, world: int, layouts: dict[str, dict]) -> dict[str, Result]:
     spec, batch = get_model_spec("llama"), parity_batch(LLAMA.vocab_size, ROWS, SEQ_LEN)
     results = {}
-    for name, layout in LAYOUTS.items():
+    for name, layout in layouts.items():
         for ablate in (False, True):
             key = f"{name}{' ablated' if ablate else ''}"
             if "pipeline_schedule" in layout:
@@ -248,13 +251,14 @@ def _model_runs(rank: int, world: int) -> dict[str, Result]:
 
 
 def test_ulysses_and_hierarchical_compose_with_tp_and_pipelines_fp64() -> None:
-    """Loss and every gradient of each 8-rank layout equal one process's (float64); each
-    ablation does not."""
-    per_rank = run_on_ranks(_model_runs, 8, timeout=600)
+    """Loss and every gradient of each layout (8 ranks; 16 for hierarchical x tp x pipeline)
+    equal one process's (float64); each ablation does not."""
     spec, batch = get_model_spec("llama"), parity_batch(LLAMA.vocab_size, ROWS, SEQ_LEN)
     reference = reference_step(spec, LLAMA, batch, microbatches=2)
-    for name in LAYOUTS:
-        results = [results[name] for results in per_rank]
-        assert max_relative_difference(results, reference) <= 1e-10, name
-        ablated = [results[f"{name} ablated"] for results in per_rank]
-        assert max_relative_difference(ablated, reference) > 1e-3, name
+    for world, layouts in ((8, LAYOUTS), (16, LAYOUTS_16)):
+        per_rank = run_on_ranks(_model_runs, world, layouts, timeout=600)
+        for name in layouts:
+            results = [results[name] for results in per_rank]
+            assert max_relative_difference(results, reference) <= 1e-10, name
+            ablated = [results[f"{name} ablated"] for results in per_rank]
+            assert max_relative_difference(ablated, reference) > 1e-3, name
