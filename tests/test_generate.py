@@ -5,8 +5,6 @@ filtered, and the command runs on a checkpoint a job just wrote (the job's confi
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +13,13 @@ import transformers
 from hf_reference import TINY_HF_CONFIG, save_transformers_model
 
 from pipekit.attention.context import SlicedKVCache
+from pipekit.config import load_job_config
 from pipekit.generate import Sampling, decode_tokens, load_for_generation
+from pipekit.generate.__main__ import main as generate_main
 from pipekit.models import get_model_spec
 from pipekit.testing import build_model
+from pipekit.train.job import validate_job
+from pipekit.train.trainer import Trainer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 17, 5, 42, 9, 3, 27]
@@ -84,28 +86,24 @@ def test_sampling_is_seeded_and_filtered() -> None:
         Sampling(top_p=0.0)
 
 
-def test_the_command_continues_a_prompt_from_a_job_checkpoint(tmp_path: Path) -> None:
+def test_the_command_continues_a_prompt_from_a_job_checkpoint(tmp_path: Path, capsys) -> None:
     """Two training steps write a checkpoint and the job's config.toml; the command reads
     both (no --config) and prints the prompt's continuation; bad input is one line, exit 2."""
     output = tmp_path / "job"
-    train = [
-        sys.executable, str(REPO_ROOT / "train.py"), "--config",
-        str(REPO_ROOT / "configs" / "debug_model.toml"), "--job.output_dir", str(output),
-        "--training.steps", "2", "--lr_scheduler.warmup_steps", "1", "--checkpoint.interval", "2",
-    ]  # fmt: skip
-    subprocess.run(train, check=True, capture_output=True, cwd=REPO_ROOT)
+    config = load_job_config([
+        "--config", str(REPO_ROOT / "configs" / "debug_model.toml"), "--job.output_dir",
+        str(output), "--training.steps", "2", "--training.global_batch_size", "4",
+        "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "1",
+        "--checkpoint.interval", "2", "--checkpoint.resume", "false",
+        "--parallelism.dp_shard", "1", "--metrics.peak_flops", "1e9",
+    ])  # fmt: skip
+    Trainer(validate_job(config, world_size=1)).train()
     assert (output / "config.toml").is_file()
-    command = [sys.executable, "-m", "pipekit.generate", "--prompt", "def "]
-    result = subprocess.run(
-        [*command, "--checkpoint", str(output / "checkpoints" / "step-2"),
-         "--max-new-tokens", "8"],
-        capture_output=True, text=True, check=False, cwd=REPO_ROOT,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("def ") and "tokens/s" in result.stderr
-    bad = subprocess.run(
-        [*command, "--checkpoint", str(output / "checkpoints")],
-        capture_output=True, text=True, check=False, cwd=REPO_ROOT,
-    )  # fmt: skip
-    lines = bad.stderr.strip().splitlines()
-    assert bad.returncode == 2 and len(lines) == 1 and "neither a Hugging Face folder" in lines[0]
+    capsys.readouterr()
+    step = str(output / "checkpoints" / "step-2")
+    assert generate_main(["--checkpoint", step, "--prompt", "def ", "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.startswith("def ") and "tokens/s" in printed.err
+    bad = generate_main(["--checkpoint", str(output / "checkpoints"), "--prompt", "def "])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert bad == 2 and len(lines) == 1 and "neither a Hugging Face folder" in lines[0]
