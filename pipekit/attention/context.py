@@ -202,17 +202,9 @@ class ContextParallelAttention:
         sinks_H: Tensor | None = None,
     ) -> Tensor:
         options = {"scale": scale, "backend": self.backend, "pattern": pattern}
-        ranks = dist.get_world_size(self.group)
-        variant = context_parallel_variant(
-            self.variant,
-            q_BHSD,
-            k_BGSD,
-            slice_index=0,
-            slice_tokens=q_BHSD.shape[2] * ranks,
-            cp=ranks,
-            whole_sequence=True,
-            keys_are_values=v_BGSD is k_BGSD,
-            ulysses_size=self.hierarchy.ulysses_size if self.hierarchy is not None else 1,
+        ulysses_size = self.hierarchy.ulysses_size if self.hierarchy is not None else 1
+        variant = _variant_over(
+            self.variant, self.group, q_BHSD, k_BGSD, v_BGSD, True, ulysses_size
         )
         if variant != "hierarchical":
             return _attend_by(variant, q_BHSD, k_BGSD, v_BGSD, self.shard, self.group,
@@ -222,15 +214,8 @@ class ContextParallelAttention:
 
         def across(q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, shard: TokenShard,
                    sinks_H: Tensor | None) -> Tensor:  # fmt: skip
-            groups = dist.get_world_size(hierarchy.across)
-            variant = context_parallel_variant(
-                hierarchy.across_variant,
-                q_BHSD,
-                k_BGSD,
-                slice_index=0,
-                slice_tokens=q_BHSD.shape[2] * groups,
-                cp=groups,
-                keys_are_values=v_BGSD is k_BGSD,
+            variant = _variant_over(
+                hierarchy.across_variant, hierarchy.across, q_BHSD, k_BGSD, v_BGSD, False
             )
             return _attend_by(variant, q_BHSD, k_BGSD, v_BGSD, shard, hierarchy.across,
                               sinks_H=sinks_H, **options)  # fmt: skip
@@ -238,6 +223,31 @@ class ContextParallelAttention:
         return hierarchical_context_attention(
             q_BHSD, k_BGSD, v_BGSD, self.shard, hierarchy, across, sinks_H
         )
+
+
+def _variant_over(
+    variant: str,
+    group: dist.ProcessGroup | None,
+    q_BHSD: Tensor,
+    k_BGSD: Tensor,
+    v_BGSD: Tensor,
+    whole_sequence: bool,
+    ulysses_size: int = 1,
+) -> str:
+    """The variant the rank's tokens attend by over `group` (one slice: the whole sequence);
+    Ulysses and hierarchical are candidates of "auto" only on a `whole_sequence`."""
+    ranks = dist.get_world_size(group)
+    return context_parallel_variant(
+        variant,
+        q_BHSD,
+        k_BGSD,
+        slice_index=0,
+        slice_tokens=q_BHSD.shape[2] * ranks,
+        cp=ranks,
+        whole_sequence=whole_sequence,
+        keys_are_values=v_BGSD is k_BGSD,
+        ulysses_size=ulysses_size,
+    )
 
 
 def _attend_by(

@@ -275,7 +275,7 @@ class _AcrossGroups:
     def __init__(self, parallel: PipelineContextParallel) -> None:
         assert parallel.hierarchy is not None
         self.parallel, self.hierarchy = parallel, parallel.hierarchy
-        self.group = self.hierarchy.across
+        self.group, self.variant = self.hierarchy.across, self.hierarchy.across_variant
         self.cp = dist.get_world_size(self.group)
         self.slice_length, self.drop_remote = parallel.slice_length, parallel.drop_remote
 
@@ -291,16 +291,5 @@ class _AcrossGroups:
         Ulysses context caches them)."""
         return self.group_rank_tokens(slice_index).flatten().sort().values
 
-    def variant_of(
-        self, slice_index: int, q_BHSD: Tensor, k_BGSD: Tensor, keys_are_values: bool = False
-    ) -> str:
-        """The variant across the groups for slice `slice_index`."""
-        return context_parallel_variant(
-            self.hierarchy.across_variant,
-            q_BHSD,
-            k_BGSD,
-            slice_index=slice_index,
-            slice_tokens=self.slice_length,
-            cp=self.cp,
-            keys_are_values=keys_are_values,
-        )
+    variant_of = PipelineContextParallel.variant_of
+    """The variant across the groups for a slice (by `variant`: the one across)."""
