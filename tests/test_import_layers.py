@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("checkpoint", "distributed"),
     ("pipelining", "upcycle"),
     ("train",),
-    ("memory_plan", "testing"),
+    ("memory_plan", "testing", "generate"),
     ("bench", "check"),
     # Model families are plugins found by name through entry points (pipekit.models.registry):
     # nothing else in pipekit imports them at module level.
