@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
         if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
             where = f" (rank {rank} on {socket.gethostname()})" if rank else ""
             print(f"config error{where}: {error}", file=sys.stderr)
-        elif launched:
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
             # torchrun stops the other ranks when one exits: leave the exit to the rank that
             # says why (it fails on the same config), or its line may never be printed
             time.sleep(_REPORTER_GRACE_S)
