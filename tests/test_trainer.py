@@ -169,6 +169,22 @@ def test_exclude_from_loading_leaves_those_parts_fresh(tmp_path):
         _config(tmp_path, "--checkpoint.exclude_from_loading", "model")
 
 
+def test_initial_load_from_a_pipekit_checkpoint_starts_a_new_run_from_its_weights(tmp_path):
+    """`initial_load_path` naming another job's step folder: the new job (its own folder)
+    starts at step 0 with that model's weights and a fresh optimizer, data and schedule."""
+    first = Trainer(_config(tmp_path / "pretrain", "--parallelism.dp_shard", "1",
+                            "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+                            "--training.steps", "2"))  # fmt: skip
+    first.train()
+    step = tmp_path / "pretrain" / "checkpoints" / "step-2"
+    tuned = Trainer(_config(tmp_path / "tune", "--parallelism.dp_shard", "1",
+                            "--checkpoint.initial_load_path", str(step)))  # fmt: skip
+    for name, tensor in tuned.model.state_dict().items():
+        assert torch.equal(tensor, first.model.state_dict()[name]), name
+    assert tuned.step == 0 and tuned.data.step == 0 and not tuned.optimizer.state
+    assert math.isfinite(tuned.train_step()[0])
+
+
 def test_low_bit_adamw_from_torchao_trains(tmp_path):
     losses = Trainer(
         _config(tmp_path, "--parallelism.dp_shard", "1", "--optimizer.name", "AdamW8bit")

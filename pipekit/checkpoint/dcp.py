@@ -57,6 +57,7 @@ __all__ = [
     "CheckpointManager",
     "ModelOptimizerState",
     "capture_rng_state",
+    "load_checkpoint",
     "quiet_without_process_group",
     "restore_rng_state",
 ]
@@ -294,20 +295,26 @@ class CheckpointManager:
                 f"checkpoint {path} {what} (no {COMPLETE_MARKER} marker: missing, or a save was "
                 f"interrupted); complete steps in {self.folder}: {self.complete_steps()}"
             )
-        try:
-            with quiet_without_process_group(), _dcp_logging_silenced():
-                dcp.load(dict(state), storage_reader=SafeFileSystemReader(path))
-        # DCP reports a failure on any rank as CheckpointException, a BaseException.
-        except (Exception, dcp.CheckpointException) as error:
-            raise CheckpointError(
-                f"checkpoint {path} could not be read ({_root_cause(error)}); it is corrupt or "
-                "does not match the state it is loaded into; load an older step or delete it"
-            ) from error
+        load_checkpoint(path, state)
 
     def _remove_stale_tmp_folders(self) -> None:
         """Remove the tmp folders of interrupted saves (one job writes a folder at a time)."""
         for entry in self.folder.glob("step-*.tmp-*"):
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, state: Mapping[str, Any]) -> None:
+    """Restore `state` in place from the complete checkpoint folder `path` (of any job and
+    layout: DCP reshards); collective. CheckpointError naming the folder on failure."""
+    try:
+        with quiet_without_process_group(), _dcp_logging_silenced():
+            dcp.load(dict(state), storage_reader=SafeFileSystemReader(path))
+    # DCP reports a failure on any rank as CheckpointException, a BaseException.
+    except (Exception, dcp.CheckpointException) as error:
+        raise CheckpointError(
+            f"checkpoint {path} could not be read ({_root_cause(error)}); it is corrupt or "
+            "does not match the state it is loaded into; load an older step or delete it"
+        ) from error
 
 
 @contextlib.contextmanager

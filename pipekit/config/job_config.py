@@ -349,7 +349,8 @@ class CheckpointConfig:
     counter and random states: step 1 again, and the learning-rate schedule with it). The
     model is always loaded."""
     initial_load_path: str = ""
-    """Hugging Face checkpoint directory to initialise the model from (when not resuming)."""
+    """Checkpoint to initialise the model from when not resuming: a Hugging Face folder, or a
+    pipekit step folder (step-N of any job and layout; its model weights only)."""
     export_hf_at_end: bool = False
     """Write the final model to {output_dir}/hf in Hugging Face layout."""
 

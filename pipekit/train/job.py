@@ -201,14 +201,21 @@ def _check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any, check_file
         if checkpoint.load_step:
             _check_load_step(output / checkpoint.folder, checkpoint.load_step)
     initial = checkpoint.initial_load_path
-    if check_files and initial and not (Path(initial) / "config.json").is_file():
+    pipekit_step = bool(initial) and is_pipekit_checkpoint(Path(initial))
+    if pipekit_step and config.model.upcycle.enabled:
+        raise ConfigError(
+            f"[checkpoint] initial_load_path={initial!r} is a pipekit checkpoint; upcycling "
+            "reads a dense Hugging Face checkpoint (export one with export_hf_at_end)"
+        )
+    hf_folder = bool(initial) and (Path(initial) / "config.json").is_file()
+    if check_files and initial and not pipekit_step and not hf_folder:
         raise ConfigError(
             f"[checkpoint] initial_load_path={initial!r} has no config.json; point it at a "
-            "Hugging Face checkpoint directory"
+            "Hugging Face checkpoint directory, or a pipekit checkpoint step (step-N)"
         )
     dense = get_model_spec(config.model.name)
     uses = {
-        "[checkpoint] initial_load_path": (bool(initial), dense),
+        "[checkpoint] initial_load_path": (bool(initial) and not pipekit_step, dense),
         "[checkpoint] export_hf_at_end": (checkpoint.export_hf_at_end, spec),
     }
     for name, (used, family) in uses.items():
@@ -222,6 +229,13 @@ def _check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any, check_file
             spec.hf.check_layout(args)
         except ValueError as error:
             raise _error("[checkpoint] export_hf_at_end:", error) from None
+
+
+def is_pipekit_checkpoint(path: Path) -> bool:
+    """Whether `path` is a complete pipekit (DCP) checkpoint step, not a Hugging Face folder."""
+    from pipekit.checkpoint.dcp import COMPLETE_MARKER
+
+    return (path / COMPLETE_MARKER).is_file()
 
 
 def _check_writable(key: str, folder: Path) -> None:

@@ -37,6 +37,7 @@ from pipekit.checkpoint.dcp import (
     CheckpointManager,
     ModelOptimizerState,
     capture_rng_state,
+    load_checkpoint,
     restore_rng_state,
 )
 from pipekit.config import to_dict
@@ -50,8 +51,9 @@ from pipekit.moe.bias_balance import discard_expert_loads, update_expert_biases
 from pipekit.pipelining.features.vocab_parallel import vocabulary_row_dims
 from pipekit.pipelining.tools.trace import record_pipeline_step
 from pipekit.train.compile import job_loss_fn
+from pipekit.train.config_values import LOADING_EXCLUSIONS
 from pipekit.train.data import build_data_loader
-from pipekit.train.job import Job
+from pipekit.train.job import Job, is_pipekit_checkpoint
 from pipekit.train.lr_schedule import build_lr_scheduler
 from pipekit.train.metric_writers import (
     JsonlWriter,
@@ -115,7 +117,11 @@ class Trainer:
         if config.checkpoint.resume:
             resume_step = config.checkpoint.load_step or self.checkpoints.latest_step()
         torch.manual_seed(config.job.seed)
-        built = build_job_model(job, self.mesh, self.device, load_hf=resume_step is None)
+        initial = Path(config.checkpoint.initial_load_path or ".")
+        initial_pipekit = resume_step is None and is_pipekit_checkpoint(initial)
+        built = build_job_model(
+            job, self.mesh, self.device, load_hf=resume_step is None and not initial_pipekit
+        )
         self.model, self.pipeline = built.model, built.pipeline
         self._loss_fn = job_loss_fn(config.compile.enable, job.loss_parallel)
         self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
@@ -143,6 +149,10 @@ class Trainer:
         # its share among its units itself).
         self._aux_loss_share = 1.0 / (dp_degree * config.training.gradient_accumulation_steps)
         self.step = 0
+        if initial_pipekit:  # the model's weights alone, into any layout
+            load_checkpoint(initial, self._checkpoint_state(LOADING_EXCLUSIONS))
+            self.optimizer.state.clear()
+            logger.info("initialised the model from %s", initial)
         if resume_step is not None:
             excluded = config.checkpoint.exclude_from_loading
             self.checkpoints.load(resume_step, self._checkpoint_state(excluded))
