@@ -58,7 +58,6 @@ __all__ = [
     "ModelOptimizerState",
     "capture_rng_state",
     "load_checkpoint",
-    "quiet_without_process_group",
     "restore_rng_state",
 ]
 
@@ -245,7 +244,7 @@ class CheckpointManager:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp_folders()
         tmp = self.folder / f"step-{step}.tmp-{_shared_token()}"
-        with quiet_without_process_group(), _as_checkpoint_error(step, tmp):
+        with _quiet_without_process_group(), _as_checkpoint_error(step, tmp):
             if not self.asynchronous:
                 dcp.save(dict(state), checkpoint_id=tmp)
             else:
@@ -307,7 +306,7 @@ def load_checkpoint(path: Path, state: Mapping[str, Any]) -> None:
     """Restore `state` in place from the complete checkpoint folder `path` (of any job and
     layout: DCP reshards); collective. CheckpointError naming the folder on failure."""
     try:
-        with quiet_without_process_group(), _dcp_logging_silenced():
+        with _quiet_without_process_group(), _dcp_logging_silenced():
             dcp.load(dict(state), storage_reader=SafeFileSystemReader(path))
     # DCP reports a failure on any rank as CheckpointException, a BaseException.
     except (Exception, dcp.CheckpointException) as error:
@@ -331,7 +330,7 @@ def _as_checkpoint_error(step: int, tmp: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def quiet_without_process_group() -> Iterator[None]:
+def _quiet_without_process_group() -> Iterator[None]:
     """Silence DCP's warning that it works in one process: at world size 1 that is the plan."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)

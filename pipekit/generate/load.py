@@ -13,11 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from pipekit.checkpoint.dcp import COMPLETE_MARKER, quiet_without_process_group
-from pipekit.checkpoint.safe_metadata import SafeFileSystemReader
+from pipekit.checkpoint.dcp import COMPLETE_MARKER, load_checkpoint
 from pipekit.checkpoint.safetensors_io import CheckpointError
 from pipekit.config import load_job_config
 from pipekit.distributed.parallel_dims import ParallelDims
@@ -62,14 +60,6 @@ def load_for_generation(
     world = ParallelDims.smallest_world_size(job_config.parallelism)
     job = validate_job(job_config, world, check_files=False)
     model = job.spec.build(job.args)
-    state = {"model_and_optimizer": {"model": model.state_dict()}}
-    try:
-        with quiet_without_process_group():
-            dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint))
-    except (Exception, dcp.CheckpointException) as error:
-        raise CheckpointError(
-            f"{checkpoint} does not hold the model of {config_path} ({error}); give the "
-            "--config the job trained with"
-        ) from None
-    model.load_state_dict(state["model_and_optimizer"]["model"])
+    # the model's tensors are filled in place, under the names the trainer saves them with
+    load_checkpoint(checkpoint, {"model_and_optimizer": {"model": model.state_dict()}})
     return model.eval(), build_tokenizer(tokenizer or job_config.data.tokenizer)

@@ -282,7 +282,7 @@ def _check_mixture(data_config: DataConfig) -> None:
         )
     if any(not weight > 0 for weight in weights):
         raise ValueError(f"mix_weights={weights} must all be positive")
-    if data_config.source not in ("stdlib",) or data_config.streaming:
+    if data_config.source != "stdlib" or data_config.streaming:
         raise ValueError(
             "mix_sources replaces source and reads corpora packed in memory: leave source at "
             "its default and streaming = false"
@@ -296,7 +296,6 @@ def load_token_stream(data_config: DataConfig) -> TokenStream:
     cache) so that several loaders in one process tokenize once."""
     tokenizer = build_tokenizer(data_config.tokenizer)
     tokenizer_files = [tokenizer.path] if hasattr(tokenizer, "path") else []
-    chat = data_config.format == "chat"
     if data_config.source == HF_SOURCE:
         source_key = hf_source_key(data_config)
         documents = hf_documents(data_config)
@@ -308,7 +307,7 @@ def load_token_stream(data_config: DataConfig) -> TokenStream:
     if key in _STREAM_CACHE:
         _STREAM_CACHE.move_to_end(key)
         return _STREAM_CACHE[key]
-    if chat:
+    if data_config.format == "chat":  # validated: local .jsonl files
         stream = pack_conversations(chat_conversations(files), tokenizer)
     else:
         stream = pack_documents(documents, tokenizer)

@@ -67,14 +67,11 @@ class MixedTokenStream:
         self.source_N, self.row_N = torch.cat(sources)[interleave_N], torch.cat(rows)[interleave_N]
         self.vocab_size = streams[0].vocab_size
         self.num_tokens = sum(stream.num_tokens for stream in streams)
-
-    @property
-    def key(self) -> int:
-        """A 63-bit identity of the mixture's table (its sources' sizes, weights, order), for
-        checkpoints: a resume with other weights would name other rows."""
         text = f"{self.weights}/{self.source_N.tolist()}/{self.row_N.tolist()}"
         digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") >> 1
+        self.key = int.from_bytes(digest, "little") >> 1
+        """A 63-bit identity of the mixture's table (its sources' sizes, weights, order), for
+        checkpoints: a resume with other weights would name other rows."""
 
     def num_rows(self, seq_len: int) -> int:
         if seq_len != self.seq_len:
