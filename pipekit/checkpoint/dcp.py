@@ -54,15 +54,20 @@ from pipekit.checkpoint.safetensors_io import CheckpointError
 
 __all__ = [
     "COMPLETE_MARKER",
+    "EXPORT_DTYPES",
     "CheckpointManager",
     "ModelOptimizerState",
     "capture_rng_state",
+    "holds_model_only",
     "load_checkpoint",
     "restore_rng_state",
 ]
 
 COMPLETE_MARKER = "COMPLETE"
 """File written into a checkpoint folder once every rank's data is on disk."""
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtypes `[checkpoint] export_dtype` names, for the floating weights of model-only saves."""
 
 _COMPLETE_NAME = re.compile(r"step-(\d+)")
 
@@ -109,6 +114,7 @@ class ModelOptimizerState:
         mesh: DeviceMesh | None = None,
         row_dims: tuple[str, ...] = ("pp",),
         with_optimizer: bool = True,
+        save_dtype: torch.dtype | None = None,
     ) -> None:
         if row_shards and mesh is None:
             raise ValueError("row_shards needs the world mesh that holds their row dims")
@@ -116,6 +122,8 @@ class ModelOptimizerState:
         self.optimizer = optimizer
         self.with_optimizer = with_optimizer
         """False: load (or save) the model alone; the optimizer keeps its state."""
+        self.save_dtype = save_dtype
+        """A model-only save's dtype for floating weights (None keeps theirs)."""
         self.row_shards, self.mesh, self.row_dims = dict(row_shards or {}), mesh, row_dims
         self._rows: dict[tuple[str, str], Tensor] = {}
 
@@ -129,6 +137,11 @@ class ModelOptimizerState:
                 self._rows[part, key] = state[key]
                 state[key] = self._full_matrix_view(state[key], full_rows)
         if not self.with_optimizer:
+            if self.save_dtype is not None:
+                model_state = {
+                    key: value.to(self.save_dtype) if value.is_floating_point() else value
+                    for key, value in model_state.items()
+                }
             return {"model": model_state}
         return {"model": model_state, "optimizer": optimizer_state}
 
@@ -205,7 +218,7 @@ class CheckpointManager:
         self.folder = Path(folder)
         self.keep_last = keep_last
         self.asynchronous = asynchronous
-        self._pending: tuple[int, Path, Future] | None = None
+        self._pending: tuple[int, Path, Future, bool] | None = None
         # Background writes meet on a group of their own (gloo: DCP's plans travel on the CPU),
         # so their collectives never interleave with the training's.
         self._write_group = (
@@ -228,12 +241,18 @@ class CheckpointManager:
         return sorted(steps)
 
     def latest_step(self) -> int | None:
-        """The newest step with a complete checkpoint, or None."""
-        steps = self.complete_steps()
+        """The newest step with a complete training checkpoint (a model-only save holds
+        nothing to resume from), or None."""
+        steps = self.training_steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state: Mapping[str, Any]) -> Path | None:
+    def training_steps(self) -> list[int]:
+        """Complete steps that hold a training state, oldest first (not model-only saves)."""
+        return [step for step in self.complete_steps() if not holds_model_only(self.path(step))]
+
+    def save(self, step: int, state: Mapping[str, Any], model_only: bool = False) -> Path | None:
         """Write `state` as the checkpoint of `step`, replacing any of that step; collective.
+        `model_only` marks a save of the model's weights alone (`holds_model_only`).
 
         Returns the published checkpoint's path. An asynchronous manager copies the state to
         host memory, writes it in a background thread and returns None; the checkpoint is
@@ -254,26 +273,26 @@ class CheckpointManager:
                     process_group=self._write_group,
                     no_dist=not dist.is_initialized(),
                 )
-                self._pending = (step, tmp, future)
-        return None if self.asynchronous else self._publish(step, tmp)
+                self._pending = (step, tmp, future, model_only)
+        return None if self.asynchronous else self._publish(step, tmp, model_only)
 
     def finish(self) -> Path | None:
         """Wait for the asynchronous save in flight, if any, and publish it (collective);
         its path, or None when nothing was in flight."""
         if self._pending is None:
             return None
-        step, tmp, future = self._pending
+        step, tmp, future, model_only = self._pending
         self._pending = None
         with _as_checkpoint_error(step, tmp):
             future.result()
-        return self._publish(step, tmp)
+        return self._publish(step, tmp, model_only)
 
-    def _publish(self, step: int, tmp: Path) -> Path:
+    def _publish(self, step: int, tmp: Path, model_only: bool) -> Path:
         """Mark `tmp` complete and rename it into place once every rank has written it."""
         _barrier()  # every rank's files are written before the checkpoint is published
         final = self.path(step)
         if _rank() == 0:
-            marker = {"step": step, "world_size": _world_size()}
+            marker = {"step": step, "world_size": _world_size(), "model_only": model_only}
             _write_durably(tmp / COMPLETE_MARKER, json.dumps(marker))
             if final.exists():
                 _remove(final)
@@ -294,12 +313,29 @@ class CheckpointManager:
                 f"checkpoint {path} {what} (no {COMPLETE_MARKER} marker: missing, or a save was "
                 f"interrupted); complete steps in {self.folder}: {self.complete_steps()}"
             )
+        if holds_model_only(path):
+            raise CheckpointError(
+                f"checkpoint {path} holds the model alone (last_save_model_only), nothing to "
+                f"resume from: set [checkpoint] load_step to a training step "
+                f"({self.training_steps() or 'none'}), or start a new job from it with "
+                "initial_load_path"
+            )
         load_checkpoint(path, state)
 
     def _remove_stale_tmp_folders(self) -> None:
         """Remove the tmp folders of interrupted saves (one job writes a folder at a time)."""
         for entry in self.folder.glob("step-*.tmp-*"):
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def holds_model_only(path: Path) -> bool:
+    """Whether the complete checkpoint `path` holds the model's weights alone: a model-only
+    save, which generation and a new job's initial load read but a resume cannot."""
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and bool(marker.get("model_only"))
 
 
 def load_checkpoint(path: Path, state: Mapping[str, Any]) -> None:

@@ -3,7 +3,17 @@ the text back to the same config."""
 
 from __future__ import annotations
 
-__all__ = ["dump_toml"]
+import os
+from pathlib import Path
+
+from pipekit.config.job_config import JobConfig
+from pipekit.config.loader import to_dict
+
+__all__ = ["JOB_CONFIG_FILE", "dump_toml", "write_job_config"]
+
+JOB_CONFIG_FILE = "config.toml"
+"""The resolved config a job writes into its output folder: what built the model of its
+checkpoints (`python -m pipekit.generate` reads it)."""
 
 
 def _toml_value(value: object) -> str:
@@ -30,3 +40,16 @@ def dump_toml(sections: dict[str, dict[str, object]]) -> str:
     for section, values in sections.items():
         add(section, values)
     return "\n\n".join(blocks) + "\n"
+
+
+def write_job_config(config: JobConfig, folder: Path) -> None:
+    """`config` as `folder/JOB_CONFIG_FILE`, replaced atomically and flushed to disk."""
+    path = folder / JOB_CONFIG_FILE
+    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(dump_toml(to_dict(config)))
+    descriptor = os.open(temporary, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+    os.replace(temporary, path)

@@ -350,7 +350,18 @@ class CheckpointConfig:
     model is always loaded."""
     initial_load_path: str = ""
     """Checkpoint to initialise the model from when not resuming: a Hugging Face folder, or a
-    pipekit step folder (step-N of any job and layout; its model weights only)."""
+    pipekit step folder (step-N of any job and layout; see initial_load_model_only)."""
+    initial_load_model_only: bool = True
+    """initial_load_path of a pipekit step: its model weights alone (true), or its whole
+    training state less exclude_from_loading (false: optimizer, data position, step and
+    schedule, to go on with that run in this job's folder and layout)."""
+    last_save_model_only: bool = False
+    """The save at the last step holds the model's weights alone, in export_dtype: what
+    generation and a new job's initial_load_path read (a resume goes on from the newest
+    training save)."""
+    export_dtype: str = "float32"
+    """Floating weights of a model-only save in this dtype: float32, bfloat16 or float16
+    (a bf16 copy of an fp32 run is half the bytes)."""
     export_hf_at_end: bool = False
     """Write the final model to {output_dir}/hf in Hugging Face layout."""
 

@@ -18,14 +18,13 @@ from torch import nn
 from pipekit.checkpoint.dcp import COMPLETE_MARKER, load_checkpoint
 from pipekit.checkpoint.safetensors_io import CheckpointError
 from pipekit.config import load_job_config
+from pipekit.config.dump import JOB_CONFIG_FILE
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.models.registry import spec_for_checkpoint
 from pipekit.train.data.tokenizer import Tokenizer, build_tokenizer
 from pipekit.train.job import validate_job
 
 __all__ = ["load_for_generation"]
-
-_JOB_CONFIG = "config.toml"
 
 
 def load_for_generation(
@@ -50,7 +49,7 @@ def load_for_generation(
             f"pipekit checkpoint step (a {COMPLETE_MARKER} marker); give a step folder such as "
             "outputs/<job>/checkpoints/step-100"
         )
-    config_path = config or checkpoint.parent.parent / _JOB_CONFIG
+    config_path = config or checkpoint.parent.parent / JOB_CONFIG_FILE
     if not config_path.is_file():
         raise ValueError(
             f"no {config_path}: the job's config says which model the checkpoint holds; give "

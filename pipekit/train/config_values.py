@@ -14,6 +14,7 @@ import math
 from dataclasses import fields, is_dataclass
 
 from pipekit.attention.backends import available_backends
+from pipekit.checkpoint.dcp import EXPORT_DTYPES
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
@@ -40,6 +41,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("training", "on_nonfinite"): NON_FINITE_CHOICES,
     ("lr_scheduler", "decay_type"): DECAY_TYPES,
     ("moe", "memory_reuse"): MEMORY_REUSE_CHOICES,
+    ("checkpoint", "export_dtype"): tuple(EXPORT_DTYPES),
 }
 """Each key's choices, as the component that reads the key lists them."""
 

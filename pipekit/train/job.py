@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 from pipekit.models.registry import get_model_spec, import_model_module, resolve_model
 from pipekit.models.spec import ModelShape, ModelSpec
+from pipekit.train.checkpoint_rules import check_checkpoints
 from pipekit.train.config_values import check_values
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     shape = spec.shape(args)
     meta_model = _check_structure(spec, args)
     _check_data(config, shape, tokenizer_vocab)
-    _check_checkpoints(config, spec, args, check_files)
+    check_checkpoints(config, spec, args, check_files)
     if upcycle is not None:
         _check_upcycle(config, check_files)
     dims = _parallel_dims(config, world_size)
@@ -188,79 +188,6 @@ def _check_data(config: JobConfig, shape: ModelShape, tokenizer_vocab: int) -> N
             f"[training] seq_len={config.training.seq_len} is longer than model {model.name} "
             f"flavor {model.flavor} is built for (max_seq_len={shape.max_seq_len}); use "
             f"seq_len <= {shape.max_seq_len}"
-        )
-
-
-def _check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any, check_files: bool) -> None:
-    checkpoint = config.checkpoint
-    if check_files:
-        output = Path(config.job.output_dir)
-        _check_writable("[job] output_dir", output)
-        if checkpoint.enable:
-            _check_writable("[checkpoint] folder", output / checkpoint.folder)
-        if checkpoint.load_step:
-            _check_load_step(output / checkpoint.folder, checkpoint.load_step)
-    initial = checkpoint.initial_load_path
-    pipekit_step = bool(initial) and is_pipekit_checkpoint(Path(initial))
-    if pipekit_step and config.model.upcycle.enabled:
-        raise ConfigError(
-            f"[checkpoint] initial_load_path={initial!r} is a pipekit checkpoint; upcycling "
-            "reads a dense Hugging Face checkpoint (export one with export_hf_at_end)"
-        )
-    hf_folder = bool(initial) and (Path(initial) / "config.json").is_file()
-    if check_files and initial and not pipekit_step and not hf_folder:
-        raise ConfigError(
-            f"[checkpoint] initial_load_path={initial!r} has no config.json; point it at a "
-            "Hugging Face checkpoint directory, or a pipekit checkpoint step (step-N)"
-        )
-    dense = get_model_spec(config.model.name)
-    uses = {
-        "[checkpoint] initial_load_path": (bool(initial) and not pipekit_step, dense),
-        "[checkpoint] export_hf_at_end": (checkpoint.export_hf_at_end, spec),
-    }
-    for name, (used, family) in uses.items():
-        if used and family.hf is None:
-            raise ConfigError(
-                f"{name}: model {family.name} has no Hugging Face layout adapter; turn it off "
-                "(DCP checkpoints still save and resume)"
-            )
-    if checkpoint.export_hf_at_end and spec.hf is not None and spec.hf.check_layout is not None:
-        try:
-            spec.hf.check_layout(args)
-        except ValueError as error:
-            raise _error("[checkpoint] export_hf_at_end:", error) from None
-
-
-def is_pipekit_checkpoint(path: Path) -> bool:
-    """Whether `path` is a complete pipekit (DCP) checkpoint step, not a Hugging Face folder."""
-    from pipekit.checkpoint.dcp import COMPLETE_MARKER
-
-    return (path / COMPLETE_MARKER).is_file()
-
-
-def _check_writable(key: str, folder: Path) -> None:
-    """The job writes into `folder` (or creates it): refused now, not at the first save,
-    after the steps before it are lost."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"{key}: {existing} is a file, not a folder; choose another path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == folder else f"cannot be created in {existing}"
-        raise ConfigError(
-            f"{key}: {folder} {what}; choose a folder you can write to (or fix its permissions)"
-        )
-
-
-def _check_load_step(folder: Path, step: int) -> None:
-    from pipekit.checkpoint.dcp import CheckpointManager
-
-    complete = CheckpointManager(folder).complete_steps()
-    if step not in complete:
-        raise ConfigError(
-            f"[checkpoint] load_step={step}: {folder} has no complete checkpoint of that step; "
-            f"complete steps: {complete or 'none'}"
         )
 
 

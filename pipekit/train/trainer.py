@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,16 +31,15 @@ from pipekit.attention.context import (
 )
 from pipekit.attention.context_parallel import context_parallel_tokens
 from pipekit.attention.hierarchical import HierarchicalGroups, hierarchical_groups
-from pipekit.checkpoint._durable import fsync_path
 from pipekit.checkpoint.dcp import (
+    EXPORT_DTYPES,
     CheckpointManager,
     ModelOptimizerState,
     capture_rng_state,
     load_checkpoint,
     restore_rng_state,
 )
-from pipekit.config import to_dict
-from pipekit.config.dump import dump_toml
+from pipekit.config.dump import write_job_config
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.layers.loss import count_label_tokens
@@ -50,10 +48,11 @@ from pipekit.moe.aux_loss import aux_loss_scale
 from pipekit.moe.bias_balance import discard_expert_loads, update_expert_biases
 from pipekit.pipelining.features.vocab_parallel import vocabulary_row_dims
 from pipekit.pipelining.tools.trace import record_pipeline_step
+from pipekit.train.checkpoint_rules import is_pipekit_checkpoint
 from pipekit.train.compile import job_loss_fn
 from pipekit.train.config_values import LOADING_EXCLUSIONS
 from pipekit.train.data import build_data_loader
-from pipekit.train.job import Job, is_pipekit_checkpoint
+from pipekit.train.job import Job
 from pipekit.train.lr_schedule import build_lr_scheduler
 from pipekit.train.metric_writers import (
     JsonlWriter,
@@ -149,15 +148,18 @@ class Trainer:
         # its share among its units itself).
         self._aux_loss_share = 1.0 / (dp_degree * config.training.gradient_accumulation_steps)
         self.step = 0
-        if initial_pipekit:  # the model's weights alone, into any layout
-            load_checkpoint(initial, self._checkpoint_state(LOADING_EXCLUSIONS))
-            self.optimizer.state.clear()
-            logger.info("initialised the model from %s", initial)
+        excluded = config.checkpoint.exclude_from_loading
+        if initial_pipekit:  # into any layout: the model alone, or the whole training state
+            model_only = config.checkpoint.initial_load_model_only
+            excluded = LOADING_EXCLUSIONS if model_only else excluded
+            load_checkpoint(initial, self._checkpoint_state(excluded))
+            what = "model" if model_only else "training state"
+            logger.info("initialised the %s from %s", what, initial)
         if resume_step is not None:
-            excluded = config.checkpoint.exclude_from_loading
             self.checkpoints.load(resume_step, self._checkpoint_state(excluded))
-            if "optimizer" in excluded:  # as built: the states start at the first update
-                self.optimizer.state.clear()
+        if (initial_pipekit or resume_step is not None) and "optimizer" in excluded:
+            self.optimizer.state.clear()  # as built: the states start at the first update
+        if resume_step is not None:
             logger.info(
                 "resumed from %s (step %d)", self.checkpoints.path(resume_step), resume_step
             )
@@ -196,9 +198,12 @@ class Trainer:
             flops /= self.world_size
         return float(flops)
 
-    def _checkpoint_state(self, excluded: Sequence[str] = ()) -> dict[str, Any]:
+    def _checkpoint_state(
+        self, excluded: Sequence[str] = (), save_dtype: torch.dtype | None = None
+    ) -> dict[str, Any]:
         """What a checkpoint holds, less the `excluded` parts (a resume's
-        `exclude_from_loading`: the model is always there)."""
+        `exclude_from_loading`: the model is always there); a model-only save casts the
+        weights to `save_dtype`."""
         row_shards = self.pipeline.row_sharded_parameters() if self.pipeline else {}
         full_rows = {name: shard.rows for name, shard in row_shards.items()}
         state = {
@@ -209,6 +214,7 @@ class Trainer:
                 mesh=self.mesh,
                 row_dims=vocabulary_row_dims(self.mesh) if self.mesh else ("pp",),
                 with_optimizer="optimizer" not in excluded,
+                save_dtype=save_dtype,
             ),
             "lr_scheduler": self.lr_scheduler,
             "data": self.data,
@@ -361,7 +367,7 @@ class Trainer:
         config = self.config
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            _write_config(config, self.output_dir / JOB_CONFIG_FILE)
+            write_job_config(config, self.output_dir)
         logger.info(
             "training %s on %d rank(s), steps %d..%d",
             self._model_description(),
@@ -393,7 +399,7 @@ class Trainer:
                 if config.checkpoint.enable and (
                     last or stop_signal is not None or self.step % interval == 0
                 ):
-                    self._save()
+                    self._save(model_only=last and config.checkpoint.last_save_model_only)
         self._log_saved(self.checkpoints.finish())
         if stop_signal is not None:
             logger.info(
@@ -405,9 +411,14 @@ class Trainer:
             self.export_hf(self.output_dir / "hf")
         return losses
 
-    def _save(self) -> None:
+    def _save(self, model_only: bool = False) -> None:
         self._log_saved(self.checkpoints.finish())  # the save still in flight, if any
-        path = self.checkpoints.save(self.step, self._checkpoint_state())
+        if model_only:
+            dtype = EXPORT_DTYPES[self.config.checkpoint.export_dtype]
+            state = self._checkpoint_state(LOADING_EXCLUSIONS, save_dtype=dtype)
+        else:
+            state = self._checkpoint_state()
+        path = self.checkpoints.save(self.step, state, model_only=model_only)
         if path is None:
             logger.info("writing the checkpoint of step %d in the background", self.step)
         self._log_saved(path)
@@ -474,16 +485,3 @@ class _ThroughputWindow:
         self.first_step = step
         self.start = time.perf_counter()
         self.tokens = 0
-
-
-JOB_CONFIG_FILE = "config.toml"
-"""The resolved config a job writes into its output folder: what built the model of its
-checkpoints (`python -m pipekit.generate` reads it)."""
-
-
-def _write_config(config: Any, path: Path) -> None:
-    """The resolved config as TOML, replaced atomically."""
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(dump_toml(to_dict(config)))
-    fsync_path(temporary)
-    os.replace(temporary, path)

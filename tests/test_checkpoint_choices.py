@@ -1,0 +1,91 @@
+"""What a job saves and loads beyond the whole training state: a model-only last save in an
+export dtype (what generation and a new job read; a resume skips it), and a new job that goes
+on with another job's whole training state from its step folder."""
+
+import json
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from pipekit.checkpoint.dcp import COMPLETE_MARKER
+from pipekit.config import ConfigError, load_job_config
+from pipekit.generate.load import load_for_generation
+from pipekit.train.job import validate_job
+from pipekit.train.trainer import Trainer
+
+BASE = [
+    "--config", "configs/debug_model.toml", "--training.global_batch_size", "4",
+    "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "1",
+    "--parallelism.dp_shard", "1", "--metrics.log_interval", "1",
+    "--metrics.peak_flops", "1e9", "--checkpoint.interval", "2",
+]  # fmt: skip
+
+
+def _trainer(output_dir, *overrides) -> Trainer:
+    config = load_job_config([*BASE, "--job.output_dir", str(output_dir), *overrides])
+    return Trainer(validate_job(config, world_size=1))
+
+
+def _folder_bytes(folder) -> int:
+    return sum(path.stat().st_size for path in folder.iterdir() if path.suffix == ".distcp")
+
+
+def test_a_model_only_last_save_holds_the_weights_alone_in_the_export_dtype(tmp_path):
+    """Steps 2 and 4 saved, the last one model-only in bf16: its marker says so, it holds the
+    model's entries alone as bf16 (about a sixth of the bytes of a training save: no AdamW
+    states, half-width weights); generation reads it; a resume goes on from step 2, and naming
+    step 4 to resume from is one line."""
+    job = tmp_path / "job"
+    options = ("--checkpoint.last_save_model_only", "true", "--checkpoint.export_dtype",
+               "bfloat16", "--training.steps", "4")  # fmt: skip
+    trained = _trainer(job, *options)
+    trained.train()
+    folder = job / "checkpoints"
+    assert json.loads((folder / "step-4" / COMPLETE_MARKER).read_text())["model_only"] is True
+    assert not json.loads((folder / "step-2" / COMPLETE_MARKER).read_text())["model_only"]
+    entries = FileSystemReader(folder / "step-4").read_metadata().state_dict_metadata
+    weights = trained.model.state_dict()
+    assert set(entries) == {f"model_and_optimizer.model.{name}" for name in weights}
+    assert {entry.properties.dtype for entry in entries.values()} == {torch.bfloat16}
+    assert _folder_bytes(folder / "step-4") < 0.2 * _folder_bytes(folder / "step-2")
+
+    model, _ = load_for_generation(folder / "step-4")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, weights[name].bfloat16().float()), name
+
+    resumed = _trainer(job, *options)
+    assert resumed.step == 2
+    with pytest.raises(ConfigError, match=r"load_step=4 is a model-only save .* \[2\]"):
+        _trainer(job, *options, "--checkpoint.load_step", "4")
+
+
+def test_a_new_job_goes_on_with_another_jobs_whole_training_state(tmp_path):
+    """initial_load_model_only = false: a job in a new folder started from step 2 of another
+    trains steps 3 and 4 exactly as the other did (optimizer, data position, schedule and
+    random states carried); the model alone (the default) does not. A Hugging Face folder or
+    a model-only save cannot give a training state: one line each."""
+    first = _trainer(tmp_path / "first", "--training.steps", "4")
+    reference = first.train()
+    step = tmp_path / "first" / "checkpoints" / "step-2"
+    whole = _trainer(tmp_path / "whole", "--training.steps", "4",
+                     "--checkpoint.initial_load_path", str(step),
+                     "--checkpoint.initial_load_model_only", "false")  # fmt: skip
+    assert whole.step == 2
+    assert whole.train() == reference[2:]
+    weights_only = _trainer(tmp_path / "weights", "--training.steps", "2",
+                            "--checkpoint.initial_load_path", str(step))  # fmt: skip
+    assert weights_only.step == 0 and weights_only.train() != reference[2:]
+
+    first.export_hf(tmp_path / "hf")
+    with pytest.raises(ConfigError, match="is a Hugging Face folder"):
+        _trainer(tmp_path / "x", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                 "--checkpoint.initial_load_model_only", "false")  # fmt: skip
+    _trainer(tmp_path / "m", "--training.steps", "2", "--checkpoint.last_save_model_only",
+             "true").train()  # fmt: skip
+    with pytest.raises(ConfigError, match="is a model-only save; set it true"):
+        _trainer(tmp_path / "y",
+                 "--checkpoint.initial_load_path", str(tmp_path / "m" / "checkpoints" / "step-2"),
+                 "--checkpoint.initial_load_model_only", "false")  # fmt: skip
+    with pytest.raises(ConfigError, match="export_dtype='int8' is not one of"):
+        _trainer(tmp_path / "z", "--checkpoint.export_dtype", "int8")
