@@ -425,6 +425,16 @@ class CompileConfig:
 
 
 @dataclass(kw_only=True)
+class DebugConfig:
+    """Settings that trade speed for reproducibility (see pipekit.train.determinism)."""
+
+    deterministic: bool = False
+    """torch's deterministic algorithms (an op without one raises instead of running), cuDNN's
+    autotuner off, a fixed cuBLAS workspace, and uninitialised memory filled (NaN for floats,
+    so a read before a write shows); costs are in docs/training.md."""
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     """Everything a training job needs, one section per concern."""
 
@@ -441,3 +451,4 @@ class JobConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)

@@ -52,6 +52,7 @@ from pipekit.train.checkpoint_rules import is_pipekit_checkpoint
 from pipekit.train.compile import job_loss_fn
 from pipekit.train.config_values import LOADING_EXCLUSIONS
 from pipekit.train.data import build_data_loader
+from pipekit.train.determinism import use_deterministic
 from pipekit.train.job import Job
 from pipekit.train.lr_schedule import build_lr_scheduler
 from pipekit.train.metric_writers import (
@@ -83,6 +84,7 @@ class Trainer:
     def __init__(self, job: Job) -> None:
         config = self.config = job.config
         self.job = job
+        use_deterministic(config.debug.deterministic)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device = torch.device(
