@@ -208,7 +208,11 @@ class DataConfig:
     """Batches each worker keeps ready (with num_workers > 0)."""
     format: str = "text"
     """text (documents), or chat: .jsonl lines of {"messages": [{role, content}, ...]}
-    rendered by a plain template, the loss on the assistant's tokens only."""
+    rendered by chat_template, the loss on the assistant's tokens only."""
+    chat_template: str = "plain"
+    """format = chat: plain (pipekit's documented template, any tokenizer), tokenizer (the
+    Hugging Face Jinja template beside the tokenizer.json: chat_template.jinja or
+    tokenizer_config.json's chat_template), or the path of a .jinja file."""
     mix_sources: list[str] = field(default_factory=list)
     """Corpora mixed by weight instead of `source` (each a file, folder, glob or "stdlib",
     packed on its own; with mix_weights; not with streaming)."""

@@ -1,6 +1,6 @@
-"""Instruction (chat) data: conversations rendered by a plain template, the loss on the
-assistant's tokens only, packed like documents so that packed conversations never attend to
-each other.
+"""Instruction (chat) data: conversations rendered by a plain template (or a Hugging Face
+chat template: `pipekit.train.data.chat_template`), the loss on the assistant's tokens only,
+packed like documents so that packed conversations never attend to each other.
 
 A `.jsonl` line is one conversation, `{"messages": [{"role": ..., "content": ...}, ...]}` with
 roles system, user, assistant or tool. Each message is rendered as its header line
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from pipekit.train.data.chat_template import JinjaChatTemplate, render_with_template
 from pipekit.train.data.packing import TokenStream
 from pipekit.train.data.tokenizer import Tokenizer
 
@@ -92,12 +93,18 @@ def render_conversation(
 
 
 def pack_conversations(
-    conversations: Iterable[Sequence[Message]], tokenizer: Tokenizer
+    conversations: Iterable[Sequence[Message]],
+    tokenizer: Tokenizer,
+    template: JinjaChatTemplate | None = None,
 ) -> TokenStream:
-    """Render and pack `conversations` into one `TokenStream` with its loss mask."""
+    """Render (by `template`, or the plain template) and pack `conversations` into one
+    `TokenStream` with its loss mask."""
     ids, counts, starts = [], [], []
     for messages in conversations:
-        rendered, counted = render_conversation(messages, tokenizer)
+        if template is None:
+            rendered, counted = render_conversation(messages, tokenizer)
+        else:
+            rendered, counted = render_with_template(messages, template, tokenizer)
         starts.append(len(ids))
         ids += rendered
         counts += counted

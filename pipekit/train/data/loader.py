@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pipekit.config.job_config import DataConfig
 from pipekit.train.data.chat import chat_conversations, pack_conversations
+from pipekit.train.data.chat_template import PLAIN_TEMPLATE, load_chat_template
 from pipekit.train.data.corpus import file_fingerprint, iter_documents, source_files
 from pipekit.train.data.hf_datasets import (
     HF_SOURCE,
@@ -261,7 +262,15 @@ def check_data_config(data_config: DataConfig) -> int:
         raise ValueError(
             f"tokenizer={tokenizer!r} is not a file; use 'bytes' or a tokenizer.json path"
         )
-    return build_tokenizer(tokenizer).vocab_size
+    built = build_tokenizer(tokenizer)
+    if data_config.chat_template != PLAIN_TEMPLATE:
+        if data_config.format != "chat":
+            raise ValueError(
+                f"chat_template={data_config.chat_template!r} renders conversations: set "
+                "format = 'chat', or chat_template = 'plain'"
+            )
+        load_chat_template(data_config.chat_template, built)
+    return built.vocab_size
 
 
 def _check_source(source: str, key: str = "source") -> None:
@@ -303,12 +312,14 @@ def load_token_stream(data_config: DataConfig) -> TokenStream:
         files = source_files(data_config.source)
         source_key = (data_config.source, data_config.jsonl_field, file_fingerprint(files))
         documents = iter_documents(files, jsonl_field=data_config.jsonl_field)
+    template = load_chat_template(data_config.chat_template, tokenizer)
     key = (source_key, data_config.format, data_config.tokenizer, file_fingerprint(tokenizer_files))
+    key += (template,)
     if key in _STREAM_CACHE:
         _STREAM_CACHE.move_to_end(key)
         return _STREAM_CACHE[key]
     if data_config.format == "chat":  # validated: local .jsonl files
-        stream = pack_conversations(chat_conversations(files), tokenizer)
+        stream = pack_conversations(chat_conversations(files), tokenizer, template)
     else:
         stream = pack_documents(documents, tokenizer)
     _STREAM_CACHE[key] = stream

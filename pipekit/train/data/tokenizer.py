@@ -106,6 +106,8 @@ class HFTokenizer:
         tokenizers = _import_tokenizers()
         self.path = Path(path)
         self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
+        self.bos_token, self.eos_token = bos_token, eos_token
+        """The special tokens' text (what a chat template writes for them)."""
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id: int = self._special_id(bos_token, "BOS")
         self.eos_id: int = self._special_id(eos_token, "EOS")
