@@ -1,8 +1,11 @@
 """The Trainer as a whole: data-parallel layouts and gradient accumulation reproduce the
 single-process losses step for step (float32, same global batch), plus initial load from a
-Hugging Face checkpoint, export, activation checkpointing and the non-finite-loss stop."""
+Hugging Face checkpoint, export, activation checkpointing the non-finite-loss stop and a mixing job's SIGTERM-and-resume."""
 
 import math
+import os
+import shutil
+import signal
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import pipekit.train.model_setup as model_setup
 from pipekit.config import ConfigError, load_job_config
 from pipekit.families.llama.hf import build_llama_from_hf, save_hf_llama
 from pipekit.testing import run_on_ranks
+from pipekit.train.data import stdlib_files
 from pipekit.train.job import validate_job
 from pipekit.train.trainer import NonFiniteLossError, Trainer
 
@@ -167,6 +171,35 @@ def test_exclude_from_loading_leaves_those_parts_fresh(tmp_path):
         assert expected(resumed), parts
     with pytest.raises(ConfigError, match=r"exclude_from_loading names \['model'\]"):
         _config(tmp_path, "--checkpoint.exclude_from_loading", "model")
+
+
+def test_a_mixing_job_stopped_by_sigterm_resumes_to_the_uninterrupted_losses(tmp_path):
+    """Two corpora mixed 1:3: a job stopped by SIGTERM after step 2 saves, and the same
+    command resumes it to the uninterrupted run's losses bit for bit (the mixture's position
+    travels in the checkpoint)."""
+    for name, files in (("a.txt", stdlib_files()[:6]), ("b.txt", stdlib_files()[6:12])):
+        (tmp_path / name).write_text("".join(path.read_text(errors="replace") for path in files))
+    mixing = ("--parallelism.dp_shard", "1", "--training.steps", "4", "--checkpoint.enable",
+              "true", "--checkpoint.interval", "10", "--checkpoint.resume", "true",
+              "--data.mix_sources", f"{tmp_path / 'a.txt'};{tmp_path / 'b.txt'}",
+              "--data.mix_weights", "1;3")  # fmt: skip
+    reference = Trainer(_config(tmp_path / "reference", *mixing)).train()
+    stopped = Trainer(_config(tmp_path / "stopped", *mixing))
+    step = stopped.train_step
+
+    def step_then_stop_after_two() -> tuple[float, float, int]:
+        taken = step()
+        if stopped.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return taken
+
+    stopped.train_step = step_then_stop_after_two
+    assert stopped.train() == reference[:2]
+    shutil.copytree(tmp_path / "stopped", tmp_path / "restarted")
+    assert Trainer(_config(tmp_path / "stopped", *mixing)).train() == reference[2:]
+    # ablation: the loader starting over gives other batches, so other losses
+    restart = ("--checkpoint.exclude_from_loading", "data")
+    assert Trainer(_config(tmp_path / "restarted", *mixing, *restart)).train() != reference[2:]
 
 
 def test_initial_load_from_a_pipekit_checkpoint_starts_a_new_run_from_its_weights(tmp_path):
