@@ -1,6 +1,7 @@
 """The Trainer as a whole: data-parallel layouts and gradient accumulation reproduce the
 single-process losses step for step (float32, same global batch), plus initial load from a
-Hugging Face checkpoint, export, activation checkpointing the non-finite-loss stop and a mixing job's SIGTERM-and-resume."""
+Hugging Face checkpoint, export, activation checkpointing, the non-finite-loss stop, and a
+mixing job stopped by SIGTERM and resumed."""
 
 import math
 import os
