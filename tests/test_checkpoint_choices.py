@@ -89,3 +89,22 @@ def test_a_new_job_goes_on_with_another_jobs_whole_training_state(tmp_path):
                  "--checkpoint.initial_load_model_only", "false")  # fmt: skip
     with pytest.raises(ConfigError, match="export_dtype='int8' is not one of"):
         _trainer(tmp_path / "z", "--checkpoint.export_dtype", "int8")
+
+
+def test_excluding_the_router_biases_leaves_balancing_to_start_over(tmp_path):
+    """A bias-balanced MoE resumed with exclude_from_loading = ["router_biases"]: every
+    router's bias is as built (zero) and every other entry as saved; without it, the biases
+    are the saved, moved ones."""
+    balanced = ("--config", "configs/debug_moe_balanced.toml", "--parallelism.ep", "1",
+                "--parallelism.pipeline_parallel_degree", "1", "--training.steps", "2",
+                "--checkpoint.resume", "true")  # fmt: skip
+    first = _trainer(tmp_path, *balanced)
+    first.train()
+    saved = {name: tensor.clone() for name, tensor in first.model.state_dict().items()}
+    biases = [name for name in saved if name.endswith(".expert_bias")]
+    assert biases and all(saved[name].abs().sum() > 0 for name in biases)
+    for excluded in ("router_biases", ""):
+        resumed = _trainer(tmp_path, *balanced, "--checkpoint.exclude_from_loading", excluded)
+        for name, tensor in resumed.model.state_dict().items():
+            fresh = excluded and name in biases
+            assert torch.equal(tensor, torch.zeros_like(tensor) if fresh else saved[name]), name

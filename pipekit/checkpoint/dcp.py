@@ -115,6 +115,7 @@ class ModelOptimizerState:
         row_dims: tuple[str, ...] = ("pp",),
         with_optimizer: bool = True,
         save_dtype: torch.dtype | None = None,
+        kept_on_load: tuple[str, ...] = (),
     ) -> None:
         if row_shards and mesh is None:
             raise ValueError("row_shards needs the world mesh that holds their row dims")
@@ -124,6 +125,9 @@ class ModelOptimizerState:
         """False: load (or save) the model alone; the optimizer keeps its state."""
         self.save_dtype = save_dtype
         """A model-only save's dtype for floating weights (None keeps theirs)."""
+        self.kept_on_load = kept_on_load
+        """Endings of model entries a load leaves as they are (not read from the checkpoint)."""
+        self._kept: dict[str, Any] = {}
         self.row_shards, self.mesh, self.row_dims = dict(row_shards or {}), mesh, row_dims
         self._rows: dict[tuple[str, str], Tensor] = {}
 
@@ -132,6 +136,8 @@ class ModelOptimizerState:
             self.model, self.optimizer, options=_FLAT_OPTIMIZER
         )
         self._rows = {}
+        self._kept = {k: v for k, v in model_state.items() if k.endswith(self.kept_on_load)}
+        model_state = {key: value for key, value in model_state.items() if key not in self._kept}
         for part, state in (("model", model_state), ("optimizer", optimizer_state)):
             for key, full_rows in self._row_sharded_keys(state):
                 self._rows[part, key] = state[key]
@@ -146,7 +152,7 @@ class ModelOptimizerState:
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        model_state = dict(state_dict["model"])
+        model_state = {**state_dict["model"], **self._kept}
         if not self.with_optimizer:
             for key, _ in self._row_sharded_keys(model_state):
                 model_state[key] = self._rows["model", key]

@@ -350,8 +350,9 @@ class CheckpointConfig:
     exclude_from_loading: list[str] = field(default_factory=list)
     """Parts of the checkpoint a resume leaves as a fresh run has them: optimizer (its
     states start over), data (the loader starts at the first batch), progress (the step
-    counter and random states: step 1 again, and the learning-rate schedule with it). The
-    model is always loaded."""
+    counter and random states: step 1 again, and the learning-rate schedule with it),
+    router_biases (the MoE routers' balancing biases start at zero). The model's weights are
+    always loaded."""
     initial_load_path: str = ""
     """Checkpoint to initialise the model from when not resuming: a Hugging Face folder, or a
     pipekit step folder (step-N of any job and layout; see initial_load_model_only)."""

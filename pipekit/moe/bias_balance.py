@@ -24,7 +24,11 @@ from torch import nn
 
 from pipekit.moe.routers import SigmoidTopKRouter
 
-__all__ = ["balanced_routers", "discard_expert_loads", "update_expert_biases"]
+__all__ = ["ROUTER_BIAS_NAMES", "balanced_routers", "discard_expert_loads", "update_expert_biases"]
+
+ROUTER_BIAS_NAMES = (".expert_bias",)
+"""How the routers' balancing biases end in a model's state dict (what `[checkpoint]
+exclude_from_loading = ["router_biases"]` leaves as built: balancing starts over)."""
 
 
 def balanced_routers(model: nn.Module) -> list[SigmoidTopKRouter]:

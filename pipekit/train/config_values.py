@@ -45,7 +45,10 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
 }
 """Each key's choices, as the component that reads the key lists them."""
 
-LOADING_EXCLUSIONS = ("optimizer", "data", "progress")
+MODEL_ONLY = ("optimizer", "data", "progress")
+"""The parts a model-only save or load leaves out: all but the model."""
+
+LOADING_EXCLUSIONS = (*MODEL_ONLY, "router_biases")
 """Parts of a checkpoint `[checkpoint] exclude_from_loading` may leave out."""
 
 _POSITIVE = (
@@ -123,7 +126,7 @@ def check_values(config: JobConfig) -> None:
     if unknown:
         raise ConfigError(
             f"[checkpoint] exclude_from_loading names {sorted(unknown)}; choose among "
-            f"{', '.join(LOADING_EXCLUSIONS)} (the model is always loaded)"
+            f"{', '.join(LOADING_EXCLUSIONS)} (the model's weights are always loaded)"
         )
     load_step = config.checkpoint.load_step
     if load_step < 0 or (load_step and not config.checkpoint.resume):

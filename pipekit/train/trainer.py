@@ -45,12 +45,16 @@ from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.layers.loss import count_label_tokens
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.moe.aux_loss import aux_loss_scale
-from pipekit.moe.bias_balance import discard_expert_loads, update_expert_biases
+from pipekit.moe.bias_balance import (
+    ROUTER_BIAS_NAMES,
+    discard_expert_loads,
+    update_expert_biases,
+)
 from pipekit.pipelining.features.vocab_parallel import vocabulary_row_dims
 from pipekit.pipelining.tools.trace import record_pipeline_step
 from pipekit.train.checkpoint_rules import is_pipekit_checkpoint
 from pipekit.train.compile import job_loss_fn
-from pipekit.train.config_values import LOADING_EXCLUSIONS
+from pipekit.train.config_values import MODEL_ONLY
 from pipekit.train.data import build_data_loader
 from pipekit.train.determinism import use_deterministic
 from pipekit.train.job import Job
@@ -153,7 +157,7 @@ class Trainer:
         excluded = config.checkpoint.exclude_from_loading
         if initial_pipekit:  # into any layout: the model alone, or the whole training state
             model_only = config.checkpoint.initial_load_model_only
-            excluded = LOADING_EXCLUSIONS if model_only else excluded
+            excluded = MODEL_ONLY if model_only else excluded
             load_checkpoint(initial, self._checkpoint_state(excluded))
             what = "model" if model_only else "training state"
             logger.info("initialised the %s from %s", what, initial)
@@ -217,6 +221,7 @@ class Trainer:
                 row_dims=vocabulary_row_dims(self.mesh) if self.mesh else ("pp",),
                 with_optimizer="optimizer" not in excluded,
                 save_dtype=save_dtype,
+                kept_on_load=ROUTER_BIAS_NAMES if "router_biases" in excluded else (),
             ),
             "lr_scheduler": self.lr_scheduler,
             "data": self.data,
@@ -417,7 +422,7 @@ class Trainer:
         self._log_saved(self.checkpoints.finish())  # the save still in flight, if any
         if model_only:
             dtype = EXPORT_DTYPES[self.config.checkpoint.export_dtype]
-            state = self._checkpoint_state(LOADING_EXCLUSIONS, save_dtype=dtype)
+            state = self._checkpoint_state(MODEL_ONLY, save_dtype=dtype)
         else:
             state = self._checkpoint_state()
         path = self.checkpoints.save(self.step, state, model_only=model_only)
