@@ -1,5 +1,6 @@
 """The upcycle bench at a tiny shape: it prints its table and a RESULT line in which each rank
-read less than it owns (E/ep local experts copy one dense FFN read)."""
+read less than it owns (E/ep local experts copy one dense FFN read), with the fresh-process
+first touches beside."""
 
 import re
 
@@ -11,19 +12,25 @@ _TINY = ["--layers", "2", "--dim", "64", "--heads", "4", "--kv-heads", "2", "--v
 
 
 def test_upcycle_bench_reads_less_than_it_owns_and_prints_result(capsys):
-    main(["upcycle", *_TINY, "--ffn-dim", "128", "--ep", "2"])
+    main(["upcycle", *_TINY, "--ffn-dim", "128", "--ep", "2", "--fresh-rounds", "1"])
     lines = capsys.readouterr().out.strip().splitlines()
     header = next(line for line in lines if line.startswith("rank "))
     assert "read/owned" in header and "peak/owned" in header and "plain read s" in header
-    assert sum(bool(re.match(r"[01] ", line)) for line in lines) == 2, "one table row per rank"
+    rows = [line for line in lines if re.match(r"[01] ", line)]
+    assert len(rows) == 4, "one row per rank in each table"
     assert any(line.startswith("page cache (mincore)") for line in lines)
+    assert any(
+        line.startswith("rank  1st plain read s  1st upcycle s  1st fill s") for line in lines
+    )
     match = re.fullmatch(
-        r"RESULT peak_rss_vs_owned=(\S+) read_bytes_vs_owned=(\S+) time_vs_plain_read=(\S+) "
-        r"first_upcycle_vs_plain_read=(\S+)",
+        r"RESULT first_upcycle_vs_first_plain_read=(\S+) first_fill_vs_first_plain_read=(\S+) "
+        r"first_upcycle_vs_first_fill=(\S+) peak_rss_vs_owned=(\S+) read_bytes_vs_owned=(\S+) "
+        r"time_vs_plain_read=(\S+) first_upcycle_vs_plain_read=(\S+)",
         lines[-1],
     )
     assert match is not None, lines[-1]
-    peak, read, *time_ratios = map(float, match.groups())
+    first, fill, first_vs_fill, peak, read, *time_ratios = map(float, match.groups())
+    time_ratios += [first, fill, first_vs_fill]
     assert 0 < read < 1
     assert peak > 1 and all(ratio > 0 for ratio in time_ratios)
 

@@ -53,6 +53,7 @@ from torch import nn
 from pipekit.bench._pipeline_launch import run_ranks
 from pipekit.bench._report import print_result, print_table
 from pipekit.bench._rss import current_rss, peak_rss
+from pipekit.bench._upcycle_fresh import fresh_first_touch, local_shapes, ratios, read_log_of
 from pipekit.checkpoint import PendingTensor, SafetensorsCheckpoint, TensorRead, save_safetensors
 from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.checkpoint.upcycle import upcycle_model
@@ -267,6 +268,7 @@ def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, A
         assert [read.nbytes for read in again] == [read.nbytes for read in reads]
         upcycle_s.append(seconds)
         peak, owned = max(peak, peak_rss()), local_nbytes(model)
+        shapes = local_shapes(model)
         del model
         gc.collect()
     dist.barrier()
@@ -282,6 +284,8 @@ def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, A
         "warm_s": warm_s,
         "cached_before": cached_before,
         "cached_cold": max(cached_cold),
+        "reads": read_log_of(reads),
+        "shapes": shapes,
     }
 
 
@@ -304,6 +308,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     model.add_argument("--dtype", choices=sorted(_DTYPES), default=_DEFAULT_SHAPE["dtype"])
     parser.add_argument(
         "--dir", default=None, help="dense checkpoint folder (default: a temporary one, deleted)"
+    )
+    parser.add_argument(
+        "--fresh-rounds", type=int, default=2, help="rounds of fresh-process first touches"
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for all ranks")
     options = parser.parse_args(argv)
@@ -367,13 +374,19 @@ def main(argv: list[str]) -> None:
             spec | {"directory": str(directory)},
             timeout=options.timeout,
         )
+        fresh_spec = spec | {
+            "directory": str(directory),
+            "reads": [result["reads"] for result in results],
+            "shapes": [result["shapes"] for result in results],
+        }
+        fresh = fresh_first_touch(fresh_spec, options.ep, options.fresh_rounds, options.timeout)
     finally:
         if parent is not None:
             shutil.rmtree(parent, ignore_errors=True)
-    _report(results)
+    _report(results, fresh)
 
 
-def _report(results: list[dict[str, Any]]) -> None:
+def _report(results: list[dict[str, Any]], fresh: dict[str, list[list[float]]]) -> None:
     rows, figures = [], {"peak": [], "read": [], "time": [], "first": []}
     for rank, result in enumerate(results):
         owned, read = result["owned"], result["read"]
@@ -415,7 +428,22 @@ def _report(results: list[dict[str, Any]]) -> None:
         f"eviction, at most {cached_cold:.1%} right after each eviction: "
         + _eviction_verdict(cached_before, cached_cold)
     )
+    fresh_rows = [
+        [
+            rank,
+            *(
+                "/".join(f"{t:.2f}" for t in fresh[kind][rank])
+                for kind in ("plain", "upcycle", "fill")
+            ),
+        ]
+        for rank in range(len(results))
+    ]
+    print(
+        "\nfresh processes, cold (rounds alternate plain read, upcycle, fill of the owned bytes):"
+    )
+    print_table(["rank", "1st plain read s", "1st upcycle s", "1st fill s"], fresh_rows)
     print_result(
+        **ratios(fresh),
         peak_rss_vs_owned=max(figures["peak"]),
         read_bytes_vs_owned=max(figures["read"]),
         time_vs_plain_read=max(figures["time"]),
