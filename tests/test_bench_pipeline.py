@@ -114,6 +114,32 @@ def test_pipeline_throughput_bench_prints_the_ratios_of_both_allocators_and_vari
     assert figures["equal_cost_simulated_gain"] > 1.0, figures
 
 
+def test_every_schedule_is_timed_beside_the_sliced_ones(capsys):
+    """`--schedules all`: the four sliced variants and torch's six schedules, each at its own
+    stages per rank, in one table; the zero-bubble schedules simulate less bubble than 1F1B."""
+    main([
+        "pipeline-throughput", "--schedules", "all", "--pp", "2", "--slices", "4",
+        "--microbatches", "4", "--seq", "64", "--layers", "4", "--warmup", "0", "--repeats",
+        "1", *TINY_MODEL,
+    ])  # fmt: skip
+    lines = capsys.readouterr().out.strip().splitlines()
+    names = ["sliced", "sliced+exchange", "sliced+equal-cost", "sliced v=2", "GPipe", "1F1B",
+             "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]  # fmt: skip
+    rows = {}
+    for line in lines:
+        name = next((n for n in reversed(names) if line.startswith(f"{n} ")), None)
+        if name is not None:
+            rows[name] = line.removeprefix(name).split()  # v, median s, tokens/s, ...
+    assert list(rows) == names
+    bubble = {name: float(row[5]) for name, row in rows.items()}
+    assert bubble["ZBVZeroBubble"] < bubble["1F1B"] and bubble["DualPipeV"] < bubble["1F1B"]
+    assert all(float(row[7]) > 0 for row in rows.values())  # measured peak activations
+    figures = dict(part.split("=", 1) for part in lines[-1].removeprefix("RESULT ").split())
+    assert float(figures["sliced_vs_best_torch"]) > 0
+    assert float(figures["best_sliced_vs_best_torch"]) >= float(figures["sliced_vs_best_torch"])
+    assert figures["best_torch"] in names[4:]
+
+
 def test_simulated_limits_order_the_variants_at_8k_context():
     """At 8K the model's attention outweighs its matmuls: causal costs pull equal-length
     slices well under the bubble-only ratio; the exchange's moves and equal-cost slices each
@@ -207,6 +233,8 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
         "makespan_ratio",
         "ahead_held_ms",
         "measured_speedup",
+        "auto_vs_sliced",
+        "auto_chose_exchange",
         "vs_1f1b",
         "sliced_vs_1f1b",
         "per_round_speedup",
@@ -214,6 +242,7 @@ def test_context_exchange_bench_runs_the_exchange_beside_the_plain_schedules():
         "share_of_simulated_gain",
     ]
     share = figures.pop("share_of_simulated_gain")  # any sign: timings this small are noise
+    assert figures.pop("auto_chose_exchange") in (0, 1)  # settled by its trial steps
     assert math.isfinite(share) and figures["makespan_ratio"] < 1  # a gain is simulated here
     assert all(math.isfinite(value) and value > 0 for value in figures.values()), figures
 

@@ -322,7 +322,7 @@ def _plan_and_model(
     num_slices: int,
     rows: int,
     vocab_parallel: bool = False,
-    context_exchange: bool = False,
+    context_exchange: bool | str = False,
     activation_offload: float | str = 0.0,
     slicing: str = "equal_length",
 ) -> tuple[PipelinePlan, nn.Module]:

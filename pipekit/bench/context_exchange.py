@@ -174,8 +174,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, float]:
-    """Time the four schedules in one set of ranks; print the table; the measured ratios."""
+    """Time the four schedules and the sliced one with `context_exchange = "auto"` (its choice
+    settled first, by its own timed trial steps) in one set of ranks; print the table; the
+    measured ratios."""
     runs = schedule_runs(options.slices)
+    runs["sliced+auto"] = {**runs["sliced"], "context_exchange": "auto"}
     spec = {
         "model": model,
         "microbatches": options.microbatches,
@@ -225,6 +228,11 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
     print_step_breakdown(
         [rank["recorded"] for rank in ranks], options.pp, options.microbatches, options.slices
     )
+    choice = ranks[0]["choices"]["sliced+auto"]
+    print(
+        f"\ncontext_exchange = auto chose {'on' if choice['chosen'] else 'off'}: "
+        f"{choice['reason']}; then {medians['sliced'] / medians['sliced+auto']:.4f}x plain sliced"
+    )
     exchanged = [rank["recorded"]["sliced+exchange"] for rank in ranks]
     passes = sum(record["ahead_passes"] for record in exchanged)
     served = sum(record["ahead_served"] for record in exchanged)
@@ -241,6 +249,8 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
     return {
         "ahead_held_ms": held_ms,
         "measured_speedup": medians["sliced"] / medians["sliced+exchange"],
+        "auto_vs_sliced": medians["sliced"] / medians["sliced+auto"],
+        "auto_chose_exchange": int(choice["chosen"]),
         "vs_1f1b": medians["1F1B"] / medians["sliced+exchange"],
         "sliced_vs_1f1b": medians["1F1B"] / medians["sliced"],
         "per_round_speedup": per_round,

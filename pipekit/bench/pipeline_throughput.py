@@ -48,11 +48,12 @@ from pipekit.bench._pipeline_launch import (
     synthetic_batch,
 )
 from pipekit.bench._report import print_result, print_table
+from pipekit.memory.tracker import ActivationMemoryTracker
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.exchange_plan import plan_context_exchange
 from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.runtime.runner import PipelineRunner
-from pipekit.pipelining.schedules.simulate import CostModel, simulate
+from pipekit.pipelining.schedules.simulate import CostModel, SimulationResult, simulate
 from pipekit.pipelining.tools.trace import record_schedule
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "main",
     "print_step_breakdown",
     "schedule_runs",
+    "simulate_plan",
     "simulated_makespan",
     "time_schedules",
 ]
@@ -94,12 +96,11 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
     runners = {
         name: build_runner(
             model,
-            stages_per_rank=1,
             rank=rank,
             num_ranks=num_ranks,
             microbatches=microbatches,
             rows=rows,
-            **run,
+            **{"stages_per_rank": 1, **run},
         )
         for name, run in spec["runs"].items()
     }
@@ -131,6 +132,11 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
     for _ in range(spec["warmup"]):
         for name in runners:
             timed_step(name)
+    for name, runner in runners.items():  # a measured choice is settled before the timing
+        exchange = runner.extension("context_exchange")
+        choice = exchange.choice if isinstance(exchange, PipelineContextExchange) else None
+        while choice is not None and choice.chosen is None:
+            timed_step(name)
     samples: dict[str, list[float]] = {name: [] for name in runners}
     page_faults: dict[str, list[int]] = {name: [] for name in runners}
     cpu_seconds: dict[str, list[dict[str, float]]] = {name: [] for name in runners}
@@ -140,8 +146,14 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
             samples[name].append(seconds)
             page_faults[name].append(faults)
             cpu_seconds[name].append(cpu)
+    choices = {}
+    for name, runner in runners.items():
+        exchange = runner.extension("context_exchange")
+        if isinstance(exchange, PipelineContextExchange) and exchange.choice is not None:
+            choices[name] = {"chosen": exchange.choice.chosen, "reason": exchange.choice.reason}
     return {
         "samples": samples,
+        "choices": choices,
         "page_faults": page_faults,
         "cpu": cpu_seconds,
         "recorded": {
@@ -160,17 +172,20 @@ def _zero_gradients(runner: PipelineRunner) -> None:
 
 def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) -> dict[str, float]:
     """One more step with every compute action timed (`record_schedule`): the step's time (to
-    the barrier after it), the time inside this rank's actions and how many it ran. What is
+    the barrier after it), the time inside this rank's actions and how many it ran, and the
+    peak bytes of its activations (saved tensors, KV cache, stage inputs). What is
     left is idle: waiting for the other ranks (the bubble, which causal imbalance lengthens)
     plus everything outside the compute, the runtime's Python, sends, receives and the loss."""
     exchange = runner.extension("context_exchange")
-    with record_schedule(runner) as recorder:
+    params = [param for stage in runner.stages for param in stage.submod.parameters()]
+    with ActivationMemoryTracker(exclude=params) as tracker, record_schedule(runner) as recorder:
         runner.step(batch, num_label_tokens)
     dist.barrier()  # every rank's step ends when the last rank's does, as the bubble counts it
     step_s = time.perf_counter() - recorder.origin
     _zero_gradients(runner)
     compute_s = sum(event.end - event.start for event in recorder.events)
     figures = {"step_s": step_s, "compute_s": compute_s, "actions": len(recorder.events)}
+    figures["peak_activation_bytes"] = tracker.report().peak_total_bytes
     if isinstance(exchange, PipelineContextExchange):  # early KV exchange
         figures["ahead_passes"] = len(exchange.ahead_sends)
         figures["ahead_posted_s"] = sum(sent.lead_s for sent in exchange.ahead_sends)
@@ -199,8 +214,20 @@ def main(argv: list[str] | None = None) -> None:
         help="GLIBC_TUNABLES of the fair comparison (default: %(default)s)",
     )
     add_pinning_argument(parser)
+    parser.add_argument(
+        "--schedules",
+        choices=("sliced", "all"),
+        default="sliced",
+        help="sliced: the sliced variants against 1F1B under two allocators; all: every "
+        "schedule, sliced and torch's, each at its own stages per rank (fair allocator)",
+    )
     add_model_arguments(parser, dim=256, layers=4, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
     options = parser.parse_args(argv)
+    if options.schedules == "all":
+        from pipekit.bench._all_schedules import compare_all_schedules
+
+        compare_all_schedules(parser, options)
+        return
     p, m, n = options.pp, options.microbatches, options.slices
     try:
         check_pipeline_shape(
@@ -323,7 +350,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def simulated_makespan(plan: PipelinePlan, backward_ratio: float = 2.0) -> float:
-    """The simulator's makespan of `plan` with its own slices at the model's attention-to-linear
+    """The simulator's makespan of `plan` (`simulate_plan`)."""
+    return simulate_plan(plan, backward_ratio).makespan
+
+
+def simulate_plan(plan: PipelinePlan, backward_ratio: float = 2.0) -> SimulationResult:
+    """The simulator's run of `plan` with its own slices at the model's attention-to-linear
     FLOPs (the costs equal-cost slices are placed by), context exchange's moves included; no
     overheads, so the simulated ratios are the limits the measured ones approach."""
     cost = CostModel(
@@ -335,10 +367,9 @@ def simulated_makespan(plan: PipelinePlan, backward_ratio: float = 2.0) -> float
     if "context_exchange" in plan.features:
         exchange = plan_context_exchange(plan.actions_by_rank, plan.num_slices, backward_ratio)
         attended = exchange.attended_slices()
-    result = simulate(
+    return simulate(
         plan.actions_by_rank, num_slices=plan.num_slices, cost=cost, attended_slices=attended
     )
-    return result.makespan
 
 
 def print_step_breakdown(

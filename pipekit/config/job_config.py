@@ -290,10 +290,11 @@ class ParallelismConfig:
     vocab_parallel: bool = False
     """Split the embedding, output layer and loss by vocabulary rows across the pipeline ranks
     (output passes on every rank; see docs/vocab_parallel.md); stages then hold neither."""
-    context_exchange: bool = False
+    context_exchange: bool | str = False
     """Balance causal attention between pipeline ranks: a heavy pass lends part of its attention
     to a light one running at the same time (SlimPipe §4.2; sliced or user schedules; see
-    docs/context_exchange.md)."""
+    docs/context_exchange.md). "auto": where the job can run it, the first steps are timed
+    with and without it and it stays on only if it was faster (the losses are the same)."""
     activation_offload: float | list[float] | str = 0.0
     """Pipeline-aware activation offload: the share of each far-from-backward unit's saved
     activations moved off the device after its forward and back one action ahead of its

@@ -12,13 +12,14 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.tensor_parallel import check_sequence_parallel_split
 from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.pipelining._torch_runtime import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
+from pipekit.pipelining.features.measured_choice import AUTO
 from pipekit.pipelining.features.registry import (
     FEATURE_OFF,
     FeaturePlanning,
@@ -139,6 +140,29 @@ class PipelinePlan:
 
 
 def plan_pipeline(
+    parallelism: ParallelismConfig,
+    structure: ModelStructure,
+    model: ModelShape,
+    local_batch_size: int,
+    seq_len: int,
+    *,
+    user_actions: Mapping[int, Sequence[Action]] | None = None,
+    attention_to_linear: float = 0.0,
+) -> PipelinePlan:
+    """`_plan_pipeline`, with `context_exchange = "auto"` resolved: the exchange where the job
+    can run it (its plan then says to choose by measurement, `MeasuredChoice`), else none."""
+    arguments = (structure, model, local_batch_size, seq_len)
+    keywords = {"user_actions": user_actions, "attention_to_linear": attention_to_linear}
+    if parallelism.context_exchange != AUTO:
+        return _plan_pipeline(parallelism, *arguments, **keywords)
+    try:
+        plan = _plan_pipeline(replace(parallelism, context_exchange=True), *arguments, **keywords)
+    except ValueError:  # the job cannot lend attention: it runs without
+        return _plan_pipeline(replace(parallelism, context_exchange=False), *arguments, **keywords)
+    return replace(plan, feature_plans={**plan.feature_plans, "context_exchange": AUTO})
+
+
+def _plan_pipeline(
     parallelism: ParallelismConfig,
     structure: ModelStructure,
     model: ModelShape,

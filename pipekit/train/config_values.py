@@ -20,6 +20,7 @@ from pipekit.config.loader import ConfigError
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.moe.execution import check_partitions
 from pipekit.moe.restore import MEMORY_REUSE_CHOICES
+from pipekit.pipelining.features.measured_choice import AUTO
 from pipekit.train.activation_checkpoint import ACTIVATION_CHECKPOINT_MODES, SELECTIVE_KEEP
 from pipekit.train.data.chat import DATA_FORMATS
 from pipekit.train.float8 import FLOAT8_RECIPES
@@ -42,6 +43,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("lr_scheduler", "decay_type"): DECAY_TYPES,
     ("moe", "memory_reuse"): MEMORY_REUSE_CHOICES,
     ("checkpoint", "export_dtype"): tuple(EXPORT_DTYPES),
+    ("parallelism", "context_exchange"): (False, True, AUTO),
 }
 """Each key's choices, as the component that reads the key lists them."""
 
@@ -108,7 +110,8 @@ def check_values(config: JobConfig) -> None:
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(config, section), key)
         if value not in choices:
-            raise ConfigError(f"[{section}] {key}={value!r} is not one of {', '.join(choices)}")
+            shown = ", ".join(str(c).lower() if isinstance(c, bool) else c for c in choices)
+            raise ConfigError(f"[{section}] {key}={value!r} is not one of {shown}")
     try:
         check_partitions(config.moe.partitions)
     except ValueError as error:

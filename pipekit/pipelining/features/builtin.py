@@ -19,6 +19,7 @@ from pipekit.pipelining.features.activation_offload import PipelineActivationOff
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
 from pipekit.pipelining.features.exchange_plan import plan_context_exchange
+from pipekit.pipelining.features.measured_choice import AUTO
 from pipekit.pipelining.features.offload_plan import resolve_offload_ratios
 from pipekit.pipelining.features.output_passes import with_output_passes
 from pipekit.pipelining.features.registry import (
@@ -116,6 +117,7 @@ def _build_context_exchange(building: FeatureBuilding) -> PipelineContextExchang
         chunks_ahead=plan.context_parallel == 1,  # cp lends chunks it builds itself
         backend=setup.attention_backend,
         timeout=setup.collective_timeout,
+        measured=building.feature_plan == AUTO,
     )
 
 
@@ -158,7 +160,7 @@ for _feature in (
         "context_exchange",
         PipelineContextExchange,
         _build_context_exchange,
-        setting=lambda parallelism: parallelism.context_exchange,
+        setting=lambda parallelism: parallelism.context_exchange in (True, AUTO),
         setting_name="context_exchange = true",
         order=20,
         check=_check_context_exchange,

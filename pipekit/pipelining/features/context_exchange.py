@@ -70,6 +70,7 @@ from pipekit.attention.loan_wire import (
 from pipekit.attention.patterns import block_visible, is_causal
 from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action, ComputationType
 from pipekit.pipelining.features.exchange_plan import ExchangePlan, plan_context_exchange
+from pipekit.pipelining.features.measured_choice import MeasuredChoice
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.schedules.units import unit_index, unit_microbatch_and_slice
 
@@ -143,7 +144,8 @@ class PipelineContextExchange(PipelineExtension):
     doc; off under context parallelism, whose lent chunks are built inside the attention).
     `backend`: the attention backend the serving threads compute with. `backward_ratio`: a
     backward slice's cost in forward slices, for the balance. `drop_remote_kv_grads`: for the
-    ablation test only.
+    ablation test only. `measured`: lend only if the first steps were faster lending
+    (`MeasuredChoice`; `context_exchange = "auto"`).
     """
 
     name = "context_exchange"
@@ -162,6 +164,7 @@ class PipelineContextExchange(PipelineExtension):
         backward_ratio: float = 2.0,
         timeout: timedelta = DEFAULT_LOAN_TIMEOUT,
         drop_remote_kv_grads: bool = False,
+        measured: bool = False,
     ) -> None:
         empty = [stage for stage, layers in layers_per_stage.items() if layers < 1]
         if empty:
@@ -179,6 +182,8 @@ class PipelineContextExchange(PipelineExtension):
         self.chunks_ahead, self.backward_ratio = chunks_ahead, backward_ratio
         self.backend = backend
         self.timeout, self.drop_remote_kv_grads = timeout, drop_remote_kv_grads
+        self.choice = MeasuredChoice("context_exchange", group) if measured else None
+        """`context_exchange = "auto"`: on or off by the first steps' times (None: always on)."""
         self.plan: ExchangePlan | None = None
         self.ahead_sends: list[AheadSend] = []
         """This step's lending passes whose chunks went ahead, as each pass began."""
@@ -235,6 +240,11 @@ class PipelineContextExchange(PipelineExtension):
                 self.drop_remote_kv_grads,
             )
 
+    @property
+    def enabled(self) -> bool:
+        """Whether this step lends attention (always, unless a measured choice says not)."""
+        return self.choice is None or self.choice.enabled
+
     def slice_exchange(self, stage_index: int, unit: int) -> SliceExchange | None:
         """The exchange of `unit`'s passes on `stage_index` (None: neither lends nor serves)."""
         return self._exchanges.get((stage_index, unit))
@@ -259,6 +269,10 @@ class PipelineContextExchange(PipelineExtension):
         """Start answering: every serving pass's threads, each peer's in the order of the passes
         (they wait for the requests; the rank's passes never wait for them)."""
         self.ahead_sends, self.chunk_leads_s, self.serving_cpu_s = [], [], 0.0
+        if self.choice is not None:
+            self.choice.begin_step()
+        if not self.enabled:
+            return None
         for action, requests in self._serving:
             server = LoanServer(requests, self._server_loan, self.backend, self._chain)
             self._servers[_retyped(action, _SERVE_AFTER)] = server
@@ -269,6 +283,8 @@ class PipelineContextExchange(PipelineExtension):
         """A serving action waits until its pass's requests are answered; a sending-ahead action
         sends its lending pass's chunks, every layer's, in the order the pass calls them."""
         kind = action.computation_type
+        if not self.enabled:
+            return
         if kind in (SEND_AHEAD_FORWARD, SEND_AHEAD_BACKWARD):
             self._send_ahead(Action(action.stage_index, _PASS_OF[kind], action.microbatch_index))
             return
@@ -285,7 +301,7 @@ class PipelineContextExchange(PipelineExtension):
         only: an inference forward has no backward to pair with)."""
         if isinstance(context, SliceAttention):
             self._caches[stage_index] = context.cache
-        exchange = self.slice_exchange(stage_index, unit) if training else None
+        exchange = self.slice_exchange(stage_index, unit) if training and self.enabled else None
         if exchange is None or not (exchange.forward.lend or exchange.backward.lend):
             return context
         if self.chunks_ahead and not isinstance(context, SliceAttention):
@@ -309,6 +325,8 @@ class PipelineContextExchange(PipelineExtension):
         for posted in self._ahead.values():
             posted.wait()
         self._ahead = {}
+        if self.choice is not None:
+            self.choice.end_step()
         if unanswered:
             raise RuntimeError(
                 f"context exchange: serving actions {unanswered} never ran; the schedule must "

@@ -1,0 +1,97 @@
+"""`context_exchange = "auto"`: the exchange where the job can run it, kept on only if the first
+steps were faster with it (`MeasuredChoice`); the losses are the single process's throughout,
+whichever way each step ran, and every rank decides the same."""
+
+import pytest
+import torch
+
+from pipekit.config import ConfigError, load_job_config
+from pipekit.pipelining.features.measured_choice import TRIALS, MeasuredChoice
+from pipekit.testing import run_on_ranks
+from pipekit.train.job import validate_job
+from pipekit.train.trainer import Trainer
+
+ARGS = [
+    "--config", "configs/debug_sliced_pp.toml", "--training.steps", "6",
+    "--training.global_batch_size", "4", "--training.seq_len", "64",
+    "--parallelism.microbatches", "2", "--lr_scheduler.warmup_steps", "1",
+    "--checkpoint.enable", "false", "--checkpoint.resume", "false",
+    "--metrics.peak_flops", "1e9", "--metrics.log_interval", "1",
+]  # fmt: skip
+
+
+class _Clock:
+    """A clock whose steps last what the test says: `with_s` with the feature, else
+    `without_s`; the warm-up step takes far longer than either."""
+
+    def __init__(self, choice_of: list[MeasuredChoice], with_s: float, without_s: float) -> None:
+        self.now, self.choice_of, self.times = 0.0, choice_of, (with_s, without_s)
+        self.started = False
+
+    def __call__(self) -> float:
+        if self.started:  # the step's end: advance by its length
+            choice = self.choice_of[0]
+            warm_up = len(choice.step_seconds) == 0
+            self.now += 100.0 if warm_up else self.times[0 if choice.enabled else 1]
+        self.started = not self.started
+        return self.now
+
+
+@pytest.mark.parametrize(("with_s", "without_s", "chosen"), [(1.0, 1.2, True), (1.2, 1.0, False)])
+def test_the_faster_side_is_kept_and_the_warm_up_not_counted(with_s, without_s, chosen):
+    holder: list[MeasuredChoice] = []
+    choice = MeasuredChoice("feature", None, clock=_Clock(holder, with_s, without_s))
+    holder.append(choice)
+    ran = []
+    for _ in range(len(TRIALS) + 2):
+        ran.append(choice.enabled)
+        choice.begin_step()
+        choice.end_step()
+    assert ran == [*TRIALS, chosen, chosen] and choice.chosen is chosen
+    assert f"{with_s:.3f} s with it and {without_s:.3f} s without" in choice.reason
+    with pytest.raises(ValueError, match="with and without"):
+        MeasuredChoice("feature", None, trials=(True, True, True))
+
+
+def test_auto_is_the_exchange_where_the_job_can_run_it_and_none_elsewhere():
+    def plan(*overrides):
+        config = load_job_config([*ARGS, *overrides])
+        return validate_job(config, world_size=2).pipeline
+
+    auto = plan("--parallelism.context_exchange", "auto")
+    assert "context_exchange" in auto.features
+    assert auto.feature_plans["context_exchange"] == "auto"
+    equal_cost = ("--parallelism.slicing", "equal_cost")
+    assert (
+        "context_exchange"
+        not in plan("--parallelism.context_exchange", "auto", *equal_cost).features
+    )
+    with pytest.raises(ConfigError, match="equal_cost"):
+        plan("--parallelism.context_exchange", "true", *equal_cost)
+    with pytest.raises(ConfigError, match="context_exchange='sometimes' is not one of false, true"):
+        plan("--parallelism.context_exchange", "sometimes")
+
+
+def _train(rank, world_size, output_dir, overrides):
+    config = load_job_config([*ARGS, "--job.output_dir", str(output_dir), *overrides])
+    trainer = Trainer(validate_job(config, world_size))
+    losses = trainer.train()
+    exchange = trainer.pipeline.extension("context_exchange") if trainer.pipeline else None
+    choice = exchange.choice if exchange is not None else None
+    return {
+        "losses": losses,
+        "chosen": None if choice is None else choice.chosen,
+        "trial_steps": None if choice is None else len(choice.step_seconds),
+    }
+
+
+def test_an_auto_job_trains_the_single_process_losses_and_its_ranks_agree(tmp_path):
+    single = _train(0, 1, tmp_path / "single", ["--parallelism.pipeline_parallel_degree", "1",
+                                                 "--parallelism.num_slices", "0"])  # fmt: skip
+    ranks = run_on_ranks(
+        _train, 2, tmp_path / "auto", ["--parallelism.context_exchange", "auto"], timeout=180
+    )
+    assert ranks[0]["chosen"] is not None and ranks[0]["chosen"] == ranks[1]["chosen"]
+    assert ranks[0]["trial_steps"] == len(TRIALS)
+    losses = next(rank["losses"] for rank in ranks if rank["losses"])
+    torch.testing.assert_close(losses, single["losses"], rtol=1e-5, atol=0)
