@@ -140,6 +140,20 @@ def test_every_schedule_is_timed_beside_the_sliced_ones(capsys):
     assert figures["best_torch"] in names[4:]
 
 
+def test_schemes_bench_draws_measured_and_simulated_panels(tmp_path):
+    """Two small contexts measured, two simulated at Llama 70B scale: a PNG, and at scale the
+    sliced schedule keeps less than 1F1B and idles less."""
+    out = tmp_path / "schemes.png"
+    figures = _run_bench(
+        "schemes", "--contexts", "64", "128", "--cluster-contexts", "131072", "262144",
+        "--warmup", "0", "--repeats", "1", "--slices", "4", "--out", str(out), *TINY_MODEL,
+    )  # fmt: skip
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert figures["measured_sliced_vs_best_torch"] > 0
+    assert figures["simulated_sliced_utilisation"] > figures["simulated_1f1b_utilisation"]
+    assert 0 < figures["simulated_sliced_vs_1f1b_memory"] < 0.5
+
+
 def test_simulated_limits_order_the_variants_at_8k_context():
     """At 8K the model's attention outweighs its matmuls: causal costs pull equal-length
     slices well under the bubble-only ratio; the exchange's moves and equal-cost slices each

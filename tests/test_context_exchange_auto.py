@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from pipekit.config import ConfigError, load_job_config
-from pipekit.pipelining.features.measured_choice import TRIALS, MeasuredChoice
+from pipekit.pipelining.features.measured_choice import TRIALS, WARM_UP_STEPS, MeasuredChoice
 from pipekit.testing import run_on_ranks
 from pipekit.train.job import validate_job
 from pipekit.train.trainer import Trainer
 
 ARGS = [
-    "--config", "configs/debug_sliced_pp.toml", "--training.steps", "6",
+    "--config", "configs/debug_sliced_pp.toml", "--training.steps", "9",
     "--training.global_batch_size", "4", "--training.seq_len", "64",
     "--parallelism.microbatches", "2", "--lr_scheduler.warmup_steps", "1",
     "--checkpoint.enable", "false", "--checkpoint.resume", "false",
@@ -22,17 +22,21 @@ ARGS = [
 
 class _Clock:
     """A clock whose steps last what the test says: `with_s` with the feature, else
-    `without_s`; the warm-up step takes far longer than either."""
+    `without_s` (and one step each way slower by `noise`); the warm-up steps take far longer
+    than either."""
 
     def __init__(self, choice_of: list[MeasuredChoice], with_s: float, without_s: float) -> None:
         self.now, self.choice_of, self.times = 0.0, choice_of, (with_s, without_s)
         self.started = False
+        self.noise = {WARM_UP_STEPS: 5.0, WARM_UP_STEPS + 1: 5.0}  # a slow step each way
 
     def __call__(self) -> float:
         if self.started:  # the step's end: advance by its length
             choice = self.choice_of[0]
-            warm_up = len(choice.step_seconds) == 0
-            self.now += 100.0 if warm_up else self.times[0 if choice.enabled else 1]
+            step = len(choice.step_seconds)
+            warm_up = step < WARM_UP_STEPS
+            length = 100.0 if warm_up else self.times[0 if choice.enabled else 1]
+            self.now += length + self.noise.get(step, 0.0)
         self.started = not self.started
         return self.now
 
@@ -48,9 +52,9 @@ def test_the_faster_side_is_kept_and_the_warm_up_not_counted(with_s, without_s, 
         choice.begin_step()
         choice.end_step()
     assert ran == [*TRIALS, chosen, chosen] and choice.chosen is chosen
-    assert f"{with_s:.3f} s with it and {without_s:.3f} s without" in choice.reason
+    assert f"fastest step {with_s:.3f} s with it and {without_s:.3f} s without" in choice.reason
     with pytest.raises(ValueError, match="with and without"):
-        MeasuredChoice("feature", None, trials=(True, True, True))
+        MeasuredChoice("feature", None, trials=(True, False, True, True))
 
 
 def test_auto_is_the_exchange_where_the_job_can_run_it_and_none_elsewhere():

@@ -21,6 +21,10 @@ _BENCHMARKS = {
         "tokens/s of the sliced pipeline vs torch's 1F1B",
     ),
     "schedules": ("pipekit.bench.schedules", "simulated bubbles and memory vs SlimPipe Table 2"),
+    "schemes": (
+        "pipekit.bench.schemes",
+        "tokens/s and peak memory of pipeline schemes across contexts, measured and at scale (PNG)",
+    ),
     "context-exchange": (
         "pipekit.bench.context_exchange",
         "attention context exchange: balance, bubbles and traffic (simulated)",

@@ -2,31 +2,36 @@
 attention between ranks; the losses and gradients are the same either way) is timed with and
 without over the first steps of a job, and stays on only if its steps were faster.
 
-The trial steps are `TRIALS`: a first step with the feature (a warm-up, not counted: it pays
-for first touches), then with, without, with, without. Every rank of `group` times its own
-steps; the slowest rank's time of each step counts (a step ends when its last rank does), so
-all ranks reach the same decision. The decision and its reason are logged once per group.
+The trial steps are `TRIALS`: a first step with the feature and one without (warm-ups, not
+counted: each way pays for its own first touches), then three with and three without,
+alternating. Every rank of `group` times its own steps; the slowest rank's time of each step
+counts (a step ends when its last rank does), so all ranks reach the same decision; each side
+is its fastest step (interference from the rest of the machine only ever adds time), and the
+feature stays on only if its fastest step was the faster. The decision and its reason are
+logged once per group.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["AUTO", "TRIALS", "MeasuredChoice"]
+__all__ = ["AUTO", "TRIALS", "WARM_UP_STEPS", "MeasuredChoice"]
 
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 """The setting that asks for a measured choice (`context_exchange = "auto"`)."""
 
-TRIALS = (True, True, False, True, False)
-"""Whether each trial step runs the feature: a warm-up with it, then alternating."""
+TRIALS = (True, False, True, False, True, False, True, False)
+"""Whether each trial step runs the feature: a warm-up each way, then alternating."""
+
+WARM_UP_STEPS = 2
+"""Trial steps not counted."""
 
 
 class MeasuredChoice:
@@ -39,9 +44,11 @@ class MeasuredChoice:
         trials: tuple[bool, ...] = TRIALS,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if len(trials) < 3 or not (True in trials[1:] and False in trials[1:]):
+        timed = trials[WARM_UP_STEPS:]
+        if not (True in timed and False in timed):
             raise ValueError(
-                f"{name}: trials={trials} must time steps with and without after a warm-up"
+                f"{name}: trials={trials} must time steps with and without after "
+                f"{WARM_UP_STEPS} warm-up steps"
             )
         self.name, self.group, self.trials, self.clock = name, group, trials, clock
         self.step_seconds: list[float] = []
@@ -75,13 +82,15 @@ class MeasuredChoice:
             on_device = seconds.to(_collective_device(self.group))
             dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self.group)
             seconds = on_device.cpu()
-        timed = list(zip(self.trials[1:], seconds[1:].tolist(), strict=True))
-        with_s = statistics.mean(s for on, s in timed if on)
-        without_s = statistics.mean(s for on, s in timed if not on)
+        timed = list(
+            zip(self.trials[WARM_UP_STEPS:], seconds[WARM_UP_STEPS:].tolist(), strict=True)
+        )
+        with_s = min(s for on, s in timed if on)
+        without_s = min(s for on, s in timed if not on)
         self.chosen = with_s < without_s
         change = (without_s - with_s) / without_s
         self.reason = (
-            f"steps took {with_s:.3f} s with it and {without_s:.3f} s without "
+            f"fastest step {with_s:.3f} s with it and {without_s:.3f} s without "
             f"({change:+.1%} with it)"
         )
         rank = dist.get_rank(self.group) if self.group is not None and dist.is_initialized() else 0
