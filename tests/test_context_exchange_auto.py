@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipekit.config import ConfigError, load_job_config
-from pipekit.pipelining.features.measured_choice import TRIALS, WARM_UP_STEPS, MeasuredChoice
+from pipekit.pipelining.features.measured_choice import trial_order
 from pipekit.testing import run_on_ranks
 from pipekit.train.job import validate_job
 from pipekit.train.trainer import Trainer
@@ -18,43 +18,6 @@ ARGS = [
     "--checkpoint.enable", "false", "--checkpoint.resume", "false",
     "--metrics.peak_flops", "1e9", "--metrics.log_interval", "1",
 ]  # fmt: skip
-
-
-class _Clock:
-    """A clock whose steps last what the test says: `with_s` with the feature, else
-    `without_s` (and one step each way slower by `noise`); the warm-up steps take far longer
-    than either."""
-
-    def __init__(self, choice_of: list[MeasuredChoice], with_s: float, without_s: float) -> None:
-        self.now, self.choice_of, self.times = 0.0, choice_of, (with_s, without_s)
-        self.started = False
-        self.noise = {WARM_UP_STEPS: 5.0, WARM_UP_STEPS + 1: 5.0}  # a slow step each way
-
-    def __call__(self) -> float:
-        if self.started:  # the step's end: advance by its length
-            choice = self.choice_of[0]
-            step = len(choice.step_seconds)
-            warm_up = step < WARM_UP_STEPS
-            length = 100.0 if warm_up else self.times[0 if choice.enabled else 1]
-            self.now += length + self.noise.get(step, 0.0)
-        self.started = not self.started
-        return self.now
-
-
-@pytest.mark.parametrize(("with_s", "without_s", "chosen"), [(1.0, 1.2, True), (1.2, 1.0, False)])
-def test_the_faster_side_is_kept_and_the_warm_up_not_counted(with_s, without_s, chosen):
-    holder: list[MeasuredChoice] = []
-    choice = MeasuredChoice("feature", None, clock=_Clock(holder, with_s, without_s))
-    holder.append(choice)
-    ran = []
-    for _ in range(len(TRIALS) + 2):
-        ran.append(choice.enabled)
-        choice.begin_step()
-        choice.end_step()
-    assert ran == [*TRIALS, chosen, chosen] and choice.chosen is chosen
-    assert f"fastest step {with_s:.3f} s with it and {without_s:.3f} s without" in choice.reason
-    with pytest.raises(ValueError, match="with and without"):
-        MeasuredChoice("feature", None, trials=(True, False, True, True))
 
 
 def test_auto_is_the_exchange_where_the_job_can_run_it_and_none_elsewhere():
@@ -96,6 +59,6 @@ def test_an_auto_job_trains_the_single_process_losses_and_its_ranks_agree(tmp_pa
         _train, 2, tmp_path / "auto", ["--parallelism.context_exchange", "auto"], timeout=180
     )
     assert ranks[0]["chosen"] is not None and ranks[0]["chosen"] == ranks[1]["chosen"]
-    assert ranks[0]["trial_steps"] == len(TRIALS)
+    assert ranks[0]["trial_steps"] == len(trial_order(2))
     losses = next(rank["losses"] for rank in ranks if rank["losses"])
     torch.testing.assert_close(losses, single["losses"], rtol=1e-5, atol=0)

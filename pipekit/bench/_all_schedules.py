@@ -5,11 +5,14 @@ sequence each).
 
 Each schedule runs at its natural stages per rank v: GPipe and 1F1B one stage per rank;
 Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV two; the sliced schedule
-both (n slices per sequence). Per schedule the table gives its tokens/s, its ratio to 1F1B and
-to the fastest torch schedule, the simulator's bubble (idle over busy time, the worst rank) and
-peak activations relative to 1F1B (causal costs, no overheads), and the peak activation bytes
-measured on the worst rank (saved tensors, KV cache and stage inputs) in one recorded step.
-The fair allocator (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0`) serves every schedule.
+both (n slices per sequence). "sliced auto" first times its layouts (`num_slices` and
+`slicing` = "auto": 2p, 4p and 8p slices, each cut both ways) and keeps the fastest. Per
+schedule the table gives its tokens/s, its ratio to 1F1B and to the fastest torch schedule,
+the simulator's bubble (idle over busy time, the worst rank) and peak activations relative to
+1F1B (causal costs, no overheads; for "sliced auto", of the layout kept), and the peak
+activation bytes measured on the worst rank (saved tensors, KV cache and stage inputs) in one
+recorded step. The fair allocator (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0`) serves every
+schedule.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pipekit.bench._pipeline_launch import (
 )
 from pipekit.bench._report import print_result, print_table
 from pipekit.bench.pipeline_throughput import FAIR_ALLOCATOR, simulate_plan
+from pipekit.pipelining.features.measured_choice import AUTO
 
 __all__ = ["TORCH_SCHEDULES", "all_schedule_runs", "compare_all_schedules"]
 
@@ -51,6 +55,7 @@ def all_schedule_runs(num_slices: int) -> dict[str, dict[str, Any]]:
         "sliced+exchange": {**sliced, "context_exchange": True},
         "sliced+equal-cost": {**sliced, "slicing": "equal_cost"},
         "sliced v=2": {**sliced, "stages_per_rank": 2},
+        "sliced auto": {**sliced, "num_slices": AUTO, "slicing": AUTO},
     }
     for name, stages in TORCH_SCHEDULES.items():
         runs[name] = {"schedule": name, "num_slices": 1, "stages_per_rank": stages}
@@ -105,6 +110,12 @@ def compare_all_schedules(parser: argparse.ArgumentParser, options: argparse.Nam
         "pipekit.bench.pipeline_throughput:time_schedules", p, spec,
         env={"GLIBC_TUNABLES": options.fair_tunables}, timeout=options.timeout, cores=cores,
     )  # fmt: skip
+    for name, run in runs.items():  # the layout the measured choice kept is the one timed
+        if "layout" in ranks[0]["choices"][name]:
+            plan = bench_plan(model, num_ranks=p, microbatches=m, rows=rows_per_step, **run)
+            simulated[name] = simulate_plan(
+                plan.layouts[ranks[0]["choices"][name]["layout"]["chosen"]]
+            )
     samples = ranks[0]["samples"]  # every rank times the same barrier-to-barrier steps
     tokens_per_s = {name: tokens / statistics.median(samples[name]) for name in runs}
     torch_names = [name for name in TORCH_SCHEDULES if name in runs]
@@ -128,6 +139,10 @@ def compare_all_schedules(parser: argparse.ArgumentParser, options: argparse.Nam
     print_table([*headers, "sim. bubble", "sim. act. vs 1F1B", "peak act. MiB"], rows)
     for name, reason in refused.items():
         print(f"{name} not run: {reason}")
+    for name in runs:
+        if "layout" in ranks[0]["choices"][name]:
+            layout = ranks[0]["choices"][name]["layout"]
+            print(f"the layout {name} kept: {layout['label']} ({layout['reason']})")
     print(f"\nfastest torch schedule: {best_torch}; fastest sliced: {best_sliced}")
     print_result(
         sliced_vs_best_torch=tokens_per_s["sliced"] / tokens_per_s[best_torch],
@@ -137,4 +152,5 @@ def compare_all_schedules(parser: argparse.ArgumentParser, options: argparse.Nam
         sliced_tokens_per_s=tokens_per_s["sliced"],
         best_torch_tokens_per_s=tokens_per_s[best_torch],
         sliced_vs_1f1b=tokens_per_s["sliced"] / tokens_per_s["1F1B"],
+        auto_sliced_vs_best_torch=tokens_per_s["sliced auto"] / tokens_per_s[best_torch],
     )

@@ -51,6 +51,7 @@ from pipekit.bench._report import print_result, print_table
 from pipekit.memory.tracker import ActivationMemoryTracker
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.exchange_plan import plan_context_exchange
+from pipekit.pipelining.features.measured_choice import MeasuredChoice
 from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.pipelining.schedules.simulate import CostModel, SimulationResult, simulate
@@ -133,9 +134,7 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
         for name in runners:
             timed_step(name)
     for name, runner in runners.items():  # a measured choice is settled before the timing
-        exchange = runner.extension("context_exchange")
-        choice = exchange.choice if isinstance(exchange, PipelineContextExchange) else None
-        while choice is not None and choice.chosen is None:
+        while any(choice.chosen_index is None for choice in _measured_choices(runner).values()):
             timed_step(name)
     samples: dict[str, list[float]] = {name: [] for name in runners}
     page_faults: dict[str, list[int]] = {name: [] for name in runners}
@@ -146,11 +145,17 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
             samples[name].append(seconds)
             page_faults[name].append(faults)
             cpu_seconds[name].append(cpu)
-    choices = {}
-    for name, runner in runners.items():
-        exchange = runner.extension("context_exchange")
-        if isinstance(exchange, PipelineContextExchange) and exchange.choice is not None:
-            choices[name] = {"chosen": exchange.choice.chosen, "reason": exchange.choice.reason}
+    choices = {
+        name: {
+            kind: {
+                "chosen": choice.chosen,
+                "label": choice.labels[choice.current_index],
+                "reason": choice.reason,
+            }
+            for kind, choice in _measured_choices(runner).items()
+        }
+        for name, runner in runners.items()
+    }
     return {
         "samples": samples,
         "choices": choices,
@@ -162,6 +167,18 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
         },
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
     }
+
+
+def _measured_choices(runner: PipelineRunner) -> dict[str, MeasuredChoice[Any]]:
+    """The runner's measured choices by kind: "exchange" (`context_exchange = "auto"`) and
+    "layout" (`num_slices` or `slicing = "auto"`)."""
+    choices: dict[str, MeasuredChoice[Any]] = {}
+    exchange = runner.extension("context_exchange")
+    if isinstance(exchange, PipelineContextExchange) and exchange.choice is not None:
+        choices["exchange"] = exchange.choice
+    if runner.layout_choice is not None:
+        choices["layout"] = runner.layout_choice
+    return choices
 
 
 def _zero_gradients(runner: PipelineRunner) -> None:

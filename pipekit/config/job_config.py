@@ -269,12 +269,15 @@ class ParallelismConfig:
     InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (see docs/pipelining.md)."""
     pipeline_schedule_file: str = ""
     """A user-defined schedule, .csv or .toml (configs/schedules/); overrides pipeline_schedule."""
-    num_slices: int = 0
-    """Slices per sequence, a multiple of p for sliced (0 = 2p for sliced, else 1)."""
+    num_slices: int | str = 0
+    """Slices per sequence, a multiple of p for sliced (0 = 2p for sliced, else 1). "auto"
+    (sliced, without pipeline features): 2p, 4p and 8p slices (those of 32 tokens or more) are
+    each timed over the first steps and the fastest is kept (see docs/pipelining.md)."""
     slicing: str = "equal_length"
     """Where slices are cut: equal_length (SlimPipe), or equal_cost (early slices longer, so
     every slice's linear plus causal-attention FLOPs are equal; not with context_exchange,
-    vocab_parallel or cp > 1; see docs/pipelining.md)."""
+    vocab_parallel or cp > 1; see docs/pipelining.md). "auto": both are timed over the first
+    steps and the faster kept (with num_slices = "auto", every pair)."""
     stages_per_rank: int = 1
     """Pipeline stages per rank v (interleaved/V schedules need 2 or more)."""
     microbatches: int = 0

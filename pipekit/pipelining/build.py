@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -34,12 +35,13 @@ from pipekit.models.stage_module import (
     check_structure,
     validate_stage_module_names,
 )
+from pipekit.pipelining.features.measured_choice import MeasuredChoice
 from pipekit.pipelining.features.registry import FeatureBuilding, get_pipeline_feature
 from pipekit.pipelining.features.tied_weights import TiedWeights, untie_vocabulary
 from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
 from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
-from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
+from pipekit.pipelining.runtime.runner import PipelineRunner, RunnerLayout, make_schedule
 from pipekit.pipelining.runtime.stage import SlicedPipelineStage, StageShapes
 
 __all__ = ["StageSetup", "build_pipeline"]
@@ -98,17 +100,7 @@ def build_pipeline(
     indices = plan.stage_indices(rank)
     names = [name for index in indices for name in plan.module_names_per_stage[index]]
     rank_model = build_stage_module(model, names)
-    shapes = StageShapes(
-        rows=plan.unit_rows,
-        slice_lengths=plan.slice_lengths,
-        model_dim=plan.model.dim,
-        vocab_size=plan.model.vocab_size,
-        dtype=setup.message_dtype,
-        embedding_outside=plan.embedding_outside,
-        output_outside=plan.output_outside,
-        sequence_shards=plan.sequence_shards,
-        context_parallel=plan.context_parallel,
-    )
+    shapes = _stage_shapes(plan, setup)
     extensions: list[PipelineExtension] = []
     for name in plan.features:  # in the table's order
         building = FeatureBuilding(
@@ -122,7 +114,7 @@ def build_pipeline(
             plan.feature_plans[name],
         )
         extensions.append(get_pipeline_feature(name).build(building))
-    stages = []
+    stage_modules = []
     for stage_index in indices:
         if len(indices) == 1 and not plan.modules_outside_stages:  # the rank model is the stage
             stage_module = rank_model
@@ -132,18 +124,73 @@ def build_pipeline(
             )
         setup.parallelize(stage_module)  # on the meta device
         setup.materialize(stage_module)
-        stages.append(
-            SlicedPipelineStage(
-                stage_module,
-                stage_index,
-                plan.num_stages,
-                setup.device,
-                shapes,
-                num_slices=plan.num_slices,
-                group=pp_mesh.get_group(),
-                backend=setup.attention_backend,
-            )
+        stage_modules.append(stage_module)
+    layouts = [
+        _layout(layout, stage_modules, indices, pp_mesh, setup, tuple(extensions))
+        for layout in plan.layouts or (plan,)
+    ]
+    if tied:  # a step-level feature: the schedule does not carry it
+        extensions.append(_tied_weights(plan, rank_model, mesh, extensions))
+    choice = None
+    if len(layouts) > 1:  # one decision for the world: dp replicas must run alike
+        choice = MeasuredChoice(
+            "pipeline layout",
+            dist.group.WORLD,
+            range(len(layouts)),
+            labels=[layout.layout_label for layout in plan.layouts],
         )
+    first = layouts[0]
+    return PipelineRunner(
+        first.schedule,
+        first.stages,
+        plan.num_microbatches,
+        first.num_slices,
+        extensions,
+        model=rank_model,
+        slice_bounds=first.slice_bounds,
+        layouts=layouts,
+        layout_choice=choice,
+    )
+
+
+def _stage_shapes(plan: PipelinePlan, setup: StageSetup) -> StageShapes:
+    return StageShapes(
+        rows=plan.unit_rows,
+        slice_lengths=plan.slice_lengths,
+        model_dim=plan.model.dim,
+        vocab_size=plan.model.vocab_size,
+        dtype=setup.message_dtype,
+        embedding_outside=plan.embedding_outside,
+        output_outside=plan.output_outside,
+        sequence_shards=plan.sequence_shards,
+        context_parallel=plan.context_parallel,
+    )
+
+
+def _layout(
+    plan: PipelinePlan,
+    stage_modules: list[nn.Module],
+    indices: list[int],
+    pp_mesh: DeviceMesh,
+    setup: StageSetup,
+    extensions: tuple[PipelineExtension, ...],
+) -> RunnerLayout:
+    """This rank's stages and schedule for one slice layout of `plan`, over `stage_modules`
+    (built once: every layout trains the same parameters)."""
+    shapes = _stage_shapes(plan, setup)
+    stages = [
+        SlicedPipelineStage(
+            stage_module,
+            stage_index,
+            plan.num_stages,
+            setup.device,
+            shapes,
+            num_slices=plan.num_slices,
+            group=pp_mesh.get_group(),
+            backend=setup.attention_backend,
+        )
+        for stage_module, stage_index in zip(stage_modules, indices, strict=True)
+    ]
     schedule = make_schedule(
         plan.schedule,
         stages,
@@ -151,19 +198,9 @@ def build_pipeline(
         plan.num_slices,
         setup.loss_fn,
         actions_by_rank=plan.actions_by_rank if plan.stage_style == "user" else None,
-        extensions=tuple(extensions),
+        extensions=extensions,
     )
-    if tied:  # a step-level feature: the schedule does not carry it
-        extensions.append(_tied_weights(plan, rank_model, mesh, extensions))
-    return PipelineRunner(
-        schedule,
-        stages,
-        plan.num_microbatches,
-        plan.num_slices,
-        extensions,
-        model=rank_model,
-        slice_bounds=plan.rank_slice_bounds,
-    )
+    return RunnerLayout(schedule, stages, plan.num_slices, plan.rank_slice_bounds)
 
 
 def _tied_weights(

@@ -79,6 +79,16 @@ class PipelinePlan:
     attention_to_linear: float = 0.0
     """The model's causal-attention over matmul FLOPs on whole sequences, as planning was told
     (what equal-cost slices are placed by; 0 when not given)."""
+    slicing: str = "equal_length"
+    """How `slice_bounds` were cut (`slice_bounds.SLICINGS`)."""
+    layouts: tuple[PipelinePlan, ...] = ()
+    """`num_slices` or `slicing = "auto"`: the slice layouts the first steps time, this plan
+    (the default layout) first, each a whole plan (`MeasuredChoice`); empty: this one only."""
+
+    @property
+    def layout_label(self) -> str:
+        """The slice layout in a few words, for logs."""
+        return f"num_slices={self.num_slices} {self.slicing}"
 
     @property
     def slice_lengths(self) -> tuple[int, ...]:
@@ -149,8 +159,73 @@ def plan_pipeline(
     user_actions: Mapping[int, Sequence[Action]] | None = None,
     attention_to_linear: float = 0.0,
 ) -> PipelinePlan:
-    """`_plan_pipeline`, with `context_exchange = "auto"` resolved: the exchange where the job
-    can run it (its plan then says to choose by measurement, `MeasuredChoice`), else none."""
+    """`_plan_pipeline`, with the measured choices resolved: `context_exchange = "auto"` is the
+    exchange where the job can run it (its plan then says to choose by measurement,
+    `MeasuredChoice`), else none; `num_slices` or `slicing = "auto"` plans every layout the
+    job can run (`PipelinePlan.layouts`)."""
+    arguments = (structure, model, local_batch_size, seq_len)
+    keywords = {"user_actions": user_actions, "attention_to_linear": attention_to_linear}
+    if AUTO not in (parallelism.num_slices, parallelism.slicing):
+        return _plan_with_exchange(parallelism, *arguments, **keywords)
+    plans: list[PipelinePlan] = []
+    for candidate in _layout_candidates(parallelism, seq_len):
+        try:
+            plan = _plan_with_exchange(candidate, *arguments, **keywords)
+        except ValueError:
+            if not plans:  # the default layout's error is the job's
+                raise
+            continue
+        if all(plan.slice_bounds != other.slice_bounds for other in plans):  # a new layout
+            plans.append(plan)
+    default = plans[0]
+    if default.features and len(plans) > 1:
+        raise ValueError(
+            f"num_slices or slicing = {AUTO!r} times slice layouts of a pipeline without "
+            f"features, but this one runs {', '.join(default.features)}; set num_slices and "
+            "slicing to values"
+        )
+    return replace(default, layouts=tuple(plans) if len(plans) > 1 else ())
+
+
+_MIN_AUTO_SLICE_TOKENS = 32
+"""`num_slices = "auto"` times no layout whose slices hold fewer tokens per rank."""
+
+
+def _layout_candidates(parallelism: ParallelismConfig, seq_len: int) -> list[ParallelismConfig]:
+    """The settings a measured layout choice times, the default first: 2p, 4p and 8p slices
+    for `num_slices = "auto"` (those of at least `_MIN_AUTO_SLICE_TOKENS` tokens per cp and
+    sequence-parallel rank), each cut both ways for `slicing = "auto"`."""
+    p = parallelism.pipeline_parallel_degree
+    if parallelism.num_slices == AUTO:
+        if parallelism.pipeline_schedule_file or parallelism.pipeline_schedule != "sliced":
+            raise ValueError(
+                f"num_slices = {AUTO!r} times layouts of the sliced schedule; with "
+                f"pipeline_schedule={parallelism.pipeline_schedule!r} or a schedule file set a "
+                "count"
+            )
+        shards = parallelism.cp * (parallelism.tp if parallelism.sequence_parallel else 1)
+        counts = [
+            n
+            for n in (2 * p, 4 * p, 8 * p)
+            if n == 2 * p or seq_len // (n * shards) >= _MIN_AUTO_SLICE_TOKENS
+        ]
+    else:
+        counts = [parallelism.num_slices]
+    slicings = SLICINGS if parallelism.slicing == AUTO else (parallelism.slicing,)
+    return [replace(parallelism, num_slices=n, slicing=cut) for n in counts for cut in slicings]
+
+
+def _plan_with_exchange(
+    parallelism: ParallelismConfig,
+    structure: ModelStructure,
+    model: ModelShape,
+    local_batch_size: int,
+    seq_len: int,
+    *,
+    user_actions: Mapping[int, Sequence[Action]] | None = None,
+    attention_to_linear: float = 0.0,
+) -> PipelinePlan:
+    """`_plan_pipeline` with `context_exchange = "auto"` resolved."""
     arguments = (structure, model, local_batch_size, seq_len)
     keywords = {"user_actions": user_actions, "attention_to_linear": attention_to_linear}
     if parallelism.context_exchange != AUTO:
@@ -290,6 +365,7 @@ def _plan_pipeline(
         context_parallel=parallelism.cp,
         sequence_shards=sequence_shards,
         attention_to_linear=attention_to_linear,
+        slicing=parallelism.slicing,
     )
 
 

@@ -21,6 +21,7 @@ from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.moe.execution import check_partitions
 from pipekit.moe.restore import MEMORY_REUSE_CHOICES
 from pipekit.pipelining.features.measured_choice import AUTO
+from pipekit.pipelining.schedules.slice_bounds import SLICINGS
 from pipekit.train.activation_checkpoint import ACTIVATION_CHECKPOINT_MODES, SELECTIVE_KEEP
 from pipekit.train.data.chat import DATA_FORMATS
 from pipekit.train.float8 import FLOAT8_RECIPES
@@ -44,6 +45,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("moe", "memory_reuse"): MEMORY_REUSE_CHOICES,
     ("checkpoint", "export_dtype"): tuple(EXPORT_DTYPES),
     ("parallelism", "context_exchange"): (False, True, AUTO),
+    ("parallelism", "slicing"): (*SLICINGS, AUTO),
 }
 """Each key's choices, as the component that reads the key lists them."""
 
@@ -104,6 +106,29 @@ def _check_optimizer(config: JobConfig) -> None:
         raise ConfigError(f"[optimizer] eps={optimizer.eps} must be positive")
 
 
+def _check_measured_choices(config: JobConfig) -> None:
+    """`num_slices` is a count or "auto"; a deterministic job takes no timed choice (two runs
+    could time differently and so round differently)."""
+    parallelism = config.parallelism
+    num_slices = parallelism.num_slices
+    if num_slices != AUTO and not (isinstance(num_slices, int) and num_slices >= 0):
+        raise ConfigError(
+            f"[parallelism] num_slices={num_slices!r} must be a count >= 0 (0 = the schedule's "
+            f'default) or "{AUTO}"'
+        )
+    timed = [
+        key
+        for key in ("num_slices", "slicing", "context_exchange")
+        if getattr(parallelism, key) == AUTO
+    ]
+    if timed and config.debug.deterministic:
+        raise ConfigError(
+            f'[parallelism] {", ".join(timed)} = "{AUTO}" chooses by timing, which can differ '
+            "between runs, but [debug] deterministic = true asks for the same bits every run; "
+            "set explicit values"
+        )
+
+
 def check_values(config: JobConfig) -> None:
     """ConfigError for the first value outside its choices or range, or breaking a rule."""
     _check_finite(config)
@@ -125,6 +150,7 @@ def check_values(config: JobConfig) -> None:
         if value < 0:
             raise ConfigError(f"[{section}] {key}={value} must be >= 0")
     _check_optimizer(config)
+    _check_measured_choices(config)
     unknown = set(config.checkpoint.exclude_from_loading) - set(LOADING_EXCLUSIONS)
     if unknown:
         raise ConfigError(

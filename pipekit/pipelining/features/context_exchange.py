@@ -182,7 +182,13 @@ class PipelineContextExchange(PipelineExtension):
         self.chunks_ahead, self.backward_ratio = chunks_ahead, backward_ratio
         self.backend = backend
         self.timeout, self.drop_remote_kv_grads = timeout, drop_remote_kv_grads
-        self.choice = MeasuredChoice("context_exchange", group) if measured else None
+        self.choice = (
+            MeasuredChoice(
+                "context_exchange", group, (True, False), labels=("on", "off"), default=1
+            )
+            if measured
+            else None
+        )
         """`context_exchange = "auto"`: on or off by the first steps' times (None: always on)."""
         self.plan: ExchangePlan | None = None
         self.ahead_sends: list[AheadSend] = []
@@ -243,7 +249,7 @@ class PipelineContextExchange(PipelineExtension):
     @property
     def enabled(self) -> bool:
         """Whether this step lends attention (always, unless a measured choice says not)."""
-        return self.choice is None or self.choice.enabled
+        return self.choice is None or self.choice.current
 
     def slice_exchange(self, stage_index: int, unit: int) -> SliceExchange | None:
         """The exchange of `unit`'s passes on `stage_index` (None: neither lends nor serves)."""

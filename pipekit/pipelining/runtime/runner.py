@@ -32,6 +32,7 @@ from pipekit.pipelining._torch_runtime import (
     get_schedule_class,
     is_single_stage_schedule,
 )
+from pipekit.pipelining.features.measured_choice import MeasuredChoice
 from pipekit.pipelining.runtime.action_runtime import (
     ActionListSchedule,
     SlicedPipelineSchedule,
@@ -43,7 +44,7 @@ from pipekit.pipelining.runtime.stage import SlicedPipelineStage
 from pipekit.pipelining.runtime.unit_step import run_unit_step
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
 
-__all__ = ["PipelineRunner", "make_schedule"]
+__all__ = ["PipelineRunner", "RunnerLayout", "make_schedule"]
 
 
 def make_schedule(
@@ -83,6 +84,16 @@ def make_schedule(
 
 
 @dataclass
+class RunnerLayout:
+    """One slice layout of a rank's pipeline: stages over the rank's modules, and a schedule."""
+
+    schedule: PipelineSchedule
+    stages: list[SlicedPipelineStage]
+    num_slices: int
+    slice_bounds: Sequence[int] | None
+
+
+@dataclass
 class PipelineRunner:
     """One rank's share of a pipeline: its stages, the schedule, and how batches are cut."""
 
@@ -98,6 +109,12 @@ class PipelineRunner:
     slice_bounds: Sequence[int] | None = None
     """Token offsets where the slices of a batch's rows start and end (None: equal slices);
     under context parallelism, of this rank's share of every slice."""
+    layouts: list[RunnerLayout] = field(default_factory=list)
+    """Slice layouts a measured choice times (`num_slices` or `slicing = "auto"`), over the
+    same modules; `schedule`, `stages`, `num_slices` and `slice_bounds` are the one each step
+    runs. Once chosen, only the chosen one is kept."""
+    layout_choice: MeasuredChoice[int] | None = None
+    """Which of `layouts` runs each step, and what it chose (None: one layout planned)."""
 
     @property
     def has_first_stage(self) -> bool:
@@ -138,6 +155,10 @@ class PipelineRunner:
         None. Gradients accumulate into the stage modules' `.grad`; MoE auxiliary losses count
         once per microbatch, with weight 1/microbatches (times any enclosing
         `aux_loss_scale`)."""
+        choice = self.layout_choice if len(self.layouts) > 1 else None
+        if choice is not None:
+            self._use_layout(choice.current_index)
+            choice.begin_step()
         units = split_into_units(batch, self.num_microbatches, self.num_slices, self.slice_bounds)
         losses = run_unit_step(
             self.schedule,
@@ -147,4 +168,14 @@ class PipelineRunner:
             num_label_tokens,
             self.num_microbatches,
         )
+        if choice is not None:
+            choice.end_step()
+            if choice.chosen_index is not None:  # the others' buffers go
+                self._use_layout(choice.chosen_index)
+                self.layouts = [self.layouts[choice.chosen_index]]
         return torch.stack(losses).sum() if self.has_last_stage else None
+
+    def _use_layout(self, index: int) -> None:
+        layout = self.layouts[index]
+        self.schedule, self.stages = layout.schedule, layout.stages
+        self.num_slices, self.slice_bounds = layout.num_slices, layout.slice_bounds
