@@ -5,6 +5,8 @@ whose features fix the layout, a torch schedule, or a deterministic job is refus
 
 import copy
 import importlib
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,8 +93,10 @@ def _train(rank, world_size, output_dir, overrides, ablation=False):
     losses = trainer.train()
     pipeline = trainer.pipeline
     choice = pipeline.layout_choice if pipeline is not None else None
+    trace = Path(output_dir) / "pipeline_trace.json"
     return {
         "losses": losses,
+        "trace": json.loads(trace.read_text()) if trace.exists() else None,
         "chosen": None if choice is None else choice.chosen,
         "trials": None if choice is None else len(choice.trials),
         "timed_steps": None if choice is None else len(choice.step_seconds),
@@ -104,10 +108,15 @@ def _train(rank, world_size, output_dir, overrides, ablation=False):
 def test_an_auto_job_trains_the_single_process_losses_and_its_ranks_agree(tmp_path):
     single = _train(0, 1, tmp_path / "single", ["--parallelism.pipeline_parallel_degree", "1",
                                                  "--parallelism.num_slices", "0"])  # fmt: skip
-    ranks = run_on_ranks(_train, 2, tmp_path / "auto", AUTO, timeout=240)
+    traced = ["--metrics.pipeline_trace_step", "6"]  # the second layout's first timed step
+    ranks = run_on_ranks(_train, 2, tmp_path / "auto", [*AUTO, *traced], timeout=240)
     assert ranks[0]["chosen"] is not None and ranks[0]["chosen"] == ranks[1]["chosen"]
     assert ranks[0]["trials"] == ranks[0]["timed_steps"] == 16  # 4 layouts: a warm-up, 3 rounds
     assert ranks[0]["layouts_kept"] == 1
+    trace = ranks[0]["trace"] or ranks[1]["trace"]
+    passes = [event["args"] for event in trace["traceEvents"] if event["ph"] == "X"]
+    # step 6 ran layout 1 (4 equal-cost slices): 2 ranks x 2 microbatches x 4 slices, F and B
+    assert len(passes) == 32 and {args["slice"] for args in passes} == {0, 1, 2, 3}
     assert ranks[0]["num_slices"] == (4, 4, 8, 8)[ranks[0]["chosen"]]
     losses = next(rank["losses"] for rank in ranks if rank["losses"])
     assert len(losses) == 18

@@ -111,8 +111,8 @@ class PipelineRunner:
     under context parallelism, of this rank's share of every slice."""
     layouts: list[RunnerLayout] = field(default_factory=list)
     """Slice layouts a measured choice times (`num_slices` or `slicing = "auto"`), over the
-    same modules; `schedule`, `stages`, `num_slices` and `slice_bounds` are the one each step
-    runs. Once chosen, only the chosen one is kept."""
+    same modules; `schedule`, `stages`, `num_slices` and `slice_bounds` are those of the layout
+    the last step ran. From the step after the choice, only the chosen one is kept."""
     layout_choice: MeasuredChoice[int] | None = None
     """Which of `layouts` runs each step, and what it chose (None: one layout planned)."""
 
@@ -155,10 +155,14 @@ class PipelineRunner:
         None. Gradients accumulate into the stage modules' `.grad`; MoE auxiliary losses count
         once per microbatch, with weight 1/microbatches (times any enclosing
         `aux_loss_scale`)."""
-        choice = self.layout_choice if len(self.layouts) > 1 else None
-        if choice is not None:
+        choice = self.layout_choice
+        timing = choice if choice is not None and choice.chosen_index is None else None
+        if choice is not None and len(self.layouts) > 1:
             self._use_layout(choice.current_index)
-            choice.begin_step()
+            if timing is None:  # chosen: the other layouts' buffers go
+                self.layouts = [self.layouts[choice.current_index]]
+        if timing is not None:
+            timing.begin_step()
         units = split_into_units(batch, self.num_microbatches, self.num_slices, self.slice_bounds)
         losses = run_unit_step(
             self.schedule,
@@ -168,11 +172,8 @@ class PipelineRunner:
             num_label_tokens,
             self.num_microbatches,
         )
-        if choice is not None:
-            choice.end_step()
-            if choice.chosen_index is not None:  # the others' buffers go
-                self._use_layout(choice.chosen_index)
-                self.layouts = [self.layouts[choice.chosen_index]]
+        if timing is not None:
+            timing.end_step()
         return torch.stack(losses).sum() if self.has_last_stage else None
 
     def _use_layout(self, index: int) -> None:

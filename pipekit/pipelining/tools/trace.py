@@ -48,7 +48,7 @@ class ScheduleRecorder:
 def record_schedule(runner: PipelineRunner) -> Iterator[ScheduleRecorder]:
     """Time every compute action the runner's stages run inside the block (see the module
     docstring); all ranks of the pipeline must enter together (a barrier on their group)."""
-    stages = runner.stages
+    stages = [stage for layout in runner.layouts for stage in layout.stages] or runner.stages
     group = stages[0].group
     for stage in stages:
         if stage.action_observer is not None:
