@@ -9,9 +9,10 @@ features' rules and their parts of the plan come from the feature table
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -163,14 +164,21 @@ def plan_pipeline(
     exchange where the job can run it (its plan then says to choose by measurement,
     `MeasuredChoice`), else none; `num_slices` or `slicing = "auto"` plans every layout the
     job can run (`PipelinePlan.layouts`)."""
-    arguments = (structure, model, local_batch_size, seq_len)
-    keywords = {"user_actions": user_actions, "attention_to_linear": attention_to_linear}
+    planner = functools.partial(
+        _plan_pipeline,
+        structure=structure,
+        model=model,
+        local_batch_size=local_batch_size,
+        seq_len=seq_len,
+        user_actions=user_actions,
+        attention_to_linear=attention_to_linear,
+    )
     if AUTO not in (parallelism.num_slices, parallelism.slicing):
-        return _plan_with_exchange(parallelism, *arguments, **keywords)
+        return _plan_with_exchange(parallelism, planner)
     plans: list[PipelinePlan] = []
     for candidate in _layout_candidates(parallelism, seq_len):
         try:
-            plan = _plan_with_exchange(candidate, *arguments, **keywords)
+            plan = _plan_with_exchange(candidate, planner)
         except ValueError:
             if not plans:  # the default layout's error is the job's
                 raise
@@ -216,25 +224,17 @@ def _layout_candidates(parallelism: ParallelismConfig, seq_len: int) -> list[Par
 
 
 def _plan_with_exchange(
-    parallelism: ParallelismConfig,
-    structure: ModelStructure,
-    model: ModelShape,
-    local_batch_size: int,
-    seq_len: int,
-    *,
-    user_actions: Mapping[int, Sequence[Action]] | None = None,
-    attention_to_linear: float = 0.0,
+    parallelism: ParallelismConfig, plan: Callable[[ParallelismConfig], PipelinePlan]
 ) -> PipelinePlan:
-    """`_plan_pipeline` with `context_exchange = "auto"` resolved."""
-    arguments = (structure, model, local_batch_size, seq_len)
-    keywords = {"user_actions": user_actions, "attention_to_linear": attention_to_linear}
+    """`plan(parallelism)` (`_plan_pipeline` with the job's other arguments) with
+    `context_exchange = "auto"` resolved."""
     if parallelism.context_exchange != AUTO:
-        return _plan_pipeline(parallelism, *arguments, **keywords)
+        return plan(parallelism)
     try:
-        plan = _plan_pipeline(replace(parallelism, context_exchange=True), *arguments, **keywords)
+        exchanging = plan(replace(parallelism, context_exchange=True))
     except ValueError:  # the job cannot lend attention: it runs without
-        return _plan_pipeline(replace(parallelism, context_exchange=False), *arguments, **keywords)
-    return replace(plan, feature_plans={**plan.feature_plans, "context_exchange": AUTO})
+        return plan(replace(parallelism, context_exchange=False))
+    return replace(exchanging, feature_plans={**exchanging.feature_plans, "context_exchange": AUTO})
 
 
 def _plan_pipeline(
