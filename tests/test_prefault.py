@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import platform
 
 import pytest
@@ -57,8 +60,38 @@ def test_prefaulting_a_module_populates_its_parameters_beside_the_body() -> None
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2048, 4096, bias=False), nn.Linear(4096, 2048))
     model.to_empty(device="cpu")
-    owned = sum(param.nbytes for param in model.parameters())
-    before = current_rss()
+    large = [param for param in model.parameters() if param.nbytes >= MIN_PREFAULT_BYTES]
+    for param in large:  # 32 MiB may come from heap pages an earlier test touched: drop them
+        _libc().madvise(*_whole_pages(param), _MADV_DONTNEED)
+    assert sum(_resident_bytes(param) for param in large) < 0.05 * SIZE  # the ablation
     with prefaulting(model):
         pass  # the body fills nothing: only the helper thread touches the storage
-    assert current_rss() - before > 0.95 * owned
+    for param in large:
+        assert _resident_bytes(param) == _whole_pages(param)[1]
+
+
+_MADV_DONTNEED = 4
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    return libc
+
+
+def _whole_pages(tensor: torch.Tensor) -> tuple[int, int]:
+    """Start and length of the pages lying wholly inside the tensor's storage."""
+    address, size = tensor.data_ptr(), tensor.untyped_storage().nbytes()
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + size) // mmap.PAGESIZE * mmap.PAGESIZE
+    return start, end - start
+
+
+def _resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the tensor's whole pages the kernel holds in memory (mincore(2))."""
+    start, length = _whole_pages(tensor)
+    pages = ctypes.create_string_buffer(length // mmap.PAGESIZE)
+    assert _libc().mincore(start, length, pages) == 0
+    return sum(byte & 1 for byte in pages.raw) * mmap.PAGESIZE
