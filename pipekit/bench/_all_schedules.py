@@ -77,10 +77,10 @@ def compare_all_schedules(parser: argparse.ArgumentParser, options: argparse.Nam
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     model = model_spec(options, options.seq)
     rows_per_step = m * options.rows_per_microbatch
-    runs, refused = {}, {}
+    runs, plans, refused = {}, {}, {}
     for name, run in all_schedule_runs(n).items():
         try:  # a schedule whose own rules refuse this shape is reported, not run
-            bench_plan(model, num_ranks=p, microbatches=m, rows=rows_per_step, **run)
+            plans[name] = bench_plan(model, num_ranks=p, microbatches=m, rows=rows_per_step, **run)
             runs[name] = run
         except ValueError as error:
             refused[name] = str(error)
@@ -91,12 +91,6 @@ def compare_all_schedules(parser: argparse.ArgumentParser, options: argparse.Nam
         "rows_per_microbatch": options.rows_per_microbatch,
         "warmup": options.warmup, "repeats": options.repeats, "runs": runs,
     }  # fmt: skip
-    simulated = {
-        name: simulate_plan(
-            bench_plan(model, num_ranks=p, microbatches=m, rows=rows_per_step, **run)
-        )
-        for name, run in runs.items()
-    }
     tokens = rows_per_step * options.seq
     cores = rank_core_sets(p, pin=not options.no_pin)
     print(describe_model(model))
@@ -110,12 +104,11 @@ def compare_all_schedules(parser: argparse.ArgumentParser, options: argparse.Nam
         "pipekit.bench.pipeline_throughput:time_schedules", p, spec,
         env={"GLIBC_TUNABLES": options.fair_tunables}, timeout=options.timeout, cores=cores,
     )  # fmt: skip
-    for name, run in runs.items():  # the layout the measured choice kept is the one timed
-        if "layout" in ranks[0]["choices"][name]:
-            plan = bench_plan(model, num_ranks=p, microbatches=m, rows=rows_per_step, **run)
-            simulated[name] = simulate_plan(
-                plan.layouts[ranks[0]["choices"][name]["layout"]["chosen"]]
-            )
+    layouts = {name: ranks[0]["choices"][name].get("layout") for name in runs}
+    simulated = {  # of the layout a measured choice kept: the one timed
+        name: simulate_plan(plan.layouts[layouts[name]["chosen"]] if layouts[name] else plan)
+        for name, plan in plans.items()
+    }
     samples = ranks[0]["samples"]  # every rank times the same barrier-to-barrier steps
     tokens_per_s = {name: tokens / statistics.median(samples[name]) for name in runs}
     torch_names = [name for name in TORCH_SCHEDULES if name in runs]
@@ -139,9 +132,8 @@ def compare_all_schedules(parser: argparse.ArgumentParser, options: argparse.Nam
     print_table([*headers, "sim. bubble", "sim. act. vs 1F1B", "peak act. MiB"], rows)
     for name, reason in refused.items():
         print(f"{name} not run: {reason}")
-    for name in runs:
-        if "layout" in ranks[0]["choices"][name]:
-            layout = ranks[0]["choices"][name]["layout"]
+    for name, layout in layouts.items():
+        if layout:
             print(f"the layout {name} kept: {layout['label']} ({layout['reason']})")
     print(f"\nfastest torch schedule: {best_torch}; fastest sliced: {best_sliced}")
     print_result(
