@@ -8,15 +8,20 @@ and the parent starts no store thread (forking while a TCPStore server thread ru
 stuck connecting in about one 4-rank run in three). gloo picks its own ephemeral ports. Each rank
 runs with one intra-op thread: ranks do not oversubscribe a small machine's cores, and a forked
 child never enters the OpenMP pool the parent may have started. A rank that raises or dies fails
-the call at once with its traceback.
+the call at once with its traceback; a rank that dies (a native abort in gloo's I/O thread, a
+segfault) fails it with the end of its own standard error, where the C++ message and
+`faulthandler`'s Python stacks of every thread are: each rank writes its standard error to a file
+and copies it to the real one when it ends.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -32,6 +37,8 @@ __all__ = ["RankFailedError", "run_on_ranks"]
 
 _GRACE_AFTER_FAILURE_S = 2.0
 """How long the other ranks may take to report once one rank has failed."""
+_STDERR_TAIL_CHARS = 16000
+"""How much of a dead rank's standard error its failure message quotes."""
 
 
 class RankFailedError(RuntimeError):
@@ -47,14 +54,13 @@ def run_on_ranks(
     picklable. The first rank to fail terminates the others and raises `RankFailedError`.
     """
     store_folder = tempfile.mkdtemp(prefix="pipekit-ranks-")
-    store_path = os.path.join(store_folder, "store")
     ctx = mp.get_context("fork")
     processes, connections = [], []
     for rank in range(world_size):
         parent_end, child_end = ctx.Pipe(duplex=False)
         process = ctx.Process(
             target=_child,
-            args=(child_end, store_path, fn, rank, world_size, args, timeout),
+            args=(child_end, store_folder, fn, rank, world_size, args, timeout),
             daemon=True,
         )
         process.start()
@@ -62,7 +68,7 @@ def run_on_ranks(
         processes.append(process)
         connections.append(parent_end)
     try:
-        return _collect(processes, connections, timeout)
+        return _collect(processes, connections, timeout, store_folder)
     finally:
         for process in processes:
             if process.is_alive():
@@ -72,7 +78,10 @@ def run_on_ranks(
 
 
 def _collect(
-    processes: list[mp.process.BaseProcess], connections: list[Connection], timeout: float
+    processes: list[mp.process.BaseProcess],
+    connections: list[Connection],
+    timeout: float,
+    folder: str,
 ) -> list[Any]:
     """Wait for every rank's report; raise once one fails, dies, or the deadline passes.
 
@@ -98,7 +107,10 @@ def _collect(
             except EOFError:
                 processes[rank].join()
                 exit_code = processes[rank].exitcode
-                failures[rank] = f"died with exit code {exit_code} before reporting a result"
+                failures[rank] = (
+                    f"died with exit code {exit_code} before reporting a result; the end of its "
+                    f"standard error:\n{_stderr_tail(folder, rank)}"
+                )
                 continue
             if status == "error":
                 failures[rank] = f"failed:\n{payload}"
@@ -116,9 +128,24 @@ def _collect(
     return [results[rank] for rank in range(len(processes))]
 
 
+def _stderr_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank{rank}.stderr")
+
+
+def _stderr_tail(folder: str, rank: int) -> str:
+    """The last characters a rank wrote to its standard error (empty if it wrote none)."""
+    try:
+        with open(_stderr_path(folder, rank), "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - _STDERR_TAIL_CHARS))
+            return log.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _child(
     connection: Connection,
-    store_path: str,
+    folder: str,
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
@@ -127,9 +154,15 @@ def _child(
 ) -> None:
     """Body of one rank: join the group, run `fn`, send back its result or traceback."""
     exit_code = 0
+    real_stderr = os.dup(2)
+    log = os.open(_stderr_path(folder, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 2)
+    # Python's own writes too (a test runner may have pointed sys.stderr elsewhere).
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     try:
         torch.set_num_threads(1)
-        store = dist.FileStore(store_path, world_size)
+        store = dist.FileStore(os.path.join(folder, "store"), world_size)
         dist.init_process_group(
             "gloo",
             store=store,
@@ -154,5 +187,14 @@ def _child(
         connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
         connection.close()
+        sys.stderr.flush()
+        _copy_to(real_stderr, _stderr_path(folder, rank))
         # Skip the parent's atexit handlers (pytest's among them) that the fork copied.
         os._exit(exit_code)
+
+
+def _copy_to(descriptor: int, path: str) -> None:
+    """Append a rank's logged standard error to the real one, as it would have appeared."""
+    with open(path, "rb") as log:
+        while chunk := log.read(1 << 16):
+            os.write(descriptor, chunk)
