@@ -115,7 +115,7 @@ def test_pipeline_throughput_bench_prints_the_ratios_of_both_allocators_and_vari
 
 
 def test_every_schedule_is_timed_beside_the_sliced_ones(capsys):
-    """`--schedules all`: the five sliced variants (one choosing its layout by measurement)
+    """`--schedules all`: the six sliced variants (one choosing its layout by measurement)
     and torch's six schedules, each at its own stages per rank, in one table; the zero-bubble
     schedules simulate less bubble than 1F1B."""
     main([
@@ -124,9 +124,9 @@ def test_every_schedule_is_timed_beside_the_sliced_ones(capsys):
         "1", *TINY_MODEL,
     ])  # fmt: skip
     lines = capsys.readouterr().out.strip().splitlines()
-    names = ["sliced", "sliced+exchange", "sliced+equal-cost", "sliced v=2", "sliced auto",
-             "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
-             "DualPipeV"]  # fmt: skip
+    names = ["sliced", "sliced+exchange", "sliced+equal-cost", "sliced v=2",
+             "sliced v=2+equal-cost", "sliced auto", "GPipe", "1F1B", "Interleaved1F1B",
+             "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]  # fmt: skip
     rows = {}
     for line in lines:
         name = next((n for n in reversed(names) if line.startswith(f"{n} ")), None)
@@ -139,7 +139,7 @@ def test_every_schedule_is_timed_beside_the_sliced_ones(capsys):
     figures = dict(part.split("=", 1) for part in lines[-1].removeprefix("RESULT ").split())
     assert float(figures["sliced_vs_best_torch"]) > 0
     assert float(figures["best_sliced_vs_best_torch"]) >= float(figures["sliced_vs_best_torch"])
-    assert figures["best_torch"] in names[5:]
+    assert figures["best_torch"] in names[6:]
     assert float(figures["auto_sliced_vs_best_torch"]) > 0
     kept = next(line for line in lines if line.startswith("the layout sliced auto kept: "))
     assert "num_slices=4 equal_" in kept and "fastest step" in kept  # 64 tokens: n=4 only

@@ -5,13 +5,13 @@ sequence each).
 
 Each schedule runs at its natural stages per rank v: GPipe and 1F1B one stage per rank;
 Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV two; the sliced schedule
-both (n slices per sequence). "sliced auto" first times its layouts (`num_slices` and
-`slicing` = "auto": 2p, 4p and 8p slices, each cut both ways) and keeps the fastest. Per
-schedule the table gives its tokens/s, its ratio to 1F1B and to the fastest torch schedule,
-the simulator's bubble (idle over busy time, the worst rank) and peak activations relative to
-1F1B (causal costs, no overheads; for "sliced auto", of the layout kept), and the peak
-activation bytes measured on the worst rank (saved tensors, KV cache and stage inputs) in one
-recorded step. The fair allocator (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0`) serves every
+both (n slices per sequence; equal-length and equal-cost at v=2 as at v=1). "sliced auto"
+first times its layouts (`num_slices` and `slicing` = "auto": 2p, 4p and 8p slices, each cut
+both ways) and keeps the fastest. Per schedule the table gives its tokens/s, its ratio to
+1F1B and to the fastest torch schedule, the simulator's bubble (idle over busy time, the worst
+rank) and peak activations relative to 1F1B (causal costs, no overheads; for "sliced auto", of
+the layout kept), and the peak activation bytes measured on the worst rank (saved tensors, KV
+cache and stage inputs) in one recorded step. The fair allocator (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0`) serves every
 schedule.
 """
 
@@ -55,6 +55,7 @@ def all_schedule_runs(num_slices: int) -> dict[str, dict[str, Any]]:
         "sliced+exchange": {**sliced, "context_exchange": True},
         "sliced+equal-cost": {**sliced, "slicing": "equal_cost"},
         "sliced v=2": {**sliced, "stages_per_rank": 2},
+        "sliced v=2+equal-cost": {**sliced, "stages_per_rank": 2, "slicing": "equal_cost"},
         "sliced auto": {**sliced, "num_slices": AUTO, "slicing": AUTO},
     }
     for name, stages in TORCH_SCHEDULES.items():
