@@ -1,9 +1,11 @@
 """`run_on_ranks`: results come back in rank order, a rank's standard error reaches the real one,
-and a rank that dies natively fails the call with the end of its standard error."""
+a rank that dies natively fails the call with the end of its standard error, and a hung one
+with its threads' stacks."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -43,3 +45,21 @@ def test_a_native_abort_reports_the_ranks_stderr() -> None:
     assert "about to abort like a gloo I/O thread would" in message
     assert "Fatal Python error: Aborted" in message  # faulthandler's stacks follow
     assert "_abort_on_rank_one" in message
+
+
+def _stuck_on_rank_one(rank: int, world: int) -> None:
+    if rank == 1:
+        _stuck_here()  # rank 0 returns and waits in run_on_ranks's closing barrier
+
+
+def _stuck_here() -> None:
+    signal.pause()
+
+
+def test_a_hung_rank_reports_where_its_threads_are() -> None:
+    with pytest.raises(RankFailedError) as failure:
+        run_on_ranks(_stuck_on_rank_one, 2, timeout=2)
+    message = str(failure.value)
+    assert "ranks [0, 1] did not finish within 2 s" in message
+    assert "rank 1's threads:" in message and "_stuck_here" in message
+    assert "rank 0's threads:" in message and "barrier" in message

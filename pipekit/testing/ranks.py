@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -38,7 +39,9 @@ __all__ = ["RankFailedError", "run_on_ranks"]
 _GRACE_AFTER_FAILURE_S = 2.0
 """How long the other ranks may take to report once one rank has failed."""
 _STDERR_TAIL_CHARS = 16000
-"""How much of a dead rank's standard error its failure message quotes."""
+"""How much of a dead or hung rank's standard error its failure message quotes."""
+_DUMP_WAIT_S = 2.0
+"""How long a hung rank may take to dump its stacks."""
 
 
 class RankFailedError(RuntimeError):
@@ -121,11 +124,28 @@ def _collect(
     if failures:
         raise RankFailedError("\n".join(f"rank {r} {why}" for r, why in sorted(failures.items())))
     if pending:
+        stacks = "\n".join(
+            f"rank {rank}'s threads:\n{_stacks_of(processes[rank], folder, rank)}"
+            for rank in sorted(pending)
+        )
         raise RankFailedError(
             f"ranks {sorted(pending)} did not finish within {timeout:.0f} s; "
-            "a collective is probably waiting for a rank that never calls it"
+            f"a collective is probably waiting for a rank that never calls it\n{stacks}"
         )
     return [results[rank] for rank in range(len(processes))]
+
+
+def _stacks_of(process: mp.process.BaseProcess, folder: str, rank: int) -> str:
+    """Where a hung rank is: `faulthandler` dumps its threads' Python stacks on SIGUSR1."""
+    path = _stderr_path(folder, rank)
+    logged = os.path.getsize(path) if os.path.exists(path) else 0
+    if process.pid is None or not process.is_alive():
+        return _stderr_tail(folder, rank)
+    os.kill(process.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + _DUMP_WAIT_S
+    while time.monotonic() < deadline and os.path.getsize(path) == logged:
+        time.sleep(0.05)  # the dump arrives within milliseconds unless the rank is frozen
+    return _stderr_tail(folder, rank)
 
 
 def _stderr_path(folder: str, rank: int) -> str:
@@ -152,7 +172,9 @@ def _child(
     args: tuple[Any, ...],
     timeout: float,
 ) -> None:
-    """Body of one rank: join the group, run `fn`, send back its result or traceback."""
+    """Body of one rank: run `fn` in the group, copy its standard error to the real one, then
+    send back its result or traceback (after the copy: the caller's stderr holds a rank's output
+    once `run_on_ranks` returns)."""
     exit_code = 0
     real_stderr = os.dup(2)
     log = os.open(_stderr_path(folder, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -160,37 +182,48 @@ def _child(
     # Python's own writes too (a test runner may have pointed sys.stderr elsewhere).
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:
-        torch.set_num_threads(1)
-        store = dist.FileStore(os.path.join(folder, "store"), world_size)
-        dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),
-        )
         try:
-            message = ("ok", fn(rank, world_size, *args))
-            if dist.is_initialized():
-                # A rank that exits while a peer is still connecting the last subgroup it
-                # created makes that peer fail with "connection closed by peer".
-                dist.barrier()
-        finally:
-            if dist.is_initialized():  # `fn` may have ended the group itself
-                dist.destroy_process_group()
-        # Plain pickle, not the connection's torch-aware one: that shares tensors by file
-        # descriptors served by this process, which exits right after sending.
-        connection.send_bytes(pickle.dumps(message))
-    except BaseException:
-        exit_code = 1
-        connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
-    finally:
-        connection.close()
+            # Plain pickle, not the connection's torch-aware one: that shares tensors by file
+            # descriptors served by this process, which exits right after sending.
+            report = pickle.dumps(("ok", _in_group(folder, fn, rank, world_size, args, timeout)))
+        except BaseException:
+            exit_code = 1
+            report = pickle.dumps(("error", traceback.format_exc()))
         sys.stderr.flush()
         _copy_to(real_stderr, _stderr_path(folder, rank))
+        connection.send_bytes(report)
+    finally:
+        connection.close()
         # Skip the parent's atexit handlers (pytest's among them) that the fork copied.
         os._exit(exit_code)
+
+
+def _in_group(
+    folder: str,
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout: float,
+) -> Any:
+    """`fn(rank, world_size, *args)` with the default gloo group up; the group ends after it."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(folder, "store"), world_size)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        if dist.is_initialized():
+            # A rank that exits while a peer is still connecting the last subgroup it created
+            # makes that peer fail with "connection closed by peer".
+            dist.barrier()
+        return result
+    finally:
+        if dist.is_initialized():  # `fn` may have ended the group itself
+            dist.destroy_process_group()
 
 
 def _copy_to(descriptor: int, path: str) -> None:
