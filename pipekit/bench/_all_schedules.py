@@ -11,8 +11,8 @@ both ways) and keeps the fastest. Per schedule the table gives its tokens/s, its
 1F1B and to the fastest torch schedule, the simulator's bubble (idle over busy time, the worst
 rank) and peak activations relative to 1F1B (causal costs, no overheads; for "sliced auto", of
 the layout kept), and the peak activation bytes measured on the worst rank (saved tensors, KV
-cache and stage inputs) in one recorded step. The fair allocator (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0`) serves every
-schedule.
+cache and stage inputs) in one recorded step. The fair allocator
+(`GLIBC_TUNABLES=glibc.malloc.mmap_max=0`) serves every schedule.
 """
 
 from __future__ import annotations
