@@ -17,6 +17,7 @@ and copies it to the real one when it ends.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -187,7 +188,8 @@ def _child(
         try:
             # Plain pickle, not the connection's torch-aware one: that shares tensors by file
             # descriptors served by this process, which exits right after sending.
-            report = pickle.dumps(("ok", _in_group(folder, fn, rank, world_size, args, timeout)))
+            run = functools.partial(fn, rank, world_size, *args)
+            report = pickle.dumps(("ok", _in_group(folder, rank, world_size, timeout, run)))
         except BaseException:
             exit_code = 1
             report = pickle.dumps(("error", traceback.format_exc()))
@@ -201,21 +203,16 @@ def _child(
 
 
 def _in_group(
-    folder: str,
-    fn: Callable[..., Any],
-    rank: int,
-    world_size: int,
-    args: tuple[Any, ...],
-    timeout: float,
+    folder: str, rank: int, world_size: int, timeout: float, run: Callable[[], Any]
 ) -> Any:
-    """`fn(rank, world_size, *args)` with the default gloo group up; the group ends after it."""
+    """`run()` with the default gloo group up; the group ends after it."""
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(folder, "store"), world_size)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
     )
     try:
-        result = fn(rank, world_size, *args)
+        result = run()
         if dist.is_initialized():
             # A rank that exits while a peer is still connecting the last subgroup it created
             # makes that peer fail with "connection closed by peer".
