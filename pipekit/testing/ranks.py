@@ -138,19 +138,25 @@ def _collect(
 
 def _stacks_of(process: mp.process.BaseProcess, folder: str, rank: int) -> str:
     """Where a hung rank is: `faulthandler` dumps its threads' Python stacks on SIGUSR1."""
-    path = _stderr_path(folder, rank)
-    logged = os.path.getsize(path) if os.path.exists(path) else 0
+    logged = _stderr_size(folder, rank)
     if process.pid is None or not process.is_alive():
         return _stderr_tail(folder, rank)
     os.kill(process.pid, signal.SIGUSR1)
     deadline = time.monotonic() + _DUMP_WAIT_S
-    while time.monotonic() < deadline and os.path.getsize(path) == logged:
+    while time.monotonic() < deadline and _stderr_size(folder, rank) == logged:
         time.sleep(0.05)  # the dump arrives within milliseconds unless the rank is frozen
     return _stderr_tail(folder, rank)
 
 
 def _stderr_path(folder: str, rank: int) -> str:
     return os.path.join(folder, f"rank{rank}.stderr")
+
+
+def _stderr_size(folder: str, rank: int) -> int:
+    try:
+        return os.path.getsize(_stderr_path(folder, rank))
+    except OSError:  # not created yet
+        return 0
 
 
 def _stderr_tail(folder: str, rank: int) -> str:
