@@ -10,8 +10,9 @@ runs with one intra-op thread: ranks do not oversubscribe a small machine's core
 child never enters the OpenMP pool the parent may have started. A rank that raises or dies fails
 the call at once with its traceback; a rank that dies (a native abort in gloo's I/O thread, a
 segfault) fails it with the end of its own standard error, where the C++ message and
-`faulthandler`'s Python stacks of every thread are: each rank writes its standard error to a file
-and copies it to the real one when it ends.
+`faulthandler`'s Python stacks of every thread are (each rank writes its standard error to a
+file and copies it to the real one before it reports), and a rank that hangs past the timeout
+fails it with its threads' stacks.
 """
 
 from __future__ import annotations
