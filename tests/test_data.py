@@ -32,6 +32,12 @@ from pipekit.train.data.loader import check_data_config
 from pipekit.train.job import validate_job
 from pipekit.train.trainer import Trainer
 
+# `datasets` (pyarrow's allocator and thread pools, tqdm's monitor) and DataLoader workers (queue
+# feeder threads) leave threads in the process that uses them. Each test here runs in a forked
+# child, so the pytest process, from which later tests fork their rank groups, stays
+# single-threaded: forking a threaded process copies only the calling thread.
+pytestmark = pytest.mark.forked
+
 BYTES = ByteTokenizer()
 
 

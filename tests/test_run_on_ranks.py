@@ -38,10 +38,12 @@ def test_results_in_rank_order_and_stderr_reaches_the_real_one(
 
 
 def test_a_native_abort_reports_the_ranks_stderr() -> None:
+    threads = len(os.listdir("/proc/self/task"))
     with pytest.raises(RankFailedError) as failure:
         run_on_ranks(_abort_on_rank_one, 2, timeout=20)
     message = str(failure.value)
     assert "rank 1 died with exit code -6" in message
+    assert f"forked from a process running {threads} threads" in message
     assert "about to abort like a gloo I/O thread would" in message
     assert "Fatal Python error: Aborted" in message  # faulthandler's stacks follow
     assert "_abort_on_rank_one" in message

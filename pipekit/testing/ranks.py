@@ -26,6 +26,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -59,6 +60,7 @@ def run_on_ranks(
     picklable. The first rank to fail terminates the others and raises `RankFailedError`.
     """
     store_folder = tempfile.mkdtemp(prefix="pipekit-ranks-")
+    parent_threads = _thread_count()
     ctx = mp.get_context("fork")
     processes, connections = [], []
     for rank in range(world_size):
@@ -73,7 +75,7 @@ def run_on_ranks(
         processes.append(process)
         connections.append(parent_end)
     try:
-        return _collect(processes, connections, timeout, store_folder)
+        return _collect(processes, connections, timeout, store_folder, parent_threads)
     finally:
         for process in processes:
             if process.is_alive():
@@ -87,9 +89,13 @@ def _collect(
     connections: list[Connection],
     timeout: float,
     folder: str,
+    parent_threads: int,
 ) -> list[Any]:
     """Wait for every rank's report; raise once one fails, dies, or the deadline passes.
 
+    A rank that dies is reported with the number of threads its parent ran when it forked: a
+    fork copies only the calling thread, so a parent with other threads (a data library's pool,
+    a loader's queue feeders) may hand a child state that another thread held half-changed.
     After the first failure the other ranks get a short grace period to report theirs, since the
     rank that reports first is often only the peer of the one that raised (gloo "connection
     closed"); the error lists every failure that arrived.
@@ -113,8 +119,9 @@ def _collect(
                 processes[rank].join()
                 exit_code = processes[rank].exitcode
                 failures[rank] = (
-                    f"died with exit code {exit_code} before reporting a result; the end of its "
-                    f"standard error:\n{_stderr_tail(folder, rank)}"
+                    f"died with exit code {exit_code} before reporting a result (forked from a "
+                    f"process running {parent_threads} threads); the end of its standard "
+                    f"error:\n{_stderr_tail(folder, rank)}"
                 )
                 continue
             if status == "error":
@@ -135,6 +142,14 @@ def _collect(
             f"a collective is probably waiting for a rank that never calls it\n{stacks}"
         )
     return [results[rank] for rank in range(len(processes))]
+
+
+def _thread_count() -> int:
+    """The OS threads of this process (Python's own count where /proc is missing)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
 
 
 def _stacks_of(process: mp.process.BaseProcess, folder: str, rank: int) -> str:
