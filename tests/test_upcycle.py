@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from pipekit.attention.backends import use_backend
 from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint import upcycle as upcycle_module
 from pipekit.checkpoint.block_sources import BlockSource, CheckpointBlock, fill_from_sources
+from pipekit.checkpoint.file_reads import DirectReader, resident_fraction
 from pipekit.families.llama import Llama, LlamaArgs
 from pipekit.families.llama.hf import build_llama_from_hf, load_hf_llama, save_hf_llama
 from pipekit.families.llama_moe import LlamaMoE
@@ -297,3 +299,34 @@ def test_storage_of_the_wrong_shape_is_named_before_anything_is_written(tmp_path
         narrow = torch.empty(dense.shape[0], dense.shape[1] - 1)
         with pytest.raises(ValueError, match=r"gate_proj.weight.*storage to fill has shape"):
             dense.read_into(tuple(slice(0, size) for size in dense.shape), narrow)
+
+
+def test_an_uncached_checkpoint_is_upcycled_past_the_page_cache(tmp_path: Path, monkeypatch):
+    """Upcycling an evicted checkpoint reads its rows with O_DIRECT: the same weights as a
+    buffered upcycle, and the checkpoint's pages are not cached afterwards (the bytes saved).
+    Ablation: with direct reads off, the upcycle fills the page cache with the checkpoint. The
+    FFN weights are 16 MB each, so that what the kernel reads ahead while the files' headers are
+    checked (a few MB) leaves most of the file uncached."""
+    args = dataclasses.replace(DENSE, dim=64, ffn_dim=65536)
+    directory = write_dense(tmp_path / "dense", torch.float32, args)
+    files = SafetensorsCheckpoint(directory).files
+
+    def upcycle_evicted() -> tuple[nn.Module, float]:
+        for path in files:
+            descriptor = os.open(path, os.O_RDONLY)
+            os.fsync(descriptor)
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(descriptor)
+        if max(resident_fraction(path) for path in files) > 0:
+            pytest.skip(f"{tmp_path}'s file system keeps files in memory: nothing to bypass")
+        model, _ = upcycle_llama(directory, UpcycleSpec(num_experts=2, top_k=1))
+        pages = sum(path.stat().st_size for path in files)
+        cached = sum(resident_fraction(path) * path.stat().st_size for path in files) / pages
+        return model, cached
+
+    direct, direct_cached = upcycle_evicted()
+    monkeypatch.setattr(DirectReader, "read", lambda self, path, offset, buffers: False)
+    buffered, buffered_cached = upcycle_evicted()
+    assert direct_cached < 0.25 < 0.9 < buffered_cached
+    for name, values in buffered.state_dict().items():
+        assert torch.equal(direct.state_dict()[name], values), name

@@ -32,7 +32,6 @@ read) and first_upcycle_vs_plain_read, each the maximum over ranks.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import functools
 import gc
@@ -55,6 +54,7 @@ from pipekit.bench._report import print_result, print_table
 from pipekit.bench._rss import current_rss, peak_rss
 from pipekit.bench._upcycle_fresh import fresh_first_touch, local_shapes, ratios, read_log_of
 from pipekit.checkpoint import PendingTensor, SafetensorsCheckpoint, TensorRead, save_safetensors
+from pipekit.checkpoint.file_reads import resident_fraction
 from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.checkpoint.upcycle import upcycle_model
 from pipekit.distributed.fsdp import apply_data_parallel
@@ -139,45 +139,12 @@ def _evict(paths: list[Path]) -> None:
             os.close(descriptor)
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = (
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    )
-    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    return libc
-
-
 def _resident_fraction(paths: list[Path]) -> float:
-    """Fraction of the files' pages in the page cache (mincore(2) on a fresh map; no reads)."""
-    libc, resident, total = _libc(), 0, 0
-    for path in paths:
-        size = path.stat().st_size
-        pages = -(-size // mmap.PAGESIZE)
-        descriptor = os.open(path, os.O_RDONLY)
-        try:
-            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, descriptor, 0)
-            if address in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-            try:
-                vector = (ctypes.c_ubyte * pages)()
-                if libc.mincore(address, size, vector):
-                    raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-                resident += int(torch.frombuffer(vector, dtype=torch.uint8).bitwise_and(1).sum())
-            finally:
-                libc.munmap(address, size)
-        finally:
-            os.close(descriptor)
-        total += pages
-    return resident / total
+    """Fraction of the files' pages in the page cache (mincore(2); no reads)."""
+    pages = [-(-path.stat().st_size // mmap.PAGESIZE) for path in paths]
+    fractions = [resident_fraction(path) for path in paths]
+    resident = sum(f * count for f, count in zip(fractions, pages, strict=True))
+    return resident / sum(pages)
 
 
 def _parallelizer(num_ranks: int, dtype: torch.dtype):

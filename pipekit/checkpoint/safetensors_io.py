@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pipekit.checkpoint.file_reads import DirectReader, read_buffered
+
 __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
@@ -33,9 +35,6 @@ __all__ = [
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-_MAX_IOVECS = os.sysconf("SC_IOV_MAX")
-"""Buffers one `preadv` call takes (1024 on Linux)."""
 
 # The dtype codes of the safetensors header format.
 _DTYPES: dict[str, torch.dtype] = {
@@ -91,12 +90,20 @@ class SafetensorsCheckpoint:
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str], *, read_log: list[TensorRead] | None = None
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        read_log: list[TensorRead] | None = None,
+        direct_reads: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.read_log = read_log
         """Every block read is appended here when given (what a rank read, for tests and
         benches)."""
+        self.direct = DirectReader() if direct_reads else None
+        """With `direct_reads`, blocks of whole rows the page cache does not hold are read past
+        it (O_DIRECT, `pipekit.checkpoint.file_reads`): for loads that copy each byte read into
+        several places, as upcycling does."""
         if not self.directory.is_dir():
             what = "is not a directory" if self.directory.exists() else "does not exist"
             raise CheckpointError(f"checkpoint directory {self.directory} {what}")
@@ -235,29 +242,19 @@ class SafetensorsCheckpoint:
         buffers: Sequence[np.ndarray],
     ) -> None:
         """Rows `bounds[0]` of a tensor (every other dim whole), read straight from the file
-        into `buffers` in order (byte arrays, together the rows' bytes), with as few `preadv`
-        calls as the system's iovec limit allows."""
-        pending, done = list(buffers), 0  # pending[done:] still to fill
+        into `buffers` in order (byte arrays, together the rows' bytes): past the page cache
+        where this reader reads directly and the rows are not cached, else through it."""
         row_bytes = math.prod(shape[1:]) * itemsize
         first = bounds[0][0] if bounds else 0
         offset = self._data_offsets(path)[name] + first * row_bytes
-        descriptor = os.open(path, os.O_RDONLY)
         try:
-            while done < len(pending):
-                count = os.preadv(descriptor, pending[done : done + _MAX_IOVECS], offset)
-                if count == 0:
-                    raise CheckpointError(
-                        f"{path} ends inside tensor {name!r}; the file is truncated, download "
-                        "or save it again"
-                    )
-                offset += count
-                while done < len(pending) and count >= pending[done].size:
-                    count -= pending[done].size
-                    done += 1
-                if count:  # a short read stopped inside this buffer
-                    pending[done] = pending[done][count:]
-        finally:
-            os.close(descriptor)
+            if self.direct is None or not self.direct.read(path, offset, buffers):
+                read_buffered(path, offset, buffers)
+        except EOFError:
+            raise CheckpointError(
+                f"{path} ends inside tensor {name!r}; the file is truncated, download or save it "
+                "again"
+            ) from None
 
     def _data_offsets(self, path: Path) -> dict[str, int]:
         """Where each tensor's data starts in `path` (from its header, read once)."""

@@ -168,9 +168,15 @@ def materialize_upcycled(
     """Online upcycling: storage on `device` for `module` (a meta model of `args`, or one of
     its pipeline stages, parallelized or not), then its local blocks filled from the dense
     checkpoint in `directory`; blocks read are appended to `read_log` when given; tied weights
-    stay tied."""
+    stay tied.
+
+    Uncached checkpoint rows are read past the page cache (`direct_reads`): each dense byte is
+    read once and copied into several experts, so caching it only costs fresh pages."""
     to_empty_keeping_ties(module, device)
-    with prefaulting(module), SafetensorsCheckpoint(directory, read_log=read_log) as checkpoint:
+    with (
+        prefaulting(module),
+        SafetensorsCheckpoint(directory, read_log=read_log, direct_reads=True) as checkpoint,
+    ):
         sources = upcycler.sources(checkpoint, args, spec, seed)
         load_local_blocks(module, fill_from_sources(sources))
 
