@@ -277,7 +277,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--dir", default=None, help="dense checkpoint folder (default: a temporary one, deleted)"
     )
     parser.add_argument(
-        "--fresh-rounds", type=int, default=2, help="rounds of fresh-process first touches"
+        "--fresh-rounds",
+        type=int,
+        default=3,
+        help="rounds of fresh-process first touches (3: each kind follows each other once)",
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for all ranks")
     options = parser.parse_args(argv)
@@ -406,7 +409,8 @@ def _report(results: list[dict[str, Any]], fresh: dict[str, list[list[float]]]) 
         for rank in range(len(results))
     ]
     print(
-        "\nfresh processes, cold (rounds alternate plain read, upcycle, fill of the owned bytes):"
+        "\nfresh processes, cold (plain read, upcycle and fill of the owned bytes; each round "
+        "starts at the next kind):"
     )
     print_table(["rank", "1st plain read s", "1st upcycle s", "1st fill s"], fresh_rows)
     print_result(
