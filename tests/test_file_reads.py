@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from page_cache import evict, require_direct_reads
 from safetensors.torch import save_file
 
 from pipekit.checkpoint import SafetensorsCheckpoint, file_reads
@@ -23,25 +24,7 @@ SIZE = 100_003  # not a multiple of any block size
 def _evicted(path: Path, data: bytes) -> Path:
     """`data` written to `path`, synced, and dropped from the page cache."""
     path.write_bytes(data)
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(descriptor)
-    return path
-
-
-def _direct_folder(tmp_path: Path) -> Path:
-    """`tmp_path`, where its file system can evict a file and read it with O_DIRECT."""
-    probe = _evicted(tmp_path / "probe", bytes(8192))
-    try:
-        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-    except OSError:
-        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT (the fallback is tested below)")
-    if resident_fraction(probe) > 0:
-        pytest.skip(f"{tmp_path}'s file system keeps files in memory (tmpfs): nothing to bypass")
-    return tmp_path
+    return evict(path)
 
 
 def _splits(total: int, cuts: list[int]) -> list[np.ndarray]:
@@ -60,7 +43,8 @@ def test_direct_reads_give_the_files_bytes_and_leave_the_page_cache_empty(
     """Unaligned offsets and lengths, split over buffers and over several bounce-buffer chunks,
     give exactly the file's bytes; no page of the file is cached afterwards. Ablation: the
     buffered read gives the same bytes and leaves the range cached."""
-    folder = _direct_folder(tmp_path)
+    require_direct_reads(tmp_path)
+    folder = tmp_path
     data = torch.randint(0, 256, (SIZE,), generator=torch.Generator().manual_seed(0))
     data = data.to(torch.uint8).numpy().tobytes()
     path = _evicted(folder / "data", data)
@@ -81,7 +65,8 @@ def test_direct_reads_give_the_files_bytes_and_leave_the_page_cache_empty(
 
 
 def test_a_read_past_the_end_of_the_file_says_so(tmp_path: Path) -> None:
-    folder = _direct_folder(tmp_path)
+    require_direct_reads(tmp_path)
+    folder = tmp_path
     path = _evicted(folder / "data", bytes(SIZE))
     with pytest.raises(EOFError, match="ends at byte"):
         DirectReader(bounce_bytes=8192).read(path, SIZE - 10, [np.empty(20, dtype=np.uint8)])

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from hf_reference import rewrite_weights
+from page_cache import evict, require_direct_reads
 from safetensors.torch import save_file
 from tiny_models import TINY_LLAMA
 from torch import nn
@@ -311,14 +311,11 @@ def test_an_uncached_checkpoint_is_upcycled_past_the_page_cache(tmp_path: Path, 
     directory = write_dense(tmp_path / "dense", torch.float32, args)
     files = SafetensorsCheckpoint(directory).files
 
+    require_direct_reads(tmp_path)
+
     def upcycle_evicted() -> tuple[nn.Module, float]:
         for path in files:
-            descriptor = os.open(path, os.O_RDONLY)
-            os.fsync(descriptor)
-            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(descriptor)
-        if max(resident_fraction(path) for path in files) > 0:
-            pytest.skip(f"{tmp_path}'s file system keeps files in memory: nothing to bypass")
+            evict(path)
         model, _ = upcycle_llama(directory, UpcycleSpec(num_experts=2, top_k=1))
         pages = sum(path.stat().st_size for path in files)
         cached = sum(resident_fraction(path) * path.stat().st_size for path in files) / pages
