@@ -170,6 +170,10 @@ class DirectReader:
             position += count
             skip = 0
 
+    def close(self) -> None:
+        """Free the bounce buffer (a later read allocates it again)."""
+        self._bounce = None
+
     def _bounce_buffer(self) -> np.ndarray:
         if self._bounce is None:  # an anonymous map is page-aligned, as O_DIRECT needs
             self._bounce = np.frombuffer(mmap.mmap(-1, self._bounce_bytes), dtype=np.uint8)

@@ -271,8 +271,11 @@ class SafetensorsCheckpoint:
         return self._offsets[path]
 
     def close(self) -> None:
-        """Drop the open file handles; a memory map lives on while a block read from it does."""
+        """Drop the open file handles and the direct reader's bounce buffer; a memory map lives
+        on while a block read from it does."""
         self._handles.clear()
+        if self.direct is not None:
+            self.direct.close()
 
     def __enter__(self) -> SafetensorsCheckpoint:
         return self
