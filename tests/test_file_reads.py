@@ -68,8 +68,12 @@ def test_a_read_past_the_end_of_the_file_says_so(tmp_path: Path) -> None:
     require_direct_reads(tmp_path)
     folder = tmp_path
     path = _evicted(folder / "data", bytes(SIZE))
-    with pytest.raises(EOFError, match="ends at byte"):
-        DirectReader(bounce_bytes=8192).read(path, SIZE - 10, [np.empty(20, dtype=np.uint8)])
+    reader = DirectReader(bounce_bytes=8192)
+    with pytest.raises(EOFError, match=f"ends at byte {SIZE}"):
+        reader.read(path, SIZE - 10, [np.empty(20, dtype=np.uint8)])
+    with pytest.raises(EOFError, match=f"ends at byte {SIZE}"):  # over several bounce chunks
+        reader.read(path, 100, [np.empty(SIZE, dtype=np.uint8)])
+    assert reader.supported  # the end of a file is not a file system without O_DIRECT
     with pytest.raises(EOFError, match="ends at byte"):
         read_buffered(path, SIZE - 10, [np.empty(20, dtype=np.uint8)])
 

@@ -162,11 +162,11 @@ class DirectReader:
         while remaining:
             want = min(len(bounce), -(-(skip + remaining) // _ALIGN) * _ALIGN)
             count = os.preadv(descriptor, [bounce[:want]], position)
-            useful = min(count - skip, remaining)
-            if useful <= 0:
-                raise EOFError(f"{path} ends at byte {position + count}")
+            useful = max(0, min(count - skip, remaining))
             targets.take(bounce[skip : skip + useful])
             remaining -= useful
+            if remaining and count < want:  # a regular file reads short only at its end
+                raise EOFError(f"{path} ends at byte {position + count}")
             position += count
             skip = 0
 
