@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from page_cache import reads_past_the_cache
 
 
 @pytest.fixture(autouse=True)
@@ -24,3 +28,22 @@ def _forked_tests_use_one_intra_op_thread(request: pytest.FixtureRequest) -> Ite
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def direct_read_dir(tmp_path: Path) -> Iterator[Path]:
+    """A folder whose files can be evicted and read past the page cache: `tmp_path`, or where
+    that is a tmpfs (or refuses O_DIRECT) a fresh folder beside the tests, removed after."""
+    if reads_past_the_cache(tmp_path):
+        yield tmp_path
+        return
+    folder = Path(tempfile.mkdtemp(prefix=".direct-reads-", dir=Path(__file__).parent))
+    try:
+        if not reads_past_the_cache(folder):
+            pytest.fail(
+                f"neither {tmp_path} nor {folder} can be read past the page cache (O_DIRECT on "
+                "a file system that evicts files); run the tests from a disk-backed checkout"
+            )
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,12 +1,10 @@
-"""Test helpers for reads past the page cache: evicting a file, and skipping where the test
-folder's file system cannot show a direct read (no O_DIRECT, or files kept in memory)."""
+"""Test helpers for reads past the page cache: evicting a file, and whether a folder's file
+system can show a direct read (O_DIRECT, files that leave the cache when evicted)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-
-import pytest
 
 from pipekit.checkpoint.file_reads import resident_fraction
 
@@ -22,20 +20,17 @@ def evict(path: Path) -> Path:
     return path
 
 
-def require_direct_reads(folder: Path) -> None:
-    """Skip unless `folder`'s file system reads with O_DIRECT and evicts files (not tmpfs);
-    the buffered fallback is tested on its own."""
+def reads_past_the_cache(folder: Path) -> bool:
+    """Whether files in `folder` can be evicted from the page cache and read with O_DIRECT
+    (not on a tmpfs, nor a file system that refuses O_DIRECT)."""
     probe = folder / "direct-probe"
     probe.write_bytes(bytes(8192))
     evict(probe)
     cached = resident_fraction(probe)
     try:
         os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-        refused = None
-    except OSError as error:
-        refused = error
+        refused = False
+    except OSError:
+        refused = True
     probe.unlink()
-    if refused is not None:
-        pytest.skip(f"{folder}'s file system refuses O_DIRECT: {refused}")
-    if cached > 0:
-        pytest.skip(f"{folder}'s file system keeps files in memory (tmpfs)")
+    return not refused and cached == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from page_cache import evict, require_direct_reads
+from page_cache import evict
 from safetensors.torch import save_file
 
 from pipekit.checkpoint import SafetensorsCheckpoint, file_reads
@@ -38,16 +38,14 @@ def _splits(total: int, cuts: list[int]) -> list[np.ndarray]:
     [(0, SIZE, []), (13, 50_000, [1, 4096, 30_001]), (8192, 20_000, [10_000]), (99_000, 1003, [])],
 )
 def test_direct_reads_give_the_files_bytes_and_leave_the_page_cache_empty(
-    tmp_path: Path, offset: int, total: int, cuts: list[int]
+    direct_read_dir: Path, offset: int, total: int, cuts: list[int]
 ) -> None:
     """Unaligned offsets and lengths, split over buffers and over several bounce-buffer chunks,
     give exactly the file's bytes; no page of the file is cached afterwards. Ablation: the
     buffered read gives the same bytes and leaves the range cached."""
-    require_direct_reads(tmp_path)
-    folder = tmp_path
     data = torch.randint(0, 256, (SIZE,), generator=torch.Generator().manual_seed(0))
     data = data.to(torch.uint8).numpy().tobytes()
-    path = _evicted(folder / "data", data)
+    path = _evicted(direct_read_dir / "data", data)
     reader = DirectReader(bounce_bytes=8192)
     buffers = _splits(total, cuts)
     assert reader.read(path, offset, buffers)
@@ -64,10 +62,8 @@ def test_direct_reads_give_the_files_bytes_and_leave_the_page_cache_empty(
     assert reader.bytes_read == total
 
 
-def test_a_read_past_the_end_of_the_file_says_so(tmp_path: Path) -> None:
-    require_direct_reads(tmp_path)
-    folder = tmp_path
-    path = _evicted(folder / "data", bytes(SIZE))
+def test_a_read_past_the_end_of_the_file_says_so(direct_read_dir: Path) -> None:
+    path = _evicted(direct_read_dir / "data", bytes(SIZE))
     reader = DirectReader(bounce_bytes=8192)
     with pytest.raises(EOFError, match=f"ends at byte {SIZE}"):
         reader.read(path, SIZE - 10, [np.empty(20, dtype=np.uint8)])

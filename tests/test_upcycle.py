@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_reference import rewrite_weights
-from page_cache import evict, require_direct_reads
+from page_cache import evict
 from safetensors.torch import save_file
 from tiny_models import TINY_LLAMA
 from torch import nn
@@ -301,17 +301,17 @@ def test_storage_of_the_wrong_shape_is_named_before_anything_is_written(tmp_path
             dense.read_into(tuple(slice(0, size) for size in dense.shape), narrow)
 
 
-def test_an_uncached_checkpoint_is_upcycled_past_the_page_cache(tmp_path: Path, monkeypatch):
+def test_an_uncached_checkpoint_is_upcycled_past_the_page_cache(
+    direct_read_dir: Path, monkeypatch
+) -> None:
     """Upcycling an evicted checkpoint reads its rows with O_DIRECT: the same weights as a
     buffered upcycle, and the checkpoint's pages are not cached afterwards (the bytes saved).
     Ablation: with direct reads off, the upcycle fills the page cache with the checkpoint. The
     FFN weights are 16 MB each, so that what the kernel reads ahead while the files' headers are
     checked (a few MB) leaves most of the file uncached."""
     args = dataclasses.replace(DENSE, dim=64, ffn_dim=65536)
-    directory = write_dense(tmp_path / "dense", torch.float32, args)
+    directory = write_dense(direct_read_dir / "dense", torch.float32, args)
     files = SafetensorsCheckpoint(directory).files
-
-    require_direct_reads(tmp_path)
 
     def upcycle_evicted() -> tuple[nn.Module, float]:
         for path in files:
