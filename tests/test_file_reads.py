@@ -12,11 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from page_cache import evict
 from safetensors.torch import save_file
 
 from pipekit.checkpoint import SafetensorsCheckpoint, file_reads
-from pipekit.checkpoint.file_reads import DirectReader, read_buffered, resident_fraction
+from pipekit.checkpoint.file_reads import DirectReader, evict, read_buffered, resident_fraction
 
 SIZE = 100_003  # not a multiple of any block size
 
@@ -24,7 +23,8 @@ SIZE = 100_003  # not a multiple of any block size
 def _evicted(path: Path, data: bytes) -> Path:
     """`data` written to `path`, synced, and dropped from the page cache."""
     path.write_bytes(data)
-    return evict(path)
+    evict(path)
+    return path
 
 
 def _splits(total: int, cuts: list[int]) -> list[np.ndarray]:

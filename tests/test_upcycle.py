@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from hf_reference import rewrite_weights
-from page_cache import evict
 from safetensors.torch import save_file
 from tiny_models import TINY_LLAMA
 from torch import nn
@@ -17,7 +16,7 @@ from pipekit.attention.backends import use_backend
 from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint import upcycle as upcycle_module
 from pipekit.checkpoint.block_sources import BlockSource, CheckpointBlock, fill_from_sources
-from pipekit.checkpoint.file_reads import DirectReader, resident_fraction
+from pipekit.checkpoint.file_reads import DirectReader, evict, resident_fraction
 from pipekit.families.llama import Llama, LlamaArgs
 from pipekit.families.llama.hf import build_llama_from_hf, load_hf_llama, save_hf_llama
 from pipekit.families.llama_moe import LlamaMoE

@@ -54,7 +54,7 @@ from pipekit.bench._report import print_result, print_table
 from pipekit.bench._rss import current_rss, peak_rss
 from pipekit.bench._upcycle_fresh import fresh_first_touch, local_shapes, ratios, read_log_of
 from pipekit.checkpoint import PendingTensor, SafetensorsCheckpoint, TensorRead, save_safetensors
-from pipekit.checkpoint.file_reads import resident_fraction
+from pipekit.checkpoint.file_reads import evict, resident_fraction
 from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.checkpoint.upcycle import upcycle_model
 from pipekit.distributed.fsdp import apply_data_parallel
@@ -129,16 +129,6 @@ def _checkpoint_files(directory: str | os.PathLike[str]) -> list[Path]:
     return SafetensorsCheckpoint(directory).files
 
 
-def _evict(paths: list[Path]) -> None:
-    """Ask the kernel to drop the files' clean pages from the page cache."""
-    for path in paths:
-        descriptor = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(descriptor)
-
-
 def _resident_fraction(paths: list[Path]) -> float:
     """Fraction of the files' pages in the page cache (mincore(2); no reads)."""
     pages = [-(-path.stat().st_size // mmap.PAGESIZE) for path in paths]
@@ -167,7 +157,8 @@ def _parallelizer(num_ranks: int, dtype: torch.dtype):
 
 def _cold_start(files: list[Path]) -> float:
     """Evict the checkpoint on every rank, then meet; returns the fraction still cached."""
-    _evict(files)
+    for path in files:
+        evict(path)
     dist.barrier()
     resident = _resident_fraction(files)
     dist.barrier()

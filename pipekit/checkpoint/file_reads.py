@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DirectReader", "read_buffered", "resident_fraction"]
+__all__ = ["DirectReader", "evict", "read_buffered", "resident_fraction"]
 
 _MAX_IOVECS = os.sysconf("SC_IOV_MAX")
 """Buffers one `preadv` call takes (1024 on Linux)."""
@@ -56,6 +56,17 @@ def read_buffered(path: Path, offset: int, buffers: Sequence[np.ndarray]) -> Non
                 done += 1
             if count:  # a short read stopped inside this buffer
                 pending[done] = pending[done][count:]
+    finally:
+        os.close(descriptor)
+
+
+def evict(path: Path) -> None:
+    """Write `path`'s dirty pages, then ask the kernel to drop its pages from the page cache
+    (what a cold read, or a test of one, starts from)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(descriptor)
 
