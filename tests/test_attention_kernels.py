@@ -244,6 +244,52 @@ def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_finite_grads():
     assert torch.all(flex_out[:, :, :4] == 0) and torch.all(torch.isneginf(flex_lse[:, :, :4]))
 
 
+def _counting(mask):
+    """`mask`, counting the tiles it is evaluated on."""
+    calls = []
+
+    def counted(b, h, q_idx, kv_idx):
+        calls.append(1)
+        return mask(b, h, q_idx, kv_idx)
+
+    return counted, calls
+
+
+def test_cpu_backend_evaluates_a_sliced_sequences_masks_once_across_layers_and_backward():
+    # A slice attends to unmasked cached chunks and causally to its own: every layer, forward and
+    # backward, asks for the same masks in turn, with unmasked chunks between them.
+    backend = CpuFlashBackend(q_block=8, kv_block=8)
+    own, own_calls = _counting(causal_mask)
+    docs, docs_calls = _counting(document_mask(DOCS_BS[:, :8], DOCS_BS[:, 8:16]))
+    q, k, v = (t.requires_grad_() for t in _inputs(2, 2, 8, q_len=8))
+    for _layer in range(3):
+        for mask in (None, docs, own):
+            attention(q, k, v, mask, backend=backend)[0].sum().backward()
+    assert (len(own_calls), len(docs_calls)) == (1, 1)
+    # a plan is dropped when more masks than the cache holds come between its uses
+    small = CpuFlashBackend(q_block=8, kv_block=8)
+    small._plans.max_plans = 1
+    for _layer in range(2):
+        for mask in (docs, own):
+            attention(q, k, v, mask, backend=small)
+    assert (len(own_calls), len(docs_calls)) == (3, 3)
+
+
+def test_cpu_backend_plan_cache_is_bounded_by_its_dense_tile_masks():
+    backend = CpuFlashBackend(q_block=8, kv_block=8)
+    q, k, v = _inputs(2, 2, 8, q_len=8)
+    dense = document_mask(DOCS_BS[:, :8], DOCS_BS[:, 8:16])  # partially masked: a bool tile
+    attention(q, k, v, dense, backend=backend)
+    tile_bytes = backend._plans._mask_bytes
+    assert tile_bytes == 2 * 8 * 8  # [batch, 1, q, kv] bools
+    backend._plans.max_mask_bytes = tile_bytes  # room for one dense plan
+    masks = [document_mask(DOCS_BS[:, :8], DOCS_BS[:, 8:16]) for _ in range(3)]
+    for mask in [*masks, causal_mask]:
+        attention(q, k, v, mask, backend=backend)
+    assert backend._plans._mask_bytes <= tile_bytes
+    assert len(backend._plans._entries) == 2  # the last dense plan and causal (no dense tile)
+
+
 def test_cpu_backend_lse_carries_no_gradient():
     q, k, v = (t.requires_grad_() for t in _inputs(2, 2, KV_LEN))
     out, lse = attention(q, k, v, causal_mask, backend="cpu")

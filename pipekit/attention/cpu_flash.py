@@ -17,6 +17,8 @@ Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import Tensor
 
@@ -52,6 +54,42 @@ def _reduce_kv_heads(grad_BHKD: Tensor, kv_heads: int) -> Tensor:
     return grad_BHKD.unflatten(1, (kv_heads, query_heads // kv_heads)).sum(2)
 
 
+class _PlanCache:
+    """The most recently used tile plans of masks, at most `max_plans` of them holding at most
+    `max_mask_bytes` of dense tile masks (a partially masked tile keeps its bool mask), least
+    recently used dropped first. Each entry holds its mask, so the id in its key stays unique.
+    A mask is taken as immutable (pipekit's contexts build a new one whenever documents change)."""
+
+    def __init__(self, max_plans: int = 16, max_mask_bytes: int = 64 * 2**20) -> None:
+        self.max_plans, self.max_mask_bytes = max_plans, max_mask_bytes
+        self._entries: OrderedDict[tuple[object, ...], tuple[MaskMod, list[list[Tile]], int]] = (
+            OrderedDict()
+        )
+        self._mask_bytes = 0
+
+    def get(self, key: tuple[object, ...]) -> list[list[Tile]] | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, key: tuple[object, ...], mask: MaskMod, plan: list[list[Tile]]) -> None:
+        nbytes = sum(
+            tile.allowed.numel() * tile.allowed.element_size()
+            for row_tiles in plan
+            for tile in row_tiles
+            if tile.allowed is not None
+        )
+        if nbytes > self.max_mask_bytes:
+            return
+        self._entries[key] = (mask, plan, nbytes)
+        self._mask_bytes += nbytes
+        while len(self._entries) > self.max_plans or self._mask_bytes > self.max_mask_bytes:
+            _, (_, _, dropped) = self._entries.popitem(last=False)
+            self._mask_bytes -= dropped
+
+
 class CpuFlashBackend:
     """Tiled ATen CPU flash attention; `q_block` x `kv_block` bounds every tile and mask."""
 
@@ -61,25 +99,28 @@ class CpuFlashBackend:
     def __init__(self, q_block: int = 2048, kv_block: int = 2048) -> None:
         self.q_block = q_block
         self.kv_block = kv_block
-        self._last_plan: tuple[tuple[object, ...], MaskMod | None, list[list[Tile]]] | None = None
+        self._plans = _PlanCache()
 
     def _tiles(self, q_BHSD: Tensor, k_BGKD: Tensor, mask: MaskMod | None) -> list[list[Tile]]:
         """Tiles grouped by query block (each group's partials are merged).
 
-        The last plan is reused: every layer of a model, forward and backward, asks for the same
-        mask in turn, and evaluating it is a pass over every tile.
+        Plans of masks are cached (`_PlanCache`): every layer, forward and backward, asks for
+        the same masks in turn (a sliced sequence: its own block's causal mask between
+        unmasked cached chunks), and evaluating a mask is a pass over every tile.
         """
         batch, heads, q_len, _ = q_BHSD.shape
         key = (id(mask), batch, heads, q_len, k_BGKD.shape[2], q_BHSD.device)
-        if self._last_plan is not None and self._last_plan[0] == key:
-            return self._last_plan[2]
+        plan = self._plans.get(key) if mask is not None else None
+        if plan is not None:
+            return plan
         groups: dict[int, list[Tile]] = {}
         for tile in iter_tiles(
             mask, batch, heads, q_len, k_BGKD.shape[2], self.q_block, self.kv_block, q_BHSD.device
         ):
             groups.setdefault(tile.q_rows.start, []).append(tile)
         plan = list(groups.values())
-        self._last_plan = (key, mask, plan)  # holding `mask` keeps its id unique
+        if mask is not None:
+            self._plans.put(key, mask, plan)
         return plan
 
     def _tile_forward(
