@@ -49,8 +49,10 @@ CASES = {
     "gqa_offset_shorter_kv": (offset_causal_mask(10, 0), 4, 1, 13),
 }
 
-# Tiles much smaller than the problem exercise skipping, causal tiles, dense tiles and merging.
+# Tiles much smaller than the problem exercise skipping, causal tiles, dense tiles and merging;
+# aligned square tiles also running the whole problem as one call where the tiles allow it.
 TILED_CPU = CpuFlashBackend(q_block=8, kv_block=5)
+ALIGNED_CPU = CpuFlashBackend(q_block=8, kv_block=8)
 
 
 def _inputs(heads, kv_heads, kv_len, dtype=torch.float64, seed=0, head_dim=HEAD_DIM, q_len=Q_LEN):
@@ -61,7 +63,9 @@ def _inputs(heads, kv_heads, kv_len, dtype=torch.float64, seed=0, head_dim=HEAD_
     return q, k, v
 
 
-@pytest.mark.parametrize("backend", [get_backend("cpu"), TILED_CPU], ids=["cpu", "cpu_tiled"])
+@pytest.mark.parametrize(
+    "backend", [get_backend("cpu"), TILED_CPU, ALIGNED_CPU], ids=["cpu", "cpu_tiled", "cpu_aligned"]
+)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cpu_backend_matches_reference_fp64(case, backend):
     mask, heads, kv_heads, kv_len = CASES[case]

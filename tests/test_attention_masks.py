@@ -13,7 +13,7 @@ from pipekit.attention import (
     or_masks,
     sliding_window_mask,
 )
-from pipekit.attention._tiles import evaluate_mask, iter_tiles
+from pipekit.attention._tiles import evaluate_mask, iter_tiles, whole_problem_tile
 
 DOCS_BS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]])
 
@@ -67,6 +67,39 @@ def test_tiles_skip_masked_blocks_and_recognise_causal():
     kinds = [(t.q_rows.start, t.kv_cols.start, t.is_causal, t.allowed is None) for t in tiles]
     # The upper-right tile is skipped, diagonal tiles run causal, the lower-left one unmasked.
     assert kinds == [(0, 0, True, True), (4, 0, False, True), (4, 4, True, True)]
+
+
+@pytest.mark.parametrize(
+    ("mask", "q_len", "kv_len", "q_block", "kv_block", "expected"),
+    [
+        (causal_mask, 24, 24, 8, 8, "causal"),
+        (causal_mask, 20, 20, 8, 8, "causal"),  # ragged last block
+        (causal_mask, 8, 24, 8, 8, "causal"),  # more keys than queries, top-left aligned
+        (None, 24, 13, 8, 8, "full"),
+        (offset_causal_mask(8, 0), 8, 16, 8, 8, None),  # shifted: not q >= kv from the corner
+        (offset_causal_mask(24, 0), 8, 16, 8, 8, "full"),  # every key is earlier
+        (causal_mask, 24, 24, 8, 5, None),  # the diagonal crosses cells off their corners
+        (sliding_window_mask(3), 24, 24, 8, 8, None),  # dense tiles
+    ],
+)
+def test_whole_problem_tile_only_where_the_tiles_add_up_to_one_kernel_mask(
+    mask, q_len, kv_len, q_block, kv_block, expected
+):
+    tiles = list(iter_tiles(mask, 1, 1, q_len, kv_len, q_block, kv_block, torch.device("cpu")))
+    whole = whole_problem_tile(tiles, q_len, kv_len, q_block, kv_block)
+    if expected is None:
+        assert whole is None
+        return
+    assert (whole.q_rows, whole.kv_cols) == (slice(0, q_len), slice(0, kv_len))
+    assert whole.is_causal == (expected == "causal") and whole.allowed is None
+    # the one call's mask is the problem's mask
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
+    if whole.is_causal:
+        allowed = allowed.tril()
+    evaluated = torch.ones(q_len, kv_len, dtype=torch.bool)
+    if mask is not None:
+        evaluated = _grid(mask, q_len=q_len, kv_len=kv_len)[0, 0]
+    assert torch.equal(allowed, evaluated)
 
 
 def test_bad_masks_are_rejected():

@@ -3,7 +3,10 @@
 Kernels that cannot take a mask_mod directly (the CPU flash kernel wants a dense additive mask)
 work tile by tile, so no mask or score matrix larger than one tile ever exists. A tile whose mask
 is all False is skipped, one that is all True runs unmasked, and one that is exactly top-left
-causal runs with the kernel's own causal path; only the rest get a dense mask.
+causal runs with the kernel's own causal path; only the rest get a dense mask. When no tile needs
+a dense mask and together they are all of the problem or exactly its top-left causal half, the
+kernel runs once over the whole problem (`whole_problem_tile`): it blocks its own work, and
+tile-sized calls only add calls and merges.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch import Tensor
 
 from pipekit.attention.masks import MaskMod
 
-__all__ = ["Tile", "evaluate_mask", "iter_tiles", "mask_dependence"]
+__all__ = ["Tile", "evaluate_mask", "iter_tiles", "mask_dependence", "whole_problem_tile"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +118,36 @@ def iter_tiles(
                 yield Tile(q_rows, kv_cols, is_causal=True, allowed=None)
             else:
                 yield Tile(q_rows, kv_cols, is_causal=False, allowed=allowed)
+
+
+def whole_problem_tile(
+    tiles: list[Tile], q_len: int, kv_len: int, q_block: int, kv_block: int
+) -> Tile | None:
+    """One tile for the whole `q_len x kv_len` problem when the tiles `iter_tiles` kept on its
+    `q_block x kv_block` grid say the mask is all True or exactly top-left causal
+    (`q_idx >= kv_idx`); else None.
+
+    Decided from the tiles' classes alone: each grid cell must be what the whole-problem mask
+    makes of it (skipped wholly above the diagonal, full wholly on or below it, causal where
+    the diagonal crosses it from its top-left corner).
+    """
+    if any(tile.allowed is not None for tile in tiles):
+        return None
+    kept = {(tile.q_rows.start, tile.kv_cols.start): tile.is_causal for tile in tiles}
+    cells = [(q, kv) for q in range(0, q_len, q_block) for kv in range(0, kv_len, kv_block)]
+    whole = (slice(0, q_len), slice(0, kv_len))
+    if len(kept) == len(cells) and not any(kept.values()):
+        return Tile(*whole, is_causal=False, allowed=None)
+    for q_start, kv_start in cells:
+        q_stop, kv_stop = min(q_start + q_block, q_len), min(kv_start + kv_block, kv_len)
+        if q_stop - 1 < kv_start:  # above the diagonal
+            expected = None
+        elif q_start >= kv_stop - 1:  # on or below it
+            expected = False
+        elif q_start == kv_start:  # crossed from the top-left corner
+            expected = True
+        else:
+            return None
+        if kept.get((q_start, kv_start)) != expected:
+            return None
+    return Tile(*whole, is_causal=True, allowed=None)

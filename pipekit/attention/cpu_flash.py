@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from pipekit._torch_private import cpu_flash_attention_backward, cpu_flash_attention_forward
-from pipekit.attention._tiles import Tile, iter_tiles
+from pipekit.attention._tiles import Tile, iter_tiles, whole_problem_tile
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.merge import merge_attention
 
@@ -113,10 +113,13 @@ class CpuFlashBackend:
         plan = self._plans.get(key) if mask is not None else None
         if plan is not None:
             return plan
+        kv_len, device = k_BGKD.shape[2], q_BHSD.device
+        tiles = list(
+            iter_tiles(mask, batch, heads, q_len, kv_len, self.q_block, self.kv_block, device)
+        )
+        whole = whole_problem_tile(tiles, q_len, kv_len, self.q_block, self.kv_block)
         groups: dict[int, list[Tile]] = {}
-        for tile in iter_tiles(
-            mask, batch, heads, q_len, k_BGKD.shape[2], self.q_block, self.kv_block, q_BHSD.device
-        ):
+        for tile in [whole] if whole is not None else tiles:
             groups.setdefault(tile.q_rows.start, []).append(tile)
         plan = list(groups.values())
         if mask is not None:
