@@ -86,7 +86,6 @@ def layer_memory(options: argparse.Namespace) -> dict[str, LayerMemory]:
     from pipekit.memory.layer_formula import (
         LAYER_OPTIONS,
         LayerShape,
-        causal_tiled_attention_calls,
         saved_bytes_by_part,
     )
     from pipekit.memory.layer_parts import kept_bytes_by_part
@@ -95,7 +94,6 @@ def layer_memory(options: argparse.Namespace) -> dict[str, LayerMemory]:
     head_dim = options.dim // options.heads
     shape = LayerShape(options.dim, options.heads, options.kv_heads, head_dim, options.ffn_dim)
     x = torch.randn(1, options.seq, options.dim, dtype=options.dtype, requires_grad=True)
-    attention_calls = causal_tiled_attention_calls(options.seq)
     element = torch.finfo(options.dtype).bits // 8
     tokens_and_layers = options.seq * options.layers
     figures = {}
@@ -111,7 +109,7 @@ def layer_memory(options: argparse.Namespace) -> dict[str, LayerMemory]:
 
         kept = kept_bytes_by_part(copied, forward)
         measured_parts = {part: kept[part] / tokens_and_layers for part in _SHOWN_PARTS}
-        formula_parts = saved_bytes_by_part(shape, option, element, options.every, attention_calls)
+        formula_parts = saved_bytes_by_part(shape, option, element, options.every)
         seconds = time_call(lambda forward=forward: forward().sum().backward(), 1, options.repeats)
         figures[option] = LayerMemory(
             measured=sum(kept.values()) / tokens_and_layers,

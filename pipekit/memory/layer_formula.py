@@ -17,10 +17,9 @@ K the head dim, F the FFN dim and e bytes per activation element, per token:
   the SwiGLU recomputes it (memory-efficient).
 - `full` checkpointing: the layer's input, `D e`; `every_k`: the average of full and none over
   k layers; `selective` (keep matmuls and attention): the input, every projection's output
-  (`(2 D + (H + 2G) K + 2 F) e`) and each attention kernel call's output and log-sum-exp: one
-  call's worth for a kernel that takes the whole sequence (FlexAttention), `(n + 1) / 2` for
-  pipekit's CPU kernel, which tiles a causal sequence into n query blocks of 2048 (block i
-  calls the kernel on i + 1 key blocks).
+  (`(2 D + (H + 2G) K + 2 F) e`) and the attention kernel's output and log-sum-exp (a causal
+  sequence is one kernel call; pipekit's CPU kernel splits into tiles only masks that need a
+  dense one, such as packed documents, and then keeps one output per tile).
 
 The residual stream itself is not kept: the residual additions save nothing, and a
 memory-efficient norm saves its output rather than its input.
@@ -33,7 +32,6 @@ from dataclasses import dataclass
 __all__ = [
     "LAYER_OPTIONS",
     "LayerShape",
-    "causal_tiled_attention_calls",
     "saved_bytes_by_part",
     "saved_bytes_per_token",
 ]
@@ -58,13 +56,11 @@ def saved_bytes_per_token(
     option: str,
     element_bytes: int,
     every: int = 2,
-    attention_calls: float = 1.0,
 ) -> float:
     """Bytes per token one layer keeps for its backward under `option` (`LAYER_OPTIONS`;
     every option but `plain` uses the memory-efficient norm and SwiGLU); `every` is k of
-    `every_k`; `attention_calls`: the attention outputs' worth its kernel calls return (what
-    `selective` keeps; see the module doc)."""
-    return sum(saved_bytes_by_part(shape, option, element_bytes, every, attention_calls).values())
+    `every_k`."""
+    return sum(saved_bytes_by_part(shape, option, element_bytes, every).values())
 
 
 def saved_bytes_by_part(
@@ -72,7 +68,6 @@ def saved_bytes_by_part(
     option: str,
     element_bytes: int,
     every: int = 2,
-    attention_calls: float = 1.0,
 ) -> dict[str, float]:
     """`saved_bytes_per_token` split by the part of the layer that allocates what is kept
     (`pipekit.memory.layer_parts`): "attention", "norms", "mlp" and "other" (the residual
@@ -104,16 +99,9 @@ def saved_bytes_by_part(
         return parts | {"other": d * e / every}
     if option == "selective":  # projection outputs (wo's and w2's: d each) and kernel outputs
         return {
-            "attention": ((h + 2 * g) * k + d) * e + attention_calls * kernel_output,
+            "attention": ((h + 2 * g) * k + d) * e + kernel_output,
             "norms": 0.0,
             "mlp": (2 * f + d) * e,
             "other": d * e,
         }
     raise ValueError(f"layer option {option!r}: choose one of {', '.join(LAYER_OPTIONS)}")
-
-
-def causal_tiled_attention_calls(seq_len: int, block: int = 2048) -> float:
-    """Attention outputs' worth a causal kernel tiled in query and key blocks of `block`
-    returns over `seq_len` tokens: `(n + 1) / 2` for n query blocks."""
-    blocks = -(-seq_len // block)
-    return (blocks + 1) / 2
