@@ -80,6 +80,8 @@ def test_tiles_skip_masked_blocks_and_recognise_causal():
         (offset_causal_mask(24, 0), 8, 16, 8, 8, "full"),  # every key is earlier
         (causal_mask, 24, 24, 8, 5, None),  # the diagonal crosses cells off their corners
         (sliding_window_mask(3), 24, 24, 8, 8, None),  # dense tiles
+        (None, 8, 0, 8, 8, None),  # no keys: nothing for the kernel to run
+        (offset_causal_mask(0, 8), 8, 8, 8, 8, None),  # every key is later: all tiles skipped
     ],
 )
 def test_whole_problem_tile_only_where_the_tiles_add_up_to_one_kernel_mask(

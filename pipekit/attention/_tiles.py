@@ -131,8 +131,8 @@ def whole_problem_tile(
     makes of it (skipped wholly above the diagonal, full wholly on or below it, causal where
     the diagonal crosses it from its top-left corner).
     """
-    if any(tile.allowed is not None for tile in tiles):
-        return None
+    if not tiles or any(tile.allowed is not None for tile in tiles):
+        return None  # nothing to attend to, or a tile that needs its dense mask
     kept = {(tile.q_rows.start, tile.kv_cols.start): tile.is_causal for tile in tiles}
     cells = [(q, kv) for q in range(0, q_len, q_block) for kv in range(0, kv_len, kv_block)]
     whole = (slice(0, q_len), slice(0, kv_len))
