@@ -108,12 +108,11 @@ class CpuFlashBackend:
         the same masks in turn (a sliced sequence: its own block's causal mask between
         unmasked cached chunks), and evaluating a mask is a pass over every tile.
         """
-        batch, heads, q_len, _ = q_BHSD.shape
-        key = (id(mask), batch, heads, q_len, k_BGKD.shape[2], q_BHSD.device)
+        (batch, heads, q_len, _), kv_len, device = q_BHSD.shape, k_BGKD.shape[2], q_BHSD.device
+        key = (id(mask), batch, heads, q_len, kv_len, device)
         plan = self._plans.get(key) if mask is not None else None
         if plan is not None:
             return plan
-        kv_len, device = k_BGKD.shape[2], q_BHSD.device
         tiles = list(
             iter_tiles(mask, batch, heads, q_len, kv_len, self.q_block, self.kv_block, device)
         )
