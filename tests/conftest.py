@@ -9,27 +9,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipekit.checkpoint.file_reads import evict, resident_fraction
+from pipekit.memory_plan.forked import in_forked_child
 
 
-@pytest.fixture(autouse=True)
-def _forked_tests_use_one_intra_op_thread(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test marked `forked` runs in a child forked from the pytest process, which may have
-    started torch's OpenMP pool in an earlier test; a forked child that enters that pool waits
-    forever for threads the fork did not copy. With one intra-op thread it never enters it
-    (`run_on_ranks` does the same in its ranks). The parent's setting is untouched: this runs
-    in the child."""
-    if request.node.get_closest_marker("forked") is None:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """A test marked `own_process` runs in a child forked from the pytest process, the way
+    pipekit's rank groups run: libraries that start threads (datasets, DataLoader workers,
+    tokenizers) leave them in the child, so the pytest process, which forks every later rank
+    group, stays single-threaded (a fork copies only the calling thread). Fixtures are set up
+    here, in the parent; a failure comes back with the child's traceback."""
+    if pyfuncitem.get_closest_marker("own_process") is None:
+        return None
+    arguments = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    in_forked_child(pyfuncitem.obj, **arguments)
+    return True
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pipekit.train.data.tokenizer import LLAMA3_BOS, LLAMA3_EOS, build_tokenizer
 # The tokenizers library starts its thread pool in the process that encodes; each test runs in a
 # forked child so the pytest process, from which later tests fork rank groups, stays
 # single-threaded.
-pytestmark = pytest.mark.forked
+pytestmark = pytest.mark.own_process
 
 CHAT = Path(__file__).resolve().parent / "data" / "chat.jsonl"
 SPECIALS = ["[UNK]", LLAMA3_BOS, LLAMA3_EOS, "<|start_header_id|>", "<|end_header_id|>",

@@ -36,7 +36,7 @@ from pipekit.train.trainer import Trainer
 # feeder threads) leave threads in the process that uses them. Each test here runs in a forked
 # child, so the pytest process, from which later tests fork their rank groups, stays
 # single-threaded: forking a threaded process copies only the calling thread.
-pytestmark = pytest.mark.forked
+pytestmark = pytest.mark.own_process
 
 BYTES = ByteTokenizer()
 

@@ -283,9 +283,6 @@ def _probe_split_block(
 ) -> _BlockProbe:
     """`_probe_block` as tp rank 0 of a simulated group runs the block: its collectives
     return at once, and give tensors of the real shapes."""
-    # in a forked child: GNU OpenMP's thread pool does not survive fork once the parent used
-    # it, and a parallel region would wait for its dead threads forever
-    torch.set_num_threads(1)
     shards = split.sequence_shards
     with simulated_rank(0, split.tp):
         mesh = init_device_mesh("cpu", (split.tp,))
@@ -373,7 +370,6 @@ def _probe_split_head(
     """`_probe_head` as tp rank 0 of a simulated group runs the head: the final norm on a
     rank's tokens under sequence parallelism, the output layer and the loss on a rank's
     vocabulary shard under loss parallelism."""
-    torch.set_num_threads(1)  # a forked child (see `_probe_split_block`)
     shards = split.sequence_shards
     with simulated_rank(0, split.tp):
         mesh = init_device_mesh("cpu", (split.tp,))

@@ -2,45 +2,78 @@
 
 The planner simulates ranks in torch's "fake" process group: the groups and meshes a simulated
 rank creates leave global state in torch.distributed that a later real job in the same process
-must not inherit, so each simulation lives and dies in a child.
+must not inherit, so each simulation lives and dies in a child. pipekit's tests run the same way
+where a library would leave threads behind in the process that forks later rank groups.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import pickle
+import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TypeVar
+
+import torch
 
 __all__ = ["in_forked_child"]
 
 T = TypeVar("T")
 
 
-def in_forked_child(fn: Callable[..., T], *args: object) -> T:
-    """`fn(*args)` in a forked child; its result, or its exception raised here."""
+def in_forked_child(fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """`fn(*args, **kwargs)` in a forked child with one intra-op thread; its result, or its
+    exception raised here with the child's traceback attached as a note.
+
+    One intra-op thread because a forked child that enters the OpenMP pool its parent started
+    waits forever for pool threads the fork did not copy.
+    """
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_child_main, args=(sender, fn, args), daemon=True)
+    # not a daemon: the child may start processes of its own (DataLoader workers)
+    child = context.Process(target=_child_main, args=(sender, fn, args, kwargs))
     child.start()
     sender.close()
     try:
-        ok, value = receiver.recv()
+        ok, payload, child_traceback = pickle.loads(receiver.recv_bytes())
     except EOFError:
         child.join()
         raise RuntimeError(
-            f"the process simulating a rank died (exit code {child.exitcode})"
+            f"the forked child running {getattr(fn, '__qualname__', fn)} died "
+            f"(exit code {child.exitcode}) before reporting"
         ) from None
     child.join()
+    try:
+        value = pickle.loads(payload)
+    except Exception as unrebuildable:
+        ok, value = False, RuntimeError(f"the child's outcome cannot be rebuilt ({unrebuildable})")
     if not ok:
+        value.add_note(f"raised in a forked child:\n{child_traceback}")
         raise value
     return value
 
 
-def _child_main(sender: Connection, fn: Callable[..., object], args: tuple) -> None:
+def _child_main(
+    sender: Connection, fn: Callable[..., object], args: tuple, kwargs: dict[str, object]
+) -> None:
+    torch.set_num_threads(1)
     try:
-        sender.send((True, fn(*args)))
+        ok, outcome, child_traceback = True, fn(*args, **kwargs), ""
     except BaseException as error:  # handed to the parent, which raises it
-        sender.send((False, error))
+        ok, outcome, child_traceback = False, error, traceback.format_exc()
+    try:
+        payload = pickle.dumps(outcome)
+    except Exception as unpicklable:  # the result or the error cannot cross: say what it was
+        message = f"{type(outcome).__name__} cannot be sent back ({unpicklable})"
+        ok, payload = False, pickle.dumps(RuntimeError(message))
+    try:
+        # the outcome pickled on its own: the parent reads the traceback even if it cannot
+        # rebuild the outcome (an exception whose __init__ its args do not fit)
+        sender.send_bytes(pickle.dumps((ok, payload, child_traceback)))
     finally:
         sender.close()
+        # Skip the exit handlers the fork copied (a test runner's; multiprocessing's, which
+        # would wait for processes the function left running, such as DataLoader workers).
+        os._exit(0)
