@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipekit.testing import run_on_ranks
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO_ROOT / "configs" / "debug_model.toml")
 SLICED_PP_CONFIG = str(REPO_ROOT / "configs" / "debug_sliced_pp.toml")
@@ -63,17 +65,33 @@ def kill_process_tree(pid: int) -> None:
             os.kill(victim, signal.SIGKILL)
 
 
-def train_job(output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG) -> dict:
-    """Run a job to completion (it must succeed); its logged losses by step."""
-    result = subprocess.run(
-        job_command(output_dir, *overrides, nproc=nproc, config=config),
-        env=job_env(),
-        cwd=output_dir.parent,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+def train_job(
+    output_dir: Path, *overrides: str, nproc: int = 2, config: str = CONFIG, timeout: float = 600
+) -> dict:
+    """Run a job to completion (it must succeed) on `nproc` gloo ranks forked from this process,
+    doing what train.py does once torchrun has started it (check the config for the world size,
+    lock the output folder, train); its logged losses by step. Forked ranks inherit the imported
+    torch, so a run costs its steps, not the seconds of `nproc` fresh interpreters; tests of the
+    launcher itself (signals, exit codes, console lines, nodes) use `job_command`."""
+    argv = ["--config", config, "--job.output_dir", str(output_dir), *overrides]
+    run_on_ranks(_train_rank, nproc, argv, str(output_dir.parent), timeout=timeout)
     return logged_losses(output_dir)
+
+
+def _train_rank(rank: int, world_size: int, argv: list[str], folder: str) -> None:
+    from pipekit.config import load_job_config
+    from pipekit.train.job import validate_job
+    from pipekit.train.output_lock import lock_output_dir
+    from pipekit.train.trainer import Trainer
+
+    os.chdir(folder)
+    if str(REPO_ROOT) not in sys.path:  # train.py's folder, where `[model] module`s are found
+        sys.path.insert(0, str(REPO_ROOT))
+    config = load_job_config(argv)
+    job = validate_job(config, world_size)
+    if rank == 0:
+        lock_output_dir(config.job.output_dir)
+    Trainer(job).train()
 
 
 def logged_losses(output_dir: Path) -> dict[int, float]:
