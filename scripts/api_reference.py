@@ -25,6 +25,7 @@ MODULES = (
     "pipekit.models.spec",
     "pipekit.models.registry",
     "pipekit.models.stage_module",
+    "pipekit.models.forward_order",
     "pipekit.layers",
     "pipekit.layers.init",
     "pipekit.attention.patterns",

@@ -2,8 +2,8 @@
 one process under FSDP and the sliced pipeline (2 ranks, float64), the table and the RESULT
 line say so and the exit status is 0; a layout the model cannot express or the config rules
 refuse is skipped with its reason; a layout that raises is an error row beside the others.
-Ablation: a structure that puts the final norm on the first stage fails the pipeline layout,
-and the check exits 1."""
+Ablation: a structure that puts the final norm on the first stage (let past the validation that
+refuses it) fails the pipeline layout, and the check exits 1."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import examples.custom_model.model as custom
+import pipekit.models.forward_order as forward_order
 import pipekit.testing.pipeline as pipeline
 from pipekit.check.__main__ import main
 from pipekit.models import register_model
@@ -100,14 +101,20 @@ def test_bad_options_end_with_one_error_line_and_status_2(
 
 
 def test_a_final_norm_placed_on_the_first_stage_fails_the_pipeline_layout(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The structure says ln_f belongs before the blocks, so the first stage applies it and the
-    last does not: one process (which ignores placement) differs from the pipeline."""
+    last does not: one process (which ignores placement) differs from the pipeline. Validation
+    refuses the structure (forward runs ln_f after the blocks); past that check, the pipeline
+    layout fails."""
     wrong = dataclasses.replace(custom.STRUCTURE, before_blocks=("wpe", "ln_f"), after_blocks=())
     register_model(dataclasses.replace(custom.TINY_GPT, name="tiny_gpt_norm_first",
                                        structure=wrong), replace=True)  # fmt: skip
-    status = main([*CUSTOM, "--model.name", "tiny_gpt_norm_first", "--layouts", "fsdp,pp_sliced"])
+    options = [*CUSTOM, "--model.name", "tiny_gpt_norm_first", "--layouts", "fsdp,pp_sliced"]
+    assert main(options) == 2
+    assert "places 'ln_f' in before_blocks" in capsys.readouterr().err
+    monkeypatch.setattr(forward_order, "check_forward_order", lambda model, structure: None)
+    status = main(options)
     output = capsys.readouterr().out
     rows = _rows(output)
     assert rows["fsdp"][-1] == "pass" and rows["pp_sliced"][-1] == "FAIL", output

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packed_rows import assert_positions_restart_per_row
 
 from pipekit.config import ConfigError, load_job_config
 from pipekit.config.job_config import DataConfig
@@ -72,7 +73,8 @@ def _reference_rows(texts: list[str], seq_len: int) -> list[dict[str, list[int]]
                     stream[t + 1] if document_of[t + 1] == document_of[t] else IGNORE_INDEX
                     for t in span
                 ],
-                "positions": [position_of[t] for t in span],
+                # a document continued from the previous row counts from the row's start
+                "positions": [min(position_of[t], t - span[0]) for t in span],
                 "document_ids": [document_of[t] - first_document for t in span],
             }
         )
@@ -109,9 +111,11 @@ def test_packing_invariants_on_a_shuffled_batch():
     tokens, labels = batch["tokens"], batch["labels"]
     positions, document_ids = batch["positions"], batch["document_ids"]
     starts = positions == 0
-    # a document starts (position 0) exactly at its BOS; every label is the next token, except
-    # -100 exactly where the next token starts another document (after EOS)
-    assert torch.equal(starts, tokens == BYTES.bos_id)
+    # a document starts (position 0) exactly at its BOS or, continued, at the row's first token;
+    # every label is the next token, except -100 exactly where the next token starts another
+    # document (after EOS)
+    assert torch.equal(starts[:, 1:], tokens[:, 1:] == BYTES.bos_id)
+    assert (positions[:, 0] == 0).all() and (positions < seq_len).all()
     assert torch.equal(labels == IGNORE_INDEX, tokens == BYTES.eos_id)
     assert not (labels == BYTES.bos_id).any()
     kept = labels[:, :-1] != IGNORE_INDEX
@@ -122,7 +126,7 @@ def test_packing_invariants_on_a_shuffled_batch():
     assert torch.equal(steps, starts[:, 1:].long())
     same = steps == 0
     assert torch.equal(positions[:, 1:][same], positions[:, :-1][same] + 1)
-    assert (positions[:, 0] > 0).any(), "some row should start inside a continued document"
+    assert (tokens[:, 0] != BYTES.bos_id).any(), "some row should continue a document"
 
 
 def test_pack_rejects_an_empty_source():
@@ -453,6 +457,17 @@ def test_hf_datasets_bad_files_are_one_line_naming_file_and_line(tmp_path, strea
             else:
                 load_token_stream(config)
         assert type(error.value) is ValueError and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["in_memory", "streamed"])
+def test_hf_datasets_rows_restart_positions_where_a_row_continues_a_document(tmp_path, streaming):
+    texts = _texts(200, seed=13)
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    config = DataConfig(
+        source="hf", hf_path="json", hf_data_files=str(tmp_path / "c.jsonl"), streaming=streaming
+    )
+    batch = next(_streaming_loader(config, local_batch_size=16))
+    assert_positions_restart_per_row(batch, 16, BYTES.bos_id)
 
 
 def _streaming_loader(config, **overrides):

@@ -125,10 +125,8 @@ class TinyGPT(nn.Module):
             h_BSD = self.wte(h_BSD)
         if self.wpe is not None:  # the first stage adds positions (also to vocab-parallel input)
             positions = torch.arange(h_BSD.shape[1]) if positions is None else positions
-            # positions count from each packed document's start; long ones share the last row
-            h_BSD = h_BSD + self.wpe(
-                positions.clamp(max=self.args.max_seq_len - 1).to(h_BSD.device)
-            )
+            # packed positions restart at each document and row: below seq_len <= max_seq_len
+            h_BSD = h_BSD + self.wpe(positions.to(h_BSD.device))
         for block in (self.blocks or {}).values():
             h_BSD = block(h_BSD, attention_context)
         if self.ln_f is not None:

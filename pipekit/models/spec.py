@@ -136,7 +136,8 @@ class ModelShape:
     tied_embeddings: bool
     """Whether the output projection is the embedding's weight."""
     max_seq_len: int
-    """Longest sequence the model is built for (positions beyond it are refused)."""
+    """Longest sequence the model is built for: a job's longer `seq_len` is refused, and
+    packed positions stay below `seq_len`."""
 
 
 class HFTensor(NamedTuple):

@@ -325,15 +325,18 @@ def _check_expert_parallel(
 
 
 def _check_structure(spec: ModelSpec, args: Any) -> nn.Module:
-    """The model on the meta device, once its structure is checked to place every module."""
+    """The model on the meta device, once its structure is checked to place every module, in
+    the order its own forward runs them."""
     import torch
 
+    from pipekit.models.forward_order import check_forward_order
     from pipekit.models.stage_module import check_structure
 
     with torch.device("meta"):
         model = spec.build(args)
     try:
         check_structure(model, spec.structure)
+        check_forward_order(model, spec.structure)
     except ValueError as error:
         raise _error(f"[model] {spec.name}:", error) from None
     return model

@@ -7,8 +7,11 @@ dropped). A row gives
 - `tokens`   = window[:-1], `labels` = window[1:], except `IGNORE_INDEX` (-100) where the label
   token belongs to another document than the input token (EOS -> next BOS): no predicting
   across documents;
-- `positions` = each token's index within its document (BOS is 0), so a document continued
-  from the previous row keeps counting where it was;
+- `positions` = each token's index within its document's part in the row: 0 at a BOS, and 0
+  at the row's first token when the row continues a document from the previous row, since the
+  row cannot attend to that document's earlier part (document ids restart per row). So every
+  position lies in [0, S), below the model's `max_seq_len` (a job's S never exceeds it), and a
+  learned position table or RoPE sees the distances the row's attention sees;
 - `document_ids` = 0, 1, 2, ... in order of the documents met in the row (0 is the document the
   row starts in), which is what `pipekit.attention.document_mask` compares.
 
@@ -86,7 +89,9 @@ class TokenStream:
             ignored_BS = ignored_BS | ~self.loss_mask_T[offsets_BW[:, 1:]]
         labels_BS = window_BW[:, 1:].masked_fill(ignored_BS, IGNORE_INDEX)
         document_BS = document_BW[:, :-1]
-        positions_BS = offsets_BW[:, :-1] - self.document_starts_D[document_BS]
+        # a document continued from the previous row starts again at the row's first token
+        starts_BS = torch.maximum(self.document_starts_D[document_BS], offsets_BW[:, :1])
+        positions_BS = offsets_BW[:, :-1] - starts_BS
         return TensorDict(
             {
                 "tokens": window_BW[:, :-1].contiguous(),
