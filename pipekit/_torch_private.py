@@ -17,6 +17,7 @@ from torch.distributed import _functional_collectives as functional_collectives
 from torch.distributed._composable import checkpoint as _composable_checkpoint
 from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp._common_utils import collect_grad_tensors, replace_grad_tensors
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,6 +32,7 @@ __all__ = [
     "StridedShard",
     "TorchDispatchMode",
     "checkpoint_module_activations",
+    "collect_grad_tensors",
     "concatenate_meshes",
     "cpu_flash_attention_backward",
     "cpu_flash_attention_forward",
@@ -41,9 +43,11 @@ __all__ = [
     "grouped_mm",
     "ignore_profiler_markers_in_selective_checkpointing",
     "inductor_cache_dir",
+    "is_autograd_view",
     "local_shape_and_offset",
     "more_recompiles",
     "record_cuda_memory_history",
+    "replace_grad_tensors",
     "simulated_rank",
     "storage_holders",
     "tree_leaves",
@@ -177,6 +181,18 @@ def checkpoint_module_activations(
     state-dict names do not change (checkpoints and Hugging Face export stay the same).
     """
     _composable_checkpoint(module, context_fn=context_fn)
+
+
+# collect_grad_tensors(output) -> the grad-requiring tensors of a module's output (dicts, lists,
+# tuples, NamedTuples and dataclasses traversed), and replace_grad_tensors(output, iterator) ->
+# the output with them replaced in that order: FSDP2's own walk over a unit's output, where
+# it hooks each tensor for its pre-backward all-gather (torch.distributed.fsdp._common_utils).
+
+
+def is_autograd_view(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a differentiable view of another (`Tensor._base`): what FSDP2 warns
+    about when a unit returns one, since an in-place op on a view drops the hook it places."""
+    return tensor._base is not None
 
 
 # fsdp_replicate(module, *, mesh, mp_policy, ...), imported above: DDP built on FSDP2's

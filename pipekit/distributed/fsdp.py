@@ -22,12 +22,20 @@ experts and the routers are data parallel over the tp ranks too: the expert mesh
 them (expert parallelism may fold over them), and each router (and shared-experts FFN) is a
 unit of its own sharded over all the ranks that hold tokens of the stage (`routers_mesh`),
 whose reduce-scatter sums its gradients over the tp ranks the block's other units do not span.
+
+A unit may return a view without meaning to: `nn.Linear` with a bias on a 3-D input (a biased
+output projection, a block ending in one) multiplies the flattened rows and views the result
+back. FSDP2 hooks every output for the all-gather that backward needs, and an in-place op on a
+view (`h += x` downstream) drops that hook: a sharded unit's backward then fails on resharded
+parameters, a replicated one's gradients go unreduced. So every unit hands FSDP2 each view
+output as an alias that is no view (same storage and version counter, an identity in
+autograd): no copy, and an in-place op on it is an ordinary one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,7 +43,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from pipekit._torch_private import concatenate_meshes, fsdp_replicate
+from pipekit._torch_private import (
+    collect_grad_tensors,
+    concatenate_meshes,
+    fsdp_replicate,
+    is_autograd_view,
+    replace_grad_tensors,
+)
 from pipekit.moe.layer import MoE
 
 if TYPE_CHECKING:  # pipekit.config imports this module's dtypes: no import back at run time
@@ -54,6 +68,37 @@ def _expert_placement(param: nn.Parameter) -> Shard:
     placement splits, so every rank's block stays one rectangle."""
     taken = {p.dim for p in getattr(param, "placements", ()) if isinstance(p, Shard)}
     return Shard(next(dim for dim in range(1, param.ndim) if dim not in taken))
+
+
+class _AliasNotView(torch.autograd.Function):
+    """The identity, returning a tensor that shares its input's storage and version counter
+    (`detach`) without being a view of it: an in-place op on it is then tracked like one on any
+    fresh tensor, and one that invalidates a tensor saved for backward still fails there."""
+
+    @staticmethod
+    def forward(ctx: Any, view: torch.Tensor) -> torch.Tensor:
+        return view.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _outputs_without_views(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook run before FSDP2's: each grad-requiring output that is a view, as an
+    `_AliasNotView` of it (None, keeping `output`, when none is)."""
+    if not torch.is_grad_enabled():
+        return None
+    tensors = collect_grad_tensors(output)
+    if not any(is_autograd_view(tensor) for tensor in tensors):
+        return None
+    aliases = (_AliasNotView.apply(t) if is_autograd_view(t) else t for t in tensors)
+    return replace_grad_tensors(output, aliases)
+
+
+def _hand_over_outputs_without_views(unit: nn.Module) -> None:
+    """Give FSDP2's post-forward hook of `unit` its outputs without views (module docstring)."""
+    unit.register_forward_hook(_outputs_without_views, prepend=True)
 
 
 def data_parallel_mesh(mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceMesh | None:
@@ -127,6 +172,7 @@ def apply_data_parallel(
                     reshard_after_forward=reshard_after_forward,
                     shard_placement_fn=placement_of,
                 )
+                _hand_over_outputs_without_views(unit)
     dp_mesh = data_parallel_mesh(mesh, parallel_dims)
     precision_only = dp_mesh is None and precision_mesh is not None
     if precision_only and param_dtype != torch.float32:
@@ -139,9 +185,11 @@ def apply_data_parallel(
             fully_shard(
                 unit, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
             )
+            _hand_over_outputs_without_views(unit)
     else:
         for unit in [*blocks, model]:
             fsdp_replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)
+            _hand_over_outputs_without_views(unit)
     _sum_gradients(model, sum_gradients)
     return model
 
