@@ -30,13 +30,17 @@ def reference_attention(
     allowed: Tensor,
     scale: float,
     sinks_H: Tensor | None = None,
+    bias_BHSK: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`(out, lse)` by materialising the scores; fully masked rows give out 0, lse -inf.
-    `sinks_H`: one more score per row and head, of that value, whose value vector is zero."""
+    `sinks_H`: one more score per row and head, of that value, whose value vector is zero.
+    `bias_BHSK`: added to every score (broadcast)."""
     heads, kv_heads = q_BHSD.shape[1], k_BGKD.shape[1]
     k_BHKD = k_BGKD.repeat_interleave(heads // kv_heads, dim=1)
     v_BHKD = v_BGKD.repeat_interleave(heads // kv_heads, dim=1)
     scores = (q_BHSD @ k_BHKD.transpose(-1, -2)) * scale
+    if bias_BHSK is not None:
+        scores = scores + bias_BHSK
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks_H is not None:
         sink_BHS1 = sinks_H.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
@@ -47,3 +51,9 @@ def reference_attention(
     if sinks_H is not None:
         probs = probs[..., :-1]
     return probs @ v_BHKD, lse_BHS
+
+
+def alibi_bias(slopes_H: Tensor, q_tokens_S: Tensor, kv_tokens_K: Tensor) -> Tensor:
+    """ALiBi written out, `[1, H, S, K]`: minus each head's slope times the tokens' distance."""
+    distance_SK = (q_tokens_S[:, None] - kv_tokens_K[None, :]).abs()
+    return -slopes_H.view(1, -1, 1, 1) * distance_SK.to(slopes_H.dtype)

@@ -1,6 +1,7 @@
 """Shared cases of the context-parallel attention tests: one full sequence (q, k, v, an upstream
-gradient, packed documents, attention sinks), its single-process attention and gradients, and
-the whole-sequence run of the trainer's context by a variant, compared in float64."""
+gradient, packed documents, attention sinks), its single-process attention and gradients (with
+a window, or ALiBi's score bias), and the whole-sequence run of the trainer's context by a
+variant, compared in float64."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from attention_reference import reference_attention
+from attention_reference import alibi_bias, reference_attention
 
+from pipekit.attention import ALIBI, alibi_slopes
 from pipekit.attention.context import ContextParallelAttention
 from pipekit.attention.context_parallel import load_balanced_indices
 from pipekit.attention.hierarchical import HierarchicalGroups
@@ -21,6 +23,16 @@ SLICES = 4
 TOLERANCE = 1e-12
 WINDOW = AttentionPattern(window=6)
 """A sliding window shorter than a slice: later slices see only the end of the one before."""
+ALIBI_PATTERN = AttentionPattern(
+    score_bias=ALIBI, bias_H=torch.tensor(alibi_slopes(HEADS), dtype=torch.float64)
+)
+"""Causal, each head's scores biased by its ALiBi slope times the tokens' distance."""
+PATTERNS = {"window": WINDOW, "alibi": ALIBI_PATTERN}
+
+
+def case_pattern(case: str) -> AttentionPattern | None:
+    """The pattern a case's name mentions (None: causal)."""
+    return next((pattern for name, pattern in PATTERNS.items() if name in case), None)
 
 
 def case_inputs() -> dict[str, torch.Tensor]:
@@ -45,17 +57,19 @@ def case_inputs() -> dict[str, torch.Tensor]:
 def case_reference(
     inputs: dict[str, torch.Tensor], pattern: AttentionPattern | None = None, sinks: bool = False
 ) -> dict[str, torch.Tensor]:
-    """One process: causal (or `pattern`'s) attention within documents (with the attention
-    sinks if `sinks`), its output and gradients."""
+    """One process: causal (or `pattern`'s: a window, a score bias) attention within documents
+    (with the attention sinks if `sinks`), its output and gradients."""
     q, k, v, sinks_H = (inputs[name].clone().requires_grad_() for name in ("q", "k", "v", "sinks"))
     tokens = torch.arange(LENGTH)
     documents = inputs["documents"]
-    allowed_SK = (tokens[:, None] >= tokens[None, :]) & (
-        tokens[:, None] - tokens[None, :] < (pattern.window if pattern else LENGTH)
-    )
+    window = pattern.window if pattern and pattern.window else LENGTH
+    allowed_SK = (tokens[:, None] >= tokens[None, :]) & (tokens[:, None] - tokens[None, :] < window)
     allowed_BSK = allowed_SK & (documents[:, :, None] == documents[:, None, :])
     allowed = allowed_BSK[:, None].expand(BATCH, HEADS, LENGTH, LENGTH)
-    out, _ = reference_attention(q, k, v, allowed, HEAD_DIM**-0.5, sinks_H if sinks else None)
+    bias = None
+    if pattern is not None and pattern.score_bias == ALIBI:
+        bias = alibi_bias(pattern.bias_H, tokens, tokens)
+    out, _ = reference_attention(q, k, v, allowed, HEAD_DIM**-0.5, sinks_H if sinks else None, bias)
     (out * inputs["upstream"]).sum().backward()
     grads = {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
     return grads | ({"sinks": sinks_H.grad} if sinks else {})

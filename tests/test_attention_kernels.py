@@ -133,8 +133,8 @@ def _corrupting_kernel(corrupt):
     """Ablation: a stand-in for compiled FlexAttention that is right except where `corrupt`
     changes its output (SDPA underneath, so nothing compiles)."""
 
-    def kernel(q, k, v, *, block_mask, scale, enable_gqa):
-        assert block_mask is None
+    def kernel(q, k, v, *, block_mask, score_mod, scale, enable_gqa):
+        assert block_mask is None and score_mod is None
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=enable_gqa)
         return corrupt(out.clone())
 

@@ -1,8 +1,10 @@
 """Attention patterns as data: the pattern's rule against its definition, the keys it bounds,
 and every single-process context honouring it exactly — the whole sequence, packed documents,
-slices over a KV cache (float64, outputs and gradients against one dense reference), the
-chunks a windowed slice skips, and the bytes a windowed layer's cache holds in a forward-only
-pass. Each has an ablation: the same path with the pattern ignored fails."""
+slices over a KV cache (float64, outputs and gradients against one dense reference, score
+biases and soft caps included), compiled FlexAttention's forward applying the same score
+modifications, the chunks a windowed slice skips, and the bytes a windowed layer's cache
+holds in a forward-only pass. Each has an ablation: the same path with the pattern ignored
+(or its cap, or the bias of the cached chunks) fails."""
 
 from __future__ import annotations
 
@@ -11,13 +13,23 @@ import itertools
 
 import pytest
 import torch
+from attention_reference import alibi_bias
 from torch import Tensor
 
-from pipekit.attention import AttentionPattern
-from pipekit.attention.context import CausalAttention, SlicedKVCache
+from pipekit.attention import ALIBI, AttentionPattern, alibi_slopes
+from pipekit.attention.context import CausalAttention, SlicedKVCache, attend
 from pipekit.attention.kv_cache import ChunkedKVCache
 
 B, H, G, D = 2, 4, 2, 8
+SLOPES_H = torch.tensor(alibi_slopes(H), dtype=torch.float64)
+HEAD_INDEX_H = torch.arange(H, dtype=torch.float64)
+
+
+def _head_parity_bias(head: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """A score-bias rule of the general kind: by the head's value (its index) and both tokens."""
+    return 0.3 * head * ((q + k) % 3) - 0.1 * (q - k)
+
+
 PATTERNS = {
     "causal": None,
     "window": AttentionPattern(window=5),
@@ -27,6 +39,12 @@ PATTERNS = {
     "window+chunk": AttentionPattern(window=7, chunk=8),
     "softcap": AttentionPattern(softcap=0.5),
     "window+softcap": AttentionPattern(window=5, softcap=0.5),
+    "alibi": AttentionPattern(score_bias=ALIBI, bias_H=SLOPES_H),
+    "alibi+window+softcap": AttentionPattern(
+        window=7, softcap=0.5, score_bias=ALIBI, bias_H=SLOPES_H
+    ),
+    "prefix+alibi": AttentionPattern(prefix=4, score_bias=ALIBI, bias_H=SLOPES_H),
+    "bias rule": AttentionPattern(score_bias=_head_parity_bias, bias_H=HEAD_INDEX_H),
 }
 
 
@@ -44,8 +62,16 @@ def _allowed(pattern: AttentionPattern | None, q: int, k: int) -> bool:
     return allowed
 
 
+def _dense_bias(pattern: AttentionPattern, length: int) -> Tensor:
+    """The pattern's score bias `[1, H, S, S]`, written out."""
+    tokens = torch.arange(length)
+    if pattern.score_bias == ALIBI:
+        return alibi_bias(pattern.bias_H, tokens, tokens)
+    return pattern.score_bias(pattern.bias_H.view(1, -1, 1, 1), tokens[:, None], tokens[None, :])
+
+
 def _dense_reference(q, k, v, pattern, scale, documents=None) -> Tensor:
-    """softmax(q k^T · scale) v over the allowed keys, materialised (float64)."""
+    """softmax(cap(q k^T · scale + bias)) v over the allowed keys, materialised (float64)."""
     length = q.shape[2]
     allowed = torch.tensor(
         [[_allowed(pattern, i, j) for j in range(length)] for i in range(length)]
@@ -56,6 +82,8 @@ def _dense_reference(q, k, v, pattern, scale, documents=None) -> Tensor:
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     scores = (q @ k.transpose(-1, -2)) * scale
+    if pattern is not None and pattern.score_bias is not None:
+        scores = scores + _dense_bias(pattern, length)
     if pattern is not None and pattern.softcap is not None:
         scores = pattern.softcap * torch.tanh(scores / pattern.softcap)
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
@@ -107,8 +135,17 @@ def test_whole_sequence_attention_honours_the_pattern_fp64(name, packed):
         torch.testing.assert_close(grad, reference, rtol=1e-10, atol=1e-12)
 
 
-def _sliced(q, k, v, pattern, num_slices, documents=None):
-    cache = SlicedKVCache(documents, backend="cpu")
+class _BiasDroppedOnCachedChunks(SlicedKVCache):
+    """Ablation: the slice's queries meet the cached chunks without the pattern's score bias."""
+
+    def _mask(self, pattern, q_start, q_length, kv_start, k_BGKD):
+        if kv_start != q_start:
+            pattern = dataclasses.replace(pattern, score_bias=None, bias_H=None)
+        return super()._mask(pattern, q_start, q_length, kv_start, k_BGKD)
+
+
+def _sliced(q, k, v, pattern, num_slices, documents=None, cache_type=SlicedKVCache):
+    cache = cache_type(documents, backend="cpu")
     length = q.shape[2] // num_slices
     outs = [
         cache.attend(
@@ -139,6 +176,85 @@ def test_slices_over_a_kv_cache_equal_the_whole_sequence_fp64(name):
         uncapped = dataclasses.replace(pattern, softcap=None)
         ignored = _sliced(q, k, v, uncapped, num_slices=4, documents=documents)
         assert (ignored - want).abs().max() > 1e-3
+    if pattern is not None and pattern.score_bias is not None:  # ablation: the cache unbiased
+        dropped = _sliced(q, k, v, pattern, 4, documents, _BiasDroppedOnCachedChunks)
+        assert (dropped - want).abs().max() > 1e-3
+
+
+def test_compiled_flex_forward_on_cpu_applies_the_score_modification():
+    """FlexAttention's score_mod carries the bias and the cap: slices over a KV cache on the
+    `flex` backend (compiled, forward only on CPU; head dim 32, the smallest it admits) equal
+    the dense reference, and `flex`'s own check against the `cpu` kernel passes; with the
+    cached chunks' bias dropped they do not."""
+    pattern, length, head_dim = PATTERNS["alibi+window+softcap"], 24, 32
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, heads, length, head_dim, generator=generator) for heads in (H, G, G))
+    want = _dense_reference(q.double(), k.double(), v.double(), pattern, head_dim**-0.5)
+    with torch.no_grad():
+        cache = SlicedKVCache(backend="flex")
+        slices = [
+            attend(cache, "0", *(t[:, :, i : i + 6] for t in (q, k, v)), head_dim**-0.5, pattern)
+            for i in range(0, length, 6)
+        ]
+    got = torch.cat(slices, dim=2)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    unbiased = dataclasses.replace(pattern, score_bias=None, bias_H=None)
+    ignored = _dense_reference(q.double(), k.double(), v.double(), unbiased, head_dim**-0.5)
+    assert (got.double() - ignored).abs().max() > 1e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_on_cuda_applies_the_score_modification_with_gradients():
+    """On CUDA FlexAttention trains through its score_mod: output and the gradients of q, k
+    and v of the whole sequence with ALiBi, a window and a soft cap equal the dense float64
+    reference."""
+    pattern, length, head_dim = PATTERNS["alibi+window+softcap"], 24, 16
+    generator = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(B, heads, length, head_dim, generator=generator) for heads in (H, G, G)]
+    q, k, v = (t.cuda().requires_grad_() for t in inputs)
+    on_device = pattern.with_bias_values(pattern.bias_H.cuda())
+    got = CausalAttention(backend="flex").attend("0", q, k, v, head_dim**-0.5, on_device)
+    leaves = [t.double().requires_grad_() for t in inputs]
+    want = _dense_reference(*leaves, pattern, head_dim**-0.5)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=2e-4, atol=2e-4)
+    weights = torch.randn(want.shape, generator=generator, dtype=torch.float64)
+    grads = torch.autograd.grad((got.double() * weights.cuda()).sum(), (q, k, v))
+    references = torch.autograd.grad((want * weights).sum(), leaves)
+    for grad, reference in zip(grads, references, strict=True):
+        torch.testing.assert_close(grad.double().cpu(), reference, rtol=1e-3, atol=1e-3)
+
+
+def test_score_bias_values_are_checked_before_any_attention():
+    """A score bias without its head values, values that do not fit the call's heads, values
+    without a bias, or an unknown bias: one line each."""
+    q, k, v = _qkv(8)
+    alibi = AttentionPattern(score_bias=ALIBI)
+    with pytest.raises(ValueError, match=r"takes one score-bias value per query head, 4 here"):
+        attend(None, "0", q, k, v, 1.0, alibi)
+    with pytest.raises(ValueError, match=r"4 here .* got \(2,\)"):
+        attend(None, "0", q, k, v, 1.0, alibi, bias_H=SLOPES_H[:2])
+    with pytest.raises(ValueError, match="no score_bias to use it"):
+        attend(None, "0", q, k, v, 1.0, AttentionPattern(window=3), bias_H=SLOPES_H)
+    with pytest.raises(ValueError, match="score_bias needs one value per query head"):
+        CausalAttention(backend="cpu").attend("0", q, k, v, 1.0, alibi)  # bypassing attend
+    with pytest.raises(ValueError, match=r"2 head values \(bias_H\) do not fit 4 query heads"):
+        two_values = alibi.with_bias_values(SLOPES_H[:2])
+        CausalAttention(backend="cpu").attend("0", q, k, v, 1.0, two_values)
+    with pytest.raises(ValueError, match="score_bias='alibi2' must be 'alibi' or a rule"):
+        AttentionPattern(score_bias="alibi2")
+
+
+@pytest.mark.parametrize("name", ["rule", "bias rule"])
+def test_context_exchange_refuses_a_pattern_made_of_code(name):
+    """What a peer cannot rebuild from numbers is refused before anything is sent."""
+    from pipekit.attention.exchange import AttentionLoan, QueryPositions
+    from pipekit.attention.loan_wire import send_request
+
+    q, _, _ = _qkv(8)
+    positions = QueryPositions(None, torch.arange(8), PATTERNS[name])
+    with pytest.raises(ValueError, match="has a rule \\(code\\), which cannot be sent"):
+        send_request(AttentionLoan(1), q.detach(), [], positions, 1.0, False, False)
 
 
 def test_a_prefix_longer_than_the_first_slice_is_refused():

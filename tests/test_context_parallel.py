@@ -1,8 +1,8 @@
 """Context parallelism against one process: load-balanced shards, KV all-gather and commutated
 attention over a chunked KV cache (with context exchange on top), float64, outputs and the
-gradients of q, k and v, packed documents included; whole models under FSDP2 x context
-parallelism against one process; each with an ablation that must fail; and the per-slice
-choice by bytes."""
+gradients of q, k and v, packed documents, windows, attention sinks and ALiBi's score bias
+included; whole models under FSDP2 x context parallelism against one process; each with an
+ablation that must fail; and the per-slice choice by bytes."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from context_parallel_cases import (
+    ALIBI_PATTERN,
     LENGTH,
     SLICES,
     TOLERANCE,
     WINDOW,
     case_inputs,
     case_leaves,
+    case_pattern,
     case_sinks,
     summed_grads,
     whole_sequence_run,
@@ -125,12 +127,16 @@ class _ZeroGradient(torch.autograd.Function):
 
 
 def _lending_run(
-    rank: int, world: int, ablate: bool, sinks: bool = False
+    rank: int,
+    world: int,
+    ablate: bool,
+    sinks: bool = False,
+    pattern: AttentionPattern | None = None,
 ) -> dict[str, torch.Tensor]:
     """Commutated attention with context exchange on top, 2 cp x 2 pipeline ranks: cp ranks 0
-    and 1 attend the sliced sequence, lending earlier slices to their pipeline peers 2 and 3
-    (slice 0 in forward, every earlier slice in backward), which serve them for both cp
-    ranks' queries. The ablation drops the gradients of the lent chunks."""
+    and 1 attend the sliced sequence by `pattern`, lending earlier slices to their pipeline
+    peers 2 and 3 (slice 0 in forward, every earlier slice in backward), which serve them for
+    both cp ranks' queries. The ablation drops the gradients of the lent chunks."""
     cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pipeline_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pipeline_group = pipeline_groups[rank % 2]
@@ -169,13 +175,27 @@ def _lending_run(
         q = leaves["q"][:, :, tokens]
         out, _ = commutated_context_attention(
             q, shard, lent_cache, cp_groups[0], backend="cpu", lendings=lendings, lendable=index,
-            sinks_H=sinks_H,
+            sinks_H=sinks_H, pattern=pattern,
         )  # fmt: skip
         loss = loss + (out * inputs["upstream"][:, :, tokens]).sum()
         full_out[:, :, tokens] = out.detach()
     loss.backward()
     dist.all_reduce(full_out)
     return {"out": full_out, **summed_grads(leaves)}
+
+
+def _ulysses_heads_run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
+    """Ulysses with ALiBi: each rank biases its heads by their own slopes; the ablation gives
+    every rank the first heads' slopes (a wrong head offset)."""
+    local_pattern = ulysses_module.local_pattern
+    if ablate:
+        ulysses_module.local_pattern = lambda pattern, group: pattern.on_head_shard(
+            0, dist.get_world_size(group)
+        )
+    try:
+        return whole_sequence_run("ulysses", ALIBI_PATTERN)(rank, world, False)
+    finally:
+        ulysses_module.local_pattern = local_pattern
 
 
 def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -195,6 +215,11 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
                 for variant in ("kv_passing", "ring", "commutated", "ulysses")
             ),
             *(
+                (f"{variant}, whole sequence, alibi", whole_sequence_run(variant, ALIBI_PATTERN))
+                for variant in ("kv_passing", "ring", "commutated")
+            ),
+            ("ulysses, whole sequence, alibi (heads' own slopes)", _ulysses_heads_run),
+            *(
                 (
                     f"{variant}, whole sequence, keys are values",
                     whole_sequence_run(variant, shared=True),
@@ -209,10 +234,16 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
             ("commutated, sliced, sinks", _sliced_run(commutated_context_attention, sinks=True)),
             ("kv passing, sliced, window", _sliced_run(kv_passing_context_attention, WINDOW)),
             ("commutated, sliced, window", _sliced_run(commutated_context_attention, WINDOW)),
+            ("kv passing, sliced, alibi", _sliced_run(kv_passing_context_attention, ALIBI_PATTERN)),
+            ("commutated, sliced, alibi", _sliced_run(commutated_context_attention, ALIBI_PATTERN)),
             *(
                 (
                     ("commutated, sliced, exchange", _lending_run),
                     ("commutated, sliced, exchange, sinks", partial(_lending_run, sinks=True)),
+                    (
+                        "commutated, sliced, exchange, alibi",
+                        partial(_lending_run, pattern=ALIBI_PATTERN),
+                    ),
                 )
                 if world == 4
                 else ()
@@ -227,11 +258,12 @@ def test_context_parallel_attention_matches_one_process_fp64(world: int) -> None
     """Every variant over the whole sequence (KV all-gather, ring, commutated, Ulysses: with 4
     ranks its 2 kv heads are repeated to split) and over a
     chunked cache of slices (KV passing, commutated) equals single-process attention in output
-    and every gradient, causal and with a sliding window; the ablations (shards masked as if
-    their tokens came first; attending to the local cache only; the window ignored) do not."""
+    and every gradient, causal, with a sliding window and with ALiBi; the ablations (shards
+    masked as if their tokens came first; attending to the local cache only; the pattern
+    ignored; Ulysses biasing every rank's heads by the first heads' slopes) do not."""
     per_rank = run_on_ranks(_runs, world, timeout=120)
     for case in per_rank[0]:
-        pattern = WINDOW if "window" in case else None
+        pattern = case_pattern(case)
         shared, sinks = "keys are values" in case, "sinks" in case
         results = [results[case] for results in per_rank]
         difference = worst_difference(results, pattern, shared, sinks)

@@ -2,9 +2,13 @@
 LayerNorm, GELU, MoE every other block) trains through the model contract alone: under FSDP
 (2 ranks) and under the 2-rank sliced pipeline with context exchange and vocabulary
 parallelism, its loss and every gradient equal the single-process step on the same microbatches
-(float64, 1e-10), MoE auxiliary losses on. Ablations: the runner without its auxiliary-loss
-scaling, and a structure that puts the final norm on the wrong stage. The registry keeps the
-built-in families when a user registers first, and the job runs from its config file."""
+(float64, 1e-10), MoE auxiliary losses on. With ALiBi on its even layers it does so under
+tensor parallelism, context parallelism (the automatic variant and Ulysses) and the sliced
+pipeline with context exchange. Ablations: the runner without its auxiliary-loss scaling, a
+structure that puts the final norm on the wrong stage, every tp rank biasing its heads by the
+first heads' slopes, and the KV cache's earlier slices attended without the bias. The registry
+keeps the built-in families when a user registers first, and the job runs from its config
+file."""
 
 from __future__ import annotations
 
@@ -15,8 +19,11 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
+import torch
 
 import examples.custom_model.model as custom
+import pipekit.attention.kv_cache as kv_cache_module
+from pipekit.layers import HeadValues
 from pipekit.moe import MoEArgs
 from pipekit.testing import (
     data_parallel_step,
@@ -93,6 +100,69 @@ def test_breaking_the_aux_scaling_or_the_structure_breaks_parity(references, abl
     assert sliced > 1e-6
     if ablation == "norm_on_the_first_stage":
         assert sliced_without_aux > 1e-6
+
+
+ALIBI_ARGS = dataclasses.replace(ARGS, n_heads=4, alibi=True)
+"""ALiBi on layers 0 and 2; 4 heads, so each tp rank holds two with slopes of their own."""
+ALIBI_LAYOUTS = {
+    "tp 2": {"tp": 2},
+    "tp 2, first heads' slopes on every rank": {"tp": 2},
+    "cp 2": {"cp": 2},
+    "cp 2 ulysses": {"cp": 2, "cp_variant": "ulysses"},
+    "sliced pipeline, exchange": SLICED,
+    "sliced pipeline, cached slices unbiased": {**SLICED, "context_exchange": False},
+}
+
+
+_SLOPES, _BLOCK_MASK = HeadValues.forward, kv_cache_module.block_mask
+
+
+def _first_heads_slopes(self: HeadValues) -> torch.Tensor:
+    """Ablation: a wrong head offset, every tp rank reading the first heads' slopes."""
+    local_H = _SLOPES(self)
+    return torch.tensor(self.values[: local_H.shape[0]], dtype=local_H.dtype)
+
+
+def _earlier_slices_unbiased(pattern, q_start, q_length, kv_start, *rest):
+    """Ablation: a slice's queries meet the earlier slices' keys without the score bias."""
+    if pattern is not None and kv_start != q_start:
+        pattern = dataclasses.replace(pattern, score_bias=None, bias_H=None)
+    return _BLOCK_MASK(pattern, q_start, q_length, kv_start, *rest)
+
+
+def _alibi_cases(rank: int, world: int) -> dict:
+    """Every ALiBi layout on one process group; the ablations break one mechanism each."""
+    results = {}
+    for name, layout in ALIBI_LAYOUTS.items():
+        if "first heads" in name:
+            HeadValues.forward = _first_heads_slopes
+        if "unbiased" in name:
+            kv_cache_module.block_mask = _earlier_slices_unbiased
+        try:
+            step = pipeline_step if "pipeline" in name else data_parallel_step
+            results[name] = step(rank, world, custom.TINY_GPT, ALIBI_ARGS, _batch(), **layout)
+        finally:
+            HeadValues.forward, kv_cache_module.block_mask = _SLOPES, _BLOCK_MASK
+    return results
+
+
+def test_alibi_model_matches_one_process_under_tp_cp_and_the_sliced_pipeline_fp64() -> None:
+    """The example with ALiBi on its even layers: tp 2 (each rank its heads' slopes), cp 2 and
+    the sliced pipeline with context exchange and vocabulary parallelism equal one process
+    (loss and every gradient, float64); a wrong head offset under tp, or the earlier slices'
+    keys attended without the bias, do not. The bias is in effect: without it the model
+    computes something else."""
+    per_rank = run_on_ranks(_alibi_cases, 2, timeout=300)
+    spec = custom.TINY_GPT
+    whole = reference_step(spec, ALIBI_ARGS, _batch())  # tp and cp: one data rank
+    sliced = reference_step(spec, ALIBI_ARGS, _batch(), microbatches=MICROBATCHES)
+    for name in ALIBI_LAYOUTS:
+        reference = sliced if "pipeline" in name else whole
+        difference = max_relative_difference([results[name] for results in per_rank], reference)
+        broken = "first heads" in name or "unbiased" in name
+        assert (difference > 1e-3) if broken else (difference <= TOLERANCE), (name, difference)
+    without = reference_step(spec, dataclasses.replace(ALIBI_ARGS, alibi=False), _batch())
+    assert max_relative_difference([whole], without) > 1e-3
 
 
 def test_registering_a_model_keeps_the_built_in_families() -> None:

@@ -1,8 +1,8 @@
 """Hierarchical context parallelism (Ulysses inside groups of cp ranks, another variant across
 them) against one process in float64: the attention alone with every variant across, sinks,
-windows and keys that are their own values; whole models with Ulysses and hierarchical context
-parallelism under tensor parallelism, pipelines and FSDP2; the bytes rule; the refusals. Each
-with an ablation that must fail."""
+windows, ALiBi and keys that are their own values; whole models with Ulysses and hierarchical
+context parallelism under tensor parallelism, pipelines and FSDP2; the bytes rule; the
+refusals. Each with an ablation that must fail."""
 
 from __future__ import annotations
 
@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from context_parallel_cases import TOLERANCE, WINDOW, whole_sequence_run, worst_difference
+from context_parallel_cases import (
+    ALIBI_PATTERN,
+    TOLERANCE,
+    WINDOW,
+    whole_sequence_run,
+    worst_difference,
+)
 from tiny_models import TINY_LLAMA
 
 from pipekit.attention import ulysses as ulysses_module
@@ -64,6 +70,8 @@ CASES = {
     "commutated across": {},
     "auto across": {},
     "commutated across, window": {"pattern": WINDOW},
+    "kv_passing across, alibi": {"pattern": ALIBI_PATTERN},
+    "ring across, alibi": {"pattern": ALIBI_PATTERN},
     "ring across, sinks": {"sinks": True},
     "kv_passing across, keys are values": {"shared": True},
 }
@@ -86,9 +94,9 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
 
 def test_hierarchical_attention_matches_one_process_fp64() -> None:
     """4 cp ranks as 2 Ulysses groups of 2: with K/V passing, the ring, commutated attention or
-    the byte rule's choice across the groups, with a window, attention sinks and keys that are
-    their own values, output and every gradient equal one process's; with each group attending
-    to its own tokens only they do not."""
+    the byte rule's choice across the groups, with a window, ALiBi (each rank its heads'
+    slopes), attention sinks and keys that are their own values, output and every gradient
+    equal one process's; with each group attending to its own tokens only they do not."""
     per_rank = run_on_ranks(_runs, 4, timeout=120)
     for case in per_rank[0]:
         name = case.removesuffix(" ablated")

@@ -1,6 +1,7 @@
 """A model of your own, trained by pipekit: GPT-2 style (LayerNorm, learned positions, GELU
-MLP, biases) with a pipekit mixture of experts in every other block. docs/custom_models.md
-walks through it; `[model] module = "examples.custom_model.model"` makes a job import it."""
+MLP, biases) with a pipekit mixture of experts in every other block, and optionally ALiBi on
+the even layers. docs/custom_models.md walks through it; `[model] module =
+"examples.custom_model.model"` makes a job import it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
+from pipekit.attention import ALIBI, AttentionPattern, alibi_slopes
 from pipekit.attention.context import AttentionContext, attend
 from pipekit.distributed.tensor_parallel_styles import gathered_input, routes_own_tokens, row_split
+from pipekit.layers import HeadValues
 from pipekit.layers.init import seeded, trunc_normal_
 from pipekit.models import ModelShape, ModelSpec, ModelStructure, register_model
 from pipekit.moe import MoE, MoEArgs
@@ -26,16 +29,25 @@ class TinyGPTArgs:
     max_seq_len: int = 1024
     moe: MoEArgs = field(default_factory=lambda: MoEArgs(num_experts=4, top_k=2))
     tie_embeddings: bool = False  # GPT-2 ties lm_head to wte
+    alibi: bool = False  # ALiBi on the even layers (a bias on the scores by head and distance)
+
+
+ALIBI_LAYER = AttentionPattern(score_bias=ALIBI)
+"""Causal, each score biased by -slope_h x the distance between the tokens."""
 
 
 class Attention(nn.Module):
     """Causal self-attention without RoPE; the attention context decides what it attends to
-    (a KV cache of earlier slices, another rank's chunks), so pipekit can slice and exchange."""
+    (a KV cache of earlier slices, another rank's chunks), so pipekit can slice and exchange.
+    With `alibi`, each head's scores are biased by its slope times the tokens' distance."""
 
-    def __init__(self, args: TinyGPTArgs) -> None:
+    def __init__(self, args: TinyGPTArgs, alibi: bool = False) -> None:
         super().__init__()
         self.head_dim = args.dim // args.n_heads
         self.qkv, self.proj = nn.Linear(args.dim, 3 * args.dim), nn.Linear(args.dim, args.dim)
+        # one slope per head; under tensor parallelism pipekit splits them with the heads
+        self.slopes = HeadValues(alibi_slopes(args.n_heads)) if alibi else None
+        self.pattern = ALIBI_LAYER if alibi else None
 
     def forward(self, x_BSD: Tensor, layer_id: str, context: AttentionContext | None) -> Tensor:
         # The fused projection's rows hold each head's q, k and v together (Megatron's layout),
@@ -43,7 +55,10 @@ class Attention(nn.Module):
         # from what the projection returns (all heads, or a rank's).
         qkv_BSH3K = self.qkv(x_BSD).unflatten(-1, (-1, 3, self.head_dim))
         q, k, v = (qkv_BSH3K[..., part, :].transpose(1, 2) for part in range(3))  # [B, H, S, K]
-        out_BHSK = attend(context, layer_id, q, k, v, self.head_dim**-0.5)
+        slopes_H = None if self.slopes is None else self.slopes()  # this rank's heads'
+        out_BHSK = attend(
+            context, layer_id, q, k, v, self.head_dim**-0.5, self.pattern, bias_H=slopes_H
+        )
         return self.proj(out_BHSK.transpose(1, 2).flatten(2))
 
 
@@ -52,7 +67,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = str(layer_id)
         self.ln_1, self.ln_2 = nn.LayerNorm(args.dim), nn.LayerNorm(args.dim)
-        self.attn = Attention(args)
+        self.attn = Attention(args, alibi=args.alibi and layer_id % 2 == 0)
         if layer_id % 2:  # pipekit's MoE: routing, experts, expert parallelism, aux losses
             self.mlp: nn.Module = MoE(args.dim, 2 * args.dim, args.moe)
         else:
@@ -65,7 +80,8 @@ class Block(nn.Module):
         for linear in (self.attn.qkv, self.attn.proj, *dense):
             trunc_normal_(linear.weight, 0.02)
             nn.init.zeros_(linear.bias)
-        for module in (self.ln_1, self.ln_2, self.mlp if isinstance(self.mlp, MoE) else None):
+        moe = self.mlp if isinstance(self.mlp, MoE) else None
+        for module in (self.ln_1, self.ln_2, moe, self.attn.slopes):
             if module is not None:
                 module.reset_parameters()
 

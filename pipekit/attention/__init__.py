@@ -38,8 +38,10 @@ from pipekit.attention.masks import (
 from pipekit.attention.merge import merge_attention
 from pipekit.attention.patterns import CAUSAL, AttentionPattern
 from pipekit.attention.ring import ring_context_attention
+from pipekit.attention.score_mod import ALIBI, ScoreBiasRule, alibi_slopes
 
 __all__ = [
+    "ALIBI",
     "CAUSAL",
     "AttentionBackend",
     "AttentionLoan",
@@ -51,7 +53,9 @@ __all__ = [
     "LentChunk",
     "MaskMod",
     "RingBackend",
+    "ScoreBiasRule",
     "SliceAttention",
+    "alibi_slopes",
     "and_masks",
     "attention",
     "attention_over_chunks",

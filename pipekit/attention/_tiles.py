@@ -19,7 +19,14 @@ from torch import Tensor
 
 from pipekit.attention.masks import MaskMod
 
-__all__ = ["Tile", "evaluate_mask", "iter_tiles", "mask_dependence", "whole_problem_tile"]
+__all__ = [
+    "Tile",
+    "evaluate_mask",
+    "index_grids",
+    "iter_tiles",
+    "mask_dependence",
+    "whole_problem_tile",
+]
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,20 @@ class Tile:
         return empty if bool(empty.any()) else None
 
 
+def index_grids(
+    batch: int, heads: int, q_rows: slice, kv_cols: slice, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(b, h, q_idx, kv_idx)` of a tile as broadcast index tensors (`[B,1,1,1]`, `[1,H,1,1]`,
+    `[1,1,q,1]`, `[1,1,1,kv]`): how a mask_mod or a score_mod is evaluated outside
+    FlexAttention."""
+    return (
+        torch.arange(batch, device=device).view(-1, 1, 1, 1),
+        torch.arange(heads, device=device).view(1, -1, 1, 1),
+        torch.arange(q_rows.start, q_rows.stop, device=device).view(1, 1, -1, 1),
+        torch.arange(kv_cols.start, kv_cols.stop, device=device).view(1, 1, 1, -1),
+    )
+
+
 def evaluate_mask(
     mask: MaskMod,
     batch: int,
@@ -62,10 +83,7 @@ def evaluate_mask(
     Index grids are broadcast, so the result keeps size 1 on the batch and head dims when the
     mask does not depend on them.
     """
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-    q_idx = torch.arange(q_rows.start, q_rows.stop, device=device).view(1, 1, -1, 1)
-    kv_idx = torch.arange(kv_cols.start, kv_cols.stop, device=device).view(1, 1, 1, -1)
+    b, h, q_idx, kv_idx = index_grids(batch, heads, q_rows, kv_cols, device)
     allowed = torch.as_tensor(mask(b, h, q_idx, kv_idx), device=device)
     if allowed.dtype != torch.bool:
         raise TypeError(f"mask_mod must return a bool tensor, got {allowed.dtype}")

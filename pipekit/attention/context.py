@@ -36,7 +36,6 @@ from pipekit.attention.patterns import (
     AttentionPattern,
     block_mask,
     block_visible,
-    pattern_backend,
 )
 from pipekit.attention.ring import ring_context_attention
 from pipekit.attention.ulysses import ulysses_context_attention
@@ -53,8 +52,9 @@ __all__ = [
 @runtime_checkable
 class AttentionContext(Protocol):
     """Computes a layer's attention output from its projected, rotated q, k, v, seeing what
-    `pattern` allows (None: causal), with the layer's attention sinks (one logit per query
-    head, counted once in the softmax's denominator) if it has them."""
+    `pattern` allows (None: causal; its score bias's per-head values bound to it, see
+    `attend`), with the layer's attention sinks (one logit per query head, counted once in the
+    softmax's denominator) if it has them."""
 
     def attend(
         self,
@@ -88,9 +88,8 @@ class CausalAttention:
     ) -> Tensor:
         documents, length = self.document_ids_BS, q_BHSD.shape[2]
         mask = block_mask(pattern, 0, length, 0, length, documents, documents, q_BHSD.device)
-        backend = pattern_backend(self.backend, pattern)
         chunk = KVChunk(k_BGSD, v_BGSD, mask)
-        return attention_over_chunks(q_BHSD, [chunk], scale, backend, sinks_H)[0]
+        return attention_over_chunks(q_BHSD, [chunk], scale, self.backend, sinks_H)[0]
 
 
 class SlicedKVCache:
@@ -144,8 +143,7 @@ class SlicedKVCache:
             for kv_start, k_BGKD, v_BGKD in past
             if block_visible(pattern, q_start, slice_len, kv_start, k_BGKD.shape[2])
         ]
-        backend = pattern_backend(self.backend, pattern)
-        return attention_over_chunks(q_BHSD, kv_chunks, scale, backend, sinks_H)[0]
+        return attention_over_chunks(q_BHSD, kv_chunks, scale, self.backend, sinks_H)[0]
 
     def _mask(
         self,
@@ -201,27 +199,27 @@ class ContextParallelAttention:
         pattern: AttentionPattern | None = None,
         sinks_H: Tensor | None = None,
     ) -> Tensor:
-        options = {"scale": scale, "backend": self.backend, "pattern": pattern}
+        options = {"scale": scale, "backend": self.backend}
         ulysses_size = self.hierarchy.ulysses_size if self.hierarchy is not None else 1
         variant = _variant_over(
             self.variant, self.group, q_BHSD, k_BGSD, v_BGSD, True, ulysses_size
         )
         if variant != "hierarchical":
             return _attend_by(variant, q_BHSD, k_BGSD, v_BGSD, self.shard, self.group,
-                              sinks_H=sinks_H, **options)  # fmt: skip
+                              sinks_H=sinks_H, pattern=pattern, **options)  # fmt: skip
         hierarchy = self.hierarchy
         assert hierarchy is not None
 
         def across(q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, shard: TokenShard,
-                   sinks_H: Tensor | None) -> Tensor:  # fmt: skip
+                   sinks_H: Tensor | None, pattern: AttentionPattern | None) -> Tensor:  # fmt: skip
             variant = _variant_over(
                 hierarchy.across_variant, hierarchy.across, q_BHSD, k_BGSD, v_BGSD, False
             )
             return _attend_by(variant, q_BHSD, k_BGSD, v_BGSD, shard, hierarchy.across,
-                              sinks_H=sinks_H, **options)  # fmt: skip
+                              sinks_H=sinks_H, pattern=pattern, **options)  # fmt: skip
 
         return hierarchical_context_attention(
-            q_BHSD, k_BGSD, v_BGSD, self.shard, hierarchy, across, sinks_H
+            q_BHSD, k_BGSD, v_BGSD, self.shard, hierarchy, across, sinks_H, pattern
         )
 
 
@@ -278,12 +276,38 @@ def attend(
     scale: float,
     pattern: AttentionPattern | None = None,
     sinks_H: Tensor | None = None,
+    bias_H: Tensor | None = None,
 ) -> Tensor:
     """A layer's attention under `context` (None: over the given tokens alone), seeing what
     `pattern` allows (None: causal), with attention sinks `sinks_H` (one logit per query head)
-    if the layer has them."""
+    if the layer has them. `bias_H`: one value per query head of `q_BHSD` for the pattern's
+    `score_bias` (ALiBi: the slopes; under tensor parallelism this rank's heads' values, as
+    `pipekit.layers.HeadValues` returns them)."""
+    pattern = _with_bias_values(pattern, bias_H, q_BHSD.shape[1])
     if context is None:
         context = CausalAttention(backend="auto")
     if sinks_H is None:
         return context.attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern=pattern)
     return context.attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern=pattern, sinks_H=sinks_H)
+
+
+def _with_bias_values(
+    pattern: AttentionPattern | None, bias_H: Tensor | None, heads: int
+) -> AttentionPattern | None:
+    """`pattern` with the call's head values bound (`bias_H`, or those already bound), after
+    checking that they fit its query heads."""
+    if pattern is None or pattern.score_bias is None:
+        if bias_H is not None:
+            raise ValueError(
+                f"attend: bias_H given with pattern {pattern}, which has no score_bias to use "
+                "it; give the pattern a score_bias (e.g. 'alibi') or drop bias_H"
+            )
+        return pattern
+    values_H = pattern.bias_H if bias_H is None else bias_H
+    if values_H is None or tuple(values_H.shape) != (heads,):
+        shape = None if values_H is None else tuple(values_H.shape)
+        raise ValueError(
+            f"attend: {pattern} takes one score-bias value per query head, {heads} here "
+            f"(under tensor parallelism, this rank's heads), as bias_H; got {shape}"
+        )
+    return pattern.with_bias_values(values_H)

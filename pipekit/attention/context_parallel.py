@@ -45,7 +45,7 @@ from pipekit.attention.chunked import KVChunk, attention_over_chunks
 from pipekit.attention.exchange import Lending, LentChunk, QueryPositions, post_loans
 from pipekit.attention.masks import MaskMod, token_order_mask
 from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
-from pipekit.attention.patterns import AttentionPattern, is_causal, pattern_backend
+from pipekit.attention.patterns import AttentionPattern, is_causal
 
 __all__ = [
     "CACHED_SHARD_ATTENTION",
@@ -190,7 +190,6 @@ def kv_passing_context_attention(
     `(out_BHSD, lse_BHS)` with exact gradients for q and for the local chunks' k and v (each
     source's dK/dV returns to it). `drop_remote` (an ablation) attends to this rank's chunks
     only."""
-    backend = pattern_backend(backend, pattern)
     rank = dist.get_rank(group)
     chunks = []
     for cached in cache:
@@ -403,7 +402,6 @@ def commutated_context_attention(
         lending.check(lendable)
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     kv_tensors = [t for c in cache for t in (c.k_BGKD, c.v_BGKD)]
-    backend = pattern_backend(backend, pattern)
     if isinstance(backend, str):
         backend = select_backend(backend, q_BHSD, *kv_tensors)
     settings = _Commutated(

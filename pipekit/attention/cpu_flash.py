@@ -10,7 +10,9 @@ kernel written in Python ops would be several times slower.
 Differentiability: the op's lse carries no gradient, so this backend is used through one
 autograd function over all KV chunks (see `pipekit.attention.chunked`). Masks: the op only knows
 dense additive masks and top-left causal, so masks are evaluated per tile (`_tiles`); fully masked
-tiles are skipped. GQA: each KV tile is expanded to the query heads just before its call.
+tiles are skipped. GQA: each KV tile is expanded to the query heads just before its call. The op
+has no score hook: a chunk whose scores its pattern modifies (a bias, a soft cap: a
+`ScoredMask`) runs on `pipekit.attention.score_mod.ScoreModKernel` instead.
 
 Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
 """
@@ -26,6 +28,7 @@ from pipekit._torch_private import cpu_flash_attention_backward, cpu_flash_atten
 from pipekit.attention._tiles import Tile, iter_tiles, whole_problem_tile
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.merge import merge_attention
+from pipekit.attention.score_mod import ScoredMask, ScoreModKernel
 
 __all__ = ["CpuFlashBackend"]
 
@@ -100,6 +103,7 @@ class CpuFlashBackend:
         self.q_block = q_block
         self.kv_block = kv_block
         self._plans = _PlanCache()
+        self._scored = ScoreModKernel()  # chunks whose scores a pattern modifies
 
     def _tiles(self, q_BHSD: Tensor, k_BGKD: Tensor, mask: MaskMod | None) -> list[list[Tile]]:
         """Tiles grouped by query block (each group's partials are merged).
@@ -181,6 +185,8 @@ class CpuFlashBackend:
         self, q_BHSD: Tensor, k_BGKD: Tensor, v_BGKD: Tensor, mask: MaskMod | None, scale: float
     ) -> tuple[Tensor, Tensor]:
         """Attention of the queries over one KV chunk: `(out_BHSD, lse_BHS)`, no autograd."""
+        if isinstance(mask, ScoredMask):
+            return self._scored.forward_chunk(q_BHSD, k_BGKD, v_BGKD, mask, scale)
         plan = self._tiles(q_BHSD, k_BGKD, mask)
         single = self._single_tile(plan, q_BHSD.shape[2], k_BGKD.shape[2])
         if single is not None:
@@ -213,6 +219,10 @@ class CpuFlashBackend:
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of one chunk given the *merged* `out` and `lse` (ring-attention identity)."""
+        if isinstance(mask, ScoredMask):
+            return self._scored.backward_chunk(
+                grad_out_BHSD, q_BHSD, k_BGKD, v_BGKD, out_BHSD, lse_BHS, mask, scale
+            )
         stat_dtype = torch.promote_types(q_BHSD.dtype, torch.float32)
         # Rows with no key anywhere have lse = -inf; +inf makes their probabilities exp(-inf) = 0.
         lse_BHS = lse_BHS.masked_fill(torch.isneginf(lse_BHS), float("inf")).to(stat_dtype)

@@ -64,7 +64,7 @@ from pipekit.attention.loan_wire import (
 )
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
-from pipekit.attention.patterns import AttentionPattern, is_causal, pattern_backend
+from pipekit.attention.patterns import AttentionPattern, is_causal
 
 __all__ = [
     "AttentionLoan",
@@ -135,7 +135,6 @@ def _answer_forward(
     backend: str | AttentionBackend,
 ) -> None:
     q_BHSD = request.q_BHSD
-    backend = pattern_backend(backend, request.pattern)
     chosen, scale = _ring_backend_and_scale(backend, request.scale, q_BHSD)
     with torch.no_grad():
         partials = [
@@ -158,7 +157,6 @@ def _answer_backward(
     grad_out_BHSD, out_BHSD = _buffer(q_BHSD), _buffer(q_BHSD)
     lse_BHS = torch.empty(q_BHSD.shape[:3], dtype=_lse_dtype(q_BHSD))
     loan.receive(grad_out_BHSD, out_BHSD, lse_BHS)
-    backend = pattern_backend(backend, request.pattern)
     chosen, scale = _ring_backend_and_scale(backend, request.scale, q_BHSD)
     grad_q_BHSD, kv_grads = ring_backward(
         chosen,
@@ -405,9 +403,7 @@ def attention_with_lending(
     check_sinks(sinks_H, q_BHSD)
     kv_tensors = [t for c in local_chunks for t in (c.k_BGKD, c.v_BGKD)]
     kv_tensors += [t for c in lendable_chunks for t in (c.k_BGKD, c.v_BGKD)]
-    backend, scale = _ring_backend_and_scale(
-        pattern_backend(backend, pattern), scale, q_BHSD, *kv_tensors
-    )
+    backend, scale = _ring_backend_and_scale(backend, scale, q_BHSD, *kv_tensors)
     query = QueryPositions(q_document_ids_BS, q_tokens_S, pattern)
     return _LentAttention.apply(
         backend,

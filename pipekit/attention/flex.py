@@ -22,6 +22,10 @@ anyway for the lse, so the check costs one comparison), raising `FlexKernelMisma
 of returning wrong values on a CPU or shape nobody has swept. A one-time probe per shape would
 not do: a run that happens to read the right values proves nothing about the next one.
 
+Score modifications (a pattern's bias or soft cap, `pipekit.attention.score_mod`) go to
+FlexAttention as its `score_mod`; on CPU the reference output and lse come from the `cpu`
+backend, which computes them by materialising the chunk's scores.
+
 Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
 """
 
@@ -43,6 +47,7 @@ from pipekit._torch_private import more_recompiles
 from pipekit.attention._tiles import mask_dependence
 from pipekit.attention.cpu_flash import CpuFlashBackend
 from pipekit.attention.masks import MaskMod
+from pipekit.attention.score_mod import split_score_mod
 
 __all__ = [
     "MIN_CPU_HEAD_DIM",
@@ -190,22 +195,20 @@ class FlexBackend:
             _refuse_untrusted_cpu_shape(q_BHSD)
         else:
             refuse_unsupported_cuda_shape(q_BHSD)
-        block_mask = None if mask is None else self.block_mask(mask, q_BHSD, k_BGKD)
-        enable_gqa = q_BHSD.shape[1] != k_BGKD.shape[1]
+        mask_mod, score_mod = split_score_mod(mask, q_BHSD.shape[1])
+        block_mask = None if mask_mod is None else self.block_mask(mask_mod, q_BHSD, k_BGKD)
+        options = {
+            "block_mask": block_mask,
+            "score_mod": score_mod,
+            "scale": scale,
+            "enable_gqa": q_BHSD.shape[1] != k_BGKD.shape[1],
+        }
         if not on_cpu:
             out_BHSD, aux = compiled_flex_attention()(
-                q_BHSD,
-                k_BGKD,
-                v_BGKD,
-                block_mask=block_mask,
-                scale=scale,
-                enable_gqa=enable_gqa,
-                return_aux=AuxRequest(lse=True),
+                q_BHSD, k_BGKD, v_BGKD, return_aux=AuxRequest(lse=True), **options
             )
             return out_BHSD, aux.lse
-        out_BHSD = compiled_flex_attention()(
-            q_BHSD, k_BGKD, v_BGKD, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
-        )
+        out_BHSD = compiled_flex_attention()(q_BHSD, k_BGKD, v_BGKD, **options)
         reference_out_BHSD, lse_BHS = self._cpu_reference.forward_chunk(
             q_BHSD, k_BGKD, v_BGKD, mask, scale
         )

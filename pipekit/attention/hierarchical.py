@@ -23,9 +23,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pipekit.attention.context_parallel import TokenShard
 from pipekit.attention.merge import check_sinks
+from pipekit.attention.patterns import AttentionPattern
 from pipekit.attention.ulysses import (
     check_ulysses_heads,
     group_shard,
+    local_pattern,
     local_sinks,
     reshard_to_sequence,
     to_head_shards,
@@ -42,8 +44,11 @@ __all__ = [
 ACROSS_VARIANTS = ("auto", "commutated", "kv_passing", "ring")
 """What runs across the Ulysses groups ("ring": whole sequences only)."""
 
-AcrossAttention = Callable[[Tensor, Tensor, Tensor, TokenShard, Tensor | None], Tensor]
-"""q, k, v of the group's tokens on this rank's heads, their shard, the heads' sinks -> out."""
+AcrossAttention = Callable[
+    [Tensor, Tensor, Tensor, TokenShard, Tensor | None, AttentionPattern | None], Tensor
+]
+"""q, k, v of the group's tokens on this rank's heads, their shard, the heads' sinks, the
+layer's pattern on the heads -> out."""
 
 
 @dataclass(frozen=True)
@@ -109,14 +114,17 @@ def hierarchical_context_attention(
     groups: HierarchicalGroups,
     attend_across: AcrossAttention,
     sinks_H: Tensor | None = None,
+    pattern: AttentionPattern | None = None,
 ) -> Tensor:
     """This rank's tokens' (`shard`) attention output `[B, H, S, D]`: resharded to heads over
     `groups.ulysses`, attended across the groups by `attend_across` (context parallelism over
-    `groups.across` on the group's tokens), resharded back."""
+    `groups.across` on the group's tokens, with the heads' sinks and `pattern`), resharded
+    back."""
     check_sinks(sinks_H, q_BHSD)
     q_BHSD, k_BGSD, v_BGSD = to_head_shards(q_BHSD, k_BGSD, v_BGSD, groups.ulysses)
     whole_group = group_shard(shard, groups.ulysses)
     out_BHSD = attend_across(
-        q_BHSD, k_BGSD, v_BGSD, whole_group, local_sinks(sinks_H, groups.ulysses)
-    )
+        q_BHSD, k_BGSD, v_BGSD, whole_group, local_sinks(sinks_H, groups.ulysses),
+        local_pattern(pattern, groups.ulysses),
+    )  # fmt: skip
     return reshard_to_sequence(out_BHSD, groups.ulysses)

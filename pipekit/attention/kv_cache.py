@@ -42,7 +42,6 @@ from pipekit.attention.patterns import (
     block_mask,
     block_visible,
     is_causal,
-    pattern_backend,
 )
 
 __all__ = ["CachedSlice", "ChunkedKVCache", "SliceAttention"]
@@ -339,7 +338,7 @@ class SliceAttention:
             KVChunk(cached.k_BGSD, cached.v_BGSD, self.earlier_mask(cached, pattern))
             for cached in visible
         ]
-        backend = pattern_backend(self.cache.backend, pattern)
+        backend = self.cache.backend
         return attention_over_chunks(q_BHSD, [*chunks, own], scale, backend, sinks_H)[0]
 
     def earlier_mask(self, cached: CachedSlice, pattern: AttentionPattern | None) -> MaskMod | None:
@@ -391,7 +390,7 @@ class SliceAttention:
             *lendings,
             q_document_ids_BS=self.document_ids_BS,
             scale=scale,
-            backend=self.cache.backend,  # soft-capped by the pattern inside
+            backend=self.cache.backend,
             q_tokens_S=q_tokens_S,
             pattern=pattern,
             sinks_H=sinks_H,

@@ -9,11 +9,13 @@ shapes, so the receiver needs no prior knowledge:
 - a request (`send_request` / `receive_loan`): its kind, the softmax scale, the query and its
   document ids, then the chunks unless they went ahead.
 
-A layer whose `AttentionPattern` is not plain causal (a sliding window, local chunks) sends the
-pattern's numbers in the request and each token's index in the sequence with the query and the
-chunks, so the server builds the same masks the lender would; a pattern with a `rule` (code)
-cannot travel and is refused. A request may carry no chunk at all (every chunk its plan lends
-lies outside the layer's window): the server answers it with an empty attention.
+A layer whose `AttentionPattern` is not plain causal (a sliding window, local chunks, a score
+bias) sends the pattern's numbers in the request (with its soft cap and its score bias's value
+for each of the query's heads beside the softmax scale) and each token's index in the sequence
+with the query and the chunks, so the server builds the same masks and score modifications the
+lender would; a pattern with a `rule` or a score-bias rule (code) cannot travel and is refused.
+A request may carry no chunk at all (every chunk its plan lends lies outside the layer's
+window): the server answers it with an empty attention.
 
 The attention computed on either side is `pipekit.attention.exchange`'s.
 
@@ -34,6 +36,7 @@ from torch import Tensor
 from pipekit.attention.chunked import KVChunk
 from pipekit.attention.masks import MaskMod, documents_or_all
 from pipekit.attention.patterns import AttentionPattern, is_causal
+from pipekit.attention.score_mod import ALIBI
 
 __all__ = [
     "DEFAULT_LOAN_TIMEOUT",
@@ -80,27 +83,44 @@ def lent_chunk_mask(
 
 
 def _pattern_fields(pattern: AttentionPattern | None) -> list[int]:
-    """[non-causal, window, chunk, prefix] (0 for none) of a pattern that can travel (its soft
-    cap travels with the softmax scale)."""
+    """[non-causal, window, chunk, prefix, ALiBi] (0 for none) of a pattern that can travel
+    (its soft cap and its score bias's head values travel with the softmax scale)."""
     if is_causal(pattern):
-        return [0, 0, 0, 0]
+        return [0, 0, 0, 0, 0]
     assert pattern is not None
-    if pattern.rule is not None:
+    if pattern.rule is not None or callable(pattern.score_bias):
         raise ValueError(
             f"context exchange: {pattern} has a rule (code), which cannot be sent to the peer "
-            "that computes a lent chunk; express it by window, chunk and prefix, or set "
-            "[parallelism] context_exchange = false"
+            "that computes a lent chunk; express it by window, chunk, prefix and "
+            f"score_bias={ALIBI!r}, or set [parallelism] context_exchange = false"
         )
-    return [1, pattern.window or 0, pattern.chunk or 0, pattern.prefix]
+    alibi = pattern.score_bias == ALIBI
+    return [1, pattern.window or 0, pattern.chunk or 0, pattern.prefix, int(alibi)]
 
 
-def _pattern_of(fields: Sequence[int], softcap: float) -> AttentionPattern | None:
-    non_causal, window, chunk, prefix = fields
+def _pattern_of(fields: Sequence[int], numbers: Tensor) -> AttentionPattern | None:
+    """The pattern `_pattern_fields` and `_pattern_numbers` describe."""
+    non_causal, window, chunk, prefix, alibi = fields
     if not non_causal:
         return None
+    softcap = float(numbers[1]) or None
     return AttentionPattern(
-        window=window or None, chunk=chunk or None, prefix=prefix, softcap=softcap or None
+        window=window or None,
+        chunk=chunk or None,
+        prefix=prefix,
+        softcap=softcap,
+        score_bias=ALIBI if alibi else None,
+        bias_H=numbers[2:] if alibi else None,
     )
+
+
+def _pattern_numbers(scale: float, pattern: AttentionPattern | None) -> Tensor:
+    """[scale, soft cap (0: none), the score bias's value per query head...] in float64."""
+    softcap = (pattern.softcap if pattern else None) or 0.0
+    numbers = torch.tensor([scale, softcap], dtype=torch.float64)
+    if pattern is None or pattern.bias_H is None:
+        return numbers
+    return torch.cat([numbers, pattern.bias_H.detach().to("cpu", torch.float64)])
 
 
 @dataclass(frozen=True)
@@ -217,15 +237,15 @@ def send_request(
     backward: bool,
     chunks_ahead: bool,
 ) -> list[dist.Work]:
-    """[backward, dtype, B, H, S, D, documents, ahead, pattern...], the scale, the query, its
-    document ids and token indices, then the lent chunks unless they were sent ahead."""
+    """[backward, dtype, B, H, S, D, documents, ahead, pattern...], the scale (with the
+    pattern's soft cap and head values), the query, its document ids and token indices, then
+    the lent chunks unless they were sent ahead."""
     documents = positions.document_ids_BS is not None
     fields = [backward, _DTYPES.index(q_BHSD.dtype), *q_BHSD.shape, documents, chunks_ahead]
     fields += _pattern_fields(positions.pattern)
     header = torch.tensor(fields, dtype=torch.long)
     works = loan.send(torch.tensor([header.numel()]), header)
-    softcap = (positions.pattern.softcap if positions.pattern else None) or 0.0
-    works += loan.send(torch.tensor([scale, softcap], dtype=torch.float64), q_BHSD)
+    works += loan.send(_pattern_numbers(scale, positions.pattern), q_BHSD)
     if positions.document_ids_BS is not None:
         works += loan.send(positions.document_ids_BS)
     if not is_causal(positions.pattern):
@@ -244,14 +264,13 @@ def wait_all(works: Sequence[dist.Work]) -> None:
 @dataclass
 class ReceivedLoan:
     """A request as a server received it (`receive_loan`): the query, the lent chunks with the
-    query's masks against them, the softmax scale and the kind."""
+    query's masks against them (and the lender's score modifications), the softmax scale and
+    the kind."""
 
     q_BHSD: Tensor
     chunks: list[KVChunk]
     scale: float
     backward: bool
-    pattern: AttentionPattern | None = None
-    """The lender's layer pattern (None: causal): its soft cap picks the server's kernel."""
 
 
 def receive_loan(
@@ -263,7 +282,7 @@ def receive_loan(
     is_backward, dtype_index, batch, heads, queries, head_dim, documents, ahead = (
         int(x) for x in header[:8]
     )
-    pattern_fields = [int(x) for x in header[8:12]]
+    pattern_fields = [int(x) for x in header[8:13]]
     if bool(is_backward) != backward or bool(ahead) != (chunks_ahead is not None):
         kinds = ("backward" if is_backward else "forward", "backward" if backward else "forward")
         where = ("ahead" if ahead else "inside", "ahead" if chunks_ahead is not None else "inside")
@@ -272,10 +291,10 @@ def receive_loan(
             f"a {kinds[1]} one with its chunks {where[1]} was expected; the two ranks' plans "
             "disagree"
         )
-    scale_and_cap = torch.empty(2, dtype=torch.float64)
+    numbers = torch.empty(2 + (heads if pattern_fields[4] else 0), dtype=torch.float64)
     q_BHSD = torch.empty(batch, heads, queries, head_dim, dtype=_DTYPES[dtype_index])
-    loan.receive(scale_and_cap, q_BHSD)
-    pattern = _pattern_of(pattern_fields, float(scale_and_cap[1]))
+    loan.receive(numbers, q_BHSD)
+    pattern = _pattern_of(pattern_fields, numbers)
     q_docs = None
     if documents:
         q_docs = torch.empty(batch, queries, dtype=torch.long)
@@ -288,4 +307,4 @@ def receive_loan(
     chunks = [
         KVChunk(c.k_BGKD, c.v_BGKD, lent_chunk_mask(c, q_docs, q_tokens, pattern)) for c in lent
     ]
-    return ReceivedLoan(q_BHSD, chunks, float(scale_and_cap[0]), backward, pattern)
+    return ReceivedLoan(q_BHSD, chunks, float(numbers[0]), backward)

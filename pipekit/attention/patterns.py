@@ -9,6 +9,12 @@ context-parallel rank's load-balanced shard against another's, a lent chunk on a
 `visible_keys` bounds the keys a block of queries can see, so a context skips (and need not
 keep, gather or send) the chunks outside it.
 
+A pattern may also modify the scores it allows: an additive `score_bias` by head and token
+indices (ALiBi), then a `softcap`. The bias reads one value per query head (`bias_H`, ALiBi's
+slopes), which the layer hands to `attend` with its q, k, v: a rank holding some of the heads
+passes its own heads' values. Its mask then carries the chunk's score_mod
+(`pipekit.attention.score_mod`), which every kernel applies.
+
 Every pattern is causal at heart: a query never sees a later key, except inside a bidirectional
 prefix. Under slicing the prefix must fit in the first slice (a slice cannot see keys that are
 not computed yet): `check_sliced` refuses it otherwise.
@@ -19,12 +25,11 @@ Legend: S queries, K keys, B batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.masks import (
     MaskMod,
     and_masks,
@@ -32,7 +37,7 @@ from pipekit.attention.masks import (
     document_mask,
     documents_or_all,
 )
-from pipekit.attention.softcap import SoftcapBackend
+from pipekit.attention.score_mod import ALIBI, ScoreBiasRule, ScoredMask, token_score_mod
 
 __all__ = [
     "CAUSAL",
@@ -41,7 +46,6 @@ __all__ = [
     "block_mask",
     "block_visible",
     "is_causal",
-    "pattern_backend",
 ]
 
 PositionRule = Callable[[Tensor, Tensor], Tensor]
@@ -53,8 +57,8 @@ tensors), True where attention is allowed; it is ANDed with the pattern's other 
 class AttentionPattern:
     """Which keys a query attends to, by the tokens' indices in the sequence: causal, narrowed
     by a sliding `window`, local `chunk`s and a `rule`, widened by a bidirectional `prefix`;
-    and `softcap`, which caps the scores. Within packed documents the document mask applies on
-    top."""
+    and what it does to the scores it allows: `score_bias` adds a bias (ALiBi), then `softcap`
+    caps them. Within packed documents the document mask applies on top."""
 
     window: int | None = None
     """Sliding window: a query sees the `window` tokens ending at itself (Mistral, Gemma's
@@ -68,7 +72,14 @@ class AttentionPattern:
     """Any further rule on token positions (ANDed); it cannot be sent to an exchange peer."""
     softcap: float | None = None
     """Attention-logit soft-capping: scores become `softcap · tanh(s / softcap)` before the
-    softmax (Gemma 2); computed by `pipekit.attention.softcap.SoftcapBackend`."""
+    softmax (Gemma 2), after any `score_bias`."""
+    score_bias: str | ScoreBiasRule | None = None
+    """An additive bias on each score from its query head's value in `bias_H` and the tokens'
+    indices i, j: `"alibi"` (`-m_h · |i - j|`, the values being ALiBi's slopes m_h) or any rule
+    `(value_h, i, j) -> bias` (code: it cannot be sent to an exchange peer)."""
+    bias_H: Tensor | None = field(default=None, compare=False, repr=False)
+    """`score_bias`'s value for each query head of this call (under tensor parallelism, a rank's
+    heads): bound per call by `attend(..., bias_H=...)` or `with_bias_values`."""
 
     def __post_init__(self) -> None:
         for name in ("window", "chunk"):
@@ -79,11 +90,41 @@ class AttentionPattern:
             raise ValueError(f"AttentionPattern: prefix={self.prefix!r} must be an int >= 0")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"AttentionPattern: softcap={self.softcap!r} must be positive")
+        if (
+            self.score_bias is not None
+            and self.score_bias != ALIBI
+            and not callable(self.score_bias)
+        ):
+            raise ValueError(
+                f"AttentionPattern: score_bias={self.score_bias!r} must be {ALIBI!r} or a rule "
+                "(head_value, q_token, kv_token) -> bias"
+            )
+        if self.bias_H is not None and (self.score_bias is None or self.bias_H.dim() != 1):
+            raise ValueError(
+                f"AttentionPattern: bias_H of shape {tuple(self.bias_H.shape)} needs a "
+                "score_bias and one value per query head; give score_bias or drop bias_H"
+            )
 
     @property
     def causal(self) -> bool:
         """Whether this is plain causal attention."""
         return self == CAUSAL
+
+    @property
+    def modifies_scores(self) -> bool:
+        """Whether the pattern changes the scores it allows (a bias or a cap)."""
+        return self.score_bias is not None or self.softcap is not None
+
+    def with_bias_values(self, bias_H: Tensor | None) -> AttentionPattern:
+        """This pattern with `score_bias`'s per-head values for one call's query heads."""
+        return replace(self, bias_H=bias_H)
+
+    def on_head_shard(self, index: int, shards: int) -> AttentionPattern:
+        """The pattern of the `index`-th of `shards` equal runs of the call's heads (Ulysses
+        gives a rank such a run): its heads' values of `bias_H`."""
+        if self.bias_H is None:
+            return self
+        return self.with_bias_values(self.bias_H.chunk(shards)[index])
 
     def allows(self, q_tokens: Tensor, kv_tokens: Tensor) -> Tensor:
         """Elementwise over broadcast token-index tensors: may the query see the key?"""
@@ -128,14 +169,25 @@ class AttentionPattern:
         kv_document_ids_BK: Tensor | None = None,
     ) -> MaskMod:
         """The kernel mask of a query block against a KV chunk, given each row's token index
-        in the sequence (1-D), within documents if ids are given."""
+        in the sequence (1-D), within documents if ids are given; with the chunk's score_mod
+        (a `ScoredMask`) if the pattern modifies scores."""
 
         def pattern_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return self.allows(q_tokens_S[q_idx], kv_tokens_K[kv_idx])
 
-        if q_document_ids_BS is None or kv_document_ids_BK is None:
-            return pattern_mask
-        return and_masks(pattern_mask, document_mask(q_document_ids_BS, kv_document_ids_BK))
+        mask: MaskMod = pattern_mask
+        if q_document_ids_BS is not None and kv_document_ids_BK is not None:
+            mask = and_masks(pattern_mask, document_mask(q_document_ids_BS, kv_document_ids_BK))
+        if not self.modifies_scores:
+            return mask
+        if self.score_bias is not None and self.bias_H is None:
+            raise ValueError(
+                f"{self}: score_bias needs one value per query head; pass bias_H to attend "
+                "(ALiBi: the slopes, pipekit.layers.HeadValues(alibi_slopes(n_heads)))"
+            )
+        bias_H = None if self.bias_H is None else self.bias_H.to(q_tokens_S.device)
+        score_mod = token_score_mod(q_tokens_S, kv_tokens_K, self.score_bias, bias_H, self.softcap)
+        return ScoredMask(mask, score_mod, None if bias_H is None else bias_H.shape[0])
 
     def check_sliced(self, first_slice_length: int) -> None:
         """ValueError when slices computed in order cannot honour the pattern: a prefix longer
@@ -190,13 +242,3 @@ def block_visible(
     if pattern is None:
         return True
     return pattern.sees_any(q_start, q_start + q_length - 1, kv_start, kv_start + kv_length - 1)
-
-
-def pattern_backend(
-    backend: str | AttentionBackend, pattern: AttentionPattern | None
-) -> str | AttentionBackend:
-    """The kernel a layer with `pattern` runs on: `backend`, or the soft-capped kernel when the
-    pattern caps its scores (no other kernel has a score hook)."""
-    if pattern is None or pattern.softcap is None:
-        return backend
-    return SoftcapBackend(pattern.softcap)

@@ -24,7 +24,7 @@ from torch import Tensor
 from pipekit.attention.backends import AttentionBackend, ring_backend, select_backend
 from pipekit.attention.context_parallel import TokenShard, gather_token_shards, shard_mask
 from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
-from pipekit.attention.patterns import AttentionPattern, pattern_backend
+from pipekit.attention.patterns import AttentionPattern
 
 __all__ = ["ring_context_attention"]
 
@@ -118,7 +118,6 @@ def ring_context_attention(
     this rank's chunk only. `sinks_H`: attention sinks, counted once in the merge."""
     check_sinks(sinks_H, q_BHSD)
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
-    backend = pattern_backend(backend, pattern)
     if isinstance(backend, str):
         backend = select_backend(backend, q_BHSD, k_BGSD, v_BGSD)
     settings = (ring_backend(backend), group, scale, shard, isolated, pattern)

@@ -40,12 +40,18 @@ from pipekit.attention.context_parallel import (
 )
 from pipekit.attention.kv_cache import SliceAttention
 from pipekit.attention.merge import check_sinks
-from pipekit.attention.patterns import AttentionPattern, pattern_backend
+from pipekit.attention.patterns import AttentionPattern
 
 if TYPE_CHECKING:
     from pipekit.attention.context import AttentionContext
 
-__all__ = ["UlyssesSliceAttention", "check_ulysses_heads", "ulysses_context_attention"]
+__all__ = [
+    "UlyssesSliceAttention",
+    "check_ulysses_heads",
+    "local_pattern",
+    "local_sinks",
+    "ulysses_context_attention",
+]
 
 
 def check_ulysses_heads(query_heads: int, cp: int, kv_heads: int | None = None) -> None:
@@ -133,6 +139,16 @@ def local_sinks(sinks_H: Tensor | None, group: dist.ProcessGroup | None) -> Tens
     return sinks_H.chunk(dist.get_world_size(group))[dist.get_rank(group)]
 
 
+def local_pattern(
+    pattern: AttentionPattern | None, group: dist.ProcessGroup | None
+) -> AttentionPattern | None:
+    """The layer's pattern on the heads this rank computes after the all-to-all: its heads'
+    values of a score bias (ALiBi's slopes)."""
+    if pattern is None:
+        return None
+    return pattern.on_head_shard(dist.get_rank(group), dist.get_world_size(group))
+
+
 def group_shard(shard: TokenShard, group: dist.ProcessGroup | None) -> TokenShard:
     """The tokens (and document ids) of every rank of `group`, by rank: what a rank holds of
     its heads after the all-to-all."""
@@ -159,15 +175,15 @@ def ulysses_context_attention(
 ) -> Tensor:
     """This rank's tokens' (`shard`) attention output `[B, H, S, D]` over the whole sequence by
     `pattern` (None: causal), computed head-sharded (see the module docstring); each rank
-    counts the attention sinks `sinks_H` of the heads it computes."""
+    counts the attention sinks `sinks_H` (and the score bias's values) of the heads it
+    computes."""
     check_sinks(sinks_H, q_BHSD)
     q_BHSD, k_BGSD, v_BGSD = to_head_shards(q_BHSD, k_BGSD, v_BGSD, group)
     whole = group_shard(shard, group)
-    mask = shard_mask(whole, whole, pattern)
+    mask = shard_mask(whole, whole, local_pattern(pattern, group))
     out_BHSD, _ = attention_over_chunks(
-        q_BHSD, [KVChunk(k_BGSD, v_BGSD, mask)], scale, pattern_backend(backend, pattern),
-        local_sinks(sinks_H, group),
-    )  # fmt: skip
+        q_BHSD, [KVChunk(k_BGSD, v_BGSD, mask)], scale, backend, local_sinks(sinks_H, group)
+    )
     return reshard_to_sequence(out_BHSD, group)
 
 
@@ -241,6 +257,7 @@ class UlyssesSliceAttention:
         q_BHSD, k_BGSD = q_BHSD[:, :, self.order_S], k_BGSD[:, :, self.order_S]
         v_BGSD = k_BGSD if keys_are_values else v_BGSD[:, :, self.order_S]
         out_BHSD = self._whole_slice().attend(
-            layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern, local_sinks(sinks_H, self.group)
-        )
+            layer_id, q_BHSD, k_BGSD, v_BGSD, scale, local_pattern(pattern, self.group),
+            local_sinks(sinks_H, self.group),
+        )  # fmt: skip
         return reshard_to_sequence(out_BHSD[:, :, self.unorder_S], self.group)

@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from pipekit.layers.head_values import HeadValues
 from pipekit.models.spec import ModelShape, ModelSpec
 
 __all__ = ["apply_tensor_parallel", "check_sequence_parallel_split", "check_tensor_parallel"]
@@ -88,14 +89,20 @@ def check_tensor_parallel(
         )
 
 
-def _split_attention_sinks(block: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Attention sinks (one logit per query head, `*.sinks`) split with their heads: each a
-    DTensor sharded on its head dim, as the column-split query projection's heads are."""
+def _split_per_head(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """What a block holds per query head, split with the heads: each a DTensor sharded on its
+    head dim, as the column-split query projection's heads are. Attention sinks (one logit
+    per head, `*.sinks`) and every `HeadValues` (a score bias's per-head values: ALiBi's
+    slopes, a head's global index), so each rank's attention reads its own heads' values."""
     for name, sinks in list(block.named_parameters()):
         if name.endswith(".sinks") and not isinstance(sinks, DTensor):
             owner = block.get_submodule(name.removesuffix(".sinks"))
             split = distribute_tensor(sinks.data, tp_mesh, [Shard(0)])
             owner.register_parameter("sinks", nn.Parameter(split, sinks.requires_grad))
+    for module in block.modules():
+        if isinstance(module, HeadValues) and not isinstance(module.values_H, DTensor):
+            values = distribute_tensor(module.values_H, tp_mesh, [Shard(0)], src_data_rank=None)
+            module.register_buffer("values_H", values, persistent=False)
 
 
 def apply_tensor_parallel(
@@ -118,7 +125,7 @@ def apply_tensor_parallel(
     for block in spec.structure.blocks_of(model):
         plan = spec.tensor_parallel_plan(block, sequence_parallel)
         parallelize_module(block, tp_mesh, dict(plan))
-        _split_attention_sinks(block, tp_mesh)
+        _split_per_head(block, tp_mesh)
     boundaries = _residual_stream_plan(model, tp_mesh, spec, sequence_parallel)
     embedding, output = (getattr(model, name, None) for name in spec.structure.vocabulary_modules)
     tied = embedding is not None and output is not None and embedding.weight is output.weight

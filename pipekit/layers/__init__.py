@@ -2,6 +2,7 @@
 vocabulary-parallel embedding, output layer and cross-entropy."""
 
 from pipekit.layers.attention import GroupedQueryAttention
+from pipekit.layers.head_values import HeadValues
 from pipekit.layers.norms import RMSNorm
 from pipekit.layers.rope import (
     RopeScaling,
@@ -21,6 +22,7 @@ from pipekit.layers.vocab_parallel import (
 __all__ = [
     "FeedForward",
     "GroupedQueryAttention",
+    "HeadValues",
     "RMSNorm",
     "RopeScaling",
     "RotaryEmbedding",
