@@ -1,9 +1,10 @@
 """A model unlike pipekit's built-in families, trained by pipekit: a Falcon / GPT-J style
 decoder with parallel blocks (attention and MLP read one biased LayerNorm and add to the stream
-together), learned absolute positions and no RoPE, multi-query attention with biased
-projections, an untied output projection with a bias, and a switch-routed mixture of experts
-with a capacity factor in every other block. `python -m pipekit.check --config
-examples/parallel_blocks/debug.toml` holds it against one process under every layout."""
+together), learned absolute positions and no RoPE, ALiBi on the even layers, multi-query
+attention with biased projections, an untied output projection with a bias, and a
+switch-routed mixture of experts with a capacity factor in every other block.
+`python -m pipekit.check --config examples/parallel_blocks/debug.toml --model.flavor
+debug_dropless` holds it against one process under every layout."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from pipekit.attention import ALIBI, AttentionPattern, alibi_slopes
 from pipekit.attention.context import AttentionContext, attend
+from pipekit.layers import HeadValues
 from pipekit.layers.init import seeded, trunc_normal_
 from pipekit.models import ModelShape, ModelSpec, ModelStructure, register_model
 from pipekit.moe import MoE, MoEArgs
@@ -32,22 +35,33 @@ class ParallelBlocksArgs:
     )
 
 
+ALIBI_LAYER = AttentionPattern(score_bias=ALIBI)
+"""Causal attention with each head's scores lowered by its slope times the tokens' distance."""
+
+
 class MultiQueryAttention(nn.Module):
     """Every query head reads one shared key/value head (multi-query attention); q, k and v
-    carry biases (the key's gets no gradient: softmax ignores a per-query constant)."""
+    carry biases (the key's gets no gradient: softmax ignores a per-query constant). With
+    `alibi`, the scores are biased by head and distance instead of positions entering q, k."""
 
-    def __init__(self, args: ParallelBlocksArgs) -> None:
+    def __init__(self, args: ParallelBlocksArgs, alibi: bool) -> None:
         super().__init__()
         self.head_dim = args.dim // args.n_heads
         self.wq = nn.Linear(args.dim, args.dim)
         self.wkv = nn.Linear(args.dim, 2 * self.head_dim)
         self.proj = nn.Linear(args.dim, args.dim)
+        self.slopes = HeadValues(alibi_slopes(args.n_heads)) if alibi else None
+        self.pattern = ALIBI_LAYER if alibi else None
 
     def forward(self, x_BSD: Tensor, layer_id: str, context: AttentionContext | None) -> Tensor:
         q_BHSK = self.wq(x_BSD).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         k_BSK, v_BSK = self.wkv(x_BSD).chunk(2, dim=-1)
         k_B1SK, v_B1SK = k_BSK.unsqueeze(1), v_BSK.unsqueeze(1)
-        out_BHSK = attend(context, layer_id, q_BHSK, k_B1SK, v_B1SK, self.head_dim**-0.5)
+        slopes_H = None if self.slopes is None else self.slopes()
+        out_BHSK = attend(
+            context, layer_id, q_BHSK, k_B1SK, v_B1SK, self.head_dim**-0.5, self.pattern,
+            bias_H=slopes_H,
+        )  # fmt: skip
         return self.proj(out_BHSK.transpose(1, 2).flatten(2))
 
 
@@ -58,7 +72,7 @@ class ParallelBlock(nn.Module):
         super().__init__()
         self.layer_id = str(layer_id)
         self.ln = nn.LayerNorm(args.dim)
-        self.attn = MultiQueryAttention(args)
+        self.attn = MultiQueryAttention(args, alibi=layer_id % 2 == 0)
         if layer_id % 2:
             self.mlp: nn.Module = MoE(args.dim, 2 * args.dim, args.moe)
         else:
@@ -73,8 +87,9 @@ class ParallelBlock(nn.Module):
             nn.init.normal_(linear.bias, std=0.02)  # non-zero: every bias is exercised
         self.ln.reset_parameters()
         nn.init.normal_(self.ln.bias, std=0.02)
-        if isinstance(self.mlp, MoE):
-            self.mlp.reset_parameters()
+        for module in (self.mlp if isinstance(self.mlp, MoE) else None, self.attn.slopes):
+            if module is not None:
+                module.reset_parameters()
 
     def forward(self, h_BSD: Tensor, context: AttentionContext | None) -> Tensor:
         x_BSD = self.ln(h_BSD)
