@@ -402,9 +402,10 @@ def _check_vocab_parallel(
     spec: ModelSpec, model: nn.Module, shape: ModelShape, pp: int, tp: int
 ) -> None:
     """Vocabulary parallelism needs pipeline ranks to split the vocabulary over (and their tp
-    ranks split each pipeline rank's rows), and logits transforms it can apply shard by shard."""
+    ranks split each pipeline rank's rows), vocabulary modules its row shards compute exactly,
+    and logits transforms it can apply shard by shard."""
     from pipekit.layers.vocab_parallel import dtensor_shard_sizes
-    from pipekit.pipelining.features.vocab_parallel import check_elementwise
+    from pipekit.pipelining.features.vocab_rules import check_vocab_parallel_model
 
     if pp < 2:
         raise ConfigError(
@@ -413,7 +414,6 @@ def _check_vocab_parallel(
         )
     try:
         dtensor_shard_sizes(shape.vocab_size, (pp, tp))
-        for name in spec.structure.logits_transforms:
-            check_elementwise(getattr(model, name), name)
+        check_vocab_parallel_model(model, spec.structure)
     except ValueError as error:
         raise _error("[parallelism] vocab_parallel = true:", error) from None
