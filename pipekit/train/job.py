@@ -88,7 +88,7 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     shape = spec.shape(args)
     meta_model = _check_structure(spec, args)
     _check_data(config, shape, tokenizer_vocab)
-    check_checkpoints(config, spec, args, check_files)
+    check_checkpoints(config, spec, args, check_files, meta_model)
     if upcycle is not None:
         _check_upcycle(config, check_files)
     dims = _parallel_dims(config, world_size)
