@@ -346,7 +346,7 @@ def test_vocabulary_parallelism_refuses_transforms_it_cannot_split():
     from torch import nn
 
     from examples.local_global.model import SoftCap
-    from pipekit.pipelining.features.vocab_parallel import check_elementwise
+    from pipekit.pipelining.features.vocab_rules import check_elementwise
 
     check_elementwise(SoftCap(2.0), "softcap")  # acts on each logit alone
     with pytest.raises(ValueError, match="'normalise' does not act on each logit alone"):

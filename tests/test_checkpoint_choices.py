@@ -1,17 +1,20 @@
 """What a job saves and loads beyond the whole training state: a model-only last save in an
-export dtype (what generation and a new job read; a resume skips it), and a new job that goes
-on with another job's whole training state from its step folder."""
+export dtype (what generation and a new job read; a resume skips it), a new job that goes
+on with another job's whole training state from its step folder, and a checkpoint of another
+model named as such before the job starts."""
 
 import json
+import os
+import re
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from pipekit.checkpoint.dcp import COMPLETE_MARKER
+from pipekit.checkpoint.dcp import COMPLETE_MARKER, CheckpointManager
 from pipekit.config import ConfigError, load_job_config
 from pipekit.generate.load import load_for_generation
-from pipekit.train.job import validate_job
+from pipekit.train.job import Job, validate_job
 from pipekit.train.trainer import Trainer
 
 BASE = [
@@ -22,9 +25,13 @@ BASE = [
 ]  # fmt: skip
 
 
-def _trainer(output_dir, *overrides) -> Trainer:
+def _job(output_dir, *overrides) -> Job:
     config = load_job_config([*BASE, "--job.output_dir", str(output_dir), *overrides])
-    return Trainer(validate_job(config, world_size=1))
+    return validate_job(config, world_size=1)
+
+
+def _trainer(output_dir, *overrides) -> Trainer:
+    return Trainer(_job(output_dir, *overrides))
 
 
 def _folder_bytes(folder) -> int:
@@ -108,3 +115,53 @@ def test_excluding_the_router_biases_leaves_balancing_to_start_over(tmp_path):
         for name, tensor in resumed.model.state_dict().items():
             fresh = excluded and name in biases
             assert torch.equal(tensor, torch.zeros_like(tensor) if fresh else saved[name]), name
+
+
+def _refusal(output_dir, *overrides) -> str:
+    with pytest.raises(ConfigError) as error:
+        _job(output_dir, *overrides)
+    message = str(error.value)
+    assert "is intact" in message and not re.search("corrupt|delete", message), message
+    return message
+
+
+def test_a_checkpoint_of_another_model_is_named_as_such_before_the_job_starts(tmp_path):
+    """A llama job's step 2 in the folder: a job with another family or vocabulary is refused
+    in one line naming the step, the [model] keys that changed (old -> new) and the entries
+    that differ, with the fix, and nothing in the folder is touched; so is a new job that would
+    start from it. A setting that keeps the state (the attention kernel) resumes. An older
+    checkpoint without its own config.toml is explained by the folder's, unless that is newer
+    than the checkpoint; one lacking an entry under the same settings (a layout that did not
+    save it) is named too."""
+    _trainer(tmp_path, "--training.steps", "2").train()
+    step = tmp_path / "checkpoints" / "step-2"
+    folder_config = (tmp_path / "config.toml").read_text()
+    assert (step / "config.toml").read_text() == folder_config
+    resumes = f"[checkpoint] {step} (the step this job resumes from) was written by a job with"
+    message = _refusal(tmp_path, "--model.name", "qwen3")
+    assert f"{resumes} a different model ([model] name: 'llama' -> 'qwen3')" in message
+    assert "missing layers.0.attention.k_norm.weight" in message
+    assert "another folder ([job] output_dir, or [checkpoint] folder)" in message
+    assert "set [model] name = 'llama' again to resume it" in message
+    message = _refusal(tmp_path, "--model.vocab_size", "300")
+    assert "([model] vocab_size: 0 -> 300)" in message
+    assert "other shapes for output.weight (saved (258, 128), wanted (300, 128))" in message
+    assert (tmp_path / "config.toml").read_text() == folder_config
+    assert _job(tmp_path, "--model.attention_backend", "cpu").config.model.name == "llama"
+    initial = ("--checkpoint.initial_load_path", str(step), "--model.name", "qwen3")
+    message = _refusal(tmp_path / "new", *initial)
+    assert f"initial_load_path={str(step)!r} was written by a job with a different" in message
+
+    (step / "config.toml").unlink()  # as pipekit wrote checkpoints before
+    assert "name: 'llama' -> 'qwen3'" in _refusal(tmp_path, "--model.name", "qwen3")
+    later = (step / COMPLETE_MARKER).stat().st_mtime + 60
+    os.utime(tmp_path / "config.toml", (later, later))  # a job that started later saved nothing
+    assert "no config.toml of the job that wrote it" in _refusal(tmp_path, "--model.name", "qwen3")
+
+    trained = CheckpointManager(tmp_path / "checkpoints", job_config=folder_config)
+    weights = _job(tmp_path).spec.build(_job(tmp_path).args).state_dict()
+    del weights["output.weight"]
+    trained.save(4, {"model_and_optimizer": {"model": weights}})
+    message = _refusal(tmp_path)
+    assert "does not fit this job's model (missing output.weight); the job that wrote it" in message
+    assert "did not save those entries" in message

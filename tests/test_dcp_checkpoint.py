@@ -1,7 +1,7 @@
 """DCP training-state checkpoints: exact round trips (model, optimizer, LR scheduler, plain
 state, RNG) at world size 1 and with an FSDP2-sharded model on 2 gloo ranks, resharding 2 -> 1,
-keep-last-k, and atomicity: interrupted saves and unmarked folders never load, corrupt ones raise
-a CheckpointError naming the folder."""
+keep-last-k, and atomicity: interrupted saves and unmarked folders never load, damaged ones raise
+a CheckpointError naming the folder, and intact ones of another state one naming what differs."""
 
 import pickle
 import shutil
@@ -154,7 +154,12 @@ def _raise_crash(*args: object) -> None:
     raise _SimulatedCrash
 
 
-def test_corrupt_checkpoint_raises_checkpoint_error_naming_the_folder(tmp_path):
+def test_a_damaged_checkpoint_is_unreadable_and_one_of_another_state_names_what_differs(
+    tmp_path,
+):
+    """A truncated data file cannot be read; an intact checkpoint loaded into another state
+    (a resized, a missing entry) is named as such, with every entry that differs, and is never
+    called damaged nor offered for deletion."""
     manager = CheckpointManager(tmp_path)
     _save_some(manager, [1])
     (data_file,) = manager.path(1).glob("*.distcp")
@@ -163,8 +168,13 @@ def test_corrupt_checkpoint_raises_checkpoint_error_naming_the_folder(tmp_path):
     with pytest.raises(CheckpointError, match=rf"checkpoint {manager.path(1)} could not be read"):
         manager.load(1, target)
     _save_some(manager, [2])
-    with pytest.raises(CheckpointError, match=r"Size mismatch .* does not match the state"):
-        manager.load(2, {"train": {"step": 0}, "weights": {"w": torch.zeros(4)}})
+    other = {"train": {"step": 0}, "weights": {"w": torch.zeros(4), "b": torch.zeros(2)}}
+    with pytest.raises(CheckpointError) as error:
+        manager.load(2, other)
+    message = str(error.value)
+    assert f"checkpoint {manager.path(2)} does not fit the state loaded into it" in message
+    assert "missing weights.b; other shapes for weights.w (saved (3,), wanted (4,))" in message
+    assert "is intact" in message and "corrupt" not in message and "delete" not in message
 
 
 def test_a_failed_save_ends_in_one_checkpoint_error(tmp_path, monkeypatch):

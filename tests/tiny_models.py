@@ -1,6 +1,9 @@
-"""The tiny Llama that the distributed tests share, and its float64 parity batch and reference."""
+"""The tiny Llama that the distributed tests share, and its float64 parity batch and reference;
+also a variant whose output projection has a bias (an untied GPT-J / Falcon-style head)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from tensordict import TensorDict
@@ -10,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from pipekit._torch_private import checkpoint_module_activations
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.families.llama import Llama, LlamaArgs
-from pipekit.models import get_model_spec
+from pipekit.layers.init import seeded
+from pipekit.models import ModelSpec, get_model_spec
 from pipekit.models.materialize import seeded_materializer
 from pipekit.pipelining import PipelineRunner, StageSetup, build_pipeline, plan_pipeline
 from pipekit.testing import Result, parity_batch, reference_step
@@ -27,6 +31,34 @@ TINY_LLAMA = LlamaArgs(
     max_seq_len=64,
 )
 PARITY_ROWS, PARITY_SEQ_LEN, PARITY_TOLERANCE = 6, 32, 1e-10
+
+
+class BiasedHeadLlama(Llama):
+    """Llama whose untied output projection has a bias, drawn from its own seed (std 1, so it
+    moves the loss well beyond rounding)."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__(args)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=True)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
+        super().init_weights(seed)
+        if self.output is not None:
+            with seeded(seed, "output.bias", self.output.bias.device):
+                nn.init.normal_(self.output.bias)
+
+
+BIASED_HEAD = dataclasses.replace(
+    get_model_spec("llama"), name="llama_biased_head", build=BiasedHeadLlama, hf=None
+)
+"""The Llama family with BiasedHeadLlama as its model (not registered: tests pass it along)."""
+
+
+def tiny_spec(head_bias: bool = False) -> ModelSpec:
+    """The family of the tiny models: Llama, or Llama with a biased head."""
+    return BIASED_HEAD if head_bias else get_model_spec("llama")
 
 
 def tiny_llama(seed: int = 0, tied: bool = False) -> nn.Module:
@@ -64,13 +96,15 @@ def tiny_pipeline(
     parallelize=None,
     slicing: str = "equal_length",
     attention_to_linear: float = 0.0,
+    head_bias: bool = False,
 ) -> PipelineRunner:
     """This rank's pipeline runner of TINY_LLAMA with one layer per stage (`num_layers` split
     evenly otherwise), initialised from `seed` in `dtype`, cpu attention, built by pipekit's one
     builder from a plan (`rows` is the local batch, `mesh` the world mesh with a "pp" dim);
     optionally with every block's activations checkpointed, vocabulary parallelism, context
     exchange, activation offload, a user schedule (`user_actions`), `parallelize` applied to
-    each stage, or `slicing` (equal-cost slices placed for `attention_to_linear`)."""
+    each stage, or `slicing` (equal-cost slices placed for `attention_to_linear`); `head_bias`:
+    the biased-head variant."""
     num_ranks = mesh["pp"].size()
     num_layers = num_layers or num_ranks * stages_per_rank
     args = TINY_LLAMA.with_updates(n_layers=num_layers, max_seq_len=64, vocab_size=vocab_size)
@@ -86,7 +120,7 @@ def tiny_pipeline(
         activation_offload=activation_offload,
         slicing=slicing,
     )
-    spec = get_model_spec("llama")
+    spec = tiny_spec(head_bias)
     plan = plan_pipeline(
         parallelism,
         spec.structure,
@@ -121,8 +155,10 @@ def tiny_batch(vocab_size: int = TINY_LLAMA.vocab_size) -> TensorDict:
     return parity_batch(vocab_size, PARITY_ROWS, PARITY_SEQ_LEN)
 
 
-def tiny_reference(num_layers: int, vocab_size: int = TINY_LLAMA.vocab_size) -> Result:
+def tiny_reference(
+    num_layers: int, vocab_size: int = TINY_LLAMA.vocab_size, head_bias: bool = False
+) -> Result:
     """One process, float64, the whole `tiny_batch` at once: what every tiny pipeline (seed 3)
     must reproduce."""
     args = TINY_LLAMA.with_updates(n_layers=num_layers, vocab_size=vocab_size)
-    return reference_step(get_model_spec("llama"), args, tiny_batch(vocab_size))
+    return reference_step(tiny_spec(head_bias), args, tiny_batch(vocab_size))

@@ -1,8 +1,9 @@
 """Training-state checkpoints with torch.distributed.checkpoint (DCP): atomic and resharding.
 
 A checkpoint is a folder `step-N` under the manager's folder. It is written as
-`step-N.tmp-<token>`; after every rank has finished writing (a barrier), rank 0 writes the
-`COMPLETE` marker into it and renames it to `step-N`. A rename is atomic, so a crash at any
+`step-N.tmp-<token>`; after every rank has finished writing (a barrier), rank 0 writes the job's
+config beside the tensors (`config.toml`, when the manager has one: what model wrote it), then
+the `COMPLETE` marker, and renames the folder to `step-N`. A rename is atomic, so a crash at any
 moment leaves either a tmp folder or a complete checkpoint, never a `step-N` that loads as valid
 but is not. Deleting is the reverse (rename away, then remove), so pruning cannot leave a marked
 folder with missing files either.
@@ -11,7 +12,8 @@ State is a dict of entries saved under their keys: `Stateful` objects (`ModelOpt
 an LR scheduler, a data loader) or plain dicts (`{"step": 12, "rng": capture_rng_state()}`).
 Loading fills the same structure in place; DCP reads each rank's own shards, so a checkpoint
 written at one data-parallel degree loads at another. Works without a process group (world
-size 1) too.
+size 1) too. A checkpoint whose entries do not fit the state (another model) is named as such,
+with the entries that differ (`pipekit.checkpoint.state_fit`), never called damaged.
 
 pipekit seeds every rank identically (job.seed), so the random generators are replicated state:
 like any plain tensor, DCP saves one copy (rank 0's) and every rank restores it.
@@ -51,6 +53,8 @@ from pipekit._torch_private import StridedShard
 from pipekit.checkpoint._durable import fsync_path
 from pipekit.checkpoint.safe_metadata import SafeFileSystemReader
 from pipekit.checkpoint.safetensors_io import CheckpointError
+from pipekit.checkpoint.state_fit import CheckpointMismatchError, FittingLoadPlanner
+from pipekit.config.dump import JOB_CONFIG_FILE
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -213,17 +217,24 @@ class CheckpointManager:
     """Saves `step-N` checkpoints into `folder`, keeps the newest `keep_last` (0 keeps all).
 
     Every rank calls every method with the same arguments (they are collective when a process
-    group exists); the folder must be shared by all ranks.
+    group exists); the folder must be shared by all ranks. `job_config` (the TOML text of the
+    job's resolved config) is written into every checkpoint as `config.toml`, so a later job
+    can tell which model wrote it.
     """
 
     def __init__(
-        self, folder: str | os.PathLike[str], keep_last: int = 0, asynchronous: bool = False
+        self,
+        folder: str | os.PathLike[str],
+        keep_last: int = 0,
+        asynchronous: bool = False,
+        job_config: str | None = None,
     ) -> None:
         if keep_last < 0:
             raise ValueError(f"keep_last={keep_last} must be >= 0 (0 keeps every checkpoint)")
         self.folder = Path(folder)
         self.keep_last = keep_last
         self.asynchronous = asynchronous
+        self.job_config = job_config
         self._pending: tuple[int, Path, Future, bool] | None = None
         # Background writes meet on a group of their own (gloo: DCP's plans travel on the CPU),
         # so their collectives never interleave with the training's.
@@ -298,6 +309,8 @@ class CheckpointManager:
         _barrier()  # every rank's files are written before the checkpoint is published
         final = self.path(step)
         if _rank() == 0:
+            if self.job_config is not None:
+                _write_durably(tmp / JOB_CONFIG_FILE, self.job_config)
             marker = {"step": step, "world_size": _world_size(), "model_only": model_only}
             _write_durably(tmp / COMPLETE_MARKER, json.dumps(marker))
             if final.exists():
@@ -346,15 +359,29 @@ def holds_model_only(path: Path) -> bool:
 
 def load_checkpoint(path: Path, state: Mapping[str, Any]) -> None:
     """Restore `state` in place from the complete checkpoint folder `path` (of any job and
-    layout: DCP reshards); collective. CheckpointError naming the folder on failure."""
+    layout: DCP reshards); collective. CheckpointError naming the folder on failure: the
+    entries that differ when the checkpoint does not fit `state`, else the cause."""
     try:
         with _quiet_without_process_group(), _dcp_logging_silenced():
-            dcp.load(dict(state), storage_reader=SafeFileSystemReader(path))
+            dcp.load(
+                dict(state),
+                storage_reader=SafeFileSystemReader(path),
+                planner=FittingLoadPlanner(),
+            )
     # DCP reports a failure on any rank as CheckpointException, a BaseException.
     except (Exception, dcp.CheckpointException) as error:
+        rank, cause = _first_failure(error)
+        if isinstance(cause, CheckpointMismatchError):
+            raise CheckpointError(
+                f"checkpoint {path} does not fit the state loaded into it ({rank}{cause}): it "
+                "is intact, but was written by a job with another model, optimizer or state "
+                f"(its {JOB_CONFIG_FILE}, where present, says which); load it into a job with "
+                "those settings, or leave the differing part out ([checkpoint] "
+                "exclude_from_loading)"
+            ) from error
         raise CheckpointError(
-            f"checkpoint {path} could not be read ({_root_cause(error)}); it is corrupt or "
-            "does not match the state it is loaded into; load an older step or delete it"
+            f"checkpoint {path} could not be read ({rank}{type(cause).__name__}: {cause}); if "
+            "its files are damaged, an older step may load ([checkpoint] load_step)"
         ) from error
 
 
@@ -365,9 +392,11 @@ def _as_checkpoint_error(step: int, tmp: Path) -> Iterator[None]:
         yield
     # DCP reports a failure on any rank as CheckpointException, a BaseException.
     except (Exception, dcp.CheckpointException) as error:
+        rank, cause = _first_failure(error)
         raise CheckpointError(
             f"checkpoint of step {step} could not be written to {tmp} "
-            f"({_root_cause(error)}); check the folder's free space and permissions"
+            f"({rank}{type(cause).__name__}: {cause}); check the folder's free space and "
+            "permissions"
         ) from error
 
 
@@ -391,12 +420,13 @@ def _dcp_logging_silenced() -> Iterator[None]:
         logging.disable(previous)
 
 
-def _root_cause(error: BaseException) -> str:
-    """`Type: message` of the first failing rank's exception (DCP wraps them per rank)."""
+def _first_failure(error: BaseException) -> tuple[str, BaseException]:
+    """("rank R: ", its exception) of the first failing rank (DCP wraps them per rank), or
+    ("", `error`) for an error of this process."""
     if isinstance(error, dcp.CheckpointException) and error.failures:
         rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
-        return f"rank {rank}: {type(cause).__name__}: {cause}"
-    return f"{type(error).__name__}: {error}"
+        return f"rank {rank}: ", cause
+    return "", error
 
 
 def _rank() -> int:

@@ -12,8 +12,9 @@ from pipekit.config.loader import to_dict
 __all__ = ["JOB_CONFIG_FILE", "dump_toml", "write_job_config"]
 
 JOB_CONFIG_FILE = "config.toml"
-"""The resolved config a job writes into its output folder: what built the model of its
-checkpoints (`python -m pipekit.generate` reads it)."""
+"""The resolved config a job writes into its output folder and into each of its checkpoints:
+what built the model of those checkpoints (`python -m pipekit.generate` reads it; a job about to
+load a checkpoint names the `[model]` keys that changed since)."""
 
 
 def _toml_value(value: object) -> str:

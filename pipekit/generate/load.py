@@ -2,8 +2,9 @@
 checkpoint: a pipekit (DCP) step folder of any training layout, or a Hugging Face folder of any
 registered family.
 
-A DCP step folder holds weights only; the model they belong to is the job's: the resolved
-config its trainer wrote beside the checkpoints (`<output_dir>/config.toml`), or `--config`.
+A DCP step folder holds weights; the model they belong to is the job's: the resolved config its
+trainer wrote into the step folder (`config.toml`; older checkpoints have only the one beside
+them, `<output_dir>/config.toml`), or `--config`.
 Checkpoints keep every parameter whole under its model name whatever the layout (FSDP, tp, ep,
 pipeline, vocabulary rows), so one process reads them into the whole model. A Hugging Face
 folder says its family in config.json; its tokenizer is its `tokenizer.json` unless given.
@@ -49,7 +50,8 @@ def load_for_generation(
             f"pipekit checkpoint step (a {COMPLETE_MARKER} marker); give a step folder such as "
             "outputs/<job>/checkpoints/step-100"
         )
-    config_path = config or checkpoint.parent.parent / JOB_CONFIG_FILE
+    own = checkpoint / JOB_CONFIG_FILE
+    config_path = config or (own if own.is_file() else checkpoint.parent.parent / JOB_CONFIG_FILE)
     if not config_path.is_file():
         raise ValueError(
             f"no {config_path}: the job's config says which model the checkpoint holds; give "

@@ -258,10 +258,13 @@ class VocabParallelEmbedding(_VocabShard):
 
 
 class VocabParallelOutput(_VocabShard):
-    """Output projection onto this rank's vocabulary shard: `h_BSD @ weight.T -> logits [B, S, V]`.
+    """Output projection onto this rank's vocabulary shard: `h_BSD @ weight.T (+ bias) -> logits
+    [B, S, V]`.
 
     `weight=` shares another module's shard (tied embeddings: pass `embedding.weight`, the same
-    Parameter object, whose gradients from both uses then add up).
+    Parameter object, whose gradients from both uses then add up). `bias=True` gives the shard
+    its rows of a `[vocab_size]` bias too (an `nn.Linear(dim, vocab_size, bias=True)` head), cut
+    like the weight's rows and added to this shard's logits; a tied weight keeps its own bias.
 
     The hidden states are replicated on the ranks, and each rank's matmul gives only part of
     their gradient (`d h = d logits_shard @ weight`): the full gradient is the sum over ranks.
@@ -278,10 +281,13 @@ class VocabParallelOutput(_VocabShard):
         shard_sizes: Sequence[int] | None = None,
         weight: nn.Parameter | None = None,
         *,
+        bias: bool = False,
         reduce_input_grad: bool = True,
     ) -> None:
         super().__init__(vocab_size, dim, group, shard_sizes)
         self.reduce_input_grad = reduce_input_grad
+        bias_V = nn.Parameter(torch.zeros(self.vocab_shard)) if bias else None
+        self.register_parameter("bias", bias_V)  # None: no bias, as nn.Linear(bias=False)
         if weight is None:
             self.weight = nn.Parameter(torch.empty(self.vocab_shard, dim))
             self.reset_parameters()
@@ -297,13 +303,30 @@ class VocabParallelOutput(_VocabShard):
     def reset_parameters(
         self, init_std: float | None = None, output_std: float | None = None
     ) -> None:
-        """Truncated normal rows, std `dim**-0.5` by default (a shared weight is reset too)."""
+        """Truncated normal rows, std `dim**-0.5` by default (a shared weight is reset too),
+        and a zero bias."""
         trunc_normal_(self.weight, self.dim**-0.5 if init_std is None else init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    @torch.no_grad()
+    def load_full_bias(self, full_bias_Vfull: Tensor) -> None:
+        """Copy this rank's entries of the full `[vocab_size]` bias into `bias`."""
+        if self.bias is None:
+            raise ValueError(
+                "this output shard was built without a bias; build it with bias=True to load one"
+            )
+        if tuple(full_bias_Vfull.shape) != (self.vocab_size,):
+            raise ValueError(
+                f"full bias of shape {tuple(full_bias_Vfull.shape)} given; expected "
+                f"({self.vocab_size},) = (vocab_size,)"
+            )
+        self.bias.copy_(full_bias_Vfull[self.vocab_start : self.vocab_end])
 
     def forward(self, h_BSD: Tensor) -> Tensor:
         if self.reduce_input_grad:
             h_BSD = _SumGradAcrossRanks.apply(h_BSD, self.group)
-        return nn.functional.linear(h_BSD, self.weight)
+        return nn.functional.linear(h_BSD, self.weight, self.bias)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -211,22 +211,17 @@ def runner_step(
             dist.all_reduce(loss, group=group)
     assert runner.model is not None
     vocab = runner.extension("vocab_parallel")
-    shards = {}
-    if isinstance(vocab, PipelineVocabParallel):
-        embedding_name, output_name = vocab.module_names
-        shards = {
-            f"{embedding_name}.weight": vocab.embedding,
-            f"{output_name}.weight": vocab.output,
-        }
+    rows = vocab.row_sharded_parameters() if isinstance(vocab, PipelineVocabParallel) else {}
     grads: dict[str, Any] = {}
     duplicates = {id(param) for param in runner.duplicate_parameters()}
     for name, param in runner.model.named_parameters():
         if param.grad is None or id(param) in duplicates:  # the comparison names the missing
             continue
-        if name in shards:
-            shard = shards[name]
-            grads[name] = (shard.vocab_start, shard.vocab_end, full_gradient(param.grad))
+        grad = full_gradient(param.grad)
+        if name in rows:  # this rank's vocabulary rows of the parameter
+            start = rows[name].start
+            grads[name] = (start, start + grad.shape[0], grad)
         else:
-            grads[name] = full_gradient(param.grad)
+            grads[name] = grad
     dist.barrier()
     return (None if loss is None or data_rank else loss.item()), grads

@@ -1,7 +1,8 @@
 """The `[checkpoint]` section's rules that read the file system: where the job writes, the
-step it resumes from, and what `initial_load_path` names (a Hugging Face folder or a pipekit
-step, whole or model-only), checked before any process group exists so that a bad path costs
-no work."""
+step it resumes from, what `initial_load_path` names (a Hugging Face folder or a pipekit
+step, whole or model-only), and that the pipekit checkpoint it loads was written for its model
+(`checkpoint_fit`), checked before any process group exists so that a bad path costs no
+work."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from pipekit.checkpoint.dcp import COMPLETE_MARKER, CheckpointManager, holds_model_only
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 from pipekit.models.registry import get_model_spec
 from pipekit.models.spec import ModelSpec
+from pipekit.moe.bias_balance import ROUTER_BIAS_NAMES
+from pipekit.train.checkpoint_fit import check_checkpoint_fits
 
-__all__ = ["check_checkpoints", "is_pipekit_checkpoint"]
+__all__ = ["check_checkpoints", "is_pipekit_checkpoint", "step_to_resume"]
 
 
 def is_pipekit_checkpoint(path: Path) -> bool:
@@ -23,10 +28,23 @@ def is_pipekit_checkpoint(path: Path) -> bool:
     return (path / COMPLETE_MARKER).is_file()
 
 
-def check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any, check_files: bool) -> None:
+def step_to_resume(config: JobConfig) -> int | None:
+    """The step the job resumes from: `load_step`, else the newest training checkpoint in its
+    folder; None when it does not resume."""
+    checkpoint = config.checkpoint
+    if not checkpoint.resume:
+        return None
+    folder = Path(config.job.output_dir) / checkpoint.folder
+    return checkpoint.load_step or CheckpointManager(folder).latest_step()
+
+
+def check_checkpoints(
+    config: JobConfig, spec: ModelSpec, args: Any, check_files: bool, model: nn.Module
+) -> None:
     """ConfigError for the first `[checkpoint]` rule broken: folders the job cannot write, a
     load_step without a complete checkpoint, an initial_load_path that is neither kind of
-    checkpoint or cannot serve as asked, a Hugging Face key on a family without an adapter."""
+    checkpoint or cannot serve as asked, a Hugging Face key on a family without an adapter,
+    a pipekit checkpoint to load that another model wrote (`model`: the job's, on meta)."""
     checkpoint = config.checkpoint
     if check_files:
         output = Path(config.job.output_dir)
@@ -66,6 +84,25 @@ def check_checkpoints(config: JobConfig, spec: ModelSpec, args: Any, check_files
             spec.hf.check_layout(args)
         except ValueError as error:
             raise ConfigError(f"[checkpoint] export_hf_at_end: {error}") from None
+    if check_files:
+        _check_loaded_checkpoint_fits(config, model, pipekit_step)
+
+
+def _check_loaded_checkpoint_fits(config: JobConfig, model: nn.Module, pipekit_step: bool) -> None:
+    """The checkpoint the trainer will load first (the step it resumes from, else a pipekit
+    initial_load_path) holds `model`'s entries, less those the load leaves as built."""
+    checkpoint = config.checkpoint
+    step = step_to_resume(config)
+    if step is not None:
+        path = CheckpointManager(Path(config.job.output_dir) / checkpoint.folder).path(step)
+        excluded = checkpoint.exclude_from_loading
+    elif pipekit_step:
+        path = Path(checkpoint.initial_load_path)
+        excluded = () if checkpoint.initial_load_model_only else checkpoint.exclude_from_loading
+    else:
+        return
+    kept = ROUTER_BIAS_NAMES if "router_biases" in excluded else ()
+    check_checkpoint_fits(config, model, path, resuming=step is not None, kept=kept)
 
 
 def _check_whole_initial_load(initial: Path, pipekit_step: bool, check_files: bool) -> None:

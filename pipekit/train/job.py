@@ -88,7 +88,7 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     shape = spec.shape(args)
     meta_model = _check_structure(spec, args)
     _check_data(config, shape, tokenizer_vocab)
-    check_checkpoints(config, spec, args, check_files)
+    check_checkpoints(config, spec, args, check_files, meta_model)
     if upcycle is not None:
         _check_upcycle(config, check_files)
     dims = _parallel_dims(config, world_size)
@@ -405,9 +405,10 @@ def _check_vocab_parallel(
     spec: ModelSpec, model: nn.Module, shape: ModelShape, pp: int, tp: int
 ) -> None:
     """Vocabulary parallelism needs pipeline ranks to split the vocabulary over (and their tp
-    ranks split each pipeline rank's rows), and logits transforms it can apply shard by shard."""
+    ranks split each pipeline rank's rows), vocabulary modules its row shards compute exactly,
+    and logits transforms it can apply shard by shard."""
     from pipekit.layers.vocab_parallel import dtensor_shard_sizes
-    from pipekit.pipelining.features.vocab_parallel import check_elementwise
+    from pipekit.pipelining.features.vocab_rules import check_vocab_parallel_model
 
     if pp < 2:
         raise ConfigError(
@@ -416,7 +417,6 @@ def _check_vocab_parallel(
         )
     try:
         dtensor_shard_sizes(shape.vocab_size, (pp, tp))
-        for name in spec.structure.logits_transforms:
-            check_elementwise(getattr(model, name), name)
+        check_vocab_parallel_model(model, spec.structure)
     except ValueError as error:
         raise _error("[parallelism] vocab_parallel = true:", error) from None

@@ -39,7 +39,8 @@ from pipekit.checkpoint.dcp import (
     load_checkpoint,
     restore_rng_state,
 )
-from pipekit.config.dump import write_job_config
+from pipekit.config.dump import dump_toml, write_job_config
+from pipekit.config.loader import to_dict
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.distributed.grad_clip import clip_grad_norm_
 from pipekit.layers.loss import count_label_tokens
@@ -52,7 +53,7 @@ from pipekit.moe.bias_balance import (
 )
 from pipekit.pipelining.features.vocab_parallel import vocabulary_row_dims
 from pipekit.pipelining.tools.trace import record_pipeline_step
-from pipekit.train.checkpoint_rules import is_pipekit_checkpoint
+from pipekit.train.checkpoint_rules import is_pipekit_checkpoint, step_to_resume
 from pipekit.train.compile import job_loss_fn
 from pipekit.train.config_values import MODEL_ONLY
 from pipekit.train.data import build_data_loader
@@ -117,10 +118,9 @@ class Trainer:
             self.output_dir / config.checkpoint.folder,
             keep_last=config.checkpoint.keep_last,
             asynchronous=config.checkpoint.async_save,
+            job_config=dump_toml(to_dict(config)),
         )
-        resume_step = None
-        if config.checkpoint.resume:
-            resume_step = config.checkpoint.load_step or self.checkpoints.latest_step()
+        resume_step = step_to_resume(config)
         torch.manual_seed(config.job.seed)
         initial = Path(config.checkpoint.initial_load_path or ".")
         initial_pipekit = resume_step is None and is_pipekit_checkpoint(initial)

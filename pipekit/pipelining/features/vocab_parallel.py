@@ -12,12 +12,17 @@ others while its vocabulary GEMM runs. With it each pipeline rank holds the rows
   the step's partial embeddings on every rank while the schedule runs).
 - the output layer and loss, once per unit, on all ranks together (an output pass): the last
   stage's final hidden states go to every rank (`broadcast`), each rank computes its shard's
-  logits and the cross-entropy statistics (`vocab_parallel_cross_entropy`: two all-reduces), and
-  at once the backward of its shard: its weight gradient and its part of d loss / d hidden, which
+  logits (adding its rows of the output layer's bias, if the model's head has one) and the
+  cross-entropy statistics (`vocab_parallel_cross_entropy`: two all-reduces), and at once the
+  backward of its shard: its weight (and bias) gradient and its part of d loss / d hidden, which
   a `reduce` sums onto the last stage. The last stage's backward then starts from that gradient.
   The model's logits transforms (`ModelStructure.logits_transforms`, e.g. soft-capping) run on
   each shard's logits before the loss: they act on every logit alone, which is checked when the
   feature is built, so the sharded loss is the loss of the transformed logits.
+
+Both modules are replaced by row shards, so they must be what the shards compute: a plain
+`nn.Embedding` and a plain `nn.Linear` (`vocab_rules` refuses anything else, e.g. a parameter
+the shards would not hold, rather than drop it).
 
 With tensor parallelism the rows are split over the pipeline x tp ranks (the cross-entropy's
 statistics over all of them), and every collective above runs per tp coordinate over the
@@ -61,6 +66,7 @@ from pipekit.models.spec import ModelStructure
 from pipekit.models.stage_module import build_stage_module
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.features.output_passes import OUTPUT_PASS, with_output_passes
+from pipekit.pipelining.features.vocab_rules import check_vocab_parallel_model
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
 from pipekit.pipelining.runtime.stage import StageShapes
 
@@ -70,7 +76,6 @@ if TYPE_CHECKING:
 __all__ = [
     "PipelineVocabParallel",
     "build_vocab_parallel",
-    "check_elementwise",
     "copy_full_vocab_rows",
     "vocab_shard_modules",
     "vocabulary_row_dims",
@@ -91,6 +96,8 @@ def build_vocab_parallel(building: FeatureBuilding) -> PipelineVocabParallel:
     NCCL a pipeline send blocks its communicator until received, and a pass may sit behind
     one."""
     plan, mesh, setup, model = building.plan, building.mesh, building.setup, building.model
+    check_vocab_parallel_model(model, plan.structure)
+    embedding_name, output_name = plan.structure.vocabulary_modules
     row_dims = vocabulary_row_dims(mesh)
     group = new_group_along(mesh, "pp")
     rows_group = new_group_along(mesh, *row_dims)
@@ -100,15 +107,13 @@ def build_vocab_parallel(building: FeatureBuilding) -> PipelineVocabParallel:
             plan.model.dim,
             rows_group,
             [mesh[dim].size() for dim in row_dims],
+            output_bias=getattr(model, output_name).bias is not None,
         )
     copy_full_vocab_rows(embedding, output, setup.materialize, model, plan.structure)
-    embedding_name, output_name = plan.structure.vocabulary_modules
     setattr(building.rank_model, embedding_name, embedding)
     setattr(building.rank_model, output_name, output)
     setup.parallelize_vocab(embedding, output)
     transforms = [getattr(model, name) for name in plan.structure.logits_transforms]
-    for name, transform in zip(plan.structure.logits_transforms, transforms, strict=True):
-        check_elementwise(transform, name)
     return PipelineVocabParallel(
         embedding,
         output,
@@ -124,15 +129,23 @@ def build_vocab_parallel(building: FeatureBuilding) -> PipelineVocabParallel:
 
 
 def vocab_shard_modules(
-    vocab_size: int, dim: int, group: dist.ProcessGroup, mesh_dims: Sequence[int] | None = None
+    vocab_size: int,
+    dim: int,
+    group: dist.ProcessGroup,
+    mesh_dims: Sequence[int] | None = None,
+    *,
+    output_bias: bool = False,
 ) -> tuple[VocabParallelEmbedding, VocabParallelOutput]:
     """This rank's embedding and output shards for a pipeline (on the current default device,
     e.g. meta inside `torch.device("meta")`), cut as DTensor's `Shard(0)` so checkpoints save
     them as row shards of the full matrices; `mesh_dims`: the sizes of the mesh dims `group`
-    spans, in mesh order (default: one dim)."""
+    spans, in mesh order (default: one dim); `output_bias`: the output shard holds its rows of
+    the head's bias too."""
     sizes = dtensor_shard_sizes(vocab_size, mesh_dims or dist.get_world_size(group))
     embedding = VocabParallelEmbedding(vocab_size, dim, group, sizes, reduce=False)
-    output = VocabParallelOutput(dim, vocab_size, group, sizes, reduce_input_grad=False)
+    output = VocabParallelOutput(
+        dim, vocab_size, group, sizes, bias=output_bias, reduce_input_grad=False
+    )
     return embedding, output
 
 
@@ -144,7 +157,7 @@ def copy_full_vocab_rows(
     structure: ModelStructure,
 ) -> None:
     """Fill the shards with their rows of `model`'s embedding and output matrices (the modules
-    `structure` names).
+    `structure` names), and of the output's bias where it has one.
 
     `model` is the whole model on the meta device; a copy holding only one of the two modules
     is materialised by `materialize` (a seeded init, a Hugging Face load), exactly as the
@@ -155,33 +168,15 @@ def copy_full_vocab_rows(
         full = build_stage_module(model, [name])
         materialize(full)
         with torch.no_grad():
-            weight = getattr(full, name).weight.detach()
+            module = getattr(full, name)
+            weight = module.weight.detach()
             shard.to(weight.dtype)  # the shards take the materialised model's dtype
             if weight.is_meta:  # a plan's layout: shapes only, no values to copy
                 continue
             shard.load_full_weight(weight)
-        del full, weight
-
-
-def check_elementwise(transform: nn.Module, name: str, vocab_size: int = 16) -> None:
-    """ValueError unless `transform` (a logits transform named `name`) is stateless and acts on
-    every logit alone, as vocabulary parallelism applies it to each rank's columns: probed on
-    random logits, whole and split into two column blocks."""
-    if any(True for _ in transform.parameters()) or any(True for _ in transform.buffers()):
-        raise ValueError(
-            f"logits transform {name!r} holds parameters or buffers, which vocabulary parallelism "
-            "cannot split across its shards; make it stateless or set vocab_parallel = false"
-        )
-    probe_BSV = 20 * torch.randn(2, 3, vocab_size, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        whole = transform(probe_BSV)
-        halves = torch.cat([transform(part) for part in probe_BSV.chunk(2, dim=-1)], dim=-1)
-    if whole.shape != probe_BSV.shape or not torch.allclose(whole, halves, rtol=1e-5, atol=1e-6):
-        raise ValueError(
-            f"logits transform {name!r} does not act on each logit alone (its output on a block "
-            "of the vocabulary differs from the same columns of its output on the whole), so "
-            "vocabulary parallelism would change the model; set vocab_parallel = false"
-        )
+            if isinstance(shard, VocabParallelOutput) and shard.bias is not None:
+                shard.load_full_bias(module.bias.detach())
+        del full, weight, module
 
 
 class _LossFromKnownGradient(torch.autograd.Function):
@@ -224,9 +219,9 @@ class PipelineVocabParallel(PipelineExtension):
     `last_rank` hold the first and the last stage. `tensor_group`: this rank's tp ranks (None
     without tp); a stage's rank holds its tp share of the tokens when `shapes` says so.
     `module_names` are the model's names for the two (their checkpoint names).
-    `logits_transforms` (stateless, elementwise: `check_elementwise`) run on every shard's
-    logits before the loss. With `lockstep`, output passes go at lockstep cuts, which never part
-    two passes of one lockstep moment (context exchange pairs those).
+    `logits_transforms` (stateless, elementwise: `vocab_rules.check_elementwise`) run on every
+    shard's logits before the loss. With `lockstep`, output passes go at lockstep cuts, which
+    never part two passes of one lockstep moment (context exchange pairs those).
     """
 
     name = "vocab_parallel"
@@ -426,12 +421,23 @@ class PipelineVocabParallel(PipelineExtension):
         self.output_pass(self._labels[action.microbatch_index])
 
     def tensor_split_parameters(self) -> tuple[list[nn.Parameter], dist.ProcessGroup] | None:
-        """Under tp, the tp ranks hold different rows of both matrices."""
+        """Under tp, the tp ranks hold different rows of both matrices (and of the bias)."""
         if self.tensor_group is None:
             return None
-        return [self.embedding.weight, self.output.weight], self.tensor_group
+        return [param for _, param in self._row_parameters()], self.tensor_group
 
     def row_sharded_parameters(self) -> dict[str, RowShard]:
-        """The embedding's and the output's rows are split over the pipeline ranks."""
+        """The embedding's and the output's rows (and the output bias's) are split over the
+        pipeline ranks, under the model's names."""
         rows = RowShard(self.embedding.vocab_start, self.embedding.vocab_size)
-        return {f"{name}.weight": rows for name in self.module_names}
+        return {name: rows for name, _ in self._row_parameters()}
+
+    def _row_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's row shards, by the model's parameter names."""
+        return [
+            (f"{module_name}.{key}", param)
+            for module_name, module in zip(
+                self.module_names, (self.embedding, self.output), strict=True
+            )
+            for key, param in module.named_parameters()
+        ]
