@@ -144,3 +144,22 @@ def test_a_layout_that_raises_is_an_error_row_and_the_others_still_run(
     assert "error in pp_sliced: ValueError: a fault on rank 0" in captured.out
     assert "Traceback" in captured.err
     assert _result(captured.out)["failed"] == "1" and status == 1
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_falcon_style_model_matches_one_process_under_every_layout(
+    world_size: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Parallel blocks, learned positions, ALiBi on even layers, multi-query attention, biased
+    LayerNorms and projections, a biased untied output (kept under vocabulary parallelism) and
+    switch experts: every layout passes at 1e-10 (it has no tensor-parallel plan: one KV head
+    cannot be split over tensor ranks)."""
+    config = ["--config", "examples/parallel_blocks/debug.toml", "--model.flavor", "debug_dropless"]
+    status = main([*config, "--world-size", str(world_size)])
+    output = capsys.readouterr().out
+    rows = _rows(output)
+    assert status == 0, output
+    assert set(rows) == {"fsdp", "cp", "pp_sliced", "pp_exchange_vocab", "ep"}, output
+    assert all(row[-1] == "pass" for row in rows.values()), output
+    assert "skipped tp: the family has no tensor_parallel_plan" in output, output
+    assert _result(output)["passed"] == "5", output

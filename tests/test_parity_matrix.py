@@ -19,10 +19,11 @@ reductions, bf16 messages) against float32, within 5e-2: the sliced pipeline wit
 and with one. For Llama-MoE and for the custom example (GPT-2 style, registered from outside
 pipekit); DeepSeek-V3 with latent MLA (its caches and exchanges hold the latent) and gpt-oss
 (attention sinks, sliding windows shorter than a slice) run the rows without tensor
-parallelism or bf16 (`MLA_ROWS`). Pipelines run on 2 pipeline x 2 FSDP ranks
-unless the row says otherwise. Every row has an ablation that breaks the mechanism the row
-relies on, and it must fail. All rows of a model share one process group, all ablations
-another.
+parallelism or bf16 (`MLA_ROWS`); a Falcon-style example (parallel blocks, learned positions,
+ALiBi, multi-query attention, a biased output) runs `PARALLEL_BLOCKS_ROWS`. Pipelines run on
+2 pipeline x 2 FSDP ranks unless the row says otherwise. Every row has an ablation that breaks
+the mechanism the row relies on, and it must fail. All rows of a model share one process group,
+all ablations another.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import examples.custom_model.model as custom
+import examples.parallel_blocks.model as parallel_blocks
 from pipekit.checkpoint.upcycle import materialize_upcycled, upcycle_model
 from pipekit.families.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from pipekit.families.gpt_oss import GPT_OSS_FLAVORS
@@ -96,6 +98,9 @@ MODELS = {
     "tiny_gpt": custom.TinyGPTArgs(dim=32, n_layers=4, n_heads=2, vocab_size=64, max_seq_len=64),
     "deepseek_v3": DeepSeekV3Args(**{**vars(DEEPSEEK_V3_FLAVORS["debug"]), **_TINY_MLA}),
     "gpt_oss": dataclasses.replace(GPT_OSS_FLAVORS["debug"], **_TINY_GPT_OSS),
+    "parallel_blocks": dataclasses.replace(
+        parallel_blocks.FLAVORS["debug_dropless"], dim=32, vocab_size=64, max_seq_len=64
+    ),
 }
 MLA_ROWS = (
     "FSDP", "sliced v=1", "sliced v=2", "sliced + context exchange", "EP", "sliced + EP",
@@ -105,6 +110,15 @@ MLA_ROWS = (
 )  # fmt: skip
 """DeepSeek-V3's and gpt-oss's rows: they have no tensor-parallel plan, and the bf16 rows hold
 for any model; gpt-oss's experts have biases, which expert tensor parallelism refuses."""
+PARALLEL_BLOCKS_ROWS = (
+    "FSDP", "sliced v=1", "sliced + context exchange", "sliced + vocabulary parallel", "EP",
+    "sliced + EP", "sliced + context parallel (commutated)",
+    "sliced + context parallel (kv_passing)",
+    "sliced + EP + vocabulary parallel + context exchange",
+)  # fmt: skip
+"""The Falcon-style example's rows (parallel blocks, learned positions, ALiBi, multi-query
+attention, a biased untied output, switch experts): it has no tensor-parallel plan, one KV
+head (Ulysses splits heads) and no ties; its output bias is split with the vocabulary."""
 DENSE_LLAMA = dataclasses.replace(TINY_LLAMA, n_layers=4)
 UPCYCLE = UpcycleSpec(num_experts=2, top_k=1, granularity=2)
 """Two copies of each dense FFN in two pieces: 4 experts, 2 per token, 2 per EP rank."""
@@ -272,6 +286,8 @@ ROWS_ = [
 
 def _rows(model: str) -> list[Row]:
     """The rows `model` runs: upcycling starts from a dense Llama, so only Llama-MoE has it."""
+    if model == "parallel_blocks":
+        return [row for row in ROWS_ if row.layout in PARALLEL_BLOCKS_ROWS]
     if model in ("deepseek_v3", "gpt_oss"):
         rows = [row for row in ROWS_ if row.layout in MLA_ROWS]
         return [row for row in rows if model != "gpt_oss" or "ETP" not in row.layout]
@@ -412,7 +428,8 @@ def _args(model: str, row: Row) -> Any:
     moe = args.moe
     if row.every_expert:
         moe = dataclasses.replace(moe, top_k=moe.num_experts)
-    return dataclasses.replace(args, n_layers=row.layers, moe=moe, tie_embeddings=row.tied)
+    ties = {"tie_embeddings": row.tied} if row.tied or hasattr(args, "tie_embeddings") else {}
+    return dataclasses.replace(args, n_layers=row.layers, moe=moe, **ties)
 
 
 def _write_dense_llama(directory: Path) -> None:
