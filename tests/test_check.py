@@ -1,9 +1,10 @@
 """`python -m pipekit.check` on the debug configs: the custom example and the debug Llama match
 one process under FSDP and the sliced pipeline (2 ranks, float64), the table and the RESULT
 line say so and the exit status is 0; a layout the model cannot express or the config rules
-refuse is skipped with its reason; a layout that raises is an error row beside the others.
-Ablation: a structure that puts the final norm on the first stage (let past the validation that
-refuses it) fails the pipeline layout, and the check exits 1."""
+refuse is skipped with its reason; a layout that raises is an error row beside the others; a
+failure of a model whose routers drop tokens over capacity names the drops, and --dropless
+checks without them. Ablation: a structure that puts the final norm on the first stage (let
+past the validation that refuses it) fails the pipeline layout, and the check exits 1."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pipekit.models.forward_order as forward_order
 import pipekit.testing.pipeline as pipeline
 from pipekit.check.__main__ import main
 from pipekit.models import register_model
+from pipekit.moe import MoEArgs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CUSTOM = ["--config", "examples/custom_model/debug.toml"]
@@ -122,6 +124,28 @@ def test_a_final_norm_placed_on_the_first_stage_fails_the_pipeline_layout(
     result = _result(output)
     assert (result["layouts"], result["passed"], result["failed"]) == ("2", "1", "1")
     assert status == 1
+
+
+def test_a_capacity_dropping_models_failure_names_the_drops_and_dropless_passes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each expert takes at most its capacity of a forward's tokens: the sliced pipeline's
+    forwards are slices, the reference's whole microbatches, so other tokens are dropped. The
+    row and a note name that; --dropless (capacity_factor None) then matches one process."""
+    capped = custom.TinyGPTArgs(moe=MoEArgs(num_experts=4, top_k=2, capacity_factor=1.0))
+    register_model(dataclasses.replace(custom.TINY_GPT, name="tiny_gpt_capacity",
+                                       flavors={"debug": capped}), replace=True)  # fmt: skip
+    config = [*CUSTOM, "--model.name", "tiny_gpt_capacity", "--layouts", "pp_sliced"]
+    status = main(config)
+    output = capsys.readouterr().out
+    assert "MoE with capacity drops" in output.splitlines()[0], output
+    assert _rows(output)["pp_sliced"][-3:] == ["FAIL", "(capacity", "drops?)"], output
+    assert "capacity drops: 2 MoE routers have capacity_factor 1" in output
+    assert "run again with --dropless" in output and status == 1
+    status = main([*config, "--dropless"])
+    output = capsys.readouterr().out
+    assert _rows(output)["pp_sliced"][-1] == "pass" and "capacity drops" not in output, output
+    assert status == 0
 
 
 def test_a_layout_that_raises_is_an_error_row_and_the_others_still_run(

@@ -268,12 +268,10 @@ def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
     """configs/llama3_8b_e8t2_upcycle.toml: the paper's E8T2 with capacity factor 4, laid out
     as EP 8 over FSDP2 on 512 ranks (what the trainer runs); tp 2 with an MoE model needs
     sequence parallelism (each tp rank routes its own tokens)."""
-    from pipekit.train.job import _parallel_dims
-
     config = load_job_config(["--config", str(REPO_ROOT / "configs/llama3_8b_e8t2_upcycle.toml")])
     spec = config.model.upcycle.to_spec()
     assert (spec.num_experts, spec.top_k, spec.capacity_factor) == (8, 2, 4.0)
-    dims = _parallel_dims(config, world_size=512)
+    dims = validate_job(config, world_size=512, check_files=False).dims
     assert (dims.dp_shard, dims.ep, dims.tp, dims.pp) == (512, 8, 1, 1)
     config.parallelism.tp = 2
     assert validate_job(config, world_size=512, check_files=False).dims.tp == 2

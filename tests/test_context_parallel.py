@@ -355,7 +355,8 @@ def test_fsdp_with_context_parallelism_matches_one_process_fp64() -> None:
         ablated = [results[f"{name} ablated"] for results in per_rank]
         assert max_relative_difference(ablated, reference) > 1e-3, name
     per_rank_statistics = [results["statistics per rank"] for results in per_rank]
-    assert max_relative_difference(per_rank_statistics, reference) > 1e-3
+    # the statistics reach the loss through the routers (9e-4 of the largest gradient)
+    assert max_relative_difference(per_rank_statistics, reference) > 1e-4
 
 
 def _ulysses_runs(rank: int, world: int) -> dict[str, Result]:

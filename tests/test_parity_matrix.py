@@ -15,7 +15,7 @@ at once, and tied embeddings across stages (on two ranks, as
 vocabulary shards, and on one rank of a V), and a MoE upcycled from a dense Hugging Face
 checkpoint inside the sliced pipeline with expert parallelism (each rank reading only its
 stages' local blocks; Llama only). In bf16 (FSDP2 mixed precision, float32 weights and
-reductions, bf16 messages) against float32, within 5e-2: the sliced pipeline with 2 data ranks
+reductions, bf16 messages) against float32, within 1.5e-2: the sliced pipeline with 2 data ranks
 and with one. For Llama-MoE and for the custom example (GPT-2 style, registered from outside
 pipekit); DeepSeek-V3 with latent MLA (its caches and exchanges hold the latent) and gpt-oss
 (attention sinks, sliding windows shorter than a slice) run the rows without tensor
@@ -126,7 +126,10 @@ UPCYCLE_SEED = 3
 PIPELINE = {"dp_shard": 2, "microbatches": MICROBATCHES}
 SLICED = PIPELINE | {"pipeline_schedule": "sliced", "num_slices": SLICES}
 BF16 = {"dtype": torch.float32, "compute_dtype": torch.bfloat16}
-BF16_TOLERANCE = 5e-2  # measured 1.3e-2 to 2.1e-2; bf16 keeps 8 significant bits
+BF16_TOLERANCE = 1.5e-2
+"""bf16 keeps 8 significant bits: measured 3.9e-3 to 7.2e-3 of the largest float32 gradient.
+Its ablation cuts a stage boundary (1.8e-1 and 1.0): the KV-cache one of the float64 rows moves
+Llama-MoE's gradients by only 2.3e-2 of the largest, too close to bf16's own error."""
 
 
 @dataclass(frozen=True)
@@ -233,14 +236,14 @@ ROWS_ = [
     Row(  # against float32; the ablation shows the looser tolerance still catches a real bug
         "bf16 x sliced",
         pipeline=SLICED | BF16,
-        ablation="drop_kv_cache_grads",
+        ablation="cut_boundary",
         tolerance=BF16_TOLERANCE,
         every_expert=True,
     ),
     Row(  # FSDP2 over one rank gives the stages their mixed precision
         "bf16 x sliced, one data rank",
         pipeline=SLICED | BF16 | {"dp_shard": 1},
-        ablation="drop_kv_cache_grads",
+        ablation="cut_boundary",
         tolerance=BF16_TOLERANCE,
         every_expert=True,
     ),

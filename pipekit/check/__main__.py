@@ -4,9 +4,12 @@ Checks the config by every rule training applies, then runs the job's model in f
 step under every parallel layout the world size allows (FSDP, tensor, context and expert
 parallelism, the sliced pipeline with and without context exchange and vocabulary parallelism)
 on N CPU gloo ranks, each against one process on the same weights and batch, and prints the
-relative differences of the loss and of the gradients. Exits 0 when every layout that ran
-matched, 1 when one did not, 2 for bad input (the config, the options) or when no layout could
-run.
+relative differences of the loss and of the gradients (each gradient's on the scale of the
+reference's largest gradient, so one that is zero in exact arithmetic is not read as wrong).
+A failure of a model whose MoE routers drop tokens over capacity is marked as likely that: the
+tokens dropped depend on the split; --dropless checks without drops. Exits 0 when every layout
+that ran matched, 1 when one did not, 2 for bad input (the config, the options) or when no
+layout could run.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 
 import torch
 
+from pipekit.check.capacity import capacity_note, capacity_routers, dropless
 from pipekit.check.layouts import LAYOUTS, Layout, PlannedLayout, plan_layout, run_layouts
 from pipekit.config.loader import ConfigError, load_job_config
 from pipekit.distributed.parallel_dims import ParallelDims
@@ -30,6 +34,8 @@ _DEFAULT_TOLERANCE = 1e-10
 _MAX_SEQ_LEN = 64
 """Longest sequence the check runs by default: enough for every layout, fast on a CPU."""
 _ROWS_PER_RANK = 2
+_CAPACITY_FAIL = "FAIL (capacity drops?)"
+"""The verdict of a failed layout of a model whose routers drop tokens over capacity."""
 _MAX_WORLD_SIZE = 4
 
 
@@ -63,6 +69,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds a process group may take"
+    )
+    parser.add_argument(
+        "--dropless",
+        action="store_true",
+        help="route without expert capacity (every MoEArgs capacity_factor = None): which "
+        "tokens a capacity drops depends on how a layout splits the batch",
     )
     return parser.parse_known_args(argv)
 
@@ -118,7 +130,9 @@ def _plan(
     return planned
 
 
-def _row(entry: PlannedLayout, outcome: Comparison | str, tolerance: float) -> list[str]:
+def _row(
+    entry: PlannedLayout, outcome: Comparison | str, tolerance: float, capacity: bool
+) -> list[str]:
     name, ranks = entry.layout.name, str(entry.job.dims.world_size)
     if isinstance(outcome, str):
         return [name, ranks, entry.mesh, "-", "-", "(error below)", "error"]
@@ -126,6 +140,8 @@ def _row(entry: PlannedLayout, outcome: Comparison | str, tolerance: float) -> l
     if outcome.missing:
         parameter = f"missing: {', '.join(outcome.missing)}"
     verdict = "pass" if outcome.within(tolerance) else "FAIL"
+    if verdict == "FAIL" and capacity and not outcome.missing:
+        verdict = _CAPACITY_FAIL
     return [name, ranks, entry.mesh, f"{outcome.loss:.1e}", f"{outcome.gradient:.1e}", parameter,
             verdict]  # fmt: skip
 
@@ -150,21 +166,25 @@ def main(argv: list[str]) -> int:
         world_size = _world_size(options.world_size, job)
         layouts = _layouts(options.layouts)
         seq_len = _checked_options(options, config.training.seq_len)
+        spec, args = job.spec, dropless(job.spec, job.args) if options.dropless else job.args
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    except ValueError as error:  # the check's own options
+    except ValueError as error:  # the check's own options (--dropless included)
         print(f"error: {error}", file=sys.stderr)
         return 2
     rows = _ROWS_PER_RANK * world_size
-    spec, args = job.spec, job.args
     with torch.device("meta"):
-        parameters = sum(p.numel() for p in spec.build(args).parameters())
-    moe = ", MoE" if getattr(args, "moe", None) is not None else ""
+        model = spec.build(args)
+    parameters = sum(p.numel() for p in model.parameters())
+    routers = capacity_routers(model)
+    moe = ", MoE" if getattr(args, "moe", None) is not None or routers else ""
+    moe += " with capacity drops" if routers else ""
     print(
         f"{spec.name} {config.model.flavor} ({parameters:,} parameters{moe}): one step of "
         f"{rows} x {seq_len} tokens in float64 on {world_size} CPU ranks under each layout, "
-        f"against one process (tolerance {options.tolerance:g})",
+        f"against one process (tolerance {options.tolerance:g}; gradients on the scale of the "
+        "reference's largest)",
         flush=True,
     )
     planned = _plan(job, layouts, world_size, rows, seq_len)
@@ -182,7 +202,12 @@ def main(argv: list[str]) -> int:
     for entry, outcome in zip(planned, outcomes, strict=True):
         reference = references[entry.reference_microbatches]
         report.append(outcome if isinstance(outcome, str) else compare(outcome, reference))
-    print(_table([_row(e, o, options.tolerance) for e, o in zip(planned, report, strict=True)]))
+    table = [
+        _row(e, o, options.tolerance, bool(routers)) for e, o in zip(planned, report, strict=True)
+    ]
+    print(_table(table))
+    if any(row[-1] == _CAPACITY_FAIL for row in table):
+        print(capacity_note(routers))
     for entry, outcome in zip(planned, report, strict=True):
         if isinstance(outcome, str):  # the rank's last line here, its traceback on stderr
             print(f"error in {entry.layout.name}: {outcome.splitlines()[-1].strip()}")

@@ -102,15 +102,15 @@ class PlannedLayout:
         """Keywords of `pipeline_step` or `data_parallel_step` for this layout."""
         dims, parallelism = self.job.dims, self.job.config.parallelism
         degrees = {"ep": dims.ep, "cp": dims.cp, "tp": dims.tp}
-        if self.layout.pipeline:
-            pipeline = {k: v for k, v in self.layout.parallelism.items() if k not in degrees}
-            pipeline.pop("pipeline_parallel_degree")
-            return {"dp_shard": dims.dp_shard, **degrees, **pipeline}
-        return {
-            **degrees,
+        tensor_parallel = {
             "sequence_parallel": parallelism.sequence_parallel,
             "loss_parallel": self.job.loss_parallel,
         }
+        if self.layout.pipeline:
+            pipeline = {k: v for k, v in self.layout.parallelism.items() if k not in degrees}
+            pipeline.pop("pipeline_parallel_degree")
+            return {"dp_shard": dims.dp_shard, **degrees, **tensor_parallel, **pipeline}
+        return {**degrees, **tensor_parallel}
 
 
 def plan_layout(

@@ -38,6 +38,7 @@ from pipekit.moe.expert_parallel import (
     expert_parallel_mesh,
 )
 from pipekit.testing.parity import Result, full_gradient
+from pipekit.train.parallel_rules import check_parallel_layout
 
 __all__ = ["data_parallel_model", "data_parallel_step"]
 
@@ -62,24 +63,44 @@ def data_parallel_model(
     """This rank's FSDP2 (HSDP, + expert-, context- and tensor-parallel) model, parallelized on
     the meta device and then materialised shard by shard from `seed`; its dims and mesh.
     `tp_plan`: the spec whose tensor-parallel plan applies (default: `spec`'s); `routers=False`
-    (an ablation) leaves an MoE's routers out of the units over the tp ranks."""
-    config = ParallelismConfig(
-        dp_replicate=dp_replicate, dp_shard=world // (dp_replicate * cp * tp), cp=cp, tp=tp,
-        ep=ep, etp=etp,
+    (an ablation) leaves an MoE's routers out of the units over the tp ranks. A layout the
+    trainer refuses (`pipekit.train.parallel_rules`) raises its ConfigError first."""
+    parallelism = ParallelismConfig(  # FSDP2 over the ranks the others leave
+        dp_shard=-1, dp_replicate=dp_replicate, cp=cp, tp=tp, ep=ep, etp=etp,
+        sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
     )  # fmt: skip
-    dims = ParallelDims.from_config(config, world)
-    mesh = dims.build_mesh("cpu")
+    return _parallelized(parallelism, world, spec, args, None, tp_plan, routers, seed, dtype)
+
+
+def _parallelized(
+    parallelism: ParallelismConfig,
+    world: int,
+    spec: ModelSpec,
+    args: Any,
+    seq_len: int | None,
+    tp_plan: ModelSpec | None,
+    routers: bool,
+    seed: int,
+    dtype: torch.dtype,
+) -> tuple[nn.Module, ParallelDims, Any]:
+    """`data_parallel_model` of a layout, checked by the trainer's rules for sequences of
+    `seq_len` tokens (None: no batch yet) before its mesh is built."""
     with torch.device("meta"):
         model = spec.build(args).to(dtype)
+    dims = check_parallel_layout(parallelism, world, spec, args, seq_len=seq_len,
+                                 model=spec.name, meta_model=model)  # fmt: skip
+    mesh = dims.build_mesh("cpu")
+    tp, ep = dims.tp, dims.ep
     if tp > 1:
         apply_tensor_parallel(
-            model, mesh["tp"], tp_plan or spec, sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel, tied_embeddings=spec.shape(args).tied_embeddings,
+            model, mesh["tp"], tp_plan or spec, sequence_parallel=parallelism.sequence_parallel,
+            loss_parallel=parallelism.loss_parallel,
+            tied_embeddings=spec.shape(args).tied_embeddings,
         )  # fmt: skip
     experts_mesh = routers_mesh = None
     tp_moe = tp > 1 and getattr(args, "moe", None) is not None
     if dims.ep_enabled or tp_moe:  # every rank holds tokens of its own (tp: sequence parallel)
-        experts = expert_mesh("cpu", world, ep, etp=etp)
+        experts = expert_mesh("cpu", world, ep, etp=dims.etp)
         if dims.ep_enabled:
             apply_expert_parallel(model, expert_parallel_mesh(experts))
         experts_mesh = experts["ep_replicate"]
@@ -128,11 +149,15 @@ def data_parallel_step(
     `cp_variant`; hierarchical: Ulysses in groups of `cp_ulysses`, `cp_across` across them);
     the full gradients, gathered. `adjust` sees the parallelized model before the step
     (ablations)."""
-    model, dims, mesh = data_parallel_model(
-        world, spec, args, ep=ep, etp=etp, dp_replicate=dp_replicate, cp=cp, tp=tp, tp_plan=tp_plan,
-        sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, routers=routers,
-        seed=seed, dtype=dtype,
+    parallelism = ParallelismConfig(
+        dp_shard=-1, dp_replicate=dp_replicate, cp=cp, tp=tp, ep=ep, etp=etp,
+        cp_variant=cp_variant, cp_ulysses=cp_ulysses, cp_across=cp_across,
+        sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
     )  # fmt: skip
+    seq_len = batch.batch_size[1]
+    model, dims, mesh = _parallelized(
+        parallelism, world, spec, args, seq_len, tp_plan, routers, seed, dtype
+    )
     if adjust is not None:
         adjust(model)
     rows = batch.batch_size[0] // dims.dp_degree

@@ -3,8 +3,9 @@
 A parity check runs one step of a model under a parallel layout (`pipekit.testing.
 data_parallel`, `pipekit.testing.pipeline`) and here on one process, on the same weights (drawn
 from one seed, as every layout draws them) and the same batch (`parity_batch`), and compares the
-loss and every gradient (`compare`). In float64 a correct layout agrees to about 1e-12; a wrong
-one (a gradient not summed, a module on the wrong stage) is off by far more than 1e-6.
+loss and every gradient (`compare`: gradients on the scale of the reference's largest). In
+float64 a correct layout agrees to about 1e-12; a wrong one (a gradient not summed, a module on
+the wrong stage) is off by far more than 1e-6.
 
 The reference runs the batch as row blocks (`microbatches`): MoE auxiliary losses take their
 load-balancing statistics per forward, so the reference's blocks must be the parallel run's
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,13 +106,23 @@ def reference_step(
 
 @dataclass(frozen=True)
 class Comparison:
-    """How far a parallel step is from the reference, relative to the reference's largest
-    entry (a NaN difference stays NaN, and fails every tolerance)."""
+    """How far a parallel step is from the reference: the loss relative to the reference loss,
+    every gradient relative to the reference's largest gradient entry over the whole model (a
+    NaN difference stays NaN, and fails every tolerance).
+
+    One scale for every gradient, because rounding error follows the size of the numbers a
+    gradient is computed from, not the size of the result: a gradient that is zero in exact
+    arithmetic (a key projection's bias: softmax ignores a constant added to every score of a
+    query) comes out as rounding noise, which against its own largest entry reads as a
+    difference of about 1. Against the model's largest gradient the noise is ~1e-16, while a
+    gradient that is genuinely wrong is off by a fraction of that scale (a dropped or doubled
+    term, a missing reduction) and fails."""
 
     loss: float
     """Relative difference of the loss (the largest over the ranks that report one)."""
     gradient: float
-    """Largest relative difference of any gradient any rank reports."""
+    """Largest difference of any gradient entry any rank reports, over the reference's largest
+    gradient entry of any parameter."""
     parameter: str
     """The parameter of that gradient."""
     missing: tuple[str, ...]
@@ -128,10 +140,12 @@ class Comparison:
 
 def compare(results: list[Result], reference: Result) -> Comparison:
     """Every rank's result against the reference: the loss, every gradient each rank reports
-    (whole, or its vocabulary rows), and the parameters none reports."""
+    (whole, or its vocabulary rows) on the scale of the reference's largest gradient (see
+    `Comparison`), and the parameters none reports."""
     ref_loss, ref_grads = reference
     differences = [abs(loss - ref_loss) / abs(ref_loss) for loss, _ in results if loss is not None]
     loss_difference = functools.reduce(_larger, differences) if differences else math.nan
+    scale = _gradient_scale(ref_grads)
     worst, worst_name = 0.0, ""
     seen: set[str] = set()
     for _, grads in results:
@@ -141,8 +155,7 @@ def compare(results: list[Result], reference: Result) -> Comparison:
             if isinstance(grad, tuple):  # vocabulary rows
                 start, end, grad = grad
                 want = want[start:end]
-            scale = ref_grads[name].abs().max().clamp_min(1e-30)
-            difference = ((grad - want).abs().max() / scale).item()
+            difference = (grad - want).abs().max().item() / scale
             larger = not difference <= worst  # larger, or NaN
             if not math.isnan(worst) and (larger or not worst_name):
                 worst, worst_name = difference, name
@@ -151,9 +164,9 @@ def compare(results: list[Result], reference: Result) -> Comparison:
 
 
 def max_relative_difference(results: list[Result], reference: Result) -> float:
-    """Largest difference, relative to the reference's largest entry, of the loss and of every
-    gradient any rank reports (each parameter must be reported, by one rank or by row shards;
-    one without a gradient is not)."""
+    """The larger of the loss's relative difference and the gradients' difference on the
+    reference's largest gradient (`compare`); every parameter must be reported, by one rank or
+    by row shards (one without a gradient is not)."""
     losses = [loss for loss, _ in results if loss is not None]
     assert len(losses) == 1 or all(loss == losses[0] for loss in losses), losses
     comparison = compare(results, reference)
@@ -169,3 +182,10 @@ def full_gradient(grad: Tensor) -> Tensor:
 def _larger(first: float, second: float) -> float:
     """max() that keeps a NaN (plain max drops it when it comes second)."""
     return math.nan if math.isnan(first) or math.isnan(second) else max(first, second)
+
+
+def _gradient_scale(grads: dict[str, Tensor]) -> float:
+    """The largest |entry| of any gradient (the scale `compare` judges gradients on); the
+    smallest positive float when every gradient is zero, so any difference then fails."""
+    largest = max((grad.abs().max().item() for grad in grads.values() if grad.numel()), default=0)
+    return max(largest, sys.float_info.min)

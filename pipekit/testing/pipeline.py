@@ -10,6 +10,7 @@ step (`runner_step`) whose loss and full gradients `pipekit.testing.compare` hol
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -46,6 +47,7 @@ from pipekit.pipelining import (
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.testing.parity import Result, full_gradient
 from pipekit.train.activation_checkpoint import apply_activation_checkpointing
+from pipekit.train.parallel_rules import check_parallel_layout
 
 __all__ = ["pipeline_layout", "pipeline_step", "runner_step"]
 
@@ -67,14 +69,18 @@ def pipeline_step(
     routers: bool = True,
     materialize: Callable[[nn.Module], None] | None = None,
     adjust: Callable[[PipelineRunner], None] | None = None,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
     **parallelism: Any,
 ) -> Result:
     """One step of this rank's pipeline (`pipeline_layout`); `adjust` sees the runner before
-    the step (ablations)."""
+    the step (ablations). Under tp, `sequence_parallel` and `loss_parallel` are the trainer's
+    settings (on by default, as there)."""
     runner, dims, mesh = pipeline_layout(
         world, spec, args, batch.batch_size, seed=seed, dtype=dtype,
         compute_dtype=compute_dtype, dp_shard=dp_shard, ep=ep, cp=cp, tp=tp, routers=routers,
-        materialize=materialize, **parallelism,
+        materialize=materialize, sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel, **parallelism,
     )  # fmt: skip
     if adjust is not None:
         adjust(runner)
@@ -87,8 +93,8 @@ def pipeline_step(
         context = (tokens_S, mesh["cp"].get_group())
     return runner_step(
         runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group, context=context,
-        sequence_group=dims.mesh("cp_tp").get_group() if tp > 1 else None,
-        loss_parallel=tp > 1,
+        sequence_group=dims.mesh("cp_tp").get_group() if tp > 1 and sequence_parallel else None,
+        loss_parallel=tp > 1 and loss_parallel,
     )  # fmt: skip
 
 
@@ -118,24 +124,28 @@ def pipeline_layout(
     gradients are reduced in `dtype` (over one rank's mesh without data parallelism). Each
     stage's storage and values come from `materialize` if given (e.g. upcycling a checkpoint),
     else from `seed`. With `tp` > 1 the stages are split over tp ranks with sequence and loss
-    parallelism (the trainer's defaults), an MoE's experts and routers data parallel over the
-    tp ranks too (`routers=False`, an ablation, leaves the routers out). The blocks are
-    checkpointed by `activation_checkpoint` (`[training] activation_checkpoint`)."""
+    parallelism (the trainer's defaults; the keys `sequence_parallel`, `loss_parallel` turn them
+    off), an MoE's experts and routers data parallel over the tp ranks too (`routers=False`, an
+    ablation, leaves the routers out). The blocks are checkpointed by `activation_checkpoint`
+    (`[training] activation_checkpoint`). A layout the trainer refuses (`pipekit.train.
+    parallel_rules`, the pipeline plan) raises its error before any process group work."""
     config = ParallelismConfig(
-        dp_shard=dp_shard, pipeline_parallel_degree=world // (dp_shard * cp * tp), ep=ep, cp=cp,
-        tp=tp, **parallelism,
-    )  # fmt: skip
-    dims = ParallelDims.from_config(config, world)
-    mesh = dims.build_mesh("cpu")
+        dp_shard=dp_shard, pipeline_parallel_degree=-1, ep=ep, cp=cp, tp=tp, **parallelism
+    )
     rows, length = batch_shape
+    with torch.device("meta"):
+        model = spec.build(args).to(dtype)
+    dims = check_parallel_layout(config, world, spec, args, seq_len=length, model=spec.name,
+                                 meta_model=model)  # fmt: skip
+    config = dataclasses.replace(config, pipeline_parallel_degree=dims.pp)
     plan = plan_pipeline(config, spec.structure, spec.shape(args), rows // dp_shard, length)
+    mesh = dims.build_mesh("cpu")
     tp_moe = tp > 1 and getattr(args, "moe", None) is not None
     token_ranks = dp_shard * cp * tp
     experts = None
     if dims.ep_enabled or tp_moe:
         experts = expert_mesh("cpu", token_ranks, ep, pipeline_ranks=dims.pp, etp=dims.etp)
     routers_mesh = flatten_mesh(experts, "ep_tokens") if tp_moe and routers else None
-    loss_parallel = tp > 1
 
     precision = {"param_dtype": compute_dtype or dtype, "reduce_dtype": dtype}
     if compute_dtype is not None and dp_shard == 1:
@@ -144,7 +154,8 @@ def pipeline_layout(
     def parallelize(module: nn.Module) -> None:
         if tp > 1:
             apply_tensor_parallel(
-                module, mesh["tp"], spec, loss_parallel=loss_parallel,
+                module, mesh["tp"], spec, sequence_parallel=config.sequence_parallel,
+                loss_parallel=config.loss_parallel,
                 tied_embeddings=spec.shape(args).tied_embeddings,
             )  # fmt: skip
         if dims.ep_enabled:
@@ -172,8 +183,6 @@ def pipeline_layout(
         parallelize_vocab=parallelize_vocab,
         attention_backend="cpu", message_dtype=compute_dtype or dtype,
     )  # fmt: skip
-    with torch.device("meta"):
-        model = spec.build(args).to(dtype)
     return build_pipeline(plan, model, mesh, setup), dims, mesh
 
 

@@ -21,6 +21,7 @@ from pipekit.models.registry import get_model_spec, import_model_module, resolve
 from pipekit.models.spec import ModelShape, ModelSpec
 from pipekit.train.checkpoint_rules import check_checkpoints
 from pipekit.train.config_values import check_values
+from pipekit.train.parallel_rules import check_parallel_layout
 
 if TYPE_CHECKING:
     from torch import nn
@@ -91,15 +92,16 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     check_checkpoints(config, spec, args, check_files, meta_model)
     if upcycle is not None:
         _check_upcycle(config, check_files)
-    dims = _parallel_dims(config, world_size)
-    if dims.cp > 1:
-        _check_context_parallel(config, dims.cp, dims.pp, shape)
+    dims = check_parallel_layout(
+        config.parallelism,
+        world_size,
+        spec,
+        args,
+        seq_len=config.training.seq_len,
+        model=_model_description(config),
+        meta_model=meta_model,
+    )
     _check_float8(config, dims.tp)
-    if dims.tp > 1:
-        _check_tensor_parallel(config, dims, spec, args)
-        _check_sequence_parallel(config, dims)
-    if dims.ep_enabled:
-        _check_expert_parallel(config, meta_model, args, dims.ep, dims.etp)
     per_step = dims.dp_degree * config.training.gradient_accumulation_steps
     if config.training.global_batch_size % per_step:
         raise ConfigError(
@@ -112,8 +114,6 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     pipeline = None
     if dims.pp > 1:
         pipeline = _pipeline(config, spec, meta_model, shape, dims, local_batch)
-    if config.parallelism.vocab_parallel:
-        _check_vocab_parallel(spec, meta_model, shape, dims.pp, dims.tp)
     if pipeline is not None:
         offload = "activation_offload" in pipeline.features
     else:
@@ -174,6 +174,18 @@ def _model(config: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, Any, Upc
     return spec, args, upcycle_spec
 
 
+def _model_description(config: JobConfig) -> str:
+    """How messages name the model: its family and flavor, or what upcycling makes of it."""
+    model = config.model
+    upcycle = model.upcycle
+    if upcycle.enabled:
+        return (
+            f"[model.upcycle] num_experts x granularity = {upcycle.num_experts} x "
+            f"{upcycle.granularity}"
+        )
+    return f"{model.name} {model.flavor}"
+
+
 def _check_data(config: JobConfig, shape: ModelShape, tokenizer_vocab: int) -> None:
     model = config.model
     if tokenizer_vocab > shape.vocab_size:
@@ -220,33 +232,6 @@ def _check_upcycle(config: JobConfig, check_files: bool) -> None:
         ) from None
 
 
-def _parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
-    from pipekit.distributed.parallel_dims import ParallelDims
-
-    try:
-        dims = ParallelDims.from_config(config.parallelism, world_size)
-    except ValueError as error:
-        raise _error("[parallelism]", error) from None
-    return dims
-
-
-def _check_tensor_parallel(
-    config: JobConfig, dims: ParallelDims, spec: ModelSpec, args: Any
-) -> None:
-    from pipekit.distributed.tensor_parallel import check_tensor_parallel
-
-    try:
-        check_tensor_parallel(
-            spec,
-            spec.shape(args),
-            dims.tp,
-            getattr(args, "moe", None) is not None,
-            config.parallelism.sequence_parallel,
-        )
-    except ValueError as error:
-        raise _error("[parallelism]", error) from None
-
-
 def _check_float8(config: JobConfig, tp: int) -> None:
     from pipekit.train.float8 import check_float8
 
@@ -254,74 +239,6 @@ def _check_float8(config: JobConfig, tp: int) -> None:
         check_float8(config.training.float8, tp)
     except ValueError as error:
         raise _error("[training]", error) from None
-
-
-def _check_sequence_parallel(config: JobConfig, dims: ParallelDims) -> None:
-    """Outside pipelines (the pipeline plan checks its slices by the same rule)."""
-    from pipekit.distributed.tensor_parallel import check_sequence_parallel_split
-
-    if not config.parallelism.sequence_parallel or dims.pp > 1:
-        return
-    try:
-        check_sequence_parallel_split(config.training.seq_len, dims.tp, dims.cp)
-    except ValueError as error:
-        raise _error("[parallelism]", error) from None
-
-
-def _check_context_parallel(config: JobConfig, cp: int, pp: int, shape: ModelShape) -> None:
-    """Outside pipelines (the pipeline plan checks its slices by the same rules)."""
-    from pipekit.attention.context_parallel_choice import (
-        check_context_parallel_split,
-        check_context_parallel_variant,
-    )
-    from pipekit.attention.hierarchical import check_hierarchical
-    from pipekit.attention.ulysses import check_ulysses_heads
-
-    parallelism = config.parallelism
-    variant, tp = parallelism.cp_variant, max(parallelism.tp, 1)
-    heads = (shape.num_heads // tp, max(shape.num_kv_heads // tp, 1))
-    try:
-        check_context_parallel_variant(variant)
-        if pp == 1:
-            check_context_parallel_split(config.training.seq_len, cp)
-        if variant == "ulysses":
-            check_ulysses_heads(heads[0], cp, heads[1])
-        hierarchical = variant == "hierarchical" or (variant == "auto" and pp == 1)
-        if parallelism.cp_ulysses and not hierarchical:
-            raise ValueError(
-                f"cp_ulysses = {parallelism.cp_ulysses} sets the groups of "
-                f"cp_variant='hierarchical' (or 'auto' outside pipelines), not of "
-                f"{variant!r}; set cp_variant = 'hierarchical' or cp_ulysses = 0"
-            )
-        if variant == "hierarchical" or parallelism.cp_ulysses:
-            check_hierarchical(
-                cp, parallelism.cp_ulysses, parallelism.cp_across, *heads, pipeline=pp > 1
-            )
-    except ValueError as error:
-        raise _error("[parallelism]", error) from None
-
-
-def _check_expert_parallel(
-    config: JobConfig, meta_model: nn.Module, args: Any, ep: int, etp: int
-) -> None:
-    from pipekit.moe.expert_parallel import check_expert_parallel, check_expert_tensor_parallel
-    from pipekit.moe.experts import GroupedExperts
-
-    model = config.model
-    upcycle = model.upcycle
-    source = (
-        f"[model.upcycle] num_experts x granularity = {upcycle.num_experts} x {upcycle.granularity}"
-        if upcycle.enabled
-        else f"{model.name} {model.flavor}"
-    )
-    try:
-        check_expert_parallel(getattr(args, "moe", None), ep, source)
-        if etp > 1:  # the experts' hidden dim and biases
-            for experts in meta_model.modules():
-                if isinstance(experts, GroupedExperts):
-                    check_expert_tensor_parallel(experts.w1_EFD.shape[1], experts.has_biases, etp)
-    except ValueError as error:
-        raise _error("[parallelism]", error) from None
 
 
 def _check_structure(spec: ModelSpec, args: Any) -> nn.Module:
@@ -399,24 +316,3 @@ def _check_activation_offload(config: JobConfig, pp: int) -> None:
             f"[parallelism] activation_offload_dir={directory!r} is not a writable folder; "
             "create it or leave it empty for the system's temporary folder"
         )
-
-
-def _check_vocab_parallel(
-    spec: ModelSpec, model: nn.Module, shape: ModelShape, pp: int, tp: int
-) -> None:
-    """Vocabulary parallelism needs pipeline ranks to split the vocabulary over (and their tp
-    ranks split each pipeline rank's rows), vocabulary modules its row shards compute exactly,
-    and logits transforms it can apply shard by shard."""
-    from pipekit.layers.vocab_parallel import dtensor_shard_sizes
-    from pipekit.pipelining.features.vocab_rules import check_vocab_parallel_model
-
-    if pp < 2:
-        raise ConfigError(
-            "[parallelism] vocab_parallel = true splits the vocabulary across pipeline ranks; set "
-            "pipeline_parallel_degree >= 2 or vocab_parallel = false"
-        )
-    try:
-        dtensor_shard_sizes(shape.vocab_size, (pp, tp))
-        check_vocab_parallel_model(model, spec.structure)
-    except ValueError as error:
-        raise _error("[parallelism] vocab_parallel = true:", error) from None

@@ -1,0 +1,148 @@
+"""The `[parallelism]` rules that hold a layout against the model: degrees that fit the world
+size, tensor parallelism that splits whole heads (and, for an MoE, only with sequence
+parallelism), sequence and context parallelism that cut the sequence evenly, expert parallelism
+that splits whole experts, vocabulary parallelism over pipeline ranks.
+
+`check_parallel_layout` is the one place these run: job validation calls it for a config, and
+`pipekit.testing`'s parity steps call it for the layout they are asked to build, so a layout the
+trainer refuses is refused there too, with the same line, before any process group exists.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pipekit.config.loader import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pipekit.config.job_config import ParallelismConfig
+    from pipekit.distributed.parallel_dims import ParallelDims
+    from pipekit.models.spec import ModelShape, ModelSpec
+
+__all__ = ["check_parallel_layout"]
+
+
+def check_parallel_layout(
+    parallelism: ParallelismConfig,
+    world_size: int,
+    spec: ModelSpec,
+    args: Any,
+    *,
+    seq_len: int | None,
+    model: str,
+    meta_model: nn.Module | None = None,
+) -> ParallelDims:
+    """The degrees of `parallelism` on `world_size` ranks, checked against the model
+    `spec.build(args)` (`meta_model`: that model already built on the meta device) and
+    sequences of `seq_len` tokens (None: before any batch, the rules of the sequence's length
+    left out); `model` names it in messages. ConfigError ("[parallelism] ...") for the first
+    rule broken. Inside a pipeline the plan checks its slices by the same length rules."""
+    import torch
+
+    from pipekit.distributed.parallel_dims import ParallelDims
+
+    try:
+        dims = ParallelDims.from_config(parallelism, world_size)
+    except ValueError as error:
+        raise ConfigError(f"[parallelism] {error}") from None
+    if meta_model is None:
+        with torch.device("meta"):
+            meta_model = spec.build(args)
+    shape = spec.shape(args)
+    try:
+        if dims.cp > 1:
+            _check_context_parallel(parallelism, seq_len, dims.cp, dims.pp, shape)
+        if dims.tp > 1:
+            _check_tensor_parallel(parallelism, seq_len, dims, spec, args)
+        if dims.ep_enabled:
+            _check_expert_parallel(meta_model, args, dims.ep, dims.etp, model)
+    except ValueError as error:
+        raise ConfigError(f"[parallelism] {error}") from None
+    if parallelism.vocab_parallel:
+        _check_vocab_parallel(spec, meta_model, shape, dims.pp, dims.tp)
+    return dims
+
+
+def _check_tensor_parallel(
+    parallelism: ParallelismConfig,
+    seq_len: int | None,
+    dims: ParallelDims,
+    spec: ModelSpec,
+    args: Any,
+) -> None:
+    """Whole heads per rank, sequence parallelism for an MoE, and (outside pipelines) a
+    sequence that sequence parallelism cuts evenly."""
+    from pipekit.distributed.tensor_parallel import (
+        check_sequence_parallel_split,
+        check_tensor_parallel,
+    )
+
+    moe = getattr(args, "moe", None) is not None
+    check_tensor_parallel(spec, spec.shape(args), dims.tp, moe, parallelism.sequence_parallel)
+    if parallelism.sequence_parallel and dims.pp == 1 and seq_len is not None:
+        check_sequence_parallel_split(seq_len, dims.tp, dims.cp)
+
+
+def _check_context_parallel(
+    parallelism: ParallelismConfig, seq_len: int | None, cp: int, pp: int, shape: ModelShape
+) -> None:
+    """Outside pipelines (the pipeline plan checks its slices by the same rules)."""
+    from pipekit.attention.context_parallel_choice import (
+        check_context_parallel_split,
+        check_context_parallel_variant,
+    )
+    from pipekit.attention.hierarchical import check_hierarchical
+    from pipekit.attention.ulysses import check_ulysses_heads
+
+    variant, tp = parallelism.cp_variant, max(parallelism.tp, 1)
+    heads = (shape.num_heads // tp, max(shape.num_kv_heads // tp, 1))
+    check_context_parallel_variant(variant)
+    if pp == 1 and seq_len is not None:
+        check_context_parallel_split(seq_len, cp)
+    if variant == "ulysses":
+        check_ulysses_heads(heads[0], cp, heads[1])
+    hierarchical = variant == "hierarchical" or (variant == "auto" and pp == 1)
+    if parallelism.cp_ulysses and not hierarchical:
+        raise ValueError(
+            f"cp_ulysses = {parallelism.cp_ulysses} sets the groups of "
+            f"cp_variant='hierarchical' (or 'auto' outside pipelines), not of "
+            f"{variant!r}; set cp_variant = 'hierarchical' or cp_ulysses = 0"
+        )
+    if variant == "hierarchical" or parallelism.cp_ulysses:
+        check_hierarchical(
+            cp, parallelism.cp_ulysses, parallelism.cp_across, *heads, pipeline=pp > 1
+        )
+
+
+def _check_expert_parallel(meta_model: nn.Module, args: Any, ep: int, etp: int, model: str) -> None:
+    from pipekit.moe.expert_parallel import check_expert_parallel, check_expert_tensor_parallel
+    from pipekit.moe.experts import GroupedExperts
+
+    check_expert_parallel(getattr(args, "moe", None), ep, model)
+    if etp > 1:  # the experts' hidden dim and biases
+        for experts in meta_model.modules():
+            if isinstance(experts, GroupedExperts):
+                check_expert_tensor_parallel(experts.w1_EFD.shape[1], experts.has_biases, etp)
+
+
+def _check_vocab_parallel(
+    spec: ModelSpec, meta_model: nn.Module, shape: ModelShape, pp: int, tp: int
+) -> None:
+    """Vocabulary parallelism needs pipeline ranks to split the vocabulary over (and their tp
+    ranks split each pipeline rank's rows), vocabulary modules its row shards compute exactly,
+    and logits transforms it can apply shard by shard."""
+    from pipekit.layers.vocab_parallel import dtensor_shard_sizes
+    from pipekit.pipelining.features.vocab_rules import check_vocab_parallel_model
+
+    if pp < 2:
+        raise ConfigError(
+            "[parallelism] vocab_parallel = true splits the vocabulary across pipeline ranks; set "
+            "pipeline_parallel_degree >= 2 or vocab_parallel = false"
+        )
+    try:
+        dtensor_shard_sizes(shape.vocab_size, (pp, tp))
+        check_vocab_parallel_model(meta_model, spec.structure)
+    except ValueError as error:
+        raise ConfigError(f"[parallelism] vocab_parallel = true: {error}") from None
