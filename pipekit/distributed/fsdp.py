@@ -97,8 +97,12 @@ def _outputs_without_views(module: nn.Module, args: Any, output: Any) -> Any:
 
 
 def _hand_over_outputs_without_views(unit: nn.Module) -> None:
-    """Give FSDP2's post-forward hook of `unit` its outputs without views (module docstring)."""
-    unit.register_forward_hook(_outputs_without_views, prepend=True)
+    """Give FSDP2's post-forward hook of `unit` its outputs without views (module docstring).
+
+    Called before FSDP2 wraps `unit`: FSDP2 appends its hook, so this one runs after the hooks
+    already there (tensor parallelism's output layouts, which may return views) and right
+    before FSDP2's."""
+    unit.register_forward_hook(_outputs_without_views)
 
 
 def data_parallel_mesh(mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceMesh | None:
@@ -165,6 +169,7 @@ def apply_data_parallel(
             (module.shared_experts, routers_mesh, lambda _: Shard(0)),
         ):
             if unit is not None and unit_mesh is not None:
+                _hand_over_outputs_without_views(unit)
                 fully_shard(
                     unit,
                     mesh=unit_mesh,
@@ -172,7 +177,6 @@ def apply_data_parallel(
                     reshard_after_forward=reshard_after_forward,
                     shard_placement_fn=placement_of,
                 )
-                _hand_over_outputs_without_views(unit)
     dp_mesh = data_parallel_mesh(mesh, parallel_dims)
     precision_only = dp_mesh is None and precision_mesh is not None
     if precision_only and param_dtype != torch.float32:
@@ -182,14 +186,14 @@ def apply_data_parallel(
         return model
     if parallel_dims.fsdp_enabled or precision_only:
         for unit in [*blocks, model]:
+            _hand_over_outputs_without_views(unit)
             fully_shard(
                 unit, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
             )
-            _hand_over_outputs_without_views(unit)
     else:
         for unit in [*blocks, model]:
-            fsdp_replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)
             _hand_over_outputs_without_views(unit)
+            fsdp_replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)
     _sum_gradients(model, sum_gradients)
     return model
 
