@@ -49,6 +49,7 @@ class Case(NamedTuple):
     ablation: str = ""
     vocab_size: int = TINY_LLAMA.vocab_size
     head_bias: bool = False
+    tied: bool = False
     checkpoint: bool = False
     """Save the step's state into the test's folder as step-1."""
 
@@ -66,6 +67,7 @@ def _run(rank: int, world: int, case: Case, folder: str) -> tuple:
         vocab_parallel=True,
         vocab_size=case.vocab_size,
         head_bias=case.head_bias,
+        tied=case.tied,
     )
     vocab = runner.extension("vocab_parallel")
     assert isinstance(vocab, PipelineVocabParallel)
@@ -118,7 +120,7 @@ def _comparisons(world: int, cases: list[Case], folder: Path) -> dict[Case, Comp
 
 
 def _reference(world: int, case: Case) -> Result:
-    return _tiny_reference(world * case.v, case.vocab_size, case.head_bias)
+    return _tiny_reference(world * case.v, case.vocab_size, case.head_bias, case.tied)
 
 
 _tiny_reference = functools.cache(tiny_reference)
@@ -143,10 +145,12 @@ def test_vocab_parallel_sliced_pipeline_equals_single_process_fp64(
         Case("sliced", 1, 3, world),
         Case("sliced", 1, 2, world, vocab_size=67),  # uneven: 34/33 or 17/17/17/16 rows
         Case("sliced", 1, 2, world, head_bias=True, checkpoint=world == 2),
+        Case("sliced", 1, 2, world, head_bias=True, tied=True),  # the bias is the head's own
     ]
     _assert_parity(_comparisons(world, cases, tmp_path))
     if world == 2:
-        _assert_checkpoint_holds_the_bias(tmp_path / "step-1", world, _reference(world, cases[-1]))
+        (saved,) = [case for case in cases if case.checkpoint]
+        _assert_checkpoint_holds_the_bias(tmp_path / "step-1", world, _reference(world, saved))
 
 
 def _assert_checkpoint_holds_the_bias(step: Path, world: int, reference: Result) -> None:
