@@ -8,6 +8,7 @@ d hidden, or of the embedding gradient, or the output bias, and must fail."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import NamedTuple
 from unittest import mock
@@ -35,7 +36,7 @@ from pipekit.pipelining import PipelineRunner
 from pipekit.pipelining.features import vocab_parallel
 from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel, vocabulary_row_dims
 from pipekit.pipelining.features.vocab_rules import check_vocab_parallel_model
-from pipekit.testing import Comparison, build_model, compare, run_on_ranks, runner_step
+from pipekit.testing import Comparison, Result, build_model, compare, run_on_ranks, runner_step
 
 
 class Case(NamedTuple):
@@ -48,6 +49,7 @@ class Case(NamedTuple):
     ablation: str = ""
     vocab_size: int = TINY_LLAMA.vocab_size
     head_bias: bool = False
+    tied: bool = False
     checkpoint: bool = False
     """Save the step's state into the test's folder as step-1."""
 
@@ -65,6 +67,7 @@ def _run(rank: int, world: int, case: Case, folder: str) -> tuple:
         vocab_parallel=True,
         vocab_size=case.vocab_size,
         head_bias=case.head_bias,
+        tied=case.tied,
     )
     vocab = runner.extension("vocab_parallel")
     assert isinstance(vocab, PipelineVocabParallel)
@@ -111,12 +114,17 @@ def _many(rank: int, world: int, cases: list[Case], folder: str) -> list:
 def _comparisons(world: int, cases: list[Case], folder: Path) -> dict[Case, Comparison]:
     results = run_on_ranks(_many, world, cases, str(folder), timeout=240)
     return {
-        case: compare(
-            [results[rank][index] for rank in range(world)],
-            tiny_reference(world * case.v, case.vocab_size, case.head_bias),
-        )
+        case: compare([results[rank][index] for rank in range(world)], _reference(world, case))
         for index, case in enumerate(cases)
     }
+
+
+def _reference(world: int, case: Case) -> Result:
+    return _tiny_reference(world * case.v, case.vocab_size, case.head_bias, case.tied)
+
+
+_tiny_reference = functools.cache(tiny_reference)
+"""Cases of one model share its reference (it depends on neither schedule nor split)."""
 
 
 def _assert_parity(comparisons: dict[Case, Comparison]) -> None:
@@ -137,16 +145,18 @@ def test_vocab_parallel_sliced_pipeline_equals_single_process_fp64(
         Case("sliced", 1, 3, world),
         Case("sliced", 1, 2, world, vocab_size=67),  # uneven: 34/33 or 17/17/17/16 rows
         Case("sliced", 1, 2, world, head_bias=True, checkpoint=world == 2),
+        Case("sliced", 1, 2, world, head_bias=True, tied=True),  # the bias is the head's own
     ]
     _assert_parity(_comparisons(world, cases, tmp_path))
     if world == 2:
-        _assert_checkpoint_holds_the_bias(tmp_path / "step-1", world)
+        (saved,) = [case for case in cases if case.checkpoint]
+        _assert_checkpoint_holds_the_bias(tmp_path / "step-1", world, _reference(world, saved))
 
 
-def _assert_checkpoint_holds_the_bias(step: Path, world: int) -> None:
+def _assert_checkpoint_holds_the_bias(step: Path, world: int, reference: Result) -> None:
     args = TINY_LLAMA.with_updates(n_layers=world)
     drawn = build_model(BIASED_HEAD, args, seed=3, dtype=torch.float64)
-    _, reference_grads = tiny_reference(world, head_bias=True)
+    _, reference_grads = reference
     loaded = build_model(BIASED_HEAD, args, seed=5, dtype=torch.float64).state_dict()
     exp_avg = {"state.output.bias.exp_avg": torch.zeros(args.vocab_size, dtype=torch.float64)}
     load_checkpoint(step, {"model_and_optimizer": {"model": loaded, "optimizer": exp_avg}})
@@ -163,7 +173,7 @@ def test_vocab_parallel_with_torch_schedules(tmp_path: Path) -> None:
         Case("Interleaved1F1B", 2, 2, 1),
         Case("InterleavedZeroBubble", 2, 2, 1),
         Case("ZBVZeroBubble", 2, 2, 1),
-        Case("DualPipeV", 2, 6, 1, head_bias=True),
+        Case("DualPipeV", 2, 6, 1),
     ]
     _assert_parity(_comparisons(2, cases, tmp_path))
 

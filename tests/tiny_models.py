@@ -1,5 +1,5 @@
 """The tiny Llama that the distributed tests share, and its float64 parity batch and reference;
-also a variant whose output projection has a bias (an untied GPT-J / Falcon-style head)."""
+also a variant whose output projection has a bias (a GPT-J / Falcon-style head)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,13 @@ PARITY_ROWS, PARITY_SEQ_LEN, PARITY_TOLERANCE = 6, 32, 1e-10
 
 
 class BiasedHeadLlama(Llama):
-    """Llama whose untied output projection has a bias, drawn from its own seed (std 1, so it
-    moves the loss well beyond rounding)."""
+    """Llama whose output projection has a bias (its own also when the weight is tied), drawn
+    from its own seed (std 1, so it moves the loss well beyond rounding)."""
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=True)
+        self.tie_weights()
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -97,6 +98,7 @@ def tiny_pipeline(
     slicing: str = "equal_length",
     attention_to_linear: float = 0.0,
     head_bias: bool = False,
+    tied: bool = False,
 ) -> PipelineRunner:
     """This rank's pipeline runner of TINY_LLAMA with one layer per stage (`num_layers` split
     evenly otherwise), initialised from `seed` in `dtype`, cpu attention, built by pipekit's one
@@ -104,10 +106,12 @@ def tiny_pipeline(
     optionally with every block's activations checkpointed, vocabulary parallelism, context
     exchange, activation offload, a user schedule (`user_actions`), `parallelize` applied to
     each stage, or `slicing` (equal-cost slices placed for `attention_to_linear`); `head_bias`:
-    the biased-head variant."""
+    the biased-head variant; `tied`: tied embeddings."""
     num_ranks = mesh["pp"].size()
     num_layers = num_layers or num_ranks * stages_per_rank
-    args = TINY_LLAMA.with_updates(n_layers=num_layers, max_seq_len=64, vocab_size=vocab_size)
+    args = TINY_LLAMA.with_updates(
+        n_layers=num_layers, max_seq_len=64, vocab_size=vocab_size, tie_embeddings=tied
+    )
     parallelism = ParallelismConfig(
         dp_shard=1,
         pipeline_parallel_degree=num_ranks,
@@ -156,9 +160,12 @@ def tiny_batch(vocab_size: int = TINY_LLAMA.vocab_size) -> TensorDict:
 
 
 def tiny_reference(
-    num_layers: int, vocab_size: int = TINY_LLAMA.vocab_size, head_bias: bool = False
+    num_layers: int,
+    vocab_size: int = TINY_LLAMA.vocab_size,
+    head_bias: bool = False,
+    tied: bool = False,
 ) -> Result:
     """One process, float64, the whole `tiny_batch` at once: what every tiny pipeline (seed 3)
     must reproduce."""
-    args = TINY_LLAMA.with_updates(n_layers=num_layers, vocab_size=vocab_size)
+    args = TINY_LLAMA.with_updates(n_layers=num_layers, vocab_size=vocab_size, tie_embeddings=tied)
     return reference_step(tiny_spec(head_bias), args, tiny_batch(vocab_size))

@@ -5,10 +5,10 @@ instead of failing inside the load and calling a good checkpoint corrupt.
 
 What decides is the state: the checkpoint's model entries (names and global shapes, from its
 metadata) against those of the job's model on the meta device. Settings that leave the state as
-it is (the attention kernel, a longer `max_seq_len`, any parallel layout: DCP reshards) never
-refuse a checkpoint. The `[model]` settings of the job that wrote it (the `config.toml` every
-checkpoint holds; for older checkpoints, the output folder's, if it was written before them)
-only explain the difference.
+it is (the attention kernel, a RoPE model's longer `max_seq_len`, any parallel layout: DCP
+reshards) never refuse a checkpoint. The `[model]` settings of the job that wrote it (the
+`config.toml` every checkpoint holds; for older checkpoints, the output folder's, if it was
+written before them) only explain the difference.
 """
 
 from __future__ import annotations
