@@ -5,11 +5,11 @@ byte counts, so their ordering is asserted; times are not."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 import os
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,25 +21,28 @@ from pipekit.bench.__main__ import main
 from pipekit.bench._cpu_per_step import cpu_ratio
 from pipekit.bench._pipeline_launch import bench_plan, model_spec, rank_core_sets, run_ranks
 from pipekit.bench.pipeline_throughput import schedule_runs, simulated_makespan
+from pipekit.memory_plan.forked import in_forked_child
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = ["--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "48", "--vocab", "64"]
 
 
 def _run_bench(*argv: str) -> dict[str, float]:
-    """Run `python -m pipekit.bench ARGV` and return its RESULT figures."""
-    completed = subprocess.run(
-        [sys.executable, "-m", "pipekit.bench", *argv],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stdout + completed.stderr
-    last = completed.stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT "), completed.stdout
+    """Run `python -m pipekit.bench ARGV` and return its RESULT figures: in a child forked from
+    this process (the bench's imports are paid once; its threads end with the child)."""
+    stdout = in_forked_child(_bench_stdout, argv)
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT "), stdout
     figures = dict(part.split("=", 1) for part in last.removeprefix("RESULT ").split())
     return {key: float(value) for key, value in figures.items()}
+
+
+def _bench_stdout(argv: tuple[str, ...]) -> str:
+    os.chdir(REPO_ROOT)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(list(argv))
+    return printed.getvalue()
 
 
 def test_pipeline_memory_bench_sliced_saves_memory_and_prints_formula():
