@@ -72,10 +72,29 @@ def train_job(
     doing what train.py does once torchrun has started it (check the config for the world size,
     lock the output folder, train); its logged losses by step. Forked ranks inherit the imported
     torch, so a run costs its steps, not the seconds of `nproc` fresh interpreters; tests of the
-    launcher itself (signals, exit codes, console lines, nodes) use `job_command`."""
-    argv = ["--config", config, "--job.output_dir", str(output_dir), *overrides]
+    launcher itself (signals, exit codes, console lines, nodes) use `job_command`. The ranks take
+    a stated peak FLOP/s (MFU's denominator) instead of each measuring its matmuls for half a
+    second: these runs are compared by their losses."""
+    argv = ["--config", config, "--job.output_dir", str(output_dir), *_STATED_PEAK, *overrides]
+    _pack_corpus_here(argv)
     run_on_ranks(_train_rank, nproc, argv, str(output_dir.parent), timeout=timeout)
     return logged_losses(output_dir)
+
+
+_STATED_PEAK = ("--metrics.peak_flops", "1e12")
+
+
+def _pack_corpus_here(argv: list[str]) -> None:
+    """Pack the job's corpus once in this process, into the loader's in-memory cache, which the
+    forked ranks inherit instead of each packing it again: for the byte tokenizer on the
+    standard-library corpus only (pure Python; a Hugging Face tokenizer or dataset would leave
+    threads in this process)."""
+    from pipekit.config import load_job_config
+    from pipekit.train.data import load_token_stream
+
+    data = load_job_config(argv).data
+    if data.source == "stdlib" and data.tokenizer == "bytes" and not data.mix_sources:
+        load_token_stream(data)
 
 
 def _train_rank(rank: int, world_size: int, argv: list[str], folder: str) -> None:
@@ -99,7 +118,7 @@ def logged_losses(output_dir: Path) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in records}
 
 
-SHORT_RUN_STEPS = 36  # long enough that a kill after step 8 lands mid-run
+SHORT_RUN_STEPS = 24  # long enough that a kill after step 8 lands mid-run
 SHORT_RUN = (
     "--training.steps",
     str(SHORT_RUN_STEPS),
