@@ -9,9 +9,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipekit.checkpoint.file_reads import evict, resident_fraction
 from pipekit.memory_plan.forked import in_forked_child
+from pipekit.train.metrics import measure_matmul_flops
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _peak_flops_measured_once_for_every_rank() -> None:
+    """Every trainer measures the matmul peak its MFU is reported against, once per process;
+    measured here with one intra-op thread, as a forked rank runs, every rank group the suite
+    forks inherits it instead of spending half a second of a core on it again."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        measure_matmul_flops()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -57,14 +57,7 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
         "--checkpoint.async_save", "true",
     )  # fmt: skip
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
-    subprocess.run(
-        job_command(reference_dir, *run),
-        env=job_env(),
-        check=True,
-        cwd=tmp_path,
-        capture_output=True,
-    )
-    reference = logged_losses(reference_dir)
+    reference = train_job(reference_dir, *run)  # uninterrupted, on forked ranks
     assert sorted(reference) == list(range(1, SHORT_RUN_STEPS + 1))
     assert sorted(p.name for p in (reference_dir / "checkpoints").iterdir()) == [
         "step-20",

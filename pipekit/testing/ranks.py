@@ -68,7 +68,8 @@ def run_on_ranks(
         process = ctx.Process(
             target=_child,
             args=(child_end, store_folder, fn, rank, world_size, args, timeout),
-            daemon=True,
+            # not daemons: a rank may start processes of its own (DataLoader workers); every
+            # rank is ended below whatever happens
         )
         process.start()
         child_end.close()

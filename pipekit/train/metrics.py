@@ -100,8 +100,19 @@ def measure_matmul_flops(
 ) -> float:
     """This process's matmul throughput (FLOP/s) on `device` (default CPU, with its current
     thread count) in `dtype`: the peak MFU is reported against, measured on the machine that
-    trains rather than looked up."""
+    trains rather than looked up. Measured once per process (and kept across a fork) for each
+    device, dtype and thread count."""
     device = device or torch.device("cpu")
+    key = (str(device), dtype, torch.get_num_threads(), seconds)
+    if key not in _MEASURED_FLOPS:
+        _MEASURED_FLOPS[key] = _time_matmuls(device, dtype, seconds)
+    return _MEASURED_FLOPS[key]
+
+
+_MEASURED_FLOPS: dict[tuple[str, torch.dtype, int, float], float] = {}
+
+
+def _time_matmuls(device: torch.device, dtype: torch.dtype, seconds: float) -> float:
     size = 1024 if device.type == "cpu" else 8192
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
 
