@@ -57,7 +57,7 @@ def test_a_model_only_last_save_holds_the_weights_alone_in_the_export_dtype(tmp_
     assert {entry.properties.dtype for entry in entries.values()} == {torch.bfloat16}
     assert _folder_bytes(folder / "step-4") < 0.2 * _folder_bytes(folder / "step-2")
 
-    model, _ = load_for_generation(folder / "step-4")
+    model, _, _ = load_for_generation(folder / "step-4")
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, weights[name].bfloat16().float()), name
 

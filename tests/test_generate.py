@@ -60,8 +60,9 @@ def test_cached_decoding_equals_the_full_forward(family: str) -> None:
 def test_greedy_tokens_equal_transformers_generate(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(**TINY_HF_CONFIG)
     hf_model = save_transformers_model(transformers.LlamaForCausalLM, config, tmp_path / "hf")
-    model, _ = load_for_generation(tmp_path / "hf", tokenizer="bytes")
-    ours = list(decode_tokens(model, PROMPT, 20))
+    model, _, max_seq_len = load_for_generation(tmp_path / "hf", tokenizer="bytes")
+    assert max_seq_len == config.max_position_embeddings
+    ours = list(decode_tokens(model, PROMPT, 20, max_seq_len=max_seq_len))
     with torch.no_grad():
         theirs = hf_model.generate(
             torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False, eos_token_id=None,
@@ -107,3 +108,19 @@ def test_the_command_continues_a_prompt_from_a_job_checkpoint(tmp_path: Path, ca
     bad = generate_main(["--checkpoint", str(output / "checkpoints"), "--prompt", "def "])
     lines = capsys.readouterr().err.strip().splitlines()
     assert bad == 2 and len(lines) == 1 and "neither a Hugging Face folder" in lines[0]
+    # positions past the model's longest sequence are refused before any forward
+    longest = validate_job(config, world_size=1).shape.max_seq_len
+    too_many = ["--checkpoint", step, "--prompt", "def ", "--max-new-tokens", str(longest)]
+    assert generate_main(too_many) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"past the model's max_seq_len={longest}" in lines[0], lines
+
+
+def test_decoding_refuses_positions_past_the_longest_sequence() -> None:
+    """Positions 0..P+N-2 are fed (the last token picked is only yielded): P + N - 1 tokens
+    fit exactly, one more is refused before any forward."""
+    model = torch.nn.Linear(1, 1)  # never run: the refusal comes first
+    fits = decode_tokens(model, [1, 2, 3], 6, max_seq_len=8)
+    assert iter(fits) is fits
+    with pytest.raises(ValueError, match=r"ask for at most 6 new tokens"):
+        decode_tokens(model, [1, 2, 3], 7, max_seq_len=8)

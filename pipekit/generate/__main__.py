@@ -53,17 +53,18 @@ def main(argv: list[str] | None = None) -> int:
         sampling = Sampling(options.temperature, options.top_k, options.top_p, options.seed)
         if options.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {options.max_new_tokens} must be at least 1")
-        model, tokenizer = load_for_generation(
+        model, tokenizer, max_seq_len = load_for_generation(
             options.checkpoint, options.config, options.tokenizer
         )
+        prompt = [tokenizer.bos_id, *[int(t) for t in tokenizer.encode(options.prompt)]]
+        stop = options.stop if options.stop is not None else [tokenizer.eos_id]
+        model = model.to(options.device)
+        tokens = decode_tokens(model, prompt, options.max_new_tokens, sampling, stop, max_seq_len)
     except (ValueError, OSError, ImportError) as error:  # CheckpointError is a ValueError
         print(f"{_PROGRAM}: error: {error}", file=sys.stderr)
         return 2
-    model = model.to(options.device)
-    prompt = [tokenizer.bos_id, *[int(t) for t in tokenizer.encode(options.prompt)]]
-    stop = options.stop if options.stop is not None else [tokenizer.eos_id]
     started = time.perf_counter()
-    written = list(decode_tokens(model, prompt, options.max_new_tokens, sampling, stop))
+    written = list(tokens)
     seconds = time.perf_counter() - started
     print(options.prompt + tokenizer.decode([t for t in written if t not in stop]))
     print(f"{len(written)} tokens in {seconds:.2f} s: {len(written) / seconds:.1f} tokens/s",

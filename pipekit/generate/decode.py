@@ -58,18 +58,39 @@ class Sampling:
         return int(torch.multinomial(probabilities_V, 1, generator=generator))
 
 
-@torch.no_grad()
 def decode_tokens(
     model: nn.Module,
     prompt: Sequence[int],
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
     stop: Sequence[int] = (),
+    max_seq_len: int | None = None,
 ) -> Iterator[int]:
     """The tokens `model` writes after `prompt` (ids), one at a time as they are picked, until
-    `max_new_tokens` or a token of `stop` (which is yielded, then decoding ends)."""
+    `max_new_tokens` or a token of `stop` (which is yielded, then decoding ends). With
+    `max_seq_len` (the model's longest sequence), a prompt and count whose positions would pass
+    it are refused here, before any forward: a learned position table has no rows there."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
+    # the last token picked is yielded, never fed: the largest position fed is one less
+    longest = len(prompt) + max_new_tokens - 1
+    if max_seq_len is not None and longest > max_seq_len:
+        raise ValueError(
+            f"a prompt of {len(prompt)} tokens and {max_new_tokens} new tokens need positions up "
+            f"to {longest - 1}, past the model's max_seq_len={max_seq_len}; ask for at most "
+            f"{max(0, max_seq_len - len(prompt) + 1)} new tokens or shorten the prompt"
+        )
+    return _decoded(model, prompt, max_new_tokens, sampling, stop)
+
+
+@torch.no_grad()
+def _decoded(
+    model: nn.Module,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    stop: Sequence[int],
+) -> Iterator[int]:
     device = next(model.parameters()).device
     generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
     cache = SlicedKVCache(backend="auto")

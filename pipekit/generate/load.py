@@ -13,6 +13,7 @@ folder says its family in config.json; its tokenizer is its `tokenizer.json` unl
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from torch import nn
 
@@ -25,25 +26,36 @@ from pipekit.models.registry import spec_for_checkpoint
 from pipekit.train.data.tokenizer import Tokenizer, build_tokenizer
 from pipekit.train.job import validate_job
 
-__all__ = ["load_for_generation"]
+__all__ = ["LoadedModel", "load_for_generation"]
+
+
+class LoadedModel(NamedTuple):
+    """What decoding needs: the float32 model in eval mode, the tokenizer to use with it, and
+    the longest sequence its positions allow (`ModelShape.max_seq_len`)."""
+
+    model: nn.Module
+    tokenizer: Tokenizer
+    max_seq_len: int
 
 
 def load_for_generation(
     checkpoint: Path, config: Path | None = None, tokenizer: str | None = None
-) -> tuple[nn.Module, Tokenizer]:
-    """The float32 model in eval mode holding `checkpoint`, and the tokenizer to use with it
-    (`tokenizer`, or the job's / the folder's); CheckpointError or ValueError naming the fix."""
+) -> LoadedModel:
+    """The float32 model in eval mode holding `checkpoint`, the tokenizer to use with it
+    (`tokenizer`, or the job's / the folder's) and its longest sequence; CheckpointError or
+    ValueError naming the fix."""
     if (checkpoint / "config.json").is_file():
         family = spec_for_checkpoint(checkpoint)
         assert family.hf is not None  # spec_for_checkpoint finds families with an adapter
-        model, _ = family.hf.build_from_checkpoint(str(checkpoint))
+        model, args = family.hf.build_from_checkpoint(str(checkpoint))
         default = checkpoint / "tokenizer.json"
         if tokenizer is None and not default.is_file():
             raise ValueError(
                 f"{checkpoint} has no tokenizer.json; give --tokenizer (a tokenizer.json, or "
                 "'bytes')"
             )
-        return model.eval(), build_tokenizer(tokenizer or str(default))
+        built = build_tokenizer(tokenizer or str(default))
+        return LoadedModel(model.eval(), built, family.shape(args).max_seq_len)
     if not (checkpoint / COMPLETE_MARKER).is_file():
         raise CheckpointError(
             f"{checkpoint} is neither a Hugging Face folder (config.json) nor a complete "
@@ -63,4 +75,5 @@ def load_for_generation(
     model = job.spec.build(job.args)
     # the model's tensors are filled in place, under the names the trainer saves them with
     load_checkpoint(checkpoint, {"model_and_optimizer": {"model": model.state_dict()}})
-    return model.eval(), build_tokenizer(tokenizer or job_config.data.tokenizer)
+    built = build_tokenizer(tokenizer or job_config.data.tokenizer)
+    return LoadedModel(model.eval(), built, job.shape.max_seq_len)
