@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipekit.memory_plan.forked import in_forked_child
 from pipekit.testing import run_on_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -141,21 +142,47 @@ LAYOUT_RUN = (*SHORT_RUN[:10], "--training.steps", "4", "--checkpoint.interval",
 NO_CHECKPOINTS = ("--checkpoint.enable", "false")
 
 
-def single_process_error(output_dir: Path, *overrides: str, world_size: int | None = None) -> str:
+def single_process_error(
+    output_dir: Path, *overrides: str, world_size: int | None = None, fresh: bool = False
+) -> str:
     """Run train.py without torchrun (WORLD_SIZE set only to test validation against it);
-    require exit status 2 and return its one stderr line."""
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "train.py"), "--config", CONFIG,
-         "--job.output_dir", str(output_dir), *overrides],
-        env=job_env() if world_size is None else {**job_env(), "WORLD_SIZE": str(world_size)},
-        capture_output=True,
-        text=True,
-        check=False,
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+    require exit status 2 and return its one stderr line. `fresh` starts a new interpreter, as a
+    user does (so import-time warnings would count); otherwise train.py's `main` runs in a child
+    forked from this process, its stderr sent to a file, which costs no interpreter start."""
+    argv = ["--config", CONFIG, "--job.output_dir", str(output_dir), *overrides]
+    env = job_env() if world_size is None else {**job_env(), "WORLD_SIZE": str(world_size)}
+    if fresh:
+        result = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "train.py"), *argv],
+            env=env, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        status, stderr = result.returncode, result.stderr
+    else:
+        stderr_path = output_dir.parent / f"{output_dir.name}.stderr"
+        status = in_forked_child(_train_main, argv, env, str(stderr_path))
+        stderr = stderr_path.read_text()
+    assert status == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
     return lines[0]
+
+
+def _train_main(argv: list[str], env: dict[str, str], stderr_path: str) -> int:
+    """train.py's `main(argv)` under `env`, everything it writes to stderr going to the file."""
+    import importlib.util
+
+    os.environ.clear()
+    os.environ.update(env)
+    with open(stderr_path, "w") as stderr:
+        os.dup2(stderr.fileno(), 2)
+        sys.stderr = stderr
+        spec = importlib.util.spec_from_file_location("train_script", REPO_ROOT / "train.py")
+        assert spec is not None and spec.loader is not None
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        status = script.main(argv)
+        stderr.flush()
+    return status
 
 
 def write_debug_llama(directory: Path, seed: int = 11, flavor: str = "debug") -> None:

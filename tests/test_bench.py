@@ -116,7 +116,7 @@ def test_tensor_parallel_bench_meets_megatrons_formulas(capsys):
 
 def test_step_bench_compares_compiled_with_eager(capsys):
     config = "configs/debug_model.toml"
-    tiny = ["--training.seq_len", "32", "--training.global_batch_size", "2"]
+    tiny = ["--training.seq_len", "32", "--training.global_batch_size", "4"]
     main(["step", "--config", config, "--compile", "--warmup", "1", "--timed", "2", *tiny])
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split()[0] for line in lines[3:5]] == ["eager", "compiled"]

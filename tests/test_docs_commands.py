@@ -8,6 +8,7 @@ The `--help` texts come from one subprocess that runs each distinct module's `--
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -87,14 +88,16 @@ def commands(snippet: Snippet) -> list[Command]:
     return found
 
 
-def config_keys() -> tuple[set[str], set[str]]:
-    """(sections, section.key) of the job config, as `python train.py --help` lists them."""
+@functools.cache
+def config_keys() -> tuple[frozenset[str], frozenset[str]]:
+    """(sections, section.key) of the job config, as `python train.py --help` lists them;
+    built once (every snippet of every page asks)."""
     text = help_text()
-    sections = set(re.findall(r"^\[(\S+)\]", text, re.M))
-    return sections, set(re.findall(r"^  --(\S+) \(", text, re.M))
+    sections = frozenset(re.findall(r"^\[(\S+)\]", text, re.M))
+    return sections, frozenset(re.findall(r"^  --(\S+) \(", text, re.M))
 
 
-def _key_problem(key: str, keys: set[str]) -> str | None:
+def _key_problem(key: str, keys: frozenset[str]) -> str | None:
     if key.endswith("*"):  # `mixed_precision_*`: some key starts so
         return None if any(k.startswith(key[:-1]) for k in keys) else f"no key matches {key}"
     return None if key in keys else f"{key} is not a config key"

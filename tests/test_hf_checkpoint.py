@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import pipekit.families.decoder.hf_layout as hf_layout
 from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead, save_safetensors
+from pipekit.checkpoint.inspect import main as inspect_main
 from pipekit.families.decoder.hf_layout import permute_from_hf, permute_to_hf
 from pipekit.families.llama.args import LlamaArgs, RopeScaling, llama_flavor
 from pipekit.families.llama.hf import (
@@ -130,21 +131,10 @@ def test_inspect_cli_runs_sharded_checkpoint_like_transformers(tmp_path: Path) -
     assert (logits - _hf_logits(hf_model)).abs().max() < PARITY_TOLERANCE
 
 
-@pytest.mark.parametrize(
-    "arguments, message",
-    [
-        (["missing_dir"], "does not exist"),
-        (["{ckpt}", "--tokens", "1,x", "--out", "o.safetensors"], "comma-separated"),
-        (["{ckpt}", "--tokens", "1,100", "--out", "o.safetensors"], "vocab_size=100"),
-        (["{ckpt}", "--tokens", "1,2"], "go together"),
-    ],
-)
-def test_inspect_cli_bad_input_is_one_line_exit_2(
-    hf_checkpoint: Path, tmp_path: Path, arguments: list[str], message: str
-) -> None:
-    arguments = [argument.format(ckpt=hf_checkpoint) for argument in arguments]
+def test_inspect_cli_bad_input_is_one_line_exit_2_from_a_fresh_interpreter() -> None:
+    """The command as users start it: nothing but the one line (no import-time warnings)."""
     result = subprocess.run(
-        [sys.executable, "-m", "pipekit.checkpoint.inspect", *arguments],
+        [sys.executable, "-m", "pipekit.checkpoint.inspect", "missing_dir"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -152,7 +142,34 @@ def test_inspect_cli_bad_input_is_one_line_exit_2(
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert len(lines) == 1 and "does not exist" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["{ckpt}", "--tokens", "1,x", "--out", "o.safetensors"], "comma-separated"),
+        (["{ckpt}", "--tokens", "1,100", "--out", "o.safetensors"], "vocab_size=100"),
+        (["{ckpt}", "--tokens", "1,2"], "go together"),
+    ],
+)
+def test_inspect_cli_bad_input_is_one_line_exit_2(
+    hf_checkpoint: Path,
+    arguments: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each refusal, through the command's `main` in this process (the parser's exits too)."""
+    monkeypatch.chdir(REPO_ROOT)
+    arguments = [argument.format(ckpt=hf_checkpoint) for argument in arguments]
+    try:
+        status = inspect_main(arguments)
+    except SystemExit as exit_:
+        status = exit_.code
+    assert status == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
 
 
 # (b) round trips

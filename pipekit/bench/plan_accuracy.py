@@ -3,9 +3,10 @@
 For each debug config (FSDP2, context parallelism, tensor parallelism with and without sequence
 parallelism, the sliced pipeline with and without activation offload, expert parallelism, an
 upcycled MoE), the planner's per-rank peak (`python -m pipekit.memory_plan`) is compared with
-what the ranks of a real run hold: each rank, in a fresh process, builds the trainer, runs one
-step (so optimizer states exist), then measures the second step with `PeakTensorMemory` (every
-tensor the step creates: activations, gradients, FSDP2's gathered parameters, messages, the
+what the ranks of a real run hold: each rank (a gloo process forked from the command; the
+measure counts the tensors a step creates, so what a fork inherits does not enter it) builds
+the trainer, runs one step (so optimizer states exist), then measures the second step with
+`PeakTensorMemory` (every tensor the step creates: activations, gradients, FSDP2's gathered parameters, messages, the
 optimizer's temporaries). Measured peak = local parameter shards + optimizer states + that
 step's peak. The runs use a short sequence (`--seq-len`) and the configs' own layouts and batch
 sizes.
@@ -23,12 +24,12 @@ from typing import Any
 
 import torch
 
-from pipekit.bench._pipeline_launch import run_ranks
 from pipekit.bench._report import machine_description, print_result, print_table
 from pipekit.config.loader import load_job_config
 from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.memory_plan.memory import plan_memory
 from pipekit.models.registry import get_model_spec
+from pipekit.testing.ranks import run_on_ranks
 from pipekit.train.job import validate_job
 from pipekit.train.metrics import tensor_bytes
 
@@ -146,12 +147,7 @@ def main(argv: list[str]) -> None:
             argv_ = _argv(name, options, str(Path(folder, name.replace(" ", "_"))), dense)
             plan = plan_memory(validate_job(load_job_config(argv_), ranks, check_files=False))
             planned = {memory.layout.pipeline_rank: memory for memory in plan.ranks}
-            results = run_ranks(
-                "pipekit.bench.plan_accuracy:_rank_worker",
-                ranks,
-                {"argv": argv_},
-                timeout=options.timeout,
-            )
+            results = run_on_ranks(_rank_worker, ranks, {"argv": argv_}, timeout=options.timeout)
             for rank, result in enumerate(results):
                 memory = planned[result["pipeline_rank"]]
                 error = (memory.peak - result["measured"]) / result["measured"]
