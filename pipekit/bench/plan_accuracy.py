@@ -6,10 +6,10 @@ upcycled MoE), the planner's per-rank peak (`python -m pipekit.memory_plan`) is 
 what the ranks of a real run hold: each rank (a gloo process forked from the command; the
 measure counts the tensors a step creates, so what a fork inherits does not enter it) builds
 the trainer, runs one step (so optimizer states exist), then measures the second step with
-`PeakTensorMemory` (every tensor the step creates: activations, gradients, FSDP2's gathered parameters, messages, the
-optimizer's temporaries). Measured peak = local parameter shards + optimizer states + that
-step's peak. The runs use a short sequence (`--seq-len`) and the configs' own layouts and batch
-sizes.
+`PeakTensorMemory` (every tensor the step creates: activations, gradients, FSDP2's gathered
+parameters, messages, the optimizer's temporaries). Measured peak = local parameter shards +
+optimizer states + that step's peak. The runs use a short sequence (`--seq-len`) and the
+configs' own layouts and batch sizes.
 
 RESULT: plan_max_rel_err, the largest |plan - measured| / measured over configs and ranks.
 """
