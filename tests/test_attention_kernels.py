@@ -2,10 +2,13 @@
 backward) every gradient, for causal, offset-causal, document, sliding-window and GQA cases;
 the guard that keeps compiled FlexAttention on CPU from returning wrong values."""
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +34,7 @@ from pipekit.attention.flex import (
     FlexKernelMismatchError,
     refuse_unsupported_cuda_shape,
 )
+from pipekit.memory_plan.forked import in_forked_child
 
 BATCH, Q_LEN, KV_LEN, HEAD_DIM = 2, 24, 24, 8
 # Compiled FlexAttention on CPU is tested at the head dims its guard admits; 24 is not a
@@ -167,15 +171,16 @@ def test_flex_output_check_catches_a_wrong_kernel(monkeypatch, corrupt):
         attention(q, k, v, None, backend="flex")
 
 
-# Run in a fresh process with AVX2 code generation (ATEN_CPU_CAPABILITY also steers inductor),
-# which reproduces, on any x86 CPU with AVX2, the kernel bug of AVX2-only machines. That process
-# gets its own inductor cache: torch 2.13's cache key leaves out ATEN_CPU_CAPABILITY, and a
-# kernel compiled for one capability and loaded under the other gave wrong values and crashes
-# here (so never share an inductor cache between machines of different ISAs). The bug reads
-# memory it never wrote, so a given call may come out right: the probe makes 24 calls at head
-# dims 8 and 16 (in six runs of it, 3 to 21 of them were wrong) and 8 at head dim 32, and
-# prints, per call, whether the output is truly wrong (against float64) and whether the check
-# flagged it.
+# Run with AVX2 code generation (ATEN_CPU_CAPABILITY also steers inductor), which reproduces,
+# on any x86 CPU with AVX2, the kernel bug of AVX2-only machines. On a CPU whose best path is
+# AVX2 already, that is what this process generates: the probe runs in a child forked from it,
+# with the suite's inductor cache. On a wider CPU it runs in a fresh process with the capability
+# forced and an inductor cache of its own: torch 2.13's cache key leaves out
+# ATEN_CPU_CAPABILITY, and a kernel compiled for one capability and loaded under the other gave
+# wrong values and crashes here (so never share an inductor cache between machines of different
+# ISAs). The bug reads memory it never wrote, so a given call may come out right: the probe makes
+# 6 calls at head dims 8 and 16 and 8 at head dim 32, and prints, per call, whether the output
+# is truly wrong (against float64) and whether the check flagged it.
 _AVX2_PROBE = textwrap.dedent(
     """
     import torch
@@ -210,12 +215,17 @@ _AVX2_PROBE = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
-    reason="AVX2 code generation needs an x86 CPU with AVX2",
-)
-def test_output_check_flags_exactly_the_wrong_outputs_of_the_avx2_kernel(tmp_path):
-    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+def _probe_here() -> str:
+    """The probe's printed lines, run in this process (its code path is AVX2 already)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(_AVX2_PROBE, {})
+    return printed.getvalue()
+
+
+def _probe_in_a_fresh_avx2_process(cache_dir: Path) -> str:
+    """The probe's printed lines from a new interpreter forced to AVX2, with its own cache."""
+    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
     result = subprocess.run(
         [sys.executable, "-c", _AVX2_PROBE],
         env={**os.environ, **avx2, "OMP_NUM_THREADS": "1"},
@@ -224,7 +234,22 @@ def test_output_check_flags_exactly_the_wrong_outputs_of_the_avx2_kernel(tmp_pat
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    calls = [tuple(map(int, line.split())) for line in result.stdout.splitlines()]
+    return result.stdout
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="AVX2 code generation needs an x86 CPU with AVX2",
+)
+def test_output_check_flags_exactly_the_wrong_outputs_of_the_avx2_kernel(tmp_path):
+    if (
+        "ATEN_CPU_CAPABILITY" not in os.environ
+        and torch.backends.cpu.get_cpu_capability() == "AVX2"
+    ):
+        printed = in_forked_child(_probe_here)
+    else:
+        printed = _probe_in_a_fresh_avx2_process(tmp_path / "inductor")
+    calls = [tuple(map(int, line.split())) for line in printed.splitlines()]
     assert len(calls) == 14
     assert all(wrong == flagged for _, wrong, flagged in calls), calls
     assert not any(wrong for head_dim, wrong, _ in calls if head_dim >= MIN_CPU_HEAD_DIM), calls
