@@ -133,10 +133,12 @@ def test_dropping_the_lent_chunks_gradients_breaks_it() -> None:
 
 def _serve_a_late_lender(rank: int, world: int, wait_inside_the_pass: bool) -> dict:
     """Rank 1 serves two forward requests and one backward request of rank 0, which starts
-    lending only once rank 1's pass, having started serving, tells it to."""
+    lending only once rank 1's pass, having started serving, tells it to. The ablation's server
+    gives up after 2 s; the working one waits as long as a loaded machine may need."""
     inputs = _inputs()
     if rank == 1:
-        loan = lambda peer: AttentionLoan(peer, timeout=timedelta(seconds=2))
+        patience = timedelta(seconds=2 if wait_inside_the_pass else 60)
+        loan = lambda peer: AttentionLoan(peer, timeout=patience)
         server = LoanServer([LoanRequest(0, False)] * 2 + [LoanRequest(0, True)], loan, "cpu")
         started = time.perf_counter()
         server.start()
@@ -248,10 +250,10 @@ def _serve_two_passes(rank: int, world: int, chained: bool) -> dict:
     """Rank 1 runs two serving passes of rank 0 back to back: the first answers two forward
     requests, the second one backward request. Both passes' threads start before rank 0 lends.
     Without a chain, the ablation lets rank 0 start only once the second pass's thread is
-    receiving, so the two threads compete for rank 0's messages."""
+    receiving, so the two threads compete for rank 0's messages (and give up after 2 s)."""
     if rank == 0:
         return _serve_a_late_lender(rank, world, wait_inside_the_pass=False)
-    timeout = timedelta(seconds=2)
+    timeout = timedelta(seconds=60 if chained else 2)
     second_loan = _PostedLoan(0, timeout=timeout)
     chain = ServingChain() if chained else None
     first = LoanServer(
