@@ -35,9 +35,19 @@ def name_seed(seed: int, name: str) -> int:
 
 @contextmanager
 def seeded(seed: int, name: str, device: torch.device) -> Iterator[None]:
-    """Seed the generators for one module's init from (seed, name); restore them afterwards."""
+    """Seed the generators for one module's init from (seed, name); restore them afterwards.
+
+    Only the CPU generator and `device`'s are seeded, not every backend's as `torch.manual_seed`
+    does: on a machine without an accelerator, that queues a seeding per backend with a formatted
+    stack trace each, milliseconds per module under a deep stack.
+    """
     accelerators = [device] if device.type not in ("cpu", "meta") else []
     device_type = device.type if accelerators else "cuda"
+    module_seed = name_seed(seed, name)
     with torch.random.fork_rng(devices=accelerators, device_type=device_type):
-        torch.manual_seed(name_seed(seed, name))
+        torch.default_generator.manual_seed(module_seed)
+        if accelerators:
+            backend = torch.get_device_module(device.type)
+            with backend.device(device):
+                backend.manual_seed(module_seed)
         yield
