@@ -38,7 +38,7 @@ ROOT_COMPONENT = "__init__"
 LAYERS: tuple[tuple[str, ...], ...] = (
     # Imports nothing from pipekit: the root __init__ runs on every pipekit import (so anything it
     # imported would sit below everything); config is plain dataclasses + TOML, torch-free.
-    (ROOT_COMPONENT, "_torch_private", "config"),
+    (ROOT_COMPONENT, "_torch_private", "config", "text_table"),
     ("attention",),  # attention kernels and masks
     ("layers",),  # model building blocks (norms, RoPE, attention layer over pipekit.attention)
     ("moe",),
@@ -48,6 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipelining", "upcycle"),
     ("train",),
     ("memory_plan", "testing", "generate"),
+    ("layout_search",),  # prices layouts with the memory plan's terms and the simulator
     ("bench", "check"),
     # Model families are plugins found by name through entry points (pipekit.models.registry):
     # nothing else in pipekit imports them at module level.

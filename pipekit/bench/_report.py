@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from pipekit.text_table import format_table
+
 __all__ = ["machine_description", "paired_ratios", "print_result", "print_table", "time_call"]
 
 
@@ -52,12 +54,7 @@ def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) ->
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """Left-aligned columns, floats in 4 significant digits."""
-    cells = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for row in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    print(format_table(headers, rows))
 
 
 def print_result(**figures: object) -> None:

@@ -318,6 +318,15 @@ class ParallelismConfig:
     from the ranks that hold tokens, like ep; not with expert biases)."""
     collective_timeout_s: int = 300
     """Timeout of every collective, in seconds."""
+    layout: str = "manual"
+    """"manual": the degrees, schedule and activation policy as written; "auto": the layout
+    search's fastest layout that fits the world size the job is launched on, which sets the
+    degrees, the schedule with its stages per rank, slices and slicing, activation_offload and
+    [training] activation_checkpoint (docs/layout_search.md)."""
+    layout_device: str = "auto"
+    """The device `layout = "auto"` prices layouts on: a built-in profile (h100, h200, a100,
+    b200), "cpu" (this machine, measured at start) or "auto" (cpu without CUDA, else the
+    profile whose name the GPU's name contains)."""
 
 
 @dataclass(kw_only=True)

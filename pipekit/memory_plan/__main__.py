@@ -16,6 +16,7 @@ import sys
 
 from pipekit.config.loader import ConfigError, load_job_config
 from pipekit.memory_plan.memory import MemoryPlan, RankMemory, plan_memory
+from pipekit.text_table import format_table
 from pipekit.train.job import Job, validate_job
 
 __all__ = ["main", "parse_bytes"]
@@ -69,11 +70,7 @@ def describe(plan: MemoryPlan, device_memory: int) -> str:
         fits = "yes" if rank.peak <= device_memory else "NO"
         rows.append([str(rank.layout.rank), stages, *values, f"{rank.peak / unit:.2f}",
                      f"{device_memory / unit:.2f}", fits])  # fmt: skip
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
+    return format_table(headers, rows)
 
 
 def _without_offload(job: Job, plan: MemoryPlan, device_memory: int) -> str:

@@ -292,14 +292,15 @@ def _probe_split_block(
 
 
 def _kv_cache_bytes(
-    block: nn.Module, dim: int, dtype: torch.dtype, sequence_shards: int, length: int = 4
+    block: nn.Module, dim: int, dtype: torch.dtype, sequence_shards: int, rank_tokens: int = 4
 ) -> tuple[float, int]:
     """Bytes per token the block's attention leaves in a sliced KV cache (what its attention
     hands its context: expanded K/V, or a latent kept once; a tp rank's heads), and its kv
     heads, measured by one forward (no attention: 0 bytes, 0 heads)."""
     cache = ChunkedKVCache(backend="cpu")
+    length = rank_tokens * sequence_shards  # every tp rank holds `rank_tokens` of them
     with torch.no_grad():
-        hidden_BSD = torch.randn(1, length // sequence_shards, dim, dtype=dtype)
+        hidden_BSD = torch.randn(1, rank_tokens, dim, dtype=dtype)
         block(hidden_BSD, None, cache.slice_context(0, 0))
     heads = [cached.k_BGSD.shape[1] for _, slices in cache.layer_slices(0) for cached in slices]
     return cache.nbytes / length, max(heads, default=0)

@@ -12,13 +12,13 @@ import multiprocessing
 import os
 import pickle
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["in_forked_child"]
+__all__ = ["in_forked_child", "map_in_forked_children"]
 
 T = TypeVar("T")
 
@@ -30,12 +30,34 @@ def in_forked_child(fn: Callable[..., T], *args: object, **kwargs: object) -> T:
     One intra-op thread because a forked child that enters the OpenMP pool its parent started
     waits forever for pool threads the fork did not copy.
     """
+    return _collect(*_start(fn, args, kwargs))
+
+
+def map_in_forked_children(
+    fn: Callable[..., T], calls: Sequence[tuple[object, ...]], processes: int
+) -> list[T]:
+    """`[fn(*call) for call in calls]`, each in a forked child as `in_forked_child` runs it,
+    at most `processes` at a time (independent measurements on a machine's cores)."""
+    results: list[T] = []
+    for first in range(0, len(calls), max(1, processes)):
+        started = [_start(fn, call, {}) for call in calls[first : first + processes]]
+        results += [_collect(*child) for child in started]
+    return results
+
+
+def _start(
+    fn: Callable[..., object], args: tuple, kwargs: dict
+) -> tuple[Callable[..., object], Any, Connection]:
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
     # not a daemon: the child may start processes of its own (DataLoader workers)
     child = context.Process(target=_child_main, args=(sender, fn, args, kwargs))
     child.start()
     sender.close()
+    return fn, child, receiver
+
+
+def _collect(fn: Callable[..., T], child: Any, receiver: Connection) -> T:
     try:
         ok, payload, child_traceback = pickle.loads(receiver.recv_bytes())
     except EOFError:

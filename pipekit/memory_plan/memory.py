@@ -47,10 +47,18 @@ from pipekit.memory_plan.activations import ActivationProfile, TensorSplit, prof
 from pipekit.memory_plan.layout import RankLayout, rank_layouts
 from pipekit.moe.expert_parallel import set_expert_execution
 from pipekit.pipelining.features.offload_plan import resident_peak
+from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.train.job import Job
 
-__all__ = ["MemoryPlan", "RankMemory", "plan_memory"]
+__all__ = [
+    "MemoryPlan",
+    "RankMemory",
+    "activation_profile",
+    "pipeline_units_in_flight",
+    "plan_memory",
+    "rank_memory",
+]
 
 _LOW_BIT = {"AdamW8bit": (1.0, 256), "AdamW4bit": (0.5, 128)}
 """Optimizer -> (bytes per moment element, elements per float32 scale)."""
@@ -105,15 +113,27 @@ def plan_memory(
     """The memory plan of a validated `job` (planned for a world size); `profile`: one measured
     for the same model and options (a plan that differs only in its offload)."""
     if profile is None:
-        profile = _profile(job, probe_tokens)
-    ranks = [_rank_memory(job, layout, profile) for layout in rank_layouts(job)]
+        profile = activation_profile(job, probe_tokens)
+    units = pipeline_units_in_flight(job.pipeline) if job.pipeline is not None else None
+    ranks = [rank_memory(job, layout, profile, units) for layout in rank_layouts(job)]
     return MemoryPlan(ranks, profile)
 
 
-def _profile(job: Job, probe_tokens: tuple[int, int]) -> ActivationProfile:
+def activation_profile(
+    job: Job,
+    probe_tokens: tuple[int, int] = (2, 6),
+    split: TensorSplit | None = None,
+    selective: bool | None = None,
+) -> ActivationProfile:
+    """The measured bytes per token of the job's blocks and head, under its tensor split and
+    checkpointing, or under `split` and `selective` checkpointing where given (every layout of
+    the same split and policy shares it)."""
     training, moe = job.config.training, job.config.moe
     compute = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
-    split = TensorSplit(job.tensor_parallel, job.sequence_parallel, job.loss_parallel)
+    if split is None:
+        split = TensorSplit(job.tensor_parallel, job.sequence_parallel, job.loss_parallel)
+    if selective is None:
+        selective = training.activation_checkpoint == "selective"
     return profile_activations(
         job.spec,
         job.args,
@@ -121,11 +141,28 @@ def _profile(job: Job, probe_tokens: tuple[int, int]) -> ActivationProfile:
         probe_tokens,
         configure=lambda block: set_expert_execution(block, moe.partitions, moe.memory_reuse),
         split=split,
-        selective=training.activation_checkpoint == "selective",
+        selective=selective,
     )
 
 
-def _rank_memory(job: Job, layout: RankLayout, profile: ActivationProfile) -> RankMemory:
+def pipeline_units_in_flight(plan: PipelinePlan) -> dict[int, float]:
+    """Per pipeline rank, the most of one whole model's microbatch its schedule keeps between
+    forward and backward at once (the simulator's peak at one byte per microbatch): every
+    rank's bytes in flight are this times its bytes per microbatch, so one simulation serves
+    every rank (and every layout of the same schedule shape)."""
+    cost = CostModel(activation_bytes=1.0, slice_bounds=plan.slice_fractions)
+    result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
+    return {rank: peaks["total"] for rank, peaks in result.peak_memory.items()}
+
+
+def rank_memory(
+    job: Job,
+    layout: RankLayout,
+    profile: ActivationProfile,
+    units_in_flight: dict[int, float] | None = None,
+) -> RankMemory:
+    """One rank's terms; `units_in_flight`: `pipeline_units_in_flight(job.pipeline)` (computed
+    here when not given)."""
     training, optimizer = job.config.training, job.config.optimizer
     compute = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
     reduce = MIXED_PRECISION_DTYPES[training.mixed_precision_reduce]
@@ -141,7 +178,9 @@ def _rank_memory(job: Job, layout: RankLayout, profile: ActivationProfile) -> Ra
     buffers = unit * (2 * compute.itemsize + reduce.itemsize)
     pipelined = job.pipeline is not None
     if pipelined:
-        activations = _pipeline_activations(job, layout, profile, compute)
+        assert job.pipeline is not None
+        units = units_in_flight or pipeline_units_in_flight(job.pipeline)
+        activations = _pipeline_activations(job, layout, profile, compute, units)
     else:
         activations = _step_activations(job, layout, profile)
     return RankMemory(
@@ -216,7 +255,11 @@ def _stage_output_bytes(
 
 
 def _pipeline_activations(
-    job: Job, layout: RankLayout, profile: ActivationProfile, compute: torch.dtype
+    job: Job,
+    layout: RankLayout,
+    profile: ActivationProfile,
+    compute: torch.dtype,
+    units_in_flight: dict[int, float],
 ) -> float:
     """Units in flight on the rank (simulated from the plan's action lists) times its stages'
     bytes per unit, plus one head pass and one block's backward."""
@@ -237,13 +280,16 @@ def _pipeline_activations(
     if plan.num_slices == 1:
         kv_per_token = 0.0  # no cache: K/V are among the saved activations
     scale = plan.num_stages * sequence_tokens  # the simulator takes a whole model's microbatch
-    cost = CostModel(
-        activation_bytes=per_token * scale,
-        kv_cache_bytes=kv_per_token * scale,
-        slice_bounds=plan.slice_fractions,
-    )
-    result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
-    in_flight = result.peak_memory[layout.pipeline_rank]["total"]
+    if kv_per_token and plan.splits_backward:  # the cache leaves at I, activations at W
+        cost = CostModel(
+            activation_bytes=per_token * scale,
+            kv_cache_bytes=kv_per_token * scale,
+            slice_bounds=plan.slice_fractions,
+        )
+        result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
+        in_flight = result.peak_memory[layout.pipeline_rank]["total"]
+    else:  # activations and cache live from a unit's F to its B: one curve, scaled
+        in_flight = units_in_flight[layout.pipeline_rank] * (per_token + kv_per_token) * scale
     head_pass = profile.head_bytes_per_row
     if not plan.output_outside:  # what the head saved is held with the unit (above)
         head_pass -= profile.head_saved_bytes_per_row

@@ -86,6 +86,16 @@ class PipelinePlan:
     """`num_slices` or `slicing = "auto"`: the slice layouts the first steps time, this plan
     (the default layout) first, each a whole plan (`MeasuredChoice`); empty: this one only."""
 
+    @functools.cached_property
+    def splits_backward(self) -> bool:
+        """Whether some rank's list splits a backward into I and W."""
+        return any(
+            action.computation_type in (INPUT_BACKWARD, WEIGHT_BACKWARD)
+            for actions in self.actions_by_rank.values()
+            for action in actions
+            if action is not None
+        )
+
     @property
     def layout_label(self) -> str:
         """The slice layout in a few words, for logs."""

@@ -46,6 +46,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("checkpoint", "export_dtype"): tuple(EXPORT_DTYPES),
     ("parallelism", "context_exchange"): (False, True, AUTO),
     ("parallelism", "slicing"): (*SLICINGS, AUTO),
+    ("parallelism", "layout"): ("manual", AUTO),
 }
 """Each key's choices, as the component that reads the key lists them."""
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from pipekit.models.upcycling import UpcycleSpec
     from pipekit.pipelining.plan import PipelinePlan
 
-__all__ = ["Job", "validate_job"]
+__all__ = ["Job", "job_model", "job_pipeline", "validate_job"]
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,8 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     check_values(config)
     _check_metric_writers(config)
     tokenizer_vocab = _tokenizer_vocab(config) if check_files else 0
-    spec, args, upcycle = _model(config, tokenizer_vocab)
+    spec, args, upcycle, meta_model = _checked_model(config, tokenizer_vocab)
     shape = spec.shape(args)
-    meta_model = _check_structure(spec, args)
     _check_data(config, shape, tokenizer_vocab)
     check_checkpoints(config, spec, args, check_files, meta_model)
     if upcycle is not None:
@@ -113,7 +112,7 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     local_batch = config.training.global_batch_size // per_step
     pipeline = None
     if dims.pp > 1:
-        pipeline = _pipeline(config, spec, meta_model, shape, dims, local_batch)
+        pipeline = job_pipeline(config, spec, meta_model, shape, dims, local_batch)
     if pipeline is not None:
         offload = "activation_offload" in pipeline.features
     else:
@@ -126,6 +125,23 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
             "pipeline features: set pipeline_parallel_degree >= 2, or pipeline_features = []"
         )
     return Job(config, spec, args, shape, upcycle, dims, pipeline, local_batch)
+
+
+def job_model(
+    config: JobConfig, *, check_files: bool = True
+) -> tuple[ModelSpec, Any, UpcycleSpec | None, nn.Module]:
+    """The family, args and upcycling of the model `config` trains, checked, and the model
+    built on the meta device: what every layout of the config shares (the layout search reads
+    them once). ConfigError for the first rule broken."""
+    check_values(config)
+    return _checked_model(config, _tokenizer_vocab(config) if check_files else 0)
+
+
+def _checked_model(
+    config: JobConfig, tokenizer_vocab: int
+) -> tuple[ModelSpec, Any, UpcycleSpec | None, nn.Module]:
+    spec, args, upcycle = _model(config, tokenizer_vocab)
+    return spec, args, upcycle, _check_structure(spec, args)
 
 
 def _check_metric_writers(config: JobConfig) -> None:
@@ -259,7 +275,7 @@ def _check_structure(spec: ModelSpec, args: Any) -> nn.Module:
     return model
 
 
-def _pipeline(
+def job_pipeline(
     config: JobConfig,
     spec: ModelSpec,
     model: nn.Module,
@@ -267,6 +283,8 @@ def _pipeline(
     dims: ParallelDims,
     local_batch_size: int,
 ) -> PipelinePlan:
+    """The pipeline plan of a job with degrees `dims` (ConfigError "[parallelism] ..." when
+    the plan refuses them)."""
     import dataclasses
 
     from pipekit.models.stage_module import validate_stage_module_names

@@ -16,6 +16,7 @@ the lists with the passes as barriers to confirm it.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from enum import Enum
 
@@ -78,7 +79,11 @@ def _positions(
     last_stage = max(a.stage_index for actions in lists.values() for a in actions)
     cost = LOCKSTEP_COST if lockstep else CostModel()
     timeline = simulate(lists, num_slices=num_slices, cost=cost).timeline
-    ends_by_rank = {rank: sorted(e.end for e in timeline if e.rank == rank) for rank in lists}
+    ends_by_rank: dict[int, list[float]] = {rank: [] for rank in lists}
+    for event in timeline:
+        ends_by_rank[event.rank].append(event.end)
+    for ends in ends_by_rank.values():
+        ends.sort()
     last_forward_end = {
         e.action.microbatch_index: e.end
         for e in timeline
@@ -86,9 +91,9 @@ def _positions(
     }
     positions = {}
     for rank, ends in ends_by_rank.items():
-        # ends are in list order: a rank runs its actions one after another
+        # ends are sorted (and in list order: a rank runs its actions one after another)
         positions[rank] = [
-            sum(end <= last_forward_end[unit] for end in ends) for unit in sorted(last_forward_end)
+            bisect.bisect_right(ends, last_forward_end[unit]) for unit in sorted(last_forward_end)
         ]
     return positions
 

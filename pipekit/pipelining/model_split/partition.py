@@ -6,6 +6,7 @@ group or model exists.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -48,6 +49,13 @@ def partition_layers(
     for name, weight in (("embedding_weight", embedding_weight), ("output_weight", output_weight)):
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"{name}={weight} must be a finite number >= 0 (in units of a layer)")
+    return list(_optimal_split(num_layers, num_stages, embedding_weight, output_weight))
+
+
+@functools.lru_cache(maxsize=256)  # pure; the layout search asks for a few splits many times
+def _optimal_split(
+    num_layers: int, num_stages: int, embedding_weight: float, output_weight: float
+) -> tuple[range, ...]:
 
     def cost(stage: int, count: int) -> float:
         extra = (embedding_weight if stage == 0 else 0.0) + (
@@ -80,7 +88,7 @@ def partition_layers(
         ranges.append(range(start, start + count))
         start += count
     ranges.append(range(start, num_layers))
-    return ranges
+    return tuple(ranges)
 
 
 def stage_module_names(

@@ -201,8 +201,10 @@ def simulate(
     num_slices: int = 1,
     cost: CostModel | None = None,
     attended_slices: Mapping[Action, float] | None = None,
+    track_memory: bool = True,
 ) -> SimulationResult:
     """Run the lists under `cost`; raise ScheduleDeadlockError if some rank waits forever.
+    `track_memory=False` leaves `peak_memory` empty (a caller after times only).
 
     `attended_slices` overrides the attention work of some actions (see
     `CostModel.forward_time`), e.g. after a context-exchange plan moved it between ranks.
@@ -243,8 +245,10 @@ def simulate(
             raise _deadlock(lists, position, finished, num_stages, num_slices)
     makespan = max((event.end for event in timeline), default=0.0)
     busy = defaultdict(float)
+    events_by_rank: dict[int, list[ScheduledAction]] = defaultdict(list)
     for event in timeline:
         busy[event.rank] += event.end - event.start
+        events_by_rank[event.rank].append(event)
     return SimulationResult(
         makespan=makespan,
         timeline=timeline,
@@ -253,11 +257,10 @@ def simulate(
             rank: (makespan - busy[rank]) / busy[rank] if busy[rank] else 0.0 for rank in lists
         },
         peak_memory={
-            rank: _peak_memory(
-                [e for e in timeline if e.rank == rank], cost, num_stages, num_slices
-            )
-            for rank in lists
-        },
+            rank: _peak_memory(events_by_rank[rank], cost, num_stages, num_slices) for rank in lists
+        }
+        if track_memory
+        else {},
     )
 
 
