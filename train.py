@@ -4,6 +4,8 @@ Bad input (config, data paths, checkpoints) ends with one error line and exit st
 process group or model exists where that is possible; a diverging run ends with status 1.
 `--print-config` prints the resolved config, checked by every rule training applies: for the
 world size torchrun gives, or without torchrun for the fewest ranks the parallel degrees allow.
+With `[parallelism] layout = "auto"` the config holds the layout the search chose (which
+the first line of the run, or of stderr under `--print-config`, names with its prediction).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from pipekit.checkpoint.safetensors_io import CheckpointError
 from pipekit.config import ConfigError, help_text, load_job_config, to_dict
 from pipekit.config.dump import dump_toml
+from pipekit.layout_search.auto import resolve_layout
 from pipekit.train.job import validate_job
 from pipekit.train.log import setup_logging
 from pipekit.train.output_lock import OutputFolderInUse, lock_output_dir
@@ -39,6 +42,7 @@ def main(argv: list[str]) -> int:
             from pipekit.distributed.parallel_dims import ParallelDims
 
             world_size = ParallelDims.smallest_world_size(config.parallelism)
+        config, chosen = resolve_layout(config, world_size, rank)
         job = validate_job(config, world_size)
     except ConfigError as error:
         # Every rank checks the same config, so one line per machine says it; a file missing
@@ -57,6 +61,8 @@ def main(argv: list[str]) -> int:
         except (OutputFolderInUse, OSError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+    if chosen and rank == 0:
+        print(f"[rank 0] {chosen}", file=sys.stderr if print_config else sys.stdout, flush=True)
     if print_config:
         if rank == 0:
             print(dump_toml(to_dict(config)), end="")

@@ -327,6 +327,9 @@ class ParallelismConfig:
     """The device `layout = "auto"` prices layouts on: a built-in profile (h100, h200, a100,
     b200), "cpu" (this machine, measured at start) or "auto" (cpu without CUDA, else the
     profile whose name the GPU's name contains)."""
+    layout_memory_gib: float = 0.0
+    """GiB of one device a layout chosen by `layout = "auto"` may fill (0: the device
+    profile's memory; less leaves headroom for what the memory plan does not count)."""
 
 
 @dataclass(kw_only=True)

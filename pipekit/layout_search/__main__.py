@@ -78,9 +78,10 @@ def describe_candidates(candidates: list[Candidate]) -> None:
             f"{100 * step.recompute_s / step.step_s:.0f}%",
             f"{100 * step.exposed_communication_s / step.step_s:.0f}%",
             f"{100 * step.bubble_s / step.step_s:.0f}%",
+            f"{100 * step.overhead_s / step.step_s:.0f}%",
         ])  # fmt: skip
     headers = ["#", "layout", "peak GiB", "step s", "tokens/s", "MFU", "compute"]
-    print(format_table([*headers, "recompute", "exposed comm", "bubble"], rows))
+    print(format_table([*headers, "recompute", "exposed comm", "bubble", "overhead"], rows))
 
 
 def report(search: LayoutSearch, result: SearchResult, top: int) -> list[Candidate]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from datetime import timedelta
 
@@ -26,39 +25,42 @@ from pipekit.layout_search.search import Candidate, nothing_fits, search_layouts
 
 __all__ = ["AUTO_LAYOUT_KEY", "choose_layout", "resolve_layout"]
 
-logger = logging.getLogger(__name__)
-
 AUTO_LAYOUT_KEY = "pipekit/auto_layout"
 """The store key rank 0 writes its chosen layout under."""
 
 
-def resolve_layout(config: JobConfig, world_size: int, rank: int = 0) -> JobConfig:
-    """`config` unchanged unless `layout = "auto"`; then with the chosen layout's fields (and
-    `layout = "manual"`, so it reads as written by hand). Ranks > 0 of a launched job read
-    rank 0's choice from the launcher's store."""
+def resolve_layout(
+    config: JobConfig, world_size: int, rank: int = 0
+) -> tuple[JobConfig, str | None]:
+    """`config` unchanged (and None) unless `layout = "auto"`; then `config` with the chosen
+    layout's fields (and `layout = "manual"`, so it reads as written by hand) and, on rank 0,
+    a line naming the choice and its prediction. Ranks > 0 of a launched job read rank 0's
+    choice from the launcher's store."""
     if config.parallelism.layout != "auto":
-        return config
+        return config, None
+    description = None
     if rank == 0:
         layout, candidate = choose_layout(config, world_size)
         step = candidate.step
-        logger.info(
-            "layout = auto on %d ranks: %s (predicted peak %.2f GiB per rank, %.4g tokens/s, "
-            "MFU %.1f%%, step %.3g s)",
-            world_size, layout.label(), candidate.peak_bytes / 2**30, step.tokens_per_s,
-            100 * step.mfu, step.step_s,
-        )  # fmt: skip
+        description = (
+            f"layout = auto on {world_size} ranks: {layout.label()} (predicted peak "
+            f"{candidate.peak_bytes / 2**30:.3g} GiB per rank, {step.tokens_per_s:.4g} tokens/s, "
+            f"MFU {100 * step.mfu:.1f}%, step {step.step_s:.3g} s)"
+        )
         if world_size > 1:
             _store(world_size).set(AUTO_LAYOUT_KEY, json.dumps(dataclasses.asdict(layout)))
     else:
-        fields = json.loads(_store(world_size).get(AUTO_LAYOUT_KEY))
-        layout = Layout(**fields)
-    return apply_layout(config, layout)
+        layout = Layout(**json.loads(_store(world_size).get(AUTO_LAYOUT_KEY)))
+    return apply_layout(config, layout), description
 
 
 def choose_layout(config: JobConfig, world_size: int) -> tuple[Layout, Candidate]:
     """The fastest layout that fits (validated as a job), or ConfigError naming the smallest
     shortfall."""
     device = _device(config.parallelism.layout_device, world_size)
+    if config.parallelism.layout_memory_gib:
+        memory = int(config.parallelism.layout_memory_gib * 2**30)
+        device = dataclasses.replace(device, memory_bytes=memory)
     search, result = search_layouts(config, world_size, device)
     kept = search.validated(result, 1)
     if not kept:

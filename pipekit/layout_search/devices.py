@@ -5,8 +5,10 @@ bandwidth per direction, one 400 Gb/s or 200 Gb/s NIC per device, host link of t
 generation); `efficiency` is the share of the peak that large matmuls reach in training (a
 stated assumption, not a measurement: 0.5 is what well-tuned Megatron-class runs report for
 dense models on Hopper). Every field can be overridden from the command line. On a CPU the
-profile is measured (`measured_cpu_profile`): one rank's float32 matmul FLOP/s at one thread,
-and a gloo send/receive between two local processes.
+profile is measured (`measured_cpu_profile`): one rank's float32 matmul FLOP/s at one thread
+(shared when there are more ranks than cores), a gloo send/receive between two local
+processes (its bandwidth and a small message's latency), and, by the search, the job's own
+block's fixed cost per pass.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class DeviceProfile:
     devices_per_node: int
     link_latency_s: float = 10e-6
     """Seconds one message costs whatever its size."""
+    block_overhead_s: float = 0.0
+    """Seconds one block's forward and backward take whatever their tokens (launches, Python):
+    measured from the job's own block on a CPU, where it dominates small passes; 0 for the
+    built-in accelerators (a stated simplification: kernels there are long)."""
     selective_recompute_share: float = 0.1
     """Time of what selective checkpointing recomputes (norms, activations, element-wise ops),
     as a share of a block's forward time: a stated assumption."""
@@ -151,25 +157,27 @@ def measured_cpu_profile(ranks_per_machine: int | None = None) -> DeviceProfile:
             flops = measure_matmul_flops(torch.device("cpu"), torch.float32, seconds=0.3)
         finally:
             torch.set_num_threads(threads)
-        _CPU_MEASURED.append((flops, _gloo_bandwidth()))
-    flops, bandwidth = _CPU_MEASURED[0]
-    ranks = ranks_per_machine or max(1, len(os.sched_getaffinity(0)))
+        _CPU_MEASURED.append((flops, *_gloo_link()))
+    flops, bandwidth, latency = _CPU_MEASURED[0]
+    cores = max(1, len(os.sched_getaffinity(0)))
+    ranks = ranks_per_machine or cores
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return DeviceProfile(
         name="cpu",
         memory_bytes=memory // ranks,
-        peak_flops=flops,
+        peak_flops=flops * min(1.0, cores / ranks),  # ranks beyond the cores share them
         efficiency=1.0,
         intra_node_bandwidth=bandwidth,
         inter_node_bandwidth=bandwidth,
         host_bandwidth=bandwidth,
         devices_per_node=ranks,
-        link_latency_s=50e-6,
+        link_latency_s=latency,
     )
 
 
-def _gloo_bandwidth(nbytes: int = 8 << 20, repeats: int = 5) -> float:
-    """Bytes/s of one gloo send/receive between two forked local processes."""
+def _gloo_link(nbytes: int = 8 << 20, repeats: int = 5) -> tuple[float, float]:
+    """(bytes/s, seconds of a 4-byte message) of gloo send/receive between two forked local
+    processes."""
     context = mp.get_context("fork")
     queue = context.SimpleQueue()
     port = _free_port()
@@ -179,28 +187,30 @@ def _gloo_bandwidth(nbytes: int = 8 << 20, repeats: int = 5) -> float:
     ]
     for process in processes:
         process.start()
-    seconds = queue.get()
+    large_s, small_s = queue.get()
     for process in processes:
         process.join()
-    return nbytes / seconds
+    return nbytes / large_s, small_s
 
 
 def _exchange(rank: int, port: int, nbytes: int, repeats: int, queue: object) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    payload = torch.zeros(nbytes // 4)
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(payload, 1)
-        else:
-            dist.recv(payload, 0)
-        times.append(time.perf_counter() - start)
+    seconds = []
+    for payload in (torch.zeros(nbytes // 4), torch.zeros(1)):
+        times = []
+        for _ in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(payload, 1)
+            else:
+                dist.recv(payload, 0)
+            times.append(time.perf_counter() - start)
+        seconds.append(min(times[1:]))
     if rank == 1:
-        queue.put(min(times[1:]))  # type: ignore[attr-defined]
+        queue.put(tuple(seconds))  # type: ignore[attr-defined]
     dist.destroy_process_group()
 
 

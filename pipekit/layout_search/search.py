@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.layout_search.block_overhead import measure_block_overhead
 from pipekit.layout_search.candidates import (
     ACTIVATION_POLICIES,
     OFFLOAD_RATIOS,
@@ -50,8 +51,6 @@ from pipekit.pipelining.plan import PipelinePlan
 from pipekit.train.job import Job, job_model, job_pipeline, validate_job
 from pipekit.train.metrics import attention_to_linear_flops, training_flops_per_token
 from pipekit.train.parallel_rules import check_parallel_layout
-
-_GIB = 2**30
 
 __all__ = ["Candidate", "LayoutSearch", "SearchResult", "nothing_fits", "search_layouts"]
 
@@ -88,9 +87,13 @@ class LayoutSearch:
     def __init__(
         self, config: JobConfig, world_size: int, device: DeviceProfile, space: SearchSpace
     ) -> None:
-        self.config, self.world_size, self.device, self.space = config, world_size, device, space
+        self.config, self.world_size, self.space = config, world_size, space
         self.spec, self.args, self.upcycle, self.meta_model = job_model(config, check_files=False)
         self.shape = self.spec.shape(self.args)
+        if device.name == "cpu" and not device.block_overhead_s:
+            overhead = measure_block_overhead(self.spec, self.meta_model, self.shape.dim)
+            device = dataclasses.replace(device, block_overhead_s=overhead)
+        self.device = device
         seq_len = config.training.seq_len
         structure = self.spec.structure
         ratio = attention_to_linear_flops(self.meta_model, self.shape, structure, seq_len)
@@ -329,10 +332,8 @@ def nothing_fits(result: SearchResult, device: DeviceProfile) -> str:
         reasons = "; ".join(reason for reason, _ in result.refused.most_common(2))
         return f"no layout of the {result.structures} tried passes the job's rules: {reasons}"
     closest = min(result.excluded, key=lambda candidate: candidate.peak_bytes)
-    short = (closest.peak_bytes - device.memory_bytes) / _GIB
     return (
-        f"no layout fits {device.memory_bytes / _GIB:.1f} GiB per device; the closest, "
-        f"{closest.layout.label()}, is {short:.1f} GiB short: "
+        f"no layout fits one device; the closest, {closest.layout.label()}: "
         f"{refusal(closest.worst_rank, device.memory_bytes)}; or launch more ranks"
     )
 

@@ -7,6 +7,8 @@ Per microbatch of the whole model, on one rank (the simulator gives a stage its 
   `peak x efficiency`; backward twice the forward;
 - recomputation: full checkpointing runs the forward again in the backward (+1 forward),
   every-k checkpointing 1/k of it, selective checkpointing the profile's stated share;
+- fixed costs: every pass pays each block's measured overhead (on a CPU) and each
+  collective's latency, whatever its tokens;
 - tensor parallelism (Megatron's sequence-parallel pattern): two all-gathers and two
   reduce-scatters of a block's tokens x dim per block forward, on the critical path;
 - context parallelism (K/V passed around the cp ranks): each rank receives the other ranks'
@@ -67,6 +69,8 @@ class StepPrediction:
     offload's excess."""
     bubble_s: float
     """Idle time of the busiest rank (pipeline fill, drain and imbalance, transfers)."""
+    overhead_s: float
+    """Passes' fixed costs: blocks' dispatch (measured on a CPU) and collectives' latency."""
     tokens_per_s: float
     mfu: float
 
@@ -105,9 +109,12 @@ def predict_step(
     attention_s = linear_s * costs.attention_to_linear
     layers = shape.num_layers
     tp_s = cp_exposed_s = ep_s = 0.0
+    # per pass whatever its tokens: the blocks' fixed costs and every collective's latency
+    collectives = (4 if dims.tp > 1 else 0) + (dims.cp - 1) + (2 if dims.ep > 1 else 0)
+    overhead_s = layers * (device.block_overhead_s / 3 + collectives * device.link_latency_s)
     if dims.tp > 1:
         volume = 4 * layers * (dims.tp - 1) / dims.tp * tokens * shape.dim * itemsize
-        tp_s = volume / device.bandwidth(dims.tp) + 4 * layers * device.link_latency_s
+        tp_s = volume / device.bandwidth(dims.tp)
     if dims.cp > 1:
         kv_heads = max(1, shape.num_kv_heads // dims.tp)
         kv_bytes = (dims.cp - 1) * tokens * 2 * kv_heads * shape.head_dim * itemsize
@@ -121,7 +128,7 @@ def predict_step(
     forward_linear = linear_s + tp_s + ep_s
     forward_attention = attention_s + cp_exposed_s
     if plan is None:
-        forward = forward_linear + forward_attention
+        forward = forward_linear + forward_attention + overhead_s
         makespan = units * forward * (3.0 + recompute)
         busy = makespan
     else:
@@ -131,6 +138,7 @@ def predict_step(
             forward_linear=forward_linear,
             forward_attention=forward_attention,
             backward_ratio=2.0 + recompute,
+            action_overhead=overhead_s,
             p2p_latency=device.link_latency_s,
             p2p_bandwidth=device.bandwidth(span + 1),
             boundary_bytes=boundary,
@@ -160,6 +168,7 @@ def predict_step(
     offload_s = 2 * offloaded_bytes_per_step / device.host_bandwidth
     exposed_offload = max(0.0, offload_s - busy)
     step_s = makespan + exposed_dp + exposed_offload
+    fixed_s = max(0.0, busy - compute_s - recompute_s - in_action_s)
     global_tokens = training.global_batch_size * seq_len
     return StepPrediction(
         step_s=step_s,
@@ -167,6 +176,7 @@ def predict_step(
         recompute_s=recompute_s,
         exposed_communication_s=in_action_s + exposed_dp + exposed_offload,
         bubble_s=max(0.0, makespan - busy),
+        overhead_s=fixed_s,
         tokens_per_s=global_tokens / step_s,
         mfu=costs.training_flops_per_token
         * global_tokens

@@ -94,22 +94,24 @@ def _without_offload(job: Job, plan: MemoryPlan, device_memory: int) -> str:
     return "\n".join(lines)
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
+    return f"{nbytes / _GIB:.1f} GiB" if nbytes >= _GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
 def refusal(rank: RankMemory, device_memory: int) -> str:
     """One line: which rank does not fit, its largest term and what shrinks it (the model
     state first, when it alone is too large)."""
     terms = rank.terms()
     state = rank.parameters + rank.gradients + rank.optimizer
+    needs = f"rank {rank.layout.rank} needs {_size(rank.peak)} of {_size(device_memory)}"
     if state > device_memory:
         return (
-            f"rank {rank.layout.rank} needs {rank.peak / _GIB:.1f} GiB of "
-            f"{device_memory / _GIB:.1f} GiB; parameters, gradients and optimizer states alone "
-            f"take {state / _GIB:.1f} GiB: {_FIX['parameters']}"
+            f"{needs}; parameters, gradients and optimizer states alone take {_size(state)}: "
+            f"{_FIX['parameters']}"
         )
     largest = max(terms, key=terms.__getitem__)
-    return (
-        f"rank {rank.layout.rank} needs {rank.peak / _GIB:.1f} GiB of {device_memory / _GIB:.1f} "
-        f"GiB; its largest term is {largest} ({terms[largest] / _GIB:.1f} GiB): {_FIX[largest]}"
-    )
+    return f"{needs}; its largest term is {largest} ({_size(terms[largest])}): {_FIX[largest]}"
 
 
 def main(argv: list[str]) -> None:

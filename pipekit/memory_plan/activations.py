@@ -57,7 +57,7 @@ from pipekit.models.stage_module import build_stage_module
 from pipekit.moe.layer import MoE
 from pipekit.moe.routers import SigmoidTopKRouter
 
-__all__ = ["ActivationProfile", "TensorSplit", "profile_activations"]
+__all__ = ["ActivationProfile", "TensorSplit", "give_probe_weights", "profile_activations"]
 
 _PROBE_TOKENS = (2, 6)
 """Two sequence lengths; bytes per token is the slope between them."""
@@ -231,7 +231,7 @@ def _kind(block: nn.Module) -> tuple:
     return tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
 
 
-def _give_weights(module: nn.Module) -> None:
+def give_probe_weights(module: nn.Module) -> None:
     """Values that make the probe's forward run like a trained model's (any values do: only
     the bytes are measured), buffers the model reads included."""
     module.to_empty(device="cpu")
@@ -331,7 +331,7 @@ def _probe_block(
     forward keeps alive (`kept_bytes`: selective checkpointing keeps op outputs outside
     autograd's saved tensors). Weights take no gradient here: their gradients' sizes do not
     grow with the tokens, and would move the peak to a moment that does not."""
-    _give_weights(block)
+    give_probe_weights(block)
     if configure is not None:
         configure(block)
     kv_cache, kv_heads = _kv_cache_bytes(block, dim, dtype, sequence_shards)
@@ -394,7 +394,7 @@ def _probe_head(
     """(bytes per token the head and loss save, their peak bytes per token over the forward
     and the backward to the input); under sequence parallelism the head takes a rank's
     `1/sequence_shards` of the tokens."""
-    _give_weights(head)
+    give_probe_weights(head)
     head.requires_grad_(False)  # weight gradients are a term of their own, not activations
 
     def inputs(length: int) -> tuple[Tensor, Tensor]:

@@ -76,6 +76,7 @@ _AT_LEAST_ZERO = (
     ("data", "shuffle_buffer"),
     ("parallelism", "pipeline_embedding_cost"),
     ("parallelism", "pipeline_output_cost"),
+    ("parallelism", "layout_memory_gib"),
 )
 
 

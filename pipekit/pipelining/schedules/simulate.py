@@ -18,6 +18,7 @@ causal-attention part; slice j of n gets `1/n` of the linear part and `(2j+1)/n�
 attention part (it attends to j earlier slices and half of its own), so later slices are
 heavier. Slices cut elsewhere (`slice_bounds`, e.g. equal-cost slicing) cover `[a, b)` of the
 sequence: `b - a` of the linear part and of the bytes, `b² - a²` of the attention part.
+Every pass also pays `action_overhead` whole, whatever its tokens (a stage its share).
 Backward is `backward_ratio` times forward, split into I and W by `input_backward_share`.
 Transfers cost latency plus bytes over bandwidth. Memory per rank: activations (live from a
 unit's forward to its backward; W keeps `weight_grad_activation_share` of them after I), the KV
@@ -81,6 +82,9 @@ class CostModel:
     """K/V the whole model caches for one whole microbatch (sliced schedules)."""
     weight_grad_activation_share: float = 0.5
     """Share of a unit's activations that I leaves for W (split backward only)."""
+    action_overhead: float = 0.0
+    """Forward time of the whole model that does not shrink with a pass's tokens (launches,
+    the runtime's bookkeeping): every pass pays it whole, a stage its share."""
     slice_bounds: tuple[float, ...] = ()
     """Where the slices start and end, as fractions of the sequence from 0 to 1 (n + 1 of
     them); empty: n equal slices."""
@@ -112,7 +116,7 @@ class CostModel:
         tokens, attention_share = self.slice_shares(slice_index, num_slices)
         if attended_slices is not None:
             attention_share = 2 * attended_slices / num_slices**2
-        linear = self.forward_linear * tokens
+        linear = self.forward_linear * tokens + self.action_overhead
         return weight * (linear + self.forward_attention * attention_share) / num_stages
 
     def transfer_time(self, num_slices: int, slice_index: int = 0) -> float:

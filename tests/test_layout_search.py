@@ -1,0 +1,177 @@
+"""The layout search: its counted shares against the built ranks, its peaks against the memory
+plan of the exact layout, its step model's ordering rules, and `layout = "auto"` as users run
+it (torchrun on 2 and 4 ranks; nothing fits: one line before any process group)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from job_runs import (
+    CONFIG,
+    MOE_SLICED_CONFIG,
+    SLICED_PP_CONFIG,
+    VOCAB_PP_CONFIG,
+    job_command,
+    job_env,
+    logged_losses,
+    single_process_error,
+)
+
+from pipekit.config import load_job_config
+from pipekit.layout_search import Layout, SearchSpace, apply_layout, device_profile
+from pipekit.layout_search.search import LayoutSearch, nothing_fits
+from pipekit.layout_search.shards import ShareCounter
+from pipekit.memory_plan import plan_memory, rank_layouts
+from pipekit.train.job import validate_job
+
+_DEBUG_DEVICE = device_profile("h100", memory_bytes=10 << 20, devices_per_node=2)
+"""An accelerator of 10 MiB: small enough that the debug model's layouts differ in whether
+they fit and which activation policy they need."""
+
+
+@pytest.mark.parametrize(
+    ("config", "world", "overrides"),
+    [
+        (SLICED_PP_CONFIG, 4, ("--parallelism.dp_shard", "2")),
+        (VOCAB_PP_CONFIG, 2, ()),
+        (MOE_SLICED_CONFIG, 4, ()),
+        (CONFIG, 2, ("--parallelism.tp", "2", "--parallelism.dp_shard", "1")),
+    ],
+    ids=["sliced_fsdp", "vocab_parallel", "moe_ep", "tensor_parallel"],
+)
+def test_counted_shares_equal_the_built_ranks(config, world, overrides):
+    """ShareCounter's arithmetic gives every pipeline rank the parameters, stages, blocks
+    and output rows the real (meta-device, simulated process group) build gives it."""
+    job = validate_job(load_job_config(["--config", config, *overrides]), world, check_files=False)
+    with torch.device("meta"):
+        model = job.spec.build(job.args)
+    counted = ShareCounter(job, model).layouts(job)
+    built = rank_layouts(job)
+    assert [dataclasses.replace(c, largest_unit_numel=0) for c in counted] == [
+        dataclasses.replace(b, largest_unit_numel=0) for b in built
+    ]
+    for count, build in zip(counted, built, strict=True):
+        assert count.largest_unit_numel == pytest.approx(build.largest_unit_numel, rel=0.3)
+
+
+@pytest.fixture(scope="module")
+def debug_search() -> tuple[LayoutSearch, object]:
+    config = load_job_config(["--config", SLICED_PP_CONFIG])
+    space = SearchSpace(world_size=4, devices_per_node=2)
+    search = LayoutSearch(config, 4, _DEBUG_DEVICE, space)
+    return search, search.run()
+
+
+def test_search_peaks_agree_with_the_memory_plan_of_each_layout(debug_search):
+    """The fastest fitting layouts (each validated as a job) and the closest ones that do
+    not fit: the memory plan of that exact layout, built for real, is within 5% of the
+    search's peak."""
+    search, result = debug_search
+    printed = search.validated(result, 4)
+    assert len(printed) == 4 and result.excluded
+    policies = {candidate.layout.policy for candidate in result.fitting}
+    assert "none" in policies and len(policies) > 1  # the budget makes some layouts pay
+    for candidate in [*printed, *result.excluded[:2]]:
+        job = validate_job(search.job_config(candidate.layout), 4, check_files=False)
+        planned = plan_memory(job).peak
+        assert candidate.peak_bytes == pytest.approx(planned, rel=0.05), candidate.layout.label()
+        fits = planned <= _DEBUG_DEVICE.memory_bytes
+        assert fits == (candidate in printed), candidate.layout.label()
+
+
+def test_search_keeps_the_cheapest_policy_that_fits_and_ranks_by_time(debug_search):
+    """Each fitting structure appears once, with a policy no slower than any other that
+    fits it; the list is sorted by predicted step time; nothing printed breaks the job's
+    rules (validate_job), and refused structures name the rule."""
+    search, result = debug_search
+    structures = [candidate.layout.structure for candidate in result.fitting]
+    assert len(structures) == len(set(structures))
+    times = [candidate.step.step_s for candidate in result.fitting]
+    assert times == sorted(times)
+    recomputing = [c for c in result.fitting if c.layout.activation_checkpoint != "none"]
+    assert recomputing, "the 10 MiB budget should force recomputation somewhere"
+    for candidate in recomputing[:3]:
+        plain = search.evaluate(candidate.layout.structure)
+        assert plain[0] is not None and plain[0].layout == candidate.layout
+        assert candidate.step.recompute_s > 0
+    assert any("[parallelism]" in reason for reason in result.refused)
+
+
+def test_step_model_charges_bubbles_recompute_and_communication():
+    """The predicted step, on a device slow enough that compute outweighs link latency: 1F1B
+    pays a larger bubble than the sliced schedule; full checkpointing pays one more forward;
+    tensor parallelism pays its collectives."""
+    config = load_job_config(["--config", SLICED_PP_CONFIG])
+    slow = device_profile("h100", peak_flops=1e9, link_latency_s=0.0)
+    search = LayoutSearch(config, 4, slow, SearchSpace(world_size=4, devices_per_node=4))
+
+    def step(layout: Layout):
+        job = search.job(layout)
+        layouts = ShareCounter(job, search.meta_model).layouts(job)
+        return search._candidate(job, layout, search.memory(job, layouts), layouts).step
+
+    flat = step(Layout(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1))
+    assert flat.bubble_s == 0 and flat.recompute_s == 0
+    full = step(Layout(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1, activation_checkpoint="full"))
+    assert full.recompute_s == pytest.approx(flat.compute_s / 3)
+    piped = step(Layout(pp=4, dp_replicate=1, dp_shard=1, cp=1, tp=1, schedule="1F1B"))
+    sliced = step(
+        Layout(pp=4, dp_replicate=1, dp_shard=1, cp=1, tp=1, schedule="sliced", num_slices=16)
+    )
+    assert piped.bubble_s > sliced.bubble_s > 0
+    split = step(Layout(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=4))
+    assert split.exposed_communication_s > flat.exposed_communication_s
+
+
+def test_apply_layout_writes_what_a_user_would(debug_search):
+    """A layout becomes config fields: `--print-config` of the result names them, and the
+    result is a manual layout."""
+    search, result = debug_search
+    layout = result.fitting[0].layout
+    config = apply_layout(search.config, layout)
+    parallelism = config.parallelism
+    assert parallelism.layout == "manual"
+    assert (parallelism.pipeline_parallel_degree, parallelism.cp, parallelism.tp) == (
+        layout.pp, layout.cp, layout.tp,
+    )  # fmt: skip
+    assert config.training.activation_checkpoint == layout.activation_checkpoint
+
+
+def test_nothing_fits_is_one_line_before_any_process_group(tmp_path: Path):
+    """`layout = "auto"` where no layout fits: exit 2, one line naming the closest layout, its
+    shortfall and the fix."""
+    line = single_process_error(
+        tmp_path / "out", "--parallelism.layout", "auto",
+        "--parallelism.layout_memory_gib", "0.001",
+    )  # fmt: skip
+    assert line.startswith("config error: [parallelism] layout = 'auto': no layout fits")
+    assert "needs" in line and "MiB of 1.0 MiB" in line and "launch more ranks" in line
+
+
+def test_nothing_fits_names_the_rules_when_every_structure_is_refused(debug_search):
+    _, result = debug_search
+    empty = dataclasses.replace(result, fitting=[], excluded=[])
+    assert "passes the job's rules" in nothing_fits(empty, _DEBUG_DEVICE)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_auto_layout_trains_the_debug_model(tmp_path: Path, nproc: int):
+    """torchrun train.py with `layout = "auto"`: rank 0 names the layout it chose with its
+    prediction, every rank runs it, and the loss falls."""
+    output = tmp_path / "out"
+    command = job_command(
+        output, "--parallelism.layout", "auto", "--training.steps", "3",
+        "--training.seq_len", "64", "--training.global_batch_size", "8",
+        "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "false",
+        "--metrics.log_interval", "1",
+        "--metrics.peak_flops", "1e12", nproc=nproc,
+    )  # fmt: skip
+    run = subprocess.run(command, env=job_env(), capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"[rank 0] layout = auto on {nproc} ranks: " in run.stdout
+    losses = logged_losses(output)
+    assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
