@@ -27,7 +27,7 @@ DOCUMENTS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))
 # Commands whose flags argparse does not know go to the job config loader (`parse_known_args`
 # then `load_job_config`), as train.py's do: `--config` and `--section.key` are theirs.
 _TAKES_JOB_CONFIG = {("train.py", ""), ("pipekit.memory_plan", ""), ("pipekit.check", ""),
-                     ("pipekit.bench", "step")}  # fmt: skip
+                     ("pipekit.layout_search", ""), ("pipekit.bench", "step")}  # fmt: skip
 _TRAIN_FLAGS = {"--config", "--print-config", "--help"}  # train.py's main, besides the keys
 _SUBCOMMANDS = {"pipekit.tools.plot": {"compare"}}  # modules with a subcommand of their own
 _NOT_JOB_CONFIG_TABLES = {"project", "tool", "build-system"}  # pyproject.toml snippets

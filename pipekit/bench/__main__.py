@@ -20,6 +20,10 @@ _BENCHMARKS = {
         "pipekit.bench.pipeline_throughput",
         "tokens/s of the sliced pipeline vs torch's 1F1B",
     ),
+    "layout-search": (
+        "pipekit.bench.layout_search",
+        "the layout search at SlimPipe's published settings, beside the paper's layouts and MFU",
+    ),
     "schedules": ("pipekit.bench.schedules", "simulated bubbles and memory vs SlimPipe Table 2"),
     "schemes": (
         "pipekit.bench.schemes",

@@ -23,9 +23,11 @@ from pipekit.layout_search.search import (
     search_layouts,
 )
 from pipekit.memory_plan.__main__ import parse_bytes, refusal
+from pipekit.memory_plan.memory import plan_memory
 from pipekit.text_table import format_table
+from pipekit.train.job import validate_job
 
-__all__ = ["describe_candidates", "device_from_options", "main", "report"]
+__all__ = ["describe_candidates", "device_from_options", "main", "report", "verify"]
 
 _GIB = 2**30
 _OVERRIDES = {
@@ -53,6 +55,13 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for flag, (_, _, text) in _OVERRIDES.items():
         parser.add_argument(f"--{flag}", default=None, help=f"override the profile's {text}")
     parser.add_argument("--top", type=int, default=10, help="fitting layouts to print")
+    parser.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        help="build the memory plan (python -m pipekit.memory_plan) of the first N printed "
+        "layouts and print its peak beside the search's",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -112,6 +121,22 @@ def report(search: LayoutSearch, result: SearchResult, top: int) -> list[Candida
     return kept
 
 
+def verify(search: LayoutSearch, candidates: list[Candidate]) -> None:
+    """Each layout's memory plan, built for real (`plan_memory`), beside the search's peak."""
+    rows = []
+    for candidate in candidates:
+        job = validate_job(
+            search.job_config(candidate.layout), search.world_size, check_files=False
+        )
+        planned = plan_memory(job).peak
+        rows.append([
+            candidate.layout.label(), candidate.peak_bytes / _GIB, planned / _GIB,
+            f"{100 * (candidate.peak_bytes / planned - 1):+.2f}%",
+        ])  # fmt: skip
+    print("\nthe memory plan of each layout, built on the meta device:")
+    print(format_table(["layout", "search GiB", "memory plan GiB", "difference"], rows))
+
+
 def main(argv: list[str]) -> None:
     options, config_argv = _parse(argv)
     try:
@@ -133,6 +158,8 @@ def main(argv: list[str]) -> None:
     if not kept:
         print(f"error: {nothing_fits(result, device)}", file=sys.stderr)
         raise SystemExit(2)
+    if options.verify:
+        verify(search, kept[: options.verify])
     best = kept[0]
     print(
         f"\nfastest: {best.layout.label()}, {best.step.tokens_per_s:.4g} tokens/s, MFU "

@@ -171,7 +171,8 @@ class LayoutSearch:
         local_batch = training.global_batch_size // per_step
         plan = None
         if dims.pp > 1:
-            plan = self._plan(layout.structure, config, dims, local_batch)
+            structure = layout.structure
+            plan = self._plan(structure, self.job_config(structure), dims, local_batch)
             if layout.activation_offload:
                 plan = dataclasses.replace(
                     plan,
@@ -253,9 +254,7 @@ class LayoutSearch:
         """(the fastest fitting policy of `structure`, or None; the policy with the smallest
         peak when none fits, or None). ConfigError when the job's rules refuse it."""
         base = self.job(structure)
-        if self._counter is None:
-            self._counter = ShareCounter(base, self.meta_model)
-        layouts = self._counter.layouts(base)
+        layouts = self.share_layouts(base)
         best: Candidate | None = None
         smallest: tuple[Job, Layout, RankMemory] | None = None
         for layout in self._policies(structure):
@@ -272,18 +271,25 @@ class LayoutSearch:
                 if layout.activation_checkpoint == "full":
                     break  # every other checkpointing keeps more
                 continue
-            candidate = self._candidate(job, layout, worst, layouts)
+            candidate = self.candidate(job, layout, worst, layouts)
             if best is None or candidate.step.step_s < best.step.step_s:
                 best = candidate
             if layout.policy == "none":
                 break  # every other policy adds work to the same structure
         if best is not None or smallest is None:
             return best, None
-        return None, self._candidate(*smallest, layouts)
+        return None, self.candidate(*smallest, layouts)
 
-    def _candidate(
+    def share_layouts(self, job: Job) -> list[RankLayout]:
+        """Every pipeline rank's share of the model under `job`'s degrees (counted)."""
+        if self._counter is None:
+            self._counter = ShareCounter(job, self.meta_model)
+        return self._counter.layouts(job)
+
+    def candidate(
         self, job: Job, layout: Layout, worst: RankMemory, layouts: list[RankLayout]
     ) -> Candidate:
+        """`layout` (making `job`, whose worst rank is `worst`) with its predicted step."""
         offloaded = _offloaded_bytes_per_step(job, worst, self.profile(job), layout)
         step = predict_step(job, layout, self.costs, self.device, layouts, offloaded)
         return Candidate(layout, worst.peak, worst, step)

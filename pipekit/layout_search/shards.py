@@ -98,7 +98,11 @@ class ShareCounter:
         units: dict[str, int] = {}
         for module_name in names:
             module = self.model.get_submodule(module_name)
-            unit = module_name if structure.is_block(module_name) else ""
+            vocabulary_shard = (
+                vocab_rows is not None and module_name in structure.vocabulary_modules
+            )
+            # blocks and vocabulary shards are units of their own, the rest the stage's root
+            unit = module_name if structure.is_block(module_name) or vocabulary_shard else ""
             for name, param in module.named_parameters():
                 if id(param) in seen:
                     continue
@@ -123,8 +127,10 @@ class ShareCounter:
                 units[unit] = units.get(unit, 0) + rows * cols  # FSDP2 gathers a unit whole
         blocks = tuple(name for name in names if structure.is_block(name) and name.count(".") == 1)
         output_rows = 0
-        if structure.output in names:
-            output_rows = vocab_rows if vocab_rows is not None else job.shape.vocab_size
+        if structure.output in names:  # a DTensor's global rows; vocabulary shards are local
+            output_rows = job.shape.vocab_size
+            if vocab_rows is not None:
+                output_rows = self._tp_rows(job, "", structure.output, vocab_rows)
         largest = max(units.values(), default=0) if self._fsdp_wrapped(job) else 0
         return RankLayout(
             rank=rank,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from pipekit._torch_private import simulated_rank
 from pipekit.memory_plan.forked import in_forked_child
@@ -108,7 +108,8 @@ def _measure(job: Job, rank: int, built) -> RankLayout:
 def _largest_fsdp_unit(model: nn.Module) -> int:
     """Elements of the largest FSDP2 unit as FSDP2 gathers it: the parameters each FSDP module
     manages (those not under a nested FSDP module), unsharded over FSDP's mesh dims but not
-    over the `ep` dim that shards experts too (their unit gathers one ep rank's experts)."""
+    over the tp and ep dims that shard them too (a unit gathers one tp rank's part, one ep
+    rank's experts)."""
     units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     if not units:
         return 0
@@ -120,10 +121,18 @@ def _largest_fsdp_unit(model: nn.Module) -> int:
         # none: a stage's own root manages it (a stage built as a view of the rank's model is
         # not among the model's modules), counted as the unit ""
         owner = max(owners, key=len, default="")
-        dims = list(param.device_mesh.mesh_dim_names or ())
-        ep = param.device_mesh.size(dims.index("ep")) if "ep" in dims else 1
-        sizes[owner] += param.numel() // ep
+        sizes[owner] += param.numel() // _model_parallel_shards(param)
     return max(sizes.values())
+
+
+def _model_parallel_shards(param: DTensor) -> int:
+    """Ranks that hold different parts of `param` outside FSDP's dims (tp, ep, etp): an FSDP2
+    gather restores one such part, not the DTensor's global tensor."""
+    mesh, shards = param.device_mesh, 1
+    for index, name in enumerate(mesh.mesh_dim_names or ()):
+        if name in ("tp", "ep", "etp") and isinstance(param.placements[index], Shard):
+            shards *= mesh.size(index)
+    return shards
 
 
 def _output_rows(model: nn.Module, output_name: str) -> int:
