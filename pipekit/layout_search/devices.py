@@ -72,48 +72,35 @@ class DeviceProfile:
         )
 
 
+_H100 = DeviceProfile(
+    name="h100",
+    memory_bytes=80 * _GIB,
+    peak_flops=989e12,
+    efficiency=0.5,
+    intra_node_bandwidth=450 * _GB,
+    inter_node_bandwidth=50 * _GB,
+    host_bandwidth=64 * _GB,
+    devices_per_node=8,
+)
 DEVICE_PROFILES: dict[str, DeviceProfile] = {
     profile.name: profile
     for profile in (
-        DeviceProfile(
-            name="h100",
-            memory_bytes=80 * _GIB,
-            peak_flops=989e12,
-            efficiency=0.5,
-            intra_node_bandwidth=450 * _GB,
-            inter_node_bandwidth=50 * _GB,
-            host_bandwidth=64 * _GB,
-            devices_per_node=8,
-        ),
-        DeviceProfile(
-            name="h200",
-            memory_bytes=141 * _GB,
-            peak_flops=989e12,
-            efficiency=0.5,
-            intra_node_bandwidth=450 * _GB,
-            inter_node_bandwidth=50 * _GB,
-            host_bandwidth=64 * _GB,
-            devices_per_node=8,
-        ),
-        DeviceProfile(
+        _H100,
+        dataclasses.replace(_H100, name="h200", memory_bytes=141 * _GB),
+        dataclasses.replace(
+            _H100,
             name="a100",
-            memory_bytes=80 * _GIB,
             peak_flops=312e12,
-            efficiency=0.5,
             intra_node_bandwidth=300 * _GB,
             inter_node_bandwidth=25 * _GB,
             host_bandwidth=32 * _GB,
-            devices_per_node=8,
         ),
-        DeviceProfile(
+        dataclasses.replace(
+            _H100,
             name="b200",
             memory_bytes=180 * _GB,
             peak_flops=2250e12,
-            efficiency=0.5,
             intra_node_bandwidth=900 * _GB,
-            inter_node_bandwidth=50 * _GB,
-            host_bandwidth=64 * _GB,
-            devices_per_node=8,
         ),
     )
 }
