@@ -95,3 +95,20 @@ def test_checkpointing_modes_give_the_same_gradients_fp64() -> None:
         assert len(grads[option]) == len(grads["plain"])
         for got, want in zip(grads[option], grads["plain"], strict=True):
             assert _relative(got, want) <= 1e-12, option
+
+
+def test_every_k_checkpoints_by_the_blocks_index_in_the_whole_model():
+    """A pipeline stage holding only block 1 checkpoints it under every-2 checkpointing, as one
+    process holding blocks 0-3 would (counting by position within the stage checkpointed
+    nothing there, while the memory plan counted it checkpointed); a stage holding block 2
+    does not; keys that are not indices count by position."""
+    from pipekit.config.job_config import TrainingConfig
+    from pipekit.train.activation_checkpoint import apply_activation_checkpointing
+
+    every_2 = TrainingConfig(activation_checkpoint="every_k", activation_checkpoint_every=2)
+    assert apply_activation_checkpointing({"1": torch.nn.Linear(2, 2)}, every_2) == 1
+    assert apply_activation_checkpointing({"2": torch.nn.Linear(2, 2)}, every_2) == 0
+    whole = {str(i): torch.nn.Linear(2, 2) for i in range(4)}
+    assert apply_activation_checkpointing(whole, every_2) == 2
+    named = {"first": torch.nn.Linear(2, 2), "second": torch.nn.Linear(2, 2)}
+    assert apply_activation_checkpointing(named, every_2) == 1

@@ -229,6 +229,20 @@ _PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
         (
             [
                 *_PP2,
+                "--parallelism.pipeline_schedule",
+                "ZBVZeroBubble",
+                "--parallelism.stages_per_rank",
+                "2",
+                "--training.activation_checkpoint",
+                "full",
+            ],
+            2,
+            r"\[training\] activation_checkpoint='full' with pipeline_schedule='ZBVZeroBubble', "
+            "which splits backwards",
+        ),
+        (
+            [
+                *_PP2,
                 "--parallelism.activation_offload",
                 "0.5",
                 "--parallelism.activation_offload_dir",

@@ -65,7 +65,7 @@ def with_option(model: torch.nn.Module, option: str, every: int) -> torch.nn.Mod
     set_memory_efficient(copied, option != "plain")
     mode = "none" if option in ("plain", "efficient") else option
     config = TrainingConfig(activation_checkpoint=mode, activation_checkpoint_every=every)
-    apply_activation_checkpointing(list(copied.layers.values()), config)
+    apply_activation_checkpointing(dict(copied.layers.items()), config)
     return copied
 
 

@@ -49,6 +49,7 @@ from pipekit.moe.expert_parallel import set_expert_execution
 from pipekit.pipelining.features.offload_plan import resident_peak
 from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
+from pipekit.train.activation_checkpoint import checkpoints_block
 from pipekit.train.job import Job
 
 __all__ = [
@@ -195,23 +196,13 @@ def rank_memory(
     )
 
 
-def _checkpointed(job: Job, name: str) -> bool:
-    """Whether block `name` keeps only its input (full or every-k activation checkpointing;
-    under selective checkpointing the profile measured what each block keeps)."""
-    training = job.config.training
-    if training.activation_checkpoint not in ("full", "every_k"):
-        return False
-    every = 1 if training.activation_checkpoint == "full" else training.activation_checkpoint_every
-    return int(name.rsplit(".", 1)[1]) % every == every - 1
-
-
 def _block_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile) -> float:
     """Bytes per token the blocks keep for backward, checkpointed ones keeping their input;
     under context parallelism a block also keeps the other cp ranks' keys and values."""
     gathered = job.dims.cp - 1
     kept = 0.0
-    for name in names:
-        if _checkpointed(job, name):
+    for position, name in enumerate(names):  # selective: the profile measured what blocks keep
+        if checkpoints_block(name.rsplit(".", 1)[1], position, job.config.training):
             kept += profile.input_bytes
         else:
             kept += profile.block_bytes[name] + gathered * profile.kv_bytes[name]
@@ -223,10 +214,13 @@ def _backward_bytes(job: Job, names: tuple[str, ...], profile: ActivationProfile
     first if it is checkpointed."""
     if not names:
         return 0.0
-    rebuilt = 0.0  # a selectively checkpointed block's probe ran its recompute already
-    if job.config.training.activation_checkpoint in ("full", "every_k"):
-        rebuilt = max(profile.block_bytes[name] for name in names)
-    return profile.backward_bytes + rebuilt
+    # a selectively checkpointed block's probe ran its recompute already
+    rebuilt = [
+        profile.block_bytes[name]
+        for position, name in enumerate(names)
+        if checkpoints_block(name.rsplit(".", 1)[1], position, job.config.training)
+    ]
+    return profile.backward_bytes + max(rebuilt, default=0.0)
 
 
 def _step_activations(job: Job, layout: RankLayout, profile: ActivationProfile) -> float:

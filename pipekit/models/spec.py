@@ -116,8 +116,13 @@ class ModelStructure:
 
     def blocks_of(self, model: nn.Module) -> list[nn.Module]:
         """The blocks `model` holds, in order (a pipeline stage may hold none)."""
+        return list(self.named_blocks_of(model).values())
+
+    def named_blocks_of(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The blocks `model` holds by their key in the block container ("3" of "layers.3"),
+        in order: a pipeline stage keeps the whole model's keys."""
         container = getattr(model, self.blocks, None)
-        return [] if container is None else list(container.values())
+        return {} if container is None else dict(container.items())
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ def pipeline_layout(
             assert experts is not None
             apply_expert_parallel(module, expert_parallel_mesh(experts))
         checkpointing = TrainingConfig(activation_checkpoint=activation_checkpoint)
-        apply_activation_checkpointing(spec.structure.blocks_of(module), checkpointing)
+        apply_activation_checkpointing(spec.structure.named_blocks_of(module), checkpointing)
         apply_data_parallel(
             module,
             mesh,

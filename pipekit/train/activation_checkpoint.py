@@ -16,7 +16,7 @@ knows a recompute and neither appends nor drops chunks); see `pipekit.attention.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +37,8 @@ __all__ = [
     "ACTIVATION_CHECKPOINT_MODES",
     "SELECTIVE_KEEP",
     "apply_activation_checkpointing",
+    "check_checkpoint_with_schedule",
+    "checkpoints_block",
     "selective_checkpoint_context",
 ]
 
@@ -70,8 +72,41 @@ def selective_checkpoint_context(keep: str) -> Callable[[], tuple[Any, Any]]:
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], config: TrainingConfig) -> int:
-    """Checkpoint the blocks the config selects; returns how many were checkpointed."""
+def check_checkpoint_with_schedule(mode: str, schedule: str, splits_backward: bool) -> None:
+    """ValueError naming the fix when `mode` cannot run under the pipeline schedule.
+
+    A schedule that splits backwards into input and weight parts (I/W) unpacks a checkpointed
+    block's saved tensors in two autograd passes, so the block would be recomputed in each;
+    torch's composable checkpoint (which keeps parameter names) enters its recompute context
+    once per forward, so the second recompute fails inside the backward, whatever the mode.
+    """
+    if mode != "none" and splits_backward:
+        raise ValueError(
+            f"activation_checkpoint={mode!r} with pipeline_schedule={schedule!r}, which splits "
+            "backwards into input and weight parts that would each recompute a checkpointed "
+            "block (torch's checkpoint recomputes once); use activation_offload, or a schedule "
+            "with full backwards (1F1B, Interleaved1F1B, sliced)"
+        )
+
+
+def checkpoints_block(key: str, position: int, config: TrainingConfig) -> bool:
+    """Whether full or every-k checkpointing recomputes the block stored under `key`.
+
+    Every-k counts blocks by their index in the whole model (their key, "3" of "layers.3"), so
+    a pipeline stage checkpoints the blocks one process would, whatever the stage holds; a key
+    that is not an index counts by `position` among the blocks given.
+    """
+    mode = config.activation_checkpoint
+    if mode not in ("full", "every_k"):
+        return False
+    every = config.activation_checkpoint_every if mode == "every_k" else 1
+    index = int(key) if key.isdigit() else position
+    return index % every == every - 1
+
+
+def apply_activation_checkpointing(blocks: Mapping[str, nn.Module], config: TrainingConfig) -> int:
+    """Checkpoint the blocks (by their key in the model's block container) the config selects;
+    returns how many were checkpointed."""
     mode = config.activation_checkpoint
     if mode not in ACTIVATION_CHECKPOINT_MODES:
         raise ValueError(
@@ -79,11 +114,16 @@ def apply_activation_checkpointing(blocks: list[nn.Module], config: TrainingConf
         )
     if mode == "none":
         return 0
-    every = config.activation_checkpoint_every if mode == "every_k" else 1
-    chosen = [block for index, block in enumerate(blocks) if index % every == every - 1]
-    context_fn = None
     if mode == "selective":
         context_fn = selective_checkpoint_context(config.activation_checkpoint_keep)
+        chosen = list(blocks.values())
+    else:
+        context_fn = None
+        chosen = [
+            block
+            for position, (key, block) in enumerate(blocks.items())
+            if checkpoints_block(key, position, config)
+        ]
     for block in chosen:
         checkpoint_module_activations(block, context_fn)
     return len(chosen)

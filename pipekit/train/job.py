@@ -19,6 +19,7 @@ from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 from pipekit.models.registry import get_model_spec, import_model_module, resolve_model
 from pipekit.models.spec import ModelShape, ModelSpec
+from pipekit.train.activation_checkpoint import check_checkpoint_with_schedule
 from pipekit.train.checkpoint_rules import check_checkpoints
 from pipekit.train.config_values import check_values
 from pipekit.train.parallel_rules import check_parallel_layout
@@ -309,6 +310,12 @@ def job_pipeline(
         )
     except ValueError as error:
         raise _error("[parallelism]", error) from None
+    try:
+        check_checkpoint_with_schedule(
+            config.training.activation_checkpoint, plan.schedule, plan.splits_backward
+        )
+    except ValueError as error:
+        raise _error("[training]", error) from None
     return plan
 
 

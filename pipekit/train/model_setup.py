@@ -209,7 +209,9 @@ class _ModelSetup:
         else:
             set_expert_execution(module, moe.partitions, moe.memory_reuse)
         blocks = job.spec.structure.blocks_of(module)
-        apply_activation_checkpointing(blocks, job.config.training)
+        apply_activation_checkpointing(
+            job.spec.structure.named_blocks_of(module), job.config.training
+        )
         if job.config.compile.enable:
             compile_blocks(blocks)
         if self.mesh is not None:
