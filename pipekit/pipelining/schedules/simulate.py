@@ -80,8 +80,10 @@ class CostModel:
     """Activations the whole model saves for one whole microbatch (KV cache excluded)."""
     kv_cache_bytes: float = 0.0
     """K/V the whole model caches for one whole microbatch (sliced schedules)."""
-    weight_grad_activation_share: float = 0.5
-    """Share of a unit's activations that I leaves for W (split backward only)."""
+    weight_grad_activation_share: float = 1.0
+    """Share of a unit's activations that I leaves for W (split backward only). torch's input
+    backward keeps the whole graph (`retain_graph=True`) for the weight backward, so all of
+    them stay; the intermediate gradients W starts from come on top and are not counted."""
     action_overhead: float = 0.0
     """Forward time of the whole model that does not shrink with a pass's tokens (launches,
     the runtime's bookkeeping): every pass pays it whole, a stage its share."""
