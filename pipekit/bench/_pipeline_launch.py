@@ -38,7 +38,8 @@ from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from pipekit.config.job_config import ParallelismConfig
+from pipekit.config.job_config import JobConfig, ModelConfig, ParallelismConfig, TrainingConfig
+from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import exit_process
 from pipekit.models.materialize import seeded_materializer
 from pipekit.models.registry import get_model_spec
@@ -47,6 +48,11 @@ from pipekit.pipelining.build import StageSetup, build_pipeline
 from pipekit.pipelining.plan import PipelinePlan, plan_pipeline
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.pipelining.schedules.sliced import check_sliced_shape
+from pipekit.train.activation_checkpoint import (
+    apply_activation_checkpointing,
+    check_checkpoint_with_schedule,
+)
+from pipekit.train.job import Job
 from pipekit.train.metrics import attention_to_linear_flops
 
 __all__ = [
@@ -54,6 +60,7 @@ __all__ = [
     "add_model_arguments",
     "add_pinning_argument",
     "add_pipeline_arguments",
+    "bench_job",
     "bench_plan",
     "build_runner",
     "check_pipeline_shape",
@@ -325,9 +332,10 @@ def _plan_and_model(
     context_exchange: bool | str = False,
     activation_offload: float | str = 0.0,
     slicing: str = "equal_length",
-) -> tuple[PipelinePlan, nn.Module]:
-    """The plan, and the whole model on the meta device it was planned from (its FLOPs place
-    equal-cost slices; the builder splits it into stages)."""
+) -> tuple[PipelinePlan, nn.Module, ParallelismConfig]:
+    """The plan, the whole model on the meta device it was planned from (its FLOPs place
+    equal-cost slices; the builder splits it into stages), and the `[parallelism]` section a
+    job config would write for it."""
     parallelism = ParallelismConfig(
         dp_shard=1,
         pipeline_parallel_degree=num_ranks,
@@ -350,7 +358,7 @@ def _plan_and_model(
     plan = plan_pipeline(
         parallelism, family.structure, shape, rows, seq_len, attention_to_linear=ratio
     )
-    return plan, model
+    return plan, model, parallelism
 
 
 def bench_plan(spec: Mapping[str, Any], **keywords: Any) -> PipelinePlan:
@@ -368,18 +376,52 @@ def bench_plan(spec: Mapping[str, Any], **keywords: Any) -> PipelinePlan:
     return _plan_and_model(spec, **keywords)[0]
 
 
-def build_runner(spec: Mapping[str, Any], *, rank: int, **keywords: Any) -> PipelineRunner:
-    """This rank's runner of `bench_plan(spec, **keywords)`, by the one pipeline builder; every
-    rank of the world calls it together. Every stage gets the same seeded weights whatever the
+def bench_job(
+    spec: Mapping[str, Any], *, activation_checkpoint: str = "none", **keywords: Any
+) -> Job:
+    """The job a config would make of `bench_plan(spec, **keywords)` with `activation_checkpoint`
+    (the memory plan predicts its peaks): the bench model, float32, the local batch as the
+    global one, one pipeline rank per process."""
+    plan, _, parallelism = _plan_and_model(spec, **keywords)
+    check_checkpoint_with_schedule(activation_checkpoint, plan.schedule, plan.splits_backward)
+    family, args = bench_model(spec)
+    training = TrainingConfig(
+        seq_len=args.max_seq_len,
+        global_batch_size=keywords["rows"],
+        activation_checkpoint=activation_checkpoint,
+    )
+    config = JobConfig(
+        model=ModelConfig(name=family.name, vocab_size=args.vocab_size),
+        training=training,
+        parallelism=parallelism,
+    )
+    p = plan.num_ranks
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=p, ep=1, world_size=p)
+    return Job(config, family, args, family.shape(args), None, dims, plan, keywords["rows"])
+
+
+def build_runner(
+    spec: Mapping[str, Any], *, rank: int, activation_checkpoint: str = "none", **keywords: Any
+) -> PipelineRunner:
+    """This rank's runner of `bench_plan(spec, **keywords)`, by the one pipeline builder, its
+    blocks checkpointed as `activation_checkpoint` says (the `[training]` setting); every rank
+    of the world calls it together. Every stage gets the same seeded weights whatever the
     schedule."""
     del rank  # the mesh knows it
-    plan, model = _plan_and_model(spec, **keywords)
+    plan, model, _ = _plan_and_model(spec, **keywords)
     mesh = init_device_mesh("cpu", (plan.num_ranks,), mesh_dim_names=("pp",))
     materialize = seeded_materializer("cpu", _SEED)
+    family = bench_model(spec)[0]
+    checkpointing = TrainingConfig(activation_checkpoint=activation_checkpoint)
+
+    def parallelize(stage: nn.Module) -> None:
+        apply_activation_checkpointing(family.structure.named_blocks_of(stage), checkpointing)
+
     setup = StageSetup(
         device=torch.device("cpu"),
         materialize=materialize,
         attention_backend="cpu",
+        parallelize=parallelize,
     )
     return build_pipeline(plan, model, mesh, setup)
 

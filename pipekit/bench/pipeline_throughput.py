@@ -48,6 +48,7 @@ from pipekit.bench._pipeline_launch import (
     synthetic_batch,
 )
 from pipekit.bench._report import print_result, print_table
+from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.memory.tracker import ActivationMemoryTracker
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.exchange_plan import plan_context_exchange
@@ -88,8 +89,11 @@ def schedule_runs(num_slices: int) -> dict[str, dict[str, Any]]:
 
 def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Worker: build one runner per entry of `spec["runs"]` (name -> `build_runner` keywords
-    `schedule`, `num_slices`, optionally `context_exchange` or `slicing`), warm each up, then
-    time them alternately: every step's seconds, page faults and CPU seconds."""
+    `schedule`, `num_slices`, optionally `context_exchange`, `slicing`, `activation_offload`
+    or `activation_checkpoint`), warm each up, then time them alternately: every step's
+    seconds, page faults and CPU seconds. With `spec["step_peak"]`, one more step of each
+    under `PeakTensorMemory`: the bytes its tensors take at their fullest beyond the weights
+    and gradients (activations, K/V caches, messages, backward working sets)."""
     model, microbatches = spec["model"], spec["microbatches"]
     rows = microbatches * spec["rows_per_microbatch"]
     batch = synthetic_batch(rows, model["max_seq_len"], model["vocab_size"])
@@ -156,14 +160,24 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
         }
         for name, runner in runners.items()
     }
+    step_peaks = {}
+    if spec.get("step_peak"):  # after the timing: the dispatch mode slows the step it watches
+        for name, runner in runners.items():
+            with PeakTensorMemory() as memory:
+                runner.step(batch, num_label_tokens)
+            dist.barrier()
+            _zero_gradients(runner)
+            step_peaks[name] = memory.peak_bytes
     return {
         "samples": samples,
+        "step_peaks": step_peaks,
         "choices": choices,
         "page_faults": page_faults,
         "cpu": cpu_seconds,
         "recorded": {
             name: _recorded_step(runner, batch, num_label_tokens)
             for name, runner in runners.items()
+            if spec.get("record", True)
         },
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
     }
@@ -238,8 +252,27 @@ def main(argv: list[str] | None = None) -> None:
         help="sliced: the sliced variants against 1F1B under two allocators; all: every "
         "schedule, sliced and torch's, each at its own stages per rank (fair allocator)",
     )
+    parser.add_argument(
+        "--memory-budget",
+        help="with --schedules all: every schedule at the cheapest activation policy that "
+        "fits B per rank (768MiB, 1.5GiB, bytes, or a fraction <= 1 of 1F1B's peak without "
+        "recomputation); sweep: every schedule under every policy, drawn to --out",
+    )
+    parser.add_argument(
+        "--out", default="memory_budget_sweep.png", help="the sweep's picture (PNG)"
+    )
     add_model_arguments(parser, dim=256, layers=4, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
     options = parser.parse_args(argv)
+    if options.memory_budget is not None:
+        from pipekit.bench._memory_budget import compare_at_budget, sweep_budgets
+
+        if options.schedules != "all":
+            parser.exit(2, f"{parser.prog}: error: --memory-budget needs --schedules all\n")
+        if options.memory_budget == "sweep":
+            sweep_budgets(parser, options)
+        else:
+            compare_at_budget(parser, options)
+        return
     if options.schedules == "all":
         from pipekit.bench._all_schedules import compare_all_schedules
 
