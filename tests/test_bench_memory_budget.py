@@ -114,6 +114,8 @@ def test_the_sweep_measures_what_the_plan_predicts_and_each_budget_choice_fits()
     assert points["sliced | n16 | none"][1] < points["sliced | n4 | none"][1]
     assert points["sliced | n4 | offload 1"][1] < points["sliced | n4 | none"][1]
     assert {key.split(" | ")[0] for key in points} >= {"sliced", "sliced v=2", "1F1B", "GPipe"}
+    assert "1F1B | offload 0.5" not in points  # at m = p 1F1B keeps nothing long enough to move
+    assert "Interleaved1F1B | offload 0.5" in points
     result = _result(sweep)
     assert int(result["torch_points_faster_at_equal_or_lower_memory"]) >= 0
     assert result["best_sliced_point"].startswith("sliced")

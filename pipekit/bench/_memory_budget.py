@@ -32,7 +32,7 @@ import argparse
 import dataclasses
 import re
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,6 +139,26 @@ class _Predictor:
         return max(rank.activations for rank in plan.ranks)
 
 
+def _predicted(
+    predictor: _Predictor, schedule: Mapping[str, Any], num_slices: int
+) -> Iterator[tuple[Policy, float | ValueError]]:
+    """`schedule`'s policies, cheapest first, each with its predicted peak or the planner's
+    refusal; an offload ratio that leaves the peak where no offload has it is skipped (the
+    schedule keeps nothing in flight long enough to offload: 1F1B and GPipe at m = p)."""
+    unchanged: float | None = None
+    for policy in policies(schedule["schedule"], num_slices):
+        try:
+            peak = predictor.peak(schedule, policy)
+        except ValueError as error:
+            yield policy, error
+            continue
+        if unchanged is None:
+            unchanged = peak
+        elif policy.activation_offload and peak >= unchanged * (1 - 1e-6):
+            continue
+        yield policy, peak
+
+
 def _setup(
     parser: argparse.ArgumentParser, options: argparse.Namespace
 ) -> tuple[dict[str, Any], _Predictor]:
@@ -202,12 +222,10 @@ def compare_at_budget(parser: argparse.ArgumentParser, options: argparse.Namespa
     runs, chosen, left_out = {}, {}, {}
     for name, schedule in BUDGET_SCHEDULES.items():
         smallest: tuple[float, Policy] | None = None
-        for policy in policies(schedule["schedule"], options.slices):
-            try:
-                peak = predictor.peak(schedule, policy)
-            except ValueError as error:
+        for policy, peak in _predicted(predictor, schedule, options.slices):
+            if isinstance(peak, ValueError):
                 if policy == Policy() or policy == Policy(options.slices):
-                    left_out[name] = f"not run: {error}"
+                    left_out[name] = f"not run: {peak}"
                     break
                 continue  # this policy's layout is refused; a later one may run
             if peak <= budget:
@@ -272,11 +290,11 @@ def sweep_budgets(parser: argparse.ArgumentParser, options: argparse.Namespace) 
     model, predictor = _setup(parser, options)
     runs, predicted = {}, {}
     for name, schedule in BUDGET_SCHEDULES.items():
-        for policy in policies(schedule["schedule"], options.slices):
-            try:
-                peak = predictor.peak(schedule, policy)
-            except ValueError as error:
-                print(f"{name} {policy.label()} not run: {error}")
+        for policy, peak in _predicted(predictor, schedule, options.slices):
+            if isinstance(peak, ValueError):
+                print(f"{name} {policy.label()} not run: {peak}")
+                if policy == Policy(options.slices if name.startswith("sliced") else 1):
+                    break  # the schedule refuses the shape: no policy changes that
                 continue
             key = f"{name} | {policy.label()}"
             runs[key] = {**schedule, **policy.keywords()}
