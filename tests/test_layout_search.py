@@ -21,6 +21,7 @@ from job_runs import (
     single_process_error,
 )
 
+from pipekit.bench.layout_search_cpu import spearman
 from pipekit.config import load_job_config
 from pipekit.layout_search import Layout, SearchSpace, apply_layout, device_profile
 from pipekit.layout_search.search import LayoutSearch, nothing_fits
@@ -96,6 +97,9 @@ def test_search_keeps_the_cheapest_policy_that_fits_and_ranks_by_time(debug_sear
         assert plain[0] is not None and plain[0].layout == candidate.layout
         assert candidate.step.recompute_s > 0
     assert any("[parallelism]" in reason for reason in result.refused)
+    for candidate in result.fitting:  # torch's checkpoint recomputes once: no I/W split with it
+        if candidate.layout.pp > 1 and candidate.layout.activation_checkpoint != "none":
+            assert not search.job(candidate.layout).pipeline.splits_backward, candidate.layout
 
 
 def test_step_model_charges_bubbles_recompute_and_communication():
@@ -172,3 +176,11 @@ def test_auto_layout_trains_the_debug_model(tmp_path: Path, nproc: int):
     assert f"[rank 0] layout = auto on {nproc} ranks: " in run.stdout
     losses = logged_losses(output)
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
+
+
+def test_spearman_ranks_orders_not_values():
+    assert spearman([1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 400.0]) == 1.0
+    assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == -1.0
+    assert spearman([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 4.0, 3.0]) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="same length"):
+        spearman([1.0], [1.0])

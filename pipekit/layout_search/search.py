@@ -48,6 +48,7 @@ from pipekit.memory_plan.memory import (
 from pipekit.moe.layer import MoE
 from pipekit.pipelining.features.offload_plan import resolve_offload_ratios
 from pipekit.pipelining.plan import PipelinePlan
+from pipekit.train.activation_checkpoint import check_checkpoint_with_schedule
 from pipekit.train.job import Job, job_model, job_pipeline, validate_job
 from pipekit.train.metrics import attention_to_linear_flops, training_flops_per_token
 from pipekit.train.parallel_rules import check_parallel_layout
@@ -184,6 +185,12 @@ class LayoutSearch:
                         ),
                     },
                 )
+            try:
+                check_checkpoint_with_schedule(
+                    training.activation_checkpoint, plan.schedule, plan.splits_backward
+                )
+            except ValueError as error:
+                raise ConfigError(f"[training] {error}") from None
         return Job(config, self.spec, self.args, self.shape, self.upcycle, dims, plan, local_batch)
 
     def _plan(
