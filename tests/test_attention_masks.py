@@ -69,6 +69,22 @@ def test_tiles_skip_masked_blocks_and_recognise_causal():
     assert kinds == [(0, 0, True, True), (4, 0, False, True), (4, 4, True, True)]
 
 
+def test_tiles_causal_in_every_batch_row_run_causal_without_a_dense_mask():
+    """A document mask varies with the batch index; where every row's tile lies inside one
+    document, the tile is causal and runs on the kernel's causal path (one row's boundary
+    keeps its dense mask). Before, any batch-dependent mask sent every diagonal tile, and a
+    batch of one-document rows its whole problem, through a dense additive mask."""
+    one_document_rows = torch.tensor([[0] * 8, [1] * 8])
+    mask = and_masks(causal_mask, document_mask(one_document_rows, one_document_rows))
+    tiles = list(iter_tiles(mask, 2, 1, 8, 8, 4, 4, torch.device("cpu")))
+    kinds = [(t.is_causal, t.allowed is None) for t in tiles]
+    assert kinds == [(True, True), (False, True), (True, True)]
+    assert whole_problem_tile(tiles, 8, 8, 4, 4).is_causal
+    boundary = and_masks(causal_mask, document_mask(DOCS_BS, DOCS_BS))
+    diagonal = next(iter_tiles(boundary, 2, 1, 8, 8, 4, 4, torch.device("cpu")))
+    assert not diagonal.is_causal and diagonal.allowed is not None
+
+
 @pytest.mark.parametrize(
     ("mask", "q_len", "kv_len", "q_block", "kv_block", "expected"),
     [

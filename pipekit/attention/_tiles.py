@@ -102,11 +102,11 @@ def mask_dependence(
 
 
 def _is_top_left_causal(allowed: Tensor) -> bool:
-    if allowed.shape[0] != 1 or allowed.shape[1] != 1:
-        return False
+    """Whether every batch row and head of the tile is top-left causal (a document mask
+    varies with the batch index, yet a tile inside one document of every row is causal)."""
     q_len, kv_len = allowed.shape[-2:]
     causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=allowed.device).tril()
-    return torch.equal(allowed[0, 0], causal)
+    return torch.equal(allowed, causal.expand_as(allowed))
 
 
 def iter_tiles(
