@@ -102,6 +102,16 @@ def test_search_keeps_the_cheapest_policy_that_fits_and_ranks_by_time(debug_sear
             assert not search.job(candidate.layout).pipeline.splits_backward, candidate.layout
 
 
+def test_validated_keeps_the_fastest_of_each_kind(debug_search):
+    """With a kind, only the fastest valid layout of each kind is kept, in the search's order."""
+    search, result = debug_search
+    by_pp = search.validated(result, 10, kind=lambda layout: layout.pp)
+    pps = [candidate.layout.pp for candidate in by_pp]
+    assert len(pps) == len(set(pps)) > 1
+    plain = search.validated(result, len(result.fitting))
+    assert by_pp == [next(c for c in plain if c.layout.pp == pp) for pp in pps]
+
+
 def test_step_model_charges_bubbles_recompute_and_communication():
     """The predicted step, on a device slow enough that compute outweighs link latency: 1F1B
     pays a larger bubble than the sliced schedule; full checkpointing pays one more forward;
@@ -126,6 +136,35 @@ def test_step_model_charges_bubbles_recompute_and_communication():
     assert piped.bubble_s > sliced.bubble_s > 0
     split = step(Layout(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=4))
     assert split.exposed_communication_s > flat.exposed_communication_s
+
+
+def test_cpu_passes_are_priced_at_the_rate_the_jobs_own_block_reached():
+    """On a CPU a microbatch's compute is the measured block's time beyond its fixed cost,
+    once per block (pre-set here: no timing in the test), whatever the FLOP/s a matmul
+    reached; a layout that accumulates one sequence per pass is priced at its own shape."""
+    config = load_job_config(["--config", SLICED_PP_CONFIG])
+    cpu = dataclasses.replace(
+        device_profile("h100", peak_flops=1e12, link_latency_s=0.0),
+        name="cpu",
+        block_overhead_s=0.01,
+        devices_per_node=1,  # a core per rank on any machine
+    )
+    search = LayoutSearch(config, 2, cpu, SearchSpace(world_size=2, devices_per_node=1))
+    seq, layers = config.training.seq_len, search.shape.num_layers
+    rows = config.training.global_batch_size // 2
+    search.pass_seconds.update({(rows, seq): 0.01 + 0.2 * rows, (1, seq): 0.01 + 0.3})
+
+    def step(layout: Layout):
+        job = search.job(layout)
+        layouts = search.share_layouts(job)
+        return search.candidate(job, layout, search.memory(job, layouts), layouts).step
+
+    whole = step(Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1))
+    assert whole.compute_s == pytest.approx(0.2 * rows * layers)
+    accumulated = step(Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, accumulation=rows))
+    assert accumulated.compute_s == pytest.approx(0.3 * rows * layers)
+    assert "acc" in Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, accumulation=2).label()
+    assert sorted(search.pass_seconds) == [(1, seq), (rows, seq)]  # nothing else measured
 
 
 def test_apply_layout_writes_what_a_user_would(debug_search):

@@ -24,6 +24,10 @@ _BENCHMARKS = {
         "pipekit.bench.layout_search",
         "the layout search at SlimPipe's published settings, beside the paper's layouts and MFU",
     ),
+    "layout-search-cpu": (
+        "pipekit.bench.layout_search_cpu",
+        "the layout search's top layouts for the debug Llama, predicted vs measured on this CPU",
+    ),
     "schedules": ("pipekit.bench.schedules", "simulated bubbles and memory vs SlimPipe Table 2"),
     "schemes": (
         "pipekit.bench.schemes",

@@ -55,6 +55,9 @@ class Layout:
     slicing: str = "equal_length"
     activation_checkpoint: str = "none"
     activation_offload: float = 0.0
+    accumulation: int = 1
+    """Gradient accumulation steps (without a pipeline: one sequence per pass or all of a
+    rank's at once; a pipeline cuts its microbatches itself)."""
 
     @property
     def structure(self) -> Layout:
@@ -76,6 +79,8 @@ class Layout:
         else:
             pipe = "pp1"
         data = f"dp{self.dp_shard}" + (f"x{self.dp_replicate}r" if self.dp_replicate > 1 else "")
+        if self.accumulation > 1:
+            data += f" acc{self.accumulation}"
         experts = f" ep{self.ep}" if self.ep > 1 else ""
         return f"{pipe} | cp{self.cp} tp{self.tp}{experts} | {data} | {self.policy}"
 
@@ -115,16 +120,22 @@ def enumerate_layouts(
                             "pp": pp, "dp_replicate": dp_replicate,
                             "dp_shard": dp // dp_replicate, "cp": cp, "tp": tp, "ep": ep,
                         }  # fmt: skip
-                        yield from _pipelines(degrees, schedules, space, shape.num_layers)
+                        if pp == 1:
+                            yield from _unpipelined(degrees, global_batch // dp)
+                        else:
+                            yield from _pipelines(degrees, schedules, space, shape.num_layers)
+
+
+def _unpipelined(degrees: dict[str, int], rows_per_rank: int) -> Iterator[Layout]:
+    """Without a pipeline: a rank's sequences in one pass, or one per pass, accumulated."""
+    for accumulation in sorted({1, rows_per_rank}):
+        yield Layout(**degrees, schedule="1F1B", accumulation=accumulation)
 
 
 def _pipelines(
     degrees: dict[str, int], schedules: tuple[str, ...], space: SearchSpace, layers: int
 ) -> Iterator[Layout]:
     pp = degrees["pp"]
-    if pp == 1:
-        yield Layout(**degrees, schedule="1F1B", stages_per_rank=1, num_slices=1)
-        return
     for name in schedules:
         entry = SCHEDULES[name]
         for stages in (entry.stages_per_rank,) if entry.stages_per_rank else (1, 2):
@@ -166,7 +177,9 @@ def apply_layout(config: JobConfig, layout: Layout) -> JobConfig:
         "layout": "manual",
     }
     training = dataclasses.replace(
-        config.training, activation_checkpoint=layout.activation_checkpoint
+        config.training,
+        activation_checkpoint=layout.activation_checkpoint,
+        gradient_accumulation_steps=layout.accumulation,
     )
     return dataclasses.replace(
         config, parallelism=dataclasses.replace(parallelism, **fields), training=training

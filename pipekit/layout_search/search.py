@@ -18,12 +18,13 @@ import dataclasses
 import os
 import time
 from collections import Counter
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 from pipekit.distributed.parallel_dims import ParallelDims
-from pipekit.layout_search.block_overhead import measure_block_overhead
+from pipekit.layout_search.block_timing import measure_block_overhead, measure_block_pass_s
 from pipekit.layout_search.candidates import (
     ACTIVATION_POLICIES,
     OFFLOAD_RATIOS,
@@ -95,7 +96,7 @@ class LayoutSearch:
             overhead = measure_block_overhead(self.spec, self.meta_model, self.shape.dim)
             device = dataclasses.replace(device, block_overhead_s=overhead)
         self.device = device
-        seq_len = config.training.seq_len
+        seq_len = self.seq_len = config.training.seq_len
         structure = self.spec.structure
         ratio = attention_to_linear_flops(self.meta_model, self.shape, structure, seq_len)
         per_token = training_flops_per_token(self.meta_model, self.shape, structure, seq_len)
@@ -110,6 +111,8 @@ class LayoutSearch:
         self._profiles: dict[tuple, ActivationProfile] = {}
         self._plans: dict[tuple, PipelinePlan | str] = {}
         self._units: dict[tuple, dict[int, float]] = {}
+        self.pass_seconds: dict[tuple[int, int], float] = {}
+        """On a CPU: a block's measured forward and backward by pass shape (rows, tokens)."""
         self._counter: ShareCounter | None = None
 
     def run(self) -> SearchResult:
@@ -135,19 +138,29 @@ class LayoutSearch:
         result.seconds = time.perf_counter() - start
         return result
 
-    def validated(self, result: SearchResult, count: int = 10) -> list[Candidate]:
-        """The `count` fastest fitting layouts that `validate_job` accepts; the others move
-        to `result.invalid` with the reason."""
-        kept = []
+    def validated(
+        self,
+        result: SearchResult,
+        count: int = 10,
+        kind: Callable[[Layout], Hashable] | None = None,
+    ) -> list[Candidate]:
+        """The `count` fastest fitting layouts that `validate_job` accepts (with `kind`: the
+        fastest of each kind only); the others move to `result.invalid` with the reason."""
+        kept: list[Candidate] = []
+        kinds: set[Hashable] = set()
         for candidate in result.fitting:
             if len(kept) == count:
                 break
+            if kind is not None and kind(candidate.layout) in kinds:
+                continue
             try:
                 validate_job(self.job_config(candidate.layout), self.world_size, check_files=False)
             except ConfigError as error:
                 result.invalid.append((candidate.layout, str(error)))
                 continue
             kept.append(candidate)
+            if kind is not None:
+                kinds.add(kind(candidate.layout))
         return kept
 
     def job_config(self, layout: Layout) -> JobConfig:
@@ -298,8 +311,30 @@ class LayoutSearch:
     ) -> Candidate:
         """`layout` (making `job`, whose worst rank is `worst`) with its predicted step."""
         offloaded = _offloaded_bytes_per_step(job, worst, self.profile(job), layout)
-        step = predict_step(job, layout, self.costs, self.device, layouts, offloaded)
+        step = predict_step(job, layout, self.costs, self.priced_device(job), layouts, offloaded)
         return Candidate(layout, worst.peak, worst, step)
+
+    def priced_device(self, job: Job) -> DeviceProfile:
+        """The device `job`'s passes are priced on. On a CPU its efficiency is what the job's
+        own block reached over one microbatch's whole sequences (`block_timing`): the rate at
+        which the model's FLOPs of that microbatch take the measured block's time, beyond its
+        fixed cost, once per block. Slices and context-parallel shards run at their whole
+        sequence's rate (a slice attends to the KV cache before it, a shard to the other
+        ranks' K/V, which a bare block at their length would leave out), plus the fixed cost
+        of each pass. Ranks beyond the machine's cores share them (the block ran alone)."""
+        if self.device.name != "cpu":
+            return self.device
+        plan = job.pipeline
+        shape = (plan.unit_rows if plan is not None else job.local_batch_size, self.seq_len)
+        if shape not in self.pass_seconds:
+            self.pass_seconds[shape] = measure_block_pass_s(
+                self.spec, self.meta_model, self.shape.dim, *shape
+            )
+        beyond_fixed_s = max(self.pass_seconds[shape] - self.device.block_overhead_s, 1e-9)
+        flops = self.costs.training_flops_per_token * shape[0] * shape[1]
+        cores_per_rank = min(1.0, len(os.sched_getaffinity(0)) / self.device.devices_per_node)
+        rate = flops / (beyond_fixed_s * self.shape.num_layers) * cores_per_rank
+        return dataclasses.replace(self.device, efficiency=rate / self.device.peak_flops)
 
     def _policies(self, structure: Layout) -> list[Layout]:
         """`structure` under every activation policy the job may run, cheapest first, but
