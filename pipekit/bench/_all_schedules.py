@@ -34,7 +34,7 @@ from pipekit.bench._report import print_result, print_table
 from pipekit.bench.pipeline_throughput import FAIR_ALLOCATOR, simulate_plan
 from pipekit.pipelining.features.measured_choice import AUTO
 
-__all__ = ["TORCH_SCHEDULES", "all_schedule_runs", "compare_all_schedules"]
+__all__ = ["TORCH_SCHEDULES", "all_schedule_runs", "checked_model", "compare_all_schedules"]
 
 TORCH_SCHEDULES = {
     "GPipe": 1,
@@ -63,20 +63,27 @@ def all_schedule_runs(num_slices: int) -> dict[str, dict[str, Any]]:
     return runs
 
 
-def compare_all_schedules(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
-    """Time every schedule; print the table and the RESULT line."""
-    p, m, n = options.pp, options.microbatches, options.slices
+def checked_model(parser: argparse.ArgumentParser, options: argparse.Namespace) -> dict:
+    """The model of `options` once its pipeline shape holds at one and two stages per rank
+    (every schedule here runs one or the other); else one error line and exit 2."""
     try:
         for stages in (1, 2):
             check_pipeline_shape(
-                num_ranks=p, microbatches=m, num_slices=n, seq_len=options.seq,
-                num_layers=options.layers, stages_per_rank=stages,
+                num_ranks=options.pp, microbatches=options.microbatches,
+                num_slices=options.slices, seq_len=options.seq, num_layers=options.layers,
+                stages_per_rank=stages,
             )  # fmt: skip
         if options.repeats < 1 or options.warmup < 0:
             raise ValueError("--repeats must be at least 1 and --warmup 0 or more")
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    model = model_spec(options, options.seq)
+    return model_spec(options, options.seq)
+
+
+def compare_all_schedules(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
+    """Time every schedule; print the table and the RESULT line."""
+    p, m, n = options.pp, options.microbatches, options.slices
+    model = checked_model(parser, options)
     rows_per_step = m * options.rows_per_microbatch
     runs, plans, refused = {}, {}, {}
     for name, run in all_schedule_runs(n).items():

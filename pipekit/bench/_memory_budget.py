@@ -37,13 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipekit.bench._all_schedules import TORCH_SCHEDULES
+from pipekit.bench._all_schedules import TORCH_SCHEDULES, checked_model
 from pipekit.bench._pipeline_launch import (
     bench_job,
-    check_pipeline_shape,
     describe_model,
     describe_pinning,
-    model_spec,
     rank_core_sets,
     run_ranks,
 )
@@ -163,19 +161,9 @@ def _setup(
     parser: argparse.ArgumentParser, options: argparse.Namespace
 ) -> tuple[dict[str, Any], _Predictor]:
     """The checked model and its predictor."""
-    p, m, n = options.pp, options.microbatches, options.slices
-    try:
-        for stages in (1, 2):
-            check_pipeline_shape(
-                num_ranks=p, microbatches=m, num_slices=n, seq_len=options.seq,
-                num_layers=options.layers, stages_per_rank=stages,
-            )  # fmt: skip
-        if options.repeats < 1 or options.warmup < 0:
-            raise ValueError("--repeats must be at least 1 and --warmup 0 or more")
-    except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
-    model = model_spec(options, options.seq)
-    shape = {"num_ranks": p, "microbatches": m, "rows": m * options.rows_per_microbatch}
+    model = checked_model(parser, options)
+    m = options.microbatches
+    shape = {"num_ranks": options.pp, "microbatches": m, "rows": m * options.rows_per_microbatch}
     return model, _Predictor(model, shape)
 
 
