@@ -24,6 +24,7 @@ from job_runs import (
 from pipekit.bench.layout_search_cpu import spearman
 from pipekit.config import load_job_config
 from pipekit.layout_search import Layout, SearchSpace, apply_layout, device_profile
+from pipekit.layout_search.block_timing import measure_placed_block_pass_s
 from pipekit.layout_search.search import LayoutSearch, nothing_fits
 from pipekit.layout_search.shards import ShareCounter
 from pipekit.memory_plan import plan_memory, rank_layouts
@@ -150,9 +151,9 @@ def test_cpu_passes_are_priced_at_the_rate_the_jobs_own_block_reached():
         devices_per_node=1,  # a core per rank on any machine
     )
     search = LayoutSearch(config, 2, cpu, SearchSpace(world_size=2, devices_per_node=1))
-    seq, layers = config.training.seq_len, search.shape.num_layers
+    layers = search.shape.num_layers
     rows = config.training.global_batch_size // 2
-    search.pass_seconds.update({(rows, seq): 0.01 + 0.2 * rows, (1, seq): 0.01 + 0.3})
+    search.pass_seconds.update({(rows, 1, 1): 0.01 + 0.2 * rows, (1, 1, 1): 0.01 + 0.3})
 
     def step(layout: Layout):
         job = search.job(layout)
@@ -164,7 +165,24 @@ def test_cpu_passes_are_priced_at_the_rate_the_jobs_own_block_reached():
     accumulated = step(Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, accumulation=rows))
     assert accumulated.compute_s == pytest.approx(0.3 * rows * layers)
     assert "acc" in Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, accumulation=2).label()
-    assert sorted(search.pass_seconds) == [(1, seq), (rows, seq)]  # nothing else measured
+    # under tp the measured pass holds tp's collectives: the rate covers a tp rank's FLOPs,
+    # nothing is priced again as communication
+    search.pass_seconds[(2 * rows, 2, 1)] = 0.01 + 0.5 * rows
+    split = step(Layout(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=2))
+    assert split.compute_s == pytest.approx(0.5 * rows * layers)
+    assert split.exposed_communication_s == 0.0
+    assert sorted(search.pass_seconds) == [(1, 1, 1), (rows, 1, 1), (2 * rows, 2, 1)]
+
+
+@pytest.mark.parametrize(("tp", "cp"), [(1, 1), (2, 1), (1, 2)])
+def test_a_placed_block_is_timed_split_as_the_job_splits_it(tp: int, cp: int):
+    """The CPU measurement runs the job's block on forked gloo ranks of its world, split over
+    tp (DTensor) and cp (the job's cp variant), and reports the slowest rank's pass."""
+    config = load_job_config(["--config", CONFIG, "--training.seq_len", "64"])
+    search = LayoutSearch(config, 2, _DEBUG_DEVICE, SearchSpace(world_size=2, devices_per_node=2))
+    job = search.job(Layout(pp=1, dp_replicate=2 // (tp * cp), dp_shard=1, cp=cp, tp=tp))
+    seconds = measure_placed_block_pass_s(job, search.meta_model, rows=2, repeats=1)
+    assert 0.0 < seconds < 5.0
 
 
 def test_apply_layout_writes_what_a_user_would(debug_search):

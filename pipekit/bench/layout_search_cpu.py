@@ -3,7 +3,8 @@ checked against measured steps on this CPU.
 
 The search runs on a profile measured at start (one rank's float32 matmul FLOP/s, shared when
 ranks outnumber cores; a gloo send's bandwidth and latency; the job's block's forward and
-backward at 2 tokens, its fixed cost, and at every pass shape the search prices) for the
+backward at 2 tokens, its fixed cost, and at every pass shape the search prices, split over
+tp and cp with every rank of the world running) for the
 debug Llama at `--seq` tokens (on one long document: every row a causal sequence, as the
 search assumes), and keeps its `--top` fastest layouts of different structure that pass
 `validate_job`: the fastest of each pipeline (pp, stages per rank, schedule), cp and tp.
@@ -14,7 +15,9 @@ Each then trains for real, one after another in fresh forked ranks (the trainer,
 optimizer, exactly as `train.py` would run the layout written by hand): `--warmup` untimed
 steps, then the median of the trainer's logged step times. It prints the predicted and
 measured step of every layout, whether the search's first measures within 5% of the fastest
-of them, and the rank correlation (Spearman) of predicted and measured times.
+of them, the rank correlation (Spearman) of predicted and measured times, each prediction's
+error, and each layout's step spread (how far its own timed steps fall apart): where the five
+measure within that spread of each other, their order is noise and so is the correlation.
 
 More ranks than cores make timings shared, not parallel: the profile divides the cores'
 FLOP/s among the ranks, and the result line states the machine's load before the run.
@@ -74,8 +77,12 @@ def _train_rank(rank: int, world_size: int, config: JobConfig) -> None:
     Trainer(validate_job(config, world_size)).train()
 
 
-def _measured_step_s(config: JobConfig, world_size: int, warmup: int, timeout: float) -> float:
-    """Median logged step time after `warmup` steps of one training run."""
+def _measured_step_s(
+    config: JobConfig, world_size: int, warmup: int, timeout: float
+) -> tuple[float, float]:
+    """(median, spread) of the logged step times after `warmup` steps of one training run;
+    the spread, (slowest - fastest) / median, is how far apart the same layout's steps fall:
+    layouts predicted closer than it cannot be told apart by this measurement."""
     run_on_ranks(_train_rank, world_size, config, timeout=timeout)
     records = Path(config.job.output_dir, "metrics.jsonl").read_text().splitlines()
     times = [
@@ -85,7 +92,8 @@ def _measured_step_s(config: JobConfig, world_size: int, warmup: int, timeout: f
     ]
     if not times:
         raise RuntimeError(f"the run logged no step after the {warmup} warm-up steps")
-    return statistics.median(times)
+    median = statistics.median(times)
+    return median, (max(times) - min(times)) / median
 
 
 def _one_document_corpus(folder: str, nbytes: int) -> Path:
@@ -147,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     if len(kept) < 2:
         parser.exit(2, f"{parser.prog}: error: the search kept {len(kept)} layouts; need 2\n")
     passes = ", ".join(
-        f"{rows}x{tokens} {seconds:.3g} s"
-        for (rows, tokens), seconds in search.pass_seconds.items()
+        f"{rows} row{'s' if rows > 1 else ''} tp{tp} cp{cp} {seconds:.3g} s"
+        for (rows, tp, cp), seconds in search.pass_seconds.items()
     )
     print(
         f"debug Llama, {options.global_batch} x {options.seq} tokens per step, "
@@ -156,31 +164,40 @@ def main(argv: list[str] | None = None) -> None:
         f"{device.peak_flops / 1e9:.3g} GFLOP/s per rank, gloo "
         f"{device.intra_node_bandwidth / 1e9:.3g} GB/s, {device.link_latency_s * 1e6:.0f} us, "
         f"block's fixed cost {search.device.block_overhead_s * 1e3:.3g} ms; a block's forward "
-        f"and backward by pass shape (rows x tokens): {passes}; load average {load:.2f} before "
+        f"and backward on the slowest rank by pass shape: {passes}; load average {load:.2f} before "
         "the run",
         flush=True,
     )
-    predicted, measured = [], []
+    predicted, measured, spreads = [], [], []
     for index, candidate in enumerate(kept):
         run = apply_layout(config, candidate.layout)
         output = dataclasses.replace(run.job, output_dir=str(Path(folder, f"layout{index}")))
         run = dataclasses.replace(run, job=output)
-        measured.append(_measured_step_s(run, options.world_size, options.warmup, options.timeout))
+        step_s, spread = _measured_step_s(run, options.world_size, options.warmup, options.timeout)
+        measured.append(step_s)
+        spreads.append(spread)
         predicted.append(candidate.step.step_s)
         print(f"  {candidate.layout.label()}: measured {measured[-1]:.3g} s", flush=True)
     fastest = min(measured)
     rows = [
         [index + 1, candidate.layout.label(), predicted[index], measured[index],
-         sorted(measured).index(measured[index]) + 1, measured[index] / fastest]
+         sorted(measured).index(measured[index]) + 1, measured[index] / fastest,
+         spreads[index], predicted[index] / measured[index] - 1]
         for index, candidate in enumerate(kept)
     ]  # fmt: skip
     print_table(
-        ["#", "layout", "predicted s", "measured s", "measured rank", "vs fastest measured"], rows
-    )
+        ["#", "layout", "predicted s", "measured s", "measured rank", "vs fastest measured",
+         "step spread", "prediction error"],
+        rows,
+    )  # fmt: skip
+    errors = [abs(p / m - 1) for p, m in zip(predicted, measured, strict=True)]
     print_result(
         world_size=options.world_size,
         top1_vs_fastest_measured=measured[0] / fastest,
         spearman=spearman(predicted, measured),
+        measured_range=max(measured) / fastest - 1,
+        mean_abs_prediction_error=statistics.fmean(errors),
+        median_step_spread=statistics.median(spreads),
         layouts=len(kept),
         load_before=load,
     )

@@ -25,7 +25,9 @@ __all__ = [
     "DistributedInfo",
     "destroy_distributed",
     "exit_process",
+    "free_local_port",
     "init_distributed",
+    "join_local_gloo",
     "new_group_along",
     "new_group_between",
     "new_groups_within",
@@ -96,6 +98,22 @@ def init_distributed(timeout_s: float) -> DistributedInfo:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout)
     return DistributedInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def free_local_port() -> int:
+    """A TCP port free on this machine now, for a store of local processes."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def join_local_gloo(rank: int, world_size: int, port: int) -> None:
+    """Join a gloo default group of `world_size` processes forked on this machine (rank 0
+    serves the store on `port`): measurements that run real collectives outside a job."""
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
 def new_group_along(mesh: DeviceMesh, *dims: str) -> dist.ProcessGroup:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipekit.distributed.process_group import free_local_port, join_local_gloo
 from pipekit.train.metrics import measure_matmul_flops
 
 __all__ = ["DEVICE_PROFILES", "DeviceProfile", "device_profile", "measured_cpu_profile"]
@@ -54,6 +55,9 @@ class DeviceProfile:
     """Seconds one block's forward and backward take whatever their tokens (launches, Python):
     measured from the job's own block on a CPU, where it dominates small passes; 0 for the
     built-in accelerators (a stated simplification: kernels there are long)."""
+    collectives_in_pass: bool = False
+    """The passes' rate was measured with tp's and cp's collectives running (a CPU, per job):
+    their bytes and latency are not priced again."""
     selective_recompute_share: float = 0.1
     """Time of what selective checkpointing recomputes (norms, activations, element-wise ops),
     as a share of a block's forward time: a stated assumption."""
@@ -167,7 +171,7 @@ def _gloo_link(nbytes: int = 8 << 20, repeats: int = 5) -> tuple[float, float]:
     processes."""
     context = mp.get_context("fork")
     queue = context.SimpleQueue()
-    port = _free_port()
+    port = free_local_port()
     processes = [
         context.Process(target=_exchange, args=(rank, port, nbytes, repeats, queue))
         for rank in range(2)
@@ -182,8 +186,7 @@ def _gloo_link(nbytes: int = 8 << 20, repeats: int = 5) -> tuple[float, float]:
 
 def _exchange(rank: int, port: int, nbytes: int, repeats: int, queue: object) -> None:
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    join_local_gloo(rank, 2, port)
     seconds = []
     for payload in (torch.zeros(nbytes // 4), torch.zeros(1)):
         times = []
@@ -199,11 +202,3 @@ def _exchange(rank: int, port: int, nbytes: int, repeats: int, queue: object) ->
     if rank == 1:
         queue.put(tuple(seconds))  # type: ignore[attr-defined]
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 from pipekit.distributed.parallel_dims import ParallelDims
-from pipekit.layout_search.block_timing import measure_block_overhead, measure_block_pass_s
+from pipekit.layout_search.block_timing import (
+    measure_block_overhead,
+    measure_placed_block_pass_s,
+)
 from pipekit.layout_search.candidates import (
     ACTIVATION_POLICIES,
     OFFLOAD_RATIOS,
@@ -111,8 +114,9 @@ class LayoutSearch:
         self._profiles: dict[tuple, ActivationProfile] = {}
         self._plans: dict[tuple, PipelinePlan | str] = {}
         self._units: dict[tuple, dict[int, float]] = {}
-        self.pass_seconds: dict[tuple[int, int], float] = {}
-        """On a CPU: a block's measured forward and backward by pass shape (rows, tokens)."""
+        self.pass_seconds: dict[tuple[int, int, int], float] = {}
+        """On a CPU: a block's measured forward and backward on the slowest rank, by pass
+        shape (rows of whole sequences, tp, cp)."""
         self._counter: ShareCounter | None = None
 
     def run(self) -> SearchResult:
@@ -316,25 +320,31 @@ class LayoutSearch:
 
     def priced_device(self, job: Job) -> DeviceProfile:
         """The device `job`'s passes are priced on. On a CPU its efficiency is what the job's
-        own block reached over one microbatch's whole sequences (`block_timing`): the rate at
-        which the model's FLOPs of that microbatch take the measured block's time, beyond its
-        fixed cost, once per block. Slices and context-parallel shards run at their whole
-        sequence's rate (a slice attends to the KV cache before it, a shard to the other
-        ranks' K/V, which a bare block at their length would leave out), plus the fixed cost
-        of each pass. Ranks beyond the machine's cores share them (the block ran alone)."""
+        own block reached over one microbatch's whole sequences, split over the job's tp and
+        cp with every rank running (`block_timing`): the rate at which the model's FLOPs of
+        that microbatch on one rank take the measured block's time, beyond its fixed cost,
+        once per block; tp's and cp's collectives are inside that time, not priced again.
+        Slices run at their whole sequence's rate (a slice attends to the KV cache before it,
+        which a bare block at its length would leave out), plus the fixed cost of each pass,
+        which ranks beyond the machine's cores share (it was timed on one)."""
         if self.device.name != "cpu":
             return self.device
-        plan = job.pipeline
-        shape = (plan.unit_rows if plan is not None else job.local_batch_size, self.seq_len)
+        plan, dims = job.pipeline, job.dims
+        rows = plan.unit_rows if plan is not None else job.local_batch_size
+        shape = (rows, dims.tp, dims.cp)
         if shape not in self.pass_seconds:
-            self.pass_seconds[shape] = measure_block_pass_s(
-                self.spec, self.meta_model, self.shape.dim, *shape
-            )
-        beyond_fixed_s = max(self.pass_seconds[shape] - self.device.block_overhead_s, 1e-9)
-        flops = self.costs.training_flops_per_token * shape[0] * shape[1]
-        cores_per_rank = min(1.0, len(os.sched_getaffinity(0)) / self.device.devices_per_node)
-        rate = flops / (beyond_fixed_s * self.shape.num_layers) * cores_per_rank
-        return dataclasses.replace(self.device, efficiency=rate / self.device.peak_flops)
+            self.pass_seconds[shape] = measure_placed_block_pass_s(job, self.meta_model, rows)
+        oversubscribed = max(1.0, self.device.devices_per_node / len(os.sched_getaffinity(0)))
+        overhead_s = self.device.block_overhead_s * oversubscribed
+        beyond_fixed_s = max(self.pass_seconds[shape] - overhead_s, 1e-9)
+        flops = self.costs.training_flops_per_token * rows * self.seq_len / (dims.tp * dims.cp)
+        rate = flops / (beyond_fixed_s * self.shape.num_layers)
+        return dataclasses.replace(
+            self.device,
+            efficiency=rate / self.device.peak_flops,
+            block_overhead_s=overhead_s,
+            collectives_in_pass=True,
+        )
 
     def _policies(self, structure: Layout) -> list[Layout]:
         """`structure` under every activation policy the job may run, cheapest first, but

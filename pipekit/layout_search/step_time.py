@@ -20,6 +20,8 @@ Per microbatch of the whole model, on one rank (the simulator gives a stage its 
 - per step, off the simulator: FSDP's gathers and gradient reduce-scatter overlap the
   compute except their last unit's share; activation offload's copies to the host and back
   overlap the compute, what exceeds it exposed.
+On a CPU the passes' rate is measured on the job's block under the layout's tp and cp, with
+their collectives running (`block_timing`), so tp's and cp's terms are in it, not added.
 A group's link is within a node when its ranks span no more than a node (mesh order
 `pp, dp_replicate, dp_shard, cp, tp`, tp innermost).
 """
@@ -109,13 +111,14 @@ def predict_step(
     attention_s = linear_s * costs.attention_to_linear
     layers = shape.num_layers
     tp_s = cp_exposed_s = ep_s = 0.0
+    priced_tp, priced_cp = (1, 1) if device.collectives_in_pass else (dims.tp, dims.cp)
     # per pass whatever its tokens: the blocks' fixed costs and every collective's latency
-    collectives = (4 if dims.tp > 1 else 0) + (dims.cp - 1) + (2 if dims.ep > 1 else 0)
+    collectives = (4 if priced_tp > 1 else 0) + (priced_cp - 1) + (2 if dims.ep > 1 else 0)
     overhead_s = layers * (device.block_overhead_s / 3 + collectives * device.link_latency_s)
-    if dims.tp > 1:
+    if priced_tp > 1:
         volume = 4 * layers * (dims.tp - 1) / dims.tp * tokens * shape.dim * itemsize
         tp_s = volume / device.bandwidth(dims.tp)
-    if dims.cp > 1:
+    if priced_cp > 1:
         kv_heads = max(1, shape.num_kv_heads // dims.tp)
         kv_bytes = (dims.cp - 1) * tokens * 2 * kv_heads * shape.head_dim * itemsize
         per_block = kv_bytes / device.bandwidth(dims.tp * dims.cp)
