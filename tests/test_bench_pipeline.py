@@ -20,7 +20,7 @@ from pipekit.bench import _pipeline_launch
 from pipekit.bench.__main__ import main
 from pipekit.bench._cpu_per_step import cpu_ratio
 from pipekit.bench._pipeline_launch import bench_plan, model_spec, rank_core_sets, run_ranks
-from pipekit.bench.pipeline_throughput import schedule_runs, simulated_makespan
+from pipekit.bench._schedule_timing import schedule_runs, simulated_makespan
 from pipekit.memory_plan.forked import in_forked_child
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -30,8 +30,8 @@ from pipekit.bench._pipeline_launch import (
     rank_core_sets,
     run_ranks,
 )
-from pipekit.bench._report import print_result, print_table
-from pipekit.bench.pipeline_throughput import FAIR_ALLOCATOR, simulate_plan
+from pipekit.bench._schedule_timing import FAIR_ALLOCATOR, simulate_plan
+from pipekit.bench.report import print_result, print_table
 from pipekit.pipelining.features.measured_choice import AUTO
 
 __all__ = ["TORCH_SCHEDULES", "all_schedule_runs", "checked_model", "compare_all_schedules"]
@@ -109,7 +109,7 @@ def compare_all_schedules(parser: argparse.ArgumentParser, options: argparse.Nam
         "timed steps of each schedule, alternating"
     )
     ranks = run_ranks(
-        "pipekit.bench.pipeline_throughput:time_schedules", p, spec,
+        "pipekit.bench._schedule_timing:time_schedules", p, spec,
         env={"GLIBC_TUNABLES": options.fair_tunables}, timeout=options.timeout, cores=cores,
     )  # fmt: skip
     layouts = {name: ranks[0]["choices"][name].get("layout") for name in runs}

@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pipekit.bench._report import paired_ratios, print_table
+from pipekit.bench.report import paired_ratios, print_table
 
 __all__ = ["cpu_ratio", "print_cpu_per_step"]
 

@@ -45,7 +45,7 @@ from pipekit.bench._pipeline_launch import (
     rank_core_sets,
     run_ranks,
 )
-from pipekit.bench._report import print_result, print_table
+from pipekit.bench.report import print_result, print_table
 from pipekit.layout_search.candidates import ACTIVATION_POLICIES, OFFLOAD_RATIOS
 from pipekit.memory_plan.activations import ActivationProfile
 from pipekit.memory_plan.memory import activation_profile, plan_memory
@@ -189,7 +189,7 @@ def _time(
     print(describe_model(model))
     print(header, flush=True)
     ranks = run_ranks(
-        "pipekit.bench.pipeline_throughput:time_schedules", p, spec,
+        "pipekit.bench._schedule_timing:time_schedules", p, spec,
         env={"GLIBC_TUNABLES": options.fair_tunables}, timeout=options.timeout, cores=cores,
     )  # fmt: skip
     samples = ranks[0]["samples"]  # every rank times the same barrier-to-barrier steps

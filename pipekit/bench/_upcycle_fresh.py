@@ -26,6 +26,14 @@ from typing import Any
 import torch
 
 from pipekit.bench._pipeline_launch import run_ranks
+from pipekit.bench._upcycle_steps import (
+    DTYPES,
+    checkpoint_files,
+    cold_start,
+    parallelizer,
+    plain_read,
+    timed_upcycle,
+)
 from pipekit.checkpoint import TensorRead
 from pipekit.models.materialize import local_tensor
 
@@ -47,22 +55,20 @@ def local_shapes(model: torch.nn.Module) -> list[list[Any]]:
 
 def _worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     """One fresh rank: evict, then time its kind of first touch."""
-    from pipekit.bench import upcycle
-
     directory = spec["directory"]
-    files = upcycle._checkpoint_files(directory)
+    files = checkpoint_files(directory)
     kind = spec["kind"]
     if kind == "upcycle":
-        parallelize = upcycle._parallelizer(num_ranks, upcycle._DTYPES[spec["dtype"]])
-        upcycle._cold_start(files)
-        _, seconds = upcycle._timed_upcycle(directory, spec, parallelize, [])
+        parallelize = parallelizer(num_ranks, DTYPES[spec["dtype"]])
+        cold_start(files)
+        _, seconds = timed_upcycle(directory, spec, parallelize, [])
     elif kind == "plain":
         reads = [
             TensorRead(name, tuple(tuple(b) for b in bounds), nbytes)
             for name, bounds, nbytes in spec["reads"][rank]
         ]
-        upcycle._cold_start(files)
-        seconds = upcycle._plain_read(directory, reads)
+        cold_start(files)
+        seconds = plain_read(directory, reads)
     else:
         shapes = spec["shapes"][rank]
         started = time.perf_counter()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipekit.bench._report import machine_description, print_result, print_table, time_call
+from pipekit.bench.report import machine_description, print_result, print_table, time_call
 
 __all__ = ["LayerMemory", "arguments", "build_blocks", "layer_memory", "main", "with_option"]
 

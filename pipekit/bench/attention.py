@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from pipekit.attention import attention, causal_mask, get_backend
 from pipekit.attention.flex import MIN_CPU_HEAD_DIM, compiled_flex_attention
-from pipekit.bench._report import machine_description, print_result, print_table, time_call
+from pipekit.bench.report import machine_description, print_result, print_table, time_call
 
 __all__ = ["main"]
 

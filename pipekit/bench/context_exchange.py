@@ -47,12 +47,12 @@ from pipekit.bench._pipeline_launch import (
     rank_core_sets,
     run_ranks,
 )
-from pipekit.bench._report import paired_ratios, print_result, print_table
-from pipekit.bench.pipeline_throughput import (
+from pipekit.bench._schedule_timing import (
     FAIR_ALLOCATOR,
     print_step_breakdown,
     schedule_runs,
 )
+from pipekit.bench.report import paired_ratios, print_result, print_table
 from pipekit.bench.schedules import attention_to_linear_ratio
 from pipekit.pipelining.features.exchange_plan import eq2_exchanged_slices, plan_context_exchange
 from pipekit.pipelining.schedules.simulate import CostModel, SimulationResult, simulate
@@ -195,7 +195,7 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
         "steps of each, alternating"
     )
     ranks = run_ranks(
-        "pipekit.bench.pipeline_throughput:time_schedules",
+        "pipekit.bench._schedule_timing:time_schedules",
         options.pp,
         spec,
         env={"GLIBC_TUNABLES": FAIR_ALLOCATOR},

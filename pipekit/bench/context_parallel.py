@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from pipekit.bench._pipeline_launch import run_ranks
-from pipekit.bench._report import machine_description, print_result, print_table
+from pipekit.bench.report import machine_description, print_result, print_table
 
 __all__ = ["main"]
 

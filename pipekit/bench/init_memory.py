@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipekit.bench._pipeline_launch import run_ranks
-from pipekit.bench._report import machine_description, print_result, print_table
 from pipekit.bench._rss import current_rss, peak_rss, release_freed_memory, reset_peak_rss
+from pipekit.bench.report import machine_description, print_result, print_table
 from pipekit.checkpoint import TensorRead
 from pipekit.checkpoint.local_shards import local_nbytes
 from pipekit.distributed.fsdp import apply_data_parallel

@@ -25,7 +25,7 @@ from pipekit.bench._pipeline_launch import (
     run_ranks,
     synthetic_batch,
 )
-from pipekit.bench._report import print_result, print_table
+from pipekit.bench.report import print_result, print_table
 from pipekit.memory.tracker import ActivationMemoryTracker
 
 __all__ = ["add_latent_cache_arguments", "run_latent_cache_comparison"]

@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import time
 
-from pipekit.bench._report import print_result, print_table
+from pipekit.bench.report import print_result, print_table
 from pipekit.config.loader import ConfigError, load_job_config
 from pipekit.layout_search import Candidate, Layout, LayoutSearch, SearchSpace, device_profile
 from pipekit.pipelining.schedules.registry import SCHEDULES

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from pipekit.bench._report import print_result, print_table
+from pipekit.bench.report import print_result, print_table
 from pipekit.config import JobConfig, load_job_config
 from pipekit.layout_search import Layout, apply_layout, device_profile, search_layouts
 from pipekit.testing import run_on_ranks

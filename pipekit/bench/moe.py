@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipekit.bench._pipeline_launch import run_ranks
-from pipekit.bench._report import print_result, print_table
+from pipekit.bench.report import print_result, print_table
 from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.moe import MoE, MoEArgs
 from pipekit.moe.dispatch_plan import plan_partitions

@@ -44,9 +44,9 @@ from pipekit.bench._pipeline_launch import (
     run_ranks,
     synthetic_batch,
 )
-from pipekit.bench._report import print_result, print_table
 from pipekit.bench.latent_cache import add_latent_cache_arguments, run_latent_cache_comparison
 from pipekit.bench.pipeline_offload import parse_offload, run_offload_comparison
+from pipekit.bench.report import print_result, print_table
 from pipekit.memory.tracker import ActivationMemoryTracker
 from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.schedules.simulate import CostModel, simulate

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from pipekit.bench._pipeline_launch import build_runner, run_ranks, synthetic_batch
-from pipekit.bench._report import print_result, print_table
 from pipekit.bench._rss import peak_rss, release_freed_memory, reset_peak_rss
+from pipekit.bench.report import print_result, print_table
 from pipekit.memory.offload import OffloadStats
 from pipekit.memory.tracker import ActivationMemoryTracker
 from pipekit.pipelining.features.activation_offload import PipelineActivationOffload

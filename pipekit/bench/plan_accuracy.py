@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pipekit.bench._report import machine_description, print_result, print_table
+from pipekit.bench.report import machine_description, print_result, print_table
 from pipekit.config.loader import load_job_config
 from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.memory_plan.memory import plan_memory

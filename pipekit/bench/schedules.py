@@ -26,7 +26,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipekit.bench._report import print_result, print_table
+from pipekit.bench.report import print_result, print_table
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
 from pipekit.pipelining.schedules.simulate import CostModel, SimulationResult, simulate

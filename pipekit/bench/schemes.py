@@ -32,8 +32,8 @@ from pipekit.bench._pipeline_launch import (
     rank_core_sets,
     run_ranks,
 )
-from pipekit.bench._report import print_result, print_table
-from pipekit.bench.pipeline_throughput import FAIR_ALLOCATOR
+from pipekit.bench._schedule_timing import FAIR_ALLOCATOR
+from pipekit.bench.report import print_result, print_table
 from pipekit.bench.schedules import attention_to_linear_ratio
 from pipekit.memory.layer_formula import LayerShape, saved_bytes_per_token
 from pipekit.pipelining.features.exchange_plan import plan_context_exchange
@@ -102,7 +102,7 @@ def _measure(options: argparse.Namespace) -> dict[str, dict[int, tuple[float, fl
             "warmup": options.warmup, "repeats": options.repeats, "runs": runs,
         }  # fmt: skip
         ranks = run_ranks(
-            "pipekit.bench.pipeline_throughput:time_schedules", options.pp, spec,
+            "pipekit.bench._schedule_timing:time_schedules", options.pp, spec,
             env={"GLIBC_TUNABLES": FAIR_ALLOCATOR}, timeout=options.timeout, cores=cores,
         )  # fmt: skip
         tokens = options.microbatches * context

@@ -18,7 +18,7 @@ import argparse
 import tempfile
 import time
 
-from pipekit.bench._report import machine_description, print_result, print_table
+from pipekit.bench.report import machine_description, print_result, print_table
 from pipekit.config import load_job_config
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.train.job import validate_job

@@ -32,12 +32,9 @@ read) and first_upcycle_vs_plain_read, each the maximum over ranks.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import gc
 import json
-import mmap
-import os
 import shutil
 import statistics
 import tempfile
@@ -47,27 +44,29 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from pipekit.bench._pipeline_launch import run_ranks
-from pipekit.bench._report import print_result, print_table
 from pipekit.bench._rss import current_rss, peak_rss
 from pipekit.bench._upcycle_fresh import fresh_first_touch, local_shapes, ratios, read_log_of
-from pipekit.checkpoint import PendingTensor, SafetensorsCheckpoint, TensorRead, save_safetensors
-from pipekit.checkpoint.file_reads import evict, resident_fraction
+from pipekit.bench._upcycle_steps import (
+    DTYPES,
+    checkpoint_files,
+    cold_start,
+    dense_args,
+    parallelizer,
+    plain_read,
+    resident_share,
+    timed_upcycle,
+)
+from pipekit.bench.report import print_result, print_table
+from pipekit.checkpoint import PendingTensor, TensorRead, save_safetensors
 from pipekit.checkpoint.local_shards import local_nbytes
-from pipekit.checkpoint.upcycle import upcycle_model
-from pipekit.distributed.fsdp import apply_data_parallel
-from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.models.registry import get_model_spec
-from pipekit.models.upcycling import UpcycleSpec
-from pipekit.moe.expert_parallel import apply_expert_parallel, expert_mesh
 
 __all__ = ["main"]
 
 _GIB = 2**30
 _MAX_SHARD_BYTES = 512_000_000
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _DEFAULT_SHAPE = {
     "layers": 16,
     "dim": 2048,
@@ -79,29 +78,11 @@ _DEFAULT_SHAPE = {
 }
 _DEFAULT_SIZE_RANGE = (1e9, 2e9)  # bytes the default dense checkpoint must take
 _INIT_STD = 0.02
-_MAX_SEQ_LEN = 4096
 
 
 def _llama_ffn_dim(dim: int) -> int:
     """Llama's SwiGLU width: 8/3 of the model dim, rounded up to a multiple of 256."""
     return -(-round(8 * dim / 3) // 256) * 256
-
-
-def _dense_args(spec: dict[str, Any]) -> Any:
-    """The registered Llama's args of this shape."""
-    return dataclasses.replace(
-        get_model_spec("llama").flavor("debug"),
-        dim=spec["dim"],
-        n_layers=spec["layers"],
-        n_heads=spec["heads"],
-        n_kv_heads=spec["kv_heads"],
-        ffn_dim=spec["ffn_dim"],
-        vocab_size=spec["vocab"],
-        rope_theta=500000.0,
-        rope_scaling=None,
-        max_seq_len=_MAX_SEQ_LEN,
-        tie_embeddings=False,
-    )
 
 
 def _random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -125,104 +106,29 @@ def _write_dense(args: Any, dtype: torch.dtype, directory: Path) -> None:
     )
 
 
-def _checkpoint_files(directory: str | os.PathLike[str]) -> list[Path]:
-    return SafetensorsCheckpoint(directory).files
-
-
-def _resident_fraction(paths: list[Path]) -> float:
-    """Fraction of the files' pages in the page cache (mincore(2); no reads)."""
-    pages = [-(-path.stat().st_size // mmap.PAGESIZE) for path in paths]
-    fractions = [resident_fraction(path) for path in paths]
-    resident = sum(f * count for f, count in zip(fractions, pages, strict=True))
-    return resident / sum(pages)
-
-
-def _parallelizer(num_ranks: int, dtype: torch.dtype):
-    """Expert parallelism over all ranks, FSDP2 (dp_shard = ranks) over everything else."""
-    dims = ParallelDims(
-        dp_replicate=1, dp_shard=num_ranks, cp=1, tp=1, pp=1, ep=num_ranks, world_size=num_ranks
-    )
-    mesh = dims.build_mesh("cpu")
-    experts = expert_mesh("cpu", num_ranks, num_ranks)
-
-    def parallelize(model: nn.Module) -> None:
-        apply_expert_parallel(model, experts["ep"])
-        apply_data_parallel(
-            model, mesh, dims, param_dtype=dtype, reduce_dtype=dtype,
-            experts_mesh=experts["ep_replicate"],
-        )  # fmt: skip
-
-    return parallelize
-
-
-def _cold_start(files: list[Path]) -> float:
-    """Evict the checkpoint on every rank, then meet; returns the fraction still cached."""
-    for path in files:
-        evict(path)
-    dist.barrier()
-    resident = _resident_fraction(files)
-    dist.barrier()
-    return resident
-
-
-def _timed_upcycle(directory: str, spec: dict[str, Any], parallelize, reads: list[TensorRead]):
-    upcycle = UpcycleSpec(num_experts=spec["experts"], top_k=spec["top_k"])
-    dense, moe = get_model_spec("llama"), get_model_spec("llama_moe")
-    assert dense.upcycler is not None
-    started = time.perf_counter()
-    model, _ = upcycle_model(
-        directory,
-        dense.upcycler,
-        _dense_args(spec),
-        moe.build,
-        upcycle,
-        dtype=_DTYPES[spec["dtype"]],
-        parallelize=parallelize,
-        read_log=reads,
-    )
-    return model, time.perf_counter() - started
-
-
-def _plain_read(directory: str, reads: list[TensorRead]) -> float:
-    """Seconds to read the blocks of `reads` again, each copied into a fresh tensor.
-
-    `read_block` hands back a view of the file's memory map (safetensors reads lazily), so the
-    copy is what brings the bytes in; the blocks are held until the last one is read.
-    """
-    started = time.perf_counter()
-    with SafetensorsCheckpoint(directory) as checkpoint:
-        blocks = []
-        for read in reads:
-            view = checkpoint.read_block(read.name, tuple(slice(*bounds) for bounds in read.bounds))
-            blocks.append(torch.empty(view.shape, dtype=view.dtype).copy_(view))
-    seconds = time.perf_counter() - started
-    del blocks
-    return seconds
-
-
 def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     directory = spec["directory"]
-    files = _checkpoint_files(directory)
-    parallelize = _parallelizer(num_ranks, _DTYPES[spec["dtype"]])
+    files = checkpoint_files(directory)
+    parallelize = parallelizer(num_ranks, DTYPES[spec["dtype"]])
     rss_before = current_rss()
-    cached_before = _resident_fraction(files)
+    cached_before = resident_share(files)
 
     # The first upcycle logs the blocks the plain reads replay. It is the process's first touch
     # of gigabytes of fresh memory, which costs more than any later fill (page faults): it is
     # reported on its own, and the ABAB comparison after it finds both sides in one state.
     reads: list[TensorRead] = []
-    cached_cold = [_cold_start(files)]
-    model, first_s = _timed_upcycle(directory, spec, parallelize, reads)
+    cached_cold = [cold_start(files)]
+    model, first_s = timed_upcycle(directory, spec, parallelize, reads)
     del model
     gc.collect()
     plain_s, upcycle_s = [], []
     peak = owned = 0
     for _ in range(2):  # plain read, upcycle, plain read, upcycle (ABAB, all cold)
-        cached_cold.append(_cold_start(files))
-        plain_s.append(_plain_read(directory, reads))
+        cached_cold.append(cold_start(files))
+        plain_s.append(plain_read(directory, reads))
         again: list[TensorRead] = []
-        cached_cold.append(_cold_start(files))
-        model, seconds = _timed_upcycle(directory, spec, parallelize, again)
+        cached_cold.append(cold_start(files))
+        model, seconds = timed_upcycle(directory, spec, parallelize, again)
         assert [read.nbytes for read in again] == [read.nbytes for read in reads]
         upcycle_s.append(seconds)
         peak, owned = max(peak, peak_rss()), local_nbytes(model)
@@ -230,7 +136,7 @@ def _rank_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, A
         del model
         gc.collect()
     dist.barrier()
-    warm_s = _plain_read(directory, reads)
+    warm_s = plain_read(directory, reads)
     return {
         "owned": owned,
         "read": sum(read.nbytes for read in reads),
@@ -263,7 +169,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     model.add_argument("--heads", type=int, default=_DEFAULT_SHAPE["heads"], help="query heads")
     model.add_argument("--kv-heads", type=int, default=_DEFAULT_SHAPE["kv_heads"], help="K/V heads")
     model.add_argument("--vocab", type=int, default=_DEFAULT_SHAPE["vocab"], help="vocabulary")
-    model.add_argument("--dtype", choices=sorted(_DTYPES), default=_DEFAULT_SHAPE["dtype"])
+    model.add_argument("--dtype", choices=sorted(DTYPES), default=_DEFAULT_SHAPE["dtype"])
     parser.add_argument(
         "--dir", default=None, help="dense checkpoint folder (default: a temporary one, deleted)"
     )
@@ -282,7 +188,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     if options.dir is not None and Path(options.dir).exists():
         parser.error(f"--dir {options.dir} already exists; name a new folder")
     try:
-        _dense_args(_spec(options))
+        dense_args(_spec(options))
     except ValueError as error:
         parser.error(str(error))
     return options
@@ -300,15 +206,15 @@ def _spec(options: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str]) -> None:
     options = _parse(argv)
     spec = _spec(options)
-    args = _dense_args(spec)
-    dtype = _DTYPES[spec["dtype"]]
+    args = dense_args(spec)
+    dtype = DTYPES[spec["dtype"]]
     parent = None if options.dir else tempfile.mkdtemp(prefix="pipekit-upcycle-")
     directory = Path(options.dir) if options.dir else Path(parent, "dense")
     try:
         started = time.perf_counter()
         _write_dense(args, dtype, directory)
         write_s = time.perf_counter() - started
-        files = _checkpoint_files(directory)
+        files = checkpoint_files(directory)
         size = sum(path.stat().st_size for path in files)
         if all(getattr(options, key) == value for key, value in _DEFAULT_SHAPE.items()):
             low, high = _DEFAULT_SIZE_RANGE

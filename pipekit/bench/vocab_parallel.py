@@ -34,7 +34,7 @@ from pipekit.bench._pipeline_launch import (
     run_ranks,
     synthetic_batch,
 )
-from pipekit.bench._report import print_result, print_table
+from pipekit.bench.report import print_result, print_table
 from pipekit.memory.tracker import ActivationMemoryTracker
 from pipekit.pipelining.schedules.sliced import check_sliced_shape
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pipekit.bench._report import print_result, print_table
+from pipekit.bench.report import print_result, print_table
 from pipekit.config import load_job_config
 from pipekit.tools.device_checks import CHECKS, CheckResult, timed
 from pipekit.train.job import validate_job

@@ -17,7 +17,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from pipekit.bench._report import print_result, print_table
+from pipekit.bench.report import print_result, print_table
 from pipekit.train.metric_writers import read_jsonl_rows
 
 __all__ = ["compare_runs", "main", "plot_runs", "read_run"]

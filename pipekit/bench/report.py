@@ -1,4 +1,5 @@
-"""Shared pieces of every benchmark: timing, a plain-text table, the final RESULT line."""
+"""Shared pieces of every benchmark and tool that prints figures: timing, a plain-text table, the
+final RESULT line."""
 
 from __future__ import annotations
 
