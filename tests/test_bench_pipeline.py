@@ -18,6 +18,7 @@ import pytest
 
 from pipekit.bench import _pipeline_launch
 from pipekit.bench.__main__ import main
+from pipekit.bench._all_schedules import TORCH_SCHEDULES
 from pipekit.bench._cpu_per_step import cpu_ratio
 from pipekit.bench._pipeline_launch import bench_plan, model_spec, rank_core_sets, run_ranks
 from pipekit.bench._schedule_timing import schedule_runs, simulated_makespan
@@ -119,8 +120,8 @@ def test_pipeline_throughput_bench_prints_the_ratios_of_both_allocators_and_vari
 
 def test_every_schedule_is_timed_beside_the_sliced_ones(capsys):
     """`--schedules all`: the six sliced variants (one choosing its layout by measurement)
-    and torch's six schedules, each at its own stages per rank, in one table; the zero-bubble
-    schedules simulate less bubble than 1F1B."""
+    and every torch schedule of the registry, each at its own stages per rank, in one table;
+    the zero-bubble schedules simulate less bubble than 1F1B."""
     main([
         "pipeline-throughput", "--schedules", "all", "--pp", "2", "--slices", "4",
         "--microbatches", "4", "--seq", "64", "--layers", "4", "--warmup", "0", "--repeats",
@@ -128,8 +129,8 @@ def test_every_schedule_is_timed_beside_the_sliced_ones(capsys):
     ])  # fmt: skip
     lines = capsys.readouterr().out.strip().splitlines()
     names = ["sliced", "sliced+exchange", "sliced+equal-cost", "sliced v=2",
-             "sliced v=2+equal-cost", "sliced auto", "GPipe", "1F1B", "Interleaved1F1B",
-             "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]  # fmt: skip
+             "sliced v=2+equal-cost", "sliced auto", *TORCH_SCHEDULES]  # fmt: skip
+    assert {"GPipe", "1F1B", "LoopedBFS", "ZBVZeroBubble", "DualPipeV"} <= set(TORCH_SCHEDULES)
     rows = {}
     for line in lines:
         name = next((n for n in reversed(names) if line.startswith(f"{n} ")), None)

@@ -20,6 +20,7 @@ import tomli
 
 from pipekit.bench.__main__ import _BENCHMARKS
 from pipekit.config import help_text
+from pipekit.pipelining.schedules.registry import schedule_names
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
@@ -330,3 +331,15 @@ def test_the_checks_catch_a_wrong_bench_module_key_flag_and_path() -> None:
         assert expected in problems, f"{expected!r} not reported in:\n{problems}"
     assert len(problems.splitlines()) == 8
     assert _all_problems(_RIGHT) == []  # the same text made right passes
+
+
+def test_documented_schedule_names_are_the_registry() -> None:
+    """The `pipeline_schedule` row of docs/pipelining.md lists exactly the registered
+    schedules a config can name (the registry is the one list; "user" is a file's)."""
+    row = next(
+        line
+        for line in (REPO_ROOT / "docs" / "pipelining.md").read_text().splitlines()
+        if line.startswith("| `pipeline_schedule` |")
+    )
+    documented = _SPAN.findall(row.split("|")[2])
+    assert documented == [name for name in schedule_names() if name != "user"]

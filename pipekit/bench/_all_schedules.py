@@ -3,8 +3,8 @@ variants against every torch schedule, built in the same rank processes and time
 alternating rounds on the same model, weights and global batch (m microbatches of one
 sequence each).
 
-Each schedule runs at its natural stages per rank v: GPipe and 1F1B one stage per rank;
-Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV two; the sliced schedule
+Each schedule runs at its natural stages per rank v: those the schedule registry requires
+(GPipe and 1F1B one, the V schedules two), two for the other multi-stage ones; the sliced schedule
 both (n slices per sequence; equal-length and equal-cost at v=2 as at v=1). "sliced auto"
 first times its layouts (`num_slices` and `slicing` = "auto": 2p, 4p and 8p slices, each cut
 both ways) and keeps the fastest. Per schedule the table gives its tokens/s, its ratio to
@@ -33,18 +33,15 @@ from pipekit.bench._pipeline_launch import (
 from pipekit.bench._schedule_timing import FAIR_ALLOCATOR, simulate_plan
 from pipekit.bench.report import print_result, print_table
 from pipekit.pipelining.features.measured_choice import AUTO
+from pipekit.pipelining.schedules.registry import SCHEDULES
 
 __all__ = ["TORCH_SCHEDULES", "all_schedule_runs", "checked_model", "compare_all_schedules"]
 
 TORCH_SCHEDULES = {
-    "GPipe": 1,
-    "1F1B": 1,
-    "Interleaved1F1B": 2,
-    "InterleavedZeroBubble": 2,
-    "ZBVZeroBubble": 2,
-    "DualPipeV": 2,
+    name: entry.stages_per_rank or 2 for name, entry in SCHEDULES.items() if entry.torch_class
 }
-"""torch's schedules and their stages per rank."""
+"""torch's schedules (every one the registry runs) and their stages per rank: what the entry
+requires, else two (the multi-stage schedules)."""
 
 
 def all_schedule_runs(num_slices: int) -> dict[str, dict[str, Any]]:

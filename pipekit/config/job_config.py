@@ -265,8 +265,8 @@ class ParallelismConfig:
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel degree p (the `pp` mesh dim)."""
     pipeline_schedule: str = "sliced"
-    """sliced (SlimPipe) or a torch schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
-    InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (see docs/pipelining.md)."""
+    """sliced (SlimPipe) or a torch schedule: any name in the schedule registry
+    (`pipekit.pipelining.schedules.registry`; docs/pipelining.md lists the built-in ones)."""
     pipeline_schedule_file: str = ""
     """A user-defined schedule, .csv or .toml (configs/schedules/); overrides pipeline_schedule."""
     num_slices: int | str = 0
