@@ -14,6 +14,7 @@ from pipekit.config.dump import dump_toml
 from pipekit.config.loader import field_docs, to_dict
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.models.upcycling import UpcycleSpec
 from pipekit.moe.execution import ExpertExecution
 from pipekit.moe.restore import MEMORY_REUSE_CHOICES
 from pipekit.train.activation_checkpoint import ACTIVATION_CHECKPOINT_MODES, SELECTIVE_KEEP
@@ -107,7 +108,7 @@ def test_sub_sections_load_from_toml_and_command_line(tmp_path):
     config = load_job_config(["--config", str(path), "--model.upcycle.top_k", "1"])
     upcycle = config.model.upcycle
     assert (upcycle.num_experts, upcycle.layers, upcycle.top_k) == (4, 2, 1)
-    assert upcycle.to_spec().moe_every == 2
+    assert UpcycleSpec.from_config(upcycle).moe_every == 2
     dumped = tmp_path / "dumped.toml"
     dumped.write_text(dump_toml(to_dict(config)))
     assert load_job_config(["--config", str(dumped)]) == config
@@ -283,7 +284,7 @@ def test_paper_upcycling_config_runs_a_layout_the_trainer_supports():
     as EP 8 over FSDP2 on 512 ranks (what the trainer runs); tp 2 with an MoE model needs
     sequence parallelism (each tp rank routes its own tokens)."""
     config = load_job_config(["--config", str(REPO_ROOT / "configs/llama3_8b_e8t2_upcycle.toml")])
-    spec = config.model.upcycle.to_spec()
+    spec = UpcycleSpec.from_config(config.model.upcycle)
     assert (spec.num_experts, spec.top_k, spec.capacity_factor) == (8, 2, 4.0)
     dims = validate_job(config, world_size=512, check_files=False).dims
     assert (dims.dp_shard, dims.ep, dims.tp, dims.pp) == (512, 8, 1, 1)

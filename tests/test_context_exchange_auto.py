@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipekit.config import ConfigError, load_job_config
-from pipekit.pipelining.features.measured_choice import trial_order
+from pipekit.pipelining.runtime.measured_choice import trial_order
 from pipekit.testing import run_on_ranks
 from pipekit.train.job import validate_job
 from pipekit.train.trainer import Trainer

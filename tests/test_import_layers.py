@@ -14,10 +14,12 @@ relative imports are resolved against the importing module. Importing a submodul
 parent packages' `__init__`, but that implicit edge is left out of the graph (Python allows a
 package's `__init__` to import its own submodules); explicit imports of a package count.
 
-Two rules hold for runtime imports: their module graph has no cycle, and each top-level component
-of pipekit (a subpackage such as `pipekit.moe`, or a top-level module such as `pipekit.upcycle`)
-imports only itself and components of lower layers in `LAYERS`. Typing and deferred imports are
-exempt from both (`python tests/test_import_layers.py` lists the deferred ones that go upward).
+Two rules hold for imports of every kind (runtime, typing and deferred alike): their module
+graph has no cycle, and each top-level component of pipekit (a subpackage such as
+`pipekit.moe`, or a top-level module such as `pipekit.upcycle`) imports only itself and
+components of lower layers in `LAYERS`. Inside a package listed in `INNER_LAYERS` its
+subpackages and modules keep that order too. (`python tests/test_import_layers.py` counts
+the imports by kind.)
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+import pytest
 
 PACKAGE = "pipekit"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
@@ -58,6 +62,22 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 its own component and of lower layers only; components sharing a layer do not import each other.
 The order is the one the code keeps: each component sits one layer above the highest it imports,
 except that families sits at the top."""
+
+INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "pipelining": (
+        ("_torch_runtime",),  # torch's action type and runtime, reached through one file
+        ("schedules",),  # action lists as data, the schedule registry, checker, simulator
+        ("model_split",),  # which blocks each stage holds, on which rank
+        ("pipeline_plan", "runtime"),  # the plan as a value; the stage, runner and hooks
+        ("stage_setup",),  # how a rank's modules become stages (a value)
+        ("features",),  # the feature table and pipekit's features
+        ("plan",),  # config -> plan
+        ("build",),  # plan + model -> runner
+        ("tools",),  # timelines, traces, pictures
+    ),
+}
+"""The order inside a package that keeps one (its subpackages and top modules, lowest first),
+held for imports of every kind as `LAYERS` is between packages."""
 
 _KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset()
 """(importing module, imported module) runtime imports that break `LAYERS` today, tolerated
@@ -359,6 +379,56 @@ def test_known_upward_imports_still_exist() -> None:
     )
 
 
+def as_runtime(imports: Iterable[Import]) -> list[Import]:
+    """Every import counted as if it ran at import time: typing and deferred imports are
+    imports too, so the order and the acyclicity rules hold for them as well."""
+    return [Import(imp.importer, imp.imported, imp.line, "runtime") for imp in imports]
+
+
+def inner_imports(imports: Iterable[Import], package: str) -> list[Import]:
+    """Imports between two modules of `pipekit.<package>` (its own `__init__` left out),
+    renamed so that `component` gives the subpackage or module inside it."""
+    prefix = f"{PACKAGE}.{package}."
+    return [
+        Import(
+            f"{PACKAGE}.{imp.importer.removeprefix(prefix)}",
+            f"{PACKAGE}.{imp.imported.removeprefix(prefix)}",
+            imp.line,
+            imp.kind,
+        )
+        for imp in imports
+        if imp.importer.startswith(prefix) and imp.imported.startswith(prefix)
+    ]
+
+
+def test_imports_of_every_kind_respect_layers_and_form_no_cycle() -> None:
+    """Deferred and typing imports included: none goes up or sideways, none closes a circle
+    (a typing-only circle still ties two modules into one)."""
+    package = scan_package()
+    every = as_runtime(package.imports)
+    upward = [
+        f"{package.where(imp)}: {imp.importer} imports {imp.imported}"
+        for imp in against_layers(every, LAYERS)
+    ]
+    assert not upward, "imports (any kind) against LAYERS:\n" + "\n".join(upward)
+    circles = [" -> ".join(imp.importer for imp in cycle) for cycle in find_cycles(every)]
+    assert not circles, "imports (any kind) in a circle:\n" + "\n".join(circles)
+
+
+@pytest.mark.parametrize("package", sorted(INNER_LAYERS))
+def test_inner_layers_hold_for_imports_of_every_kind(package: str) -> None:
+    layers = INNER_LAYERS[package]
+    inside = as_runtime(inner_imports(scan_package().imports, package))
+    found = {component(imp.importer) for imp in inside} | {
+        component(imp.imported) for imp in inside
+    }
+    missing = sorted(found - {name for tier in layers for name in tier})
+    assert not missing, f"{missing} inside pipekit.{package} have no place in INNER_LAYERS"
+    wrong = [f"pipekit.{package}: {imp.importer} imports {imp.imported}" for imp in
+             against_layers(inside, layers)]  # fmt: skip
+    assert not wrong, "imports against INNER_LAYERS:\n" + "\n".join(wrong)
+
+
 # --- the scanner and the checks, on made-up code --------------------------------------------------
 
 _MODULES = frozenset(
@@ -439,6 +509,20 @@ def test_cycle_finder_finds_a_cycle_through_a_package_init() -> None:
     ]
     assert find_cycles(_imports(("pipekit.c", "pipekit.c")))  # a module importing itself
     assert not find_cycles(_imports(("pipekit.a", "pipekit.a.x"), ("pipekit.a.x", "pipekit.b")))
+
+
+def test_inner_layers_see_a_typing_import_from_runtime_into_features() -> None:
+    imports = [
+        Import("pipekit.p.runtime.runner", "pipekit.p.schedules.sim", 1, "runtime"),  # down
+        Import("pipekit.p.runtime.runner", "pipekit.p.features.choice", 2, "typing"),  # up
+        Import("pipekit.p.features.x", "pipekit.other", 3, "runtime"),  # leaves the package
+    ]
+    inside = as_runtime(inner_imports(imports, "p"))
+    layers = (("schedules",), ("runtime",), ("features",))
+    assert [(imp.importer, imp.imported) for imp in against_layers(inside, layers)] == [
+        ("pipekit.runtime.runner", "pipekit.features.choice")
+    ]
+    assert not against_layers(inner_imports(imports, "p"), layers)  # as typing: exempt there
 
 
 def test_layer_check_finds_upward_and_sideways_imports() -> None:

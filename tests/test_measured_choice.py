@@ -4,7 +4,7 @@ machine does not decide."""
 
 import pytest
 
-from pipekit.pipelining.features.measured_choice import ROUNDS, MeasuredChoice, trial_order
+from pipekit.pipelining.runtime.measured_choice import ROUNDS, MeasuredChoice, trial_order
 
 
 class _Clock:

@@ -14,7 +14,6 @@ Legend: B batch, H query heads, G kv heads, S slice length, K cached keys, D hea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from pipekit.attention.context_parallel import (
 from pipekit.attention.context_parallel_choice import (
     context_parallel_variant,
 )
+from pipekit.attention.context_protocol import AttentionContext
 from pipekit.attention.hierarchical import HierarchicalGroups, hierarchical_context_attention
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.patterns import (
@@ -47,25 +47,6 @@ __all__ = [
     "SlicedKVCache",
     "attend",
 ]
-
-
-@runtime_checkable
-class AttentionContext(Protocol):
-    """Computes a layer's attention output from its projected, rotated q, k, v, seeing what
-    `pattern` allows (None: causal; its score bias's per-head values bound to it, see
-    `attend`), with the layer's attention sinks (one logit per query head, counted once in the
-    softmax's denominator) if it has them."""
-
-    def attend(
-        self,
-        layer_id: str,
-        q_BHSD: Tensor,
-        k_BGSD: Tensor,
-        v_BGSD: Tensor,
-        scale: float,
-        pattern: AttentionPattern | None = None,
-        sinks_H: Tensor | None = None,
-    ) -> Tensor: ...
 
 
 @dataclass

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 
 from pipekit.attention.context_parallel import TokenShard
 from pipekit.attention.merge import check_sinks
@@ -38,7 +37,6 @@ __all__ = [
     "HierarchicalGroups",
     "check_hierarchical",
     "hierarchical_context_attention",
-    "hierarchical_groups",
 ]
 
 ACROSS_VARIANTS = ("auto", "commutated", "kv_passing", "ring")
@@ -93,17 +91,6 @@ def check_hierarchical(
         where = "inside a pipeline " if pipeline else ""
         raise ValueError(f"cp_across={across_variant!r} {where}is not one of {', '.join(allowed)}")
     check_ulysses_heads(query_heads, ulysses_size, kv_heads)
-
-
-def hierarchical_groups(
-    mesh: DeviceMesh, ulysses_size: int, across_variant: str
-) -> HierarchicalGroups:
-    """The groups of `mesh`'s `cp` dim split into blocks of `ulysses_size` adjacent ranks.
-    Every rank of the mesh must call it."""
-    from pipekit.distributed.process_group import new_groups_within
-
-    ulysses, across = new_groups_within(mesh, "cp", ulysses_size)
-    return HierarchicalGroups(ulysses, across, across_variant)
 
 
 def hierarchical_context_attention(

@@ -24,7 +24,6 @@ Legend: B batch, H query heads, G kv heads, N heads of either, S tokens, D head 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,12 +37,10 @@ from pipekit.attention.context_parallel import (
     gather_token_shards,
     shard_mask,
 )
+from pipekit.attention.context_protocol import AttentionContext
 from pipekit.attention.kv_cache import SliceAttention
 from pipekit.attention.merge import check_sinks
 from pipekit.attention.patterns import AttentionPattern
-
-if TYPE_CHECKING:
-    from pipekit.attention.context import AttentionContext
 
 __all__ = [
     "UlyssesSliceAttention",

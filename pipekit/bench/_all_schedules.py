@@ -32,7 +32,7 @@ from pipekit.bench._pipeline_launch import (
 )
 from pipekit.bench._schedule_timing import FAIR_ALLOCATOR, simulate_plan
 from pipekit.bench.report import print_result, print_table
-from pipekit.pipelining.features.measured_choice import AUTO
+from pipekit.pipelining.runtime.measured_choice import AUTO
 from pipekit.pipelining.schedules.registry import SCHEDULES
 
 __all__ = ["TORCH_SCHEDULES", "all_schedule_runs", "checked_model", "compare_all_schedules"]

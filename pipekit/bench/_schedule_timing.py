@@ -22,8 +22,8 @@ from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.memory.tracker import ActivationMemoryTracker
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.exchange_plan import plan_context_exchange
-from pipekit.pipelining.features.measured_choice import MeasuredChoice
 from pipekit.pipelining.plan import PipelinePlan
+from pipekit.pipelining.runtime.measured_choice import MeasuredChoice
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.pipelining.schedules.simulate import CostModel, SimulationResult, simulate
 from pipekit.pipelining.tools.trace import record_schedule

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +41,11 @@ _SHOWN_PARTS = ("attention", "norms", "mlp", "other")
 
 def build_blocks(options: argparse.Namespace) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     """The Llama model holding the blocks, and its RoPE table for `--seq` tokens."""
-    from pipekit.families.llama.args import LlamaArgs
     from pipekit.models import get_model_spec
 
     spec = get_model_spec("llama")
-    args = LlamaArgs(
-        dim=options.dim, n_layers=options.layers, n_heads=options.heads,
+    args = dataclasses.replace(
+        spec.flavor("debug"), dim=options.dim, n_layers=options.layers, n_heads=options.heads,
         n_kv_heads=options.kv_heads, ffn_dim=options.ffn_dim, vocab_size=256,
         max_seq_len=options.seq,
     )  # fmt: skip

@@ -11,10 +11,6 @@ a subsystem (model, data files, parallel degrees, pipeline plan) are that subsys
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pipekit.models.upcycling import UpcycleSpec
 
 __all__ = [
     "CheckpointConfig",
@@ -70,22 +66,6 @@ class UpcycleConfig:
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0
-
-    def to_spec(self) -> UpcycleSpec:
-        """The `UpcycleSpec` this section describes (ValueError naming the bad key)."""
-        from pipekit.models.upcycling import UpcycleSpec
-
-        if self.layers != "all" and not (isinstance(self.layers, int) and self.layers >= 1):
-            raise ValueError(f'layers={self.layers!r} must be "all" or an integer k >= 1')
-        return UpcycleSpec(
-            num_experts=self.num_experts,
-            top_k=self.top_k,
-            granularity=self.granularity,
-            capacity_factor=self.capacity_factor or None,
-            moe_every=1 if self.layers == "all" else self.layers,
-            router=self.router,
-            router_init_std=self.router_init_std,
-        )
 
 
 @dataclass(kw_only=True)

@@ -21,11 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from pipekit.attention.hierarchical import HierarchicalGroups
+
 __all__ = [
     "DistributedInfo",
     "destroy_distributed",
     "exit_process",
     "free_local_port",
+    "hierarchical_groups",
     "init_distributed",
     "join_local_gloo",
     "new_group_along",
@@ -218,3 +221,12 @@ def exit_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def hierarchical_groups(
+    mesh: DeviceMesh, ulysses_size: int, across_variant: str
+) -> HierarchicalGroups:
+    """The groups of `mesh`'s `cp` dim split into blocks of `ulysses_size` adjacent ranks.
+    Every rank of the mesh must call it."""
+    ulysses, across = new_groups_within(mesh, "cp", ulysses_size)
+    return HierarchicalGroups(ulysses, across, across_variant)

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pipekit.config.job_config import UpcycleConfig
+
 __all__ = ["UpcycleSpec", "Upcycler"]
 
 
@@ -32,6 +34,23 @@ class UpcycleSpec:
     """Router of the MoE layers; only topk_softmax keeps the first forward equal to the dense."""
     router_init_std: float = 0.02
     """Std of the router's truncated-normal init (seeded by the job seed and layer name)."""
+
+    @classmethod
+    def from_config(cls, section: UpcycleConfig) -> UpcycleSpec:
+        """The spec a job's `[model.upcycle]` section describes (ValueError naming the bad
+        key)."""
+        layers = section.layers
+        if layers != "all" and not (isinstance(layers, int) and layers >= 1):
+            raise ValueError(f'layers={layers!r} must be "all" or an integer k >= 1')
+        return cls(
+            num_experts=section.num_experts,
+            top_k=section.top_k,
+            granularity=section.granularity,
+            capacity_factor=section.capacity_factor or None,
+            moe_every=1 if layers == "all" else layers,
+            router=section.router,
+            router_init_std=section.router_init_std,
+        )
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:

@@ -25,7 +25,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from pipekit.moe.activations import ExpertActivation
 from pipekit.moe.dispatch_plan import plan_partitions
-from pipekit.moe.experts import ExpertBiases, ExpertWeights
+from pipekit.moe.expert_tensors import ExpertBiases, ExpertWeights
 from pipekit.moe.granularity import GranularitySearch
 from pipekit.moe.pipelined import ExpertPipeline, pipelined_experts
 from pipekit.moe.restore import (

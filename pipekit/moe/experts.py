@@ -24,7 +24,6 @@ K middle tensors (2 gated: gate and up; 1 plain: gate), X a bias's width (F or D
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -33,16 +32,14 @@ from torch.distributed.tensor import DTensor
 from pipekit.layers.init import trunc_normal_
 from pipekit.layers.swiglu import gated_grads
 from pipekit.moe.activations import ExpertActivation, expert_activation
+from pipekit.moe.expert_tensors import ExpertBiases, ExpertRunner, ExpertWeights
 from pipekit.moe.grouped_mm import (
     grouped_bias_add_,
     grouped_matmul,
     grouped_row_sum,
     grouped_weight_grad,
 )
-
-if TYPE_CHECKING:
-    from pipekit.moe.execution import ExpertExecution
-    from pipekit.moe.routing import Routing
+from pipekit.moe.routing import Routing
 
 __all__ = [
     "ExpertBiases",
@@ -53,11 +50,6 @@ __all__ = [
     "expert_middle",
     "expert_output",
 ]
-
-ExpertWeights = tuple[Tensor, Tensor | None, Tensor]
-"""(w1_EFD, w3_EFD, w2_EDF); w3_EFD is None for a plain (non-gated) activation."""
-ExpertBiases = tuple[Tensor, Tensor | None, Tensor]
-"""(b1_EF, b3_EF, b2_ED) of experts with biases; b3_EF is None for a plain activation."""
 
 
 class GroupedExperts(nn.Module):
@@ -111,7 +103,7 @@ class GroupedExperts(nn.Module):
             if bias is not None:
                 nn.init.zeros_(bias)
 
-    def forward(self, x_TD: Tensor, routing: Routing, execution: ExpertExecution) -> Tensor:
+    def forward(self, x_TD: Tensor, routing: Routing, execution: ExpertRunner) -> Tensor:
         """The routed tokens through their experts, by `execution` (one rank, or the
         all-to-all over the ep group), combined per token."""
         return execution.run(

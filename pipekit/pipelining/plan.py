@@ -8,19 +8,15 @@ features' rules and their parts of the plan come from the feature table
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.tensor_parallel import check_sequence_parallel_split
 from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.pipelining._torch_runtime import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
-from pipekit.pipelining.features.measured_choice import AUTO
 from pipekit.pipelining.features.registry import (
     FEATURE_OFF,
     FeaturePlanning,
@@ -30,9 +26,10 @@ from pipekit.pipelining.features.registry import (
 )
 from pipekit.pipelining.model_split.partition import (
     stage_module_names,
-    stages_of_rank,
     with_shared_modules,
 )
+from pipekit.pipelining.pipeline_plan import PipelinePlan
+from pipekit.pipelining.runtime.measured_choice import AUTO
 from pipekit.pipelining.schedules.check import check_schedule
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
 from pipekit.pipelining.schedules.slice_bounds import SLICINGS, slice_bounds
@@ -42,122 +39,6 @@ __all__ = ["PipelinePlan", "plan_pipeline"]
 
 _SLICE_GRANULARITY = 64
 """Tokens equal-cost slice bounds round to (when seq_len / num_slices allows)."""
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """Everything that fixes the shape of one rank group's pipeline."""
-
-    schedule: str
-    """A name of the schedule registry ("user" for a schedule file)."""
-    num_ranks: int
-    stages_per_rank: int
-    num_slices: int
-    num_microbatches: int
-    stage_style: str
-    """Stage placement: "loop", "v", or "user" (where the user schedule runs each stage)."""
-    module_names_per_stage: list[list[str]]
-    actions_by_rank: dict[int, list[Action]]
-    """Every rank's compute-only lists (the file's for a user schedule)."""
-    structure: ModelStructure
-    model: ModelShape
-    unit_rows: int
-    """Sequences in one unit (a microbatch)."""
-    slice_bounds: tuple[int, ...]
-    """Token offsets, from 0 to seq_len, where a sequence's slices start and end (the whole
-    sequence's, before context parallelism splits each slice)."""
-    features: tuple[str, ...] = ()
-    """The pipeline features the job turns on (feature table names), in build order."""
-    feature_plans: Mapping[str, Any] = field(default_factory=dict)
-    """What each feature fixed at planning (its entry's `plan`), by name."""
-    modules_outside_stages: tuple[str, ...] = ()
-    """Modules no stage holds (a feature holds them: vocabulary parallelism's)."""
-    context_parallel: int = 1
-    """cp ranks sharing every slice (`slice_length` is one rank's share)."""
-    sequence_shards: int = 1
-    """Sequence parallelism's tp ranks: hidden states between stages hold `slice_length /
-    sequence_shards` tokens."""
-    attention_to_linear: float = 0.0
-    """The model's causal-attention over matmul FLOPs on whole sequences, as planning was told
-    (what equal-cost slices are placed by; 0 when not given)."""
-    slicing: str = "equal_length"
-    """How `slice_bounds` were cut (`slice_bounds.SLICINGS`)."""
-    layouts: tuple[PipelinePlan, ...] = ()
-    """`num_slices` or `slicing = "auto"`: the slice layouts the first steps time, this plan
-    (the default layout) first, each a whole plan (`MeasuredChoice`); empty: this one only."""
-
-    @functools.cached_property
-    def splits_backward(self) -> bool:
-        """Whether some rank's list splits a backward into I and W."""
-        return any(
-            action.computation_type in (INPUT_BACKWARD, WEIGHT_BACKWARD)
-            for actions in self.actions_by_rank.values()
-            for action in actions
-            if action is not None
-        )
-
-    @property
-    def layout_label(self) -> str:
-        """The slice layout in a few words, for logs."""
-        return f"num_slices={self.num_slices} {self.slicing}"
-
-    @property
-    def slice_lengths(self) -> tuple[int, ...]:
-        """Tokens of one sequence in each slice, per context-parallel rank."""
-        bounds = self.slice_bounds
-        return tuple(
-            (end - start) // self.context_parallel for start, end in itertools.pairwise(bounds)
-        )
-
-    @property
-    def rank_slice_bounds(self) -> tuple[int, ...]:
-        """Token offsets of the slices in the sequence one context-parallel rank holds (its
-        load-balanced share of every slice, in slice order): what the runner cuts."""
-        return tuple(itertools.accumulate(self.slice_lengths, initial=0))
-
-    @property
-    def slice_fractions(self) -> tuple[float, ...]:
-        """`slice_bounds` as fractions of the sequence (for `CostModel.slice_bounds`)."""
-        return tuple(bound / self.slice_bounds[-1] for bound in self.slice_bounds)
-
-    @property
-    def slice_length(self) -> int:
-        """Tokens of one sequence in the longest slice, per context-parallel rank."""
-        return max(self.slice_lengths)
-
-    def without_feature(self, name: str) -> PipelinePlan:
-        """This plan with feature `name` off: the what-if of a feature that leaves the stages
-        and lists as they are (activation offload's, in the memory plan)."""
-        return dataclasses.replace(
-            self,
-            features=tuple(feature for feature in self.features if feature != name),
-            feature_plans={key: value for key, value in self.feature_plans.items() if key != name},
-        )
-
-    @property
-    def embedding_outside(self) -> bool:
-        """A feature holds the embedding: the first stage takes hidden states."""
-        return self.structure.embedding in self.modules_outside_stages
-
-    @property
-    def output_outside(self) -> bool:
-        """A feature holds the output layer: the last stage gives hidden states."""
-        return self.structure.output in self.modules_outside_stages
-
-    @property
-    def num_stages(self) -> int:
-        return self.num_ranks * self.stages_per_rank
-
-    def stage_indices(self, rank: int) -> list[int]:
-        """The stages `rank` holds, ascending: where the user schedule runs them, else by
-        `stage_style`."""
-        if self.stage_style == "user":
-            return sorted({action.stage_index for action in self.actions_by_rank[rank]})
-        return stages_of_rank(rank, self.num_ranks, self.stages_per_rank, self.stage_style)
-
-    def stage_rank(self, stage: int) -> int:
-        """The rank holding `stage`."""
-        return next(r for r in range(self.num_ranks) if stage in self.stage_indices(r))
 
 
 def plan_pipeline(

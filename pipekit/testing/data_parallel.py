@@ -22,10 +22,10 @@ from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_con
 from pipekit._torch_private import flatten_mesh
 from pipekit.attention.context import CausalAttention, ContextParallelAttention
 from pipekit.attention.context_parallel import load_balanced_indices
-from pipekit.attention.hierarchical import hierarchical_groups
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.distributed.process_group import hierarchical_groups
 from pipekit.distributed.tensor_parallel import apply_tensor_parallel
 from pipekit.layers.loss import count_label_tokens, token_sum_cross_entropy
 from pipekit.layers.sequence_statistics import statistics_group

@@ -20,7 +20,7 @@ from pipekit.config.loader import ConfigError
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.moe.execution import check_partitions
 from pipekit.moe.restore import MEMORY_REUSE_CHOICES
-from pipekit.pipelining.features.measured_choice import AUTO
+from pipekit.pipelining.runtime.measured_choice import AUTO
 from pipekit.pipelining.schedules.slice_bounds import SLICINGS
 from pipekit.train.activation_checkpoint import ACTIVATION_CHECKPOINT_MODES, SELECTIVE_KEEP
 from pipekit.train.data.chat import DATA_FORMATS

@@ -19,6 +19,7 @@ from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 from pipekit.models.registry import get_model_spec, import_model_module, resolve_model
 from pipekit.models.spec import ModelShape, ModelSpec
+from pipekit.models.upcycling import UpcycleSpec
 from pipekit.train.activation_checkpoint import check_checkpoint_with_schedule
 from pipekit.train.checkpoint_rules import check_checkpoints
 from pipekit.train.config_values import check_values
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from pipekit.distributed.parallel_dims import ParallelDims
-    from pipekit.models.upcycling import UpcycleSpec
     from pipekit.pipelining.plan import PipelinePlan
 
 __all__ = ["Job", "job_model", "job_pipeline", "validate_job"]
@@ -181,7 +181,7 @@ def _model(config: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, Any, Upc
     try:
         if model.module:
             import_model_module(model.module)
-        upcycle_spec = upcycle.to_spec() if upcycle.enabled else None
+        upcycle_spec = UpcycleSpec.from_config(upcycle) if upcycle.enabled else None
         vocab_size = model.vocab_size
         if not vocab_size and model.flavor.startswith("debug") and config.data.tokenizer != "bytes":
             vocab_size = tokenizer_vocab

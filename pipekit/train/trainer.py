@@ -30,7 +30,7 @@ from pipekit.attention.context import (
     ContextParallelAttention,
 )
 from pipekit.attention.context_parallel import context_parallel_tokens
-from pipekit.attention.hierarchical import HierarchicalGroups, hierarchical_groups
+from pipekit.attention.hierarchical import HierarchicalGroups
 from pipekit.checkpoint.dcp import (
     EXPORT_DTYPES,
     CheckpointManager,
@@ -43,6 +43,7 @@ from pipekit.config.dump import dump_toml, write_job_config
 from pipekit.config.loader import to_dict
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.distributed.grad_clip import clip_grad_norm_
+from pipekit.distributed.process_group import hierarchical_groups
 from pipekit.layers.loss import count_label_tokens
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.moe.aux_loss import aux_loss_scale

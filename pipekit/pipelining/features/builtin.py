@@ -12,14 +12,13 @@ from pipekit.attention.context_parallel_choice import (
     check_context_parallel_split,
     check_context_parallel_variant,
 )
-from pipekit.attention.hierarchical import check_hierarchical, hierarchical_groups
-from pipekit.distributed.process_group import new_group_along
+from pipekit.attention.hierarchical import check_hierarchical
+from pipekit.distributed.process_group import hierarchical_groups, new_group_along
 from pipekit.memory.offload_store import store_for
 from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
 from pipekit.pipelining.features.exchange_plan import plan_context_exchange
-from pipekit.pipelining.features.measured_choice import AUTO
 from pipekit.pipelining.features.offload_plan import resolve_offload_ratios
 from pipekit.pipelining.features.output_passes import with_output_passes
 from pipekit.pipelining.features.registry import (
@@ -34,6 +33,7 @@ from pipekit.pipelining.features.vocab_parallel import (
     build_vocab_parallel,
 )
 from pipekit.pipelining.model_split.partition import blocks_per_stage
+from pipekit.pipelining.runtime.measured_choice import AUTO
 
 __all__: list[str] = []
 

@@ -70,8 +70,8 @@ from pipekit.attention.loan_wire import (
 from pipekit.attention.patterns import block_visible, is_causal
 from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action, ComputationType
 from pipekit.pipelining.features.exchange_plan import ExchangePlan, plan_context_exchange
-from pipekit.pipelining.features.measured_choice import MeasuredChoice
 from pipekit.pipelining.runtime.extension import PipelineExtension
+from pipekit.pipelining.runtime.measured_choice import MeasuredChoice
 from pipekit.pipelining.schedules.units import unit_index, unit_microbatch_and_slice
 
 __all__ = [

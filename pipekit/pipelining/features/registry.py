@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -27,12 +27,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.pipeline_plan import PipelinePlan
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.runtime.stage import StageShapes
-
-if TYPE_CHECKING:
-    from pipekit.pipelining.build import StageSetup
-    from pipekit.pipelining.plan import PipelinePlan
+from pipekit.pipelining.stage_setup import StageSetup
 
 __all__ = [
     "FEATURE_OFF",

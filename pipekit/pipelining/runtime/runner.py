@@ -32,7 +32,6 @@ from pipekit.pipelining._torch_runtime import (
     get_schedule_class,
     is_single_stage_schedule,
 )
-from pipekit.pipelining.features.measured_choice import MeasuredChoice
 from pipekit.pipelining.runtime.action_runtime import (
     ActionListSchedule,
     SlicedPipelineSchedule,
@@ -40,6 +39,7 @@ from pipekit.pipelining.runtime.action_runtime import (
 )
 from pipekit.pipelining.runtime.batch_split import split_into_units
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
+from pipekit.pipelining.runtime.measured_choice import MeasuredChoice
 from pipekit.pipelining.runtime.stage import SlicedPipelineStage
 from pipekit.pipelining.runtime.unit_step import run_unit_step
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
