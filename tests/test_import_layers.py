@@ -75,6 +75,21 @@ INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("build",),  # plan + model -> runner
         ("tools",),  # timelines, traces, pictures
     ),
+    "attention": (
+        ("masks", "merge", "context_parallel_choice"),  # masks, LSE merging, the bytes rule
+        ("_tiles",),
+        ("score_mod",),
+        ("cpu_flash",),  # kernels
+        ("flex",),
+        ("backends", "patterns"),  # the kernel table; a layer's attention pattern
+        ("chunked", "context_protocol"),  # attention over K/V chunks; what a context is
+        ("loan_wire",),  # context exchange's messages
+        ("exchange",),
+        ("kv_cache", "loan_server", "context_parallel"),
+        ("context_exchange", "ring", "ulysses"),
+        ("hierarchical",),
+        ("context",),  # the contexts a model is given
+    ),
 }
 """The order inside a package that keeps one (its subpackages and top modules, lowest first),
 held for imports of every kind as `LAYERS` is between packages."""
