@@ -30,7 +30,6 @@ from pipekit.models.stage_module import (
 )
 from pipekit.pipelining.features.registry import FeatureBuilding, get_pipeline_feature
 from pipekit.pipelining.features.tied_weights import TiedWeights, untie_vocabulary
-from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
 from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.runtime.measured_choice import MeasuredChoice
@@ -173,9 +172,9 @@ def _tied_weights(
 ) -> TiedWeights:
     """The tied weight's copies on this rank (after parallelization, which replaces the
     parameters) and the group of the two ranks that hold them; every rank calls this."""
-    vocab = next((ext for ext in extensions if isinstance(ext, PipelineVocabParallel)), None)
-    if vocab is not None:  # both row shards on every rank
-        return TiedWeights([vocab.embedding.weight, vocab.output.weight], None, counted_here=True)
+    held = next((copies for ext in extensions if (copies := ext.tied_copies())), None)
+    if held is not None:  # a feature holds both ends of the tie on every rank
+        return TiedWeights(held, None, counted_here=True)
     first, last = plan.stage_rank(0), plan.stage_rank(plan.num_stages - 1)
     group = None if first == last else new_group_between(mesh, "pp", (first, last))
     rank = mesh["pp"].get_local_rank()

@@ -52,7 +52,6 @@ from pipekit.moe.bias_balance import (
     discard_expert_loads,
     update_expert_biases,
 )
-from pipekit.pipelining.features.vocab_parallel import vocabulary_row_dims
 from pipekit.pipelining.tools.trace import record_pipeline_step
 from pipekit.train.checkpoint_rules import is_pipekit_checkpoint, step_to_resume
 from pipekit.train.compile import job_loss_fn
@@ -219,7 +218,7 @@ class Trainer:
                 self.optimizer,
                 row_shards=full_rows,
                 mesh=self.mesh,
-                row_dims=vocabulary_row_dims(self.mesh) if self.mesh else ("pp",),
+                row_dims=self.pipeline.row_shard_dims() if self.pipeline else ("pp",),
                 with_optimizer="optimizer" not in excluded,
                 save_dtype=save_dtype,
                 kept_on_load=ROUTER_BIAS_NAMES if "router_biases" in excluded else (),

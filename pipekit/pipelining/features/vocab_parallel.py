@@ -426,6 +426,14 @@ class PipelineVocabParallel(PipelineExtension):
             return None
         return [param for _, param in self._row_parameters()], self.tensor_group
 
+    def row_shard_dims(self) -> tuple[str, ...]:
+        """The pipeline ranks, and the tp ranks of each under tp."""
+        return ("pp", "tp") if self.tensor_group is not None else ("pp",)
+
+    def tied_copies(self) -> list[nn.Parameter]:
+        """Both row shards of a tied embedding and output, on every rank."""
+        return [self.embedding.weight, self.output.weight]
+
     def row_sharded_parameters(self) -> dict[str, RowShard]:
         """The embedding's and the output's rows (and the output bias's) are split over the
         pipeline ranks, under the model's names."""

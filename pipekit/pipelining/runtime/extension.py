@@ -116,6 +116,16 @@ class PipelineExtension:
         """Parameters this rank holds only some rows of: name -> which rows of how many."""
         return {}
 
+    def row_shard_dims(self) -> tuple[str, ...]:
+        """The world mesh's dims whose ranks split `row_sharded_parameters`' rows, in mesh
+        order (where checkpoints place the rows)."""
+        return ("pp",)
+
+    def tied_copies(self) -> list[Parameter] | None:
+        """This rank's copies of a tied weight when the feature holds both ends of the tie;
+        None: the stages hold them (first and last)."""
+        return None
+
     def duplicate_parameters(self) -> list[Parameter]:
         """Parameters this rank holds as a copy of one counted elsewhere (a tied weight's
         second copy): a global gradient norm must not count them again."""

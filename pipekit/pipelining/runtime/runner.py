@@ -137,6 +137,12 @@ class PipelineRunner:
             rows |= extension.row_sharded_parameters()
         return rows
 
+    def row_shard_dims(self) -> tuple[str, ...]:
+        """The mesh dims the rows of `row_sharded_parameters` are split over (the pipeline
+        ranks when no extension splits rows)."""
+        dims = [ext.row_shard_dims() for ext in self.extensions if ext.row_sharded_parameters()]
+        return dims[0] if dims else ("pp",)
+
     def duplicate_parameters(self) -> list[nn.Parameter]:
         """Copies of parameters counted elsewhere (tied weights): gradient norms skip them."""
         return [param for ext in self.extensions for param in ext.duplicate_parameters()]
