@@ -343,3 +343,24 @@ def test_documented_schedule_names_are_the_registry() -> None:
     )
     documented = _SPAN.findall(row.split("|")[2])
     assert documented == [name for name in schedule_names() if name != "user"]
+
+
+_GENERATED_DOCS = {"api.md", "config.md"}
+"""Written by scripts/api_reference.py and `python -m pipekit.config.reference`, whole."""
+_RESULTS_LINES, _FEATURE_DOC_LINES = 300, 250
+
+
+def test_docs_stay_reference_sized() -> None:
+    """docs/results.md holds current figures (history lives in git) within 300 lines, and
+    every other hand-written doc within 250."""
+    lengths = {
+        path.name: len(path.read_text().splitlines())
+        for path in sorted((REPO_ROOT / "docs").glob("*.md"))
+        if path.name not in _GENERATED_DOCS
+    }
+    limits = {
+        name: _RESULTS_LINES if name == "results.md" else _FEATURE_DOC_LINES for name in lengths
+    }
+    over = [f"docs/{name}: {lines} lines > {limits[name]}" for name, lines in lengths.items()
+            if lines > limits[name]]  # fmt: skip
+    assert not over, "docs over their size; cut history and repetition:\n" + "\n".join(over)
