@@ -4,7 +4,7 @@ author uses, read from the code itself.
 For each module in `MODULES`, every name in its `__all__` with its signature and the first
 sentence of its docstring (and, for a class, its own public methods and properties). The output
 depends on the code only (no memory addresses, no installed paths), so
-`tests/test_api_reference.py` can regenerate it and fail when docs/api.md is stale. The
+`tests/project/test_api_reference.py` can regenerate it and fail when docs/api.md is stale. The
 modules documented are those of this checkout, whatever pipekit is installed.
 """
 
@@ -200,7 +200,7 @@ def render() -> str:
         "The public names of the modules a model of your own uses (docs/custom_models.md): each "
         "with its signature and the first sentence of its docstring, and a class with the "
         "methods and properties it defines. Generated from the code by "
-        f"`{COMMAND}`; `tests/test_api_reference.py` fails when this file is stale.",
+        f"`{COMMAND}`; `tests/project/test_api_reference.py` fails when this file is stale.",
         "",
         *[f"- [`{name}`](#{name.replace('.', '')})" for name in MODULES],
         "",

@@ -15,8 +15,8 @@ from pipekit.memory.offload_store import PinnedHostStore, store_for
 
 if not torch.cuda.is_available():
     raise SystemExit(
-        "scripts/cuda_offload_check.py needs a CUDA device; tests/test_activation_offload.py "
-        "checks the CPU path"
+        "scripts/cuda_offload_check.py needs a CUDA device; "
+        "tests/pipelining/test_activation_offload.py checks the CPU path"
     )
 dev = torch.device("cuda")
 print(torch.__version__, torch.cuda.get_device_name())
