@@ -21,6 +21,7 @@ from pipekit.pipelining.build import StageSetup, build_pipeline
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.registry import (
     FeatureBuilding,
+    FeatureLayout,
     FeaturePlanning,
     PipelineFeature,
     enabled_pipeline_features,
@@ -83,6 +84,7 @@ __all__ = [
     "ActionListSchedule",
     "CostModel",
     "FeatureBuilding",
+    "FeatureLayout",
     "FeaturePlanning",
     "PipelineContextExchange",
     "PipelineExtension",

@@ -1,7 +1,9 @@
 """The `[parallelism]` rules that hold a layout against the model: degrees that fit the world
 size, tensor parallelism that splits whole heads (and, for an MoE, only with sequence
 parallelism), sequence and context parallelism that cut the sequence evenly, expert parallelism
-that splits whole experts, vocabulary parallelism over pipeline ranks.
+that splits whole experts; and each enabled pipeline feature's own layout rules, from its
+entry in the feature table (vocabulary parallelism's: pipeline ranks to split over, a model its
+row shards honour).
 
 `check_parallel_layout` is the one place these run: job validation calls it for a config, and
 `pipekit.testing`'s parity steps call it for the layout they are asked to build, so a layout the
@@ -13,6 +15,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pipekit.config.loader import ConfigError
+from pipekit.pipelining.features.registry import (
+    FeatureLayout,
+    enabled_pipeline_features,
+    get_pipeline_feature,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -60,8 +67,12 @@ def check_parallel_layout(
             _check_expert_parallel(meta_model, args, dims.ep, dims.etp, model)
     except ValueError as error:
         raise ConfigError(f"[parallelism] {error}") from None
-    if parallelism.vocab_parallel:
-        _check_vocab_parallel(spec, meta_model, shape, dims.pp, dims.tp)
+    layout = FeatureLayout(parallelism, dims, spec, meta_model, shape)
+    try:  # each pipeline feature's own rules of the layout and the model (its table entry)
+        for name in enabled_pipeline_features(parallelism):
+            get_pipeline_feature(name).check_layout(layout)
+    except ValueError as error:
+        raise ConfigError(f"[parallelism] {error}") from None
     return dims
 
 
@@ -125,24 +136,3 @@ def _check_expert_parallel(meta_model: nn.Module, args: Any, ep: int, etp: int, 
         for experts in meta_model.modules():
             if isinstance(experts, GroupedExperts):
                 check_expert_tensor_parallel(experts.w1_EFD.shape[1], experts.has_biases, etp)
-
-
-def _check_vocab_parallel(
-    spec: ModelSpec, meta_model: nn.Module, shape: ModelShape, pp: int, tp: int
-) -> None:
-    """Vocabulary parallelism needs pipeline ranks to split the vocabulary over (and their tp
-    ranks split each pipeline rank's rows), vocabulary modules its row shards compute exactly,
-    and logits transforms it can apply shard by shard."""
-    from pipekit.layers.vocab_parallel import dtensor_shard_sizes
-    from pipekit.pipelining.features.vocab_rules import check_vocab_parallel_model
-
-    if pp < 2:
-        raise ConfigError(
-            "[parallelism] vocab_parallel = true splits the vocabulary across pipeline ranks; set "
-            "pipeline_parallel_degree >= 2 or vocab_parallel = false"
-        )
-    try:
-        dtensor_shard_sizes(shape.vocab_size, (pp, tp))
-        check_vocab_parallel_model(meta_model, spec.structure)
-    except ValueError as error:
-        raise ConfigError(f"[parallelism] vocab_parallel = true: {error}") from None

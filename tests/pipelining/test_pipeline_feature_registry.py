@@ -6,6 +6,7 @@ table."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,13 @@ from pipekit.config.job_config import ParallelismConfig
 from pipekit.models import get_model_spec
 from pipekit.pipelining import (
     enabled_pipeline_features,
+    get_pipeline_feature,
     pipeline_feature_names,
     plan_pipeline,
+    register_pipeline_feature,
     torch_schedule_actions,
 )
+from pipekit.pipelining.features.registry import FeatureLayout
 from pipekit.testing import parity_batch, run_on_ranks
 from pipekit.testing.pipeline import pipeline_layout, runner_step
 from pipekit.train.job import validate_job
@@ -124,4 +128,34 @@ def test_a_job_turns_a_registered_feature_on_by_name() -> None:
     assert job.pipeline is not None and job.pipeline.features == ("forward_log",)
     flat = [*argv, "--parallelism.pipeline_parallel_degree", "1"]
     with pytest.raises(ConfigError, match=r"pipeline_features=\['forward_log'\] are pipeline"):
+        validate_job(load_job_config(flat), world_size=1, check_files=False)
+
+
+def test_a_features_layout_rules_come_from_its_entry_pipeline_or_not() -> None:
+    """`check_layout` of every enabled feature runs when the job's layout is checked, before
+    any plan, with or without a pipeline: job validation names no feature. Vocabulary
+    parallelism's own rules (pipeline ranks to split over) come from its entry the same way."""
+    argv = [
+        "--config", str(REPO_ROOT / "configs/debug_sliced_pp.toml"),
+        "--model.module", "examples.pipeline_feature.forward_log",
+        "--parallelism.pipeline_features", "forward_log",
+    ]  # fmt: skip
+    original = get_pipeline_feature("forward_log")
+    seen: list[int] = []
+
+    def refuse(layout: FeatureLayout) -> None:
+        seen.append(layout.dims.pp)
+        raise ValueError(f"forward_log refuses tp={layout.dims.tp}; set tp = 1")
+
+    register_pipeline_feature(dataclasses.replace(original, check_layout=refuse), replace=True)
+    try:
+        with pytest.raises(ConfigError, match=r"^\[parallelism\] forward_log refuses tp=1"):
+            validate_job(load_job_config(argv), world_size=2, check_files=False)
+    finally:
+        register_pipeline_feature(original, replace=True)
+    assert seen == [2]
+    validate_job(load_job_config(argv), world_size=2, check_files=False)  # restored
+    flat = ["--config", str(REPO_ROOT / "configs/debug_model.toml"), "--parallelism.vocab_parallel",
+            "true"]  # fmt: skip
+    with pytest.raises(ConfigError, match="splits the vocabulary across pipeline ranks"):
         validate_job(load_job_config(flat), world_size=1, check_files=False)

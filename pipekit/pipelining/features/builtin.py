@@ -32,6 +32,7 @@ from pipekit.pipelining.features.vocab_parallel import (
     PipelineVocabParallel,
     build_vocab_parallel,
 )
+from pipekit.pipelining.features.vocab_rules import check_vocab_parallel_layout
 from pipekit.pipelining.model_split.partition import blocks_per_stage
 from pipekit.pipelining.runtime.measured_choice import AUTO
 
@@ -172,6 +173,7 @@ for _feature in (
         setting=lambda parallelism: parallelism.vocab_parallel,
         setting_name="vocab_parallel = true",
         order=30,
+        check_layout=check_vocab_parallel_layout,
         check=_check_vocab_parallel,
     ),
     PipelineFeature(

@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipekit.config.job_config import ParallelismConfig
-from pipekit.models.spec import ModelShape, ModelStructure
+from pipekit.distributed.parallel_dims import ParallelDims
+from pipekit.models.spec import ModelShape, ModelSpec, ModelStructure
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.pipeline_plan import PipelinePlan
 from pipekit.pipelining.runtime.extension import PipelineExtension
@@ -35,6 +36,7 @@ from pipekit.pipelining.stage_setup import StageSetup
 __all__ = [
     "FEATURE_OFF",
     "FeatureBuilding",
+    "FeatureLayout",
     "FeaturePlanning",
     "PipelineFeature",
     "enabled_pipeline_features",
@@ -48,6 +50,19 @@ _BUILTIN_MODULE = "pipekit.pipelining.features.builtin"
 FEATURE_OFF = object()
 """What a feature's `plan` returns when the job's settings leave it nothing to do (activation
 offload whose ratios are all 0): planning then turns it off."""
+
+
+@dataclass(frozen=True)
+class FeatureLayout:
+    """What a feature's layout rules see, pipeline or not, before any plan: the settings, the
+    degrees and the model."""
+
+    parallelism: ParallelismConfig
+    dims: ParallelDims
+    spec: ModelSpec
+    meta_model: nn.Module
+    """The whole model, on the meta device."""
+    shape: ModelShape
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,10 @@ def _no_rules(_: FeaturePlanning) -> None:
     """The default `check`: no rules beyond the extension's static needs."""
 
 
+def _no_layout_rules(_: FeatureLayout) -> None:
+    """The default `check_layout`: no rules of the layout or the model."""
+
+
 def _no_plan(_: FeaturePlanning) -> None:
     """The default `plan`: nothing to fix before building."""
 
@@ -115,8 +134,12 @@ class PipelineFeature:
     order: int = 100
     """Features build, and their hooks run, in increasing order, then by name (pipekit's use
     10..40)."""
+    check_layout: Callable[[FeatureLayout], None] = _no_layout_rules
+    """ValueError naming the fix when the job's degrees or model break the feature's rules,
+    checked with the job's layout (`check_parallel_layout`), with or without a pipeline: a
+    feature that needs pipeline ranks says so here."""
     check: Callable[[FeaturePlanning], None] = _no_rules
-    """ValueError naming the fix when the job breaks the feature's rules."""
+    """ValueError naming the fix when the job's plan breaks the feature's rules."""
     plan: Callable[[FeaturePlanning], Any] = _no_plan
     """What the feature fixes at planning (kept in `PipelinePlan.feature_plans[name]`), or
     `FEATURE_OFF`."""

@@ -13,9 +13,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipekit.layers.vocab_parallel import dtensor_shard_sizes
 from pipekit.models.spec import ModelStructure
+from pipekit.pipelining.features.registry import FeatureLayout
 
-__all__ = ["check_elementwise", "check_vocab_parallel_model", "check_vocabulary_modules"]
+__all__ = [
+    "check_elementwise",
+    "check_vocab_parallel_layout",
+    "check_vocab_parallel_model",
+    "check_vocabulary_modules",
+]
 
 _EMBEDDING_DEFAULTS = {
     "padding_idx": None,
@@ -94,3 +101,20 @@ def check_elementwise(transform: nn.Module, name: str, vocab_size: int = 16) -> 
             "of the vocabulary differs from the same columns of its output on the whole), so "
             "vocabulary parallelism would change the model; set vocab_parallel = false"
         )
+
+
+def check_vocab_parallel_layout(layout: FeatureLayout) -> None:
+    """Vocabulary parallelism needs pipeline ranks to split the vocabulary over (and their tp
+    ranks split each pipeline rank's rows), vocabulary modules its row shards compute exactly,
+    and logits transforms it can apply shard by shard."""
+    dims = layout.dims
+    if dims.pp < 2:
+        raise ValueError(
+            "vocab_parallel = true splits the vocabulary across pipeline ranks; set "
+            "pipeline_parallel_degree >= 2 or vocab_parallel = false"
+        )
+    try:
+        dtensor_shard_sizes(layout.shape.vocab_size, (dims.pp, dims.tp))
+        check_vocab_parallel_model(layout.meta_model, layout.spec.structure)
+    except ValueError as error:
+        raise ValueError(f"vocab_parallel = true: {error}") from None
