@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,8 +106,6 @@ def init_distributed(timeout_s: float) -> DistributedInfo:
 
 def free_local_port() -> int:
     """A TCP port free on this machine now, for a store of local processes."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipekit.distributed.process_group import free_local_port, join_local_gloo
+from pipekit.memory_plan.forked import map_in_forked_children
 from pipekit.train.metrics import measure_matmul_flops
 
 __all__ = ["DEVICE_PROFILES", "DeviceProfile", "device_profile", "measured_cpu_profile"]
@@ -168,37 +168,29 @@ def measured_cpu_profile(ranks_per_machine: int | None = None) -> DeviceProfile:
 
 def _gloo_link(nbytes: int = 8 << 20, repeats: int = 5) -> tuple[float, float]:
     """(bytes/s, seconds of a 4-byte message) of gloo send/receive between two forked local
-    processes."""
-    context = mp.get_context("fork")
-    queue = context.SimpleQueue()
+    processes: the receiver's times."""
     port = free_local_port()
-    processes = [
-        context.Process(target=_exchange, args=(rank, port, nbytes, repeats, queue))
-        for rank in range(2)
-    ]
-    for process in processes:
-        process.start()
-    large_s, small_s = queue.get()
-    for process in processes:
-        process.join()
+    calls = [(rank, port, nbytes, repeats) for rank in range(2)]
+    large_s, small_s = map_in_forked_children(_exchange, calls, 2)[1]
     return nbytes / large_s, small_s
 
 
-def _exchange(rank: int, port: int, nbytes: int, repeats: int, queue: object) -> None:
-    torch.set_num_threads(1)
+def _exchange(rank: int, port: int, nbytes: int, repeats: int) -> tuple[float, float]:
+    """This rank's fastest (large, small) message time after one untimed exchange each."""
     join_local_gloo(rank, 2, port)
-    seconds = []
-    for payload in (torch.zeros(nbytes // 4), torch.zeros(1)):
-        times = []
-        for _ in range(repeats + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(payload, 1)
-            else:
-                dist.recv(payload, 0)
-            times.append(time.perf_counter() - start)
-        seconds.append(min(times[1:]))
-    if rank == 1:
-        queue.put(tuple(seconds))  # type: ignore[attr-defined]
-    dist.destroy_process_group()
+    try:
+        seconds = []
+        for payload in (torch.zeros(nbytes // 4), torch.zeros(1)):
+            times = []
+            for _ in range(repeats + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                if rank == 0:
+                    dist.send(payload, 1)
+                else:
+                    dist.recv(payload, 0)
+                times.append(time.perf_counter() - start)
+            seconds.append(min(times[1:]))
+    finally:
+        dist.destroy_process_group()
+    return seconds[0], seconds[1]
