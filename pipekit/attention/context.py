@@ -19,26 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipekit.attention.across import WholeSequenceCall, context_parallel_variant_entry
 from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
-from pipekit.attention.context_parallel import (
-    CACHED_SHARD_ATTENTION,
-    CachedShard,
-    TokenShard,
-)
-from pipekit.attention.context_parallel_choice import (
-    context_parallel_variant,
-)
+from pipekit.attention.context_parallel import TokenShard
 from pipekit.attention.context_protocol import AttentionContext
-from pipekit.attention.hierarchical import HierarchicalGroups, hierarchical_context_attention
+from pipekit.attention.hierarchical import HierarchicalGroups
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.patterns import (
     AttentionPattern,
     block_mask,
     block_visible,
 )
-from pipekit.attention.ring import ring_context_attention
-from pipekit.attention.ulysses import ulysses_context_attention
 
 __all__ = [
     "AttentionContext",
@@ -147,11 +139,9 @@ class SlicedKVCache:
 class ContextParallelAttention:
     """The attention context of a context-parallel rank: its load-balanced share of each
     sequence (`tokens_S`, with their document ids) attends to every cp rank's keys by the
-    layer's pattern over `group`, by `variant`: "kv_passing" (all-gather), "ring"
-    (overlapped), "commutated" (the queries travel), "ulysses" (heads travel: all-to-all to
-    head shards and back), "hierarchical" (Ulysses inside `hierarchy`'s groups, its
-    `across_variant` across them), or "auto" (whichever of these moves the fewest bytes).
-    Not a dataclass, so FSDP2's input handling passes it through as it is."""
+    layer's pattern over `group`, by `variant` (an entry of the variant table,
+    `pipekit.attention.across`; hierarchical ones use `hierarchy`'s groups). Not a dataclass,
+    so FSDP2's input handling passes it through as it is."""
 
     def __init__(
         self,
@@ -162,13 +152,9 @@ class ContextParallelAttention:
         variant: str = "auto",
         hierarchy: HierarchicalGroups | None = None,
     ) -> None:
-        if variant == "hierarchical" and hierarchy is None:
-            raise ValueError(
-                "cp_variant='hierarchical' needs the Ulysses and across groups (hierarchy=); "
-                "set cp_ulysses"
-            )
+        self.entry = context_parallel_variant_entry(variant)
         self.shard, self.group = TokenShard(tokens_S, document_ids_BS), group
-        self.backend, self.variant, self.hierarchy = backend, variant, hierarchy
+        self.backend, self.hierarchy = backend, hierarchy
 
     def attend(
         self,
@@ -180,71 +166,11 @@ class ContextParallelAttention:
         pattern: AttentionPattern | None = None,
         sinks_H: Tensor | None = None,
     ) -> Tensor:
-        options = {"scale": scale, "backend": self.backend}
-        ulysses_size = self.hierarchy.ulysses_size if self.hierarchy is not None else 1
-        variant = _variant_over(
-            self.variant, self.group, q_BHSD, k_BGSD, v_BGSD, True, ulysses_size
-        )
-        if variant != "hierarchical":
-            return _attend_by(variant, q_BHSD, k_BGSD, v_BGSD, self.shard, self.group,
-                              sinks_H=sinks_H, pattern=pattern, **options)  # fmt: skip
-        hierarchy = self.hierarchy
-        assert hierarchy is not None
-
-        def across(q_BHSD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor, shard: TokenShard,
-                   sinks_H: Tensor | None, pattern: AttentionPattern | None) -> Tensor:  # fmt: skip
-            variant = _variant_over(
-                hierarchy.across_variant, hierarchy.across, q_BHSD, k_BGSD, v_BGSD, False
-            )
-            return _attend_by(variant, q_BHSD, k_BGSD, v_BGSD, shard, hierarchy.across,
-                              sinks_H=sinks_H, pattern=pattern, **options)  # fmt: skip
-
-        return hierarchical_context_attention(
-            q_BHSD, k_BGSD, v_BGSD, self.shard, hierarchy, across, sinks_H, pattern
-        )
-
-
-def _variant_over(
-    variant: str,
-    group: dist.ProcessGroup | None,
-    q_BHSD: Tensor,
-    k_BGSD: Tensor,
-    v_BGSD: Tensor,
-    whole_sequence: bool,
-    ulysses_size: int = 1,
-) -> str:
-    """The variant the rank's tokens attend by over `group` (one slice: the whole sequence);
-    Ulysses and hierarchical are candidates of "auto" only on a `whole_sequence`."""
-    ranks = dist.get_world_size(group)
-    return context_parallel_variant(
-        variant,
-        q_BHSD,
-        k_BGSD,
-        slice_index=0,
-        slice_tokens=q_BHSD.shape[2] * ranks,
-        cp=ranks,
-        whole_sequence=whole_sequence,
-        keys_are_values=v_BGSD is k_BGSD,
-        ulysses_size=ulysses_size,
-    )
-
-
-def _attend_by(
-    variant: str,
-    q_BHSD: Tensor,
-    k_BGSD: Tensor,
-    v_BGSD: Tensor,
-    shard: TokenShard,
-    group: dist.ProcessGroup | None,
-    **options: object,
-) -> Tensor:
-    """Whole-sequence attention of `shard`'s tokens over `group` by one named variant."""
-    if variant == "ring":
-        return ring_context_attention(q_BHSD, k_BGSD, v_BGSD, shard, group, **options)[0]
-    if variant == "ulysses":
-        return ulysses_context_attention(q_BHSD, k_BGSD, v_BGSD, shard, group, **options)
-    cache = [CachedShard(k_BGSD, v_BGSD, shard)]
-    return CACHED_SHARD_ATTENTION[variant](q_BHSD, shard, cache, group, **options)[0]
+        call = WholeSequenceCall(
+            q_BHSD, k_BGSD, v_BGSD, self.shard, self.group, scale, self.backend, pattern,
+            sinks_H, self.hierarchy,
+        )  # fmt: skip
+        return self.entry.attend_whole_sequence(call)
 
 
 @torch.compiler.disable  # compiled blocks run it eagerly (pipekit.train.compile says why)

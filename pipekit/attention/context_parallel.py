@@ -48,7 +48,6 @@ from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
 from pipekit.attention.patterns import AttentionPattern, is_causal
 
 __all__ = [
-    "CACHED_SHARD_ATTENTION",
     "CachedShard",
     "TokenShard",
     "commutated_context_attention",
@@ -419,10 +418,3 @@ def commutated_context_attention(
     check_sinks(sinks_H, q_BHSD)
     sinks = () if sinks_H is None else (sinks_H,)
     return _CommutatedAttention.apply(settings, q_BHSD, *kv_tensors, *sinks)
-
-
-CACHED_SHARD_ATTENTION = {
-    "commutated": commutated_context_attention,
-    "kv_passing": kv_passing_context_attention,
-}
-"""The variants that attend over cached shards (every slice's, or the one sequence's), by name."""

@@ -24,7 +24,6 @@ from pipekit.attention.context_parallel import TokenShard
 from pipekit.attention.merge import check_sinks
 from pipekit.attention.patterns import AttentionPattern
 from pipekit.attention.ulysses import (
-    check_ulysses_heads,
     group_shard,
     local_pattern,
     local_sinks,
@@ -33,14 +32,9 @@ from pipekit.attention.ulysses import (
 )
 
 __all__ = [
-    "ACROSS_VARIANTS",
     "HierarchicalGroups",
-    "check_hierarchical",
     "hierarchical_context_attention",
 ]
-
-ACROSS_VARIANTS = ("auto", "commutated", "kv_passing", "ring")
-"""What runs across the Ulysses groups ("ring": whole sequences only)."""
 
 AcrossAttention = Callable[
     [Tensor, Tensor, Tensor, TokenShard, Tensor | None, AttentionPattern | None], Tensor
@@ -67,30 +61,6 @@ class HierarchicalGroups:
     def group_index(self) -> int:
         """Which group of `u` adjacent cp ranks this rank is in (its rank across)."""
         return dist.get_rank(self.across)
-
-
-def check_hierarchical(
-    cp: int,
-    ulysses_size: int,
-    across_variant: str,
-    query_heads: int,
-    kv_heads: int,
-    pipeline: bool = False,
-) -> None:
-    """ValueError naming the fix unless `ulysses_size` ranks per group split the cp ranks into
-    two groups or more, the (tensor-parallel rank's) heads split over a group, and
-    `across_variant` can run here (no ring inside a pipeline)."""
-    if not 1 < ulysses_size < cp or cp % ulysses_size:
-        raise ValueError(
-            f"cp_variant='hierarchical' needs cp_ulysses, the ranks per Ulysses group, to "
-            f"divide cp={cp} into two groups or more; got cp_ulysses={ulysses_size}: choose a "
-            f"divisor of {cp} between 2 and {cp // 2}"
-        )
-    allowed = [v for v in ACROSS_VARIANTS if not (pipeline and v == "ring")]
-    if across_variant not in allowed:
-        where = "inside a pipeline " if pipeline else ""
-        raise ValueError(f"cp_across={across_variant!r} {where}is not one of {', '.join(allowed)}")
-    check_ulysses_heads(query_heads, ulysses_size, kv_heads)
 
 
 def hierarchical_context_attention(

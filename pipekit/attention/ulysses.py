@@ -6,7 +6,7 @@ their key/value heads); attention runs over the whole sequence, masked by the to
 it (the pattern and the documents they belong to), and a second all-to-all returns each rank its
 own tokens for all heads (DeepSpeed-Ulysses). It moves `(cp-1)/cp x tokens / cp x (2 x query
 heads + 2 x kv heads) x head_dim` elements per rank and layer forward
-(`context_parallel_bytes("ulysses", ...)`), whatever the sequence length, and needs the query
+(the Ulysses entry's bytes rule), whatever the sequence length, and needs the query
 heads (after tensor parallelism) to split over the cp ranks. Key/value heads fewer than the
 ranks (a divisor of them: grouped-query attention with few kv heads, or multi-head latent
 attention's one latent) are all-gathered along the sequence instead, each rank keeping the one
@@ -45,6 +45,7 @@ from pipekit.attention.patterns import AttentionPattern
 __all__ = [
     "UlyssesSliceAttention",
     "check_ulysses_heads",
+    "heads_split",
     "local_pattern",
     "local_sinks",
     "ulysses_context_attention",
@@ -56,16 +57,21 @@ def check_ulysses_heads(query_heads: int, cp: int, kv_heads: int | None = None) 
     the cp ranks, and its kv heads split over them or divide them."""
     if query_heads % cp:
         raise ValueError(
-            f"cp_variant='ulysses' gives each of the cp={cp} ranks heads / cp query heads, but "
-            f"a rank holds {query_heads}; choose cp dividing them (after tp), or another "
-            "cp_variant"
+            f"Ulysses gives each of the cp={cp} ranks heads / cp query heads, but a rank holds "
+            f"{query_heads}; choose cp dividing them (after tp), or another context-parallel "
+            "variant"
         )
     if kv_heads is not None and kv_heads % cp and cp % kv_heads:
         raise ValueError(
-            f"cp_variant='ulysses' with {kv_heads} kv heads per rank on cp={cp} ranks: the kv "
-            "heads must split over the ranks or divide them; choose such a cp, or another "
-            "cp_variant"
+            f"Ulysses with {kv_heads} kv heads per rank on cp={cp} ranks: the kv heads must "
+            "split over the ranks or divide them; choose such a cp, or another context-parallel "
+            "variant"
         )
+
+
+def heads_split(query_heads: int, kv_heads: int, ranks: int) -> bool:
+    """Whether Ulysses can reshard these heads over `ranks` (`check_ulysses_heads`' rule)."""
+    return query_heads % ranks == 0 and (kv_heads % ranks == 0 or ranks % kv_heads == 0)
 
 
 def _sequence_to_heads(x_BNSD: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -77,7 +77,7 @@ def _slice_bytes(shape: dict[str, Any], slices: int) -> tuple[list[list[Any]], d
     """Per slice of a sequence: the bytes of commutated and KV passing (`shape`:
     `context_parallel_bytes`' keywords), what "auto" takes; and the totals of each and of
     "auto"."""
-    from pipekit.attention.context_parallel_choice import (
+    from pipekit.attention.across import (
         choose_context_parallel,
         context_parallel_bytes,
     )
@@ -147,7 +147,7 @@ def _whole_sequence_bytes(options: argparse.Namespace) -> tuple[dict[str, float]
     """Outside pipelines (one slice: the whole sequence), each variant's bytes by the formula
     (Ulysses among them when the heads split over the ranks, hierarchical when they split over
     a group of `--cp-ulysses`) and what "auto" takes (the trainer's rule)."""
-    from pipekit.attention.context_parallel_choice import (
+    from pipekit.attention.across import (
         context_parallel_bytes,
         context_parallel_variant,
     )
@@ -177,7 +177,7 @@ def _hierarchical_slices(options: argparse.Namespace) -> dict[str, float]:
     """Part 4, inside a sliced pipeline: per slice, hierarchical context parallelism's bytes
     (Ulysses in groups of `--cp-ulysses`, the cheaper of commutated and K/V passing across),
     against "auto" over all cp ranks; RESULT figures of the totals over the sequence."""
-    from pipekit.attention.context_parallel_choice import hierarchical_bytes
+    from pipekit.attention.across.variants.hierarchical import hierarchical_bytes
 
     if not 1 < options.cp_ulysses < options.cp:
         return {}
@@ -340,7 +340,7 @@ def main(argv: list[str]) -> None:
 
 
 def _measure(options: argparse.Namespace) -> dict[str, float]:
-    from pipekit.attention.context_parallel_choice import (
+    from pipekit.attention.across import (
         choose_context_parallel,
         context_parallel_bytes,
     )

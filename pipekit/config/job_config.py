@@ -216,20 +216,16 @@ class ParallelismConfig:
     """Context-parallel degree: each sequence (each slice, in a pipeline) split over this many
     ranks, load-balanced (seq_len a multiple of 2 x cp x num_slices; docs/context_parallel.md)."""
     cp_variant: str = "auto"
-    """How cp ranks exchange attention: "commutated" (queries travel, the KV cache stays
-    home), "kv_passing" (K/V gathered), "ring" (K/V passed around the ranks, overlapped;
-    outside pipelines), "ulysses" (all-to-all to head shards and back; heads divisible by
-    tp x cp; in a pipeline every slice, without context exchange), "hierarchical" (Ulysses
-    inside groups of cp_ulysses ranks, cp_across across them; heads divisible by tp x
-    cp_ulysses), or "auto" (per slice, the fewest bytes of commutated, KV passing and, on
-    whole sequences whose heads split, Ulysses and hierarchical)."""
+    """How cp ranks exchange attention: a name in the context-parallel variant table (each
+    variant's bytes, where it runs and its rules: docs/context_parallel.md, "The variant
+    table"). The default picks, per slice, the variant that moves the fewest bytes."""
     cp_ulysses: int = 0
     """Ranks per Ulysses group of hierarchical context parallelism: adjacent cp ranks (a
     node's GPUs), dividing cp into two groups or more (0 = not hierarchical)."""
     cp_across: str = "auto"
-    """What hierarchical context parallelism runs across its Ulysses groups: "commutated",
-    "kv_passing", "ring" (outside pipelines) or "auto" (per slice, the fewer bytes of the
-    first two)."""
+    """What hierarchical context parallelism runs across its Ulysses groups: a variant of the
+    table that attends over token shards (and, inside a pipeline, runs per slice); the
+    default picks per slice by bytes."""
     tp: int = 1
     """Tensor-parallel degree: the blocks' projections split over this many ranks by the model
     family's plan (composes with FSDP2, pipelines, cp and, under sequence parallelism, MoE

@@ -28,9 +28,8 @@ from torch import nn
 from pipekit.attention.context import (
     AttentionContext,
     CausalAttention,
-    ContextParallelAttention,
 )
-from pipekit.attention.context_parallel import context_parallel_tokens
+from pipekit.distributed.context_parallel import context_parallel_ranks
 from pipekit.distributed.process_group import free_local_port, join_local_gloo
 from pipekit.distributed.tensor_parallel import apply_tensor_parallel
 from pipekit.memory_plan.activations import give_probe_weights
@@ -73,7 +72,7 @@ def _time_placed_block(
     dims, seq_len = job.dims, job.config.training.seq_len
     join_local_gloo(rank, dims.world_size, port)
     try:
-        dims.build_mesh("cpu")
+        mesh = dims.build_mesh("cpu")
         block = _first_block(job.spec, meta_model)
         if dims.tp > 1:
             apply_tensor_parallel(
@@ -86,15 +85,9 @@ def _time_placed_block(
             torch.zeros(rows, seq_len, dtype=torch.long), backend
         )
         if dims.cp > 1:
-            cp_mesh = dims.mesh("cp")
-            positions_S = context_parallel_tokens(seq_len, dims.cp, cp_mesh.get_local_rank())
-            context = ContextParallelAttention(
-                positions_S,
-                torch.zeros(rows, positions_S.numel(), dtype=torch.long),
-                cp_mesh.get_group(),
-                backend,
-                job.config.parallelism.cp_variant,
-            )
+            ranks = context_parallel_ranks(mesh, job.config.parallelism, seq_len)
+            positions_S = ranks.tokens_S
+            context = ranks.attention(torch.zeros(rows, positions_S.numel(), dtype=torch.long))
         split = dims.tp if job.sequence_parallel else 1  # a rank's run of the residual stream
         hidden_shape = (rows, positions_S.numel() // split, job.shape.dim)
         positions_BS = positions_S.expand(rows, -1)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipekit.attention.across import VariantRules, context_parallel_variant_entry
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.memory_plan.activations import ActivationProfile, TensorSplit, profile_activations
 from pipekit.memory_plan.layout import RankLayout, rank_layouts
@@ -266,7 +267,7 @@ def _pipeline_activations(
     per_token = (_block_bytes(job, layout.block_names, profile) + outputs) / stages
     kv_per_token = (
         sum(
-            profile.kv_bytes[name] * _ulysses_gathered_kv(job, profile.kv_heads[name])
+            profile.kv_bytes[name] * _head_shard_gathered_kv(job, profile.kv_heads[name])
             for name in layout.block_names
         )
         / stages
@@ -296,17 +297,22 @@ def _pipeline_activations(
     return in_flight + head + backward + kv_gradients
 
 
-def _ulysses_gathered_kv(job: Job, kv_heads: int) -> float:
-    """How many times a token's K/V a rank caches under Ulysses (or hierarchical context
-    parallelism) in a pipeline, over its share without: kv heads fewer than the ranks of the
-    Ulysses group are gathered whole (every group token of one head, `ranks / kv_heads` times
-    the token shard's bytes); otherwise each rank holds its heads of the group's tokens, the
-    same bytes."""
+def _head_shard_gathered_kv(job: Job, kv_heads: int) -> float:
+    """How many times a token's K/V a rank caches in a pipeline, over its share without, under
+    a cp variant whose cache holds head shards (Ulysses, hierarchical: its entry's
+    `head_ranks`): kv heads fewer than those ranks are gathered whole (every token of one
+    head, `ranks / kv_heads` times the token shard's bytes); otherwise each rank holds its
+    heads of the ranks' tokens, the same bytes."""
     parallelism = job.config.parallelism
-    ranks = {"ulysses": job.dims.cp, "hierarchical": parallelism.cp_ulysses}.get(
-        parallelism.cp_variant
-    )
-    if ranks is None or not kv_heads or kv_heads % ranks == 0:
+    head_ranks = context_parallel_variant_entry(parallelism.cp_variant).head_ranks
+    if head_ranks is None:
+        return 1.0
+    rules = VariantRules(
+        cp=job.dims.cp, query_heads=job.shape.num_heads, kv_heads=kv_heads,
+        ulysses_size=parallelism.cp_ulysses, across=parallelism.cp_across, pipeline=True,
+    )  # fmt: skip
+    ranks = head_ranks(rules)
+    if not kv_heads or kv_heads % ranks == 0:
         return 1.0
     return ranks / kv_heads
 

@@ -20,12 +20,11 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
 from pipekit._torch_private import flatten_mesh
-from pipekit.attention.context import CausalAttention, ContextParallelAttention
-from pipekit.attention.context_parallel import load_balanced_indices
+from pipekit.attention.context import CausalAttention
 from pipekit.config.job_config import ParallelismConfig
+from pipekit.distributed.context_parallel import context_parallel_ranks
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
-from pipekit.distributed.process_group import hierarchical_groups
 from pipekit.distributed.tensor_parallel import apply_tensor_parallel
 from pipekit.layers.loss import count_label_tokens, token_sum_cross_entropy
 from pipekit.layers.sequence_statistics import statistics_group
@@ -146,7 +145,7 @@ def data_parallel_step(
     """FSDP2 over all ranks (HSDP with `dp_replicate` replicas; experts sharded over `ep` of
     them and by FSDP2 over the ep groups), each data rank its share of the rows, each of its
     `cp` context-parallel ranks its load-balanced share of their tokens (attending by
-    `cp_variant`; hierarchical: Ulysses in groups of `cp_ulysses`, `cp_across` across them);
+    `cp_variant`, with `cp_ulysses` and `cp_across` its groups where it takes them);
     the full gradients, gathered. `adjust` sees the parallelized model before the step
     (ablations)."""
     parallelism = ParallelismConfig(
@@ -167,12 +166,9 @@ def data_parallel_step(
     cp_group = mesh["cp"].get_group() if cp > 1 else None
     sequence_group = dims.mesh("cp_tp").get_group() if tp > 1 and sequence_parallel else cp_group
     if cp > 1:
-        tokens_S = load_balanced_indices(batch.batch_size[1], cp)[mesh["cp"].get_local_rank()]
-        part = part[:, tokens_S]
-        hierarchy = hierarchical_groups(mesh, cp_ulysses, cp_across) if cp_ulysses else None
-        context = ContextParallelAttention(
-            tokens_S, part["document_ids"], cp_group, variant=cp_variant, hierarchy=hierarchy
-        )
+        ranks = context_parallel_ranks(mesh, parallelism, seq_len)
+        part = part[:, ranks.tokens_S]
+        context = ranks.attention(part["document_ids"])
     with loss_parallel_context() if loss_parallel else nullcontext():
         with aux_loss_scale(1.0 / dims.dp_degree), statistics_group(sequence_group):
             logits = model(part["tokens"], part["positions"], context)

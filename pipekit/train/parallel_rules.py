@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from pipekit.config.job_config import ParallelismConfig
     from pipekit.distributed.parallel_dims import ParallelDims
-    from pipekit.models.spec import ModelShape, ModelSpec
+    from pipekit.models.spec import ModelSpec
 
 __all__ = ["check_parallel_layout"]
 
@@ -59,15 +59,13 @@ def check_parallel_layout(
             meta_model = spec.build(args)
     shape = spec.shape(args)
     try:
-        if dims.cp > 1:
-            _check_context_parallel(parallelism, seq_len, dims.cp, dims.pp, shape)
         if dims.tp > 1:
             _check_tensor_parallel(parallelism, seq_len, dims, spec, args)
         if dims.ep_enabled:
             _check_expert_parallel(meta_model, args, dims.ep, dims.etp, model)
     except ValueError as error:
         raise ConfigError(f"[parallelism] {error}") from None
-    layout = FeatureLayout(parallelism, dims, spec, meta_model, shape)
+    layout = FeatureLayout(parallelism, dims, spec, meta_model, shape, seq_len)
     try:  # each pipeline feature's own rules of the layout and the model (its table entry)
         for name in enabled_pipeline_features(parallelism):
             get_pipeline_feature(name).check_layout(layout)
@@ -94,37 +92,6 @@ def _check_tensor_parallel(
     check_tensor_parallel(spec, spec.shape(args), dims.tp, moe, parallelism.sequence_parallel)
     if parallelism.sequence_parallel and dims.pp == 1 and seq_len is not None:
         check_sequence_parallel_split(seq_len, dims.tp, dims.cp)
-
-
-def _check_context_parallel(
-    parallelism: ParallelismConfig, seq_len: int | None, cp: int, pp: int, shape: ModelShape
-) -> None:
-    """Outside pipelines (the pipeline plan checks its slices by the same rules)."""
-    from pipekit.attention.context_parallel_choice import (
-        check_context_parallel_split,
-        check_context_parallel_variant,
-    )
-    from pipekit.attention.hierarchical import check_hierarchical
-    from pipekit.attention.ulysses import check_ulysses_heads
-
-    variant, tp = parallelism.cp_variant, max(parallelism.tp, 1)
-    heads = (shape.num_heads // tp, max(shape.num_kv_heads // tp, 1))
-    check_context_parallel_variant(variant)
-    if pp == 1 and seq_len is not None:
-        check_context_parallel_split(seq_len, cp)
-    if variant == "ulysses":
-        check_ulysses_heads(heads[0], cp, heads[1])
-    hierarchical = variant == "hierarchical" or (variant == "auto" and pp == 1)
-    if parallelism.cp_ulysses and not hierarchical:
-        raise ValueError(
-            f"cp_ulysses = {parallelism.cp_ulysses} sets the groups of "
-            f"cp_variant='hierarchical' (or 'auto' outside pipelines), not of "
-            f"{variant!r}; set cp_variant = 'hierarchical' or cp_ulysses = 0"
-        )
-    if variant == "hierarchical" or parallelism.cp_ulysses:
-        check_hierarchical(
-            cp, parallelism.cp_ulysses, parallelism.cp_across, *heads, pipeline=pp > 1
-        )
 
 
 def _check_expert_parallel(meta_model: nn.Module, args: Any, ep: int, etp: int, model: str) -> None:

@@ -27,10 +27,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from pipekit.attention.context import (
     AttentionContext,
     CausalAttention,
-    ContextParallelAttention,
 )
-from pipekit.attention.context_parallel import context_parallel_tokens
-from pipekit.attention.hierarchical import HierarchicalGroups
 from pipekit.checkpoint.dcp import (
     EXPORT_DTYPES,
     CheckpointManager,
@@ -41,9 +38,9 @@ from pipekit.checkpoint.dcp import (
 )
 from pipekit.config.dump import dump_toml, write_job_config
 from pipekit.config.loader import to_dict
+from pipekit.distributed.context_parallel import ContextParallelRanks, context_parallel_ranks
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.distributed.grad_clip import clip_grad_norm_
-from pipekit.distributed.process_group import hierarchical_groups
 from pipekit.layers.loss import count_label_tokens
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.moe.aux_loss import aux_loss_scale
@@ -97,21 +94,15 @@ class Trainer:
         )
         self.dims = job.dims
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
-        self._context_parallel: tuple[Tensor, dist.ProcessGroup] | None = None
-        self._hierarchy: HierarchicalGroups | None = None
-        if self.dims.cp_enabled:  # this rank's tokens of every sequence (slice by slice), group
+        self._context_parallel: ContextParallelRanks | None = None
+        if self.dims.cp_enabled:
             assert self.mesh is not None
-            cp_mesh = self.mesh["cp"]
-            num_slices = job.pipeline.num_slices if job.pipeline is not None else 1
-            tokens_S = context_parallel_tokens(
-                config.training.seq_len, self.dims.cp, cp_mesh.get_local_rank(), num_slices
-            )
-            self._context_parallel = (tokens_S.to(self.device), cp_mesh.get_group())
-            parallelism = config.parallelism
-            if parallelism.cp_ulysses and job.pipeline is None:  # the pipeline builds its own
-                self._hierarchy = hierarchical_groups(
-                    self.mesh, parallelism.cp_ulysses, parallelism.cp_across
-                )
+            pipeline = job.pipeline
+            self._context_parallel = context_parallel_ranks(
+                self.mesh, config.parallelism, config.training.seq_len,
+                pipeline.num_slices if pipeline is not None else 1, pipeline is not None,
+                self.device,
+            )  # fmt: skip
         self._statistics_group = self._sequence_group()
         self.output_dir = Path(config.job.output_dir)
         self.checkpoints = CheckpointManager(
@@ -330,7 +321,7 @@ class Trainer:
         """Under context parallelism, this rank's load-balanced tokens of the batch's rows."""
         if self._context_parallel is None:
             return batch
-        return batch[:, self._context_parallel[0]]
+        return batch[:, self._context_parallel.tokens_S]
 
     def _forward_backward(
         self, batch: TensorDict, global_tokens: Tensor, backward: bool
@@ -349,18 +340,13 @@ class Trainer:
     def _forward_backward_in_context(
         self, batch: TensorDict, global_tokens: Tensor, backward: bool
     ) -> Tensor | None:
-        cp_group = None if self._context_parallel is None else self._context_parallel[1]
         if self.pipeline is not None:
             with statistics_group(self._statistics_group):
                 return self.pipeline.step(batch, global_tokens)
         backend = self.config.model.attention_backend
         context: AttentionContext = CausalAttention(batch["document_ids"], backend=backend)
         if self._context_parallel is not None:
-            tokens_S = self._context_parallel[0]
-            variant = self.config.parallelism.cp_variant
-            context = ContextParallelAttention(
-                tokens_S, batch["document_ids"], cp_group, backend, variant, self._hierarchy
-            )
+            context = self._context_parallel.attention(batch["document_ids"], backend)
         with self._autocast(), statistics_group(self._statistics_group):
             logits_BSV = self.model(batch["tokens"], batch["positions"], context)
         loss = self._loss_fn(logits_BSV, batch["labels"], global_tokens)

@@ -29,22 +29,21 @@ from context_parallel_cases import (
     worst_difference,
 )
 from tiny_models import TINY_LLAMA
+from toy_cp_variant import TOY_LOCAL
 
 import examples.custom_model.model as custom
 import pipekit.testing.data_parallel as data_parallel_module
-from pipekit.attention import attention, token_order_mask
 from pipekit.attention import ulysses as ulysses_module
-from pipekit.attention.context import ContextParallelAttention
+from pipekit.attention.across import (
+    choose_context_parallel,
+    context_parallel_bytes,
+)
 from pipekit.attention.context_parallel import (
     CachedShard,
     TokenShard,
     commutated_context_attention,
     kv_passing_context_attention,
     load_balanced_indices,
-)
-from pipekit.attention.context_parallel_choice import (
-    choose_context_parallel,
-    context_parallel_bytes,
 )
 from pipekit.attention.exchange import (
     AttentionLoan,
@@ -301,8 +300,10 @@ def test_the_cheaper_variant_depends_on_grouped_query_attention_and_the_slice() 
     assert context_parallel_bytes("kv_passing", slice_index=3, **gqa) == 4 * context_parallel_bytes(
         "kv_passing", slice_index=0, **gqa
     )
-    with pytest.raises(ValueError, match="choose 'commutated', 'kv_passing', 'ulysses' or"):
-        context_parallel_bytes("ring", slice_index=0, **gqa)
+    ring = context_parallel_bytes("ring", slice_index=2, **gqa)  # moves what K/V passing does
+    assert ring == context_parallel_bytes("kv_passing", slice_index=2, **gqa)
+    with pytest.raises(ValueError, match="'auto' has no bytes rule: choose 'commutated'"):
+        context_parallel_bytes("auto", slice_index=0, **gqa)
 
 
 _MODELS = {
@@ -311,26 +312,15 @@ _MODELS = {
 }
 
 
-class _LocalKeysOnly(ContextParallelAttention):
-    """Ablation: each cp rank attends only to its own keys."""
-
-    def attend(self, layer_id, q_BHSD, k_BGSD, v_BGSD, scale, pattern=None):
-        mask = token_order_mask(
-            self.shard.tokens_S, self.shard.tokens_S, self.shard.document_ids_BS,
-            self.shard.document_ids_BS,
-        )  # fmt: skip
-        return attention(q_BHSD, k_BGSD, v_BGSD, mask, scale, self.backend)[0]
-
-
 def _model_runs(rank: int, world: int) -> dict[str, Result]:
     results = {}
     for name, args in _MODELS.items():
         batch = parity_batch(args.vocab_size, 8, LENGTH)
         spec = get_model_spec(name)
         results[name] = data_parallel_step(rank, world, spec, args, batch, cp=2)
-        data_parallel_module.ContextParallelAttention = _LocalKeysOnly
-        results[f"{name} ablated"] = data_parallel_step(rank, world, spec, args, batch, cp=2)
-        data_parallel_module.ContextParallelAttention = ContextParallelAttention
+        results[f"{name} ablated"] = data_parallel_step(  # each cp rank its own keys only
+            rank, world, spec, args, batch, cp=2, cp_variant=TOY_LOCAL.name
+        )
     # ablation: the MoE's load-balancing statistics of each cp rank's tokens alone
     data_parallel_module.statistics_group = lambda group: nullcontext()
     batch = parity_batch(_MODELS["tiny_gpt"].vocab_size, 8, LENGTH)
@@ -432,7 +422,7 @@ def test_auto_picks_ulysses_on_whole_sequences_only_where_it_moves_fewest_bytes(
     """Multi-head attention over 4 ranks: Ulysses' all-to-alls move (2 h + 2 h) d / cp per
     token against KV passing's 2 h d, so the whole-sequence rule picks it; with one kv head
     (grouped-query) KV passing stays cheaper; the per-slice rule never considers it."""
-    from pipekit.attention.context_parallel_choice import (
+    from pipekit.attention.across import (
         context_parallel_variant,
     )
 

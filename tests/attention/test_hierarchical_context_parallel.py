@@ -24,11 +24,8 @@ from context_parallel_cases import (
 from tiny_models import TINY_LLAMA
 
 from pipekit.attention import ulysses as ulysses_module
-from pipekit.attention.context_parallel_choice import (
-    context_parallel_bytes,
-    context_parallel_variant,
-    hierarchical_bytes,
-)
+from pipekit.attention.across import context_parallel_bytes, context_parallel_variant
+from pipekit.attention.across.variants.hierarchical import hierarchical_bytes
 from pipekit.attention.hierarchical import HierarchicalGroups
 from pipekit.models import get_model_spec
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
@@ -187,7 +184,10 @@ def test_hierarchical_is_refused_where_it_cannot_run() -> None:
         validate(
             [*hierarchical, "--parallelism.cp_ulysses", "2", "--parallelism.cp_across", "spiral"]
         )
-    with pytest.raises(ConfigError, match=r"sets the groups of cp_variant='hierarchical'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"sets the groups of cp_variant='auto' or 'hierarchical' here, not of 'ring'",
+    ):
         validate([*flat, "--parallelism.cp", "4", "--parallelism.cp_variant", "ring",
                   "--parallelism.cp_ulysses", "2"])  # fmt: skip
     assert validate([*hierarchical, "--parallelism.cp_ulysses", "2"]).dims.cp == 4

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from pipekit.attention import context_parallel as context_parallel_module
+from pipekit.attention.across import context_parallel_bytes
 from pipekit.attention.context_parallel import gather_keys_values
-from pipekit.attention.context_parallel_choice import context_parallel_bytes
 from pipekit.attention.kv_cache import ChunkedKVCache
 from pipekit.families.deepseek_v3 import DeepSeekV3, DeepSeekV3Args, deepseek_v3_flavor
 from pipekit.layers.rope import YarnScaling

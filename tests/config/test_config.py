@@ -310,7 +310,7 @@ def test_context_parallel_pipelines_are_checked_before_launch():
         (("--training.seq_len", "248"), "seq_len=248 must be a multiple of 2 x cp x num_slices"),
         (
             ("--parallelism.context_exchange", "true", "--parallelism.cp_variant", "kv_passing"),
-            "use cp_variant = 'commutated' or 'auto'",
+            "use cp_variant = 'auto' or 'commutated'",
         ),
         (
             ("--parallelism.cp_variant", "hybrid"),

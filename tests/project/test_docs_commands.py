@@ -345,6 +345,25 @@ def test_documented_schedule_names_are_the_registry() -> None:
     assert documented == [name for name in schedule_names() if name != "user"]
 
 
+def test_documented_context_parallel_variants_are_the_table() -> None:
+    """The variant table of docs/context_parallel.md has one row per variant pipekit
+    registers, and its sliced-pipeline column says "no" exactly where the entry has no
+    per-slice attention."""
+    from pipekit.attention.across import context_parallel_variant_entry, variants
+
+    lines = (REPO_ROOT / "docs" / "context_parallel.md").read_text().splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("| variant |")))
+    rows = {}
+    for line in lines[header + 2 :]:
+        if not line.startswith("| `"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells
+    assert sorted(rows) == sorted(getattr(variants, entry).name for entry in variants.__all__)
+    for name, cells in rows.items():
+        assert (cells[1] != "no") == context_parallel_variant_entry(name).in_pipelines, name
+
+
 _GENERATED_DOCS = {"api.md", "config.md"}
 """Written by scripts/api_reference.py and `python -m pipekit.config.reference`, whole."""
 _RESULTS_LINES, _FEATURE_DOC_LINES = 300, 250

@@ -76,7 +76,7 @@ INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("tools",),  # timelines, traces, pictures
     ),
     "attention": (
-        ("masks", "merge", "context_parallel_choice"),  # masks, LSE merging, the bytes rule
+        ("masks", "merge"),  # masks, LSE merging
         ("_tiles",),
         ("score_mod",),
         ("cpu_flash",),  # kernels
@@ -88,6 +88,7 @@ INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("kv_cache", "loan_server", "context_parallel"),
         ("context_exchange", "ring", "ulysses"),
         ("hierarchical",),
+        ("across",),  # the context-parallel variant table, its entries, per-slice attention
         ("context",),  # the contexts a model is given
     ),
 }

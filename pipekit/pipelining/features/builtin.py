@@ -8,13 +8,15 @@ parallelism (it plans on the compute lists), activation offload last.
 
 from __future__ import annotations
 
-from pipekit.attention.context_parallel_choice import (
+from pipekit.attention.across import (
+    VariantRules,
+    check_context_parallel,
     check_context_parallel_split,
-    check_context_parallel_variant,
 )
-from pipekit.attention.hierarchical import check_hierarchical
+from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.process_group import hierarchical_groups, new_group_along
 from pipekit.memory.offload_store import store_for
+from pipekit.models.spec import ModelShape
 from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
@@ -24,6 +26,7 @@ from pipekit.pipelining.features.output_passes import with_output_passes
 from pipekit.pipelining.features.registry import (
     FEATURE_OFF,
     FeatureBuilding,
+    FeatureLayout,
     FeaturePlanning,
     PipelineFeature,
     register_pipeline_feature,
@@ -39,36 +42,35 @@ from pipekit.pipelining.runtime.measured_choice import AUTO
 __all__: list[str] = []
 
 
+def _variant_rules(
+    parallelism: ParallelismConfig, model: ModelShape, pipeline: bool, context_exchange: bool
+) -> VariantRules:
+    """What the variant's entry checks: a tensor-parallel rank's heads, the groups, where."""
+    tp = max(parallelism.tp, 1)
+    return VariantRules(
+        cp=parallelism.cp, query_heads=model.num_heads // tp,
+        kv_heads=max(model.num_kv_heads // tp, 1), ulysses_size=parallelism.cp_ulysses,
+        across=parallelism.cp_across, pipeline=pipeline, context_exchange=context_exchange,
+    )  # fmt: skip
+
+
+def _check_context_parallel_layout(layout: FeatureLayout) -> None:
+    """The variant's rules (pipeline or not) and, outside pipelines, a sequence that cuts into
+    2 x cp equal pieces (a pipeline's slices are checked at planning)."""
+    pipeline = layout.dims.pp > 1
+    rules = _variant_rules(layout.parallelism, layout.shape, pipeline, context_exchange=False)
+    check_context_parallel(layout.parallelism.cp_variant, rules)
+    if not pipeline and layout.seq_len is not None:
+        check_context_parallel_split(layout.seq_len, layout.dims.cp)
+
+
 def _check_context_parallel(planning: FeaturePlanning) -> None:
-    """Every slice is cut into 2 x cp equal pieces; context exchange lends KV-cache chunks a
-    context-parallel rank does not hold whole."""
-    parallelism = planning.parallelism
-    check_context_parallel_variant(parallelism.cp_variant)
-    if parallelism.cp_variant == "ring":
-        raise ValueError(
-            "cp_variant='ring' runs on whole sequences, outside pipelines; inside a pipeline "
-            "use commutated, kv_passing, ulysses, hierarchical or auto"
-        )
-    check_context_parallel_split(planning.seq_len, parallelism.cp, planning.num_slices)
-    variant = parallelism.cp_variant
-    if variant == "hierarchical":
-        tp, shape = max(parallelism.tp, 1), planning.model
-        check_hierarchical(
-            parallelism.cp, parallelism.cp_ulysses, parallelism.cp_across,
-            shape.num_heads // tp, max(shape.num_kv_heads // tp, 1), pipeline=True,
-        )  # fmt: skip
-    if "context_exchange" in planning.features and variant in ("ulysses", "hierarchical"):
-        raise ValueError(
-            f"context_exchange = true with cp_variant={variant!r}: a lending slice hands its "
-            "peer this rank's tokens of earlier slices, and a Ulysses cache holds heads "
-            "instead; use cp_variant = 'commutated' or 'auto'"
-        )
-    if "context_exchange" in planning.features and parallelism.cp_variant == "kv_passing":
-        raise ValueError(
-            "context_exchange = true with cp_variant='kv_passing': a lending slice hands its "
-            "peer this rank's share of earlier slices, which only the commutated variant keeps "
-            "at home; use cp_variant = 'commutated' or 'auto' (lending slices run commutated)"
-        )
+    """Every slice is cut into 2 x cp equal pieces; under context exchange the variant must
+    lend."""
+    check_context_parallel_split(planning.seq_len, planning.parallelism.cp, planning.num_slices)
+    context_exchange = "context_exchange" in planning.features
+    rules = _variant_rules(planning.parallelism, planning.model, True, context_exchange)
+    check_context_parallel(planning.parallelism.cp_variant, rules)
 
 
 def _plan_context_parallel(planning: FeaturePlanning) -> tuple[str, int, str]:
@@ -81,7 +83,7 @@ def _build_context_parallel(building: FeatureBuilding) -> PipelineContextParalle
     plan = building.plan
     variant, ulysses_size, across = building.feature_plan
     hierarchy = None
-    if variant == "hierarchical":
+    if ulysses_size:  # the variant takes groups (its rules refuse cp_ulysses otherwise)
         hierarchy = hierarchical_groups(building.mesh, ulysses_size, across)
     return PipelineContextParallel(
         building.mesh["cp"].get_group(),
@@ -154,6 +156,7 @@ for _feature in (
         setting=lambda parallelism: parallelism.cp > 1,
         setting_name="cp > 1",
         order=10,
+        check_layout=_check_context_parallel_layout,
         check=_check_context_parallel,
         plan=_plan_context_parallel,
     ),

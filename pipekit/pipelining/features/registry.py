@@ -63,6 +63,8 @@ class FeatureLayout:
     meta_model: nn.Module
     """The whole model, on the meta device."""
     shape: ModelShape
+    seq_len: int | None = None
+    """The sequence length, None before any batch (rules of length left out)."""
 
 
 @dataclass(frozen=True)
