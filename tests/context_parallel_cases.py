@@ -13,9 +13,9 @@ import torch.distributed as dist
 from attention_reference import alibi_bias, reference_attention
 
 from pipekit.attention import ALIBI, alibi_slopes
+from pipekit.attention.across.hierarchical import HierarchicalGroups
+from pipekit.attention.across.token_shards import load_balanced_indices
 from pipekit.attention.context import ContextParallelAttention
-from pipekit.attention.context_parallel import load_balanced_indices
-from pipekit.attention.hierarchical import HierarchicalGroups
 from pipekit.attention.patterns import AttentionPattern
 
 BATCH, HEADS, KV_HEADS, LENGTH, HEAD_DIM = 2, 4, 2, 32, 8

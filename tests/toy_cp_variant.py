@@ -22,7 +22,7 @@ from pipekit.attention.across import (
     context_parallel_variant_names,
     register_context_parallel_variant,
 )
-from pipekit.attention.context_parallel import CachedShard, TokenShard
+from pipekit.attention.across.token_shards import CachedShard, TokenShard
 
 __all__ = ["TOY", "TOY_LOCAL", "TOY_WHOLE_ONLY"]
 

@@ -1,21 +1,6 @@
 """Attention that returns (out, lse): masks, kernels, exact LSE merge, attention contexts."""
 
-from pipekit.attention.backends import (
-    AttentionBackend,
-    RingBackend,
-    available_backends,
-    get_backend,
-    select_backend,
-    use_backend,
-)
-from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
-from pipekit.attention.context import ContextParallelAttention
-from pipekit.attention.context_parallel import (
-    commutated_context_attention,
-    kv_passing_context_attention,
-    load_balanced_indices,
-)
-from pipekit.attention.exchange import (
+from pipekit.attention.across.lending import (
     AttentionLoan,
     Lending,
     LentChunk,
@@ -23,6 +8,23 @@ from pipekit.attention.exchange import (
     serve_attention_loan,
     serve_attention_loan_backward,
 )
+from pipekit.attention.across.ring import ring_context_attention
+from pipekit.attention.across.token_shards import (
+    commutated_context_attention,
+    kv_passing_context_attention,
+    load_balanced_indices,
+)
+from pipekit.attention.chunked import KVChunk, attention, attention_over_chunks
+from pipekit.attention.context import ContextParallelAttention
+from pipekit.attention.kernels.backends import (
+    AttentionBackend,
+    RingBackend,
+    available_backends,
+    get_backend,
+    select_backend,
+    use_backend,
+)
+from pipekit.attention.kernels.score_mod import ALIBI, ScoreBiasRule, alibi_slopes
 from pipekit.attention.kv_cache import ChunkedKVCache, SliceAttention
 from pipekit.attention.masks import (
     MaskMod,
@@ -37,8 +39,6 @@ from pipekit.attention.masks import (
 )
 from pipekit.attention.merge import merge_attention
 from pipekit.attention.patterns import CAUSAL, AttentionPattern
-from pipekit.attention.ring import ring_context_attention
-from pipekit.attention.score_mod import ALIBI, ScoreBiasRule, alibi_slopes
 
 __all__ = [
     "ALIBI",

@@ -3,7 +3,7 @@
 This is the entry point everything above the kernels uses: plain attention is one chunk; a
 sliced sequence attends to its KV-cache chunks plus its own; context exchange and ring context
 parallelism add chunks computed elsewhere. Gradients are exact for both backend kinds (see
-`pipekit.attention.backends`): by autograd through `merge_attention`, or by
+`pipekit.attention.kernels.backends`): by autograd through `merge_attention`, or by
 `_RingIdentityAttention`, whose backward runs every chunk's kernel backward with the merged output
 and lse. The chunks are saved as they are (never concatenated), so a KV cache costs autograd
 nothing beyond the chunks themselves.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pipekit.attention.backends import AttentionBackend, RingBackend, select_backend
+from pipekit.attention.kernels.backends import AttentionBackend, RingBackend, select_backend
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
 

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipekit.attention.across import WholeSequenceCall, context_parallel_variant_entry
-from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.across.hierarchical import HierarchicalGroups
+from pipekit.attention.across.token_shards import TokenShard
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
-from pipekit.attention.context_parallel import TokenShard
 from pipekit.attention.context_protocol import AttentionContext
-from pipekit.attention.hierarchical import HierarchicalGroups
+from pipekit.attention.kernels.backends import AttentionBackend
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.patterns import (
     AttentionPattern,

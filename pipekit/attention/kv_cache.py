@@ -28,20 +28,18 @@ Legend: B batch, H query heads, G kv heads, S slice length, D head dim.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
-from pipekit.attention.exchange import Lending, LentChunk, attention_with_lending
+from pipekit.attention.kernels.backends import AttentionBackend
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.patterns import (
     AttentionPattern,
     block_mask,
     block_visible,
-    is_causal,
 )
 
 __all__ = ["CachedSlice", "ChunkedKVCache", "SliceAttention"]
@@ -360,38 +358,3 @@ class SliceAttention:
             for index, cached in enumerate(earlier)
             if block_visible(pattern, tokens.start, len(tokens), cached.start, cached.length)
         ]
-
-    def lent_attention(
-        self,
-        q_BHSD: Tensor,
-        lendable: list[LentChunk],
-        own: KVChunk,
-        lendings: tuple[Lending, Lending],
-        scale: float,
-        pattern: AttentionPattern | None = None,
-        lendable_slices: Sequence[CachedSlice] = (),
-        sinks_H: Tensor | None = None,
-    ) -> Tensor:
-        """`attention` with some earlier slices (`lendable`, cached as `lendable_slices`)
-        computed by pipeline peers (context exchange): `lendings` says which, in forward and
-        in backward."""
-        q_tokens_S = None
-        if not is_causal(pattern):  # the peers mask by token indices
-            device, tokens = q_BHSD.device, self.token_range
-            q_tokens_S = torch.arange(tokens.start, tokens.stop, device=device)
-            lendable = [
-                replace(chunk, tokens_K=torch.arange(c.start, c.start + c.length, device=device))
-                for chunk, c in zip(lendable, lendable_slices, strict=True)
-            ]
-        return attention_with_lending(
-            q_BHSD,
-            [own],
-            lendable,
-            *lendings,
-            q_document_ids_BS=self.document_ids_BS,
-            scale=scale,
-            backend=self.cache.backend,
-            q_tokens_S=q_tokens_S,
-            pattern=pattern,
-            sinks_H=sinks_H,
-        )[0]

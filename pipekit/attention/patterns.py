@@ -13,7 +13,7 @@ A pattern may also modify the scores it allows: an additive `score_bias` by head
 indices (ALiBi), then a `softcap`. The bias reads one value per query head (`bias_H`, ALiBi's
 slopes), which the layer hands to `attend` with its q, k, v: a rank holding some of the heads
 passes its own heads' values. Its mask then carries the chunk's score_mod
-(`pipekit.attention.score_mod`), which every kernel applies.
+(`pipekit.attention.kernels.score_mod`), which every kernel applies.
 
 Every pattern is causal at heart: a query never sees a later key, except inside a bidirectional
 prefix. Under slicing the prefix must fit in the first slice (a slice cannot see keys that are
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from pipekit.attention.kernels.score_mod import ALIBI, ScoreBiasRule, ScoredMask, token_score_mod
 from pipekit.attention.masks import (
     MaskMod,
     and_masks,
@@ -37,7 +38,6 @@ from pipekit.attention.masks import (
     document_mask,
     documents_or_all,
 )
-from pipekit.attention.score_mod import ALIBI, ScoreBiasRule, ScoredMask, token_score_mod
 
 __all__ = [
     "CAUSAL",

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pipekit.attention import attention, causal_mask, get_backend
-from pipekit.attention.flex import MIN_CPU_HEAD_DIM, compiled_flex_attention
+from pipekit.attention.kernels.flex import MIN_CPU_HEAD_DIM, compiled_flex_attention
 from pipekit.bench.report import machine_description, print_result, print_table, time_call
 
 __all__ = ["main"]

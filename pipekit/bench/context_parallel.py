@@ -217,8 +217,8 @@ def _hierarchical_slices(options: argparse.Namespace) -> dict[str, float]:
 
 def _measure_worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Each variant over the slices of one sequence: bytes sent (forward, backward) and time."""
-    import pipekit.attention.context_parallel as cp_module
-    from pipekit.attention.context_parallel import (
+    import pipekit.attention.across.token_shards as cp_module
+    from pipekit.attention.across.token_shards import (
         CachedShard,
         TokenShard,
         commutated_context_attention,

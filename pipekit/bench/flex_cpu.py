@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from pipekit._torch_private import inductor_cache_dir, more_recompiles
 from pipekit.attention import causal_mask
-from pipekit.attention.flex import MIN_CPU_HEAD_DIM, FlexBackend, compiled_flex_attention
+from pipekit.attention.kernels.flex import MIN_CPU_HEAD_DIM, FlexBackend, compiled_flex_attention
 from pipekit.bench.report import machine_description, print_result, print_table
 
 __all__ = ["main"]

@@ -19,7 +19,7 @@ from typing import NoReturn
 import torch
 from safetensors.torch import save_file
 
-from pipekit.attention.backends import use_backend
+from pipekit.attention.kernels.backends import use_backend
 from pipekit.checkpoint.safetensors_io import SafetensorsCheckpoint
 from pipekit.models.registry import spec_for_checkpoint
 

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.across.hierarchical import HierarchicalGroups
+from pipekit.attention.across.token_shards import context_parallel_tokens
 from pipekit.attention.context import ContextParallelAttention
-from pipekit.attention.context_parallel import context_parallel_tokens
-from pipekit.attention.hierarchical import HierarchicalGroups
+from pipekit.attention.kernels.backends import AttentionBackend
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.process_group import hierarchical_groups
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipekit.attention.hierarchical import HierarchicalGroups
+from pipekit.attention.across.hierarchical import HierarchicalGroups
 
 __all__ = [
     "DistributedInfo",

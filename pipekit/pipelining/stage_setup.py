@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from pipekit.attention.loan_wire import DEFAULT_LOAN_TIMEOUT
+from pipekit.attention.across.loan_wire import DEFAULT_LOAN_TIMEOUT
 from pipekit.layers.loss import token_sum_cross_entropy
 from pipekit.pipelining.runtime.extension import LossFn
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
 from pipekit._torch_private import flatten_mesh
-from pipekit.attention.context_parallel import context_parallel_tokens
+from pipekit.attention.across.token_shards import context_parallel_tokens
 from pipekit.config.job_config import ParallelismConfig, TrainingConfig
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims

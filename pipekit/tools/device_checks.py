@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipekit.attention.backends import get_backend
+from pipekit.attention.kernels.backends import get_backend
 from pipekit.attention.masks import causal_mask
 from pipekit.memory.offload import ActivationOffloader
 from pipekit.memory.offload_store import store_for

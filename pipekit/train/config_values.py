@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import fields, is_dataclass
 
-from pipekit.attention.backends import available_backends
+from pipekit.attention.kernels.backends import available_backends
 from pipekit.checkpoint.dcp import EXPORT_DTYPES
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError

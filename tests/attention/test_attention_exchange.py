@@ -19,10 +19,7 @@ import torch
 import torch.distributed as dist
 from attention_reference import dense_allowed, reference_attention
 
-from pipekit.attention.backends import AutogradRingBackend
-from pipekit.attention.chunked import KVChunk, attention_over_chunks
-from pipekit.attention.cpu_flash import CpuFlashBackend
-from pipekit.attention.exchange import (
+from pipekit.attention.across.lending import (
     AttentionLoan,
     Lending,
     LentChunk,
@@ -30,7 +27,10 @@ from pipekit.attention.exchange import (
     serve_attention_loan,
     serve_attention_loan_backward,
 )
-from pipekit.attention.loan_server import LoanRequest, LoanServer, ServingChain
+from pipekit.attention.across.loan_server import LoanRequest, LoanServer, ServingChain
+from pipekit.attention.chunked import KVChunk, attention_over_chunks
+from pipekit.attention.kernels.backends import AutogradRingBackend
+from pipekit.attention.kernels.cpu_flash import CpuFlashBackend
 from pipekit.attention.masks import causal_within_documents, documents_or_all
 from pipekit.testing import RankFailedError, run_on_ranks
 

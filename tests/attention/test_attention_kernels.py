@@ -26,9 +26,9 @@ from pipekit.attention import (
     sliding_window_mask,
     use_backend,
 )
-from pipekit.attention import flex as flex_module
-from pipekit.attention.cpu_flash import CpuFlashBackend
-from pipekit.attention.flex import (
+from pipekit.attention.kernels import flex as flex_module
+from pipekit.attention.kernels.cpu_flash import CpuFlashBackend
+from pipekit.attention.kernels.flex import (
     MIN_CPU_HEAD_DIM,
     MIN_CUDA_HEAD_DIM,
     FlexKernelMismatchError,
@@ -187,8 +187,8 @@ _AVX2_PROBE = textwrap.dedent(
     import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from pipekit.attention import causal_mask
-    from pipekit.attention.cpu_flash import CpuFlashBackend
-    from pipekit.attention.flex import FlexKernelMismatchError, check_flex_against_reference
+    from pipekit.attention.kernels.cpu_flash import CpuFlashBackend
+    from pipekit.attention.kernels.flex import FlexKernelMismatchError, check_flex_against_reference
 
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
     torch._dynamo.config.recompile_limit = 64

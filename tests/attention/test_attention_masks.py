@@ -13,7 +13,7 @@ from pipekit.attention import (
     or_masks,
     sliding_window_mask,
 )
-from pipekit.attention._tiles import evaluate_mask, iter_tiles, whole_problem_tile
+from pipekit.attention.kernels._tiles import evaluate_mask, iter_tiles, whole_problem_tile
 
 DOCS_BS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]])
 

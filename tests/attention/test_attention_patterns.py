@@ -248,8 +248,8 @@ def test_score_bias_values_are_checked_before_any_attention():
 @pytest.mark.parametrize("name", ["rule", "bias rule"])
 def test_context_exchange_refuses_a_pattern_made_of_code(name):
     """What a peer cannot rebuild from numbers is refused before anything is sent."""
-    from pipekit.attention.exchange import AttentionLoan, QueryPositions
-    from pipekit.attention.loan_wire import send_request
+    from pipekit.attention.across.lending import AttentionLoan, QueryPositions
+    from pipekit.attention.across.loan_wire import send_request
 
     q, _, _ = _qkv(8)
     positions = QueryPositions(None, torch.arange(8), PATTERNS[name])

@@ -33,26 +33,26 @@ from toy_cp_variant import TOY_LOCAL
 
 import examples.custom_model.model as custom
 import pipekit.testing.data_parallel as data_parallel_module
-from pipekit.attention import ulysses as ulysses_module
 from pipekit.attention.across import (
     choose_context_parallel,
     context_parallel_bytes,
 )
-from pipekit.attention.context_parallel import (
+from pipekit.attention.across import ulysses as ulysses_module
+from pipekit.attention.across.lending import (
+    AttentionLoan,
+    Lending,
+    serve_attention_loan,
+    serve_attention_loan_backward,
+)
+from pipekit.attention.across.ring import ring_context_attention
+from pipekit.attention.across.token_shards import (
     CachedShard,
     TokenShard,
     commutated_context_attention,
     kv_passing_context_attention,
     load_balanced_indices,
 )
-from pipekit.attention.exchange import (
-    AttentionLoan,
-    Lending,
-    serve_attention_loan,
-    serve_attention_loan_backward,
-)
 from pipekit.attention.patterns import AttentionPattern
-from pipekit.attention.ring import ring_context_attention
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.models import get_model_spec
 from pipekit.testing import (
@@ -389,7 +389,7 @@ def test_ulysses_is_refused_where_it_cannot_run() -> None:
     """Heads that do not split over the cp ranks (after tp), ring inside a pipeline, and
     Ulysses under context exchange (which lends token shards) are refused before launch with
     one line; Ulysses in a sliced pipeline plans."""
-    from pipekit.attention.ulysses import check_ulysses_heads
+    from pipekit.attention.across.ulysses import check_ulysses_heads
     from pipekit.config import ConfigError, load_job_config
     from pipekit.train.job import validate_job
 

@@ -23,10 +23,10 @@ from context_parallel_cases import (
 )
 from tiny_models import TINY_LLAMA
 
-from pipekit.attention import ulysses as ulysses_module
 from pipekit.attention.across import context_parallel_bytes, context_parallel_variant
+from pipekit.attention.across import ulysses as ulysses_module
+from pipekit.attention.across.hierarchical import HierarchicalGroups
 from pipekit.attention.across.variants.hierarchical import hierarchical_bytes
-from pipekit.attention.hierarchical import HierarchicalGroups
 from pipekit.models import get_model_spec
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
 from pipekit.pipelining.runtime.runner import PipelineRunner

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from pipekit.attention import context_parallel as context_parallel_module
 from pipekit.attention.across import context_parallel_bytes
-from pipekit.attention.context_parallel import gather_keys_values
+from pipekit.attention.across import token_shards as context_parallel_module
+from pipekit.attention.across.token_shards import gather_keys_values
 from pipekit.attention.kv_cache import ChunkedKVCache
 from pipekit.families.deepseek_v3 import DeepSeekV3, DeepSeekV3Args, deepseek_v3_flavor
 from pipekit.layers.rope import YarnScaling
@@ -175,7 +175,7 @@ def test_ulysses_gathers_a_latent_once_instead_of_repeating_it_per_head() -> Non
     """Kv heads fewer than the cp ranks (the latent's one) are all-gathered whole, once: the
     bytes rule counts (cp-1)/cp x T x C for them, not heads x C; kv heads that neither split
     over the ranks nor divide them are refused."""
-    from pipekit.attention.ulysses import check_ulysses_heads
+    from pipekit.attention.across.ulysses import check_ulysses_heads
 
     tokens, cp, heads, latent = 1024, 4, 128, 576
     shape = {"slice_index": 0, "slice_tokens": tokens, "cp": cp, "q_heads": heads}

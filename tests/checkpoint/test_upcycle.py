@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from tiny_models import TINY_LLAMA
 from torch import nn
 
-from pipekit.attention.backends import use_backend
+from pipekit.attention.kernels.backends import use_backend
 from pipekit.checkpoint import CheckpointError, SafetensorsCheckpoint, TensorRead
 from pipekit.checkpoint import upcycle as upcycle_module
 from pipekit.checkpoint.block_sources import BlockSource, CheckpointBlock, fill_from_sources

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipekit.attention.backends import available_backends
+from pipekit.attention.kernels.backends import available_backends
 from pipekit.config import ConfigError, JobConfig, help_text, load_job_config
 from pipekit.config.dump import dump_toml
 from pipekit.config.loader import field_docs, to_dict

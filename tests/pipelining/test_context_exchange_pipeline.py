@@ -182,7 +182,7 @@ def test_one_group_for_both_directions_is_refused() -> None:
 
 
 def _wait_for_a_dead_peer(rank: int, world: int) -> None:
-    from pipekit.attention.exchange import AttentionLoan
+    from pipekit.attention.across.lending import AttentionLoan
 
     if rank == 0:
         AttentionLoan(1, timeout=timedelta(seconds=1)).receive(torch.empty(1))

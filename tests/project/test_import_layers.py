@@ -77,19 +77,29 @@ INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     ),
     "attention": (
         ("masks", "merge"),  # masks, LSE merging
+        ("kernels",),  # kernels returning (out, lse), and the table that picks one
+        ("patterns",),  # a layer's attention pattern
+        ("chunked", "context_protocol"),  # attention over K/V chunks; what a context is
+        ("kv_cache",),  # the sliced pipeline's chunked KV cache
+        ("across",),  # attention across ranks: context parallelism and context exchange
+        ("context",),  # the contexts a model is given
+    ),
+    "attention.kernels": (
         ("_tiles",),
         ("score_mod",),
-        ("cpu_flash",),  # kernels
+        ("cpu_flash",),
         ("flex",),
-        ("backends", "patterns"),  # the kernel table; a layer's attention pattern
-        ("chunked", "context_protocol"),  # attention over K/V chunks; what a context is
+        ("backends",),
+    ),
+    "attention.across": (
         ("loan_wire",),  # context exchange's messages
-        ("exchange",),
-        ("kv_cache", "loan_server", "context_parallel"),
-        ("context_exchange", "ring", "ulysses"),
+        ("lending",),  # lending attention to a pipeline peer
+        ("loan_server", "token_shards"),  # answering loans; KV passing and commutated kernels
+        ("exchange_context", "ring", "ulysses"),
         ("hierarchical",),
-        ("across",),  # the context-parallel variant table, its entries, per-slice attention
-        ("context",),  # the contexts a model is given
+        ("variant_table",),  # the context-parallel variant table
+        ("slice_attention",),  # a slice's attention over token-shard caches
+        ("variants",),  # pipekit's entries
     ),
 }
 """The order inside a package that keeps one (its subpackages and top modules, lowest first),

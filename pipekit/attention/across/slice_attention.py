@@ -15,19 +15,19 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 from torch import Tensor
 
+from pipekit.attention.across.lending import Lending, LentChunk
+from pipekit.attention.across.token_shards import (
+    CachedShard,
+    TokenShard,
+    commutated_context_attention,
+)
 from pipekit.attention.across.variant_table import (
     SliceSharding,
     context_parallel_variant,
     context_parallel_variant_entry,
 )
-from pipekit.attention.backends import AttentionBackend
 from pipekit.attention.chunked import KVChunk
-from pipekit.attention.context_parallel import (
-    CachedShard,
-    TokenShard,
-    commutated_context_attention,
-)
-from pipekit.attention.exchange import Lending, LentChunk
+from pipekit.attention.kernels.backends import AttentionBackend
 from pipekit.attention.kv_cache import CachedSlice, SliceAttention
 from pipekit.attention.patterns import AttentionPattern
 

@@ -21,10 +21,10 @@ from typing import Protocol
 import torch.distributed as dist
 from torch import Tensor
 
-from pipekit.attention.backends import AttentionBackend
-from pipekit.attention.context_parallel import CachedShard, TokenShard
+from pipekit.attention.across.hierarchical import HierarchicalGroups
+from pipekit.attention.across.token_shards import CachedShard, TokenShard
 from pipekit.attention.context_protocol import AttentionContext
-from pipekit.attention.hierarchical import HierarchicalGroups
+from pipekit.attention.kernels.backends import AttentionBackend
 from pipekit.attention.kv_cache import SliceAttention
 from pipekit.attention.patterns import AttentionPattern
 

@@ -51,22 +51,22 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
 
-from pipekit.attention.backends import AttentionBackend
-from pipekit.attention.context import AttentionContext
-from pipekit.attention.context_exchange import (
+from pipekit.attention.across.exchange_context import (
     ContextExchangeAttention,
     PassExchange,
     SliceExchange,
     exchange_loan,
 )
-from pipekit.attention.kv_cache import CachedSlice, ChunkedKVCache, SliceAttention
-from pipekit.attention.loan_server import LoanRequest, LoanServer, ServingChain
-from pipekit.attention.loan_wire import (
+from pipekit.attention.across.loan_server import LoanRequest, LoanServer, ServingChain
+from pipekit.attention.across.loan_wire import (
     DEFAULT_LOAN_TIMEOUT,
     AttentionLoan,
     LentChunk,
     send_lent_chunks,
 )
+from pipekit.attention.context import AttentionContext
+from pipekit.attention.kernels.backends import AttentionBackend
+from pipekit.attention.kv_cache import CachedSlice, ChunkedKVCache, SliceAttention
 from pipekit.attention.patterns import block_visible, is_causal
 from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action, ComputationType
 from pipekit.pipelining.features.exchange_plan import ExchangePlan, plan_context_exchange

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipekit.attention.across import context_parallel_variant_entry, slice_variant
+from pipekit.attention.across.hierarchical import HierarchicalGroups
+from pipekit.attention.across.token_shards import load_balanced_indices
 from pipekit.attention.context import AttentionContext
-from pipekit.attention.context_parallel import load_balanced_indices
-from pipekit.attention.hierarchical import HierarchicalGroups
 from pipekit.attention.kv_cache import SliceAttention
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.runtime.extension import PipelineExtension

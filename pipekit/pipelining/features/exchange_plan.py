@@ -14,7 +14,7 @@ The plan, a pure function of the action lists:
   start at one step form a moment. In the sliced 1F1B steady state neighbouring ranks run
   different kinds (ranks 0 and 2 forward while 1 and 3 go backward), so a moment mixes kinds;
   that is fine, because the partner answers the borrowed requests on helper threads beside its
-  own pass, whichever way that pass walks the layers (`pipekit.attention.loan_server`).
+  own pass, whichever way that pass walks the layers (`pipekit.attention.across.loan_server`).
 - **Balance.** Work is counted in forward-slice units: a KV slice of a forward pass is 1, of a
   backward pass `backward_ratio`. Ranks above the moment's mean give one KV slice at a time to
   the rank furthest below it, while the giver is half a slice or more above the mean and the

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.kernels.backends import AttentionBackend
 from pipekit.attention.kv_cache import ChunkedKVCache
 from pipekit.layers.sequence_statistics import SequenceStatistics, sequence_scope
 from pipekit.memory.tracker import track_tensor, untrack_tensor

@@ -5,9 +5,9 @@ same for every slice and the cache stays home, which context exchange's lending 
 from __future__ import annotations
 
 from pipekit.attention.across.slice_attention import ContextParallelSliceAttention
+from pipekit.attention.across.token_shards import commutated_context_attention
 from pipekit.attention.across.variant_table import ContextParallelVariant
 from pipekit.attention.across.variants._shares import sent_share
-from pipekit.attention.context_parallel import commutated_context_attention
 
 __all__ = ["COMMUTATED", "commutated_bytes"]
 

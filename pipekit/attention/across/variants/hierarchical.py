@@ -1,12 +1,15 @@
 """Hierarchical context parallelism: Ulysses inside groups of `cp_ulysses` adjacent cp ranks,
-a token-shard variant (`cp_across`) across the groups (`pipekit.attention.hierarchical`); the
+a token-shard variant (`cp_across`) across the groups (`pipekit.attention.across.hierarchical`); the
 heads split only over a group, so models with fewer heads than cp ranks use them all."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from pipekit.attention.across.hierarchical import hierarchical_context_attention
 from pipekit.attention.across.slice_attention import AcrossGroups, ContextParallelSliceAttention
+from pipekit.attention.across.token_shards import TokenShard
+from pipekit.attention.across.ulysses import UlyssesSliceAttention, check_ulysses_heads, heads_split
 from pipekit.attention.across.variant_table import (
     ContextParallelVariant,
     SliceSharding,
@@ -18,12 +21,9 @@ from pipekit.attention.across.variant_table import (
     context_parallel_variant_names,
     resolve_over_group,
 )
-from pipekit.attention.context_parallel import TokenShard
 from pipekit.attention.context_protocol import AttentionContext
-from pipekit.attention.hierarchical import hierarchical_context_attention
 from pipekit.attention.kv_cache import SliceAttention
 from pipekit.attention.patterns import AttentionPattern
-from pipekit.attention.ulysses import UlyssesSliceAttention, check_ulysses_heads, heads_split
 
 __all__ = ["HIERARCHICAL", "across_variants", "check_hierarchical", "hierarchical_bytes"]
 

@@ -5,9 +5,9 @@ slices under grouped-query attention."""
 from __future__ import annotations
 
 from pipekit.attention.across.slice_attention import ContextParallelSliceAttention
+from pipekit.attention.across.token_shards import kv_passing_context_attention
 from pipekit.attention.across.variant_table import ContextParallelVariant
 from pipekit.attention.across.variants._shares import kv_tensor_count, sent_share
-from pipekit.attention.context_parallel import kv_passing_context_attention
 
 __all__ = ["KV_PASSING", "kv_passing_bytes"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from pipekit.attention.across.ring import ring_context_attention
 from pipekit.attention.across.variant_table import ContextParallelVariant, WholeSequenceCall
 from pipekit.attention.across.variants.kv_passing import kv_passing_bytes
-from pipekit.attention.ring import ring_context_attention
 
 __all__ = ["RING"]
 

@@ -1,11 +1,18 @@
 """Ulysses (DeepSpeed-Ulysses): an all-to-all from token shards to head shards and back
-(`pipekit.attention.ulysses`); in a sliced pipeline every slice, the cache holding this rank's
-heads of every token. The (tensor-parallel rank's) query heads must split over the cp ranks."""
+(`pipekit.attention.across.ulysses`); in a sliced pipeline every slice, the cache holding this
+rank's heads of every token. The (tensor-parallel rank's) query heads must split over the cp
+ranks."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from pipekit.attention.across.ulysses import (
+    UlyssesSliceAttention,
+    check_ulysses_heads,
+    heads_split,
+    ulysses_context_attention,
+)
 from pipekit.attention.across.variant_table import (
     ContextParallelVariant,
     SliceSharding,
@@ -15,12 +22,6 @@ from pipekit.attention.across.variant_table import (
 from pipekit.attention.across.variants._shares import kv_tensor_count, sent_share
 from pipekit.attention.context_protocol import AttentionContext
 from pipekit.attention.kv_cache import SliceAttention
-from pipekit.attention.ulysses import (
-    UlyssesSliceAttention,
-    check_ulysses_heads,
-    heads_split,
-    ulysses_context_attention,
-)
 
 __all__ = ["ULYSSES", "ulysses_bytes"]
 

@@ -2,8 +2,8 @@
 
 In a sliced pipeline with context exchange (SlimPipe §4.2) a heavy pass lends part of its
 attention to a pass that runs at the same time on a light rank, and the light pass serves it
-(`pipekit.pipelining.features.exchange_plan` decides who, `pipekit.attention.exchange` moves
-the data, `pipekit.attention.loan_server` answers).
+(`pipekit.pipelining.features.exchange_plan` decides who, `pipekit.attention.across.lending` moves
+the data, `pipekit.attention.across.loan_server` answers).
 This context lends for one slice on one stage, layer by layer: each layer's query attends to the
 slice's own chunk here and to its earlier KV slices (from the chunked KV cache). The forward pass
 lends some of them to its peers, and the forward records what the slice's backward pass lends, so
@@ -19,8 +19,9 @@ Legend: B batch, H query heads, G kv heads, S slice length, D head dim.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Protocol
 
@@ -28,13 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipekit.attention.backends import AttentionBackend
+from pipekit.attention.across.lending import Lending, LentChunk, attention_with_lending
+from pipekit.attention.across.loan_server import LoanRequest
+from pipekit.attention.across.loan_wire import DEFAULT_LOAN_TIMEOUT, AttentionLoan
 from pipekit.attention.chunked import KVChunk
-from pipekit.attention.exchange import Lending, LentChunk
-from pipekit.attention.kv_cache import CachedSlice
-from pipekit.attention.loan_server import LoanRequest
-from pipekit.attention.loan_wire import DEFAULT_LOAN_TIMEOUT, AttentionLoan
-from pipekit.attention.patterns import AttentionPattern
+from pipekit.attention.kernels.backends import AttentionBackend
+from pipekit.attention.kv_cache import CachedSlice, SliceAttention
+from pipekit.attention.patterns import AttentionPattern, is_causal
 
 __all__ = [
     "ContextExchangeAttention",
@@ -42,15 +43,16 @@ __all__ = [
     "PassExchange",
     "SliceExchange",
     "exchange_loan",
+    "lent_over_cache",
 ]
 
 Backend = str | AttentionBackend
 
 
 class LendingAttention(Protocol):
-    """The slice attention an exchange wraps: `SliceAttention` (the KV cache), or its context
-    parallel form, which lends the rank's share of each earlier slice for every cp rank's
-    queries."""
+    """The slice attention an exchange wraps besides the plain KV cache's (`SliceAttention`,
+    which lends by `lent_over_cache`): its context-parallel form, which lends the rank's share
+    of each earlier slice for every cp rank's queries."""
 
     recomputing: bool
     backend: Backend
@@ -188,12 +190,55 @@ class _DropGradient(torch.autograd.Function):
         return torch.zeros_like(grad)
 
 
+def lent_over_cache(
+    sliced: SliceAttention,
+    q_BHSD: Tensor,
+    lendable: list[LentChunk],
+    own: KVChunk,
+    lendings: tuple[Lending, Lending],
+    scale: float,
+    pattern: AttentionPattern | None = None,
+    lendable_slices: Sequence[CachedSlice] = (),
+    sinks_H: Tensor | None = None,
+) -> Tensor:
+    """A plain KV cache's attention (`sliced`) with some earlier slices (`lendable`, cached as
+    `lendable_slices`) computed by pipeline peers: `lendings` says which, in forward and in
+    backward."""
+    q_tokens_S = None
+    if not is_causal(pattern):  # the peers mask by token indices
+        device, tokens = q_BHSD.device, sliced.token_range
+        q_tokens_S = torch.arange(tokens.start, tokens.stop, device=device)
+        lendable = [
+            replace(chunk, tokens_K=torch.arange(c.start, c.start + c.length, device=device))
+            for chunk, c in zip(lendable, lendable_slices, strict=True)
+        ]
+    return attention_with_lending(
+        q_BHSD,
+        [own],
+        lendable,
+        *lendings,
+        q_document_ids_BS=sliced.document_ids_BS,
+        scale=scale,
+        backend=sliced.cache.backend,
+        q_tokens_S=q_tokens_S,
+        pattern=pattern,
+        sinks_H=sinks_H,
+    )[0]
+
+
 class ContextExchangeAttention:
     """AttentionContext of one slice whose forward or backward pass lends attention (see the
     module doc); otherwise it attends exactly as its `SliceAttention`."""
 
-    def __init__(self, slice_attention: LendingAttention, exchange: SliceExchange) -> None:
+    def __init__(
+        self, slice_attention: SliceAttention | LendingAttention, exchange: SliceExchange
+    ) -> None:
         self.slice_attention, self.exchange = slice_attention, exchange
+        self._lent_attention: Callable[..., Tensor] = (
+            functools.partial(lent_over_cache, slice_attention)
+            if isinstance(slice_attention, SliceAttention)
+            else slice_attention.lent_attention
+        )
         self.forward_calls = 0
         self._backward_lending_started = False
 
@@ -231,7 +276,7 @@ class ContextExchangeAttention:
                 exchange.lending(lend_backward).restricted(visible),
             )
             lendable_slices = [earlier[index] for index in visible]
-            out_BHSD = sliced.lent_attention(
+            out_BHSD = self._lent_attention(
                 q_BHSD, lendable, own, lendings, scale, pattern, lendable_slices, sinks_H
             )
         else:

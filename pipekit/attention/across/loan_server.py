@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from pipekit.attention.backends import AttentionBackend
-from pipekit.attention.exchange import answer_loan
-from pipekit.attention.loan_wire import AttentionLoan, receive_lent_chunks, receive_loan
+from pipekit.attention.across.lending import answer_loan
+from pipekit.attention.across.loan_wire import AttentionLoan, receive_lent_chunks, receive_loan
+from pipekit.attention.kernels.backends import AttentionBackend
 
 __all__ = ["LoanRequest", "LoanServer", "ServingChain"]
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from pipekit.attention._tiles import evaluate_mask, index_grids
+from pipekit.attention.kernels._tiles import evaluate_mask, index_grids
 from pipekit.attention.masks import MaskMod
 
 __all__ = [

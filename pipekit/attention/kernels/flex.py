@@ -22,7 +22,7 @@ anyway for the lse, so the check costs one comparison), raising `FlexKernelMisma
 of returning wrong values on a CPU or shape nobody has swept. A one-time probe per shape would
 not do: a run that happens to read the right values proves nothing about the next one.
 
-Score modifications (a pattern's bias or soft cap, `pipekit.attention.score_mod`) go to
+Score modifications (a pattern's bias or soft cap, `pipekit.attention.kernels.score_mod`) go to
 FlexAttention as its `score_mod`; on CPU the reference output and lse come from the `cpu`
 backend, which computes them by materialising the chunk's scores.
 
@@ -44,10 +44,10 @@ from torch.nn.attention.flex_attention import (
 )
 
 from pipekit._torch_private import more_recompiles
-from pipekit.attention._tiles import mask_dependence
-from pipekit.attention.cpu_flash import CpuFlashBackend
+from pipekit.attention.kernels._tiles import mask_dependence
+from pipekit.attention.kernels.cpu_flash import CpuFlashBackend
+from pipekit.attention.kernels.score_mod import split_score_mod
 from pipekit.attention.masks import MaskMod
-from pipekit.attention.score_mod import split_score_mod
 
 __all__ = [
     "MIN_CPU_HEAD_DIM",

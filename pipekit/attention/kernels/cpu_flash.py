@@ -12,7 +12,7 @@ autograd function over all KV chunks (see `pipekit.attention.chunked`). Masks: t
 dense additive masks and top-left causal, so masks are evaluated per tile (`_tiles`); fully masked
 tiles are skipped. GQA: each KV tile is expanded to the query heads just before its call. The op
 has no score hook: a chunk whose scores its pattern modifies (a bias, a soft cap: a
-`ScoredMask`) runs on `pipekit.attention.score_mod.ScoreModKernel` instead.
+`ScoredMask`) runs on `pipekit.attention.kernels.score_mod.ScoreModKernel` instead.
 
 Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
 """
@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 
 from pipekit._torch_private import cpu_flash_attention_backward, cpu_flash_attention_forward
-from pipekit.attention._tiles import Tile, iter_tiles, whole_problem_tile
+from pipekit.attention.kernels._tiles import Tile, iter_tiles, whole_problem_tile
+from pipekit.attention.kernels.score_mod import ScoredMask, ScoreModKernel
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.merge import merge_attention
-from pipekit.attention.score_mod import ScoredMask, ScoreModKernel
 
 __all__ = ["CpuFlashBackend"]
 

@@ -9,7 +9,7 @@ in one of two ways, declared by `lse_has_grad`:
 
 `"auto"` picks `flex` on CUDA and `cpu` on CPU: on CPU, flex runs the CPU kernel as well (for
 its lse and to check its output), so it is never the faster choice there, and it refuses head
-dims its kernel gets wrong (`pipekit.attention.flex`). `use_backend(name)` overrides the
+dims its kernel gets wrong (`pipekit.attention.kernels.flex`). `use_backend(name)` overrides the
 automatic choice for a region of code.
 `ring_backend` turns a backend of the first kind into one of the second (`AutogradRingBackend`),
 for code that needs per-chunk backwards (context exchange).
@@ -24,8 +24,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from pipekit.attention.cpu_flash import CpuFlashBackend
-from pipekit.attention.flex import FlexBackend
+from pipekit.attention.kernels.cpu_flash import CpuFlashBackend
+from pipekit.attention.kernels.flex import FlexBackend
 from pipekit.attention.masks import MaskMod
 
 __all__ = [

@@ -21,7 +21,7 @@ at the end); a lender posts the receives of all its peers' answers at once, befo
 since a gloo or NCCL send may not complete until its receive is posted, and a server waits for its
 answer's send. The messages themselves (headers with the shapes and the softmax scale, the lent
 chunks, which may also go ahead of the request for early KV exchange) are
-`pipekit.attention.loan_wire`'s. A server may split its work in two: `receive_loan`, then
+`pipekit.attention.across.loan_wire`'s. A server may split its work in two: `receive_loan`, then
 `answer_loan`.
 
 The gradients use the ring identity (each chunk's kernel backward with the merged `O` and
@@ -42,15 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
-from pipekit.attention.backends import (
-    AttentionBackend,
-    RingBackend,
-    get_backend,
-    ring_backend,
-    select_backend,
-)
-from pipekit.attention.chunked import KVChunk, ring_backward
-from pipekit.attention.loan_wire import (
+from pipekit.attention.across.loan_wire import (
     AttentionLoan,
     LentChunk,
     QueryPositions,
@@ -61,6 +53,14 @@ from pipekit.attention.loan_wire import (
     send_lent_chunks,
     send_request,
     wait_all,
+)
+from pipekit.attention.chunked import KVChunk, ring_backward
+from pipekit.attention.kernels.backends import (
+    AttentionBackend,
+    RingBackend,
+    get_backend,
+    ring_backend,
+    select_backend,
 )
 from pipekit.attention.masks import MaskMod
 from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient

@@ -17,7 +17,7 @@ lender would; a pattern with a `rule` or a score-bias rule (code) cannot travel 
 A request may carry no chunk at all (every chunk its plan lends lies outside the layer's
 window): the server answers it with an empty attention.
 
-The attention computed on either side is `pipekit.attention.exchange`'s.
+The attention computed on either side is `pipekit.attention.across.lending`'s.
 
 Legend: B batch, H query heads, G kv heads, S queries, K keys, D head dim.
 """
@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipekit.attention.chunked import KVChunk
+from pipekit.attention.kernels.score_mod import ALIBI
 from pipekit.attention.masks import MaskMod, documents_or_all
 from pipekit.attention.patterns import AttentionPattern, is_causal
-from pipekit.attention.score_mod import ALIBI
 
 __all__ = [
     "DEFAULT_LOAN_TIMEOUT",

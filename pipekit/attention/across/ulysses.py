@@ -29,15 +29,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipekit.attention.backends import AttentionBackend
-from pipekit.attention.chunked import KVChunk, attention_over_chunks
-from pipekit.attention.context_parallel import (
+from pipekit.attention.across.token_shards import (
     TokenShard,
     gather_keys_values,
     gather_token_shards,
     shard_mask,
 )
+from pipekit.attention.chunked import KVChunk, attention_over_chunks
 from pipekit.attention.context_protocol import AttentionContext
+from pipekit.attention.kernels.backends import AttentionBackend
 from pipekit.attention.kv_cache import SliceAttention
 from pipekit.attention.merge import check_sinks
 from pipekit.attention.patterns import AttentionPattern

@@ -20,16 +20,16 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import Tensor
 
-from pipekit.attention.context_parallel import TokenShard
-from pipekit.attention.merge import check_sinks
-from pipekit.attention.patterns import AttentionPattern
-from pipekit.attention.ulysses import (
+from pipekit.attention.across.token_shards import TokenShard
+from pipekit.attention.across.ulysses import (
     group_shard,
     local_pattern,
     local_sinks,
     reshard_to_sequence,
     to_head_shards,
 )
+from pipekit.attention.merge import check_sinks
+from pipekit.attention.patterns import AttentionPattern
 
 __all__ = [
     "HierarchicalGroups",

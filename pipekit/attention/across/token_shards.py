@@ -12,8 +12,8 @@ every attention backend: the `cpu` kernel, and FlexAttention through `ring_backe
   (of each chunk of its cache) and attends its queries to them, one chunk per source rank; in
   backward, each source's dK/dV goes back to it (an all-to-all, then a sum). Per layer and rank
   it receives (cp-1)/cp of the K/V it attends to: for slice j of a sliced sequence, j+1
-  slices' worth, the whole cache again. (`pipekit.attention.ring` passes the same bytes around
-  a ring instead, overlapped with the attention, holding two chunks at a time.)
+  slices' worth, the whole cache again. (`pipekit.attention.across.ring` passes the same bytes
+  around a ring instead, overlapped with the attention, holding two chunks at a time.)
 - `commutated_context_attention` (SlimPipe, "Commutated Context Parallelism") moves queries:
   each rank keeps its part of the K/V cache at home. A new slice's local queries go to every
   peer; each computes the partial attention of all ranks' queries against its own cached
@@ -40,9 +40,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipekit.attention.backends import AttentionBackend, RingBackend, ring_backend, select_backend
+from pipekit.attention.across.lending import Lending, LentChunk, QueryPositions, post_loans
 from pipekit.attention.chunked import KVChunk, attention_over_chunks
-from pipekit.attention.exchange import Lending, LentChunk, QueryPositions, post_loans
+from pipekit.attention.kernels.backends import (
+    AttentionBackend,
+    RingBackend,
+    ring_backend,
+    select_backend,
+)
 from pipekit.attention.masks import MaskMod, token_order_mask
 from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
 from pipekit.attention.patterns import AttentionPattern, is_causal

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipekit.attention.backends import AttentionBackend, ring_backend, select_backend
-from pipekit.attention.context_parallel import TokenShard, gather_token_shards, shard_mask
+from pipekit.attention.across.token_shards import TokenShard, gather_token_shards, shard_mask
+from pipekit.attention.kernels.backends import AttentionBackend, ring_backend, select_backend
 from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
 from pipekit.attention.patterns import AttentionPattern
 
