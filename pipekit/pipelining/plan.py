@@ -23,6 +23,7 @@ from pipekit.pipelining.features.registry import (
     PipelineFeature,
     enabled_pipeline_features,
     get_pipeline_feature,
+    measured_pipeline_features,
 )
 from pipekit.pipelining.model_split.partition import (
     stage_module_names,
@@ -51,10 +52,10 @@ def plan_pipeline(
     user_actions: Mapping[int, Sequence[Action]] | None = None,
     attention_to_linear: float = 0.0,
 ) -> PipelinePlan:
-    """`_plan_pipeline`, with the measured choices resolved: `context_exchange = "auto"` is the
-    exchange where the job can run it (its plan then says to choose by measurement,
-    `MeasuredChoice`), else none; `num_slices` or `slicing = "auto"` plans every layout the
-    job can run (`PipelinePlan.layouts`)."""
+    """`_plan_pipeline`, with the measured choices resolved: a feature set to "auto" (its
+    entry's `measured_setting`) is on where the job can run it (its plan then says to choose
+    by measurement, `MeasuredChoice`), else off; `num_slices` or `slicing = "auto"` plans
+    every layout the job can run (`PipelinePlan.layouts`)."""
     planner = functools.partial(
         _plan_pipeline,
         structure=structure,
@@ -65,11 +66,11 @@ def plan_pipeline(
         attention_to_linear=attention_to_linear,
     )
     if AUTO not in (parallelism.num_slices, parallelism.slicing):
-        return _plan_with_exchange(parallelism, planner)
+        return _plan_with_measured_features(parallelism, planner)
     plans: list[PipelinePlan] = []
     for candidate in _layout_candidates(parallelism, seq_len):
         try:
-            plan = _plan_with_exchange(candidate, planner)
+            plan = _plan_with_measured_features(candidate, planner)
         except ValueError:
             if not plans:  # the default layout's error is the job's
                 raise
@@ -114,18 +115,21 @@ def _layout_candidates(parallelism: ParallelismConfig, seq_len: int) -> list[Par
     return [replace(parallelism, num_slices=n, slicing=cut) for n in counts for cut in slicings]
 
 
-def _plan_with_exchange(
+def _plan_with_measured_features(
     parallelism: ParallelismConfig, plan: Callable[[ParallelismConfig], PipelinePlan]
 ) -> PipelinePlan:
-    """`plan(parallelism)` (`_plan_pipeline` with the job's other arguments) with
-    `context_exchange = "auto"` resolved."""
-    if parallelism.context_exchange != AUTO:
+    """`plan(parallelism)` (`_plan_pipeline` with the job's other arguments) with every
+    feature whose `measured_setting` is "auto" resolved: on where the job can run it (its
+    feature plan then "auto": chosen by timing), else off."""
+    pending = measured_pipeline_features(parallelism)
+    if not pending:
         return plan(parallelism)
+    feature, field = pending[0], pending[0].measured_setting
     try:
-        exchanging = plan(replace(parallelism, context_exchange=True))
-    except ValueError:  # the job cannot lend attention: it runs without
-        return plan(replace(parallelism, context_exchange=False))
-    return replace(exchanging, feature_plans={**exchanging.feature_plans, "context_exchange": AUTO})
+        chosen = _plan_with_measured_features(replace(parallelism, **{field: True}), plan)
+    except ValueError:  # the job cannot run the feature: it runs without
+        return _plan_with_measured_features(replace(parallelism, **{field: False}), plan)
+    return replace(chosen, feature_plans={**chosen.feature_plans, feature.name: AUTO})
 
 
 def _plan_pipeline(

@@ -166,6 +166,7 @@ for _feature in (
         _build_context_exchange,
         setting=lambda parallelism: parallelism.context_exchange in (True, AUTO),
         setting_name="context_exchange = true",
+        measured_setting="context_exchange",
         order=20,
         check=_check_context_exchange,
     ),

@@ -30,6 +30,7 @@ from pipekit.models.spec import ModelShape, ModelSpec, ModelStructure
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.pipeline_plan import PipelinePlan
 from pipekit.pipelining.runtime.extension import PipelineExtension
+from pipekit.pipelining.runtime.measured_choice import AUTO
 from pipekit.pipelining.runtime.stage import StageShapes
 from pipekit.pipelining.stage_setup import StageSetup
 
@@ -41,6 +42,7 @@ __all__ = [
     "PipelineFeature",
     "enabled_pipeline_features",
     "get_pipeline_feature",
+    "measured_pipeline_features",
     "pipeline_feature_names",
     "register_pipeline_feature",
 ]
@@ -133,6 +135,10 @@ class PipelineFeature:
     features); None: by naming it in `pipeline_features`."""
     setting_name: str = ""
     """That setting as a user writes it (for messages), e.g. "vocab_parallel = true"."""
+    measured_setting: str = ""
+    """The `[parallelism]` field that, set to "auto", asks for the feature where the job can
+    run it, chosen by timing the first steps with and without (the plan tries it on, falls back
+    to off, and marks its feature plan "auto"); "" for none."""
     order: int = 100
     """Features build, and their hooks run, in increasing order, then by name (pipekit's use
     10..40)."""
@@ -182,6 +188,20 @@ def pipeline_feature_names() -> list[str]:
     """Every registered feature, in build order."""
     _load_builtins()
     return [feature.name for feature in sorted(_FEATURES.values(), key=_build_order)]
+
+
+def measured_pipeline_features(parallelism: ParallelismConfig) -> list[PipelineFeature]:
+    """The features whose `measured_setting` `parallelism` sets to "auto", in build order."""
+    _load_builtins()
+    return sorted(
+        (
+            feature
+            for feature in _FEATURES.values()
+            if feature.measured_setting
+            and getattr(parallelism, feature.measured_setting) == AUTO
+        ),
+        key=_build_order,
+    )
 
 
 def get_pipeline_feature(name: str) -> PipelineFeature:
