@@ -51,6 +51,7 @@ def plan_pipeline(
     *,
     user_actions: Mapping[int, Sequence[Action]] | None = None,
     attention_to_linear: float = 0.0,
+    activation_checkpoint: str = "none",
 ) -> PipelinePlan:
     """`_plan_pipeline`, with the measured choices resolved: a feature set to "auto" (its
     entry's `measured_setting`) is on where the job can run it (its plan then says to choose
@@ -64,6 +65,7 @@ def plan_pipeline(
         seq_len=seq_len,
         user_actions=user_actions,
         attention_to_linear=attention_to_linear,
+        activation_checkpoint=activation_checkpoint,
     )
     if AUTO not in (parallelism.num_slices, parallelism.slicing):
         return _plan_with_measured_features(parallelism, planner)
@@ -141,6 +143,7 @@ def _plan_pipeline(
     *,
     user_actions: Mapping[int, Sequence[Action]] | None = None,
     attention_to_linear: float = 0.0,
+    activation_checkpoint: str = "none",
 ) -> PipelinePlan:
     """Resolve the defaults (0 = auto) and check every pipeline rule; ValueError names the fix.
 
@@ -230,8 +233,9 @@ def _plan_pipeline(
     if sequence_shards > 1:
         check_sequence_parallel_split(seq_len, parallelism.tp, parallelism.cp, num_slices)
     planning = FeaturePlanning(
-        parallelism, structure, model, seq_len, num_slices, names, actions_by_rank, features
-    )
+        parallelism, structure, model, seq_len, num_slices, names, actions_by_rank, features,
+        activation_checkpoint,
+    )  # fmt: skip
     feature_plans = {}
     for feature in entries:
         feature.check(planning)

@@ -11,7 +11,6 @@ launching it, for the fewest ranks its degrees allow).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +99,7 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
         seq_len=config.training.seq_len,
         model=_model_description(config),
         meta_model=meta_model,
+        upcycling=upcycle is not None,
     )
     _check_float8(config, dims.tp)
     per_step = dims.dp_degree * config.training.gradient_accumulation_steps
@@ -114,12 +114,6 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     pipeline = None
     if dims.pp > 1:
         pipeline = job_pipeline(config, spec, meta_model, shape, dims, local_batch)
-    if pipeline is not None:
-        offload = "activation_offload" in pipeline.features
-    else:
-        offload = bool(config.parallelism.activation_offload)
-    if offload:
-        _check_activation_offload(config, dims.pp)
     if config.parallelism.pipeline_features and pipeline is None:
         raise ConfigError(
             f"[parallelism] pipeline_features={config.parallelism.pipeline_features} are "
@@ -231,11 +225,6 @@ def _check_upcycle(config: JobConfig, check_files: bool) -> None:
             "[model.upcycle] num_experts > 0 upcycles the dense checkpoint of [checkpoint] "
             "initial_load_path, which is empty; set it to a Hugging Face checkpoint directory"
         )
-    if config.parallelism.vocab_parallel:
-        raise ConfigError(
-            "[model.upcycle] does not combine with [parallelism] vocab_parallel yet (the "
-            "vocabulary shards are initialised from the full rows); set vocab_parallel = false"
-        )
     if not check_files:
         return
     dense = get_model_spec(config.model.name)
@@ -304,6 +293,7 @@ def job_pipeline(
             local_batch_size,
             seq_len,
             attention_to_linear=attention_to_linear_flops(model, shape, spec.structure, seq_len),
+            activation_checkpoint=config.training.activation_checkpoint,
         )
         validate_stage_module_names(
             model, plan.module_names_per_stage, plan.modules_outside_stages, spec.structure.shared
@@ -317,27 +307,3 @@ def job_pipeline(
     except ValueError as error:
         raise _error("[training]", error) from None
     return plan
-
-
-def _check_activation_offload(config: JobConfig, pp: int) -> None:
-    """Offload follows the pipeline's schedule, and moves what autograd saves through its
-    hooks: activation checkpointing keeps its tensors in its own."""
-    setting = config.parallelism.activation_offload
-    if pp < 2:
-        raise ConfigError(
-            f"[parallelism] activation_offload={setting!r} follows a pipeline's schedule; set "
-            "pipeline_parallel_degree >= 2 or activation_offload = 0"
-        )
-    checkpoint = config.training.activation_checkpoint
-    if checkpoint != "none":
-        raise ConfigError(
-            f"[parallelism] activation_offload={setting!r} with [training] activation_checkpoint="
-            f"{checkpoint!r}: checkpointed blocks keep their tensors inside torch's checkpoint, "
-            "out of the offload's reach; use one of the two"
-        )
-    directory = config.parallelism.activation_offload_dir
-    if directory and not os.access(directory, os.W_OK):
-        raise ConfigError(
-            f"[parallelism] activation_offload_dir={directory!r} is not a writable folder; "
-            "create it or leave it empty for the system's temporary folder"
-        )

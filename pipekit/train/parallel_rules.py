@@ -40,6 +40,7 @@ def check_parallel_layout(
     seq_len: int | None,
     model: str,
     meta_model: nn.Module | None = None,
+    upcycling: bool = False,
 ) -> ParallelDims:
     """The degrees of `parallelism` on `world_size` ranks, checked against the model
     `spec.build(args)` (`meta_model`: that model already built on the meta device) and
@@ -65,7 +66,7 @@ def check_parallel_layout(
             _check_expert_parallel(meta_model, args, dims.ep, dims.etp, model)
     except ValueError as error:
         raise ConfigError(f"[parallelism] {error}") from None
-    layout = FeatureLayout(parallelism, dims, spec, meta_model, shape, seq_len)
+    layout = FeatureLayout(parallelism, dims, spec, meta_model, shape, seq_len, upcycling)
     try:  # each pipeline feature's own rules of the layout and the model (its table entry)
         for name in enabled_pipeline_features(parallelism):
             get_pipeline_feature(name).check_layout(layout)

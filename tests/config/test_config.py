@@ -371,3 +371,13 @@ def test_config_reference_doc_is_current():
     assert current == reference_markdown(), (
         "docs/config.md is stale: python -m pipekit.config.reference > docs/config.md"
     )
+
+
+def test_offload_rules_apply_only_where_the_plan_offloads() -> None:
+    """Ratios that are all 0 turn activation offload off at planning: checkpointing and a
+    missing offload folder are then no conflict (the feature's rules run where it is on)."""
+    argv = [*_PP2, "--parallelism.activation_offload", "0;0"]
+    argv += ["--training.activation_checkpoint", "selective"]
+    argv += ["--parallelism.activation_offload_dir", "/no/such/folder"]
+    job = validate_job(load_job_config(argv), world_size=2)
+    assert job.pipeline is not None and "activation_offload" not in job.pipeline.features

@@ -159,3 +159,10 @@ def test_a_features_layout_rules_come_from_its_entry_pipeline_or_not() -> None:
             "true"]  # fmt: skip
     with pytest.raises(ConfigError, match="splits the vocabulary across pipeline ranks"):
         validate_job(load_job_config(flat), world_size=1, check_files=False)
+    sliced = [
+        *("--config", str(REPO_ROOT / "configs/debug_sliced_pp.toml")),
+        *("--parallelism.vocab_parallel", "true", "--model.upcycle.num_experts", "4"),
+        *("--model.upcycle.layers", "1", "--checkpoint.initial_load_path", "/dense"),
+    ]
+    with pytest.raises(ConfigError, match="vocab_parallel = true does not combine with"):
+        validate_job(load_job_config(sliced), world_size=2, check_files=False)

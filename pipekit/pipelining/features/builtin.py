@@ -8,6 +8,8 @@ parallelism (it plans on the compute lists), activation offload last.
 
 from __future__ import annotations
 
+import os
+
 from pipekit.attention.across import (
     VariantRules,
     check_context_parallel,
@@ -133,13 +135,38 @@ def _check_vocab_parallel(planning: FeaturePlanning) -> None:
     )
 
 
+def _check_activation_offload_layout(layout: FeatureLayout) -> None:
+    """Offload follows a pipeline's schedule."""
+    if layout.dims.pp < 2:
+        raise ValueError(
+            f"activation_offload={layout.parallelism.activation_offload!r} follows a pipeline's "
+            "schedule; set pipeline_parallel_degree >= 2 or activation_offload = 0"
+        )
+
+
 def _plan_activation_offload(planning: FeaturePlanning) -> tuple[float, ...] | object:
     """One offload ratio per pipeline rank; off when every ratio is 0 (a list of zeros, or
-    "auto" on a schedule whose ranks are already even)."""
-    ratios = resolve_offload_ratios(
-        planning.parallelism.activation_offload, planning.actions_by_rank
-    )
-    return ratios or FEATURE_OFF
+    "auto" on a schedule whose ranks are already even). When on: offload moves what autograd
+    saves through its hooks, which activation checkpointing keeps in its own, and writes to a
+    folder that must be writable."""
+    setting = planning.parallelism.activation_offload
+    ratios = resolve_offload_ratios(setting, planning.actions_by_rank)
+    if not ratios:
+        return FEATURE_OFF
+    checkpoint = planning.activation_checkpoint
+    if checkpoint != "none":
+        raise ValueError(
+            f"activation_offload={setting!r} with [training] activation_checkpoint="
+            f"{checkpoint!r}: checkpointed blocks keep their tensors inside torch's checkpoint, "
+            "out of the offload's reach; use one of the two"
+        )
+    directory = planning.parallelism.activation_offload_dir
+    if directory and not os.access(directory, os.W_OK):
+        raise ValueError(
+            f"activation_offload_dir={directory!r} is not a writable folder; create it or "
+            "leave it empty for the system's temporary folder"
+        )
+    return ratios
 
 
 def _build_activation_offload(building: FeatureBuilding) -> PipelineActivationOffload:
@@ -187,6 +214,7 @@ for _feature in (
         setting=lambda parallelism: bool(parallelism.activation_offload),
         setting_name="activation_offload = <ratio>",
         order=40,
+        check_layout=_check_activation_offload_layout,
         plan=_plan_activation_offload,
     ),
 ):

@@ -67,6 +67,8 @@ class FeatureLayout:
     shape: ModelShape
     seq_len: int | None = None
     """The sequence length, None before any batch (rules of length left out)."""
+    upcycling: bool = False
+    """Whether the model is upcycled from a dense checkpoint at the start."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class FeaturePlanning:
     """Every rank's compute-only lists (before any feature's own actions)."""
     features: tuple[str, ...]
     """Every feature the job turns on, in build order (rules may depend on each other)."""
+    activation_checkpoint: str = "none"
+    """The job's `[training] activation_checkpoint` policy."""
 
 
 @dataclass(frozen=True)
@@ -197,8 +201,7 @@ def measured_pipeline_features(parallelism: ParallelismConfig) -> list[PipelineF
         (
             feature
             for feature in _FEATURES.values()
-            if feature.measured_setting
-            and getattr(parallelism, feature.measured_setting) == AUTO
+            if feature.measured_setting and getattr(parallelism, feature.measured_setting) == AUTO
         ),
         key=_build_order,
     )

@@ -106,12 +106,17 @@ def check_elementwise(transform: nn.Module, name: str, vocab_size: int = 16) -> 
 def check_vocab_parallel_layout(layout: FeatureLayout) -> None:
     """Vocabulary parallelism needs pipeline ranks to split the vocabulary over (and their tp
     ranks split each pipeline rank's rows), vocabulary modules its row shards compute exactly,
-    and logits transforms it can apply shard by shard."""
+    and logits transforms it can apply shard by shard; not an upcycled model yet."""
     dims = layout.dims
     if dims.pp < 2:
         raise ValueError(
             "vocab_parallel = true splits the vocabulary across pipeline ranks; set "
             "pipeline_parallel_degree >= 2 or vocab_parallel = false"
+        )
+    if layout.upcycling:
+        raise ValueError(
+            "vocab_parallel = true does not combine with [model.upcycle] yet (the vocabulary "
+            "shards are initialised from the full rows); set vocab_parallel = false"
         )
     try:
         dtensor_shard_sizes(layout.shape.vocab_size, (dims.pp, dims.tp))
