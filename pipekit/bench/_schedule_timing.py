@@ -206,7 +206,7 @@ def simulate_plan(plan: PipelinePlan, backward_ratio: float = 2.0) -> Simulation
     cost = CostModel(
         forward_attention=plan.attention_to_linear,
         backward_ratio=backward_ratio,
-        slice_bounds=plan.slice_fractions,
+        slice_bounds=plan.slices.fractions,
     )
     attended = None
     if "context_exchange" in plan.features:

@@ -93,7 +93,7 @@ def _interleaved_filling_microbatches(p: int, stages_per_rank: int) -> int:
 def equal_cost_prediction(plan: PipelinePlan) -> float:
     """First-rank peak activation memory of an equal-cost sliced plan relative to 1F1B's, by
     the simulator: its units in flight weighted by their slices' tokens."""
-    cost = CostModel(slice_bounds=plan.slice_fractions)
+    cost = CostModel(slice_bounds=plan.slices.fractions)
     result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
     return result.peak_memory[0]["activations"]  # 1F1B's first rank holds 1 (p microbatches / p)
 

@@ -235,7 +235,7 @@ class LayoutSearch:
             features = tuple(f for f in plan.features if f != "activation_offload")
             key = (
                 plan.schedule, plan.num_ranks, plan.stages_per_rank, plan.num_slices,
-                plan.num_microbatches, plan.slice_fractions, features,
+                plan.num_microbatches, plan.slices.fractions, features,
             )  # fmt: skip
             if key not in self._units:
                 self._units[key] = pipeline_units_in_flight(plan)

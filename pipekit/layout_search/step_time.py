@@ -146,7 +146,7 @@ def predict_step(
             p2p_bandwidth=device.bandwidth(span + 1),
             boundary_bytes=boundary,
             activation_bytes=0.0,
-            slice_bounds=plan.slice_fractions,
+            slice_bounds=plan.slices.fractions,
         )
         attended = None
         if "context_exchange" in plan.features:

@@ -152,7 +152,7 @@ def pipeline_units_in_flight(plan: PipelinePlan) -> dict[int, float]:
     forward and backward at once (the simulator's peak at one byte per microbatch): every
     rank's bytes in flight are this times its bytes per microbatch, so one simulation serves
     every rank (and every layout of the same schedule shape)."""
-    cost = CostModel(activation_bytes=1.0, slice_bounds=plan.slice_fractions)
+    cost = CostModel(activation_bytes=1.0, slice_bounds=plan.slices.fractions)
     result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
     return {rank: peaks["total"] for rank, peaks in result.peak_memory.items()}
 
@@ -279,7 +279,7 @@ def _pipeline_activations(
         cost = CostModel(
             activation_bytes=per_token * scale,
             kv_cache_bytes=kv_per_token * scale,
-            slice_bounds=plan.slice_fractions,
+            slice_bounds=plan.slices.fractions,
         )
         result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
         in_flight = result.peak_memory[layout.pipeline_rank]["total"]

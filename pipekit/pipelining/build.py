@@ -98,17 +98,13 @@ def build_pipeline(
             "pipeline layout",
             dist.group.WORLD,
             range(len(layouts)),
-            labels=[layout.layout_label for layout in plan.layouts],
+            labels=[layout.slices.label for layout in plan.layouts],
         )
-    first = layouts[0]
     return PipelineRunner(
-        first.schedule,
-        first.stages,
+        layouts[0],
         plan.num_microbatches,
-        first.num_slices,
         extensions,
         model=rank_model,
-        slice_bounds=first.slice_bounds,
         layouts=layouts,
         layout_choice=choice,
     )
@@ -161,7 +157,7 @@ def _layout(
         actions_by_rank=plan.actions_by_rank if plan.stage_style == "user" else None,
         extensions=extensions,
     )
-    return RunnerLayout(schedule, stages, plan.num_slices, plan.rank_slice_bounds)
+    return RunnerLayout(schedule, stages, plan.slices)
 
 
 def _tied_weights(

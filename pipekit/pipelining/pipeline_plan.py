@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.pipelining._torch_runtime import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
 from pipekit.pipelining.model_split.partition import stages_of_rank
+from pipekit.pipelining.schedules.slice_layout import SliceLayout
 
 __all__ = ["PipelinePlan"]
 
@@ -26,7 +26,6 @@ class PipelinePlan:
     """A name of the schedule registry ("user" for a schedule file)."""
     num_ranks: int
     stages_per_rank: int
-    num_slices: int
     num_microbatches: int
     stage_style: str
     """Stage placement: "loop", "v", or "user" (where the user schedule runs each stage)."""
@@ -37,25 +36,20 @@ class PipelinePlan:
     model: ModelShape
     unit_rows: int
     """Sequences in one unit (a microbatch)."""
-    slice_bounds: tuple[int, ...]
-    """Token offsets, from 0 to seq_len, where a sequence's slices start and end (the whole
-    sequence's, before context parallelism splits each slice)."""
+    slices: SliceLayout
+    """How every sequence is cut into slices (and shared by context-parallel ranks)."""
     features: tuple[str, ...] = ()
     """The pipeline features the job turns on (feature table names), in build order."""
     feature_plans: Mapping[str, Any] = field(default_factory=dict)
     """What each feature fixed at planning (its entry's `plan`), by name."""
     modules_outside_stages: tuple[str, ...] = ()
     """Modules no stage holds (a feature holds them: vocabulary parallelism's)."""
-    context_parallel: int = 1
-    """cp ranks sharing every slice (`slice_length` is one rank's share)."""
     sequence_shards: int = 1
     """Sequence parallelism's tp ranks: hidden states between stages hold `slice_length /
     sequence_shards` tokens."""
     attention_to_linear: float = 0.0
     """The model's causal-attention over matmul FLOPs on whole sequences, as planning was told
     (what equal-cost slices are placed by; 0 when not given)."""
-    slicing: str = "equal_length"
-    """How `slice_bounds` were cut (`slice_bounds.SLICINGS`)."""
     layouts: tuple[PipelinePlan, ...] = ()
     """`num_slices` or `slicing = "auto"`: the slice layouts the first steps time, this plan
     (the default layout) first, each a whole plan (`MeasuredChoice`); empty: this one only."""
@@ -71,33 +65,28 @@ class PipelinePlan:
         )
 
     @property
-    def layout_label(self) -> str:
-        """The slice layout in a few words, for logs."""
-        return f"num_slices={self.num_slices} {self.slicing}"
+    def num_slices(self) -> int:
+        return self.slices.num_slices
+
+    @property
+    def context_parallel(self) -> int:
+        """cp ranks sharing every slice (`slice_length` is one rank's share)."""
+        return self.slices.context_parallel
+
+    @property
+    def slice_bounds(self) -> tuple[int, ...]:
+        """Token offsets, from 0 to seq_len, where a whole sequence's slices start and end."""
+        return self.slices.bounds
 
     @property
     def slice_lengths(self) -> tuple[int, ...]:
         """Tokens of one sequence in each slice, per context-parallel rank."""
-        bounds = self.slice_bounds
-        return tuple(
-            (end - start) // self.context_parallel for start, end in itertools.pairwise(bounds)
-        )
-
-    @property
-    def rank_slice_bounds(self) -> tuple[int, ...]:
-        """Token offsets of the slices in the sequence one context-parallel rank holds (its
-        load-balanced share of every slice, in slice order): what the runner cuts."""
-        return tuple(itertools.accumulate(self.slice_lengths, initial=0))
-
-    @property
-    def slice_fractions(self) -> tuple[float, ...]:
-        """`slice_bounds` as fractions of the sequence (for `CostModel.slice_bounds`)."""
-        return tuple(bound / self.slice_bounds[-1] for bound in self.slice_bounds)
+        return self.slices.lengths
 
     @property
     def slice_length(self) -> int:
         """Tokens of one sequence in the longest slice, per context-parallel rank."""
-        return max(self.slice_lengths)
+        return self.slices.longest
 
     def without_feature(self, name: str) -> PipelinePlan:
         """This plan with feature `name` off: the what-if of a feature that leaves the stages

@@ -34,6 +34,7 @@ from pipekit.pipelining.runtime.measured_choice import AUTO
 from pipekit.pipelining.schedules.check import check_schedule
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
 from pipekit.pipelining.schedules.slice_bounds import SLICINGS, slice_bounds
+from pipekit.pipelining.schedules.slice_layout import SliceLayout
 from pipekit.pipelining.schedules.user import load_schedule_file
 
 __all__ = ["PipelinePlan", "plan_pipeline"]
@@ -247,7 +248,6 @@ def _plan_pipeline(
         schedule=entry.name,
         num_ranks=num_ranks,
         stages_per_rank=stages_per_rank,
-        num_slices=num_slices,
         num_microbatches=num_microbatches,
         stage_style=entry.stage_style,
         module_names_per_stage=names,
@@ -255,16 +255,18 @@ def _plan_pipeline(
         structure=structure,
         model=model,
         unit_rows=local_batch_size // num_microbatches,
-        slice_bounds=slice_bounds(
-            seq_len, num_slices, parallelism.slicing, attention_to_linear, granularity
+        slices=SliceLayout(
+            slice_bounds(
+                seq_len, num_slices, parallelism.slicing, attention_to_linear, granularity
+            ),
+            parallelism.cp,
+            parallelism.slicing,
         ),
         features=features,
         feature_plans=feature_plans,
         modules_outside_stages=outside,
-        context_parallel=parallelism.cp,
         sequence_shards=sequence_shards,
         attention_to_linear=attention_to_linear,
-        slicing=parallelism.slicing,
     )
 
 

@@ -32,20 +32,20 @@ def _plan(*overrides, world_size=2):
 
 def test_auto_plans_every_layout_the_job_can_run_the_default_first():
     plan = _plan(*AUTO)
-    layouts = [(layout.num_slices, layout.slicing) for layout in plan.layouts]
+    layouts = [(layout.num_slices, layout.slices.slicing) for layout in plan.layouts]
     # 2p and 4p slices (8p would be 16 tokens), each cut both ways; the default first
     assert layouts == [(4, "equal_length"), (4, "equal_cost"), (8, "equal_length"),
                        (8, "equal_cost")]  # fmt: skip
-    assert (plan.num_slices, plan.slicing) == (4, "equal_length")
+    assert (plan.num_slices, plan.slices.slicing) == (4, "equal_length")
     assert plan.layouts[1].slice_bounds != plan.layouts[0].slice_bounds  # early slices longer
     only_counts = _plan("--parallelism.num_slices", "auto")
-    assert [layout.layout_label for layout in only_counts.layouts] == [
+    assert [layout.slices.label for layout in only_counts.layouts] == [
         "num_slices=4 equal_length",
         "num_slices=8 equal_length",
     ]
     assert _plan("--parallelism.slicing", "auto", "--parallelism.num_slices", "2").layouts[
         1
-    ].slicing == ("equal_cost")
+    ].slices.slicing == ("equal_cost")
     assert _plan().layouts == ()
 
 

@@ -89,7 +89,7 @@ def _build_context_parallel(building: FeatureBuilding) -> PipelineContextParalle
         hierarchy = hierarchical_groups(building.mesh, ulysses_size, across)
     return PipelineContextParallel(
         building.mesh["cp"].get_group(),
-        plan.slice_length * plan.context_parallel,
+        plan.slices,
         variant,
         hierarchy=hierarchy,
     )

@@ -206,7 +206,6 @@ class PipelineContextExchange(PipelineExtension):
         self._chain = ServingChain()
         self._caches: dict[int, ChunkedKVCache] = {}
         self._ahead: dict[Action, _Posted] = {}
-        self.num_slices = 1
 
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
         """Plan over every rank's compute lists and keep this rank's slice exchanges."""
@@ -218,7 +217,6 @@ class PipelineContextExchange(PipelineExtension):
                 "stage's attention layer count"
             )
         self.plan = plan_context_exchange(actions_by_rank, num_slices, self.backward_ratio)
-        self.num_slices = num_slices
         rank = dist.get_rank(self.group)
         passes: dict[Action, PassExchange] = defaultdict(PassExchange)
         self._lending = {action: tuple(parts) for action, parts in self.plan.lendings(rank).items()}
@@ -346,9 +344,10 @@ class PipelineContextExchange(PipelineExtension):
 
     def _send_ahead(self, lending: Action) -> None:
         """Post the sends of every layer's lent chunks of `lending` (non-blocking)."""
+        assert self.plan is not None, "prepare runs first"
         stage, (microbatch, slice_index) = (
             lending.stage_index,
-            unit_microbatch_and_slice(lending.microbatch_index, self.num_slices),
+            unit_microbatch_and_slice(lending.microbatch_index, self.plan.num_slices),
         )
         cache = self._caches[stage]
         layers = cache.layer_slices(microbatch)

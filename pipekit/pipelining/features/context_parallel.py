@@ -30,16 +30,17 @@ from pipekit.attention.context import AttentionContext
 from pipekit.attention.kv_cache import SliceAttention
 from pipekit.pipelining._torch_runtime import Action
 from pipekit.pipelining.runtime.extension import PipelineExtension
+from pipekit.pipelining.schedules.slice_layout import SliceLayout
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
 
 __all__ = ["PipelineContextParallel"]
 
 
 class PipelineContextParallel(PipelineExtension):
-    """Context parallelism over `group` (the mesh's `cp` dim) for slices of `slice_length`
-    tokens (the whole slice, all cp ranks' shares), by `variant` (an entry of the variant
-    table, `pipekit.attention.across`, whose `slice_context` wraps each unit's KV-cache
-    context). The `SliceSharding` its entries see."""
+    """Context parallelism over `group` (the mesh's `cp` dim) for the plan's equal-length
+    `slices` (`slice_length`: the whole slice, all cp ranks' shares), by `variant` (an entry
+    of the variant table, `pipekit.attention.across`, whose `slice_context` wraps each unit's
+    KV-cache context). The `SliceSharding` its entries see."""
 
     name = "context_parallel"
     equal_length_slices = True  # every slice is cut into 2 x cp equal pieces
@@ -47,7 +48,7 @@ class PipelineContextParallel(PipelineExtension):
     def __init__(
         self,
         group: dist.ProcessGroup,
-        slice_length: int,
+        slices: SliceLayout,
         variant: str = "auto",
         drop_remote: bool = False,
         hierarchy: HierarchicalGroups | None = None,
@@ -58,14 +59,19 @@ class PipelineContextParallel(PipelineExtension):
         self._slice_context = slice_context
         self.group, self.variant, self.hierarchy = group, variant, hierarchy
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.slice_length = slice_length
+        if len(set(slices.lengths)) > 1:
+            raise ValueError(f"context parallelism needs slices of equal length, not {slices}")
+        self.slices, self.slice_length = slices, slices.bounds[1]
         self.drop_remote = drop_remote
         """Ablation: attend to this rank's cache only."""
-        self.num_slices = 1
         self._slice_tokens: dict[int, Tensor] = {}
 
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
-        self.num_slices = num_slices
+        if num_slices != self.slices.num_slices:
+            raise ValueError(
+                f"context parallelism was built for {self.slices.num_slices} slices, the "
+                f"schedule runs {num_slices}; build the feature from the schedule's plan"
+            )
 
     variant_of = slice_variant
     """The variant slice `slice_index` uses."""
@@ -90,5 +96,5 @@ class PipelineContextParallel(PipelineExtension):
                 f"context parallelism wraps the stage's KV-cache context, got {context!r}; "
                 "give the pipeline its context_parallel extension before context_exchange"
             )
-        _, slice_index = unit_microbatch_and_slice(unit, self.num_slices)
+        _, slice_index = unit_microbatch_and_slice(unit, self.slices.num_slices)
         return self._slice_context(context, self, slice_index)

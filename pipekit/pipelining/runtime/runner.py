@@ -43,6 +43,7 @@ from pipekit.pipelining.runtime.measured_choice import MeasuredChoice
 from pipekit.pipelining.runtime.stage import SlicedPipelineStage
 from pipekit.pipelining.runtime.unit_step import run_unit_step
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
+from pipekit.pipelining.schedules.slice_layout import SliceLayout
 
 __all__ = ["PipelineRunner", "RunnerLayout", "make_schedule"]
 
@@ -89,32 +90,44 @@ class RunnerLayout:
 
     schedule: PipelineSchedule
     stages: list[SlicedPipelineStage]
-    num_slices: int
-    slice_bounds: Sequence[int] | None
+    slices: SliceLayout
 
 
 @dataclass
 class PipelineRunner:
-    """One rank's share of a pipeline: its stages, the schedule, and how batches are cut."""
+    """One rank's share of a pipeline: its stages, the schedule, and how batches are cut
+    (`layout`, the one the last step ran)."""
 
-    schedule: PipelineSchedule
-    stages: list[SlicedPipelineStage]
+    layout: RunnerLayout
     num_microbatches: int
-    num_slices: int
     extensions: list[PipelineExtension] = field(default_factory=list)
     """The pipeline's features (vocabulary parallelism, context exchange, ...)."""
     model: nn.Module | None = None
     """This rank's model: every module of its stages (and vocabulary shards) under the whole
     model's names, for the optimizer, checkpoints and gradient clipping."""
-    slice_bounds: Sequence[int] | None = None
-    """Token offsets where the slices of a batch's rows start and end (None: equal slices);
-    under context parallelism, of this rank's share of every slice."""
     layouts: list[RunnerLayout] = field(default_factory=list)
     """Slice layouts a measured choice times (`num_slices` or `slicing = "auto"`), over the
-    same modules; `schedule`, `stages`, `num_slices` and `slice_bounds` are those of the layout
-    the last step ran. From the step after the choice, only the chosen one is kept."""
+    same modules (`layout` is one of them). From the step after the choice, only the chosen
+    one is kept."""
     layout_choice: MeasuredChoice[int] | None = None
     """Which of `layouts` runs each step, and what it chose (None: one layout planned)."""
+
+    @property
+    def schedule(self) -> PipelineSchedule:
+        return self.layout.schedule
+
+    @schedule.setter
+    def schedule(self, schedule: PipelineSchedule) -> None:
+        """Replace the current layout's schedule (an ablation's, say)."""
+        self.layout.schedule = schedule
+
+    @property
+    def stages(self) -> list[SlicedPipelineStage]:
+        return self.layout.stages
+
+    @property
+    def num_slices(self) -> int:
+        return self.layout.slices.num_slices
 
     @property
     def has_first_stage(self) -> bool:
@@ -169,7 +182,10 @@ class PipelineRunner:
                 self.layouts = [self.layouts[choice.current_index]]
         if timing is not None:
             timing.begin_step()
-        units = split_into_units(batch, self.num_microbatches, self.num_slices, self.slice_bounds)
+        slices = self.layout.slices
+        units = split_into_units(
+            batch, self.num_microbatches, slices.num_slices, slices.rank_bounds
+        )
         losses = run_unit_step(
             self.schedule,
             self.stages,
@@ -183,6 +199,4 @@ class PipelineRunner:
         return torch.stack(losses).sum() if self.has_last_stage else None
 
     def _use_layout(self, index: int) -> None:
-        layout = self.layouts[index]
-        self.schedule, self.stages = layout.schedule, layout.stages
-        self.num_slices, self.slice_bounds = layout.num_slices, layout.slice_bounds
+        self.layout = self.layouts[index]
