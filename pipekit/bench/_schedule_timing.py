@@ -21,7 +21,7 @@ from pipekit.bench.report import print_table
 from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.memory.tracker import ActivationMemoryTracker
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
-from pipekit.pipelining.features.exchange_plan import plan_context_exchange
+from pipekit.pipelining.features.registry import simulated_attention
 from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.runtime.measured_choice import MeasuredChoice
 from pipekit.pipelining.runtime.runner import PipelineRunner
@@ -208,10 +208,7 @@ def simulate_plan(plan: PipelinePlan, backward_ratio: float = 2.0) -> Simulation
         backward_ratio=backward_ratio,
         slice_bounds=plan.slices.fractions,
     )
-    attended = None
-    if "context_exchange" in plan.features:
-        exchange = plan_context_exchange(plan.actions_by_rank, plan.num_slices, backward_ratio)
-        attended = exchange.attended_slices()
+    attended = simulated_attention(plan, backward_ratio)
     return simulate(
         plan.actions_by_rank, num_slices=plan.num_slices, cost=cost, attended_slices=attended
     )

@@ -148,6 +148,7 @@ def _whole_sequence_bytes(options: argparse.Namespace) -> tuple[dict[str, float]
     (Ulysses among them when the heads split over the ranks, hierarchical when they split over
     a group of `--cp-ulysses`) and what "auto" takes (the trainer's rule)."""
     from pipekit.attention.across import (
+        auto_candidates,
         context_parallel_bytes,
         context_parallel_variant,
     )
@@ -164,11 +165,9 @@ def _whole_sequence_bytes(options: argparse.Namespace) -> tuple[dict[str, float]
         "auto", q_BHSD, k_BGSD, slice_index=0, slice_tokens=tokens, cp=options.cp,
         whole_sequence=True, ulysses_size=options.cp_ulysses,
     )  # fmt: skip
-    variants = ["commutated", "kv_passing", "ulysses", "hierarchical"]
-    if options.heads % options.cp:
-        variants.remove("ulysses")
-    if not 1 < options.cp_ulysses < options.cp:
-        variants.remove("hierarchical")
+    variants = auto_candidates(
+        options.heads, options.kv_heads, options.cp, options.cp_ulysses, whole_sequence=True
+    )
     sizes = {variant: context_parallel_bytes(variant, **shape) for variant in variants}
     return sizes, choice
 
@@ -331,9 +330,9 @@ def main(argv: list[str]) -> None:
         **_latent_attention_bytes(options),
         **_hierarchical_slices(options),
     }
-    for variant in ("ulysses", "hierarchical"):
-        if variant in whole:
-            figures[f"whole_{variant}_vs_kv_passing"] = whole[variant] / whole["kv_passing"]
+    for variant, size in whole.items():
+        if variant not in ("kv_passing", "commutated"):  # the two every table row compares
+            figures[f"whole_{variant}_vs_kv_passing"] = size / whole["kv_passing"]
     if options.measure_ranks > 1:
         figures.update(_measure(options))
     print_result(**figures)

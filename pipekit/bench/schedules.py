@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipekit.bench.report import print_result, print_table
-from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.actions import Action
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
 from pipekit.pipelining.schedules.simulate import CostModel, SimulationResult, simulate
 

@@ -8,8 +8,9 @@ plan's and the planner's checks) reject what cannot run, so a rule is written on
 job checks it.
 
 Held to the job's config (not searched): the model, context length, global batch, dtypes,
-optimizer, vocabulary parallelism (on only with a pipeline), context exchange and the context-
-parallel variant (its own choice, by bytes, per layout), sequence and loss parallelism.
+optimizer, the pipeline features the job turns on (each off where a layout cannot run it: no
+pipeline, or no slices for a sliced-only one), the context-parallel variant (its own choice, by
+bytes, per layout), sequence and loss parallelism.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipekit.config.job_config import JobConfig
+from pipekit.pipelining.features.registry import features_off_without
 from pipekit.pipelining.schedules.registry import SCHEDULES
 
 __all__ = [
@@ -171,10 +173,9 @@ def apply_layout(config: JobConfig, layout: Layout) -> JobConfig:
         "num_slices": layout.num_slices if sliced else 0,
         "slicing": layout.slicing if sliced else "equal_length",
         "microbatches": 0,
-        "vocab_parallel": parallelism.vocab_parallel and pipelined,
-        "context_exchange": parallelism.context_exchange if sliced else False,
         "activation_offload": layout.activation_offload,
         "layout": "manual",
+        **features_off_without(parallelism, pipelined, sliced),
     }
     training = dataclasses.replace(
         config.training,

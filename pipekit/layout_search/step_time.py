@@ -34,7 +34,7 @@ from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.layout_search.candidates import Layout
 from pipekit.layout_search.devices import DeviceProfile
 from pipekit.memory_plan.layout import RankLayout
-from pipekit.pipelining.features.exchange_plan import plan_context_exchange
+from pipekit.pipelining.features.registry import simulated_attention
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.train.job import Job
 
@@ -148,15 +148,11 @@ def predict_step(
             activation_bytes=0.0,
             slice_bounds=plan.slices.fractions,
         )
-        attended = None
-        if "context_exchange" in plan.features:
-            exchange = plan_context_exchange(plan.actions_by_rank, plan.num_slices, 2.0)
-            attended = exchange.attended_slices()
         result = simulate(
             plan.actions_by_rank,
             num_slices=plan.num_slices,
             cost=cost,
-            attended_slices=attended,
+            attended_slices=simulated_attention(plan, 2.0),
             track_memory=False,
         )
         accumulation = training.gradient_accumulation_steps  # one pipeline step each

@@ -16,7 +16,7 @@ from pipekit.models.stage_module import (
     build_stage_module,
     validate_stage_module_names,
 )
-from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action
+from pipekit.pipelining.actions import BACKWARD, FORWARD, Action
 from pipekit.pipelining.build import StageSetup, build_pipeline
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.registry import (

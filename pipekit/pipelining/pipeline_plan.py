@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipekit.models.spec import ModelShape, ModelStructure
-from pipekit.pipelining._torch_runtime import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
+from pipekit.pipelining.actions import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
 from pipekit.pipelining.model_split.partition import stages_of_rank
 from pipekit.pipelining.schedules.slice_layout import SliceLayout
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.tensor_parallel import check_sequence_parallel_split
 from pipekit.models.spec import ModelShape, ModelStructure
-from pipekit.pipelining._torch_runtime import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
+from pipekit.pipelining.actions import INPUT_BACKWARD, WEIGHT_BACKWARD, Action
 from pipekit.pipelining.features.registry import (
     FEATURE_OFF,
     FeaturePlanning,

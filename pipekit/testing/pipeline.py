@@ -39,7 +39,6 @@ from pipekit.moe.expert_parallel import (
     expert_parallel_mesh,
 )
 from pipekit.pipelining import (
-    PipelineVocabParallel,
     StageSetup,
     build_pipeline,
     plan_pipeline,
@@ -219,8 +218,7 @@ def runner_step(
         if loss is not None and group is not None:
             dist.all_reduce(loss, group=group)
     assert runner.model is not None
-    vocab = runner.extension("vocab_parallel")
-    rows = vocab.row_sharded_parameters() if isinstance(vocab, PipelineVocabParallel) else {}
+    rows = runner.row_sharded_parameters()
     grads: dict[str, Any] = {}
     duplicates = {id(param) for param in runner.duplicate_parameters()}
     for name, param in runner.model.named_parameters():

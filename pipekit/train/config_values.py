@@ -20,6 +20,7 @@ from pipekit.config.loader import ConfigError
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.moe.execution import check_partitions
 from pipekit.moe.restore import MEMORY_REUSE_CHOICES
+from pipekit.pipelining.features.registry import measured_pipeline_features
 from pipekit.pipelining.runtime.measured_choice import AUTO
 from pipekit.pipelining.schedules.slice_bounds import SLICINGS
 from pipekit.train.activation_checkpoint import ACTIVATION_CHECKPOINT_MODES, SELECTIVE_KEEP
@@ -118,11 +119,8 @@ def _check_measured_choices(config: JobConfig) -> None:
             f"[parallelism] num_slices={num_slices!r} must be a count >= 0 (0 = the schedule's "
             f'default) or "{AUTO}"'
         )
-    timed = [
-        key
-        for key in ("num_slices", "slicing", "context_exchange")
-        if getattr(parallelism, key) == AUTO
-    ]
+    timed = [key for key in ("num_slices", "slicing") if getattr(parallelism, key) == AUTO]
+    timed += [feature.measured_setting for feature in measured_pipeline_features(parallelism)]
     if timed and config.debug.deterministic:
         raise ConfigError(
             f'[parallelism] {", ".join(timed)} = "{AUTO}" chooses by timing, which can differ '

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from pipekit.attention import ChunkedKVCache, attention, offset_causal_mask
 from pipekit.attention.context import AttentionContext, CausalAttention
 from pipekit.memory.tracker import SAVED, ActivationMemoryTracker
-from pipekit.pipelining._torch_runtime import FORWARD
+from pipekit.pipelining.actions import FORWARD
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
 

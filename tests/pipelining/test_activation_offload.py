@@ -23,7 +23,7 @@ from tiny_models import (
 from pipekit.memory.offload import ActivationOffloader
 from pipekit.memory.offload_store import FileStore
 from pipekit.memory.tracker import ActivationMemoryTracker
-from pipekit.pipelining._torch_runtime import BACKWARD
+from pipekit.pipelining.actions import BACKWARD
 from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
 from pipekit.pipelining.features.offload_plan import (
     RELOAD,

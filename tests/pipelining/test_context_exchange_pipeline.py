@@ -23,7 +23,7 @@ from tiny_models import (
     tiny_reference,
 )
 
-from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action
+from pipekit.pipelining.actions import BACKWARD, FORWARD, Action
 from pipekit.pipelining.features.context_exchange import (
     SEND_AHEAD_BACKWARD,
     SEND_AHEAD_FORWARD,

@@ -21,7 +21,7 @@ from tiny_models import TINY_LLAMA, pp_mesh, tiny_pipeline
 
 from pipekit.config import ConfigError, load_job_config
 from pipekit.layers.loss import count_label_tokens
-from pipekit.pipelining._torch_runtime import Action, ComputationType, validate_actions
+from pipekit.pipelining.actions import Action, ComputationType, validate_actions
 from pipekit.pipelining.schedules.events import ScheduledAction
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions

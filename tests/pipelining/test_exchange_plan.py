@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from pipekit.pipelining._torch_runtime import FORWARD
+from pipekit.pipelining.actions import FORWARD
 from pipekit.pipelining.features.exchange_plan import (
     balance_work,
     eq2_exchanged_slices,

@@ -7,12 +7,8 @@ import itertools
 
 import pytest
 
-from pipekit.pipelining._torch_runtime import (
-    FORWARD,
-    Action,
-    ComputationType,
-    insert_after_compute,
-)
+from pipekit.pipelining._torch_runtime import insert_after_compute
+from pipekit.pipelining.actions import FORWARD, Action, ComputationType
 from pipekit.pipelining.features.output_passes import (
     OUTPUT_PASS,
     check_output_passes,

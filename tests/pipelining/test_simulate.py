@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action
+from pipekit.pipelining.actions import BACKWARD, FORWARD, Action
 from pipekit.pipelining.schedules.simulate import CostModel, ScheduleDeadlockError, simulate
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
 from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions

@@ -17,7 +17,8 @@ from fractions import Fraction
 
 import pytest
 
-from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action, lower_to_comms
+from pipekit.pipelining._torch_runtime import lower_to_comms
+from pipekit.pipelining.actions import BACKWARD, FORWARD, Action
 from pipekit.pipelining.schedules.sliced import (
     peak_units_in_flight,
     sliced_pipeline_actions,

@@ -17,7 +17,8 @@ from pipekit.config.job_config import JobConfig, ParallelismConfig
 from pipekit.config.loader import ConfigError
 from pipekit.layers.loss import token_sum_cross_entropy
 from pipekit.models import get_model_spec
-from pipekit.pipelining._torch_runtime import Action, PipelineScheduleRuntime
+from pipekit.pipelining._torch_runtime import PipelineScheduleRuntime
+from pipekit.pipelining.actions import Action
 from pipekit.pipelining.plan import plan_pipeline
 from pipekit.pipelining.schedules.check import ScheduleError, check_schedule
 from pipekit.pipelining.schedules.simulate import ScheduleDeadlockError

@@ -66,6 +66,7 @@ except that families sits at the top."""
 INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "pipelining": (
         ("_torch_runtime",),  # torch's action type and runtime, reached through one file
+        ("actions",),  # the public home of the action vocabulary
         ("schedules",),  # action lists as data, the schedule registry, checker, simulator
         ("model_split",),  # which blocks each stage holds, on which rank
         ("pipeline_plan", "runtime"),  # the plan as a value; the stage, runner and hooks

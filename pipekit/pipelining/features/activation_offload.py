@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 from pipekit.attention.context import AttentionContext
 from pipekit.memory.offload import ActivationOffloader
 from pipekit.memory.offload_store import OffloadStore
-from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.actions import Action
 from pipekit.pipelining.features.offload_plan import RELOAD, RankOffload, plan_rank_offload
 from pipekit.pipelining.runtime.extension import PipelineExtension
 

@@ -19,6 +19,7 @@ from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.process_group import hierarchical_groups, new_group_along
 from pipekit.memory.offload_store import store_for
 from pipekit.models.spec import ModelShape
+from pipekit.pipelining.actions import Action
 from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
@@ -39,6 +40,7 @@ from pipekit.pipelining.features.vocab_parallel import (
 )
 from pipekit.pipelining.features.vocab_rules import check_vocab_parallel_layout
 from pipekit.pipelining.model_split.partition import blocks_per_stage
+from pipekit.pipelining.pipeline_plan import PipelinePlan
 from pipekit.pipelining.runtime.measured_choice import AUTO
 
 __all__: list[str] = []
@@ -169,6 +171,12 @@ def _plan_activation_offload(planning: FeaturePlanning) -> tuple[float, ...] | o
     return ratios
 
 
+def _exchanged_attention(plan: PipelinePlan, backward_ratio: float) -> dict[Action, float]:
+    """The attention each action's rank computes once context exchange has balanced it."""
+    exchange = plan_context_exchange(plan.actions_by_rank, plan.num_slices, backward_ratio)
+    return exchange.attended_slices()
+
+
 def _build_activation_offload(building: FeatureBuilding) -> PipelineActivationOffload:
     setup = building.setup
     store = store_for(setup.device, setup.offload_dir or None)
@@ -194,6 +202,8 @@ for _feature in (
         setting=lambda parallelism: parallelism.context_exchange in (True, AUTO),
         setting_name="context_exchange = true",
         measured_setting="context_exchange",
+        off_setting={"context_exchange": False},
+        simulated_attention=_exchanged_attention,
         order=20,
         check=_check_context_exchange,
     ),
@@ -203,6 +213,7 @@ for _feature in (
         build_vocab_parallel,
         setting=lambda parallelism: parallelism.vocab_parallel,
         setting_name="vocab_parallel = true",
+        off_setting={"vocab_parallel": False},
         order=30,
         check_layout=check_vocab_parallel_layout,
         check=_check_vocab_parallel,

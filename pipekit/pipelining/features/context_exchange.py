@@ -68,7 +68,7 @@ from pipekit.attention.context import AttentionContext
 from pipekit.attention.kernels.backends import AttentionBackend
 from pipekit.attention.kv_cache import CachedSlice, ChunkedKVCache, SliceAttention
 from pipekit.attention.patterns import block_visible, is_causal
-from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action, ComputationType
+from pipekit.pipelining.actions import BACKWARD, FORWARD, Action, ComputationType
 from pipekit.pipelining.features.exchange_plan import ExchangePlan, plan_context_exchange
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.runtime.measured_choice import MeasuredChoice

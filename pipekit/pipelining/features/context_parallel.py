@@ -28,7 +28,7 @@ from pipekit.attention.across.hierarchical import HierarchicalGroups
 from pipekit.attention.across.token_shards import load_balanced_indices
 from pipekit.attention.context import AttentionContext
 from pipekit.attention.kv_cache import SliceAttention
-from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.actions import Action
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.schedules.slice_layout import SliceLayout
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice

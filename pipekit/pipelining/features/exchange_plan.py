@@ -33,7 +33,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipekit.pipelining._torch_runtime import FORWARD, Action, ComputationType
+from pipekit.pipelining.actions import FORWARD, Action, ComputationType
 from pipekit.pipelining.schedules.simulate import LOCKSTEP_COST, simulate
 from pipekit.pipelining.schedules.torch_lists import compute_actions
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice

@@ -22,13 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from pipekit.pipelining._torch_runtime import (
-    BACKWARD,
-    FORWARD,
-    INPUT_BACKWARD,
-    WEIGHT_BACKWARD,
-    Action,
-)
+from pipekit.pipelining.actions import BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT_BACKWARD, Action
 
 __all__ = [
     "RELOAD",

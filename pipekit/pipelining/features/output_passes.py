@@ -20,7 +20,7 @@ import bisect
 from collections.abc import Mapping, Sequence
 from enum import Enum
 
-from pipekit.pipelining._torch_runtime import FORWARD, Action
+from pipekit.pipelining.actions import FORWARD, Action
 from pipekit.pipelining.schedules.simulate import (
     LOCKSTEP_COST,
     CostModel,

@@ -17,8 +17,8 @@ their own (`vocab_parallel = true`, `cp = 2`, ...) and are registered on the fir
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.models.spec import ModelShape, ModelSpec, ModelStructure
-from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.actions import Action
 from pipekit.pipelining.pipeline_plan import PipelinePlan
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.runtime.measured_choice import AUTO
@@ -41,10 +41,12 @@ __all__ = [
     "FeaturePlanning",
     "PipelineFeature",
     "enabled_pipeline_features",
+    "features_off_without",
     "get_pipeline_feature",
     "measured_pipeline_features",
     "pipeline_feature_names",
     "register_pipeline_feature",
+    "simulated_attention",
 ]
 
 _BUILTIN_MODULE = "pipekit.pipelining.features.builtin"
@@ -143,6 +145,15 @@ class PipelineFeature:
     """The `[parallelism]` field that, set to "auto", asks for the feature where the job can
     run it, chosen by timing the first steps with and without (the plan tries it on, falls back
     to off, and marks its feature plan "auto"); "" for none."""
+    off_setting: Mapping[str, Any] = field(default_factory=dict)
+    """The `[parallelism]` fields that turn the feature off, for a layout search that drops it
+    where a candidate cannot run it (no pipeline; a `sliced_only` feature without slices);
+    empty: the search leaves the setting alone (a degree the layout sets, or a setting the
+    search chooses itself)."""
+    simulated_attention: Callable[[PipelinePlan, float], Mapping[Action, float]] | None = None
+    """Per action, the slices of attention its rank computes once the feature has moved
+    attention work between ranks (`simulate(attended_slices=...)`), from the plan and the
+    backward-to-forward cost ratio; None: the feature moves no attention."""
     order: int = 100
     """Features build, and their hooks run, in increasing order, then by name (pipekit's use
     10..40)."""
@@ -205,6 +216,37 @@ def measured_pipeline_features(parallelism: ParallelismConfig) -> list[PipelineF
         ),
         key=_build_order,
     )
+
+
+def features_off_without(
+    parallelism: ParallelismConfig, pipelined: bool, sliced: bool
+) -> dict[str, Any]:
+    """The `[parallelism]` fields that turn off each feature `parallelism` enables but a layout
+    without a pipeline (`pipelined` False) or without slices (`sliced` False) cannot run."""
+    fields: dict[str, Any] = {}
+    for name in enabled_pipeline_features(parallelism):
+        feature = _FEATURES[name]
+        if not pipelined or (feature.extension.sliced_only and not sliced):
+            fields.update(feature.off_setting)
+    return fields
+
+
+def simulated_attention(plan: PipelinePlan, backward_ratio: float) -> dict[Action, float] | None:
+    """Per action, the slices of attention its rank computes after the plan's features have
+    moved work between ranks, for the simulator; None when no feature moves any."""
+    _load_builtins()
+    moved: dict[Action, float] | None = None
+    for name in plan.features:
+        feature = _FEATURES.get(name)
+        if feature is None or feature.simulated_attention is None:
+            continue
+        if moved is not None:
+            raise ValueError(
+                f"two pipeline features of this plan ({', '.join(plan.features)}) move attention "
+                "between ranks; the simulator prices one such move: turn one off"
+            )
+        moved = dict(feature.simulated_attention(plan, backward_ratio))
+    return moved
 
 
 def get_pipeline_feature(name: str) -> PipelineFeature:

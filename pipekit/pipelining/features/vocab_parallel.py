@@ -64,7 +64,7 @@ from pipekit.layers.vocab_parallel import (
 )
 from pipekit.models.spec import ModelStructure
 from pipekit.models.stage_module import build_stage_module
-from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.actions import Action
 from pipekit.pipelining.features.output_passes import OUTPUT_PASS, with_output_passes
 from pipekit.pipelining.features.vocab_rules import check_vocab_parallel_model
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension

@@ -21,11 +21,11 @@ from torch import Tensor
 
 from pipekit.layers.loss import count_label_tokens, token_sum_cross_entropy
 from pipekit.pipelining._torch_runtime import (
-    Action,
     PipelineScheduleRuntime,
     lower_schedule,
     register_action_function,
 )
+from pipekit.pipelining.actions import Action
 from pipekit.pipelining.runtime.batch_split import split_into_units
 from pipekit.pipelining.runtime.extension import LossFn, PipelineExtension
 from pipekit.pipelining.runtime.stage import SlicedPipelineStage, check_stage_slices

@@ -39,7 +39,7 @@ from torch.nn import Parameter
 from pipekit.attention.context import AttentionContext
 from pipekit.checkpoint.local_shards import RowShard
 from pipekit.models.spec import ModelStructure
-from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.actions import Action
 
 __all__ = ["LossFn", "PipelineExtension"]
 

@@ -27,11 +27,11 @@ from torch import Tensor, nn
 from pipekit.checkpoint.local_shards import RowShard
 from pipekit.layers.loss import token_sum_cross_entropy
 from pipekit.pipelining._torch_runtime import (
-    Action,
     PipelineSchedule,
     get_schedule_class,
     is_single_stage_schedule,
 )
+from pipekit.pipelining.actions import Action
 from pipekit.pipelining.runtime.action_runtime import (
     ActionListSchedule,
     SlicedPipelineSchedule,

@@ -34,15 +34,17 @@ from pipekit.attention.kv_cache import ChunkedKVCache
 from pipekit.layers.sequence_statistics import SequenceStatistics, sequence_scope
 from pipekit.memory.tracker import track_tensor, untrack_tensor
 from pipekit.pipelining._torch_runtime import (
+    ReceiveBuffersHook,
+    resize_receive_buffers,
+    stage_saved_inputs,
+)
+from pipekit.pipelining.actions import (
     BACKWARD,
     FORWARD,
     INPUT_BACKWARD,
     WEIGHT_BACKWARD,
     Action,
     ComputationType,
-    ReceiveBuffersHook,
-    resize_receive_buffers,
-    stage_saved_inputs,
 )
 from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice

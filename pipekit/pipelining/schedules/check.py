@@ -12,14 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from pipekit.pipelining._torch_runtime import (
-    BACKWARD,
-    FORWARD,
-    INPUT_BACKWARD,
-    WEIGHT_BACKWARD,
-    Action,
-    lower_to_comms,
-)
+from pipekit.pipelining._torch_runtime import lower_to_comms
+from pipekit.pipelining.actions import BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT_BACKWARD, Action
 from pipekit.pipelining.schedules.simulate import simulate
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipekit.pipelining._torch_runtime import Action
+from pipekit.pipelining.actions import Action
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
 from pipekit.pipelining.schedules.torch_lists import torch_schedule_actions
 

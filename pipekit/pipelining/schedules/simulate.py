@@ -32,12 +32,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipekit.pipelining._torch_runtime import (
-    INPUT_BACKWARD,
-    WEIGHT_BACKWARD,
-    Action,
-    ComputationType,
-)
+from pipekit.pipelining.actions import INPUT_BACKWARD, WEIGHT_BACKWARD, Action, ComputationType
 from pipekit.pipelining.schedules.events import ScheduledAction
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipekit.pipelining._torch_runtime import BACKWARD, FORWARD, Action
+from pipekit.pipelining.actions import BACKWARD, FORWARD, Action
 from pipekit.pipelining.schedules.units import unit_index
 
 __all__ = [

@@ -12,14 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipekit.pipelining._torch_runtime import (
-    INPUT_BACKWARD,
-    WEIGHT_BACKWARD,
-    Action,
-    ComputationType,
-    get_schedule_class,
-    is_single_stage_schedule,
-)
+from pipekit.pipelining._torch_runtime import get_schedule_class, is_single_stage_schedule
+from pipekit.pipelining.actions import INPUT_BACKWARD, WEIGHT_BACKWARD, Action, ComputationType
 
 __all__ = ["COMPUTE_TYPES", "compute_actions", "torch_schedule_actions"]
 

@@ -35,13 +35,7 @@ from pathlib import Path
 
 import tomli
 
-from pipekit.pipelining._torch_runtime import (
-    BACKWARD,
-    FORWARD,
-    INPUT_BACKWARD,
-    WEIGHT_BACKWARD,
-    Action,
-)
+from pipekit.pipelining.actions import BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT_BACKWARD, Action
 from pipekit.pipelining.schedules.check import KINDS, ScheduleError
 from pipekit.pipelining.schedules.units import unit_index
 

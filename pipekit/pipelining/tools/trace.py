@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pipekit.pipelining._torch_runtime import (
-    Action,
-)
+from pipekit.pipelining.actions import Action
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.pipelining.schedules.events import ScheduledAction
 
