@@ -328,14 +328,11 @@ def _plan_and_model(
     microbatches: int,
     num_slices: int,
     rows: int,
-    vocab_parallel: bool = False,
-    context_exchange: bool | str = False,
-    activation_offload: float | str = 0.0,
-    slicing: str = "equal_length",
+    **settings: Any,
 ) -> tuple[PipelinePlan, nn.Module, ParallelismConfig]:
     """The plan, the whole model on the meta device it was planned from (its FLOPs place
     equal-cost slices; the builder splits it into stages), and the `[parallelism]` section a
-    job config would write for it."""
+    job config would write for it (`settings`: any other of its fields, as a config sets them)."""
     parallelism = ParallelismConfig(
         dp_shard=1,
         pipeline_parallel_degree=num_ranks,
@@ -345,10 +342,7 @@ def _plan_and_model(
         microbatches=microbatches,
         pipeline_embedding_cost=0.0,
         pipeline_output_cost=0.0,
-        vocab_parallel=vocab_parallel,
-        context_exchange=context_exchange,
-        activation_offload=activation_offload,
-        slicing=slicing,
+        **settings,
     )
     family, args = bench_model(spec)
     with torch.device("meta"):
@@ -365,13 +359,11 @@ def bench_plan(spec: Mapping[str, Any], **keywords: Any) -> PipelinePlan:
     """The plan of `schedule` over an evenly split Llama (equal layers per stage).
 
     `keywords`: `schedule`, `stages_per_rank`, `num_ranks`, `microbatches`, `num_slices`,
-    `rows` (the local batch), optionally `vocab_parallel`, `context_exchange`,
-    `activation_offload`, `slicing`. Embedding and output get no extra weight in the split:
-    SlimPipe's Table 2 compares equal stages, and so do the throughput figures. With
-    `vocab_parallel` the embedding and output rows are split over the ranks instead. With
-    `context_exchange` the sliced passes exchange attention context. `activation_offload` and
-    `slicing` are the parallelism settings of those names (equal-cost slices balance the model's
-    FLOPs).
+    `rows` (the local batch), and optionally any other `[parallelism]` setting (a pipeline
+    feature's, `activation_offload`, `slicing`: equal-cost slices balance the model's FLOPs).
+    Embedding and output get no extra weight in the split: SlimPipe's Table 2 compares equal
+    stages, and so do the throughput figures (a feature that holds them itself, as vocabulary
+    parallelism does, splits their rows over the ranks instead).
     """
     return _plan_and_model(spec, **keywords)[0]
 

@@ -20,7 +20,6 @@ from pipekit.bench._pipeline_launch import build_runner, synthetic_batch
 from pipekit.bench.report import print_table
 from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.memory.tracker import ActivationMemoryTracker
-from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.registry import simulated_attention
 from pipekit.pipelining.plan import PipelinePlan
 from pipekit.pipelining.runtime.measured_choice import MeasuredChoice
@@ -82,7 +81,6 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
         CPU seconds: the rank's own thread, the context exchange's serving threads, the whole
         process (which adds gloo's threads)."""
         runner = runners[name]
-        exchange = runner.extension("context_exchange")
         dist.barrier()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         thread_cpu, process_cpu = time.thread_time(), time.process_time()
@@ -93,9 +91,7 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
         cpu = {
             "rank_thread_s": time.thread_time() - thread_cpu,
             "process_s": time.process_time() - process_cpu,
-            "serving_s": exchange.serving_cpu_s
-            if isinstance(exchange, PipelineContextExchange)
-            else 0.0,
+            "serving_s": sum(extension.helper_cpu_s() for extension in runner.extensions),
         }
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         _zero_gradients(runner)
@@ -151,12 +147,13 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
 
 
 def _measured_choices(runner: PipelineRunner) -> dict[str, MeasuredChoice[Any]]:
-    """The runner's measured choices by kind: "exchange" (`context_exchange = "auto"`) and
-    "layout" (`num_slices` or `slicing = "auto"`)."""
-    choices: dict[str, MeasuredChoice[Any]] = {}
-    exchange = runner.extension("context_exchange")
-    if isinstance(exchange, PipelineContextExchange) and exchange.choice is not None:
-        choices["exchange"] = exchange.choice
+    """The runner's measured choices by kind: each feature's by its name (its setting is
+    "auto") and "layout" (`num_slices` or `slicing = "auto"`)."""
+    choices: dict[str, MeasuredChoice[Any]] = {
+        extension.name: choice
+        for extension in runner.extensions
+        if (choice := extension.measured_choice()) is not None
+    }
     if runner.layout_choice is not None:
         choices["layout"] = runner.layout_choice
     return choices
@@ -174,7 +171,6 @@ def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) 
     peak bytes of its activations (saved tensors, KV cache, stage inputs). What is
     left is idle: waiting for the other ranks (the bubble, which causal imbalance lengthens)
     plus everything outside the compute, the runtime's Python, sends, receives and the loss."""
-    exchange = runner.extension("context_exchange")
     params = [param for stage in runner.stages for param in stage.submod.parameters()]
     with ActivationMemoryTracker(exclude=params) as tracker, record_schedule(runner) as recorder:
         runner.step(batch, num_label_tokens)
@@ -184,13 +180,8 @@ def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) 
     compute_s = sum(event.end - event.start for event in recorder.events)
     figures = {"step_s": step_s, "compute_s": compute_s, "actions": len(recorder.events)}
     figures["peak_activation_bytes"] = tracker.report().peak_total_bytes
-    if isinstance(exchange, PipelineContextExchange):  # early KV exchange
-        figures["ahead_passes"] = len(exchange.ahead_sends)
-        figures["ahead_posted_s"] = sum(sent.lead_s for sent in exchange.ahead_sends)
-        figures["ahead_bytes"] = sum(sent.nbytes for sent in exchange.ahead_sends)
-        figures["ahead_held_s"] = sum(exchange.chunk_leads_s)
-        figures["ahead_served"] = len(exchange.chunk_leads_s)
-        figures["ahead_held_min_s"] = min(exchange.chunk_leads_s, default=float("nan"))
+    for extension in runner.extensions:
+        figures.update(extension.step_figures())
     return figures
 
 

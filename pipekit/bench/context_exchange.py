@@ -228,7 +228,7 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
     print_step_breakdown(
         [rank["recorded"] for rank in ranks], options.pp, options.microbatches, options.slices
     )
-    choice = ranks[0]["choices"]["sliced+auto"]["exchange"]
+    choice = ranks[0]["choices"]["sliced+auto"]["context_exchange"]
     print(
         f"\ncontext_exchange = auto chose {'on' if choice['chosen'] else 'off'}: "
         f"{choice['reason']}; then {medians['sliced'] / medians['sliced+auto']:.4f}x plain sliced"

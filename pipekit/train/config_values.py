@@ -20,7 +20,7 @@ from pipekit.config.loader import ConfigError
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.moe.execution import check_partitions
 from pipekit.moe.restore import MEMORY_REUSE_CHOICES
-from pipekit.pipelining.features.registry import measured_pipeline_features
+from pipekit.pipelining.features.registry import measured_pipeline_features, measured_settings
 from pipekit.pipelining.runtime.measured_choice import AUTO
 from pipekit.pipelining.schedules.slice_bounds import SLICINGS
 from pipekit.train.activation_checkpoint import ACTIVATION_CHECKPOINT_MODES, SELECTIVE_KEEP
@@ -45,7 +45,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("lr_scheduler", "decay_type"): DECAY_TYPES,
     ("moe", "memory_reuse"): MEMORY_REUSE_CHOICES,
     ("checkpoint", "export_dtype"): tuple(EXPORT_DTYPES),
-    ("parallelism", "context_exchange"): (False, True, AUTO),
+    **{("parallelism", setting): (False, True, AUTO) for setting in measured_settings()},
     ("parallelism", "slicing"): (*SLICINGS, AUTO),
     ("parallelism", "layout"): ("manual", AUTO),
 }

@@ -244,6 +244,27 @@ class PipelineContextExchange(PipelineExtension):
                 self.drop_remote_kv_grads,
             )
 
+    def measured_choice(self) -> MeasuredChoice[bool] | None:
+        """`context_exchange = "auto"`'s choice (None: always on)."""
+        return self.choice
+
+    def helper_cpu_s(self) -> float:
+        """The serving threads' CPU seconds in the last step."""
+        return self.serving_cpu_s
+
+    def step_figures(self) -> dict[str, float]:
+        """Early KV exchange in the last step: the lending passes whose chunks went ahead, how
+        long before each pass they were posted, their bytes, and how long the serving threads
+        held them before the first request (in total and at least)."""
+        return {
+            "ahead_passes": len(self.ahead_sends),
+            "ahead_posted_s": sum(sent.lead_s for sent in self.ahead_sends),
+            "ahead_bytes": sum(sent.nbytes for sent in self.ahead_sends),
+            "ahead_held_s": sum(self.chunk_leads_s),
+            "ahead_served": len(self.chunk_leads_s),
+            "ahead_held_min_s": min(self.chunk_leads_s, default=float("nan")),
+        }
+
     @property
     def enabled(self) -> bool:
         """Whether this step lends attention (always, unless a measured choice says not)."""

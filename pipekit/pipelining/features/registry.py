@@ -44,6 +44,7 @@ __all__ = [
     "features_off_without",
     "get_pipeline_feature",
     "measured_pipeline_features",
+    "measured_settings",
     "pipeline_feature_names",
     "register_pipeline_feature",
     "simulated_attention",
@@ -203,6 +204,13 @@ def pipeline_feature_names() -> list[str]:
     """Every registered feature, in build order."""
     _load_builtins()
     return [feature.name for feature in sorted(_FEATURES.values(), key=_build_order)]
+
+
+def measured_settings() -> tuple[str, ...]:
+    """The `[parallelism]` fields a feature's plan may resolve by timing: each takes false,
+    true or "auto"."""
+    _load_builtins()
+    return tuple(sorted({f.measured_setting for f in _FEATURES.values() if f.measured_setting}))
 
 
 def measured_pipeline_features(parallelism: ParallelismConfig) -> list[PipelineFeature]:

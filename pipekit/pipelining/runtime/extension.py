@@ -15,6 +15,8 @@ fixed points, so no schedule, stage or runner signature grows a keyword per feat
 | `begin_step` / `end_step` | around each step | embed tokens / their backward |
 | `row_sharded_parameters` | checkpointing | vocabulary rows per rank |
 | `duplicate_parameters` | gradient clipping | the second copy of a tied weight |
+| `measured_choice` | benches, logs | context exchange on or off by timing |
+| `helper_cpu_s` / `step_figures` | benches, after a step | serving threads' CPU, sends ahead |
 
 A feature also declares what it needs of the plan, read at planning through the feature table
 (`pipelining.features.registry`): `sliced_only`, `equal_length_slices` and
@@ -40,6 +42,7 @@ from pipekit.attention.context import AttentionContext
 from pipekit.checkpoint.local_shards import RowShard
 from pipekit.models.spec import ModelStructure
 from pipekit.pipelining.actions import Action
+from pipekit.pipelining.runtime.measured_choice import MeasuredChoice
 
 __all__ = ["LossFn", "PipelineExtension"]
 
@@ -135,3 +138,18 @@ class PipelineExtension:
         """Plain parameters of which this rank's tensor-parallel ranks (the group) hold
         disjoint parts (vocabulary rows over tp): a global gradient norm adds them over it."""
         return None
+
+    def measured_choice(self) -> MeasuredChoice[Any] | None:
+        """The choice this feature settles by timing the first steps (its setting is "auto"),
+        or None: benches settle it before they time and report what it chose."""
+        return None
+
+    def helper_cpu_s(self) -> float:
+        """CPU seconds the feature's own threads spent in the last step (serving threads): a
+        bench separates them from the rank's own work."""
+        return 0.0
+
+    def step_figures(self) -> dict[str, float]:
+        """The feature's own figures of the last step, by name (none): what a bench reports
+        beside the step's time."""
+        return {}
