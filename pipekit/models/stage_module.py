@@ -75,8 +75,8 @@ def validate_stage_module_names(
     shared: Sequence[str] = (),
 ) -> None:
     """Check that the stages hold every module of `model` once, with layers in model order;
-    the modules named in `outside_stages` (vocabulary parallelism's) must be in none, and only
-    the stateless `shared` ones (`ModelStructure.shared`) may be in several.
+    the modules named in `outside_stages` (those a pipeline feature holds itself) must be in
+    none, and only the stateless `shared` ones (`ModelStructure.shared`) may be in several.
 
     Catches hand-written splits that would silently drop or duplicate weights, run a stateless
     module (an embedding scale) twice, or run layers out of order, before any process group or
@@ -95,8 +95,8 @@ def validate_stage_module_names(
         for unit in sorted(units):
             if unit in outside_stages:
                 raise ValueError(
-                    f"module {unit!r} is in stage {stage} but is split across the pipeline ranks "
-                    "outside the stages (vocab_parallel); remove it from the stage's list"
+                    f"module {unit!r} is in stage {stage} but a pipeline feature holds it "
+                    "outside the stages; remove it from the stage's list"
                 )
             if unit in owner:
                 raise ValueError(f"module {unit!r} is in stage {owner[unit]} and stage {stage}")
@@ -190,8 +190,8 @@ def _check_stateless_placement(
                 )
         elif name in outside_stages and stages:
             raise ValueError(
-                f"module {name!r} is in stage {stages[0]} but runs outside the stages "
-                "(vocab_parallel applies it to the logits shards); remove it from the stage"
+                f"module {name!r} is in stage {stages[0]} but a pipeline feature runs it "
+                "outside the stages; remove it from the stage"
             )
         elif name not in outside_stages and len(stages) != 1:
             raise ValueError(

@@ -213,6 +213,12 @@ def test_unknown_names_list_the_valid_ones():
         validate_stage_module_names(_meta_llama(), [["tok_embeddings"], ["head"]])
 
 
+def test_a_module_a_feature_holds_outside_the_stages_is_in_none():
+    names = llama_stage_module_names(ARGS.n_layers, 2)
+    with pytest.raises(ValueError, match="'output' is in stage 1 but a pipeline feature holds"):
+        validate_stage_module_names(_meta_llama(), names, outside_stages=("output",))
+
+
 def test_tied_embeddings_cannot_be_split_across_stages():
     tied = _meta_llama(ARGS.with_updates(tie_embeddings=True))
     with pytest.raises(ValueError, match=r"share a weight \(tied embeddings\)"):
