@@ -13,7 +13,9 @@ predicted within about 1% of each other on a CPU, so their order among themselve
 not a ranking; `--any-structure` measures the raw top ones instead.
 Each then trains for real, one after another in fresh forked ranks (the trainer, its data and
 optimizer, exactly as `train.py` would run the layout written by hand): `--warmup` untimed
-steps, then the median of the trainer's logged step times. It prints the predicted and
+steps, then `--repeats` timed ones; with `--rounds R` the layouts take turns R times, so a
+drift in the machine's speed falls on every layout alike, and each layout's figure is the
+median of all its timed steps. It prints the predicted and
 measured step of every layout, whether the search's first measures within 5% of the fastest
 of them, the rank correlation (Spearman) of predicted and measured times, each prediction's
 error, and each layout's step spread (how far its own timed steps fall apart): where the five
@@ -77,12 +79,8 @@ def _train_rank(rank: int, world_size: int, config: JobConfig) -> None:
     Trainer(validate_job(config, world_size)).train()
 
 
-def _measured_step_s(
-    config: JobConfig, world_size: int, warmup: int, timeout: float
-) -> tuple[float, float]:
-    """(median, spread) of the logged step times after `warmup` steps of one training run;
-    the spread, (slowest - fastest) / median, is how far apart the same layout's steps fall:
-    layouts predicted closer than it cannot be told apart by this measurement."""
+def _timed_steps_s(config: JobConfig, world_size: int, warmup: int, timeout: float) -> list[float]:
+    """The logged step times after `warmup` steps of one training run."""
     run_on_ranks(_train_rank, world_size, config, timeout=timeout)
     records = Path(config.job.output_dir, "metrics.jsonl").read_text().splitlines()
     times = [
@@ -92,6 +90,13 @@ def _measured_step_s(
     ]
     if not times:
         raise RuntimeError(f"the run logged no step after the {warmup} warm-up steps")
+    return times
+
+
+def _median_and_spread(times: list[float]) -> tuple[float, float]:
+    """(median, spread) of a layout's timed steps; the spread, (slowest - fastest) / median, is
+    how far apart the same layout's steps fall: layouts predicted closer than it cannot be told
+    apart by this measurement."""
     median = statistics.median(times)
     return median, (max(times) - min(times)) / median
 
@@ -136,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=5, help="layouts measured (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per layout")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per layout")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="times the layouts take turns (default 1)"
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per layout")
     parser.add_argument(
         "--any-structure",
@@ -143,8 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         help="measure the top layouts even where they differ only in data parallelism",
     )
     options = parser.parse_args(argv)
-    if options.top < 2 or options.world_size < 1 or options.repeats < 1:
-        parser.error("--top must be at least 2, --world-size and --repeats at least 1")
+    if options.top < 2 or min(options.world_size, options.repeats, options.rounds) < 1:
+        parser.error("--top must be at least 2, --world-size, --repeats and --rounds at least 1")
     load = os.getloadavg()[0]
     folder = tempfile.mkdtemp(prefix="pipekit-layout-cpu-")
     config = _job_config(options, folder)
@@ -168,16 +176,21 @@ def main(argv: list[str] | None = None) -> None:
         "the run",
         flush=True,
     )
-    predicted, measured, spreads = [], [], []
-    for index, candidate in enumerate(kept):
-        run = apply_layout(config, candidate.layout)
-        output = dataclasses.replace(run.job, output_dir=str(Path(folder, f"layout{index}")))
-        run = dataclasses.replace(run, job=output)
-        step_s, spread = _measured_step_s(run, options.world_size, options.warmup, options.timeout)
-        measured.append(step_s)
-        spreads.append(spread)
-        predicted.append(candidate.step.step_s)
-        print(f"  {candidate.layout.label()}: measured {measured[-1]:.3g} s", flush=True)
+    steps: list[list[float]] = [[] for _ in kept]
+    for round_index in range(options.rounds):
+        for index, candidate in enumerate(kept):
+            run = apply_layout(config, candidate.layout)
+            where = Path(folder, f"round{round_index}", f"layout{index}")
+            run = dataclasses.replace(run, job=dataclasses.replace(run.job, output_dir=str(where)))
+            times = _timed_steps_s(run, options.world_size, options.warmup, options.timeout)
+            steps[index] += times
+            print(
+                f"  round {round_index + 1}: {candidate.layout.label()}: measured "
+                f"{statistics.median(times):.3g} s",
+                flush=True,
+            )
+    measured, spreads = map(list, zip(*map(_median_and_spread, steps), strict=True))
+    predicted = [candidate.step.step_s for candidate in kept]
     fastest = min(measured)
     rows = [
         [index + 1, candidate.layout.label(), predicted[index], measured[index],
@@ -199,5 +212,6 @@ def main(argv: list[str] | None = None) -> None:
         mean_abs_prediction_error=statistics.fmean(errors),
         median_step_spread=statistics.median(spreads),
         layouts=len(kept),
+        rounds=options.rounds,
         load_before=load,
     )
