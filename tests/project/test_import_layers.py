@@ -106,11 +106,6 @@ INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
 """The order inside a package that keeps one (its subpackages and top modules, lowest first),
 held for imports of every kind as `LAYERS` is between packages."""
 
-_KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset()
-"""(importing module, imported module) runtime imports that break `LAYERS` today, tolerated
-until fixed; `test_known_upward_imports_still_exist` asks for an entry's removal once it is.
-Empty: no module-level import goes upward or sideways. Never add one to silence a new import."""
-
 Kind = Literal["runtime", "typing", "deferred"]
 
 
@@ -360,29 +355,29 @@ def test_every_pipekit_import_names_a_module() -> None:
     assert not unknown, "\n".join(unknown)
 
 
-def test_module_level_imports_have_no_cycle() -> None:
+def test_imports_of_every_kind_form_no_cycle() -> None:
+    """Deferred and typing imports included: a typing-only circle still ties two modules into
+    one."""
     package = scan_package()
     messages = []
-    for cycle in find_cycles(package.imports):
+    for cycle in find_cycles(as_runtime(package.imports)):
         modules = " -> ".join([imp.importer for imp in cycle] + [cycle[0].importer])
         steps = "\n".join(
             f"    {package.where(imp)}: {imp.importer} imports {imp.imported}" for imp in cycle
         )
         messages.append(f"import cycle {modules}:\n{steps}")
     assert not messages, (
-        "module-level imports between pipekit modules form cycles; break each by moving the "
-        "shared code down, or by importing inside the function that needs it:\n"
-        + "\n".join(messages)
+        "imports between pipekit modules (any kind) form cycles; break each by moving the "
+        "shared code down:\n" + "\n".join(messages)
     )
 
 
-def test_module_level_imports_respect_layers() -> None:
+def test_imports_of_every_kind_respect_layers() -> None:
+    """Deferred and typing imports included: none goes up or sideways."""
     package = scan_package()
     layer_of = _layer_of(LAYERS)
     messages = []
-    for imp in against_layers(package.imports, LAYERS):
-        if (imp.importer, imp.imported) in _KNOWN_UPWARD:
-            continue
+    for imp in against_layers(as_runtime(package.imports), LAYERS):
         up, down = layer_of[component(imp.importer)], layer_of[component(imp.imported)]
         direction = "upward" if down > up else "sideways (same layer)"
         messages.append(
@@ -390,19 +385,9 @@ def test_module_level_imports_respect_layers() -> None:
             f"{_describe(imp.imported, layer_of)}: {direction}"
         )
     assert not messages, (
-        "module-level imports against the layer order (LAYERS in "
+        "imports (any kind) against the layer order (LAYERS in "
         "tests/project/test_import_layers.py, lowest first); move the shared code to a lower "
         "layer, or reorder LAYERS if the new dependency is intended:\n" + "\n".join(messages)
-    )
-
-
-def test_known_upward_imports_still_exist() -> None:
-    package = scan_package()
-    current = {(imp.importer, imp.imported) for imp in against_layers(package.imports, LAYERS)}
-    fixed = sorted(_KNOWN_UPWARD - current)
-    assert not fixed, (
-        f"these _KNOWN_UPWARD entries no longer import against LAYERS at module level: {fixed}; "
-        "remove them from _KNOWN_UPWARD in tests/project/test_import_layers.py"
     )
 
 
@@ -426,20 +411,6 @@ def inner_imports(imports: Iterable[Import], package: str) -> list[Import]:
         for imp in imports
         if imp.importer.startswith(prefix) and imp.imported.startswith(prefix)
     ]
-
-
-def test_imports_of_every_kind_respect_layers_and_form_no_cycle() -> None:
-    """Deferred and typing imports included: none goes up or sideways, none closes a circle
-    (a typing-only circle still ties two modules into one)."""
-    package = scan_package()
-    every = as_runtime(package.imports)
-    upward = [
-        f"{package.where(imp)}: {imp.importer} imports {imp.imported}"
-        for imp in against_layers(every, LAYERS)
-    ]
-    assert not upward, "imports (any kind) against LAYERS:\n" + "\n".join(upward)
-    circles = [" -> ".join(imp.importer for imp in cycle) for cycle in find_cycles(every)]
-    assert not circles, "imports (any kind) in a circle:\n" + "\n".join(circles)
 
 
 @pytest.mark.parametrize("package", sorted(INNER_LAYERS))
