@@ -39,6 +39,7 @@ from pipekit.attention.masks import (
 )
 from pipekit.attention.merge import merge_attention
 from pipekit.attention.patterns import CAUSAL, AttentionPattern
+from pipekit.attention.work import attention_work, keys_seen, token_costs
 
 __all__ = [
     "ALIBI",
@@ -60,12 +61,14 @@ __all__ = [
     "attention",
     "attention_over_chunks",
     "attention_with_lending",
+    "attention_work",
     "available_backends",
     "causal_mask",
     "causal_within_documents",
     "commutated_context_attention",
     "document_mask",
     "get_backend",
+    "keys_seen",
     "kv_passing_context_attention",
     "load_balanced_indices",
     "merge_attention",
@@ -76,6 +79,7 @@ __all__ = [
     "serve_attention_loan",
     "serve_attention_loan_backward",
     "sliding_window_mask",
+    "token_costs",
     "token_order_mask",
     "use_backend",
 ]

@@ -80,7 +80,8 @@ INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("masks", "merge"),  # masks, LSE merging
         ("kernels",),  # kernels returning (out, lse), and the table that picks one
         ("patterns",),  # a layer's attention pattern
-        ("chunked", "context_protocol"),  # attention over K/V chunks; what a context is
+        ("chunked", "context_protocol", "work"),  # attention over K/V chunks; what a context
+        # is; the attention work of a packed batch's tokens
         ("kv_cache",),  # the sliced pipeline's chunked KV cache
         ("across",),  # attention across ranks: context parallelism and context exchange
         ("context",),  # the contexts a model is given

@@ -11,13 +11,20 @@ the late ones fewer.
 
 Bounds are rounded to `granularity` tokens (attention kernels' block size, the sequence-parallel
 ranks' share), so each slice is within one granule of equal cost.
+
+Packed documents break the single-sequence formula: a token's attention work is the keys its
+document lets it see. `cost_slice_bounds` cuts any per-token cost instead (a batch's
+`pipekit.attention.work.token_costs`, summed over the rows that share the slices).
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["SLICINGS", "equal_cost_fractions", "slice_bounds"]
+import torch
+from torch import Tensor
+
+__all__ = ["SLICINGS", "cost_slice_bounds", "equal_cost_fractions", "slice_bounds"]
 
 SLICINGS = ("equal_length", "equal_cost")
 """How `slice_bounds` cuts a sequence (the `[parallelism] slicing` setting)."""
@@ -81,3 +88,38 @@ def equal_cost_fractions(num_slices: int, attention_share: float) -> tuple[float
         else:  # the root in [0, 1] of a·x² + (1 - a)·x - cost
             fractions.append((math.sqrt((1 - a) ** 2 + 4 * a * cost) - (1 - a)) / (2 * a))
     return tuple(fractions)
+
+
+def cost_slice_bounds(cost_S: Tensor, num_slices: int, granularity: int = 1) -> tuple[int, ...]:
+    """The `num_slices + 1` token offsets that cut a sequence whose tokens cost `cost_S` into
+    slices of equal total cost, each bound on a multiple of `granularity` tokens, each slice at
+    least one granule: bound j is the granule edge whose cumulative cost is nearest j / n of the
+    total."""
+    if cost_S.dim() != 1:
+        raise ValueError(f"cost_S must be one cost per token, got shape {tuple(cost_S.shape)}")
+    length = cost_S.shape[0]
+    if granularity < 1 or length % granularity or length // granularity < num_slices:
+        raise ValueError(
+            f"{length} tokens do not split into num_slices={num_slices} slices of whole "
+            f"granules of {granularity} tokens; choose a granularity dividing the length and at "
+            "most length / num_slices"
+        )
+    if (cost_S < 0).any():
+        raise ValueError("token costs must be >= 0")
+    granules = length // granularity
+    cumulative_G = torch.cat(
+        [cost_S.new_zeros(1), cost_S.to(torch.float64).view(granules, granularity).sum(1).cumsum(0)]
+    )
+    total = float(cumulative_G[-1])
+    bounds = [0]
+    for index in range(1, num_slices):
+        target = total * index / num_slices
+        above = int(torch.searchsorted(cumulative_G, torch.tensor([target], dtype=torch.float64)))
+        nearest = min(
+            (edge for edge in (above - 1, above) if 0 <= edge <= granules),
+            key=lambda edge: abs(float(cumulative_G[edge]) - target),
+        )
+        lowest, highest = bounds[-1] + 1, granules - (num_slices - index)
+        bounds.append(min(max(nearest, lowest), highest))
+    bounds.append(granules)
+    return tuple(bound * granularity for bound in bounds)

@@ -1,0 +1,118 @@
+"""The attention work of every token of a packed batch, known when the batch is loaded.
+
+A packed row holds documents back to back, each attending only within itself, so a token's
+attention work is not its position: it is the number of keys its query sees under its layer's
+`AttentionPattern` inside its own document. `keys_seen` counts them for one pattern in closed
+form (O(B·S), no S×S mask), `attention_work` sums them over a model's layers, and
+`token_costs` adds each token's linear work: the one measure of a batch that cutting slices,
+sharding context-parallel ranks and balancing microbatches all divide.
+
+Counts are exact for causal attention, sliding windows, local chunks and bidirectional prefixes,
+with or without documents. A pattern's free-form `rule` is not counted (it can only remove
+keys): the count is then an upper bound, as `AttentionPattern.visible_keys` is.
+
+Document ids follow packing's convention: per row, each document's tokens form one run and ids
+never decrease along the row (0, 1, 2, ... in `pipekit.train.data.packing`).
+
+Legend: B rows, S tokens per row.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from pipekit.attention.patterns import CAUSAL, AttentionPattern
+
+__all__ = ["attention_work", "document_spans", "keys_seen", "token_costs"]
+
+
+def document_spans(document_ids_BS: Tensor) -> tuple[Tensor, Tensor]:
+    """Per token, the row index of its document's first token and one past its last
+    (`first_BS`, `end_BS`). Refuses ids that decrease along a row: a document split into
+    several runs is not what packing makes, and its work would be miscounted."""
+    if document_ids_BS.dim() != 2:
+        raise ValueError(
+            f"document ids must be [rows, tokens], got shape {tuple(document_ids_BS.shape)}"
+        )
+    rows, length = document_ids_BS.shape
+    changes_BS1 = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
+    if (document_ids_BS[:, 1:] < document_ids_BS[:, :-1]).any():
+        raise ValueError(
+            "document ids decrease along a row; give each document one run of tokens with ids "
+            "that never decrease (0, 1, 2, ... as pipekit's packing writes them)"
+        )
+    index_BS = torch.arange(length, device=document_ids_BS.device).expand(rows, length)
+    edge_B1 = torch.ones(rows, 1, dtype=torch.bool, device=document_ids_BS.device)
+    starts_BS = torch.cat([edge_B1, changes_BS1], dim=1)
+    first_BS = torch.where(starts_BS, index_BS, 0).cummax(dim=1).values
+    lasts_BS = torch.cat([changes_BS1, edge_B1], dim=1)
+    end_BS = torch.where(lasts_BS, index_BS + 1, length).flip(1).cummin(dim=1).values.flip(1)
+    return first_BS, end_BS
+
+
+def keys_seen(
+    document_ids_BS: Tensor | None,
+    pattern: AttentionPattern | None = None,
+    seq_len: int | None = None,
+) -> Tensor:
+    """How many keys each query attends to under `pattern` (None: causal), within its own
+    document (ids None: the row is one sequence of `seq_len` tokens, one row). int64 [B, S]."""
+    pattern = pattern or CAUSAL
+    if document_ids_BS is None:
+        if seq_len is None:
+            raise ValueError("keys_seen needs document ids or seq_len")
+        document_ids_BS = torch.zeros(1, seq_len, dtype=torch.int64)
+    first_BS, end_BS = document_spans(document_ids_BS)
+    length = document_ids_BS.shape[1]
+    t_BS = torch.arange(length, device=document_ids_BS.device).expand_as(first_BS)
+    low_BS, high_BS = first_BS, t_BS
+    if pattern.prefix:
+        high_BS = torch.where(
+            t_BS < pattern.prefix, torch.clamp(t_BS, min=pattern.prefix - 1), t_BS
+        )
+    high_BS = torch.minimum(high_BS, end_BS - 1)
+    if pattern.window is not None:
+        low_BS = torch.maximum(low_BS, t_BS - pattern.window + 1)
+    if pattern.chunk is not None:
+        chunk_first_BS = t_BS // pattern.chunk * pattern.chunk
+        low_BS = torch.maximum(low_BS, chunk_first_BS)
+        high_BS = torch.minimum(high_BS, chunk_first_BS + pattern.chunk - 1)
+    return high_BS - low_BS + 1
+
+
+def attention_work(
+    document_ids_BS: Tensor | None,
+    patterns: Sequence[AttentionPattern | None],
+    seq_len: int | None = None,
+) -> Tensor:
+    """Keys seen by each query summed over layers, one pattern per layer (None: causal):
+    each distinct pattern is counted once. int64 [B, S]."""
+    if not patterns:
+        raise ValueError("attention_work needs one pattern per attention layer; got none")
+    counts = Counter(pattern or CAUSAL for pattern in patterns)
+    return sum(
+        layers * keys_seen(document_ids_BS, pattern, seq_len) for pattern, layers in counts.items()
+    )
+
+
+def token_costs(
+    document_ids_BS: Tensor | None,
+    patterns: Sequence[AttentionPattern | None],
+    linear_per_token: float,
+    attention_per_key: float,
+    seq_len: int | None = None,
+) -> Tensor:
+    """Each token's work: `linear_per_token` (its matmuls over all layers) plus
+    `attention_per_key` for every key a layer's query sees (`attention_work`), in the caller's
+    unit (FLOPs, multiply-adds, seconds). float64 [B, S]."""
+    if linear_per_token < 0 or attention_per_key < 0:
+        raise ValueError(
+            f"linear_per_token={linear_per_token} and attention_per_key={attention_per_key} "
+            "must be >= 0"
+        )
+    work_BS = attention_work(document_ids_BS, patterns, seq_len).to(torch.float64)
+    return linear_per_token + attention_per_key * work_BS

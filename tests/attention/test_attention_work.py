@@ -1,0 +1,127 @@
+"""The attention work of packed batches (`pipekit.attention.work`) against brute force over the
+patterns' own masks, and slices cut by it (`cost_slice_bounds`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from pipekit.attention.patterns import CAUSAL, AttentionPattern
+from pipekit.attention.work import attention_work, document_spans, keys_seen, token_costs
+from pipekit.pipelining.schedules.slice_bounds import cost_slice_bounds, slice_bounds
+
+PATTERNS = [
+    CAUSAL,
+    AttentionPattern(window=5),
+    AttentionPattern(chunk=8),
+    AttentionPattern(prefix=6),
+    AttentionPattern(prefix=6, window=3),
+    AttentionPattern(prefix=12, chunk=8),
+    AttentionPattern(window=4, chunk=8),
+]
+
+
+def _packed_ids(lengths_per_row: list[list[int]]) -> torch.Tensor:
+    """Document ids of rows packed from documents of the given lengths."""
+    return torch.stack(
+        [
+            torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+            for lengths in lengths_per_row
+        ]
+    )
+
+
+def _brute_force(document_ids_BS: torch.Tensor, pattern: AttentionPattern) -> torch.Tensor:
+    """Keys each query sees, by evaluating the pattern and the document mask on every pair."""
+    length = document_ids_BS.shape[1]
+    q_S1 = torch.arange(length)[:, None]
+    allowed_SK = pattern.allows(q_S1, torch.arange(length)[None, :])
+    same_BSK = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
+    return (allowed_SK & same_BSK).sum(-1)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=repr)
+def test_keys_seen_equal_the_patterns_masks_on_packed_rows(pattern):
+    ids_BS = _packed_ids([[40], [3, 1, 17, 19], [9, 9, 9, 9, 4], [1] * 40])
+    assert torch.equal(keys_seen(ids_BS, pattern), _brute_force(ids_BS, pattern))
+    # ablation: documents ignored, the counts are those of one sequence per row
+    whole_BS = torch.zeros_like(ids_BS)
+    if not torch.equal(ids_BS, whole_BS):
+        assert not torch.equal(keys_seen(whole_BS, pattern), _brute_force(ids_BS, pattern))
+
+
+def test_without_documents_a_row_is_one_causal_sequence():
+    assert keys_seen(None, seq_len=5).tolist() == [[1, 2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="needs document ids or seq_len"):
+        keys_seen(None)
+
+
+def test_attention_work_sums_each_layers_pattern():
+    ids_BS = _packed_ids([[10, 22], [32]])
+    layers = [None, AttentionPattern(window=5), None, AttentionPattern(window=5)]
+    expected = 2 * _brute_force(ids_BS, CAUSAL) + 2 * _brute_force(ids_BS, layers[1])
+    assert torch.equal(attention_work(ids_BS, layers), expected)
+    costs = token_costs(ids_BS, layers, linear_per_token=3.0, attention_per_key=0.5)
+    assert costs.dtype == torch.float64 and torch.equal(costs, 3.0 + 0.5 * expected.double())
+
+
+def test_document_spans_and_bad_ids_name_the_fix():
+    first, end = document_spans(_packed_ids([[2, 3]]))
+    assert first.tolist() == [[0, 0, 2, 2, 2]] and end.tolist() == [[2, 2, 5, 5, 5]]
+    with pytest.raises(ValueError, match="ids decrease along a row"):
+        document_spans(torch.tensor([[0, 1, 0]]))
+    with pytest.raises(ValueError, match=r"\[rows, tokens\]"):
+        document_spans(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="one pattern per attention layer"):
+        attention_work(None, [], seq_len=4)
+
+
+@pytest.mark.parametrize(("seq_len", "slices", "granularity", "ratio"),
+                         [(4096, 8, 64, 0.7), (1024, 4, 16, 3.0), (512, 2, 1, 0.0)])  # fmt: skip
+def test_one_causal_document_cuts_where_the_single_sequence_formula_does(
+    seq_len, slices, granularity, ratio
+):
+    # per-token cost of one causal sequence whose attention is `ratio` of its linear work
+    attention_per_key = 2 * ratio / (seq_len + 1)
+    cost_S = token_costs(None, [None], 1.0, attention_per_key, seq_len)[0]
+    by_cost = cost_slice_bounds(cost_S, slices, granularity)
+    by_formula = slice_bounds(seq_len, slices, "equal_cost", ratio, granularity)
+    assert all(abs(a - b) <= granularity for a, b in zip(by_cost, by_formula, strict=True))
+
+
+def _slice_costs(cost_S: torch.Tensor, bounds: tuple[int, ...]) -> list[float]:
+    return [float(cost_S[a:b].sum()) for a, b in itertools.pairwise(bounds)]
+
+
+def test_packed_documents_get_slices_of_equal_work_where_the_formula_does_not():
+    """A row of short documents then one long one: the long document's tokens see many keys,
+    so equal-cost slices by the batch's work give the end fewer tokens; the single-sequence
+    formula (front-loaded) and equal lengths both leave the slices far apart."""
+    seq_len, slices, granularity = 2048, 4, 4
+    ids_BS = _packed_ids([[64] * 16 + [1024]])
+    cost_S = token_costs(ids_BS, [None] * 4, 1.0, 0.05)[0]
+    bounds = cost_slice_bounds(cost_S, slices, granularity)
+    granule_max = float(cost_S.view(-1, granularity).sum(1).max())
+    costs = _slice_costs(cost_S, bounds)
+    assert max(costs) - min(costs) <= 2 * granule_max
+    total = float(cost_S.sum())
+    ratio = float(4 * 0.05 * seq_len * (seq_len + 1) / 2) / seq_len  # as if one sequence
+    for static in (slice_bounds(seq_len, slices),
+                   slice_bounds(seq_len, slices, "equal_cost", ratio, granularity)):  # fmt: skip
+        assert max(_slice_costs(cost_S, static)) / (total / slices) > 1.3
+    assert max(costs) / (total / slices) < 1.05
+
+
+def test_cost_slice_bounds_refuse_bad_input_in_one_line():
+    with pytest.raises(ValueError, match="one cost per token"):
+        cost_slice_bounds(torch.ones(2, 8), 2)
+    with pytest.raises(ValueError, match="granularity dividing the length"):
+        cost_slice_bounds(torch.ones(10), 4, granularity=4)
+    with pytest.raises(ValueError, match=">= 0"):
+        cost_slice_bounds(-torch.ones(8), 2)
+    # all the cost in the last token: the cuts crowd before it, each slice keeping a granule
+    spike_S = torch.zeros(64)
+    spike_S[-1] = 1.0
+    assert cost_slice_bounds(spike_S, 4, 8) == (0, 40, 48, 56, 64)
