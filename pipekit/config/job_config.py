@@ -252,8 +252,10 @@ class ParallelismConfig:
     slicing: str = "equal_length"
     """Where slices are cut: equal_length (SlimPipe), or equal_cost (early slices longer, so
     every slice's linear plus causal-attention FLOPs are equal; not with context_exchange,
-    vocab_parallel or cp > 1; see docs/pipelining.md). "auto": both are timed over the first
-    steps and the faster kept (with num_slices = "auto", every pair)."""
+    vocab_parallel or cp > 1; see docs/pipelining.md), or documents (each microbatch cut by
+    its own packed documents' attention work, step by step; the same limits). "auto":
+    equal_length and equal_cost are timed over the first steps and the faster kept (with
+    num_slices = "auto", every pair)."""
     stages_per_rank: int = 1
     """Pipeline stages per rank v (interleaved/V schedules need 2 or more)."""
     microbatches: int = 0

@@ -33,7 +33,7 @@ from pipekit.pipelining.pipeline_plan import PipelinePlan
 from pipekit.pipelining.runtime.measured_choice import AUTO
 from pipekit.pipelining.schedules.check import check_schedule
 from pipekit.pipelining.schedules.registry import ScheduleShape, get_schedule
-from pipekit.pipelining.schedules.slice_bounds import SLICINGS, slice_bounds
+from pipekit.pipelining.schedules.slice_bounds import MEASURED_SLICINGS, SLICINGS, slice_bounds
 from pipekit.pipelining.schedules.slice_layout import SliceLayout
 from pipekit.pipelining.schedules.user import load_schedule_file
 
@@ -114,7 +114,7 @@ def _layout_candidates(parallelism: ParallelismConfig, seq_len: int) -> list[Par
         ]
     else:
         counts = [parallelism.num_slices]
-    slicings = SLICINGS if parallelism.slicing == AUTO else (parallelism.slicing,)
+    slicings = MEASURED_SLICINGS if parallelism.slicing == AUTO else (parallelism.slicing,)
     return [replace(parallelism, num_slices=n, slicing=cut) for n in counts for cut in slicings]
 
 
@@ -261,6 +261,8 @@ def _plan_pipeline(
             ),
             parallelism.cp,
             parallelism.slicing,
+            granularity,
+            attention_to_linear,
         ),
         features=features,
         feature_plans=feature_plans,
@@ -283,8 +285,8 @@ def _slice_granularity(equal_slice: int, sequence_shards: int) -> int:
 def _check_equal_cost(
     parallelism: ParallelismConfig, num_slices: int, needing_equal: Sequence[PipelineFeature]
 ) -> None:
-    """Equal-cost slices differ in length; the features that pair slices across ranks or cut
-    them into equal pieces (`equal_length_slices`) need equal lengths."""
+    """Equal-cost and document-cut slices differ in length; the features that pair slices
+    across ranks or cut them into equal pieces (`equal_length_slices`) need equal lengths."""
     if parallelism.slicing not in SLICINGS:
         raise ValueError(f"slicing={parallelism.slicing!r} is not one of {', '.join(SLICINGS)}")
     if num_slices < 2:
@@ -295,8 +297,8 @@ def _check_equal_cost(
     if needing_equal:
         feature = needing_equal[0]
         raise ValueError(
-            f"slicing='equal_cost' with {feature.how_to_enable}: that feature needs slices of "
-            "equal length; use slicing = 'equal_length' with it"
+            f"slicing={parallelism.slicing!r} with {feature.how_to_enable}: that feature needs "
+            "slices of equal length; use slicing = 'equal_length' with it"
         )
 
 

@@ -46,6 +46,7 @@ from pipekit.pipelining import (
 from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.testing.parity import Result, full_gradient
 from pipekit.train.activation_checkpoint import apply_activation_checkpointing
+from pipekit.train.metrics import attention_to_linear_flops
 from pipekit.train.parallel_rules import check_parallel_layout
 
 __all__ = ["pipeline_layout", "pipeline_step", "runner_step"]
@@ -137,7 +138,12 @@ def pipeline_layout(
     dims = check_parallel_layout(config, world, spec, args, seq_len=length, model=spec.name,
                                  meta_model=model)  # fmt: skip
     config = dataclasses.replace(config, pipeline_parallel_degree=dims.pp)
-    plan = plan_pipeline(config, spec.structure, spec.shape(args), rows // dp_shard, length)
+    shape = spec.shape(args)
+    attention_to_linear = attention_to_linear_flops(model, shape, spec.structure, length)
+    plan = plan_pipeline(
+        config, spec.structure, shape, rows // dp_shard, length,
+        attention_to_linear=attention_to_linear,
+    )  # fmt: skip
     mesh = dims.build_mesh("cpu")
     tp_moe = tp > 1 and getattr(args, "moe", None) is not None
     token_ranks = dp_shard * cp * tp

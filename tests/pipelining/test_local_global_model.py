@@ -1,10 +1,12 @@
 """A model unlike the built-in ones (examples/local_global: sliding-window and full layers, soft-
 capped attention scores, (1 + w) RMSNorm, GeGLU MLPs and GeGLU MoE experts, embeddings scaled by
 sqrt(dim), soft-capped logits, tied embeddings) equals one process in float64 — loss and every
-gradient, 1e-10 — under FSDP, the sliced pipeline, the sliced pipeline with context exchange
+gradient, 1e-10 — under FSDP, the sliced pipeline (slices planned, and cut per microbatch by
+its documents), the sliced pipeline with context exchange
 (its lent slices sent ahead) and vocabulary parallelism, and (4 ranks) the sliced pipeline with
 context parallelism, with and without context exchange. Ablations, each of which must fail: the
-pipeline's KV cache ignoring the window; vocabulary parallelism without the soft-cap; the
+pipeline's KV cache ignoring the window, or placing slices cut per microbatch at the planned
+cuts; vocabulary parallelism without the soft-cap; the
 embedding scale run on every stage."""
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import pytest
 import examples.local_global.model as local_global
 import pipekit.attention.kv_cache as kv_cache_module
 from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
+from pipekit.pipelining.runtime.stage import SlicedPipelineStage
 from pipekit.testing import (
+    RankFailedError,
     data_parallel_step,
     max_relative_difference,
     parity_batch,
@@ -52,6 +56,14 @@ def _cases(rank: int, world: int, ablation: str = "") -> dict:
     if ablation == "window_ignored_by_the_cache":  # the visible slices' keys seen whole
         original = kv_cache_module.block_mask
         kv_cache_module.block_mask = lambda pattern, *rest: original(None, *rest)
+    if ablation == "cache_at_the_planned_cuts":  # slices cut per microbatch, cached as planned
+        use_bounds = SlicedPipelineStage.use_microbatch_bounds
+
+        def keep_planned_bounds(stage: SlicedPipelineStage, bounds: list) -> None:
+            use_bounds(stage, bounds)
+            stage.kv_cache.slice_bounds = stage.shapes.slice_bounds
+
+        SlicedPipelineStage.use_microbatch_bounds = keep_planned_bounds
     if ablation == "softcap_dropped_by_vocab_parallel":
         adjust = _drop_softcap
     if ablation == "scale_on_every_stage":
@@ -63,6 +75,9 @@ def _cases(rank: int, world: int, ablation: str = "") -> dict:
         return {
             "fsdp": data_parallel_step(rank, world, spec, ARGS, _batch()),
             "pp sliced": pipeline_step(rank, world, spec, ARGS, _batch(), **SLICED),
+            "pp documents": pipeline_step(
+                rank, world, spec, ARGS, _batch(), **SLICED, slicing="documents"
+            ),
             "pp exchange vocab": pipeline_step(
                 rank, world, spec, ARGS, _batch(), adjust=adjust, **EXCHANGE
             ),
@@ -101,7 +116,7 @@ def test_every_layout_equals_one_process_fp64(references) -> None:
 @pytest.mark.parametrize(
     ("ablation", "world", "layouts"),
     [
-        ("window_ignored_by_the_cache", 2, ["pp sliced", "pp exchange vocab"]),
+        ("window_ignored_by_the_cache", 2, ["pp sliced", "pp documents", "pp exchange vocab"]),
         ("softcap_dropped_by_vocab_parallel", 2, ["pp exchange vocab"]),
         ("scale_on_every_stage", 2, ["pp sliced", "pp exchange vocab"]),
     ],
@@ -110,6 +125,12 @@ def test_each_mechanism_is_needed(references, ablation: str, world: int, layouts
     differences = _differences(references, world, ablation)
     for layout in layouts:
         assert differences[layout] > 1e-4, (ablation, layout, differences)
+
+
+def test_slices_cut_per_microbatch_need_the_cache_to_follow_them() -> None:
+    """Cached where the plan cut, a slice cut elsewhere indexes its window's keys out of range."""
+    with pytest.raises(RankFailedError, match="index 8 is out of bounds"):
+        run_on_ranks(_cases, 2, "cache_at_the_planned_cuts", timeout=120)
 
 
 def test_one_rank_trains_the_losses_of_two_in_float32(tmp_path) -> None:

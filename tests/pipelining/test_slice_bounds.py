@@ -5,6 +5,7 @@ that need equal slices, and the simulated pipeline runs shorter than with equal-
 import itertools
 
 import pytest
+import torch
 
 from pipekit.config.job_config import JobConfig, ParallelismConfig
 from pipekit.config.loader import ConfigError
@@ -106,9 +107,24 @@ def test_the_plan_carries_equal_cost_bounds_rounded_for_the_tp_shares():
         ({"slicing": "equal"}, "slicing='equal' is not one of equal_length, equal_cost"),
     ],
 )
-def test_equal_cost_refuses_what_needs_equal_slices(keys, message):
+@pytest.mark.parametrize("slicing", ["equal_cost", "documents"])
+def test_uneven_slicing_refuses_what_needs_equal_slices(keys, message, slicing):
     with pytest.raises(ValueError, match=message):
-        _plan(**keys)
+        _plan(**{"slicing": slicing, **keys})
+
+
+def test_documents_slicing_plans_one_sequence_and_cuts_each_microbatch_by_its_documents():
+    plan = _plan(num_slices=4, slicing="documents")
+    granularity = plan.slices.granularity
+    assert plan.slices.per_microbatch and plan.slice_bounds == slice_bounds(
+        512, 4, "equal_cost", 3.0, granularity
+    )
+    one_sequence = plan.slices.microbatch_bounds(None)
+    assert all(
+        abs(a - b) <= granularity for a, b in zip(one_sequence, plan.slice_bounds, strict=True)
+    )
+    short_documents_BS = torch.arange(512).div(32, rounding_mode="floor").expand(2, 512)
+    assert plan.slices.microbatch_bounds(short_documents_BS) == (0, 128, 256, 384, 512)
 
 
 def test_a_job_places_equal_cost_slices_from_the_model_flops():

@@ -141,6 +141,54 @@ def test_equal_cost_slices_need_per_slice_receive_buffers() -> None:
         run_on_ranks(_run_without_fitted_buffers, 2, timeout=60)
 
 
+def _run_two_batches(rank: int, world: int, v: int, m: int, n: int) -> Result:
+    """Slices cut per microbatch by its documents: a step on the batch's rows reversed (other
+    cuts), its gradients dropped, then the parity step: the buffers and the cache follow the
+    new cuts."""
+    runner = tiny_pipeline(
+        pp_mesh(world), stages_per_rank=v, microbatches=m, num_slices=n, rows=PARITY_ROWS,
+        seq_len=PARITY_SEQ_LEN, slicing="documents", attention_to_linear=_ATTENTION_TO_LINEAR,
+    )  # fmt: skip
+    reversed_rows = tiny_batch()[torch.arange(PARITY_ROWS - 1, -1, -1)]
+    runner.step(reversed_rows, count_label_tokens(reversed_rows["labels"]))
+    first = [stage.microbatch_bounds for stage in runner.stages]
+    for stage in runner.stages:
+        stage.submod.zero_grad(set_to_none=True)
+    result = runner_step(runner, tiny_batch())
+    assert all(
+        stage.microbatch_bounds != bounds
+        for stage, bounds in zip(runner.stages, first, strict=True)
+    )
+    return result
+
+
+def test_slices_cut_per_microbatch_by_documents_equal_the_unsliced_single_process_fp64() -> None:
+    """Each microbatch cut by its own documents' attention work (the parity batch's three
+    microbatches of two rows: (0, 15, 22, 28, 32), (0, 11, 21, 27, 32), (0, 10, 16, 25, 32)),
+    v = 1 and 2, recomputed under activation checkpointing too; and a second step on other
+    cuts."""
+    configs = [
+        ("sliced", 1, 3, 4, False, False, "documents"),
+        ("sliced", 2, 2, 4, False, False, "documents"),
+        ("sliced", 1, 3, 4, False, True, "documents"),
+    ]
+    for config, difference in _differences(2, configs, timeout=120).items():
+        assert difference <= PARITY_TOLERANCE, f"{config}: max relative difference {difference:.2e}"
+    results = run_on_ranks(_run_two_batches, 2, 1, 3, 4, timeout=120)
+    assert max_relative_difference(results, tiny_reference(2)) <= PARITY_TOLERANCE
+
+
+def _run_without_telling_the_stages(rank: int, world: int) -> Result:
+    """The ablation: the batch is cut per microbatch but the stages keep the planned cuts."""
+    SlicedPipelineStage.use_microbatch_bounds = lambda self, bounds: None
+    return _run_pipeline(rank, world, "sliced", 1, 3, 4, slicing="documents")
+
+
+def test_slices_cut_per_microbatch_need_the_stages_to_follow_them() -> None:
+    with pytest.raises(RankFailedError, match="data size doesn't match expected size"):
+        run_on_ranks(_run_without_telling_the_stages, 2, timeout=60)
+
+
 def _run_pipeline_with_fsdp(rank: int, world: int, m: int, n: int) -> Result:
     """pp=2 x dp_shard=2: each data-parallel rank runs half the batch through a 2-stage sliced
     pipeline whose stages are FSDP2-sharded; gradients are summed over data-parallel ranks."""

@@ -168,6 +168,27 @@ class PipelineRunner:
             raise RuntimeError("two pipeline features split plain parameters over tp")
         return splits[0] if splits else None
 
+    def _microbatch_bounds(self, batch: TensorDict) -> list[tuple[int, ...]]:
+        """Each microbatch's slices cut by its own documents (every rank computes the same
+        from the same batch), told to the stages before they run."""
+        document_ids_BS = batch.get("document_ids", None)
+        rows = batch.batch_size[0]
+        if rows % self.num_microbatches:
+            raise ValueError(
+                f"the local batch of {rows} sequences does not split into microbatches="
+                f"{self.num_microbatches}; make the local batch a multiple of microbatches"
+            )
+        per = rows // self.num_microbatches
+        bounds = [
+            self.layout.slices.microbatch_bounds(
+                None if document_ids_BS is None else document_ids_BS[m * per : (m + 1) * per]
+            )
+            for m in range(self.num_microbatches)
+        ]
+        for stage in self.stages:
+            stage.use_microbatch_bounds(bounds)
+        return bounds
+
     def step(self, batch: TensorDict, num_label_tokens: Tensor | float) -> Tensor | None:
         """Forward and backward of the whole batch `[B, S]` (tokens, labels, positions,
         document_ids); returns the loss (sum over units) on the rank with the last stage, else
@@ -183,9 +204,10 @@ class PipelineRunner:
         if timing is not None:
             timing.begin_step()
         slices = self.layout.slices
-        units = split_into_units(
-            batch, self.num_microbatches, slices.num_slices, slices.rank_bounds
-        )
+        bounds = slices.rank_bounds
+        if slices.per_microbatch:
+            bounds = self._microbatch_bounds(batch)
+        units = split_into_units(batch, self.num_microbatches, slices.num_slices, bounds)
         losses = run_unit_step(
             self.schedule,
             self.stages,

@@ -153,6 +153,9 @@ class SlicedPipelineStage(ReceiveBuffersHook):
         )
         self.num_slices, self.shapes = num_slices, shapes
         self.kv_cache = ChunkedKVCache(backend, slice_bounds=shapes.slice_bounds)
+        self.microbatch_bounds: tuple[tuple[int, ...], ...] | None = None
+        """This step's slice bounds per microbatch, when each microbatch is cut by its own
+        documents (`use_microbatch_bounds`); None: every microbatch as `shapes` says."""
         self.sequence_statistics: dict[int, SequenceStatistics] = {}
         """Per microbatch: the sums its slices recorded for losses over the whole sequence."""
         self.extensions: Sequence[PipelineExtension] = ()
@@ -160,15 +163,33 @@ class SlicedPipelineStage(ReceiveBuffersHook):
         self.action_observer: Callable[[Action, float, float], None] | None = None
         """Called with (action, start, end) after each F, B, I or W (`tools.trace`)."""
 
+    def use_microbatch_bounds(self, bounds: Sequence[Sequence[int]]) -> None:
+        """Cut this step's microbatches at `bounds` (one tuple of n + 1 offsets each): the
+        receive buffers of every unit take its slice's length, and the KV cache places each
+        slice after the ones cached before it. One context-parallel rank only: its shares of a
+        slice are equal pieces of a fixed length."""
+        if self.shapes.context_parallel != 1:
+            raise ValueError(
+                "slices cut per microbatch need context_parallel=1; set slicing to "
+                "'equal_length' with context parallelism"
+            )
+        self.microbatch_bounds = tuple(tuple(each) for each in bounds)
+        self.kv_cache.slice_bounds = None  # each cached slice follows the one before it
+        if self.args_recv_info or self.grad_recv_info:  # prepared by an earlier step
+            self.after_receive_buffers()
+
+    def unit_tokens(self, unit: int) -> int:
+        """Tokens of unit `unit` in this rank's hidden states (its sequence-parallel share)."""
+        microbatch, slice_index = unit_microbatch_and_slice(unit, self.num_slices)
+        if self.microbatch_bounds is None:
+            return self.shapes.hidden_tokens(slice_index)
+        bounds = self.microbatch_bounds[microbatch]
+        return (bounds[slice_index + 1] - bounds[slice_index]) // self.shapes.sequence_shards
+
     def after_receive_buffers(self) -> None:
         """Each unit's activation and gradient receive buffers sized to its slice."""
-        if len(set(self.shapes.slice_lengths)) > 1:
-            resize_receive_buffers(
-                self,
-                lambda unit: self.shapes.hidden_tokens(
-                    unit_microbatch_and_slice(unit, self.num_slices)[1]
-                ),
-            )
+        if self.microbatch_bounds is not None or len(set(self.shapes.slice_lengths)) > 1:
+            resize_receive_buffers(self, self.unit_tokens)
 
     def forward_one_chunk(
         self,

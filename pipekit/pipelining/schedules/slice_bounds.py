@@ -24,10 +24,21 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["SLICINGS", "cost_slice_bounds", "equal_cost_fractions", "slice_bounds"]
+__all__ = [
+    "MEASURED_SLICINGS",
+    "SLICINGS",
+    "cost_slice_bounds",
+    "equal_cost_fractions",
+    "slice_bounds",
+]
 
-SLICINGS = ("equal_length", "equal_cost")
-"""How `slice_bounds` cuts a sequence (the `[parallelism] slicing` setting)."""
+SLICINGS = ("equal_length", "equal_cost", "documents")
+"""How a sequence is cut (the `[parallelism] slicing` setting). "documents" cuts each
+microbatch by its own batch's attention work (`cost_slice_bounds`); for one causal sequence, the
+planning shape, it is "equal_cost"."""
+
+MEASURED_SLICINGS = ("equal_length", "equal_cost")
+"""The cuts `slicing = "auto"` times."""
 
 
 def slice_bounds(
@@ -39,10 +50,10 @@ def slice_bounds(
 ) -> tuple[int, ...]:
     """The `num_slices + 1` token offsets of a sequence's slices, from 0 to `seq_len`.
 
-    "equal_length" cuts every `seq_len / num_slices` tokens; "equal_cost" cuts where every
-    slice's linear plus attention work is the same (`attention_to_linear`: the whole sequence's
-    causal-attention forward work over its linear work), rounded to multiples of
-    `granularity`.
+    "equal_length" cuts every `seq_len / num_slices` tokens; "equal_cost" (and "documents",
+    for one causal sequence) cuts where every slice's linear plus attention work is the same
+    (`attention_to_linear`: the whole sequence's causal-attention forward work over its linear
+    work), rounded to multiples of `granularity`.
     """
     if slicing not in SLICINGS:
         raise ValueError(f"slicing={slicing!r} is not one of {', '.join(SLICINGS)}")

@@ -11,6 +11,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from torch import Tensor
+
+from pipekit.attention.work import token_costs
+from pipekit.pipelining.schedules.slice_bounds import cost_slice_bounds
+
 __all__ = ["SliceLayout"]
 
 
@@ -18,11 +23,17 @@ __all__ = ["SliceLayout"]
 class SliceLayout:
     """`bounds`: token offsets, from 0 to the sequence length, where the slices of a whole
     sequence start and end (before context parallelism splits each slice over
-    `context_parallel` ranks); `slicing`: how they were cut (`slice_bounds.SLICINGS`)."""
+    `context_parallel` ranks); `slicing`: how they were cut (`slice_bounds.SLICINGS`).
+    With "documents", `bounds` are the planning shape's (one causal sequence) and each
+    microbatch is cut by its own attention work (`microbatch_bounds`), on multiples of
+    `granularity` tokens, attention weighing `attention_to_linear` of the linear work of one
+    causal sequence."""
 
     bounds: tuple[int, ...]
     context_parallel: int = 1
     slicing: str = "equal_length"
+    granularity: int = 1
+    attention_to_linear: float = 0.0
 
     def __post_init__(self) -> None:
         steps = list(itertools.pairwise(self.bounds))
@@ -69,3 +80,20 @@ class SliceLayout:
     def label(self) -> str:
         """The layout in a few words, for logs."""
         return f"num_slices={self.num_slices} {self.slicing}"
+
+    @property
+    def per_microbatch(self) -> bool:
+        """Whether each microbatch is cut by its own batch (slicing "documents")."""
+        return self.slicing == "documents"
+
+    def microbatch_bounds(self, document_ids_BS: Tensor | None) -> tuple[int, ...]:
+        """The bounds of one microbatch whose rows carry `document_ids_BS` (None: one causal
+        sequence per row): equal attention-plus-linear work per slice, summed over its rows
+        (they share the slices). Every layer is counted as causal attention (windowed or
+        chunked layers see fewer keys; their work is then overestimated, never dropped)."""
+        if not self.per_microbatch:
+            return self.bounds
+        seq_len = self.bounds[-1]
+        attention_per_key = 2 * self.attention_to_linear / (seq_len + 1)
+        cost_BS = token_costs(document_ids_BS, [None], 1.0, attention_per_key, seq_len)
+        return cost_slice_bounds(cost_BS.sum(0), self.num_slices, self.granularity)
