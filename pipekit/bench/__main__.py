@@ -53,6 +53,10 @@ _BENCHMARKS = {
         "pipekit.bench.moe",
         "MoE all-to-all pipelining (native and emulated link) and memory reuse vs Eq. 6",
     ),
+    "packed-documents": (
+        "pipekit.bench.packed_documents",
+        "slices of packed documents: cut once or per microbatch by its documents' work",
+    ),
     "vocab-parallel": (
         "pipekit.bench.vocab_parallel",
         "peak memory and output-layer time per rank, vocabulary-parallel pipeline vs not",

@@ -38,6 +38,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from pipekit.bench._document_mix import positions_in_documents
 from pipekit.config.job_config import JobConfig, ModelConfig, ParallelismConfig, TrainingConfig
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import exit_process
@@ -418,14 +419,26 @@ def build_runner(
     return build_pipeline(plan, model, mesh, setup)
 
 
-def synthetic_batch(rows: int, seq_len: int, vocab_size: int) -> TensorDict:
-    """Random tokens and labels `[B, S]`, positions 0..S-1: one document per row."""
+def synthetic_batch(
+    rows: int, seq_len: int, vocab_size: int, document_ids_BS: torch.Tensor | None = None
+) -> TensorDict:
+    """Random tokens and labels `[B, S]`: one document per row (positions 0..S-1), or the
+    packed documents `document_ids_BS` says (positions restart at each)."""
     generator = torch.Generator().manual_seed(_SEED)
     tokens_BS = torch.randint(0, vocab_size, (rows, seq_len), generator=generator)
     labels_BS = torch.randint(0, vocab_size, (rows, seq_len), generator=generator)
-    positions_BS = torch.arange(seq_len).expand(rows, seq_len).contiguous()
+    if document_ids_BS is None:
+        positions_BS = torch.arange(seq_len).expand(rows, seq_len).contiguous()
+        fields = {}
+    else:
+        positions_BS = positions_in_documents(document_ids_BS).contiguous()
+        fields = {"document_ids": document_ids_BS}
     return TensorDict(
-        tokens=tokens_BS, labels=labels_BS, positions=positions_BS, batch_size=[rows, seq_len]
+        tokens=tokens_BS,
+        labels=labels_BS,
+        positions=positions_BS,
+        **fields,
+        batch_size=[rows, seq_len],
     )
 
 

@@ -14,6 +14,7 @@ import resource
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from pipekit.bench._pipeline_launch import build_runner, synthetic_batch
@@ -62,7 +63,13 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
     and gradients (activations, K/V caches, messages, backward working sets)."""
     model, microbatches = spec["model"], spec["microbatches"]
     rows = microbatches * spec["rows_per_microbatch"]
-    batch = synthetic_batch(rows, model["max_seq_len"], model["vocab_size"])
+    documents = spec.get("document_ids")
+    batch = synthetic_batch(
+        rows,
+        model["max_seq_len"],
+        model["vocab_size"],
+        None if documents is None else torch.tensor(documents),
+    )
     num_label_tokens = float(batch["labels"].numel())
     runners = {
         name: build_runner(
@@ -179,10 +186,26 @@ def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) 
     _zero_gradients(runner)
     compute_s = sum(event.end - event.start for event in recorder.events)
     figures = {"step_s": step_s, "compute_s": compute_s, "actions": len(recorder.events)}
+    figures["slice_time_imbalance"] = _slice_time_imbalance(recorder.events, runner.num_slices)
     figures["peak_activation_bytes"] = tracker.report().peak_total_bytes
     for extension in runner.extensions:
         figures.update(extension.step_figures())
     return figures
+
+
+def _slice_time_imbalance(events: list[Any], num_slices: int) -> float:
+    """How unevenly a microbatch's slices took this rank's compute: per (stage, microbatch),
+    the slowest slice's forward plus backward seconds over the mean of its slices, averaged
+    (1: even; NaN without slices)."""
+    if num_slices < 2:
+        return float("nan")
+    seconds: dict[tuple[int, int], dict[int, float]] = {}
+    for event in events:
+        microbatch, slice_index = divmod(event.action.microbatch_index, num_slices)
+        per_slice = seconds.setdefault((event.action.stage_index, microbatch), {})
+        per_slice[slice_index] = per_slice.get(slice_index, 0.0) + event.end - event.start
+    ratios = [max(times.values()) * len(times) / sum(times.values()) for times in seconds.values()]
+    return sum(ratios) / len(ratios)
 
 
 def simulated_makespan(plan: PipelinePlan, backward_ratio: float = 2.0) -> float:

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pipekit.bench import _pipeline_launch
 from pipekit.bench.__main__ import main
 from pipekit.bench._all_schedules import TORCH_SCHEDULES
 from pipekit.bench._cpu_per_step import cpu_ratio
+from pipekit.bench._document_mix import packed_document_ids, positions_in_documents
 from pipekit.bench._pipeline_launch import bench_plan, model_spec, rank_core_sets, run_ranks
 from pipekit.bench._schedule_timing import schedule_runs, simulated_makespan
 from pipekit.memory_plan.forked import in_forked_child
@@ -322,3 +324,37 @@ def test_pipeline_bench_rejects_bad_shape_in_one_line(argv, message, capsys):
     assert captured.out == ""
     assert re.fullmatch(r"python -m pipekit\.bench [\w-]+: error: .+\n", captured.err)
     assert message in captured.err
+
+
+def test_packed_documents_bench_balances_the_slices_work_by_cutting_per_microbatch():
+    """Short documents (median 256 tokens) in 4K rows: neither static cut fits them."""
+    figures = _run_bench(
+        "packed-documents", "--work-only", "--seq", "4096", "--slices", "4", "--median", "256"
+    )
+    documents = figures["work_imbalance_documents"]
+    assert documents < 1.05
+    assert documents < figures["work_imbalance_equal_length"] - 0.2
+    assert documents < figures["work_imbalance_equal_cost"] - 0.2
+
+
+def test_packed_documents_bench_times_the_three_cuts_on_the_packed_batch():
+    figures = _run_bench(
+        "packed-documents", "--seq", "512", "--slices", "4", "--dim", "64", "--layers", "2",
+        "--median", "64", "--warmup", "0", "--repeats", "1", "--no-pin",
+    )  # fmt: skip
+    for cut in ("equal_length", "equal_cost", "documents"):
+        assert figures[f"time_imbalance_{cut}"] >= 1.0
+    assert figures["documents_vs_equal_length"] > 0 and figures["documents_vs_equal_cost"] > 0
+
+
+def test_the_document_mix_packs_rows_as_packing_does():
+    document_ids_BS = packed_document_ids(3, 2048, median=128, seed=1)
+    assert (document_ids_BS[:, 0] == 0).all()
+    assert (document_ids_BS[:, 1:] >= document_ids_BS[:, :-1]).all()
+    assert int(document_ids_BS.max()) > 3  # several documents per row
+    positions_BS = positions_in_documents(document_ids_BS)
+    starts_BS = torch.cat(
+        [torch.ones(3, 1, dtype=torch.bool), document_ids_BS[:, 1:] != document_ids_BS[:, :-1]],
+        dim=1,
+    )
+    assert torch.equal(positions_BS == 0, starts_BS)

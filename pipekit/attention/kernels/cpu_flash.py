@@ -94,12 +94,17 @@ class _PlanCache:
 
 
 class CpuFlashBackend:
-    """Tiled ATen CPU flash attention; `q_block` x `kv_block` bounds every tile and mask."""
+    """Tiled ATen CPU flash attention; `q_block` x `kv_block` bounds every tile and mask.
+
+    512-token tiles by default: a tile no query of which sees a key is skipped, so small tiles
+    skip the keys of other packed documents (and outside windows) that 2048-token ones compute
+    and mask (a row of short documents' last 4480 queries against 16K keys: 0.34 s forward
+    against 1.02 s), while unmasked and causal problems run as one call whatever the tile."""
 
     name = "cpu"
     lse_has_grad = False
 
-    def __init__(self, q_block: int = 2048, kv_block: int = 2048) -> None:
+    def __init__(self, q_block: int = 512, kv_block: int = 512) -> None:
         self.q_block = q_block
         self.kv_block = kv_block
         self._plans = _PlanCache()

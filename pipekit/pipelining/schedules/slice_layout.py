@@ -86,14 +86,20 @@ class SliceLayout:
         """Whether each microbatch is cut by its own batch (slicing "documents")."""
         return self.slicing == "documents"
 
-    def microbatch_bounds(self, document_ids_BS: Tensor | None) -> tuple[int, ...]:
-        """The bounds of one microbatch whose rows carry `document_ids_BS` (None: one causal
-        sequence per row): equal attention-plus-linear work per slice, summed over its rows
-        (they share the slices). Every layer is counted as causal attention (windowed or
-        chunked layers see fewer keys; their work is then overestimated, never dropped)."""
-        if not self.per_microbatch:
-            return self.bounds
+    def token_costs(self, document_ids_BS: Tensor | None) -> Tensor:
+        """Each token position's work in one microbatch whose rows carry `document_ids_BS`
+        (None: one causal sequence per row), summed over its rows (they share the slices), in
+        units of one token's linear work. Every layer is counted as causal attention (windowed
+        or chunked layers see fewer keys: their work is overestimated, never dropped)."""
         seq_len = self.bounds[-1]
         attention_per_key = 2 * self.attention_to_linear / (seq_len + 1)
-        cost_BS = token_costs(document_ids_BS, [None], 1.0, attention_per_key, seq_len)
-        return cost_slice_bounds(cost_BS.sum(0), self.num_slices, self.granularity)
+        return token_costs(document_ids_BS, [None], 1.0, attention_per_key, seq_len).sum(0)
+
+    def microbatch_bounds(self, document_ids_BS: Tensor | None) -> tuple[int, ...]:
+        """The bounds of one microbatch: with "documents", equal `token_costs` per slice;
+        otherwise `bounds`."""
+        if not self.per_microbatch:
+            return self.bounds
+        return cost_slice_bounds(
+            self.token_costs(document_ids_BS), self.num_slices, self.granularity
+        )

@@ -1,0 +1,165 @@
+"""`python -m pipekit.bench packed-documents --pp 2 --slices 8 --microbatches 2 --seq 16384`:
+slices of packed documents, cut once for one causal sequence or per microbatch by its own
+documents.
+
+Each row packs documents of a long-tailed mix (`_document_mix`: log-normal lengths, median
+`--median` tokens, log-spread `--sigma`; most documents short, a thin tail as long as a row),
+so a token's attention work is the keys its own document lets it see, not its position. Three
+cuts of the sliced pipeline (`--pp` ranks) are compared on the same batch:
+
+- `equal_length`: SlimPipe's, every slice `S / n` tokens;
+- `equal_cost`: cut once, for one causal sequence per row (the front-loaded formula);
+- `documents`: each microbatch cut by its own documents' work, every step.
+
+The work table gives, per cut, each slice's attention-plus-linear work over the mean of its
+microbatch's slices (the slowest slice sets the pace of a lockstep pipeline), from the cost the
+cut itself uses. Then the ranks (gloo, one thread each, the fair allocator) time the three
+cuts alternately after a warm-up step each; one recorded step of each gives the measured
+imbalance: per stage and microbatch, the slowest slice's forward-plus-backward seconds over the
+mean of its slices. `documents_vs_<cut>` is the median per-round step-time ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+
+from pipekit.bench._document_mix import MIX_DESCRIPTION, packed_document_ids
+from pipekit.bench._pipeline_launch import (
+    add_model_arguments,
+    add_pinning_argument,
+    add_pipeline_arguments,
+    bench_plan,
+    check_pipeline_shape,
+    describe_model,
+    describe_pinning,
+    model_spec,
+    rank_core_sets,
+    run_ranks,
+)
+from pipekit.bench._schedule_timing import FAIR_ALLOCATOR
+from pipekit.bench.report import paired_ratios, print_result, print_table
+from pipekit.pipelining.schedules.slice_bounds import SLICINGS
+
+__all__ = ["main"]
+
+
+def _work_imbalance(plan_slices, document_ids_BS, microbatches: int) -> tuple[float, list]:
+    """(mean over microbatches of the slowest slice's work over the mean slice's, the bounds
+    of each microbatch) for one cut."""
+    rows = document_ids_BS.shape[0] // microbatches
+    ratios, bounds_per_microbatch = [], []
+    for microbatch in range(microbatches):
+        ids_BS = document_ids_BS[microbatch * rows : (microbatch + 1) * rows]
+        bounds = plan_slices.microbatch_bounds(ids_BS)
+        cost_S = plan_slices.token_costs(ids_BS)
+        work = [float(cost_S[start:end].sum()) for start, end in itertools.pairwise(bounds)]
+        ratios.append(max(work) * len(work) / sum(work))
+        bounds_per_microbatch.append(bounds)
+    return statistics.fmean(ratios), bounds_per_microbatch
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipekit.bench packed-documents",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_pipeline_arguments(parser, pp=2, slices=8, microbatches=2, seq=16384)
+    add_model_arguments(parser, dim=256, layers=4, heads=4, kv_heads=2, ffn_dim=768, vocab=256)
+    add_pinning_argument(parser)
+    parser.add_argument("--median", type=int, default=1024, help="median document tokens")
+    parser.add_argument("--sigma", type=float, default=1.6, help="log-normal spread")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the document draw")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each cut")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps of each cut")
+    parser.add_argument("--work-only", action="store_true", help="print the work table only")
+    options = parser.parse_args(argv)
+    try:
+        check_pipeline_shape(
+            num_ranks=options.pp, microbatches=options.microbatches, num_slices=options.slices,
+            seq_len=options.seq, num_layers=options.layers, stages_per_rank=1,
+        )  # fmt: skip
+        model = model_spec(options, options.seq)
+    except ValueError as error:
+        parser.error(str(error))
+    load = os.getloadavg()[0]
+    document_ids_BS = packed_document_ids(
+        options.microbatches, options.seq, median=options.median, sigma=options.sigma,
+        seed=options.seed,
+    )  # fmt: skip
+    mix = MIX_DESCRIPTION.format(median=options.median, sigma=options.sigma)
+    documents = int(sum(int(row.max()) + 1 for row in document_ids_BS))
+    print(
+        f"{options.microbatches} microbatches of 1 row x {options.seq} tokens, {mix}: "
+        f"{documents} document parts; {options.pp} ranks, {options.slices} slices"
+    )
+    work, rows = {}, []
+    for cut in SLICINGS:
+        plan = bench_plan(
+            model, schedule="sliced", stages_per_rank=1, num_ranks=options.pp,
+            microbatches=options.microbatches, num_slices=options.slices,
+            rows=options.microbatches, slicing=cut,
+        )  # fmt: skip
+        work[cut], bounds = _work_imbalance(plan.slices, document_ids_BS, options.microbatches)
+        rows.append([cut, work[cut], "; ".join(" ".join(map(str, b[1:-1])) for b in bounds)])
+    print_table(["cut", "work max/mean", "inner bounds per microbatch"], rows)
+    figures = {f"work_imbalance_{cut}": work[cut] for cut in SLICINGS}
+    if not options.work_only:
+        figures |= _measure(options, model, document_ids_BS)
+    print_result(**figures, load_before=load)
+
+
+def _measure(options: argparse.Namespace, model: dict, document_ids_BS) -> dict[str, float]:
+    """Time the three cuts alternately in the same ranks; the measured slice imbalance and the
+    per-round step ratios."""
+    runs = {
+        cut: {"schedule": "sliced", "num_slices": options.slices, "slicing": cut}
+        for cut in SLICINGS
+    }
+    spec = {
+        "model": model,
+        "microbatches": options.microbatches,
+        "rows_per_microbatch": 1,
+        "warmup": options.warmup,
+        "repeats": options.repeats,
+        "runs": runs,
+        "document_ids": document_ids_BS.tolist(),
+    }
+    cores = rank_core_sets(options.pp, pin=not options.no_pin)
+    print(f"\nmeasured: {describe_model(model)}")
+    print(
+        f"{options.pp} gloo ranks, 1 thread each, {describe_pinning(cores)}, "
+        f"GLIBC_TUNABLES={FAIR_ALLOCATOR}; {options.warmup} warm-up and {options.repeats} timed "
+        "steps of each, alternating"
+    )
+    ranks = run_ranks(
+        "pipekit.bench._schedule_timing:time_schedules", options.pp, spec,
+        env={"GLIBC_TUNABLES": FAIR_ALLOCATOR}, timeout=options.timeout, cores=cores,
+    )  # fmt: skip
+    samples = ranks[0]["samples"]
+    tokens = options.microbatches * options.seq
+    imbalance = {
+        cut: statistics.fmean(rank["recorded"][cut]["slice_time_imbalance"] for rank in ranks)
+        for cut in SLICINGS
+    }
+    print_table(
+        ["cut", "median s", "min s", "max s", "tokens/s", "slice time max/mean"],
+        [
+            [cut, statistics.median(samples[cut]), min(samples[cut]), max(samples[cut]),
+             tokens / statistics.median(samples[cut]), imbalance[cut]]
+            for cut in SLICINGS
+        ],
+    )  # fmt: skip
+    figures = {f"time_imbalance_{cut}": imbalance[cut] for cut in SLICINGS}
+    for cut in ("equal_length", "equal_cost"):
+        figures[f"documents_vs_{cut}"] = statistics.median(
+            paired_ratios(samples[cut], samples["documents"])
+        )
+    return figures
+
+
+if __name__ == "__main__":
+    main()
