@@ -383,6 +383,22 @@ def test_sliced_pipeline_job_resumes_exactly(tmp_path: Path, sliced_pipeline_los
     assert train_job(tmp_path, *LAYOUT_RUN, config=SLICED_PP_CONFIG) == sliced_pipeline_losses
 
 
+def test_document_cut_pipeline_job_matches_and_resumes_exactly(
+    tmp_path: Path, sliced_pipeline_losses: dict
+) -> None:
+    """slicing = "documents": each step's cuts come from its own batch alone, so a job stopped
+    at step 2 and resumed trains the uninterrupted run's losses bit for bit; those equal the
+    planned cuts' up to float32 rounding."""
+    documents = ("--parallelism.slicing", "documents")
+    whole = train_job(
+        tmp_path / "whole", *LAYOUT_RUN, *NO_CHECKPOINTS, *documents, config=SLICED_PP_CONFIG
+    )
+    train_job(tmp_path / "stopped", *LAYOUT_FIRST_HALF, *documents, config=SLICED_PP_CONFIG)
+    resumed = train_job(tmp_path / "stopped", *LAYOUT_RUN, *documents, config=SLICED_PP_CONFIG)
+    assert resumed == whole
+    assert whole == pytest.approx(sliced_pipeline_losses, rel=1e-5)
+
+
 def test_tied_embeddings_across_pipeline_stages_match_and_resume(tmp_path):
     """The tied debug flavor on 2 pipeline ranks (embedding on one, output on the other, a copy
     each, gradients summed) gives the FSDP job's losses, with gradient clipping counting the
