@@ -17,7 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipekit.bench._pipeline_launch import build_runner, synthetic_batch
+from pipekit.bench._pipeline_launch import (
+    build_runner,
+    describe_model,
+    describe_pinning,
+    rank_core_sets,
+    run_ranks,
+    synthetic_batch,
+)
 from pipekit.bench.report import print_table
 from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.memory.tracker import ActivationMemoryTracker
@@ -34,6 +41,7 @@ __all__ = [
     "schedule_runs",
     "simulate_plan",
     "simulated_makespan",
+    "time_alternately",
     "time_schedules",
 ]
 
@@ -52,6 +60,25 @@ def schedule_runs(num_slices: int) -> dict[str, dict[str, Any]]:
         "sliced+equal-cost": {**sliced, "slicing": "equal_cost"},
         "1F1B": {"schedule": "1F1B", "num_slices": 1},
     }
+
+
+def time_alternately(
+    num_ranks: int, spec: dict[str, Any], *, pin: bool, timeout: float
+) -> list[dict[str, Any]]:
+    """Run `time_schedules(spec)` on `num_ranks` fresh ranks (pinned to cores of their own
+    where `pin` and the cores allow, the fair allocator), after printing the model and how it
+    is timed; every rank's figures."""
+    cores = rank_core_sets(num_ranks, pin=pin)
+    print(f"\nmeasured: {describe_model(spec['model'])}")
+    print(
+        f"{num_ranks} gloo ranks, 1 thread each, {describe_pinning(cores)}, "
+        f"GLIBC_TUNABLES={FAIR_ALLOCATOR}; {spec['warmup']} warm-up and {spec['repeats']} timed "
+        "steps of each, alternating"
+    )
+    return run_ranks(
+        "pipekit.bench._schedule_timing:time_schedules", num_ranks, spec,
+        env={"GLIBC_TUNABLES": FAIR_ALLOCATOR}, timeout=timeout, cores=cores,
+    )  # fmt: skip
 
 
 def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:

@@ -41,16 +41,12 @@ from pipekit.bench._pipeline_launch import (
     add_pinning_argument,
     add_pipeline_arguments,
     check_pipeline_shape,
-    describe_model,
-    describe_pinning,
     model_spec,
-    rank_core_sets,
-    run_ranks,
 )
 from pipekit.bench._schedule_timing import (
-    FAIR_ALLOCATOR,
     print_step_breakdown,
     schedule_runs,
+    time_alternately,
 )
 from pipekit.bench.report import paired_ratios, print_result, print_table
 from pipekit.bench.schedules import attention_to_linear_ratio
@@ -187,21 +183,7 @@ def _measure(options: argparse.Namespace, model: dict[str, int]) -> dict[str, fl
         "repeats": options.repeats,
         "runs": runs,
     }
-    cores = rank_core_sets(options.pp, pin=not options.no_pin)
-    print(f"\nmeasured: {describe_model(model)}")
-    print(
-        f"{options.pp} gloo ranks, 1 thread each, {describe_pinning(cores)}, "
-        f"GLIBC_TUNABLES={FAIR_ALLOCATOR}; {options.warmup} warm-up and {options.repeats} timed "
-        "steps of each, alternating"
-    )
-    ranks = run_ranks(
-        "pipekit.bench._schedule_timing:time_schedules",
-        options.pp,
-        spec,
-        env={"GLIBC_TUNABLES": FAIR_ALLOCATOR},
-        timeout=options.timeout,
-        cores=cores,
-    )
+    ranks = time_alternately(options.pp, spec, pin=not options.no_pin, timeout=options.timeout)
     samples = ranks[0]["samples"]
     medians = {name: statistics.median(samples[name]) for name in runs}
     tokens = options.microbatches * options.seq

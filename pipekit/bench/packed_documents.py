@@ -33,13 +33,9 @@ from pipekit.bench._pipeline_launch import (
     add_pipeline_arguments,
     bench_plan,
     check_pipeline_shape,
-    describe_model,
-    describe_pinning,
     model_spec,
-    rank_core_sets,
-    run_ranks,
 )
-from pipekit.bench._schedule_timing import FAIR_ALLOCATOR
+from pipekit.bench._schedule_timing import time_alternately
 from pipekit.bench.report import paired_ratios, print_result, print_table
 from pipekit.pipelining.schedules.slice_bounds import SLICINGS
 
@@ -128,17 +124,7 @@ def _measure(options: argparse.Namespace, model: dict, document_ids_BS) -> dict[
         "runs": runs,
         "document_ids": document_ids_BS.tolist(),
     }
-    cores = rank_core_sets(options.pp, pin=not options.no_pin)
-    print(f"\nmeasured: {describe_model(model)}")
-    print(
-        f"{options.pp} gloo ranks, 1 thread each, {describe_pinning(cores)}, "
-        f"GLIBC_TUNABLES={FAIR_ALLOCATOR}; {options.warmup} warm-up and {options.repeats} timed "
-        "steps of each, alternating"
-    )
-    ranks = run_ranks(
-        "pipekit.bench._schedule_timing:time_schedules", options.pp, spec,
-        env={"GLIBC_TUNABLES": FAIR_ALLOCATOR}, timeout=options.timeout, cores=cores,
-    )  # fmt: skip
+    ranks = time_alternately(options.pp, spec, pin=not options.no_pin, timeout=options.timeout)
     samples = ranks[0]["samples"]
     tokens = options.microbatches * options.seq
     imbalance = {
