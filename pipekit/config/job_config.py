@@ -202,6 +202,10 @@ class DataConfig:
     """bytes (256 byte ids + BOS + EOS), or the path of a Hugging Face tokenizer.json."""
     shuffle: bool = True
     """Shuffle packed sequences each epoch (seeded by job.seed)."""
+    balance_attention: bool = False
+    """Deal each step's rows over the data-parallel ranks and pipeline microbatches so each
+    carries about the same causal attention work within its packed documents (costliest rows
+    first); the step's rows are unchanged, only where each runs. Not with streaming."""
 
 
 @dataclass(kw_only=True)

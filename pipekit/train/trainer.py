@@ -134,7 +134,10 @@ class Trainer:
             seed=config.job.seed,
         )
         held_out = config.validation.fraction if config.validation.enable else 0.0
-        self.data = build_data_loader(config.data, **data_options, held_out=held_out)
+        microbatches = job.pipeline.num_microbatches if job.pipeline is not None else 1
+        self.data = build_data_loader(
+            config.data, **data_options, held_out=held_out, microbatches=microbatches
+        )
         self.validation_data = None
         if config.validation.enable:
             self.validation_data = build_data_loader(

@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from pipekit.config.job_config import DataConfig
+from pipekit.train.data.balance import balanced_row_order, row_attention_work
 from pipekit.train.data.chat import chat_conversations, pack_conversations
 from pipekit.train.data.chat_template import PLAIN_TEMPLATE, load_chat_template
 from pipekit.train.data.corpus import file_fingerprint, iter_documents, source_files
@@ -81,8 +82,17 @@ class PackedDataLoader:
         num_workers: int = 0,
         prefetch_factor: int = 2,
         rows: range | None = None,
+        balance_bins: int = 0,
     ) -> None:
         check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)
+        if balance_bins and local_batch_size % balance_bins:
+            raise ValueError(
+                f"local_batch_size={local_batch_size} rows do not deal into {balance_bins} "
+                "microbatches; make the local batch a multiple of the microbatches"
+            )
+        self.balance_bins = balance_bins
+        """Microbatches per rank whose attention work a step's rows are dealt to balance
+        (`balance.balanced_row_order`, over every data-parallel rank's); 0: rows in order."""
         self.stream = stream
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
@@ -130,6 +140,14 @@ class PackedDataLoader:
     def batch_of_step(self, step: int) -> TensorDict:
         """This rank's batch of global step `step` (0-based, counted over epochs)."""
         epoch, index = divmod(step, self.steps_per_epoch)
+        if self.balance_bins:
+            start = index * self.global_batch_size
+            row_ids_G = self._epoch_order(epoch)[start : start + self.global_batch_size]
+            batch_G = self.stream.rows(self.rows.start + row_ids_G, self.seq_len)
+            work_G = row_attention_work(batch_G["document_ids"])
+            order_G = balanced_row_order(work_G, self.balance_bins * self.dp_world_size)
+            mine = self.dp_rank * self.local_batch_size
+            return batch_G[order_G[mine : mine + self.local_batch_size]]
         start = index * self.global_batch_size + self.dp_rank * self.local_batch_size
         row_ids_B = self._epoch_order(epoch)[start : start + self.local_batch_size]
         return self.stream.rows(self.rows.start + row_ids_B, self.seq_len)
@@ -338,12 +356,20 @@ def build_data_loader(
     seed: int,
     held_out: float = 0.0,
     split: str = "train",
+    microbatches: int = 1,
 ) -> PackedDataLoader | StreamingPackedLoader:
     """The trainer's one entry point: this rank's loader for the `[data]` config section.
 
     `held_out` is the share of rows kept out of training (the last ones); `split="validation"`
-    reads them, in order, in the trainer's process."""
+    reads them, in order, in the trainer's process. With `data.balance_attention` a training
+    step's rows are dealt over the data-parallel ranks and each rank's `microbatches`."""
     check_batch_args(seq_len, local_batch_size, dp_rank, dp_world_size)  # before tokenizing
+    if data_config.streaming and data_config.balance_attention:
+        raise ValueError(
+            "data.balance_attention deals a step's rows by their documents, which a streamed "
+            "corpus packs as they arrive on each rank: set data.streaming = false or "
+            "data.balance_attention = false"
+        )
     if data_config.streaming:
         if held_out:
             raise ValueError(
@@ -387,4 +413,5 @@ def build_data_loader(
         num_workers=0 if validation else data_config.num_workers,
         prefetch_factor=data_config.prefetch_factor,
         rows=range(first_held_out, total) if validation else range(first_held_out),
+        balance_bins=microbatches if data_config.balance_attention and not validation else 0,
     )
