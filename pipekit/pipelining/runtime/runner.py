@@ -172,19 +172,12 @@ class PipelineRunner:
         """Each microbatch's slices cut by its own documents (every rank computes the same
         from the same batch), told to the stages before they run."""
         document_ids_BS = batch.get("document_ids", None)
-        rows = batch.batch_size[0]
-        if rows % self.num_microbatches:
-            raise ValueError(
-                f"the local batch of {rows} sequences does not split into microbatches="
-                f"{self.num_microbatches}; make the local batch a multiple of microbatches"
-            )
-        per = rows // self.num_microbatches
-        bounds = [
-            self.layout.slices.microbatch_bounds(
-                None if document_ids_BS is None else document_ids_BS[m * per : (m + 1) * per]
-            )
-            for m in range(self.num_microbatches)
-        ]
+        parts = (
+            [None] * self.num_microbatches
+            if document_ids_BS is None
+            else document_ids_BS.tensor_split(self.num_microbatches)
+        )  # uneven rows are refused by `split_into_units`, before any stage runs
+        bounds = [self.layout.slices.microbatch_bounds(part) for part in parts]
         for stage in self.stages:
             stage.use_microbatch_bounds(bounds)
         return bounds
