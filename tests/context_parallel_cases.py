@@ -14,9 +14,13 @@ from attention_reference import alibi_bias, reference_attention
 
 from pipekit.attention import ALIBI, alibi_slopes
 from pipekit.attention.across.hierarchical import HierarchicalGroups
-from pipekit.attention.across.token_shards import load_balanced_indices
+from pipekit.attention.across.token_shards import (
+    document_balanced_indices,
+    load_balanced_indices,
+)
 from pipekit.attention.context import ContextParallelAttention
 from pipekit.attention.patterns import AttentionPattern
+from pipekit.attention.work import keys_seen
 
 BATCH, HEADS, KV_HEADS, LENGTH, HEAD_DIM = 2, 4, 2, 32, 8
 SLICES = 4
@@ -105,32 +109,48 @@ def case_sinks(leaves: dict[str, torch.Tensor], ablate: bool) -> torch.Tensor | 
     return leaves["sinks"] + math.log(2) if ablate else leaves["sinks"]
 
 
+DEAL_PIECES = 4
+"""Pieces per rank of the document deal: finer than head and tail, so the deal differs."""
+
+
+def document_deal(world: int) -> torch.Tensor:
+    """`[world, LENGTH / world]`: the ranks' tokens dealt by the case's documents' work."""
+    work_S = keys_seen(case_inputs()["documents"]).sum(dim=0)
+    return document_balanced_indices(work_S, world, DEAL_PIECES)
+
+
 def whole_sequence_run(
     variant: str,
     pattern: AttentionPattern | None = None,
     shared: bool = False,
     sinks: bool = False,
     hierarchy: Callable[[bool], HierarchicalGroups] | None = None,
+    documents_dealt: bool = False,
 ) -> Callable[[int, int, bool], dict[str, torch.Tensor]]:
     """The trainer's context outside pipelines, by `variant`, over the unsliced sequence; the
     ablation masks each rank's tokens as if they were the first of the sequence (with a
     `pattern`: ignores the pattern). `hierarchy(ablate)`: the groups of hierarchical context
-    parallelism (its ablation's own)."""
+    parallelism (its ablation's own). `documents_dealt`: each rank holds its tokens of the
+    document deal (`document_deal`); its ablation tells the attention head and tail instead."""
 
     def run(rank: int, world: int, ablate: bool) -> dict[str, torch.Tensor]:
         inputs = case_inputs()
         leaves = case_leaves(inputs, shared, sinks)
         sinks_H, ablate = case_sinks(leaves, ablate), ablate and not sinks
         tokens = load_balanced_indices(LENGTH, world)[rank]
-        masked = ablate and pattern is None and hierarchy is None
-        masked_tokens = torch.arange(len(tokens)) if masked else tokens
-        groups = None if hierarchy is None else hierarchy(ablate)
+        masked_tokens = tokens
+        if documents_dealt:
+            tokens = document_deal(world)[rank]
+            masked_tokens = masked_tokens if ablate else tokens
+        elif ablate and pattern is None and hierarchy is None:
+            masked_tokens = torch.arange(len(tokens))
+        groups = None if hierarchy is None else hierarchy(ablate and not documents_dealt)
         context = ContextParallelAttention(
             masked_tokens, inputs["documents"][:, tokens], None, "cpu", variant, groups
         )
         local = {name: leaves[name][:, :, tokens] for name in "qk"}
         local["v"] = local["k"] if shared else leaves["v"][:, :, tokens]
-        seen = None if ablate and hierarchy is None else pattern
+        seen = None if ablate and hierarchy is None and not documents_dealt else pattern
         out = context.attend(
             "0", local["q"], local["k"], local["v"], HEAD_DIM**-0.5, seen, sinks_H=sinks_H
         )

@@ -39,7 +39,7 @@ from pipekit.attention.masks import (
 )
 from pipekit.attention.merge import merge_attention
 from pipekit.attention.patterns import CAUSAL, AttentionPattern
-from pipekit.attention.work import attention_work, keys_seen, token_costs
+from pipekit.attention.work import attention_work, equal_work_bins, keys_seen, token_costs
 
 __all__ = [
     "ALIBI",
@@ -67,6 +67,7 @@ __all__ = [
     "causal_within_documents",
     "commutated_context_attention",
     "document_mask",
+    "equal_work_bins",
     "get_backend",
     "keys_seen",
     "kv_passing_context_attention",

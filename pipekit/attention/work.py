@@ -5,7 +5,9 @@ attention work is not its position: it is the number of keys its query sees unde
 `AttentionPattern` inside its own document. `keys_seen` counts them for one pattern in closed
 form (O(B·S), no S×S mask), `attention_work` sums them over a model's layers, and
 `token_costs` adds each token's linear work: the one measure of a batch that cutting slices,
-sharding context-parallel ranks and balancing microbatches all divide.
+sharding context-parallel ranks and balancing microbatches all divide. `equal_work_bins` deals
+items (rows, pieces of a row) into equal-sized bins of about equal work, the rule the loader's
+row balancing and document-balanced context parallelism share.
 
 Counts are exact for causal attention, sliding windows, local chunks and bidirectional prefixes,
 with or without documents. A pattern's free-form `rule` is not counted (it can only remove
@@ -27,7 +29,7 @@ from torch import Tensor
 
 from pipekit.attention.patterns import CAUSAL, AttentionPattern
 
-__all__ = ["attention_work", "document_spans", "keys_seen", "token_costs"]
+__all__ = ["attention_work", "document_spans", "equal_work_bins", "keys_seen", "token_costs"]
 
 
 def document_spans(document_ids_BS: Tensor) -> tuple[Tensor, Tensor]:
@@ -116,3 +118,24 @@ def token_costs(
         )
     work_BS = attention_work(document_ids_BS, patterns, seq_len).to(torch.float64)
     return linear_per_token + attention_per_key * work_BS
+
+
+def equal_work_bins(work_N: Tensor, bins: int) -> Tensor:
+    """A permutation of the N items whose consecutive runs of `N / bins` items are the bins,
+    each with about the same total `work_N`: costliest first, each to the bin with the least
+    work so far that still has room (the longest-processing-time rule), ties by index; each
+    bin's items in index order. Deterministic: a function of `work_N` alone."""
+    items = work_N.shape[0]
+    if bins < 1 or items % bins:
+        raise ValueError(f"{items} items do not deal into {bins} equal bins; make N a multiple")
+    per_bin = items // bins
+    totals = [0.0] * bins
+    members: list[list[int]] = [[] for _ in range(bins)]
+    values = work_N.tolist()
+    for item in sorted(range(items), key=lambda index: (-values[index], index)):
+        chosen = min(
+            (b for b in range(bins) if len(members[b]) < per_bin), key=lambda b: (totals[b], b)
+        )
+        members[chosen].append(item)
+        totals[chosen] += values[item]
+    return torch.tensor([item for bin_items in members for item in sorted(bin_items)])

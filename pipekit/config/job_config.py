@@ -219,6 +219,16 @@ class ParallelismConfig:
     cp: int = 1
     """Context-parallel degree: each sequence (each slice, in a pipeline) split over this many
     ranks, load-balanced (seq_len a multiple of 2 x cp x num_slices; docs/context_parallel.md)."""
+    cp_balance: str = "documents"
+    """How a sequence's tokens are dealt to the cp ranks: documents (each batch's pieces dealt
+    by their causal attention work within packed documents: equal work per rank whatever the
+    document lengths; on a row of one document the same head-and-tail shards as sequence), or
+    sequence (pieces r and 2 x cp - 1 - r to rank r, balanced for one causal sequence per
+    row). docs/context_parallel.md."""
+    cp_balance_pieces: int = 2
+    """With cp_balance = documents: pieces per cp rank each sequence (or slice) is cut into
+    (seq_len a multiple of cp x cp_balance_pieces x num_slices); more pieces balance short
+    documents more finely, each piece is one chunk of the attention kernels' work."""
     cp_variant: str = "auto"
     """How cp ranks exchange attention: a name in the context-parallel variant table (each
     variant's bytes, where it runs and its rules: docs/context_parallel.md, "The variant

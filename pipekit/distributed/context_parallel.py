@@ -1,7 +1,8 @@
-"""A rank's context parallelism, set up once from the mesh and the settings: its load-balanced
-tokens of every sequence, its cp group, the hierarchical groups where the variant takes them,
-and the attention context of a batch. The trainer, the data-parallel parity harness and the
-layout search's block timing all start context parallelism through `context_parallel_ranks`.
+"""A rank's context parallelism, set up once from the mesh and the settings: how it deals each
+batch's tokens (by attention work within documents, or head and tail), its cp group, the
+hierarchical groups where the variant takes them, and the attention context of a batch. The
+trainer, the parity harnesses and the layout search's block timing all start context
+parallelism through `context_parallel_ranks`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -25,22 +27,55 @@ __all__ = ["ContextParallelRanks", "context_parallel_ranks"]
 
 @dataclass(frozen=True)
 class ContextParallelRanks:
-    """This rank's tokens of every sequence (`tokens_S`, slice by slice in a pipeline), its cp
-    `group`, the `variant` and, outside pipelines, the hierarchical groups (None if unset)."""
+    """This rank (`rank` of `cp`) of the cp `group`, for sequences of `seq_len` tokens cut
+    into `num_slices` slices in a pipeline: how it deals tokens (`balance`, in
+    `pieces_per_rank` pieces), the `variant` and, outside pipelines, the hierarchical groups
+    (None if unset)."""
 
-    tokens_S: Tensor
+    rank: int
+    cp: int
+    seq_len: int
+    num_slices: int
+    balance: str
+    pieces_per_rank: int
     group: dist.ProcessGroup
     variant: str
     hierarchy: HierarchicalGroups | None
 
-    def attention(
-        self, document_ids_BS: Tensor | None, backend: str | AttentionBackend = "auto"
-    ) -> ContextParallelAttention:
-        """The attention context of a batch of whole sequences (this rank's tokens' document
-        ids)."""
-        return ContextParallelAttention(
-            self.tokens_S, document_ids_BS, self.group, backend, self.variant, self.hierarchy
+    def rank_tokens(self, document_ids_BS: Tensor | None) -> Tensor:
+        """`[cp, S / cp]`: every cp rank's sequence indices of a batch whose rows carry
+        `document_ids_BS` and share the shards (slice by slice in a pipeline), by rank: dealt
+        by their attention work under `balance = "documents"`, else (or without ids) head and
+        tail, the same for every batch."""
+        documents = document_ids_BS if self.balance == "documents" else None
+        table_CS = context_parallel_tokens(
+            self.seq_len, self.cp, self.num_slices, documents, self.pieces_per_rank
         )
+        return table_CS.to(document_ids_BS.device if document_ids_BS is not None else "cpu")
+
+    def shard(self, batch: TensorDict, microbatches: int = 1) -> TensorDict:
+        """This rank's tokens of `batch`'s rows, each of its `microbatches` (a pipeline's: the
+        rows that share slices) dealt by its own documents. Adds `cp_tokens` `[B, S / cp, cp]`:
+        at each local position, the sequence index every cp rank holds there (the attention
+        contexts read it, so they follow the same deal)."""
+        parts = []
+        for part in batch.tensor_split(microbatches):
+            table_CS = self.rank_tokens(part.get("document_ids", None))
+            local = part[:, table_CS[self.rank]]
+            local["cp_tokens"] = table_CS.T.expand(*local.batch_size, self.cp).contiguous()
+            parts.append(local)
+        return torch.cat(parts)
+
+    def attention(
+        self, shard: TensorDict, backend: str | AttentionBackend = "auto"
+    ) -> ContextParallelAttention:
+        """The attention context of a batch of whole sequences `shard` (as `shard` made it:
+        its rows share the deal)."""
+        tokens_S = shard["cp_tokens"][0, :, self.rank]
+        return ContextParallelAttention(
+            tokens_S, shard.get("document_ids", None), self.group, backend, self.variant,
+            self.hierarchy,
+        )  # fmt: skip
 
 
 def context_parallel_ranks(
@@ -49,16 +84,15 @@ def context_parallel_ranks(
     seq_len: int,
     num_slices: int = 1,
     pipeline: bool = False,
-    device: torch.device | str = "cpu",
 ) -> ContextParallelRanks:
     """Context parallelism over `mesh`'s `cp` dim for sequences of `seq_len` tokens (cut into
     `num_slices` slices in a `pipeline`, whose feature builds its own hierarchical groups).
     Every rank of the mesh must call it (hierarchical groups are new process groups)."""
     cp_mesh = mesh["cp"]
-    tokens_S = context_parallel_tokens(
-        seq_len, cp_mesh.size(), cp_mesh.get_local_rank(), num_slices
-    ).to(device)
     hierarchy = None
     if parallelism.cp_ulysses and not pipeline:
         hierarchy = hierarchical_groups(mesh, parallelism.cp_ulysses, parallelism.cp_across)
-    return ContextParallelRanks(tokens_S, cp_mesh.get_group(), parallelism.cp_variant, hierarchy)
+    return ContextParallelRanks(
+        cp_mesh.get_local_rank(), cp_mesh.size(), seq_len, num_slices, parallelism.cp_balance,
+        parallelism.cp_balance_pieces, cp_mesh.get_group(), parallelism.cp_variant, hierarchy,
+    )  # fmt: skip

@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from torch import nn
 
 from pipekit.attention.context import (
@@ -86,8 +87,13 @@ def _time_placed_block(
         )
         if dims.cp > 1:
             ranks = context_parallel_ranks(mesh, job.config.parallelism, seq_len)
-            positions_S = ranks.tokens_S
-            context = ranks.attention(torch.zeros(rows, positions_S.numel(), dtype=torch.long))
+            one_document = TensorDict(
+                document_ids=torch.zeros(rows, seq_len, dtype=torch.long),
+                batch_size=(rows, seq_len),
+            )
+            shard = ranks.shard(one_document)
+            positions_S = shard["cp_tokens"][0, :, ranks.rank]
+            context = ranks.attention(shard, backend)
         split = dims.tp if job.sequence_parallel else 1  # a rank's run of the residual stream
         hidden_shape = (rows, positions_S.numel() // split, job.shape.dim)
         positions_BS = positions_S.expand(rows, -1)

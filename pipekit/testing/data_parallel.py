@@ -132,6 +132,8 @@ def data_parallel_step(
     cp_variant: str = "auto",
     cp_ulysses: int = 0,
     cp_across: str = "auto",
+    cp_balance: str = "documents",
+    cp_balance_pieces: int = 2,
     etp: int = 1,
     tp: int = 1,
     tp_plan: ModelSpec | None = None,
@@ -144,13 +146,15 @@ def data_parallel_step(
 ) -> Result:
     """FSDP2 over all ranks (HSDP with `dp_replicate` replicas; experts sharded over `ep` of
     them and by FSDP2 over the ep groups), each data rank its share of the rows, each of its
-    `cp` context-parallel ranks its load-balanced share of their tokens (attending by
-    `cp_variant`, with `cp_ulysses` and `cp_across` its groups where it takes them);
+    `cp` context-parallel ranks its share of their tokens (dealt by `cp_balance` in
+    `cp_balance_pieces` pieces, attending by `cp_variant`, with `cp_ulysses` and `cp_across`
+    its groups where it takes them);
     the full gradients, gathered. `adjust` sees the parallelized model before the step
     (ablations)."""
     parallelism = ParallelismConfig(
         dp_shard=-1, dp_replicate=dp_replicate, cp=cp, tp=tp, ep=ep, etp=etp,
         cp_variant=cp_variant, cp_ulysses=cp_ulysses, cp_across=cp_across,
+        cp_balance=cp_balance, cp_balance_pieces=cp_balance_pieces,
         sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
     )  # fmt: skip
     seq_len = batch.batch_size[1]
@@ -167,8 +171,8 @@ def data_parallel_step(
     sequence_group = dims.mesh("cp_tp").get_group() if tp > 1 and sequence_parallel else cp_group
     if cp > 1:
         ranks = context_parallel_ranks(mesh, parallelism, seq_len)
-        part = part[:, ranks.tokens_S]
-        context = ranks.attention(part["document_ids"])
+        part = ranks.shard(part)
+        context = ranks.attention(part)
     with loss_parallel_context() if loss_parallel else nullcontext():
         with aux_loss_scale(1.0 / dims.dp_degree), statistics_group(sequence_group):
             logits = model(part["tokens"], part["positions"], context)

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
 from pipekit._torch_private import flatten_mesh
-from pipekit.attention.across.token_shards import context_parallel_tokens
 from pipekit.config.job_config import ParallelismConfig, TrainingConfig
+from pipekit.distributed.context_parallel import ContextParallelRanks, context_parallel_ranks
 from pipekit.distributed.fsdp import apply_data_parallel
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import single_rank_mesh
@@ -87,10 +87,9 @@ def pipeline_step(
     data_group = dims.mesh("dp_shard").get_group() if dp_shard > 1 else None
     context = None
     if cp > 1:
-        tokens_S = context_parallel_tokens(
-            batch.batch_size[1], cp, mesh["cp"].get_local_rank(), runner.num_slices
-        )
-        context = (tokens_S, mesh["cp"].get_group())
+        config = ParallelismConfig(cp=cp, **parallelism)
+        seq_len = batch.batch_size[1]
+        context = context_parallel_ranks(mesh, config, seq_len, runner.num_slices, pipeline=True)
     return runner_step(
         runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group, context=context,
         sequence_group=dims.mesh("cp_tp").get_group() if tp > 1 and sequence_parallel else None,
@@ -197,13 +196,13 @@ def runner_step(
     *,
     data_rank: int = 0,
     data_group: dist.ProcessGroup | None = None,
-    context: tuple[Tensor, dist.ProcessGroup] | None = None,
+    context: ContextParallelRanks | None = None,
     sequence_group: dist.ProcessGroup | None = None,
     loss_parallel: bool = False,
 ) -> Result:
     """One step of `runner` on this data rank's share of `batch` (the rows split evenly over
-    `data_group`; the whole batch without one; under context parallelism, `context` = (this cp
-    rank's token indices, the cp group)): the step's loss on one rank (None elsewhere)
+    `data_group`; the whole batch without one; under context parallelism, this cp rank's
+    tokens as `context` deals each microbatch): the step's loss on one rank (None elsewhere)
     and this rank's gradients, in full (a tied weight once, under the embedding's name).
     `sequence_group`: the ranks that split a sequence's tokens, if not the cp group (cp x tp
     under sequence parallelism); `loss_parallel`: the step runs in torch's `loss_parallel()`."""
@@ -212,8 +211,7 @@ def runner_step(
     part = batch[data_rank * rows : (data_rank + 1) * rows]
     cp_group = None
     if context is not None:  # this cp rank's tokens of every slice
-        tokens_S, cp_group = context
-        part = part[:, tokens_S]
+        part, cp_group = context.shard(part, runner.num_microbatches), context.group
     with (
         loss_parallel_context() if loss_parallel else nullcontext(),
         aux_loss_scale(1.0 / data_ranks),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import fields, is_dataclass
 
+from pipekit.attention.across.token_shards import CP_BALANCES
 from pipekit.attention.kernels.backends import available_backends
 from pipekit.checkpoint.dcp import EXPORT_DTYPES
 from pipekit.config.job_config import JobConfig
@@ -47,6 +48,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("checkpoint", "export_dtype"): tuple(EXPORT_DTYPES),
     **{("parallelism", setting): (False, True, AUTO) for setting in measured_settings()},
     ("parallelism", "slicing"): (*SLICINGS, AUTO),
+    ("parallelism", "cp_balance"): CP_BALANCES,
     ("parallelism", "layout"): ("manual", AUTO),
 }
 """Each key's choices, as the component that reads the key lists them."""
@@ -67,6 +69,7 @@ _POSITIVE = (
     ("checkpoint", "interval"),
     ("metrics", "log_interval"),
     ("parallelism", "collective_timeout_s"),
+    ("parallelism", "cp_balance_pieces"),
     ("validation", "interval"),
     ("validation", "steps"),
 )

@@ -101,7 +101,6 @@ class Trainer:
             self._context_parallel = context_parallel_ranks(
                 self.mesh, config.parallelism, config.training.seq_len,
                 pipeline.num_slices if pipeline is not None else 1, pipeline is not None,
-                self.device,
             )  # fmt: skip
         self._statistics_group = self._sequence_group()
         self.output_dir = Path(config.job.output_dir)
@@ -321,10 +320,12 @@ class Trainer:
         return self.dims.mesh("cp").get_group() if self.dims.cp_enabled else None
 
     def _context_shard(self, batch: TensorDict) -> TensorDict:
-        """Under context parallelism, this rank's load-balanced tokens of the batch's rows."""
+        """Under context parallelism, this rank's tokens of the batch's rows (a pipeline's
+        microbatches each dealt by their own documents)."""
         if self._context_parallel is None:
             return batch
-        return batch[:, self._context_parallel.tokens_S]
+        microbatches = self.pipeline.num_microbatches if self.pipeline is not None else 1
+        return self._context_parallel.shard(batch, microbatches)
 
     def _forward_backward(
         self, batch: TensorDict, global_tokens: Tensor, backward: bool
@@ -349,7 +350,7 @@ class Trainer:
         backend = self.config.model.attention_backend
         context: AttentionContext = CausalAttention(batch["document_ids"], backend=backend)
         if self._context_parallel is not None:
-            context = self._context_parallel.attention(batch["document_ids"], backend)
+            context = self._context_parallel.attention(batch, backend)
         with self._autocast(), statistics_group(self._statistics_group):
             logits_BSV = self.model(batch["tokens"], batch["positions"], context)
         loss = self._loss_fn(logits_BSV, batch["labels"], global_tokens)

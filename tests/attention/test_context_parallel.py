@@ -49,10 +49,12 @@ from pipekit.attention.across.token_shards import (
     CachedShard,
     TokenShard,
     commutated_context_attention,
+    document_balanced_indices,
     kv_passing_context_attention,
     load_balanced_indices,
 )
 from pipekit.attention.patterns import AttentionPattern
+from pipekit.attention.work import keys_seen
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.models import get_model_spec
 from pipekit.testing import (
@@ -206,6 +208,13 @@ def _runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
                 (f"{variant}, whole sequence", whole_sequence_run(variant))
                 for variant in ("kv_passing", "ring", "commutated", "ulysses")
             ),
+            *(
+                (
+                    f"{variant}, whole sequence, documents dealt",
+                    whole_sequence_run(variant, documents_dealt=True),
+                )
+                for variant in ("kv_passing", "ring", "commutated", "ulysses")
+            ),
             ("ring rotation", _ring_rotation_run),
             ("kv passing, sliced", _sliced_run(kv_passing_context_attention)),
             ("commutated, sliced", _sliced_run(commutated_context_attention)),
@@ -280,6 +289,36 @@ def test_load_balanced_shards_cover_the_sequence_and_share_causal_work() -> None
         assert keys_attended.unique().numel() == 1
     with pytest.raises(ValueError, match=r"length 36 is not a multiple of 8: choose seq_len"):
         load_balanced_indices(36, 4)
+
+
+def _rank_work(work_S: torch.Tensor, indices_CS: torch.Tensor) -> list[float]:
+    return [float(work_S[tokens].sum()) for tokens in indices_CS]
+
+
+def test_document_deal_balances_packed_rows_and_is_head_and_tail_on_one_sequence() -> None:
+    """On one causal sequence with two pieces per rank the deal is head and tail; on a row of
+    short documents followed by a long one, head and tail leave one rank far more attention
+    work, the deal with 8 pieces per rank within 5% of the mean; every token once, each
+    rank's in order, deterministic; and a length that does not cut is refused."""
+    for cp in (1, 2, 4):
+        causal_S = keys_seen(None, seq_len=64)[0].double()
+        assert torch.equal(
+            document_balanced_indices(causal_S, cp, 2), load_balanced_indices(64, cp)
+        )
+    documents_S = torch.cat(
+        [torch.arange(96).div(8, rounding_mode="floor"), torch.full((160,), 99)]
+    )
+    work_S = keys_seen(documents_S[None]).sum(dim=0).double()
+    head_tail = _rank_work(work_S, load_balanced_indices(256, 4))
+    dealt_CS = document_balanced_indices(work_S, 4, 8)
+    dealt = _rank_work(work_S, dealt_CS)
+    mean = sum(dealt) / 4
+    assert max(head_tail) / mean > 1.3 and max(dealt) / mean <= 1.05, (head_tail, dealt)
+    assert sorted(dealt_CS.flatten().tolist()) == list(range(256))
+    assert all(torch.equal(tokens.sort().values, tokens) for tokens in dealt_CS)
+    assert torch.equal(dealt_CS, document_balanced_indices(work_S, 4, 8))
+    with pytest.raises(ValueError, match="cp x cp_balance_pieces = 32 equal pieces; length 36"):
+        document_balanced_indices(work_S[:36], 4, 8)
 
 
 def test_the_cheaper_variant_depends_on_grouped_query_attention_and_the_slice() -> None:

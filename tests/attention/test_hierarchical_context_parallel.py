@@ -71,6 +71,7 @@ CASES = {
     "ring across, alibi": {"pattern": ALIBI_PATTERN},
     "ring across, sinks": {"sinks": True},
     "kv_passing across, keys are values": {"shared": True},
+    "commutated across, documents dealt": {"documents_dealt": True},
 }
 
 
@@ -230,7 +231,7 @@ def _ablate(name: str, runner: PipelineRunner) -> None:
         parallel.drop_remote = True
         return
     rank_tokens = parallel.rank_tokens
-    parallel.rank_tokens = lambda index: rank_tokens(index).flip(0)
+    parallel.rank_tokens = lambda microbatch, index: rank_tokens(microbatch, index).flip(0)
 
 
 def _reversed(gather: Callable[..., list], shard: object, group: object) -> list:

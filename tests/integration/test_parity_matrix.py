@@ -411,7 +411,7 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
             parallel = runner.extension("context_parallel")
             assert isinstance(parallel, PipelineContextParallel)
             rank_tokens = parallel.rank_tokens
-            parallel.rank_tokens = lambda index: rank_tokens(index).flip(0)
+            parallel.rank_tokens = lambda microbatch, index: rank_tokens(microbatch, index).flip(0)
         elif name in ("router_seed_per_rank", "routers_outside_tp"):
             pass  # applied when the stages are built (`_run_row`)
         elif name == "untied_gradients":  # each copy keeps its own stage's gradient

@@ -249,12 +249,26 @@ def _matches_data_parallel_and_resumes(
 def test_context_parallel_job_matches_the_data_parallel_job_and_resumes(
     tmp_path: Path, data_parallel_losses: dict
 ) -> None:
-    """cp = 2 on 2 ranks (each rank its load-balanced half of every sequence, both reading the
-    whole batch) against FSDP2 over 2 ranks (each half of the rows); its checkpoint resumed
-    under tp = 2."""
+    """cp = 2 on 2 ranks (each rank its half of every sequence, dealt by documents, both
+    reading the whole batch) against FSDP2 over 2 ranks (each half of the rows); its
+    checkpoint resumed under tp = 2."""
     cp = ("--parallelism.dp_shard", "1", "--parallelism.cp", "2")
     tp = ("--parallelism.dp_shard", "1", "--parallelism.tp", "2")
     _matches_data_parallel_and_resumes(tmp_path, data_parallel_losses, cp, tp)
+
+
+def test_document_balanced_context_parallel_job_resumes_exactly(
+    tmp_path: Path, data_parallel_losses: dict
+) -> None:
+    """cp = 2 dealing each batch's tokens by their attention work in 4 pieces per rank: the
+    deal is a function of the batch alone, so a job stopped at step 2 and resumed trains the
+    uninterrupted run's losses bit for bit; those equal FSDP2's up to float32 rounding."""
+    cp = ("--parallelism.dp_shard", "1", "--parallelism.cp", "2")
+    dealt = (*cp, "--parallelism.cp_balance", "documents", "--parallelism.cp_balance_pieces", "4")
+    whole = train_job(tmp_path / "whole", *LAYOUT_RUN, *NO_CHECKPOINTS, *dealt)
+    train_job(tmp_path / "stopped", *LAYOUT_FIRST_HALF, *dealt)
+    assert train_job(tmp_path / "stopped", *LAYOUT_RUN, *dealt) == whole
+    assert whole == pytest.approx(data_parallel_losses, rel=1e-5)
 
 
 def test_a_job_on_two_nodes_matches_the_same_ranks_on_one(

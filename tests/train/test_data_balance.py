@@ -7,9 +7,10 @@ import pytest
 import torch
 from job_runs import LAYOUT_RUN, NO_CHECKPOINTS, train_job
 
+from pipekit.attention.work import equal_work_bins
 from pipekit.config.job_config import DataConfig
 from pipekit.train.data import PackedDataLoader, build_data_loader, pack_documents
-from pipekit.train.data.balance import balanced_row_order, row_attention_work
+from pipekit.train.data.balance import row_attention_work
 from pipekit.train.data.tokenizer import ByteTokenizer
 
 
@@ -19,13 +20,13 @@ def _bin_work(work_G: torch.Tensor, order_G: torch.Tensor, bins: int) -> list[fl
 
 def test_rows_are_dealt_into_bins_of_near_equal_work():
     work_G = torch.tensor([900.0, 500, 400, 10, 10, 10, 10, 10])
-    order_G = balanced_row_order(work_G, 2)
+    order_G = equal_work_bins(work_G, 2)
     assert sorted(order_G.tolist()) == list(range(8))
     assert _bin_work(work_G, torch.arange(8), 2) == [1810.0, 40.0]
     assert _bin_work(work_G, order_G, 2) == [930.0, 920.0]
-    assert torch.equal(order_G, balanced_row_order(work_G, 2))
+    assert torch.equal(order_G, equal_work_bins(work_G, 2))
     with pytest.raises(ValueError, match="do not deal into 3 equal bins"):
-        balanced_row_order(work_G, 3)
+        equal_work_bins(work_G, 3)
 
 
 def test_row_work_counts_keys_within_documents():

@@ -5,7 +5,9 @@ A sequence is split over `cp` ranks in 2·cp equal pieces, rank r holding pieces
 2·cp-1-r (`load_balanced_indices`): under a causal mask an early piece has little to attend to
 and a late one much, so the pairs give every rank the same work. Queries and keys then hold
 tokens that are not contiguous, and masks compare the tokens' indices in the sequence
-(`token_order_mask`), within packed documents when ids are given. Both variants below work with
+(`token_order_mask`), within packed documents when ids are given. With packed documents a
+token's work is not its position, so `document_balanced_indices` deals finer pieces by their
+attention work within documents, batch by batch. Both variants below work with
 every attention backend: the `cpu` kernel, and FlexAttention through `ring_backend`.
 
 - `kv_passing_context_attention` moves keys and values: every rank gathers all ranks' K/V
@@ -51,17 +53,24 @@ from pipekit.attention.kernels.backends import (
 from pipekit.attention.masks import MaskMod, token_order_mask
 from pipekit.attention.merge import check_sinks, merge_attention, sink_gradient
 from pipekit.attention.patterns import AttentionPattern, is_causal
+from pipekit.attention.work import equal_work_bins, keys_seen
 
 __all__ = [
+    "CP_BALANCES",
     "CachedShard",
     "TokenShard",
     "commutated_context_attention",
     "context_parallel_tokens",
+    "document_balanced_indices",
     "gather_token_shards",
     "kv_passing_context_attention",
     "load_balanced_indices",
     "shard_mask",
 ]
+
+
+CP_BALANCES = ("documents", "sequence")
+"""How tokens are dealt to cp ranks: by attention work within documents, or head and tail."""
 
 
 def load_balanced_indices(length: int, cp: int, start: int = 0) -> Tensor:
@@ -77,19 +86,52 @@ def load_balanced_indices(length: int, cp: int, start: int = 0) -> Tensor:
     return torch.stack([torch.cat([pieces[rank], pieces[2 * cp - 1 - rank]]) for rank in range(cp)])
 
 
-def context_parallel_tokens(length: int, cp: int, rank: int, num_slices: int = 1) -> Tensor:
-    """The sequence indices cp rank `rank` holds of a sequence of `length` tokens cut into
-    `num_slices` slices, each slice load-balanced over the cp ranks: slice by slice, so the
-    rank's tokens of slice j are its j-th `length / (num_slices x cp)` tokens."""
+def document_balanced_indices(
+    work_S: Tensor, cp: int, pieces_per_rank: int = 2, start: int = 0
+) -> Tensor:
+    """`[cp, length // cp]`: the sequence indices rank r holds of the tokens `[start, start +
+    length)` whose attention work is `work_S` (summed over the rows that share the shards): the
+    tokens cut into `cp x pieces_per_rank` equal pieces, dealt to ranks by their work
+    (`equal_work_bins`), each rank's in order. A long document's pieces spread over the ranks,
+    short documents' pieces go whole; on one causal sequence with two pieces per rank this is
+    `load_balanced_indices`' head and tail."""
+    length, pieces = work_S.shape[0], cp * pieces_per_rank
+    if pieces_per_rank < 1 or length % pieces:
+        raise ValueError(
+            f"document-balanced context parallelism cuts each sequence (or slice) into cp x "
+            f"cp_balance_pieces = {pieces} equal pieces; length {length} is not a multiple: "
+            "choose seq_len divisible by cp x cp_balance_pieces x num_slices"
+        )
+    order = equal_work_bins(work_S.reshape(pieces, -1).sum(dim=1), cp)
+    tokens = torch.arange(start, start + length, device=work_S.device).view(pieces, -1)
+    return tokens[order].reshape(cp, -1)
+
+
+def context_parallel_tokens(
+    length: int,
+    cp: int,
+    num_slices: int = 1,
+    document_ids_BS: Tensor | None = None,
+    pieces_per_rank: int = 2,
+) -> Tensor:
+    """`[cp, length // cp]`: the sequence indices each cp rank holds of a sequence of `length`
+    tokens cut into `num_slices` slices, each slice balanced over the cp ranks: slice by slice,
+    so a rank's tokens of slice j are its j-th `length / (num_slices x cp)` tokens. Without
+    document ids, `load_balanced_indices` (the same for every batch); with them,
+    `document_balanced_indices` by the rows' causal attention work within their documents."""
     if length % num_slices:
         raise ValueError(f"sequence length {length} does not split into {num_slices} slices")
     slice_length = length // num_slices
-    return torch.cat(
-        [
-            load_balanced_indices(slice_length, cp, start=index * slice_length)[rank]
-            for index in range(num_slices)
-        ]
-    )
+    work_S = None if document_ids_BS is None else keys_seen(document_ids_BS).sum(dim=0)
+    parts = []
+    for index in range(num_slices):
+        start = index * slice_length
+        if work_S is None:
+            parts.append(load_balanced_indices(slice_length, cp, start=start))
+        else:
+            piece_S = work_S[start : start + slice_length]
+            parts.append(document_balanced_indices(piece_S, cp, pieces_per_rank, start=start))
+    return torch.cat(parts, dim=1)
 
 
 @dataclass(frozen=True)

@@ -212,19 +212,25 @@ def context_parallel_variant_entry(name: str) -> ContextParallelVariant:
     return _VARIANTS[name]
 
 
-def check_context_parallel_split(seq_len: int, cp: int, num_slices: int = 1) -> None:
+def check_context_parallel_split(
+    seq_len: int, cp: int, num_slices: int = 1, pieces_per_rank: int = 2
+) -> None:
     """ValueError unless each of `num_slices` slices of a `seq_len`-token sequence cuts into
-    2 x cp equal pieces, two per cp rank for equal causal work (every variant's rule)."""
-    pieces = 2 * cp * num_slices
+    `cp x pieces_per_rank` equal pieces (two per cp rank: head and tail, for equal causal work;
+    under cp_balance = "documents", cp_balance_pieces per rank, dealt by work)."""
+    pieces = pieces_per_rank * cp * num_slices
     if seq_len % pieces:
-        factors, part = (
-            ("2 x cp x num_slices", "slice") if num_slices > 1 else ("2 x cp", "sequence")
-        )
+        per_rank = "2" if pieces_per_rank == 2 else "cp_balance_pieces"
+        factors = f"{per_rank} x cp" + (" x num_slices" if num_slices > 1 else "")
+        part = "slice" if num_slices > 1 else "sequence"
         nearest = max(pieces, seq_len // pieces * pieces)
         raise ValueError(
             f"training.seq_len={seq_len} must be a multiple of {factors} = {pieces}: context "
-            f"parallelism cuts every {part} into 2 x cp = {2 * cp} equal pieces (two per rank, "
-            f"for equal causal work); try seq_len = {nearest}, or change cp or num_slices"
+            f"parallelism cuts every {part} into {pieces_per_rank} x cp = "
+            f"{pieces_per_rank * cp} equal pieces ({pieces_per_rank} per rank, for equal "
+            f"attention work); try seq_len = {nearest}, or change cp"
+            + (", cp_balance_pieces" if pieces_per_rank != 2 else "")
+            + " or num_slices"
         )
 
 

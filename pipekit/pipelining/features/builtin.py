@@ -58,20 +58,30 @@ def _variant_rules(
     )  # fmt: skip
 
 
+def _pieces_per_rank(parallelism: ParallelismConfig) -> int:
+    """Pieces per cp rank a sequence (or slice) is cut into: two (head and tail) unless
+    dealt by documents."""
+    return parallelism.cp_balance_pieces if parallelism.cp_balance == "documents" else 2
+
+
 def _check_context_parallel_layout(layout: FeatureLayout) -> None:
     """The variant's rules (pipeline or not) and, outside pipelines, a sequence that cuts into
-    2 x cp equal pieces (a pipeline's slices are checked at planning)."""
+    the cp ranks' equal pieces (a pipeline's slices are checked at planning)."""
     pipeline = layout.dims.pp > 1
     rules = _variant_rules(layout.parallelism, layout.shape, pipeline, context_exchange=False)
     check_context_parallel(layout.parallelism.cp_variant, rules)
     if not pipeline and layout.seq_len is not None:
-        check_context_parallel_split(layout.seq_len, layout.dims.cp)
+        pieces = _pieces_per_rank(layout.parallelism)
+        check_context_parallel_split(layout.seq_len, layout.dims.cp, pieces_per_rank=pieces)
 
 
 def _check_context_parallel(planning: FeaturePlanning) -> None:
-    """Every slice is cut into 2 x cp equal pieces; under context exchange the variant must
-    lend."""
-    check_context_parallel_split(planning.seq_len, planning.parallelism.cp, planning.num_slices)
+    """Every slice cuts into the cp ranks' equal pieces; under context exchange the variant
+    must lend."""
+    parallelism = planning.parallelism
+    check_context_parallel_split(
+        planning.seq_len, parallelism.cp, planning.num_slices, _pieces_per_rank(parallelism)
+    )
     context_exchange = "context_exchange" in planning.features
     rules = _variant_rules(planning.parallelism, planning.model, True, context_exchange)
     check_context_parallel(planning.parallelism.cp_variant, rules)

@@ -1,7 +1,8 @@
 """Context parallelism inside pipeline stages, as a pipeline feature.
 
 With `cp` context-parallel ranks per pipeline rank, every slice of a sequence is split over the
-cp ranks, load-balanced within the slice (`context_parallel_tokens`): each cp rank runs the
+cp ranks, balanced within the slice (`context_parallel_tokens`: by each microbatch's attention
+work within its documents, or head and tail; the batch carries the deal): each cp rank runs the
 same pipeline schedule on its share of every slice, so the stages, the messages between them and
 the KV cache hold `1/cp` of the tokens. A slice's queries must still attend to all earlier
 tokens, which lie in the other cp ranks' caches. `PipelineContextParallel` wraps each unit's
@@ -21,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
+from tensordict import TensorDict
 from torch import Tensor
 
 from pipekit.attention.across import context_parallel_variant_entry, slice_variant
 from pipekit.attention.across.hierarchical import HierarchicalGroups
-from pipekit.attention.across.token_shards import load_balanced_indices
 from pipekit.attention.context import AttentionContext
 from pipekit.attention.kv_cache import SliceAttention
 from pipekit.pipelining.actions import Action
@@ -33,17 +34,47 @@ from pipekit.pipelining.runtime.extension import PipelineExtension
 from pipekit.pipelining.schedules.slice_layout import SliceLayout
 from pipekit.pipelining.schedules.units import unit_microbatch_and_slice
 
-__all__ = ["PipelineContextParallel"]
+__all__ = ["MicrobatchShards", "PipelineContextParallel"]
+
+
+class MicrobatchShards:
+    """One microbatch's context parallelism as its slices' attention sees it (a
+    `SliceSharding`): the pipeline's group and variant, and which tokens of each slice every
+    cp rank holds in this microbatch (its rows' deal, read from the batch)."""
+
+    def __init__(self, parallel: PipelineContextParallel, microbatch: int) -> None:
+        self.parallel, self.microbatch = parallel, microbatch
+        self.group, self.variant = parallel.group, parallel.variant
+        self.cp, self.rank = parallel.cp, parallel.rank
+        self.slice_length, self.hierarchy = parallel.slice_length, parallel.hierarchy
+
+    @property
+    def drop_remote(self) -> bool:
+        """The pipeline's ablation switch, read when a slice attends."""
+        return self.parallel.drop_remote
+
+    variant_of = slice_variant
+    """The variant slice `slice_index` uses."""
+
+    def rank_tokens(self, slice_index: int) -> Tensor:
+        """`[cp, S]`: every cp rank's sequence indices in slice `slice_index`, by rank."""
+        return self.parallel.rank_tokens(self.microbatch, slice_index)
+
+    def slice_tokens(self, slice_index: int) -> Tensor:
+        """This rank's sequence indices in slice `slice_index`."""
+        return self.rank_tokens(slice_index)[self.rank]
 
 
 class PipelineContextParallel(PipelineExtension):
     """Context parallelism over `group` (the mesh's `cp` dim) for the plan's equal-length
     `slices` (`slice_length`: the whole slice, all cp ranks' shares), by `variant` (an entry
     of the variant table, `pipekit.attention.across`, whose `slice_context` wraps each unit's
-    KV-cache context). The `SliceSharding` its entries see."""
+    KV-cache context). Which tokens each cp rank holds comes with the batch (`cp_tokens`, as
+    `pipekit.distributed.ContextParallelRanks.shard` deals each microbatch), read at the start
+    of every step; each unit's slice attention sees its microbatch's (`MicrobatchShards`)."""
 
     name = "context_parallel"
-    equal_length_slices = True  # every slice is cut into 2 x cp equal pieces
+    equal_length_slices = True  # every slice is cut into cp x pieces equal pieces
 
     def __init__(
         self,
@@ -64,7 +95,7 @@ class PipelineContextParallel(PipelineExtension):
         self.slices, self.slice_length = slices, slices.bounds[1]
         self.drop_remote = drop_remote
         """Ablation: attend to this rank's cache only."""
-        self._slice_tokens: dict[int, Tensor] = {}
+        self._tables: list[Tensor] = []
 
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
         if num_slices != self.slices.num_slices:
@@ -73,20 +104,23 @@ class PipelineContextParallel(PipelineExtension):
                 f"schedule runs {num_slices}; build the feature from the schedule's plan"
             )
 
-    variant_of = slice_variant
-    """The variant slice `slice_index` uses."""
+    def begin_step(
+        self, units: Sequence[TensorDict], normaliser: Tensor | float
+    ) -> list[tuple[Tensor, ...]] | None:
+        """Reads each unit's deal (`cp_tokens` `[B, S, cp]`, the same for a microbatch's
+        rows)."""
+        if any(unit.get("cp_tokens", None) is None for unit in units):
+            raise ValueError(
+                "context parallelism in a pipeline needs each cp rank's tokens with the batch "
+                "(cp_tokens); shard the batch with ContextParallelRanks.shard"
+            )
+        self._tables = [unit["cp_tokens"][0].T for unit in units]
+        return None
 
-    def rank_tokens(self, slice_index: int) -> Tensor:
-        """`[cp, S]`: every cp rank's sequence indices in slice `slice_index`, by rank."""
-        start = slice_index * self.slice_length
-        return load_balanced_indices(self.slice_length, self.cp, start=start)
-
-    def slice_tokens(self, slice_index: int) -> Tensor:
-        """This rank's sequence indices in slice `slice_index` (computed once per slice, not
-        per layer)."""
-        if slice_index not in self._slice_tokens:
-            self._slice_tokens[slice_index] = self.rank_tokens(slice_index)[self.rank]
-        return self._slice_tokens[slice_index]
+    def rank_tokens(self, microbatch: int, slice_index: int) -> Tensor:
+        """`[cp, S]`: every cp rank's sequence indices in slice `slice_index` of `microbatch`
+        this step, by rank."""
+        return self._tables[microbatch * self.slices.num_slices + slice_index]
 
     def stage_context(
         self, stage_index: int, unit: int, training: bool, context: AttentionContext
@@ -96,5 +130,5 @@ class PipelineContextParallel(PipelineExtension):
                 f"context parallelism wraps the stage's KV-cache context, got {context!r}; "
                 "give the pipeline its context_parallel extension before context_exchange"
             )
-        _, slice_index = unit_microbatch_and_slice(unit, self.slices.num_slices)
-        return self._slice_context(context, self, slice_index)
+        microbatch, slice_index = unit_microbatch_and_slice(unit, self.slices.num_slices)
+        return self._slice_context(context, MicrobatchShards(self, microbatch), slice_index)

@@ -38,8 +38,9 @@ from tensordict import TensorDict
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from pipekit.attention.work import equal_work_bins
 from pipekit.config.job_config import DataConfig
-from pipekit.train.data.balance import balanced_row_order, row_attention_work
+from pipekit.train.data.balance import row_attention_work
 from pipekit.train.data.chat import chat_conversations, pack_conversations
 from pipekit.train.data.chat_template import PLAIN_TEMPLATE, load_chat_template
 from pipekit.train.data.corpus import file_fingerprint, iter_documents, source_files
@@ -92,7 +93,8 @@ class PackedDataLoader:
             )
         self.balance_bins = balance_bins
         """Microbatches per rank whose attention work a step's rows are dealt to balance
-        (`balance.balanced_row_order`, over every data-parallel rank's); 0: rows in order."""
+        (`pipekit.attention.work.equal_work_bins`, over every data-parallel rank's); 0: rows
+        in order."""
         self.stream = stream
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
@@ -145,7 +147,7 @@ class PackedDataLoader:
             row_ids_G = self._epoch_order(epoch)[start : start + self.global_batch_size]
             batch_G = self.stream.rows(self.rows.start + row_ids_G, self.seq_len)
             work_G = row_attention_work(batch_G["document_ids"])
-            order_G = balanced_row_order(work_G, self.balance_bins * self.dp_world_size)
+            order_G = equal_work_bins(work_G, self.balance_bins * self.dp_world_size)
             mine = self.dp_rank * self.local_batch_size
             return batch_G[order_G[mine : mine + self.local_batch_size]]
         start = index * self.global_batch_size + self.dp_rank * self.local_batch_size
