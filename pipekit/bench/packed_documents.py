@@ -17,6 +17,9 @@ cut itself uses. Then the ranks (gloo, one thread each, the fair allocator) time
 cuts alternately after a warm-up step each; one recorded step of each gives the measured
 imbalance: per stage and microbatch, the slowest slice's forward-plus-backward seconds over the
 mean of its slices. `documents_vs_<cut>` is the median per-round step-time ratio.
+
+Then the same batch over `--cp` context-parallel ranks (`_document_cp`): head and tail against
+the deal by documents, in work and in measured per-rank compute and tokens/s.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import itertools
 import os
 import statistics
 
+from pipekit.bench._document_cp import context_parallel_part
 from pipekit.bench._document_mix import MIX_DESCRIPTION, packed_document_ids
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
@@ -71,7 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the document draw")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each cut")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of each cut")
-    parser.add_argument("--work-only", action="store_true", help="print the work table only")
+    parser.add_argument("--work-only", action="store_true", help="print the work tables only")
+    parser.add_argument("--cp", type=int, default=2, help="context-parallel ranks (0: skip)")
+    parser.add_argument("--cp-pieces", type=int, default=8, help="pieces per cp rank")
+    parser.add_argument("--pipeline", default=True, action=argparse.BooleanOptionalAction,
+                        help="the sliced pipeline's part")  # fmt: skip
     options = parser.parse_args(argv)
     try:
         check_pipeline_shape(
@@ -92,6 +100,20 @@ def main(argv: list[str] | None = None) -> None:
         f"{options.microbatches} microbatches of 1 row x {options.seq} tokens, {mix}: "
         f"{documents} document parts; {options.pp} ranks, {options.slices} slices"
     )
+    figures: dict[str, float] = {}
+    if options.pipeline:
+        figures |= _pipeline_part(options, model, document_ids_BS)
+    if options.cp:
+        figures |= context_parallel_part(
+            document_ids_BS, model, cp=options.cp, pieces=options.cp_pieces,
+            warmup=options.warmup, repeats=options.repeats, pin=not options.no_pin,
+            timeout=options.timeout, measure=not options.work_only,
+        )  # fmt: skip
+    print_result(**figures, load_before=load)
+
+
+def _pipeline_part(options: argparse.Namespace, model: dict, document_ids_BS) -> dict[str, float]:
+    """The three cuts' work table and, unless `--work-only`, their timing."""
     work, rows = {}, []
     for cut in SLICINGS:
         plan = bench_plan(
@@ -105,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     figures = {f"work_imbalance_{cut}": work[cut] for cut in SLICINGS}
     if not options.work_only:
         figures |= _measure(options, model, document_ids_BS)
-    print_result(**figures, load_before=load)
+    return figures
 
 
 def _measure(options: argparse.Namespace, model: dict, document_ids_BS) -> dict[str, float]:

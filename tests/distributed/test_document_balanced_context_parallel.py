@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 from tiny_models import TINY_LLAMA
 
+from pipekit.attention.across.token_shards import context_parallel_tokens
 from pipekit.distributed.context_parallel import ContextParallelRanks
 from pipekit.models import get_model_spec
 from pipekit.testing import (
@@ -98,19 +99,11 @@ def test_the_document_deal_differs_from_head_and_tail_and_by_microbatch() -> Non
     head and tail and from the other's, for whole sequences and for the pipeline's slices."""
     batch = skewed_batch()
     for num_slices in (1, 2):
-        ranks = ContextParallelRanks(
-            0,
-            2,
-            SEQ_LEN,
-            num_slices,
-            "documents",
-            PIECES,
-            None,
-            "auto",
-            None,  # type: ignore[arg-type]
+        static_CS = context_parallel_tokens(SEQ_LEN, 2, num_slices)
+        first, second = (
+            context_parallel_tokens(SEQ_LEN, 2, num_slices, part["document_ids"], PIECES)
+            for part in batch.chunk(2)
         )
-        static_CS = dataclasses.replace(ranks, balance="sequence").rank_tokens(None)
-        first, second = (ranks.rank_tokens(part["document_ids"]) for part in batch.chunk(2))
         assert not torch.equal(first, static_CS) and not torch.equal(second, static_CS)
         assert not torch.equal(first, second)
 
