@@ -38,6 +38,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from pipekit.attention.kernels.backends import attention_work_block
 from pipekit.bench._document_mix import positions_in_documents
 from pipekit.config.job_config import JobConfig, ModelConfig, ParallelismConfig, TrainingConfig
 from pipekit.distributed.parallel_dims import ParallelDims
@@ -351,8 +352,9 @@ def _plan_and_model(
     shape, seq_len = family.shape(args), args.max_seq_len
     ratio = attention_to_linear_flops(model, shape, family.structure, seq_len)
     plan = plan_pipeline(
-        parallelism, family.structure, shape, rows, seq_len, attention_to_linear=ratio
-    )
+        parallelism, family.structure, shape, rows, seq_len, attention_to_linear=ratio,
+        attention_work_block=attention_work_block("cpu"),
+    )  # fmt: skip
     return plan, model, parallelism
 
 

@@ -52,6 +52,7 @@ def plan_pipeline(
     *,
     user_actions: Mapping[int, Sequence[Action]] | None = None,
     attention_to_linear: float = 0.0,
+    attention_work_block: int = 1,
     activation_checkpoint: str = "none",
 ) -> PipelinePlan:
     """`_plan_pipeline`, with the measured choices resolved: a feature set to "auto" (its
@@ -66,6 +67,7 @@ def plan_pipeline(
         seq_len=seq_len,
         user_actions=user_actions,
         attention_to_linear=attention_to_linear,
+        attention_work_block=attention_work_block,
         activation_checkpoint=activation_checkpoint,
     )
     if AUTO not in (parallelism.num_slices, parallelism.slicing):
@@ -144,6 +146,7 @@ def _plan_pipeline(
     *,
     user_actions: Mapping[int, Sequence[Action]] | None = None,
     attention_to_linear: float = 0.0,
+    attention_work_block: int = 1,
     activation_checkpoint: str = "none",
 ) -> PipelinePlan:
     """Resolve the defaults (0 = auto) and check every pipeline rule; ValueError names the fix.
@@ -153,7 +156,8 @@ def _plan_pipeline(
     schedule is "user", and the lists are checked here (`schedules.check.check_schedule`). The
     schedule's own rules come from its registry entry. `attention_to_linear` (the model's
     causal-attention forward FLOPs over its linear ones, whole sequences) places equal-cost
-    slices.
+    slices; document-cut ones count attention in the kernel's `attention_work_block`-token
+    tiles (`pipekit.attention.kernels.backends.attention_work_block`).
     """
     schedule_file = parallelism.pipeline_schedule_file
     user = bool(schedule_file) or user_actions is not None
@@ -263,6 +267,7 @@ def _plan_pipeline(
             parallelism.slicing,
             granularity,
             attention_to_linear,
+            attention_work_block,
         ),
         features=features,
         feature_plans=feature_plans,

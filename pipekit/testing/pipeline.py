@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
 from pipekit._torch_private import flatten_mesh
+from pipekit.attention.kernels.backends import attention_work_block
 from pipekit.config.job_config import ParallelismConfig, TrainingConfig
 from pipekit.distributed.context_parallel import ContextParallelRanks, context_parallel_ranks
 from pipekit.distributed.fsdp import apply_data_parallel
@@ -141,7 +142,7 @@ def pipeline_layout(
     attention_to_linear = attention_to_linear_flops(model, shape, spec.structure, length)
     plan = plan_pipeline(
         config, spec.structure, shape, rows // dp_shard, length,
-        attention_to_linear=attention_to_linear,
+        attention_to_linear=attention_to_linear, attention_work_block=attention_work_block("cpu"),
     )  # fmt: skip
     mesh = dims.build_mesh("cpu")
     tp_moe = tp > 1 and getattr(args, "moe", None) is not None

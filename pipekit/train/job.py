@@ -277,6 +277,9 @@ def job_pipeline(
     the plan refuses them)."""
     import dataclasses
 
+    import torch
+
+    from pipekit.attention.kernels.backends import attention_work_block
     from pipekit.models.stage_module import validate_stage_module_names
     from pipekit.pipelining.plan import plan_pipeline
     from pipekit.train.metrics import attention_to_linear_flops
@@ -293,6 +296,9 @@ def job_pipeline(
             local_batch_size,
             seq_len,
             attention_to_linear=attention_to_linear_flops(model, shape, spec.structure, seq_len),
+            attention_work_block=attention_work_block(
+                config.model.attention_backend, "cuda" if torch.cuda.is_available() else "cpu"
+            ),
             activation_checkpoint=config.training.activation_checkpoint,
         )
         validate_stage_module_names(

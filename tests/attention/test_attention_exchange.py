@@ -203,7 +203,7 @@ class _DifferentiableReference:
     """A backend whose lse carries a gradient (as FlexAttention's does on CUDA), by the dense
     float64 reference."""
 
-    name, lse_has_grad = "reference", True
+    name, lse_has_grad, work_block = "reference", True, 1
 
     def forward_chunk(self, q_BHSD, k_BGKD, v_BGKD, mask, scale):
         batch, heads, queries, _ = q_BHSD.shape

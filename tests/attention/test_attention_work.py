@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from pipekit.attention.patterns import CAUSAL, AttentionPattern
-from pipekit.attention.work import attention_work, document_spans, keys_seen, token_costs
+from pipekit.attention.work import (
+    attention_work,
+    document_spans,
+    keys_seen,
+    tile_keys_seen,
+    token_costs,
+)
 from pipekit.pipelining.schedules.slice_bounds import cost_slice_bounds, slice_bounds
 
 PATTERNS = [
@@ -65,6 +71,46 @@ def test_attention_work_sums_each_layers_pattern():
     assert torch.equal(attention_work(ids_BS, layers), expected)
     costs = token_costs(ids_BS, layers, linear_per_token=3.0, attention_per_key=0.5)
     assert costs.dtype == torch.float64 and torch.equal(costs, 3.0 + 0.5 * expected.double())
+
+
+def _brute_force_tiles(document_ids_BS: torch.Tensor, block: int) -> torch.Tensor:
+    """Per query, `block` keys for every `block x block` tile of its row's grid in which some
+    query of its block sees some key (causal, within documents)."""
+    allowed_BSK = _brute_force_pairs(document_ids_BS)
+    rows, length = document_ids_BS.shape
+    counts_BS = torch.zeros(rows, length, dtype=torch.int64)
+    for q in range(0, length, block):
+        tiles_B = sum(
+            allowed_BSK[:, q : q + block, k : k + block].flatten(1).any(1).long()
+            for k in range(0, length, block)
+        )
+        counts_BS[:, q : q + block] = (tiles_B * block)[:, None]
+    return counts_BS
+
+
+def _brute_force_pairs(document_ids_BS: torch.Tensor) -> torch.Tensor:
+    length = document_ids_BS.shape[1]
+    causal_SK = torch.arange(length)[:, None] >= torch.arange(length)[None, :]
+    return causal_SK & (document_ids_BS[:, :, None] == document_ids_BS[:, None, :])
+
+
+@pytest.mark.parametrize("block", [1, 4, 8, 16])
+def test_tile_keys_count_the_tiles_a_tiled_kernel_computes(block):
+    """Every key of each tile some query of the block sees, on rows of long, short and
+    edge-crossing documents; one-token tiles are the keys themselves; in attention work, only
+    causal layers are counted in tiles."""
+    ids_BS = _packed_ids([[40], [3, 1, 17, 19], [9, 9, 9, 9, 4], [1] * 40, [5, 30, 5]])
+    assert torch.equal(tile_keys_seen(ids_BS, block), _brute_force_tiles(ids_BS, block))
+    if block == 1:
+        assert torch.equal(tile_keys_seen(ids_BS, 1), keys_seen(ids_BS))
+    else:  # short documents cost their whole tile, far above the keys they see
+        short_BS = ids_BS[3:4]
+        assert tile_keys_seen(short_BS, block).sum() >= block * keys_seen(short_BS).sum() / 2
+        assert torch.equal(
+            attention_work(ids_BS, [None, None], block=block), 2 * tile_keys_seen(ids_BS, block)
+        )
+        with pytest.raises(ValueError, match="counted for causal layers only"):
+            attention_work(ids_BS, [AttentionPattern(window=5)], block=block)
 
 
 def test_document_spans_and_bad_ids_name_the_fix():

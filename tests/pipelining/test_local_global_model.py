@@ -129,7 +129,7 @@ def test_each_mechanism_is_needed(references, ablation: str, world: int, layouts
 
 def test_slices_cut_per_microbatch_need_the_cache_to_follow_them() -> None:
     """Cached where the plan cut, a slice cut elsewhere indexes its window's keys out of range."""
-    with pytest.raises(RankFailedError, match="index 8 is out of bounds"):
+    with pytest.raises(RankFailedError, match=r"index \d+ is out of bounds"):
         run_on_ranks(_cases, 2, "cache_at_the_planned_cuts", timeout=120)
 
 

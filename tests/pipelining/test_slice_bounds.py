@@ -13,6 +13,7 @@ from pipekit.models import get_model_spec
 from pipekit.pipelining.plan import plan_pipeline
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.pipelining.schedules.slice_bounds import slice_bounds
+from pipekit.pipelining.schedules.slice_layout import SliceLayout
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
 from pipekit.train.job import validate_job
 
@@ -125,6 +126,21 @@ def test_documents_slicing_plans_one_sequence_and_cuts_each_microbatch_by_its_do
     )
     short_documents_BS = torch.arange(512).div(32, rounding_mode="floor").expand(2, 512)
     assert plan.slices.microbatch_bounds(short_documents_BS) == (0, 128, 256, 384, 512)
+
+
+def test_document_cuts_count_attention_in_the_kernels_tiles():
+    """A microbatch of 8-token documents, then one long one: counted by keys, the short
+    documents look nearly free and the first slice takes most of them; counted in the 64-token
+    tiles a tiled kernel computes whole, each costs its tile and the first slice is shorter."""
+    documents_S = torch.cat(
+        [torch.arange(256).div(8, rounding_mode="floor"), torch.full((256,), 99)]
+    )
+    layout = {"bounds": (0, 128, 256, 384, 512), "slicing": "documents", "granularity": 16}
+    by_keys = SliceLayout(**layout, attention_to_linear=3.0)
+    by_tiles = SliceLayout(**layout, attention_to_linear=3.0, work_block=64)
+    keys_cut = by_keys.microbatch_bounds(documents_S[None])
+    tiles_cut = by_tiles.microbatch_bounds(documents_S[None])
+    assert tiles_cut[1] < keys_cut[1], (keys_cut, tiles_cut)
 
 
 def test_a_job_places_equal_cost_slices_from_the_model_flops():

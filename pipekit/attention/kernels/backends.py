@@ -32,6 +32,7 @@ __all__ = [
     "AttentionBackend",
     "AutogradRingBackend",
     "RingBackend",
+    "attention_work_block",
     "available_backends",
     "get_backend",
     "ring_backend",
@@ -46,6 +47,9 @@ class AttentionBackend(Protocol):
 
     name: str
     lse_has_grad: bool
+    work_block: int
+    """Tokens per side of the tiles the kernel computes whole, skipping only tiles no query
+    sees: what a query's attention costs is the keys of its tiles (`attention.work`)."""
 
     def forward_chunk(
         self, q_BHSD: Tensor, k_BGKD: Tensor, v_BGKD: Tensor, mask: MaskMod | None, scale: float
@@ -87,6 +91,7 @@ class AutogradRingBackend:
                 "gradient, so its chunks cannot be differentiated one by one"
             )
         self.backend, self.name = backend, backend.name
+        self.work_block = backend.work_block
 
     def forward_chunk(
         self, q_BHSD: Tensor, k_BGKD: Tensor, v_BGKD: Tensor, mask: MaskMod | None, scale: float
@@ -151,6 +156,14 @@ def select_backend(name: str, *tensors: Tensor) -> AttentionBackend:
     if _forced_backend is not None:
         return get_backend(_forced_backend)
     return _BACKENDS["flex" if tensors[0].device.type == "cuda" else "cpu"]
+
+
+def attention_work_block(name: str, device_type: str = "cpu") -> int:
+    """The tile side of backend `name` ("auto": the one `select_backend` picks for tensors on
+    `device_type`), for cost models that count the keys a kernel computes."""
+    if name == "auto":
+        name = _forced_backend or ("flex" if device_type == "cuda" else "cpu")
+    return get_backend(name).work_block
 
 
 @contextlib.contextmanager

@@ -107,6 +107,8 @@ class CpuFlashBackend:
     def __init__(self, q_block: int = 512, kv_block: int = 512) -> None:
         self.q_block = q_block
         self.kv_block = kv_block
+        self.work_block = max(q_block, kv_block)
+        """Tokens per side of the tiles it computes whole (`pipekit.attention.work`)."""
         self._plans = _PlanCache()
         self._scored = ScoreModKernel()  # chunks whose scores a pattern modifies
 

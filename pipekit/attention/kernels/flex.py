@@ -157,6 +157,8 @@ class FlexBackend:
 
     name = "flex"
     lse_has_grad = True
+    work_block = 128
+    """Tokens per side of the blocks it computes whole: `create_block_mask`'s default."""
 
     def __init__(self) -> None:
         self._last_block_mask: tuple[tuple[object, ...], MaskMod, BlockMask] | None = None

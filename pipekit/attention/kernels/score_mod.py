@@ -146,6 +146,8 @@ class ScoreModKernel:
 
     name = "score_mod"
     lse_has_grad = False
+    work_block = 1
+    """Dense over the chunk it is given: the calling kernel's tiles set the work."""
 
     @staticmethod
     def _scores(

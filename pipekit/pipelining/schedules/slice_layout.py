@@ -27,13 +27,14 @@ class SliceLayout:
     With "documents", `bounds` are the planning shape's (one causal sequence) and each
     microbatch is cut by its own attention work (`microbatch_bounds`), on multiples of
     `granularity` tokens, attention weighing `attention_to_linear` of the linear work of one
-    causal sequence."""
+    causal sequence, counted in the attention kernel's `work_block`-token tiles."""
 
     bounds: tuple[int, ...]
     context_parallel: int = 1
     slicing: str = "equal_length"
     granularity: int = 1
     attention_to_linear: float = 0.0
+    work_block: int = 1
 
     def __post_init__(self) -> None:
         steps = list(itertools.pairwise(self.bounds))
@@ -90,10 +91,14 @@ class SliceLayout:
         """Each token position's work in one microbatch whose rows carry `document_ids_BS`
         (None: one causal sequence per row), summed over its rows (they share the slices), in
         units of one token's linear work. Every layer is counted as causal attention (windowed
-        or chunked layers see fewer keys: their work is overestimated, never dropped)."""
+        or chunked layers see fewer keys: their work is overestimated, never dropped), by the
+        keys of the tiles the kernel computes: short documents cost their whole tiles."""
         seq_len = self.bounds[-1]
         attention_per_key = 2 * self.attention_to_linear / (seq_len + 1)
-        return token_costs(document_ids_BS, [None], 1.0, attention_per_key, seq_len).sum(0)
+        costs_BS = token_costs(
+            document_ids_BS, [None], 1.0, attention_per_key, seq_len, self.work_block
+        )
+        return costs_BS.sum(0)
 
     def microbatch_bounds(self, document_ids_BS: Tensor | None) -> tuple[int, ...]:
         """The bounds of one microbatch: with "documents", equal `token_costs` per slice;
