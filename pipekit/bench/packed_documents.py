@@ -16,7 +16,9 @@ microbatch's slices (the slowest slice sets the pace of a lockstep pipeline), fr
 cut itself uses. Then the ranks (gloo, one thread each, the fair allocator) time the three
 cuts alternately after a warm-up step each; one recorded step of each gives the measured
 imbalance: per stage and microbatch, the slowest slice's forward-plus-backward seconds over the
-mean of its slices. `documents_vs_<cut>` is the median per-round step-time ratio.
+mean of its slices. `documents_vs_<cut>` is the median per-round step-time ratio;
+`simulated_documents_vs_<cut>` the simulator's for this batch (`document_unit_shares`), and
+`prediction_error_vs_<cut>` how far it is from the measured one.
 
 Then the same batch over `--cp` context-parallel ranks (`_document_cp`): head and tail against
 the deal by documents, in work and in measured per-rank compute and tokens/s.
@@ -41,6 +43,8 @@ from pipekit.bench._pipeline_launch import (
 )
 from pipekit.bench._schedule_timing import time_alternately
 from pipekit.bench.report import paired_ratios, print_result, print_table
+from pipekit.pipelining.schedules.document_costs import document_unit_shares
+from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.pipelining.schedules.slice_bounds import SLICINGS
 
 __all__ = ["main"]
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _pipeline_part(options: argparse.Namespace, model: dict, document_ids_BS) -> dict[str, float]:
     """The three cuts' work table and, unless `--work-only`, their timing."""
-    work, rows = {}, []
+    work, makespan, rows = {}, {}, []
     for cut in SLICINGS:
         plan = bench_plan(
             model, schedule="sliced", stages_per_rank=1, num_ranks=options.pp,
@@ -122,12 +126,30 @@ def _pipeline_part(options: argparse.Namespace, model: dict, document_ids_BS) ->
             rows=options.microbatches, slicing=cut,
         )  # fmt: skip
         work[cut], bounds = _work_imbalance(plan.slices, document_ids_BS, options.microbatches)
-        rows.append([cut, work[cut], "; ".join(" ".join(map(str, b[1:-1])) for b in bounds)])
-    print_table(["cut", "work max/mean", "inner bounds per microbatch"], rows)
+        makespan[cut] = _simulated_makespan(plan, document_ids_BS, options.microbatches)
+        inner = "; ".join(" ".join(map(str, b[1:-1])) for b in bounds)
+        rows.append([cut, work[cut], makespan[cut], inner])
+    print_table(["cut", "work max/mean", "simulated step", "inner bounds per microbatch"], rows)
     figures = {f"work_imbalance_{cut}": work[cut] for cut in SLICINGS}
+    for cut in ("equal_length", "equal_cost"):
+        figures[f"simulated_documents_vs_{cut}"] = makespan[cut] / makespan["documents"]
     if not options.work_only:
         figures |= _measure(options, model, document_ids_BS)
+        for cut in ("equal_length", "equal_cost"):
+            simulated = figures[f"simulated_documents_vs_{cut}"]
+            figures[f"prediction_error_vs_{cut}"] = simulated / figures[f"documents_vs_{cut}"] - 1
     return figures
+
+
+def _simulated_makespan(plan, document_ids_BS, microbatches: int) -> float:
+    """The simulator's step for the plan on this batch: each microbatch's slices as the plan
+    cuts them, priced by their tokens and their attention within documents (in the kernel's
+    tiles), attention at the model's attention-to-linear FLOPs."""
+    cost = CostModel(
+        forward_attention=plan.attention_to_linear,
+        unit_shares=document_unit_shares(plan.slices, document_ids_BS, microbatches),
+    )
+    return simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost).makespan
 
 
 def _measure(options: argparse.Namespace, model: dict, document_ids_BS) -> dict[str, float]:

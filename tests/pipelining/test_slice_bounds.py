@@ -11,6 +11,7 @@ from pipekit.config.job_config import JobConfig, ParallelismConfig
 from pipekit.config.loader import ConfigError
 from pipekit.models import get_model_spec
 from pipekit.pipelining.plan import plan_pipeline
+from pipekit.pipelining.schedules.document_costs import document_unit_shares
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.pipelining.schedules.slice_bounds import slice_bounds
 from pipekit.pipelining.schedules.slice_layout import SliceLayout
@@ -141,6 +142,43 @@ def test_document_cuts_count_attention_in_the_kernels_tiles():
     keys_cut = by_keys.microbatch_bounds(documents_S[None])
     tiles_cut = by_tiles.microbatch_bounds(documents_S[None])
     assert tiles_cut[1] < keys_cut[1], (keys_cut, tiles_cut)
+
+
+def test_the_simulator_prices_each_microbatchs_documents():
+    """`document_unit_shares`: on one causal sequence per row, the shares the simulator
+    assumes for planned slices; on packed rows (microbatch 0: short documents then a long one;
+    microbatch 1: the reverse), the document cut simulates a shorter step than equal-length
+    slices, and both far shorter than priced as one causal sequence per row."""
+    layouts = {
+        cut: _plan(num_slices=4, slicing=cut, microbatches=2).slices
+        for cut in ("equal_length", "documents")
+    }
+    one_document = document_unit_shares(
+        layouts["equal_length"], torch.zeros(2, 512, dtype=torch.long), 2
+    )
+    default = CostModel()
+    for microbatch in one_document:
+        for index, (tokens, attention) in enumerate(microbatch):
+            assert tokens == default.slice_shares(index, 4)[0]
+            assert attention == pytest.approx(default.slice_shares(index, 4)[1], abs=2e-3)
+    short_S = torch.arange(256).div(16, rounding_mode="floor")
+    short_then_long = torch.cat([short_S, torch.full((256,), 99)])
+    long_then_short = torch.cat([torch.zeros(256, dtype=torch.long), 1 + short_S])
+    ids_BS = torch.stack([short_then_long, short_then_long, long_then_short, long_then_short])
+    actions = _plan(num_slices=4, slicing="documents", microbatches=2).actions_by_rank
+    makespans = {}
+    for cut, layout in layouts.items():
+        priced = CostModel(
+            forward_attention=3.0, unit_shares=document_unit_shares(layout, ids_BS, 2)
+        )
+        unpriced = CostModel(forward_attention=3.0, slice_bounds=layout.fractions)
+        makespans[cut] = [
+            simulate(actions, num_slices=4, cost=c).makespan for c in (priced, unpriced)
+        ]
+    assert makespans["documents"][0] < 0.97 * makespans["equal_length"][0], makespans
+    assert makespans["equal_length"][1] > 2 * makespans["equal_length"][0]  # shares are read
+    with pytest.raises(ValueError, match="covers 2 microbatches"):
+        CostModel(unit_shares=one_document).slice_shares(0, 4, microbatch=2)
 
 
 def test_a_job_places_equal_cost_slices_from_the_model_flops():

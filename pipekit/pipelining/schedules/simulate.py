@@ -85,9 +85,27 @@ class CostModel:
     slice_bounds: tuple[float, ...] = ()
     """Where the slices start and end, as fractions of the sequence from 0 to 1 (n + 1 of
     them); empty: n equal slices."""
+    unit_shares: tuple[tuple[tuple[float, float], ...], ...] = ()
+    """Per microbatch, per slice: its share of the sequence's tokens and its attention over
+    one causal sequence's (`forward_attention`): packed documents, each microbatch cut and
+    costed by its own (`pipekit.pipelining.schedules.document_costs`); empty: every
+    microbatch by `slice_bounds`."""
 
-    def slice_shares(self, slice_index: int, num_slices: int) -> tuple[float, float]:
-        """Slice `slice_index`'s share of the sequence's tokens and of its causal attention."""
+    def slice_shares(
+        self, slice_index: int, num_slices: int, microbatch: int = 0
+    ) -> tuple[float, float]:
+        """Slice `slice_index`'s (of `microbatch`) share of the sequence's tokens and of one
+        causal sequence's attention."""
+        if self.unit_shares:
+            if (
+                microbatch >= len(self.unit_shares)
+                or len(self.unit_shares[microbatch]) != num_slices
+            ):
+                raise ValueError(
+                    f"CostModel.unit_shares covers {len(self.unit_shares)} microbatches; unit "
+                    f"(microbatch {microbatch}, slice {slice_index} of {num_slices}) is not in it"
+                )
+            return self.unit_shares[microbatch][slice_index]
         if not self.slice_bounds:
             return 1 / num_slices, (2 * slice_index + 1) / num_slices**2
         if len(self.slice_bounds) != num_slices + 1:
@@ -105,19 +123,20 @@ class CostModel:
         slice_index: int,
         num_slices: int,
         attended_slices: float | None = None,
+        microbatch: int = 0,
     ) -> float:
         """`attended_slices`: the key/value slices whose attention this pass computes, in
         equal slices (default its own causal share; context exchange moves some between
         ranks)."""
         weight = self.stage_weights[stage] if self.stage_weights else 1.0
-        tokens, attention_share = self.slice_shares(slice_index, num_slices)
+        tokens, attention_share = self.slice_shares(slice_index, num_slices, microbatch)
         if attended_slices is not None:
             attention_share = 2 * attended_slices / num_slices**2
         linear = self.forward_linear * tokens + self.action_overhead
         return weight * (linear + self.forward_attention * attention_share) / num_stages
 
-    def transfer_time(self, num_slices: int, slice_index: int = 0) -> float:
-        tokens, _ = self.slice_shares(slice_index, num_slices)
+    def transfer_time(self, num_slices: int, slice_index: int = 0, microbatch: int = 0) -> float:
+        tokens, _ = self.slice_shares(slice_index, num_slices, microbatch)
         return self.p2p_latency + self.boundary_bytes * tokens / self.p2p_bandwidth
 
 
@@ -228,8 +247,10 @@ def simulate(
                 needs = unit_dependencies(action, num_stages, num_slices)
                 if any(key not in finished for key, _ in needs):
                     break
-                _, slice_index = unit_microbatch_and_slice(action.microbatch_index, num_slices)
-                transfer = cost.transfer_time(num_slices, slice_index)
+                microbatch, slice_index = unit_microbatch_and_slice(
+                    action.microbatch_index, num_slices
+                )
+                transfer = cost.transfer_time(num_slices, slice_index, microbatch)
                 ready = max(
                     [finished[key] + (transfer if crosses and stage_rank[key[0]] != rank else 0.0)
                      for key, crosses in needs] or [0.0]
@@ -272,9 +293,9 @@ def _duration(
     num_slices: int,
     attended_slices: float | None = None,
 ) -> float:
-    _, slice_index = unit_microbatch_and_slice(action.microbatch_index, num_slices)
+    microbatch, slice_index = unit_microbatch_and_slice(action.microbatch_index, num_slices)
     forward = cost.forward_time(
-        action.stage_index, num_stages, slice_index, num_slices, attended_slices
+        action.stage_index, num_stages, slice_index, num_slices, attended_slices, microbatch
     )
     backward = cost.backward_ratio * forward
     kind = action.computation_type
@@ -327,8 +348,10 @@ def _peak_memory(
     }
     for event in events:
         kind, stage = event.action.computation_type, event.action.stage_index
-        _, slice_index = unit_microbatch_and_slice(event.action.microbatch_index, num_slices)
-        tokens, _ = cost.slice_shares(slice_index, num_slices)
+        microbatch, slice_index = unit_microbatch_and_slice(
+            event.action.microbatch_index, num_slices
+        )
+        tokens, _ = cost.slice_shares(slice_index, num_slices, microbatch)
         held = {
             category: size * tokens
             for category, size in per_sequence.items()
