@@ -20,8 +20,9 @@ mean of its slices. `documents_vs_<cut>` is the median per-round step-time ratio
 `simulated_documents_vs_<cut>` the simulator's for this batch (`document_unit_shares`), and
 `prediction_error_vs_<cut>` how far it is from the measured one.
 
-Then the same batch over `--cp` context-parallel ranks (`_document_cp`): head and tail against
-the deal by documents, in work and in measured per-rank compute and tokens/s.
+Then the same batch over `--cp` context-parallel ranks, and `--dp-rows` rows of `--dp-seq`
+tokens over `--dp` data-parallel ranks (`_rank_deals`): the static deals against the deals by
+attention work, in work and in measured per-rank compute and tokens/s.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import itertools
 import os
 import statistics
 
-from pipekit.bench._document_cp import context_parallel_part
 from pipekit.bench._document_mix import MIX_DESCRIPTION, packed_document_ids
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
@@ -41,6 +41,7 @@ from pipekit.bench._pipeline_launch import (
     check_pipeline_shape,
     model_spec,
 )
+from pipekit.bench._rank_deals import rank_deal_part
 from pipekit.bench._schedule_timing import time_alternately
 from pipekit.bench.report import paired_ratios, print_result, print_table
 from pipekit.pipelining.schedules.document_costs import document_unit_shares
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-only", action="store_true", help="print the work tables only")
     parser.add_argument("--cp", type=int, default=2, help="context-parallel ranks (0: skip)")
     parser.add_argument("--cp-pieces", type=int, default=8, help="pieces per cp rank")
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks (0: skip)")
+    parser.add_argument("--dp-rows", type=int, default=8, help="rows of the dp part's batch")
+    parser.add_argument("--dp-seq", type=int, default=4096, help="tokens per row, dp part")
     parser.add_argument("--pipeline", default=True, action=argparse.BooleanOptionalAction,
                         help="the sliced pipeline's part")  # fmt: skip
     options = parser.parse_args(argv)
@@ -107,12 +111,19 @@ def main(argv: list[str] | None = None) -> None:
     figures: dict[str, float] = {}
     if options.pipeline:
         figures |= _pipeline_part(options, model, document_ids_BS)
+    timing = dict(
+        warmup=options.warmup, repeats=options.repeats, pin=not options.no_pin,
+        timeout=options.timeout, measure=not options.work_only, pieces=options.cp_pieces,
+    )  # fmt: skip
     if options.cp:
-        figures |= context_parallel_part(
-            document_ids_BS, model, cp=options.cp, pieces=options.cp_pieces,
-            warmup=options.warmup, repeats=options.repeats, pin=not options.no_pin,
-            timeout=options.timeout, measure=not options.work_only,
+        figures |= rank_deal_part("cp", document_ids_BS, model, ranks=options.cp, **timing)
+    if options.dp:
+        rows_BS = packed_document_ids(
+            options.dp_rows, options.dp_seq, median=options.median, sigma=options.sigma,
+            seed=options.seed,
         )  # fmt: skip
+        dp_model = model | {"max_seq_len": options.dp_seq}
+        figures |= rank_deal_part("dp", rows_BS, dp_model, ranks=options.dp, **timing)
     print_result(**figures, load_before=load)
 
 

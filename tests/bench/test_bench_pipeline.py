@@ -23,6 +23,7 @@ from pipekit.bench._all_schedules import TORCH_SCHEDULES
 from pipekit.bench._cpu_per_step import cpu_ratio
 from pipekit.bench._document_mix import packed_document_ids, positions_in_documents
 from pipekit.bench._pipeline_launch import bench_plan, model_spec, rank_core_sets, run_ranks
+from pipekit.bench._rank_deals import DEALS
 from pipekit.bench._schedule_timing import schedule_runs, simulated_makespan
 from pipekit.memory_plan.forked import in_forked_child
 
@@ -335,16 +336,23 @@ def test_packed_documents_bench_balances_the_slices_work_by_cutting_per_microbat
     assert documents < 1.05
     assert documents < figures["work_imbalance_equal_length"] - 0.2
     assert documents < figures["work_imbalance_equal_cost"] - 0.2
+    assert figures["cp_work_imbalance_documents"] < 1.05 < figures["cp_work_imbalance_sequence"]
+    assert figures["dp_work_imbalance_by_work"] < figures["dp_work_imbalance_in_order"]
+    assert figures["simulated_documents_vs_equal_length"] > 1.0
 
 
 def test_packed_documents_bench_times_the_three_cuts_on_the_packed_batch():
     figures = _run_bench(
         "packed-documents", "--seq", "512", "--slices", "4", "--dim", "64", "--layers", "2",
-        "--median", "64", "--warmup", "0", "--repeats", "1", "--no-pin",
+        "--median", "64", "--warmup", "0", "--repeats", "1", "--no-pin", "--dp-rows", "4",
+        "--dp-seq", "512",
     )  # fmt: skip
     for cut in ("equal_length", "equal_cost", "documents"):
         assert figures[f"time_imbalance_{cut}"] >= 1.0
     assert figures["documents_vs_equal_length"] > 0 and figures["documents_vs_equal_cost"] > 0
+    for kind, deals in DEALS.items():  # the cp and dp ranks, both deals timed
+        assert all(figures[f"{kind}_time_imbalance_{deal}"] >= 1.0 for deal in deals)
+        assert figures[f"{kind}_balanced_vs_static"] > 0
 
 
 def test_the_document_mix_packs_rows_as_packing_does():
