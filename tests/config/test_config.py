@@ -316,6 +316,16 @@ def test_context_parallel_pipelines_are_checked_before_launch():
             ("--parallelism.cp_variant", "hybrid"),
             r"\[parallelism\] cp_variant='hybrid' is not one of auto, commutated, hierarchical",
         ),
+        (
+            ("--parallelism.cp_balance_pieces", "3"),
+            "multiple of cp_balance_pieces x cp x num_slices = 24: .* change cp, "
+            "cp_balance_pieces or num_slices",
+        ),
+        (
+            ("--parallelism.cp_balance", "rows"),
+            "cp_balance='rows' is not one of documents, sequence",
+        ),
+        (("--parallelism.cp_balance_pieces", "0"), "cp_balance_pieces=0 must be positive"),
     ]:
         with pytest.raises(ConfigError, match=message):
             validate_job(load_job_config([*argv, *overrides]), world_size=4, check_files=False)
