@@ -69,9 +69,15 @@ class ContextParallelRanks:
     def attention(
         self, shard: TensorDict, backend: str | AttentionBackend = "auto"
     ) -> ContextParallelAttention:
-        """The attention context of a batch of whole sequences `shard` (as `shard` made it:
-        its rows share the deal)."""
-        tokens_S = shard["cp_tokens"][0, :, self.rank]
+        """The attention context of a batch of whole sequences `shard` (as `shard` made it,
+        with one deal: one attention context serves all its rows)."""
+        deal_BSC = shard["cp_tokens"]
+        if not bool((deal_BSC == deal_BSC[:1]).all()):
+            raise ValueError(
+                "the batch's rows were dealt to the cp ranks in different ways; one attention "
+                "context serves rows of one deal: shard whole sequences with microbatches=1"
+            )
+        tokens_S = deal_BSC[0, :, self.rank]
         return ContextParallelAttention(
             tokens_S, shard.get("document_ids", None), self.group, backend, self.variant,
             self.hierarchy,

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 from tensordict import TensorDict
 from tiny_models import TINY_LLAMA
@@ -96,7 +97,11 @@ def _runs(rank: int, world: int) -> dict[str, Result]:
 
 def test_the_document_deal_differs_from_head_and_tail_and_by_microbatch() -> None:
     """The batch the parity test runs on exercises the deal: each microbatch's differs from
-    head and tail and from the other's, for whole sequences and for the pipeline's slices."""
+    head and tail and from the other's, for whole sequences and for the pipeline's slices; one
+    whole-sequence attention context refuses rows of two deals."""
+    ranks = ContextParallelRanks(0, 2, SEQ_LEN, 1, "documents", PIECES, None, "auto", None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rows were dealt to the cp ranks in different ways"):
+        ranks.attention(ranks.shard(skewed_batch(), microbatches=2))
     batch = skewed_batch()
     for num_slices in (1, 2):
         static_CS = context_parallel_tokens(SEQ_LEN, 2, num_slices)
