@@ -66,6 +66,15 @@ def document_spans(document_ids_BS: Tensor) -> tuple[Tensor, Tensor]:
     return first_BS, end_BS
 
 
+def _rows_or_one_sequence(document_ids_BS: Tensor | None, seq_len: int | None) -> Tensor:
+    """The rows' document ids, or one row of one `seq_len`-token document."""
+    if document_ids_BS is not None:
+        return document_ids_BS
+    if seq_len is None:
+        raise ValueError("attention work needs document ids or seq_len")
+    return torch.zeros(1, seq_len, dtype=torch.int64)
+
+
 def keys_seen(
     document_ids_BS: Tensor | None,
     pattern: AttentionPattern | None = None,
@@ -74,10 +83,7 @@ def keys_seen(
     """How many keys each query attends to under `pattern` (None: causal), within its own
     document (ids None: the row is one sequence of `seq_len` tokens, one row). int64 [B, S]."""
     pattern = pattern or CAUSAL
-    if document_ids_BS is None:
-        if seq_len is None:
-            raise ValueError("keys_seen needs document ids or seq_len")
-        document_ids_BS = torch.zeros(1, seq_len, dtype=torch.int64)
+    document_ids_BS = _rows_or_one_sequence(document_ids_BS, seq_len)
     first_BS, end_BS = document_spans(document_ids_BS)
     length = document_ids_BS.shape[1]
     t_BS = torch.arange(length, device=document_ids_BS.device).expand_as(first_BS)
@@ -111,8 +117,7 @@ def tile_keys_seen(document_ids_BS: Tensor, block: int) -> Tensor:
     first_BS, _ = document_spans(document_ids_BS)
     length = document_ids_BS.shape[1]
     starts = torch.arange(0, length, block, device=document_ids_BS.device)
-    ends = torch.clamp(starts + block, max=length) - 1
-    tiles_BN = ends // block - first_BS[:, starts] // block + 1
+    tiles_BN = starts // block - first_BS[:, starts] // block + 1  # block n's last query: n
     return (tiles_BN * block).repeat_interleave(block, dim=1)[:, :length]
 
 
@@ -134,11 +139,8 @@ def attention_work(
                 f"attention work in {block}-token tiles is counted for causal layers only; "
                 "count windowed or chunked layers by keys (block=1)"
             )
-        if document_ids_BS is None:
-            if seq_len is None:
-                raise ValueError("attention_work needs document ids or seq_len")
-            document_ids_BS = torch.zeros(1, seq_len, dtype=torch.int64)
-        return counts[CAUSAL] * tile_keys_seen(document_ids_BS, block)
+        ids_BS = _rows_or_one_sequence(document_ids_BS, seq_len)
+        return counts[CAUSAL] * tile_keys_seen(ids_BS, block)
     return sum(
         layers * keys_seen(document_ids_BS, pattern, seq_len) for pattern, layers in counts.items()
     )

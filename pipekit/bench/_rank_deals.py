@@ -31,7 +31,7 @@ from pipekit.attention.context import AttentionContext, CausalAttention
 from pipekit.attention.work import equal_work_bins, keys_seen
 from pipekit.bench._pipeline_launch import bench_model, rank_core_sets, run_ranks, synthetic_batch
 from pipekit.bench._schedule_timing import FAIR_ALLOCATOR
-from pipekit.bench.report import paired_ratios, print_table
+from pipekit.bench.report import max_over_mean, paired_ratios, print_table
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.context_parallel import context_parallel_ranks
 from pipekit.layers.loss import count_label_tokens, token_sum_cross_entropy
@@ -51,19 +51,18 @@ def _row_order(document_ids_BS: torch.Tensor, ranks: int, deal: str) -> torch.Te
     return equal_work_bins(row_attention_work(document_ids_BS), ranks)
 
 
-def work_imbalance(document_ids_BS: torch.Tensor, kind: str, ranks: int, deal: str, pieces: int):
+def work_imbalance(
+    document_ids_BS: torch.Tensor, kind: str, ranks: int, deal: str, pieces: int
+) -> float:
     """The busiest rank's causal attention work over the mean rank's, under one deal."""
     work_BS = keys_seen(document_ids_BS).double()
     if kind == "dp":
-        per_rank = [
-            float(part.sum())
-            for part in work_BS[_row_order(document_ids_BS, ranks, deal)].chunk(ranks)
-        ]
-    else:
-        documents = document_ids_BS if deal == "documents" else None
-        table_CS = context_parallel_tokens(document_ids_BS.shape[1], ranks, 1, documents, pieces)
-        per_rank = [float(work_BS.sum(dim=0)[tokens].sum()) for tokens in table_CS]
-    return max(per_rank) * ranks / sum(per_rank)
+        order_B = _row_order(document_ids_BS, ranks, deal)
+        return max_over_mean([float(part.sum()) for part in work_BS[order_B].chunk(ranks)])
+    documents = document_ids_BS if deal == "documents" else None
+    table_CS = context_parallel_tokens(document_ids_BS.shape[1], ranks, 1, documents, pieces)
+    work_S = work_BS.sum(dim=0)
+    return max_over_mean([float(work_S[tokens].sum()) for tokens in table_CS])
 
 
 def _deal_steps(
@@ -167,7 +166,7 @@ def rank_deal_part(
     imbalance = {}
     for deal in deals:
         per_rank = [statistics.median(result["compute"][deal]) for result in results]
-        imbalance[deal] = max(per_rank) * ranks / sum(per_rank)
+        imbalance[deal] = max_over_mean(per_rank)
     tokens = rows * seq_len
     print_table(
         ["deal", "work max/mean", "median s", "tokens/s", "compute max/mean"],

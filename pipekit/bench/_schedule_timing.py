@@ -25,7 +25,7 @@ from pipekit.bench._pipeline_launch import (
     run_ranks,
     synthetic_batch,
 )
-from pipekit.bench.report import print_table
+from pipekit.bench.report import max_over_mean, print_table
 from pipekit.memory.live_tensors import PeakTensorMemory
 from pipekit.memory.tracker import ActivationMemoryTracker
 from pipekit.pipelining.features.registry import simulated_attention
@@ -231,7 +231,7 @@ def _slice_time_imbalance(events: list[Any], num_slices: int) -> float:
         microbatch, slice_index = divmod(event.action.microbatch_index, num_slices)
         per_slice = seconds.setdefault((event.action.stage_index, microbatch), {})
         per_slice[slice_index] = per_slice.get(slice_index, 0.0) + event.end - event.start
-    ratios = [max(times.values()) * len(times) / sum(times.values()) for times in seconds.values()]
+    ratios = [max_over_mean(list(times.values())) for times in seconds.values()]
     return sum(ratios) / len(ratios)
 
 

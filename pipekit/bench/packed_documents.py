@@ -32,6 +32,8 @@ import itertools
 import os
 import statistics
 
+from torch import Tensor
+
 from pipekit.bench._document_mix import MIX_DESCRIPTION, packed_document_ids
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
@@ -43,15 +45,19 @@ from pipekit.bench._pipeline_launch import (
 )
 from pipekit.bench._rank_deals import rank_deal_part
 from pipekit.bench._schedule_timing import time_alternately
-from pipekit.bench.report import paired_ratios, print_result, print_table
+from pipekit.bench.report import max_over_mean, paired_ratios, print_result, print_table
+from pipekit.pipelining.pipeline_plan import PipelinePlan
 from pipekit.pipelining.schedules.document_costs import document_unit_shares
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.pipelining.schedules.slice_bounds import SLICINGS
+from pipekit.pipelining.schedules.slice_layout import SliceLayout
 
 __all__ = ["main"]
 
 
-def _work_imbalance(plan_slices, document_ids_BS, microbatches: int) -> tuple[float, list]:
+def _work_imbalance(
+    plan_slices: SliceLayout, document_ids_BS: Tensor, microbatches: int
+) -> tuple[float, list[tuple[int, ...]]]:
     """(mean over microbatches of the slowest slice's work over the mean slice's, the bounds
     of each microbatch) for one cut."""
     rows = document_ids_BS.shape[0] // microbatches
@@ -61,7 +67,7 @@ def _work_imbalance(plan_slices, document_ids_BS, microbatches: int) -> tuple[fl
         bounds = plan_slices.microbatch_bounds(ids_BS)
         cost_S = plan_slices.token_costs(ids_BS)
         work = [float(cost_S[start:end].sum()) for start, end in itertools.pairwise(bounds)]
-        ratios.append(max(work) * len(work) / sum(work))
+        ratios.append(max_over_mean(work))
         bounds_per_microbatch.append(bounds)
     return statistics.fmean(ratios), bounds_per_microbatch
 
@@ -127,7 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     print_result(**figures, load_before=load)
 
 
-def _pipeline_part(options: argparse.Namespace, model: dict, document_ids_BS) -> dict[str, float]:
+def _pipeline_part(
+    options: argparse.Namespace, model: dict, document_ids_BS: Tensor
+) -> dict[str, float]:
     """The three cuts' work table and, unless `--work-only`, their timing."""
     work, makespan, rows = {}, {}, []
     for cut in SLICINGS:
@@ -152,7 +160,7 @@ def _pipeline_part(options: argparse.Namespace, model: dict, document_ids_BS) ->
     return figures
 
 
-def _simulated_makespan(plan, document_ids_BS, microbatches: int) -> float:
+def _simulated_makespan(plan: PipelinePlan, document_ids_BS: Tensor, microbatches: int) -> float:
     """The simulator's step for the plan on this batch: each microbatch's slices as the plan
     cuts them, priced by their tokens and their attention within documents (in the kernel's
     tiles), attention at the model's attention-to-linear FLOPs."""
@@ -163,7 +171,7 @@ def _simulated_makespan(plan, document_ids_BS, microbatches: int) -> float:
     return simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost).makespan
 
 
-def _measure(options: argparse.Namespace, model: dict, document_ids_BS) -> dict[str, float]:
+def _measure(options: argparse.Namespace, model: dict, document_ids_BS: Tensor) -> dict[str, float]:
     """Time the three cuts alternately in the same ranks; the measured slice imbalance and the
     per-round step ratios."""
     runs = {

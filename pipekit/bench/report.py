@@ -13,7 +13,14 @@ import torch
 
 from pipekit.text_table import format_table
 
-__all__ = ["machine_description", "paired_ratios", "print_result", "print_table", "time_call"]
+__all__ = [
+    "machine_description",
+    "max_over_mean",
+    "paired_ratios",
+    "print_result",
+    "print_table",
+    "time_call",
+]
 
 
 def _cpu_model() -> str:
@@ -51,6 +58,11 @@ def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) ->
     """Round by round ratios of two alternately timed figures: each round's pair shares the
     machine's state, which drifts over a run by more than the effects the benches look for."""
     return [top / bottom for top, bottom in zip(numerators, denominators, strict=True)]
+
+
+def max_over_mean(values: Sequence[float]) -> float:
+    """The largest of `values` over their mean: how far the slowest of equal shares lags."""
+    return max(values) * len(values) / sum(values)
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

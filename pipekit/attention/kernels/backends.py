@@ -153,17 +153,19 @@ def select_backend(name: str, *tensors: Tensor) -> AttentionBackend:
     """Resolve `name` ("auto" included) for attention over these tensors."""
     if name != "auto":
         return get_backend(name)
-    if _forced_backend is not None:
-        return get_backend(_forced_backend)
-    return _BACKENDS["flex" if tensors[0].device.type == "cuda" else "cpu"]
+    return get_backend(_auto_name(tensors[0].device.type))
+
+
+def _auto_name(device_type: str) -> str:
+    """What "auto" means on `device_type`: the backend `use_backend` forces, else flex on
+    CUDA and the CPU kernel elsewhere."""
+    return _forced_backend or ("flex" if device_type == "cuda" else "cpu")
 
 
 def attention_work_block(name: str, device_type: str = "cpu") -> int:
     """The tile side of backend `name` ("auto": the one `select_backend` picks for tensors on
     `device_type`), for cost models that count the keys a kernel computes."""
-    if name == "auto":
-        name = _forced_backend or ("flex" if device_type == "cuda" else "cpu")
-    return get_backend(name).work_block
+    return get_backend(_auto_name(device_type) if name == "auto" else name).work_block
 
 
 @contextlib.contextmanager
