@@ -2,7 +2,7 @@
 slices of packed documents, cut once for one causal sequence or per microbatch by its own
 documents.
 
-Each row packs documents of a long-tailed mix (`_document_mix`: log-normal lengths, median
+Each row packs documents of a long-tailed mix (`LogNormalLengths`: log-normal lengths, median
 `--median` tokens, log-spread `--sigma`; most documents short, a thin tail as long as a row),
 so a token's attention work is the keys its own document lets it see, not its position. Three
 cuts of the sliced pipeline (`--pp` ranks) are compared on the same batch:
@@ -34,7 +34,7 @@ import statistics
 
 from torch import Tensor
 
-from pipekit.bench._document_mix import MIX_DESCRIPTION, packed_document_ids
+from pipekit.attention.document_lengths import LogNormalLengths, packed_document_ids
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
     add_pinning_argument,
@@ -104,11 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         parser.error(str(error))
     load = os.getloadavg()[0]
-    document_ids_BS = packed_document_ids(
-        options.microbatches, options.seq, median=options.median, sigma=options.sigma,
-        seed=options.seed,
-    )  # fmt: skip
-    mix = MIX_DESCRIPTION.format(median=options.median, sigma=options.sigma)
+    lengths = LogNormalLengths(options.median, options.sigma)
+    document_ids_BS = packed_document_ids(lengths, options.microbatches, options.seq, options.seed)
+    mix = lengths.label
     documents = int(sum(int(row.max()) + 1 for row in document_ids_BS))
     print(
         f"{options.microbatches} microbatches of 1 row x {options.seq} tokens, {mix}: "
@@ -124,10 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     if options.cp:
         figures |= rank_deal_part("cp", document_ids_BS, model, ranks=options.cp, **timing)
     if options.dp:
-        rows_BS = packed_document_ids(
-            options.dp_rows, options.dp_seq, median=options.median, sigma=options.sigma,
-            seed=options.seed,
-        )  # fmt: skip
+        rows_BS = packed_document_ids(lengths, options.dp_rows, options.dp_seq, options.seed)
         dp_model = model | {"max_seq_len": options.dp_seq}
         figures |= rank_deal_part("dp", rows_BS, dp_model, ranks=options.dp, **timing)
     print_result(**figures, load_before=load)

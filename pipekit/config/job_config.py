@@ -206,6 +206,11 @@ class DataConfig:
     """Deal each step's rows over the data-parallel ranks and pipeline microbatches so each
     carries about the same causal attention work within its packed documents (costliest rows
     first); the step's rows are unchanged, only where each runs. Not with streaming."""
+    document_lengths: str = ""
+    """What the planners (the memory plan, the layout search, layout = "auto") assume about
+    the documents packed into rows: "" (one document per row), "lognormal:median=1024,sigma=1.6",
+    or a .json histogram of a corpus (python -m pipekit.train.data.corpus_lengths). Training
+    reads its real rows; only planning uses this."""
 
 
 @dataclass(kw_only=True)

@@ -75,7 +75,7 @@ class Layout:
     def label(self) -> str:
         """A compact line: `pp4 v1 sliced n16 | cp2 tp2 | dp1 | none`."""
         if self.pp > 1:
-            slicing = " equal-cost" if self.slicing == "equal_cost" else ""
+            slicing = {"equal_cost": " equal-cost", "documents": " documents"}.get(self.slicing, "")
             slices = f" n{self.num_slices}{slicing}" if self.num_slices > 1 else ""
             pipe = f"pp{self.pp} v{self.stages_per_rank} {self.schedule}{slices}"
         else:
@@ -104,8 +104,13 @@ def enumerate_layouts(
     config: JobConfig, space: SearchSpace, shape: Any, num_experts: int = 0
 ) -> Iterator[Layout]:
     """Every structure (policy "none") the degrees and schedules allow by divisibility; the
-    job's rules then judge each (`pipekit.layout_search.search`)."""
+    job's rules then judge each (`pipekit.layout_search.search`). Slices are cut equal in
+    length or in causal cost, and on packed documents (`[data] document_lengths`) also per
+    microbatch by its documents."""
     world = space.world_size
+    slicings = ("equal_length", "equal_cost")
+    if config.data.document_lengths:
+        slicings += ("documents",)
     schedules = space.schedules or tuple(name for name in SCHEDULES if name != "user")
     global_batch = config.training.global_batch_size
     for tp in _divisors(world):
@@ -125,7 +130,9 @@ def enumerate_layouts(
                         if pp == 1:
                             yield from _unpipelined(degrees, global_batch // dp)
                         else:
-                            yield from _pipelines(degrees, schedules, space, shape.num_layers)
+                            yield from _pipelines(
+                                degrees, schedules, space, shape.num_layers, slicings
+                            )
 
 
 def _unpipelined(degrees: dict[str, int], rows_per_rank: int) -> Iterator[Layout]:
@@ -135,7 +142,11 @@ def _unpipelined(degrees: dict[str, int], rows_per_rank: int) -> Iterator[Layout
 
 
 def _pipelines(
-    degrees: dict[str, int], schedules: tuple[str, ...], space: SearchSpace, layers: int
+    degrees: dict[str, int],
+    schedules: tuple[str, ...],
+    space: SearchSpace,
+    layers: int,
+    slicings: tuple[str, ...],
 ) -> Iterator[Layout]:
     pp = degrees["pp"]
     for name in schedules:
@@ -146,9 +157,7 @@ def _pipelines(
             if not entry.sliced:
                 yield Layout(**degrees, schedule=name, stages_per_rank=stages, num_slices=1)
                 continue
-            for multiple, slicing in itertools.product(
-                space.slice_multiples, ("equal_length", "equal_cost")
-            ):
+            for multiple, slicing in itertools.product(space.slice_multiples, slicings):
                 yield Layout(
                     **degrees, schedule=name, stages_per_rank=stages,
                     num_slices=multiple * pp, slicing=slicing,

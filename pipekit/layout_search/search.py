@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from pipekit.attention.kernels.backends import attention_work_block
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 from pipekit.distributed.parallel_dims import ParallelDims
@@ -41,6 +42,11 @@ from pipekit.layout_search.shards import ShareCounter
 from pipekit.layout_search.step_time import ModelCosts, StepPrediction, predict_step
 from pipekit.memory_plan.__main__ import refusal
 from pipekit.memory_plan.activations import ActivationProfile, TensorSplit
+from pipekit.memory_plan.documents import (
+    attention_share,
+    drawn_unit_shares,
+    planning_document_ids,
+)
 from pipekit.memory_plan.forked import map_in_forked_children
 from pipekit.memory_plan.layout import RankLayout
 from pipekit.memory_plan.memory import (
@@ -58,6 +64,10 @@ from pipekit.train.metrics import attention_to_linear_flops, training_flops_per_
 from pipekit.train.parallel_rules import check_parallel_layout
 
 __all__ = ["Candidate", "LayoutSearch", "SearchResult", "nothing_fits", "search_layouts"]
+
+_SHARE_ROWS = 16
+"""Rows per drawn step whose attention share prices packed documents (a mean: a few steps of
+16 rows settle it)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,7 @@ class LayoutSearch:
             attention_to_linear=ratio,
             moe_blocks=len(moe),
             top_k=moe[0].args.top_k if moe else 0,
+            attention_share=self._attention_share(),
         )
         self._profiles: dict[tuple, ActivationProfile] = {}
         self._plans: dict[tuple, PipelinePlan | str] = {}
@@ -118,6 +129,17 @@ class LayoutSearch:
         """On a CPU: a block's measured forward and backward on the slowest rank, by pass
         shape (rows of whole sequences, tp, cp)."""
         self._counter: ShareCounter | None = None
+
+    def _attention_share(self) -> float:
+        """The drawn packed rows' attention over causal rows' (`[data] document_lengths`),
+        counted in the tiles of the attention kernel the device runs; 1 without a
+        distribution."""
+        document_ids_BS = planning_document_ids(self.config, _SHARE_ROWS)
+        if document_ids_BS is None:
+            return 1.0
+        device_type = "cpu" if self.device.name == "cpu" else "cuda"
+        block = attention_work_block(self.config.model.attention_backend, device_type)
+        return attention_share(document_ids_BS, block)
 
     def run(self) -> SearchResult:
         start = time.perf_counter()
@@ -235,10 +257,10 @@ class LayoutSearch:
             features = tuple(f for f in plan.features if f != "activation_offload")
             key = (
                 plan.schedule, plan.num_ranks, plan.stages_per_rank, plan.num_slices,
-                plan.num_microbatches, plan.slices.fractions, features,
+                plan.num_microbatches, plan.slices, job.local_batch_size, features,
             )  # fmt: skip
             if key not in self._units:
-                self._units[key] = pipeline_units_in_flight(plan)
+                self._units[key] = pipeline_units_in_flight(plan, drawn_unit_shares(job))
             units = self._units[key]
         profile = self.profile(job)
         ranks = [rank_memory(job, layout, profile, units) for layout in layouts]
@@ -315,7 +337,10 @@ class LayoutSearch:
     ) -> Candidate:
         """`layout` (making `job`, whose worst rank is `worst`) with its predicted step."""
         offloaded = _offloaded_bytes_per_step(job, worst, self.profile(job), layout)
-        step = predict_step(job, layout, self.costs, self.priced_device(job), layouts, offloaded)
+        device = self.priced_device(job)
+        step = predict_step(
+            job, layout, self.costs, device, layouts, offloaded, drawn_unit_shares(job)
+        )
         return Candidate(layout, worst.peak, worst, step)
 
     def priced_device(self, job: Job) -> DeviceProfile:
@@ -337,7 +362,8 @@ class LayoutSearch:
         oversubscribed = max(1.0, self.device.devices_per_node / len(os.sched_getaffinity(0)))
         overhead_s = self.device.block_overhead_s * oversubscribed
         beyond_fixed_s = max(self.pass_seconds[shape] - overhead_s, 1e-9)
-        flops = self.costs.training_flops_per_token * rows * self.seq_len / (dims.tp * dims.cp)
+        per_token = self.costs.training_flops_per_token(packed=False)  # timed on causal rows
+        flops = per_token * rows * self.seq_len / (dims.tp * dims.cp)
         rate = flops / (beyond_fixed_s * self.shape.num_layers)
         return dataclasses.replace(
             self.device,

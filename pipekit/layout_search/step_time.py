@@ -4,7 +4,9 @@ device's sustained rate, the bytes each link moves, and the recomputation paid.
 Per microbatch of the whole model, on one rank (the simulator gives a stage its share):
 - compute: `2 N` matmul FLOPs per token forward and causal attention's `2 N r` (r: attention
   over matmul FLOPs at the job's length), split over tp (weights) and cp (tokens), at
-  `peak x efficiency`; backward twice the forward;
+  `peak x efficiency`; backward twice the forward. On packed documents (`[data]
+  document_lengths`) attention is the drawn rows' share of causal attention, and a pipeline's
+  slices are priced per drawn microbatch (`pipekit.memory_plan.documents`), steps averaged;
 - recomputation: full checkpointing runs the forward again in the backward (+1 forward),
   every-k checkpointing 1/k of it, selective checkpointing the profile's stated share;
 - fixed costs: every pass pays each block's measured overhead (on a CPU) and each
@@ -12,7 +14,8 @@ Per microbatch of the whole model, on one rank (the simulator gives a stage its 
 - tensor parallelism (Megatron's sequence-parallel pattern): two all-gathers and two
   reduce-scatters of a block's tokens x dim per block forward, on the critical path;
 - context parallelism (K/V passed around the cp ranks): each rank receives the other ranks'
-  K/V for each block, overlapped with the block's attention, the excess exposed;
+  K/V for each block, overlapped with the block's attention, the excess exposed (with the
+  tokens: a slice passes its own K/V);
 - expert parallelism: the all-to-all of each MoE block's routed tokens (dispatch and combine),
   on the critical path;
 - pipeline transfers: the stage boundary's hidden states, per unit, latency plus bytes over
@@ -28,13 +31,16 @@ A group's link is within a node when its ranks span no more than a node (mesh or
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.layout_search.candidates import Layout
 from pipekit.layout_search.devices import DeviceProfile
+from pipekit.memory_plan.documents import per_step_costs
 from pipekit.memory_plan.layout import RankLayout
 from pipekit.pipelining.features.registry import simulated_attention
+from pipekit.pipelining.schedules.document_costs import UnitShares
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.train.job import Job
 
@@ -52,10 +58,14 @@ class ModelCosts:
     moe_blocks: int
     top_k: int
     """Experts a token is routed to (0 without MoE)."""
+    attention_share: float = 1.0
+    """The planned rows' attention work over one causal document per row's, in the kernel's
+    tiles (`[data] document_lengths`; 1: one document per row)."""
 
-    @property
-    def training_flops_per_token(self) -> float:
-        return 6.0 * self.matmul_params * (1.0 + self.attention_to_linear)
+    def training_flops_per_token(self, packed: bool = True) -> float:
+        """FLOPs per token trained: on the planned rows (`packed`), or on causal rows."""
+        share = self.attention_share if packed else 1.0
+        return 6.0 * self.matmul_params * (1.0 + self.attention_to_linear * share)
 
 
 @dataclass(frozen=True)
@@ -94,8 +104,11 @@ def predict_step(
     device: DeviceProfile,
     rank_layouts: list[RankLayout],
     offloaded_bytes_per_step: float = 0.0,
+    step_shares: tuple[UnitShares, ...] = (),
 ) -> StepPrediction:
-    """The predicted step of `job` (placed by `layout`) on `device`."""
+    """The predicted step of `job` (placed by `layout`) on `device`; `step_shares`: drawn
+    packed steps' `CostModel.unit_shares` (`pipekit.memory_plan.documents`), whose simulated
+    steps are averaged."""
     dims, shape = job.dims, job.shape
     training = job.config.training
     itemsize = MIXED_PRECISION_DTYPES[training.mixed_precision_param].itemsize
@@ -108,7 +121,8 @@ def predict_step(
     tokens = rows * seq_len // dims.cp  # a rank's tokens of one microbatch (all its tp ranks)
     rate = device.sustained_flops
     linear_s = 2 * costs.matmul_params * tokens / dims.tp / rate
-    attention_s = linear_s * costs.attention_to_linear
+    causal_attention_s = linear_s * costs.attention_to_linear
+    attention_s = causal_attention_s * costs.attention_share
     layers = shape.num_layers
     tp_s = cp_exposed_s = ep_s = 0.0
     priced_tp, priced_cp = (1, 1) if device.collectives_in_pass else (dims.tp, dims.cp)
@@ -128,10 +142,9 @@ def predict_step(
         volume = 2 * costs.moe_blocks * (dims.ep - 1) / dims.ep * routed * shape.dim * itemsize
         ep_s = volume / device.bandwidth(dims.ep)
     recompute = _recompute_share(job, device)
-    forward_linear = linear_s + tp_s + ep_s
-    forward_attention = attention_s + cp_exposed_s
+    forward_linear = linear_s + tp_s + ep_s + cp_exposed_s  # cp: K/V bytes go with the tokens
     if plan is None:
-        forward = forward_linear + forward_attention + overhead_s
+        forward = forward_linear + attention_s + overhead_s
         makespan = units * forward * (3.0 + recompute)
         busy = makespan
     else:
@@ -139,7 +152,7 @@ def predict_step(
         span = dims.world_size // dims.pp
         cost = CostModel(
             forward_linear=forward_linear,
-            forward_attention=forward_attention,
+            forward_attention=causal_attention_s if step_shares else attention_s,
             backward_ratio=2.0 + recompute,
             action_overhead=overhead_s,
             p2p_latency=device.link_latency_s,
@@ -148,16 +161,20 @@ def predict_step(
             activation_bytes=0.0,
             slice_bounds=plan.slices.fractions,
         )
-        result = simulate(
-            plan.actions_by_rank,
-            num_slices=plan.num_slices,
-            cost=cost,
-            attended_slices=simulated_attention(plan, 2.0),
-            track_memory=False,
-        )
+        results = [
+            simulate(
+                plan.actions_by_rank,
+                num_slices=plan.num_slices,
+                cost=step,
+                attended_slices=simulated_attention(plan, 2.0),
+                track_memory=False,
+            )
+            for step in per_step_costs(cost, step_shares)
+        ]
         accumulation = training.gradient_accumulation_steps  # one pipeline step each
-        makespan = result.makespan * accumulation
-        busy = max(result.busy_time.values()) * accumulation
+        makespan = statistics.fmean(result.makespan for result in results) * accumulation
+        busy = statistics.fmean(max(result.busy_time.values()) for result in results)
+        busy *= accumulation
     share = 1.0 / dims.pp  # of the whole model's work, on one pipeline rank
     compute_s = 3.0 * (linear_s + attention_s) * units * share
     recompute_s = recompute * (linear_s + attention_s) * units * share
@@ -177,7 +194,7 @@ def predict_step(
         bubble_s=max(0.0, makespan - busy),
         overhead_s=fixed_s,
         tokens_per_s=global_tokens / step_s,
-        mfu=costs.training_flops_per_token
+        mfu=costs.training_flops_per_token()
         * global_tokens
         / (dims.world_size * device.peak_flops * step_s),
     )

@@ -38,6 +38,7 @@ units are in flight) or gradient accumulation.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +46,12 @@ import torch
 from pipekit.attention.across import VariantRules, context_parallel_variant_entry
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.memory_plan.activations import ActivationProfile, TensorSplit, profile_activations
+from pipekit.memory_plan.documents import drawn_unit_shares, longest_drawn_slice
 from pipekit.memory_plan.layout import RankLayout, rank_layouts
 from pipekit.moe.expert_parallel import set_expert_execution
 from pipekit.pipelining.features.offload_plan import resident_peak
 from pipekit.pipelining.plan import PipelinePlan
+from pipekit.pipelining.schedules.document_costs import UnitShares
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
 from pipekit.train.activation_checkpoint import checkpoints_block
 from pipekit.train.job import Job
@@ -116,7 +119,9 @@ def plan_memory(
     for the same model and options (a plan that differs only in its offload)."""
     if profile is None:
         profile = activation_profile(job, probe_tokens)
-    units = pipeline_units_in_flight(job.pipeline) if job.pipeline is not None else None
+    units = None
+    if job.pipeline is not None:
+        units = pipeline_units_in_flight(job.pipeline, drawn_unit_shares(job))
     ranks = [rank_memory(job, layout, profile, units) for layout in rank_layouts(job)]
     return MemoryPlan(ranks, profile)
 
@@ -147,14 +152,28 @@ def activation_profile(
     )
 
 
-def pipeline_units_in_flight(plan: PipelinePlan) -> dict[int, float]:
+def pipeline_units_in_flight(
+    plan: PipelinePlan, step_shares: tuple[UnitShares, ...] = ()
+) -> dict[int, float]:
     """Per pipeline rank, the most of one whole model's microbatch its schedule keeps between
     forward and backward at once (the simulator's peak at one byte per microbatch): every
     rank's bytes in flight are this times its bytes per microbatch, so one simulation serves
-    every rank (and every layout of the same schedule shape)."""
-    cost = CostModel(activation_bytes=1.0, slice_bounds=plan.slices.fractions)
-    result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
-    return {rank: peaks["total"] for rank, peaks in result.peak_memory.items()}
+    every rank (and every layout of the same schedule shape). `step_shares`: drawn packed
+    steps' `unit_shares` (`pipekit.memory_plan.documents`); the worst of them and of the
+    planned shape is taken."""
+    peaks: dict[int, float] = {}
+    for cost in _planned_and_drawn(
+        CostModel(activation_bytes=1.0, slice_bounds=plan.slices.fractions), step_shares
+    ):
+        result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
+        for rank, peak in result.peak_memory.items():
+            peaks[rank] = max(peaks.get(rank, 0.0), peak["total"])
+    return peaks
+
+
+def _planned_and_drawn(cost: CostModel, step_shares: tuple[UnitShares, ...]) -> list[CostModel]:
+    """`cost` as planned, and for each drawn step."""
+    return [cost, *(dataclasses.replace(cost, unit_shares=shares) for shares in step_shares)]
 
 
 def rank_memory(
@@ -163,8 +182,8 @@ def rank_memory(
     profile: ActivationProfile,
     units_in_flight: dict[int, float] | None = None,
 ) -> RankMemory:
-    """One rank's terms; `units_in_flight`: `pipeline_units_in_flight(job.pipeline)` (computed
-    here when not given)."""
+    """One rank's terms; `units_in_flight`: `pipeline_units_in_flight` of the job's pipeline
+    and drawn steps (computed here when not given)."""
     training, optimizer = job.config.training, job.config.optimizer
     compute = MIXED_PRECISION_DTYPES[training.mixed_precision_param]
     reduce = MIXED_PRECISION_DTYPES[training.mixed_precision_reduce]
@@ -181,7 +200,7 @@ def rank_memory(
     pipelined = job.pipeline is not None
     if pipelined:
         assert job.pipeline is not None
-        units = units_in_flight or pipeline_units_in_flight(job.pipeline)
+        units = units_in_flight or pipeline_units_in_flight(job.pipeline, drawn_unit_shares(job))
         activations = _pipeline_activations(job, layout, profile, compute, units)
     else:
         activations = _step_activations(job, layout, profile)
@@ -260,7 +279,7 @@ def _pipeline_activations(
     bytes per unit, plus one head pass and one block's backward."""
     plan = job.pipeline
     assert plan is not None
-    unit_tokens = plan.unit_rows * plan.slice_length  # the longest slice's unit
+    unit_tokens = plan.unit_rows * longest_drawn_slice(job)  # the longest slice's unit
     sequence_tokens = plan.unit_rows * sum(plan.slice_lengths)
     stages = max(len(layout.stages), 1)
     outputs = sum(_stage_output_bytes(job, s, layout, profile, compute) for s in layout.stages)
@@ -281,8 +300,12 @@ def _pipeline_activations(
             kv_cache_bytes=kv_per_token * scale,
             slice_bounds=plan.slices.fractions,
         )
-        result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
-        in_flight = result.peak_memory[layout.pipeline_rank]["total"]
+        in_flight = max(
+            simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=step).peak_memory[
+                layout.pipeline_rank
+            ]["total"]
+            for step in _planned_and_drawn(cost, drawn_unit_shares(job))
+        )
     else:  # activations and cache live from a unit's F to its B: one curve, scaled
         in_flight = units_in_flight[layout.pipeline_rank] * (per_token + kv_per_token) * scale
     head_pass = profile.head_bytes_per_row

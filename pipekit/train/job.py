@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pipekit.attention.document_lengths import parse_document_lengths
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
 from pipekit.models.registry import get_model_spec, import_model_module, resolve_model
@@ -212,6 +213,10 @@ def _check_data(config: JobConfig, shape: ModelShape, tokenizer_vocab: int) -> N
             f"flavor {model.flavor} is built for (max_seq_len={shape.max_seq_len}); use "
             f"seq_len <= {shape.max_seq_len}"
         )
+    try:
+        parse_document_lengths(config.data.document_lengths)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _check_upcycle(config: JobConfig, check_files: bool) -> None:

@@ -17,12 +17,18 @@ from typing import Any
 import pytest
 import torch
 
+from pipekit.attention.document_lengths import LogNormalLengths, packed_document_ids
 from pipekit.bench import _pipeline_launch
 from pipekit.bench.__main__ import main
 from pipekit.bench._all_schedules import TORCH_SCHEDULES
 from pipekit.bench._cpu_per_step import cpu_ratio
-from pipekit.bench._document_mix import packed_document_ids, positions_in_documents
-from pipekit.bench._pipeline_launch import bench_plan, model_spec, rank_core_sets, run_ranks
+from pipekit.bench._pipeline_launch import (
+    bench_plan,
+    model_spec,
+    positions_in_documents,
+    rank_core_sets,
+    run_ranks,
+)
 from pipekit.bench._rank_deals import DEALS
 from pipekit.bench._schedule_timing import schedule_runs, simulated_makespan
 from pipekit.memory_plan.forked import in_forked_child
@@ -356,7 +362,7 @@ def test_packed_documents_bench_times_the_three_cuts_on_the_packed_batch():
 
 
 def test_the_document_mix_packs_rows_as_packing_does():
-    document_ids_BS = packed_document_ids(3, 2048, median=128, seed=1)
+    document_ids_BS = packed_document_ids(LogNormalLengths(median=128), 3, 2048, seed=1)
     assert (document_ids_BS[:, 0] == 0).all()
     assert (document_ids_BS[:, 1:] >= document_ids_BS[:, :-1]).all()
     assert int(document_ids_BS.max()) > 3  # several documents per row

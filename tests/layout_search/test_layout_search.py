@@ -21,13 +21,16 @@ from job_runs import (
     single_process_error,
 )
 
+from pipekit.attention.kernels.backends import attention_work_block
 from pipekit.bench.layout_search_cpu import spearman
 from pipekit.config import load_job_config
 from pipekit.layout_search import Layout, SearchSpace, apply_layout, device_profile
 from pipekit.layout_search.block_timing import measure_placed_block_pass_s
+from pipekit.layout_search.candidates import enumerate_layouts
 from pipekit.layout_search.search import LayoutSearch, nothing_fits
 from pipekit.layout_search.shards import ShareCounter
 from pipekit.memory_plan import plan_memory, rank_layouts
+from pipekit.memory_plan.documents import attention_share, planning_document_ids
 from pipekit.train.job import validate_job
 
 _DEBUG_DEVICE = device_profile("h100", memory_bytes=10 << 20, devices_per_node=2)
@@ -241,3 +244,41 @@ def test_spearman_ranks_orders_not_values():
     assert spearman([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 4.0, 3.0]) == pytest.approx(0.8)
     with pytest.raises(ValueError, match="same length"):
         spearman([1.0], [1.0])
+
+
+def test_packed_documents_are_priced_and_cut_per_microbatch_by_the_search():
+    """With `[data] document_lengths` the search prices the drawn rows: attention at their
+    share of causal attention (counted in the device kernel's tiles), each microbatch's slices
+    as the layout cuts them; it tries `slicing = "documents"`, which it then predicts fastest on
+    short documents, where the causal equal-cost cut is slower than equal lengths. Without a
+    distribution the document cut is the equal-cost one and is not tried."""
+    argv = ["--config", SLICED_PP_CONFIG, "--training.seq_len", "4096"]
+    slow = device_profile("h100", peak_flops=1e9, link_latency_s=0.0)
+    space = SearchSpace(world_size=4, devices_per_node=4)
+    steps = {}
+    for lengths in ("", "lognormal:median=128,sigma=1.0"):
+        config = load_job_config([*argv, "--data.document_lengths", lengths])
+        search = LayoutSearch(config, 4, slow, space)
+        slicings = {
+            layout.slicing
+            for layout in enumerate_layouts(config, space, search.shape)
+            if layout.num_slices > 1
+        }
+        assert ("documents" in slicings) == bool(lengths)
+        for slicing in ("equal_length", "equal_cost", "documents"):
+            layout = Layout(pp=4, dp_replicate=1, dp_shard=1, cp=1, tp=1, num_slices=8,
+                            slicing=slicing)  # fmt: skip
+            job = search.job(layout)
+            layouts = search.share_layouts(job)
+            candidate = search.candidate(job, layout, search.memory(job, layouts), layouts)
+            steps[lengths, slicing] = candidate.step.step_s
+        drawn_BS = planning_document_ids(config, 16)
+        share = search.costs.attention_share
+        if lengths:
+            assert share == attention_share(drawn_BS, attention_work_block("auto", "cuda")) < 0.5
+        else:
+            assert drawn_BS is None and share == 1.0
+    assert steps["", "documents"] == steps["", "equal_cost"] < steps["", "equal_length"]
+    packed = {slicing: steps[lengths, slicing] for (lengths, slicing) in steps if lengths}
+    assert packed["documents"] < packed["equal_length"] < packed["equal_cost"], packed
+    assert packed["documents"] < steps["", "documents"]  # less attention on short documents

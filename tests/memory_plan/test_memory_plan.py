@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,11 @@ from pipekit.config.loader import load_job_config
 from pipekit.memory_plan import activations as activations_module
 from pipekit.memory_plan.__main__ import main, parse_bytes
 from pipekit.memory_plan.activations import TensorSplit, profile_activations
+from pipekit.memory_plan.documents import (
+    PLANNING_STEPS,
+    longest_drawn_slice,
+    planning_document_ids,
+)
 from pipekit.memory_plan.layout import rank_layouts
 from pipekit.memory_plan.memory import plan_memory
 from pipekit.models import get_model_spec
@@ -242,3 +248,45 @@ def test_tied_models_are_planned(config: str, capsys) -> None:
     main(["--config", str(REPO_ROOT / config), "--world-size", "8", "--model.flavor",
           "debug_tied", "--parallelism.dp_shard", "-1"])  # fmt: skip
     assert "fits: peak" in capsys.readouterr().out
+
+
+def test_packed_documents_size_units_at_the_longest_cut_a_drawn_microbatch_takes(
+    tmp_path: Path,
+) -> None:
+    """Short documents with a few long ones (FlexAttention's 128-token tiles, one row per
+    microbatch): some drawn microbatches are cut into a first slice longer than the planned
+    shape's, so the plan holds more, by the longest cut among the drawn steps (recounted here
+    from the drawn rows); fixed bounds with the same documents plan as before."""
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text('{"lengths": [16, 3000], "counts": [400, 3]}')
+    overrides = (
+        "--training.seq_len", "4096", "--parallelism.microbatches", "16",
+        "--model.attention_backend", "flex",
+    )  # fmt: skip
+    config = "configs/debug_sliced_pp.toml"
+    causal = _job(config, 2, *overrides, "--parallelism.slicing", "documents")
+    packed = _job(config, 2, *overrides, "--parallelism.slicing", "documents",
+                  "--data.document_lengths", str(lengths))  # fmt: skip
+    assert packed.pipeline is not None and causal.pipeline is not None
+    drawn_BS = planning_document_ids(packed.config, packed.local_batch_size)
+    assert drawn_BS is not None and drawn_BS.shape == (PLANNING_STEPS * 16, 4096)
+    cuts = [
+        end - start
+        for row_BS in drawn_BS.split(1)
+        for start, end in itertools.pairwise(packed.pipeline.slices.microbatch_bounds(row_BS))
+    ]
+    planned = causal.pipeline.slice_length
+    assert max(cuts) > planned  # the case the planned shape alone misses
+    assert longest_drawn_slice(packed) == max(cuts)
+    assert longest_drawn_slice(causal) == planned
+    profile = plan_memory(causal).profile
+    held = {
+        name: plan_memory(job, profile=profile).ranks[0].activations
+        for name, job in (("causal", causal), ("packed", packed))
+    }
+    assert held["packed"] > held["causal"], held
+    fixed = [
+        _job(config, 2, *overrides, *documents)
+        for documents in ((), ("--data.document_lengths", str(lengths)))
+    ]
+    assert len({plan_memory(job, profile=profile).peak for job in fixed}) == 1

@@ -229,6 +229,29 @@ def test_cli_draws_equal_cost_slices_with_a_shorter_makespan(tmp_path: Path, cap
     assert makespans["equal_cost"] < 0.95 * makespans["equal_length"], makespans
 
 
+def test_cli_prices_packed_documents_and_cuts_each_microbatch_by_them(tmp_path, capsys) -> None:
+    """Rows of short documents (log-normal, median 256 tokens, in 8K rows): far less attention
+    than causal rows, and a sliced schedule whose slices are cut by each microbatch's documents
+    finishes before equal-length and causal equal-cost cuts of the same rows."""
+    makespans = {}
+    shape = ["--schedule", "sliced", "--pp", "2", "--microbatches", "4", "--slices", "8"]
+    for slicing, lengths in [
+        ("equal_cost", ""), ("equal_length", "lognormal:median=256,sigma=1.0"),
+        ("equal_cost", "lognormal:median=256,sigma=1.0"),
+        ("documents", "lognormal:median=256,sigma=1.0"),
+    ]:  # fmt: skip
+        main([*shape, "--attention-share", "0.7", "--slicing", slicing,
+              "--document-lengths", lengths, "--out", str(tmp_path / "t.svg")])  # fmt: skip
+        printed = capsys.readouterr().out
+        makespans[slicing, bool(lengths)] = float(printed.split("makespan ")[1].split(",")[0])
+    assert "slices cut by documents, log-normal document lengths, median 256" in printed
+    packed = {slicing: makespans[slicing, True] for slicing, _ in makespans if _}
+    assert packed["documents"] < min(packed["equal_length"], packed["equal_cost"]), packed
+    assert packed["equal_cost"] < 0.6 * makespans["equal_cost", False]
+    with pytest.raises(ValueError, match="give --document-lengths"):
+        main([*shape, "--slicing", "documents", "--out", str(tmp_path / "t.svg")])
+
+
 # --- recording an executed step ------------------------------------------------------------------
 
 BATCH, SEQ_LEN = 4, 16

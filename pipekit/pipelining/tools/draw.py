@@ -14,6 +14,7 @@ and needs nothing else; PNG draws the same boxes with matplotlib (`pip install '
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -21,8 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from pipekit.attention.document_lengths import (
+    DocumentLengths,
+    packed_document_ids,
+    parse_document_lengths,
+)
+from pipekit.pipelining.schedules.document_costs import UnitShares, document_unit_shares
 from pipekit.pipelining.schedules.events import ScheduledAction
-from pipekit.pipelining.schedules.slice_bounds import SLICINGS, equal_cost_fractions
+from pipekit.pipelining.schedules.slice_bounds import (
+    SLICINGS,
+    equal_cost_fractions,
+    slice_bounds,
+)
+from pipekit.pipelining.schedules.slice_layout import SliceLayout
 from pipekit.pipelining.tools.timeline import write_chrome_trace
 
 __all__ = ["main", "save_timeline", "timeline_svg"]
@@ -358,6 +370,25 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(early slices longer; default: equal_length)",
     )
     parser.add_argument(
+        "--document-lengths",
+        default="",
+        help="packed documents: a distribution as [data] document_lengths names it (e.g. "
+        '"lognormal:median=1024,sigma=1.6" or a .json histogram); each microbatch is one row of '
+        "--seq-len tokens drawn from it, priced (and with --slicing documents, cut) by its "
+        "documents (default: one causal sequence per row)",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=8192, help="tokens per row with --document-lengths"
+    )
+    parser.add_argument(
+        "--work-block",
+        type=int,
+        default=128,
+        help="the attention kernel's tile, in tokens, a document's work is counted in "
+        "(default: 128, FlexAttention's block)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the drawn rows")
+    parser.add_argument(
         "--time-span",
         type=float,
         default=None,
@@ -388,6 +419,22 @@ def _actions_and_title(args: argparse.Namespace) -> tuple[dict, str]:
     return entry.actions(shape), title
 
 
+def _drawn_shares(args: argparse.Namespace, lengths: DocumentLengths) -> UnitShares:
+    """Each microbatch's slices' shares of a row drawn from `lengths`, cut by `--slicing`."""
+    share = args.attention_share
+    if share >= 1.0:
+        raise ValueError("--attention-share must be below 1 with --document-lengths")
+    attention_to_linear = share / (1.0 - share)
+    layout = SliceLayout(
+        slice_bounds(args.seq_len, args.slices, args.slicing, attention_to_linear),
+        slicing=args.slicing,
+        attention_to_linear=attention_to_linear,
+        work_block=args.work_block,
+    )
+    document_ids_BS = packed_document_ids(lengths, args.microbatches, args.seq_len, args.seed)
+    return document_unit_shares(layout, document_ids_BS, args.microbatches)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Simulate the schedule the arguments name and write its timeline to `--out`."""
     from pipekit.pipelining.schedules.simulate import CostModel, simulate
@@ -399,14 +446,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not 0.0 <= args.attention_share <= 1.0:
         raise ValueError(f"--attention-share {args.attention_share} must be in [0, 1]")
     bounds: tuple[float, ...] = ()
-    if args.slicing == "equal_cost":
-        title += ", equal-cost slices"
+    if args.slicing != "equal_length":
+        title += {"equal_cost": ", equal-cost slices", "documents": ", slices cut by documents"}[
+            args.slicing
+        ]
         bounds = equal_cost_fractions(args.slices, args.attention_share)
     cost = CostModel(
         forward_linear=1.0 - args.attention_share,
         forward_attention=args.attention_share,
         slice_bounds=bounds,
     )
+    if args.document_lengths:
+        lengths = parse_document_lengths(args.document_lengths)
+        assert lengths is not None
+        title += f", {lengths.label}"
+        cost = dataclasses.replace(cost, unit_shares=_drawn_shares(args, lengths))
+    elif args.slicing == "documents":
+        raise ValueError(
+            "--slicing documents cuts each microbatch by its documents; give --document-lengths"
+        )
     result = simulate(actions, num_slices=args.slices, cost=cost)
     save_timeline(
         result.timeline,
