@@ -127,6 +127,9 @@ class ChunkedKVCache:
         """The slices' token offsets in the whole sequence (n + 1 of them; every context
         parallel rank's tokens counted); None: the cached slices' own lengths, one after
         another."""
+        self.microbatch_bounds: tuple[tuple[int, ...], ...] | None = None
+        """This step's offsets per microbatch, when each is cut by its own documents (they
+        take precedence over `slice_bounds`)."""
         self.recomputing: tuple[int, int] | None = None
         """(microbatch, slice) whose backward is running: a forward of it now is a recompute."""
         self._slices: dict[tuple[str, int], list[CachedSlice]] = {}
@@ -194,10 +197,16 @@ class ChunkedKVCache:
             for cached in slices
         )
 
-    def slice_range(self, past: Sequence[CachedSlice], slice_index: int, length: int) -> range:
-        """The tokens of slice `slice_index` (`length` of them here) in the sequence."""
-        if self.slice_bounds is not None:
-            return range(self.slice_bounds[slice_index], self.slice_bounds[slice_index + 1])
+    def slice_range(
+        self, past: Sequence[CachedSlice], slice_index: int, length: int, microbatch: int = 0
+    ) -> range:
+        """The tokens of slice `slice_index` of `microbatch` (`length` of them here) in the
+        sequence."""
+        bounds = self.slice_bounds
+        if self.microbatch_bounds is not None:
+            bounds = self.microbatch_bounds[microbatch]
+        if bounds is not None:
+            return range(bounds[slice_index], bounds[slice_index + 1])
         start = past[slice_index - 1].start + past[slice_index - 1].length if slice_index else 0
         return range(start, start + length)
 
@@ -224,7 +233,7 @@ class ChunkedKVCache:
                 "microbatch must run forward in order"
             )
         q_documents = context.document_ids_BS
-        tokens = self.slice_range(past, context.slice_index, k_BGSD.shape[2])
+        tokens = self.slice_range(past, context.slice_index, k_BGSD.shape[2], context.microbatch)
         context.token_range = tokens
         self.patterns[layer_id] = pattern
         if pattern is not None and context.slice_index == 0:

@@ -270,11 +270,11 @@ class ParallelismConfig:
     each timed over the first steps and the fastest is kept (see docs/pipelining.md)."""
     slicing: str = "equal_length"
     """Where slices are cut: equal_length (SlimPipe), or equal_cost (early slices longer, so
-    every slice's linear plus causal-attention FLOPs are equal; not with context_exchange,
-    vocab_parallel or cp > 1; see docs/pipelining.md), or documents (each microbatch cut by
-    its own packed documents' attention work, step by step; the same limits). "auto":
-    equal_length and equal_cost are timed over the first steps and the faster kept (with
-    num_slices = "auto", every pair)."""
+    every slice's linear plus causal-attention FLOPs are equal; see docs/pipelining.md), or
+    documents (each microbatch cut by its own packed documents' attention work, step by step);
+    unequal cuts round to multiples of the cp ranks' pieces. "auto": equal_length and
+    equal_cost are timed over the first steps and the faster kept (with num_slices = "auto",
+    every pair; not with pipeline features)."""
     stages_per_rank: int = 1
     """Pipeline stages per rank v (interleaved/V schedules need 2 or more)."""
     microbatches: int = 0
@@ -327,6 +327,12 @@ class ParallelismConfig:
     layout_memory_gib: float = 0.0
     """GiB of one device a layout chosen by `layout = "auto"` may fill (0: the device
     profile's memory; less leaves headroom for what the memory plan does not count)."""
+
+    @property
+    def cp_pieces_per_rank(self) -> int:
+        """Pieces per cp rank each sequence (or slice) is dealt in: two (head and tail) unless
+        dealt by documents."""
+        return self.cp_balance_pieces if self.cp_balance == "documents" else 2
 
 
 @dataclass(kw_only=True)

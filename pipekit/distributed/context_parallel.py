@@ -7,6 +7,7 @@ parallelism through `context_parallel_ranks`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,15 +23,20 @@ from pipekit.attention.kernels.backends import AttentionBackend
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.process_group import hierarchical_groups
 
-__all__ = ["ContextParallelRanks", "context_parallel_ranks"]
+__all__ = ["ContextParallelRanks", "SliceCut", "context_parallel_ranks"]
+
+
+SliceCut = Callable[[Tensor | None], Sequence[int]]
+"""A pipeline's slice bounds (n + 1 token offsets of the whole sequence) for a microbatch whose
+rows carry these document ids (`SliceLayout.microbatch_bounds`)."""
 
 
 @dataclass(frozen=True)
 class ContextParallelRanks:
     """This rank (`rank` of `cp`) of the cp `group`, for sequences of `seq_len` tokens cut
-    into `num_slices` slices in a pipeline: how it deals tokens (`balance`, in
-    `pieces_per_rank` pieces), the `variant` and, outside pipelines, the hierarchical groups
-    (None if unset)."""
+    into `num_slices` slices in a pipeline (equal ones, or where `slice_cut` says for each
+    microbatch): how it deals tokens (`balance`, in `pieces_per_rank` pieces), the `variant`
+    and, outside pipelines, the hierarchical groups (None if unset)."""
 
     rank: int
     cp: int
@@ -41,6 +47,7 @@ class ContextParallelRanks:
     group: dist.ProcessGroup
     variant: str
     hierarchy: HierarchicalGroups | None
+    slice_cut: SliceCut | None = None
 
     def rank_tokens(self, document_ids_BS: Tensor | None) -> Tensor:
         """`[cp, S / cp]`: every cp rank's sequence indices of a batch whose rows carry
@@ -48,8 +55,9 @@ class ContextParallelRanks:
         by their attention work under `balance = "documents"`, else (or without ids) head and
         tail, the same for every batch."""
         documents = document_ids_BS if self.balance == "documents" else None
+        bounds = None if self.slice_cut is None else self.slice_cut(document_ids_BS)
         table_CS = context_parallel_tokens(
-            self.seq_len, self.cp, self.num_slices, documents, self.pieces_per_rank
+            self.seq_len, self.cp, self.num_slices, documents, self.pieces_per_rank, bounds
         )
         return table_CS.to(document_ids_BS.device if document_ids_BS is not None else "cpu")
 
@@ -57,12 +65,18 @@ class ContextParallelRanks:
         """This rank's tokens of `batch`'s rows, each of its `microbatches` (a pipeline's: the
         rows that share slices) dealt by its own documents. Adds `cp_tokens` `[B, S / cp, cp]`:
         at each local position, the sequence index every cp rank holds there (the attention
-        contexts read it, so they follow the same deal)."""
+        contexts read it, so they follow the same deal), and with `slice_cut`, `cp_slice`
+        `[B, S / cp]`: the slice each local position belongs to (where the pipeline cuts)."""
         parts = []
         for part in batch.tensor_split(microbatches):
-            table_CS = self.rank_tokens(part.get("document_ids", None))
+            document_ids_BS = part.get("document_ids", None)
+            table_CS = self.rank_tokens(document_ids_BS)
             local = part[:, table_CS[self.rank]]
             local["cp_tokens"] = table_CS.T.expand(*local.batch_size, self.cp).contiguous()
+            if self.slice_cut is not None:
+                bounds = torch.tensor(self.slice_cut(document_ids_BS), device=table_CS.device)
+                slice_S = torch.bucketize(table_CS[self.rank], bounds[1:], right=True)
+                local["cp_slice"] = slice_S.expand(*local.batch_size).contiguous()
             parts.append(local)
         return torch.cat(parts)
 
@@ -90,10 +104,12 @@ def context_parallel_ranks(
     seq_len: int,
     num_slices: int = 1,
     pipeline: bool = False,
+    slice_cut: SliceCut | None = None,
 ) -> ContextParallelRanks:
     """Context parallelism over `mesh`'s `cp` dim for sequences of `seq_len` tokens (cut into
-    `num_slices` slices in a `pipeline`, whose feature builds its own hierarchical groups).
-    Every rank of the mesh must call it (hierarchical groups are new process groups)."""
+    `num_slices` slices in a `pipeline`, whose feature builds its own hierarchical groups;
+    `slice_cut`: where, per microbatch, when not equal). Every rank of the mesh must call it
+    (hierarchical groups are new process groups)."""
     cp_mesh = mesh["cp"]
     hierarchy = None
     if parallelism.cp_ulysses and not pipeline:
@@ -101,4 +117,5 @@ def context_parallel_ranks(
     return ContextParallelRanks(
         cp_mesh.get_local_rank(), cp_mesh.size(), seq_len, num_slices, parallelism.cp_balance,
         parallelism.cp_balance_pieces, cp_mesh.get_group(), parallelism.cp_variant, hierarchy,
+        slice_cut,
     )  # fmt: skip

@@ -247,7 +247,9 @@ def _plan_pipeline(
         feature_plans[feature.name] = feature.plan(planning)
     features = tuple(name for name in features if feature_plans[name] is not FEATURE_OFF)
     feature_plans = {name: feature_plans[name] for name in features}
-    granularity = _slice_granularity(seq_len // num_slices, sequence_shards)
+    granularity = _slice_granularity(
+        seq_len // num_slices, sequence_shards, parallelism.cp, parallelism.cp_pieces_per_rank
+    )
     return PipelinePlan(
         schedule=entry.name,
         num_ranks=num_ranks,
@@ -277,14 +279,19 @@ def _plan_pipeline(
     )
 
 
-def _slice_granularity(equal_slice: int, sequence_shards: int) -> int:
-    """Tokens equal-cost bounds round to: a power of two up to `_SLICE_GRANULARITY` (a block
+def _slice_granularity(
+    equal_slice: int, sequence_shards: int, context_parallel: int = 1, cp_pieces: int = 2
+) -> int:
+    """Tokens unequal bounds round to: a power of two up to `_SLICE_GRANULARITY` (a block
     attention kernels like) dividing the equal slice into at least 16 granules, so rounding
-    moves a slice's cost by a few percent at most, times what the tp ranks' shares need."""
+    moves a slice's cost by a few percent at most, times what the cp ranks' pieces and the tp
+    ranks' shares of them need."""
     granularity = math.gcd(equal_slice, _SLICE_GRANULARITY)
     while granularity > 1 and equal_slice < 16 * granularity:
         granularity //= 2
-    return math.lcm(granularity, sequence_shards)
+    if context_parallel > 1:
+        granularity = math.lcm(granularity, context_parallel * cp_pieces)
+    return math.lcm(granularity, context_parallel * sequence_shards)
 
 
 def _check_equal_cost(

@@ -26,7 +26,12 @@ from pipekit.testing.parity import (
     parity_batch,
     reference_step,
 )
-from pipekit.testing.pipeline import pipeline_layout, pipeline_step, runner_step
+from pipekit.testing.pipeline import (
+    pipeline_layout,
+    pipeline_step,
+    replace_context_exchange,
+    runner_step,
+)
 from pipekit.testing.ranks import RankFailedError, run_on_ranks
 
 __all__ = [
@@ -43,6 +48,7 @@ __all__ = [
     "pipeline_layout",
     "pipeline_step",
     "reference_step",
+    "replace_context_exchange",
     "run_on_ranks",
     "runner_step",
 ]

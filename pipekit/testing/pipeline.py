@@ -44,13 +44,14 @@ from pipekit.pipelining import (
     build_pipeline,
     plan_pipeline,
 )
-from pipekit.pipelining.runtime.runner import PipelineRunner
+from pipekit.pipelining.features.context_exchange import PipelineContextExchange
+from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
 from pipekit.testing.parity import Result, full_gradient
 from pipekit.train.activation_checkpoint import apply_activation_checkpointing
 from pipekit.train.metrics import attention_to_linear_flops
 from pipekit.train.parallel_rules import check_parallel_layout
 
-__all__ = ["pipeline_layout", "pipeline_step", "runner_step"]
+__all__ = ["pipeline_layout", "pipeline_step", "replace_context_exchange", "runner_step"]
 
 
 def pipeline_step(
@@ -72,6 +73,7 @@ def pipeline_step(
     adjust: Callable[[PipelineRunner], None] | None = None,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
+    work_block: int | None = None,
     **parallelism: Any,
 ) -> Result:
     """One step of this rank's pipeline (`pipeline_layout`); `adjust` sees the runner before
@@ -81,7 +83,7 @@ def pipeline_step(
         world, spec, args, batch.batch_size, seed=seed, dtype=dtype,
         compute_dtype=compute_dtype, dp_shard=dp_shard, ep=ep, cp=cp, tp=tp, routers=routers,
         materialize=materialize, sequence_parallel=sequence_parallel,
-        loss_parallel=loss_parallel, **parallelism,
+        loss_parallel=loss_parallel, work_block=work_block, **parallelism,
     )  # fmt: skip
     if adjust is not None:
         adjust(runner)
@@ -90,7 +92,9 @@ def pipeline_step(
     if cp > 1:
         config = ParallelismConfig(cp=cp, **parallelism)
         seq_len = batch.batch_size[1]
-        context = context_parallel_ranks(mesh, config, seq_len, runner.num_slices, pipeline=True)
+        context = context_parallel_ranks(
+            mesh, config, seq_len, runner.num_slices, True, runner.layout.slices.microbatch_bounds
+        )
     return runner_step(
         runner, batch, data_rank=dims.dp_rank(mesh), data_group=data_group, context=context,
         sequence_group=dims.mesh("cp_tp").get_group() if tp > 1 and sequence_parallel else None,
@@ -114,6 +118,7 @@ def pipeline_layout(
     routers: bool = True,
     materialize: Callable[[nn.Module], None] | None = None,
     activation_checkpoint: str = "none",
+    work_block: int | None = None,
     **parallelism: Any,
 ) -> tuple[PipelineRunner, ParallelDims, Any]:
     """This rank's pipeline (runner, dims, mesh), planned from `parallelism` (ParallelismConfig
@@ -128,7 +133,9 @@ def pipeline_layout(
     off), an MoE's experts and routers data parallel over the tp ranks too (`routers=False`, an
     ablation, leaves the routers out). The blocks are checkpointed by `activation_checkpoint`
     (`[training] activation_checkpoint`). A layout the trainer refuses (`pipekit.train.
-    parallel_rules`, the pipeline plan) raises its error before any process group work."""
+    parallel_rules`, the pipeline plan) raises its error before any process group work.
+    `work_block`: the tile, in tokens, document cuts count attention in (default: the CPU
+    kernel's)."""
     config = ParallelismConfig(
         dp_shard=dp_shard, pipeline_parallel_degree=-1, ep=ep, cp=cp, tp=tp, **parallelism
     )
@@ -142,7 +149,8 @@ def pipeline_layout(
     attention_to_linear = attention_to_linear_flops(model, shape, spec.structure, length)
     plan = plan_pipeline(
         config, spec.structure, shape, rows // dp_shard, length,
-        attention_to_linear=attention_to_linear, attention_work_block=attention_work_block("cpu"),
+        attention_to_linear=attention_to_linear,
+        attention_work_block=work_block or attention_work_block("cpu"),
     )  # fmt: skip
     mesh = dims.build_mesh("cpu")
     tp_moe = tp > 1 and getattr(args, "moe", None) is not None
@@ -237,3 +245,22 @@ def runner_step(
             grads[name] = grad
     dist.barrier()
     return (None if loss is None or data_rank else loss.item()), grads
+
+
+def replace_context_exchange(runner: PipelineRunner, **options: Any) -> PipelineContextExchange:
+    """The runner's context exchange rebuilt with `options` (its other settings and the other
+    features kept) in a sliced schedule, for ablations: e.g. `drop_remote_kv_grads=True`,
+    `chunks_ahead=False`."""
+    exchange = runner.extension("context_exchange")
+    if not isinstance(exchange, PipelineContextExchange):
+        raise ValueError("the runner has no context exchange to replace")
+    kept = ("downward_group", "chunks_ahead", "backend", "timeout")
+    options = {**{name: getattr(exchange, name) for name in kept}, **options}
+    rebuilt = PipelineContextExchange(exchange.group, exchange.layers_per_stage, **options)
+    extensions = [rebuilt if ext is exchange else ext for ext in runner.extensions]
+    runner.schedule = make_schedule(
+        "sliced", runner.stages, runner.num_microbatches, runner.num_slices,
+        extensions=extensions,
+    )  # fmt: skip
+    runner.extensions = extensions
+    return rebuilt

@@ -101,6 +101,7 @@ class Trainer:
             self._context_parallel = context_parallel_ranks(
                 self.mesh, config.parallelism, config.training.seq_len,
                 pipeline.num_slices if pipeline is not None else 1, pipeline is not None,
+                pipeline.slices.microbatch_bounds if pipeline is not None else None,
             )  # fmt: skip
         self._statistics_group = self._sequence_group()
         self.output_dir = Path(config.job.output_dir)

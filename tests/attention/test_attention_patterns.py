@@ -336,7 +336,7 @@ def test_early_kv_exchange_sends_only_the_slices_a_window_reaches():
                 context.attend("0", q[:, :, part], k[:, :, part], v[:, :, part], 1.0, None)
         cache.patterns["0"] = pattern
         ((_, cached),) = cache.layer_slices(0)
-        sent = lent_chunks(cache, "0", cached, 3, [0, 1, 2])
+        sent = lent_chunks(cache, "0", cached, (0, 3), [0, 1, 2])
         sent_slices = [chunk.k_BGKD.data_ptr() for chunk in sent]
         assert sent_slices == [cached[index].k_BGSD.data_ptr() for index in want]
         assert all((chunk.tokens_K is None) == (pattern is None) for chunk in sent)

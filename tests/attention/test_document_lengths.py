@@ -22,6 +22,10 @@ from pipekit.train.job import validate_job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+# drawing rows starts torch's intra-op threads; each test runs in a forked child, so the pytest
+# process, from which later tests fork their rank groups, does not carry them
+pytestmark = pytest.mark.own_process
+
 
 def test_named_distributions_parse_with_their_arguments() -> None:
     assert parse_document_lengths("") is None

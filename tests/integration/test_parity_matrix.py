@@ -57,10 +57,9 @@ from pipekit.moe.expert_parallel import expert_parameters
 from pipekit.moe.layer import MoE
 from pipekit.moe.routing import Routing
 from pipekit.pipelining.features.activation_offload import PipelineActivationOffload
-from pipekit.pipelining.features.context_exchange import PipelineContextExchange
 from pipekit.pipelining.features.context_parallel import PipelineContextParallel
 from pipekit.pipelining.features.vocab_parallel import PipelineVocabParallel
-from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
+from pipekit.pipelining.runtime.runner import PipelineRunner
 from pipekit.testing import (
     Result,
     build_model,
@@ -69,6 +68,7 @@ from pipekit.testing import (
     parity_batch,
     pipeline_step,
     reference_step,
+    replace_context_exchange,
     run_on_ranks,
 )
 
@@ -361,21 +361,7 @@ def _runner_ablation(name: str, pipeline: dict[str, Any]) -> Callable[[PipelineR
             for stage in runner.stages:
                 stage.kv_cache.drop_cached_gradients = True
         elif name == "drop_lent_kv_grads":
-            exchange = runner.extension("context_exchange")
-            assert isinstance(exchange, PipelineContextExchange)
-            ablated = PipelineContextExchange(
-                exchange.group,
-                exchange.layers_per_stage,
-                downward_group=exchange.downward_group,
-                chunks_ahead=exchange.chunks_ahead,
-                backend=exchange.backend,
-                drop_remote_kv_grads=True,
-            )
-            extensions = [ablated if ext is exchange else ext for ext in runner.extensions]
-            runner.schedule = make_schedule(
-                "sliced", runner.stages, MICROBATCHES, SLICES, extensions=extensions
-            )
-            runner.extensions = extensions
+            replace_context_exchange(runner, drop_remote_kv_grads=True)
         elif name == "hidden_grad_last_rank_only":
             vocab = runner.extension("vocab_parallel")
             assert vocab is not None

@@ -369,11 +369,12 @@ def test_commutated_context_parallelism_in_the_sliced_pipeline_matches_it(
 ) -> None:
     """configs/debug_cp_sliced_pp.toml on 4 ranks (every slice split over 2 cp ranks,
     SlimPipe's commutated attention over the chunked KV cache, context exchange between the
-    pipeline ranks) against the same pipeline without either on 2 ranks: the same losses up to
-    float32 rounding; its step-2 checkpoint resumed by the pipeline without cp gives them
-    too."""
+    pipeline ranks), each microbatch's slices cut by its documents and dealt by them, against
+    the same pipeline without any of it on 2 ranks: the same losses up to float32 rounding; its
+    step-2 checkpoint resumed by the pipeline without cp gives them too."""
+    documents = ("--parallelism.slicing", "documents")
     context_parallel = train_job(
-        tmp_path / "pp_cp", *LAYOUT_FIRST_HALF, nproc=4, config=CP_SLICED_PP_CONFIG
+        tmp_path / "pp_cp", *LAYOUT_FIRST_HALF, *documents, nproc=4, config=CP_SLICED_PP_CONFIG
     )
     assert sorted(context_parallel) == [1, 2]
     resumed = train_job(tmp_path / "pp_cp", *LAYOUT_RUN, config=SLICED_PP_CONFIG)

@@ -31,9 +31,14 @@ from pipekit.pipelining.features.context_exchange import (
     SERVE_AFTER_FORWARD,
     PipelineContextExchange,
 )
-from pipekit.pipelining.runtime.runner import make_schedule
 from pipekit.pipelining.schedules.units import unit_index, unit_microbatch_and_slice
-from pipekit.testing import RankFailedError, max_relative_difference, run_on_ranks, runner_step
+from pipekit.testing import (
+    RankFailedError,
+    max_relative_difference,
+    replace_context_exchange,
+    run_on_ranks,
+    runner_step,
+)
 
 
 def _run(
@@ -63,9 +68,9 @@ def _run(
     exchange = runner.extension("context_exchange")
     assert isinstance(exchange, PipelineContextExchange)
     if drop_remote_kv_grads:  # ablation: the same plan, lent chunks' dK/dV dropped
-        exchange = _replace_exchange(runner, m, n, drop_remote_kv_grads=True)
+        exchange = replace_context_exchange(runner, drop_remote_kv_grads=True)
     if not chunks_ahead:  # the lent chunks travel inside each request
-        exchange = _replace_exchange(runner, m, n, chunks_ahead=False)
+        exchange = replace_context_exchange(runner, chunks_ahead=False)
     loss, grads = runner_step(runner, tiny_batch())
     ahead = None
     if chunks_ahead:  # (passes that found their chunks sent ahead, lending passes, sent in time)
@@ -84,18 +89,6 @@ def _serving_at_the_end(runner) -> bool | None:
     serving = [i for i, kind in enumerate(kinds) if kind in serving_kinds]
     passes = [i for i, kind in enumerate(kinds) if kind in (FORWARD, BACKWARD)]
     return min(serving) > max(passes) if serving else None
-
-
-def _replace_exchange(runner, m: int, n: int, **options) -> PipelineContextExchange:
-    """The runner's context exchange rebuilt with `options` (the other extensions kept)."""
-    exchange = runner.extension("context_exchange")
-    kept = ("downward_group", "chunks_ahead", "backend", "timeout")
-    options = {**{name: getattr(exchange, name) for name in kept}, **options}
-    ablated = PipelineContextExchange(exchange.group, exchange.layers_per_stage, **options)
-    extensions = [ablated if ext is exchange else ext for ext in runner.extensions]
-    runner.schedule = make_schedule("sliced", runner.stages, m, n, extensions=extensions)
-    runner.extensions = extensions
-    return ablated
 
 
 def _sent_ahead_in_time(runner, lendings) -> bool:

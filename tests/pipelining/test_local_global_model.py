@@ -2,12 +2,12 @@
 capped attention scores, (1 + w) RMSNorm, GeGLU MLPs and GeGLU MoE experts, embeddings scaled by
 sqrt(dim), soft-capped logits, tied embeddings) equals one process in float64 — loss and every
 gradient, 1e-10 — under FSDP, the sliced pipeline (slices planned, and cut per microbatch by
-its documents), the sliced pipeline with context exchange
-(its lent slices sent ahead) and vocabulary parallelism, and (4 ranks) the sliced pipeline with
-context parallelism, with and without context exchange. Ablations, each of which must fail: the
-pipeline's KV cache ignoring the window, or placing slices cut per microbatch at the planned
-cuts; vocabulary parallelism without the soft-cap; the
-embedding scale run on every stage."""
+its documents, also with context exchange and vocabulary parallelism), the sliced pipeline with
+context exchange (its lent slices sent ahead) and vocabulary parallelism, and (4 ranks) the
+sliced pipeline with context parallelism, with and without context exchange. Ablations, each of
+which must fail: the pipeline's KV cache ignoring the window, or placing slices cut per
+microbatch at the planned cuts; vocabulary parallelism without the soft-cap; the embedding scale
+run on every stage."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ ARGS = local_global.LocalGlobalArgs(
 ROWS, SEQ_LEN, MICROBATCHES, SLICES = 4, 32, 2, 4
 SLICED = {"pipeline_schedule": "sliced", "num_slices": SLICES, "microbatches": MICROBATCHES}
 EXCHANGE = {**SLICED, "context_exchange": True, "vocab_parallel": True}
+DOCUMENTS_EXCHANGE = {**EXCHANGE, "slicing": "documents", "work_block": 1}
 SPEC = local_global.LOCAL_GLOBAL
 
 
@@ -61,7 +62,7 @@ def _cases(rank: int, world: int, ablation: str = "") -> dict:
 
         def keep_planned_bounds(stage: SlicedPipelineStage, bounds: list) -> None:
             use_bounds(stage, bounds)
-            stage.kv_cache.slice_bounds = stage.shapes.slice_bounds
+            stage.kv_cache.microbatch_bounds = None  # the cache falls back to the planned cuts
 
         SlicedPipelineStage.use_microbatch_bounds = keep_planned_bounds
     if ablation == "softcap_dropped_by_vocab_parallel":
@@ -80,6 +81,9 @@ def _cases(rank: int, world: int, ablation: str = "") -> dict:
             ),
             "pp exchange vocab": pipeline_step(
                 rank, world, spec, ARGS, _batch(), adjust=adjust, **EXCHANGE
+            ),
+            "pp documents exchange vocab": pipeline_step(
+                rank, world, spec, ARGS, _batch(), adjust=adjust, **DOCUMENTS_EXCHANGE
             ),
         }
     return {
@@ -116,8 +120,16 @@ def test_every_layout_equals_one_process_fp64(references) -> None:
 @pytest.mark.parametrize(
     ("ablation", "world", "layouts"),
     [
-        ("window_ignored_by_the_cache", 2, ["pp sliced", "pp documents", "pp exchange vocab"]),
-        ("softcap_dropped_by_vocab_parallel", 2, ["pp exchange vocab"]),
+        (
+            "window_ignored_by_the_cache",
+            2,
+            ["pp sliced", "pp documents", "pp exchange vocab", "pp documents exchange vocab"],
+        ),
+        (
+            "softcap_dropped_by_vocab_parallel",
+            2,
+            ["pp exchange vocab", "pp documents exchange vocab"],
+        ),
         ("scale_on_every_stage", 2, ["pp sliced", "pp exchange vocab"]),
     ],
 )

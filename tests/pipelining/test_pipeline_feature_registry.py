@@ -166,3 +166,23 @@ def test_a_features_layout_rules_come_from_its_entry_pipeline_or_not() -> None:
     ]
     with pytest.raises(ConfigError, match="vocab_parallel = true does not combine with"):
         validate_job(load_job_config(sliced), world_size=2, check_files=False)
+
+
+@pytest.mark.parametrize("slicing", ["equal_cost", "documents"])
+def test_a_feature_that_needs_equal_slices_is_refused_on_unequal_cuts(slicing: str) -> None:
+    """A feature whose extension declares `equal_length_slices` (none of pipekit's own need
+    it) is refused on unequal cuts, named, before anything is built; equal lengths plan."""
+    original = get_pipeline_feature("forward_log")
+
+    class EqualSlicesOnly(original.extension):  # type: ignore[name-defined,misc]
+        equal_length_slices = True
+
+    register_pipeline_feature(
+        dataclasses.replace(original, extension=EqualSlicesOnly), replace=True
+    )
+    try:
+        with pytest.raises(ValueError, match=f"slicing='{slicing}' with .*forward_log.*equal"):
+            _plan(slicing=slicing, pipeline_features=["forward_log"], **SLICED)
+        _plan(pipeline_features=["forward_log"], **SLICED)
+    finally:
+        register_pipeline_feature(original, replace=True)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from pipekit.config.job_config import JobConfig, ParallelismConfig
-from pipekit.config.loader import ConfigError
 from pipekit.models import get_model_spec
 from pipekit.pipelining.plan import plan_pipeline
 from pipekit.pipelining.schedules.document_costs import document_unit_shares
@@ -102,17 +101,34 @@ def test_the_plan_carries_equal_cost_bounds_rounded_for_the_tp_shares():
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
-        ({"context_exchange": True}, "with context_exchange = true: that feature needs slices"),
-        ({"vocab_parallel": True}, "with vocab_parallel = true"),
-        ({"cp": 2}, "with cp > 1"),
         ({"pipeline_schedule": "1F1B"}, "needs sliced passes: num_slices >= 2, not 1"),
         ({"slicing": "equal"}, "slicing='equal' is not one of equal_length, equal_cost"),
     ],
 )
 @pytest.mark.parametrize("slicing", ["equal_cost", "documents"])
-def test_uneven_slicing_refuses_what_needs_equal_slices(keys, message, slicing):
+def test_uneven_slicing_refuses_what_cannot_cut_it(keys, message, slicing):
     with pytest.raises(ValueError, match=message):
         _plan(**{"slicing": slicing, **keys})
+
+
+@pytest.mark.parametrize("slicing", ["equal_cost", "documents"])
+@pytest.mark.parametrize("pieces", [2, 8])
+def test_uneven_slices_under_context_parallelism_round_to_the_cp_ranks_pieces(slicing, pieces):
+    """Each slice is dealt to the cp ranks in cp x pieces equal pieces (a tp share each under
+    sequence parallelism): bounds, planned and cut per microbatch, land on multiples of it."""
+    keys = {
+        "cp": 2, "cp_balance_pieces": pieces, "context_exchange": True, "vocab_parallel": True,
+        "num_slices": 4,
+    }  # fmt: skip
+    plan = _plan(slicing=slicing, **keys)
+    multiple = 2 * pieces
+    assert plan.slices.granularity % multiple == 0
+    assert len(set(plan.slice_lengths)) > 1
+    short_documents_BS = torch.arange(512).div(40, rounding_mode="floor").expand(2, 512)
+    for bounds in (plan.slice_bounds, plan.slices.microbatch_bounds(short_documents_BS)):
+        assert all(bound % multiple == 0 for bound in bounds), bounds
+    shared = _plan(slicing=slicing, seq_len=768, tp=3, sequence_parallel=True, **keys)
+    assert all(length % 3 == 0 for length in shared.slice_lengths)  # a tp share per cp rank
 
 
 def test_documents_slicing_plans_one_sequence_and_cuts_each_microbatch_by_its_documents():
@@ -190,6 +206,6 @@ def test_a_job_places_equal_cost_slices_from_the_model_flops():
     )
     lengths = validate_job(config, world_size=2).pipeline.slice_lengths
     assert lengths[0] > lengths[-1], lengths
-    config.parallelism.cp, config.parallelism.dp_shard = 2, 1
-    with pytest.raises(ConfigError, match=r"\[parallelism\] slicing='equal_cost' with cp > 1"):
-        validate_job(config, world_size=4)
+    config.parallelism.cp = 2  # each slice dealt to the cp ranks in equal pieces
+    split = validate_job(config, world_size=4).pipeline.slice_lengths  # a cp rank's shares
+    assert sum(split) == 1024 and split[0] > split[-1], split

@@ -28,13 +28,14 @@ def test_auto_is_the_exchange_where_the_job_can_run_it_and_none_elsewhere():
     auto = plan("--parallelism.context_exchange", "auto")
     assert "context_exchange" in auto.features
     assert auto.feature_plans["context_exchange"] == "auto"
-    equal_cost = ("--parallelism.slicing", "equal_cost")
+    whole = ("--parallelism.pipeline_schedule", "1F1B", "--parallelism.num_slices", "0")
+    assert "context_exchange" not in plan("--parallelism.context_exchange", "auto", *whole).features
+    with pytest.raises(ConfigError, match="1F1B' cannot carry context_exchange"):
+        plan("--parallelism.context_exchange", "true", *whole)
+    equal_cost = ("--parallelism.slicing", "equal_cost")  # unequal slices lend too
     assert (
-        "context_exchange"
-        not in plan("--parallelism.context_exchange", "auto", *equal_cost).features
+        "context_exchange" in plan("--parallelism.context_exchange", "auto", *equal_cost).features
     )
-    with pytest.raises(ConfigError, match="equal_cost"):
-        plan("--parallelism.context_exchange", "true", *equal_cost)
     with pytest.raises(ConfigError, match="context_exchange='sometimes' is not one of false, true"):
         plan("--parallelism.context_exchange", "sometimes")
 

@@ -42,9 +42,11 @@ def slice_variant(
     keys_are_values: bool = False,
 ) -> str:
     """The variant slice `slice_index` runs by under `sharding` (`SliceSharding.variant_of`)."""
+    bounds = sharding.slice_bounds
     return context_parallel_variant(
         sharding.variant, q_BHSD, k_BGSD, slice_index=slice_index,
-        slice_tokens=sharding.slice_length, cp=sharding.cp, keys_are_values=keys_are_values,
+        slice_tokens=bounds[slice_index + 1] - bounds[slice_index], cp=sharding.cp,
+        keys_are_values=keys_are_values,
     )  # fmt: skip
 
 
@@ -143,8 +145,8 @@ class ContextParallelSliceAttention:
             pattern=pattern,
             sinks_H=sinks_H,
         )
-        length = self.sharding.slice_length
-        indices = [cached.start // length for cached in lendable_slices]  # one per lent chunk
+        starts = self.sharding.slice_bounds
+        indices = [starts.index(cached.start) for cached in lendable_slices]  # one per lent chunk
         return self._attention(attention, q_BHSD, lendable, own, scale, indices)
 
     def _attention(
@@ -187,7 +189,7 @@ class AcrossGroups:
         self.parallel, self.hierarchy = parallel, parallel.hierarchy
         self.group, self.variant = self.hierarchy.across, self.hierarchy.across_variant
         self.cp, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self.slice_length = parallel.slice_length
+        self.slice_bounds = parallel.slice_bounds
 
     @property
     def drop_remote(self) -> bool:

@@ -34,6 +34,7 @@ Legend: B batch, H query heads, G kv heads, S local queries, K keys, D head dim,
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,23 +114,27 @@ def context_parallel_tokens(
     num_slices: int = 1,
     document_ids_BS: Tensor | None = None,
     pieces_per_rank: int = 2,
+    bounds: Sequence[int] | None = None,
 ) -> Tensor:
     """`[cp, length // cp]`: the sequence indices each cp rank holds of a sequence of `length`
-    tokens cut into `num_slices` slices, each slice balanced over the cp ranks: slice by slice,
-    so a rank's tokens of slice j are its j-th `length / (num_slices x cp)` tokens. Without
-    document ids, `load_balanced_indices` (the same for every batch); with them,
-    `document_balanced_indices` by the rows' causal attention work within their documents."""
-    if length % num_slices:
-        raise ValueError(f"sequence length {length} does not split into {num_slices} slices")
-    slice_length = length // num_slices
+    tokens cut into `num_slices` equal slices (or at `bounds`, n + 1 token offsets: a
+    pipeline's unequal slices), each slice balanced over the cp ranks: slice by slice, so a
+    rank's tokens of slice j follow its tokens of slice j - 1. Without document ids,
+    `load_balanced_indices` (the same for every batch); with them, `document_balanced_indices`
+    by the rows' causal attention work within their documents."""
+    if bounds is None:
+        if length % num_slices:
+            raise ValueError(f"sequence length {length} does not split into {num_slices} slices")
+        bounds = range(0, length + 1, length // num_slices)
+    if bounds[0] != 0 or bounds[-1] != length:
+        raise ValueError(f"slice bounds {tuple(bounds)} must run from 0 to the length {length}")
     work_S = None if document_ids_BS is None else keys_seen(document_ids_BS).sum(dim=0)
     parts = []
-    for index in range(num_slices):
-        start = index * slice_length
+    for start, end in itertools.pairwise(bounds):
         if work_S is None:
-            parts.append(load_balanced_indices(slice_length, cp, start=start))
+            parts.append(load_balanced_indices(end - start, cp, start=start))
         else:
-            piece_S = work_S[start : start + slice_length]
+            piece_S = work_S[start:end]
             parts.append(document_balanced_indices(piece_S, cp, pieces_per_rank, start=start))
     return torch.cat(parts, dim=1)
 

@@ -99,14 +99,15 @@ class VariantRules:
 
 class SliceSharding(Protocol):
     """A sliced pipeline's context parallelism as a slice's attention sees it: the cp `group`
-    (`cp` ranks, this one `rank`), the `variant` asked for, slices of `slice_length` tokens
-    (all ranks' shares), and, for hierarchical variants, the Ulysses and across groups."""
+    (`cp` ranks, this one `rank`), the `variant` asked for, where the microbatch's slices
+    start and end (`slice_bounds`, all ranks' shares counted), and, for hierarchical variants,
+    the Ulysses and across groups."""
 
     group: dist.ProcessGroup
     variant: str
     cp: int
     rank: int
-    slice_length: int
+    slice_bounds: tuple[int, ...]
     drop_remote: bool
     hierarchy: HierarchicalGroups | None
 

@@ -58,12 +58,6 @@ def _variant_rules(
     )  # fmt: skip
 
 
-def _pieces_per_rank(parallelism: ParallelismConfig) -> int:
-    """Pieces per cp rank a sequence (or slice) is cut into: two (head and tail) unless
-    dealt by documents."""
-    return parallelism.cp_balance_pieces if parallelism.cp_balance == "documents" else 2
-
-
 def _check_context_parallel_layout(layout: FeatureLayout) -> None:
     """The variant's rules (pipeline or not) and, outside pipelines, a sequence that cuts into
     the cp ranks' equal pieces (a pipeline's slices are checked at planning)."""
@@ -71,7 +65,7 @@ def _check_context_parallel_layout(layout: FeatureLayout) -> None:
     rules = _variant_rules(layout.parallelism, layout.shape, pipeline, context_exchange=False)
     check_context_parallel(layout.parallelism.cp_variant, rules)
     if not pipeline and layout.seq_len is not None:
-        pieces = _pieces_per_rank(layout.parallelism)
+        pieces = layout.parallelism.cp_pieces_per_rank
         check_context_parallel_split(layout.seq_len, layout.dims.cp, pieces_per_rank=pieces)
 
 
@@ -80,7 +74,7 @@ def _check_context_parallel(planning: FeaturePlanning) -> None:
     must lend."""
     parallelism = planning.parallelism
     check_context_parallel_split(
-        planning.seq_len, parallelism.cp, planning.num_slices, _pieces_per_rank(parallelism)
+        planning.seq_len, parallelism.cp, planning.num_slices, parallelism.cp_pieces_per_rank
     )
     context_exchange = "context_exchange" in planning.features
     rules = _variant_rules(planning.parallelism, planning.model, True, context_exchange)

@@ -150,7 +150,6 @@ class PipelineContextExchange(PipelineExtension):
 
     name = "context_exchange"
     sliced_only = True  # it lends between slices' passes
-    equal_length_slices = True  # a lending slice and its peer's are paired by index
     action_types = tuple(ExchangeComputation)
 
     def __init__(
@@ -393,7 +392,7 @@ class PipelineContextExchange(PipelineExtension):
         for peer, kv_slices in parts:
             loan = exchange.loan(here, peer)
             for layer, cached in layers:
-                lent = lent_chunks(cache, layer, cached, slice_index, kv_slices)
+                lent = lent_chunks(cache, layer, cached, (microbatch, slice_index), kv_slices)
                 nbytes += sum(c.k_BGKD.nbytes + c.v_BGKD.nbytes for c in lent)
                 works += send_lent_chunks(loan, lent)
         self._ahead[lending] = _Posted(time.perf_counter(), works, nbytes, frozenset(peers))
@@ -411,14 +410,15 @@ def lent_chunks(
     cache: ChunkedKVCache,
     layer: str,
     cached: Sequence[CachedSlice],
-    slice_index: int,
+    unit: tuple[int, int],
     kv_slices: Sequence[int],
 ) -> list[LentChunk]:
-    """What slice `slice_index` lends of one layer's cached slices `kv_slices`: those its
-    pattern lets it see, as the lending attention itself chooses them (with token indices
-    when the pattern is not plain causal)."""
+    """What slice `unit` (microbatch, slice index) lends of one layer's cached slices
+    `kv_slices`: those its pattern lets it see, as the lending attention itself chooses them
+    (with token indices when the pattern is not plain causal)."""
     pattern = cache.patterns.get(layer)
-    tokens = cache.slice_range(cached, slice_index, 0)
+    microbatch, slice_index = unit
+    tokens = cache.slice_range(cached, slice_index, 0, microbatch)
     with_tokens = not is_causal(pattern)
     return [
         LentChunk(

@@ -19,6 +19,7 @@ action lists; they use the mesh's `cp` group, which no other feature or FSDP2 us
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
@@ -45,8 +46,8 @@ class MicrobatchShards:
     def __init__(self, parallel: PipelineContextParallel, microbatch: int) -> None:
         self.parallel, self.microbatch = parallel, microbatch
         self.group, self.variant = parallel.group, parallel.variant
-        self.cp, self.rank = parallel.cp, parallel.rank
-        self.slice_length, self.hierarchy = parallel.slice_length, parallel.hierarchy
+        self.cp, self.rank, self.hierarchy = parallel.cp, parallel.rank, parallel.hierarchy
+        self.slice_bounds = parallel.microbatch_bounds[microbatch]
 
     @property
     def drop_remote(self) -> bool:
@@ -66,15 +67,15 @@ class MicrobatchShards:
 
 
 class PipelineContextParallel(PipelineExtension):
-    """Context parallelism over `group` (the mesh's `cp` dim) for the plan's equal-length
-    `slices` (`slice_length`: the whole slice, all cp ranks' shares), by `variant` (an entry
-    of the variant table, `pipekit.attention.across`, whose `slice_context` wraps each unit's
-    KV-cache context). Which tokens each cp rank holds comes with the batch (`cp_tokens`, as
-    `pipekit.distributed.ContextParallelRanks.shard` deals each microbatch), read at the start
-    of every step; each unit's slice attention sees its microbatch's (`MicrobatchShards`)."""
+    """Context parallelism over `group` (the mesh's `cp` dim) for the plan's `slices`, by
+    `variant` (an entry of the variant table, `pipekit.attention.across`, whose
+    `slice_context` wraps each unit's KV-cache context). Which tokens each cp rank holds, and
+    so where each microbatch's slices start and end, comes with the batch (`cp_tokens`, as
+    `pipekit.distributed.ContextParallelRanks.shard` deals each microbatch's slices: equal,
+    equal-cost or cut by its documents), read at the start of every step; each unit's slice
+    attention sees its microbatch's (`MicrobatchShards`)."""
 
     name = "context_parallel"
-    equal_length_slices = True  # every slice is cut into cp x pieces equal pieces
 
     def __init__(
         self,
@@ -90,12 +91,13 @@ class PipelineContextParallel(PipelineExtension):
         self._slice_context = slice_context
         self.group, self.variant, self.hierarchy = group, variant, hierarchy
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        if len(set(slices.lengths)) > 1:
-            raise ValueError(f"context parallelism needs slices of equal length, not {slices}")
-        self.slices, self.slice_length = slices, slices.bounds[1]
+        self.slices = slices
         self.drop_remote = drop_remote
         """Ablation: attend to this rank's cache only."""
         self._tables: list[Tensor] = []
+        self.microbatch_bounds: list[tuple[int, ...]] = []
+        """This step's slice bounds per microbatch in the whole sequence (every rank's
+        tokens), as the deal cut them."""
 
     def prepare(self, actions_by_rank: Mapping[int, Sequence[Action]], num_slices: int) -> None:
         if num_slices != self.slices.num_slices:
@@ -108,13 +110,27 @@ class PipelineContextParallel(PipelineExtension):
         self, units: Sequence[TensorDict], normaliser: Tensor | float
     ) -> list[tuple[Tensor, ...]] | None:
         """Reads each unit's deal (`cp_tokens` `[B, S, cp]`, the same for a microbatch's
-        rows)."""
+        rows); every unit must hold exactly its slice's tokens, as the deal cut them."""
         if any(unit.get("cp_tokens", None) is None for unit in units):
             raise ValueError(
                 "context parallelism in a pipeline needs each cp rank's tokens with the batch "
                 "(cp_tokens); shard the batch with ContextParallelRanks.shard"
             )
         self._tables = [unit["cp_tokens"][0].T for unit in units]
+        n = self.slices.num_slices
+        self.microbatch_bounds = []
+        for first in range(0, len(self._tables), n):
+            tables = self._tables[first : first + n]
+            bounds = tuple(itertools.accumulate((t.numel() for t in tables), initial=0))
+            for table, start, end in zip(tables, bounds, bounds[1:], strict=False):
+                if int(table.min()) != start or int(table.max()) != end - 1:
+                    raise ValueError(
+                        f"a cp rank's unit holds tokens {int(table.min())}..{int(table.max())} "
+                        f"for the slice [{start}, {end}): the batch was dealt on other slices "
+                        "than the pipeline cuts; shard it with ContextParallelRanks given "
+                        "slice_cut=plan.slices.microbatch_bounds"
+                    )
+            self.microbatch_bounds.append(bounds)
         return None
 
     def rank_tokens(self, microbatch: int, slice_index: int) -> Tensor:

@@ -226,7 +226,6 @@ class PipelineVocabParallel(PipelineExtension):
 
     name = "vocab_parallel"
     action_types = (OUTPUT_PASS,)
-    equal_length_slices = True  # refused with equal-cost slices, as the exchange and cp are
 
     @staticmethod
     def modules_outside_stages(structure: ModelStructure) -> tuple[str, ...]:
@@ -259,7 +258,7 @@ class PipelineVocabParallel(PipelineExtension):
         self.logits_transforms = list(logits_transforms)
         self.rank = dist.get_rank(group)
         self.first_rank, self.last_rank = first_rank, last_rank
-        self._tokens_UBS: Tensor | None = None
+        self._tokens: list[Tensor] = []
         self._stage_inputs: list[Tensor] = []
         self._stage_input_grads: list[Tensor | None] = []
         self._labels: list[Tensor] = []
@@ -273,22 +272,22 @@ class PipelineVocabParallel(PipelineExtension):
         self, units: Sequence[TensorDict], normaliser: Tensor | float
     ) -> list[tuple[Tensor, ...]]:
         """Embed every unit's tokens (collective); the first stage's inputs, one per unit, on the
-        first stage's rank (no inputs elsewhere)."""
-        self._tokens_UBS = torch.stack([unit["tokens"] for unit in units])
+        first stage's rank (no inputs elsewhere). Units may differ in length (slices cut
+        unequally): they travel together, concatenated along the sequence."""
+        self._tokens = [unit["tokens"] for unit in units]
         self._labels = [unit["labels"] for unit in units]
         self._normaliser = normaliser
         self._passes_left = len(units)
         # no graph kept: end_step looks the ids up again (cheap), so no rank holds the partial
         # embeddings of the whole step while the schedule runs
         with torch.no_grad():
-            summed_UBSD = self.embedding(self._tokens_UBS).to(self.shapes.dtype)
-        dist.reduce(summed_UBSD, dst=self._global(self.first_rank), group=self.group)
+            summed_BTD = self.embedding(torch.cat(self._tokens, dim=1)).to(self.shapes.dtype)
+        dist.reduce(summed_BTD, dst=self._global(self.first_rank), group=self.group)
         if self.rank != self.first_rank:
             return [() for _ in units]
-        summed_UBSD = self._sum_over_tensor_ranks(summed_UBSD, sequence_dim=2)
-        self._stage_inputs = [
-            embedded_BSD.detach().requires_grad_() for embedded_BSD in summed_UBSD.unbind(0)
-        ]
+        lengths = [tokens_BS.shape[1] for tokens_BS in self._tokens]
+        summed = self._per_unit(summed_BTD.split(lengths, dim=1), self._sum_over_tensor_ranks)
+        self._stage_inputs = [embedded_BSD.detach().requires_grad_() for embedded_BSD in summed]
         self._stage_input_grads = [None] * len(units)
         for unit, stage_input_BSD in enumerate(self._stage_inputs):
             # torch's stage hands input gradients on and clears .grad: catch them on the way
@@ -301,17 +300,15 @@ class PipelineVocabParallel(PipelineExtension):
     def end_step(self) -> None:
         """Backpropagate the first stage's input gradients into every rank's embedding rows
         (collective), then forget the step."""
-        if self._tokens_UBS is None:
+        if not self._tokens:
             raise RuntimeError("end_step without begin_step: call begin_step before the schedule")
-        units, rows, tokens = self._tokens_UBS.shape
-        grads_UBSD = torch.zeros(
-            (units, rows, tokens // self.shapes.sequence_shards, self.shapes.model_dim),
-            dtype=self.shapes.dtype,
-            device=self._tokens_UBS.device,
-        )
+        shards, dim = self.shapes.sequence_shards, self.shapes.model_dim
+        rows, device = self._tokens[0].shape[0], self._tokens[0].device
+        local = [tokens_BS.shape[1] // shards for tokens_BS in self._tokens]
+        grads_BTD = torch.zeros((rows, sum(local), dim), dtype=self.shapes.dtype, device=device)
         if self.rank == self.first_rank:
             for grad_BSD, stage_input_grad_BSD in zip(
-                grads_UBSD.unbind(0), self._stage_input_grads, strict=True
+                grads_BTD.split(local, dim=1), self._stage_input_grads, strict=True
             ):
                 if stage_input_grad_BSD is None:
                     raise RuntimeError(
@@ -319,12 +316,23 @@ class PipelineVocabParallel(PipelineExtension):
                         "schedule must run every unit's backward"
                     )
                 grad_BSD.copy_(stage_input_grad_BSD)
-        dist.broadcast(grads_UBSD, src=self._global(self.first_rank), group=self.group)
-        grads_UBSD = self._gather_sequence(grads_UBSD, sequence_dim=2)
+        dist.broadcast(grads_BTD, src=self._global(self.first_rank), group=self.group)
+        grads = self._per_unit(grads_BTD.split(local, dim=1), self._gather_sequence)
         with torch.enable_grad():
-            self.embedding(self._tokens_UBS).to(self.shapes.dtype).backward(grads_UBSD)
-        self._tokens_UBS, self._labels = None, []
+            embedded_BTD = self.embedding(torch.cat(self._tokens, dim=1)).to(self.shapes.dtype)
+            embedded_BTD.backward(torch.cat(grads, dim=1))
+        self._tokens, self._labels = [], []
         self._stage_inputs, self._stage_input_grads = [], []
+
+    @staticmethod
+    def _per_unit(
+        parts: Sequence[Tensor], along_sequence: Callable[[Tensor, int], Tensor]
+    ) -> list[Tensor]:
+        """`along_sequence` (a tp collective along the sequence dim) on every unit's `[B, S, D]`
+        part: stacked in one call when the units are of one length, else one by one."""
+        if len({part.shape[1] for part in parts}) == 1:
+            return list(along_sequence(torch.stack(list(parts)), 2).unbind(0))
+        return [along_sequence(part.contiguous(), 1) for part in parts]
 
     def output_pass(
         self, labels_BS: Tensor, hidden_BSD: Tensor | None = None
@@ -342,7 +350,8 @@ class PipelineVocabParallel(PipelineExtension):
         if isinstance(self.output, FSDPModule):  # data parallelism: sync after the last pass
             self.output.set_requires_gradient_sync(self._passes_left == 0)
             self.output.set_reshard_after_backward(self._passes_left == 0)
-        source_BSD = hidden_BSD if is_last else self.shapes.hidden(labels_BS.device)
+        tokens = labels_BS.shape[1] // self.shapes.sequence_shards  # this unit's, per tp rank
+        source_BSD = hidden_BSD if is_last else self.shapes.hidden(labels_BS.device, tokens)
         received_BSD = source_BSD.detach().contiguous()
         dist.broadcast(received_BSD, src=self._global(self.last_rank), group=self.group)
         received_BSD = self._gather_sequence(received_BSD, sequence_dim=1).requires_grad_()

@@ -16,6 +16,7 @@ Legend: B batch, S sequence.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -170,17 +171,33 @@ class PipelineRunner:
 
     def _microbatch_bounds(self, batch: TensorDict) -> list[tuple[int, ...]]:
         """Each microbatch's slices cut by its own documents (every rank computes the same
-        from the same batch), told to the stages before they run."""
-        document_ids_BS = batch.get("document_ids", None)
-        parts = (
-            [None] * self.num_microbatches
-            if document_ids_BS is None
-            else document_ids_BS.tensor_split(self.num_microbatches)
-        )  # uneven rows are refused by `split_into_units`, before any stage runs
-        bounds = [self.layout.slices.microbatch_bounds(part) for part in parts]
+        from the same batch; under context parallelism the deal made them, `cp_slice`), told
+        to the stages before they run; returns them as this rank's token offsets."""
+        slices = self.layout.slices
+        cp = slices.context_parallel
+        if cp > 1:
+            if batch.get("cp_slice", None) is None:
+                raise ValueError(
+                    "slices cut per microbatch under context parallelism come with the batch "
+                    "(cp_slice); shard it with ContextParallelRanks given the plan's slice_cut"
+                )
+            counts = [
+                torch.bincount(part[0], minlength=slices.num_slices).tolist()
+                for part in batch["cp_slice"].tensor_split(self.num_microbatches)
+            ]
+            local = [tuple(itertools.accumulate(each, initial=0)) for each in counts]
+            whole = [tuple(bound * cp for bound in each) for each in local]
+        else:
+            document_ids_BS = batch.get("document_ids", None)
+            parts = (
+                [None] * self.num_microbatches
+                if document_ids_BS is None
+                else document_ids_BS.tensor_split(self.num_microbatches)
+            )  # uneven rows are refused by `split_into_units`, before any stage runs
+            whole = local = [slices.microbatch_bounds(part) for part in parts]
         for stage in self.stages:
-            stage.use_microbatch_bounds(bounds)
-        return bounds
+            stage.use_microbatch_bounds(whole)
+        return local
 
     def step(self, batch: TensorDict, num_label_tokens: Tensor | float) -> Tensor | None:
         """Forward and backward of the whole batch `[B, S]` (tokens, labels, positions,

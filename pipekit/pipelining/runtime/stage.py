@@ -115,10 +115,12 @@ class StageShapes:
             return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
         return self.hidden(device)
 
-    def hidden(self, device: torch.device) -> torch.Tensor:
-        """Hidden states of one unit, requiring grad (a boundary torch sends gradients over);
-        under sequence parallelism, this rank's share of its tokens."""
-        size = (self.rows, self.slice_length // self.sequence_shards, self.model_dim)
+    def hidden(self, device: torch.device, tokens: int | None = None) -> torch.Tensor:
+        """Hidden states of one unit of `tokens` (default: the longest slice's), requiring grad
+        (a boundary torch sends gradients over); under sequence parallelism, this rank's share
+        of its tokens."""
+        tokens = self.slice_length // self.sequence_shards if tokens is None else tokens
+        size = (self.rows, tokens, self.model_dim)
         return torch.empty(size, dtype=self.dtype, device=device, requires_grad=True)
 
 
@@ -164,27 +166,23 @@ class SlicedPipelineStage(ReceiveBuffersHook):
         """Called with (action, start, end) after each F, B, I or W (`tools.trace`)."""
 
     def use_microbatch_bounds(self, bounds: Sequence[Sequence[int]]) -> None:
-        """Cut this step's microbatches at `bounds` (one tuple of n + 1 offsets each): the
-        receive buffers of every unit take its slice's length, and the KV cache places each
-        slice after the ones cached before it. One context-parallel rank only: its shares of a
-        slice are equal pieces of a fixed length."""
-        if self.shapes.context_parallel != 1:
-            raise ValueError(
-                "slices cut per microbatch need context_parallel=1; set slicing to "
-                "'equal_length' with context parallelism"
-            )
+        """Cut this step's microbatches at `bounds` (one tuple of n + 1 offsets of the whole
+        sequence each, every cp rank's tokens counted): the receive buffers of every unit take
+        its slice's length, and the KV cache places each slice where it lies."""
         self.microbatch_bounds = tuple(tuple(each) for each in bounds)
-        self.kv_cache.slice_bounds = None  # each cached slice follows the one before it
+        self.kv_cache.microbatch_bounds = self.microbatch_bounds
         if self.args_recv_info or self.grad_recv_info:  # prepared by an earlier step
             self.after_receive_buffers()
 
     def unit_tokens(self, unit: int) -> int:
-        """Tokens of unit `unit` in this rank's hidden states (its sequence-parallel share)."""
+        """Tokens of unit `unit` in this rank's hidden states (its context- and
+        sequence-parallel share)."""
         microbatch, slice_index = unit_microbatch_and_slice(unit, self.num_slices)
         if self.microbatch_bounds is None:
             return self.shapes.hidden_tokens(slice_index)
         bounds = self.microbatch_bounds[microbatch]
-        return (bounds[slice_index + 1] - bounds[slice_index]) // self.shapes.sequence_shards
+        shares = self.shapes.context_parallel * self.shapes.sequence_shards
+        return (bounds[slice_index + 1] - bounds[slice_index]) // shares
 
     def after_receive_buffers(self) -> None:
         """Each unit's activation and gradient receive buffers sized to its slice."""
