@@ -20,20 +20,25 @@ mean of its slices. `documents_vs_<cut>` is the median per-round step-time ratio
 `simulated_documents_vs_<cut>` the simulator's for this batch (`document_unit_shares`), and
 `prediction_error_vs_<cut>` how far it is from the measured one.
 
-Then the same batch over `--cp` context-parallel ranks, and `--dp-rows` rows of `--dp-seq`
-tokens over `--dp` data-parallel ranks (`_rank_deals`): the static deals against the deals by
-attention work, in work and in measured per-rank compute and tokens/s.
+Then the pipeline with every slice over `--cp` ranks, in work only (pp x cp ranks outnumber
+this machine's cores: their times would mean nothing): equal-length slices dealt head and tail
+against slices cut and dealt by documents. Then the same batch over `--cp` context-parallel
+ranks, and `--dp-rows` rows of `--dp-seq` tokens over `--dp` data-parallel ranks
+(`_rank_deals`): the static deals against the deals by attention work, in work and in measured
+per-rank compute and tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import statistics
 
 from torch import Tensor
 
+from pipekit.attention.across.token_shards import context_parallel_tokens
 from pipekit.attention.document_lengths import LogNormalLengths, packed_document_ids
 from pipekit.bench._pipeline_launch import (
     add_model_arguments,
@@ -115,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     figures: dict[str, float] = {}
     if options.pipeline:
         figures |= _pipeline_part(options, model, document_ids_BS)
+    if options.pipeline and options.cp:
+        figures |= _pipeline_cp_part(options, model, document_ids_BS)
     timing = dict(
         warmup=options.warmup, repeats=options.repeats, pin=not options.no_pin,
         timeout=options.timeout, measure=not options.work_only, pieces=options.cp_pieces,
@@ -152,6 +159,54 @@ def _pipeline_part(
         for cut in ("equal_length", "equal_cost"):
             simulated = figures[f"simulated_documents_vs_{cut}"]
             figures[f"prediction_error_vs_{cut}"] = simulated / figures[f"documents_vs_{cut}"] - 1
+    return figures
+
+
+_PIPELINE_CP_LAYOUTS = {"static": ("equal_length", "sequence"), "documents": ("documents",) * 2}
+"""The pipeline with cp: (slicing, cp_balance) of the static layout and the document-aware."""
+
+
+def _pipeline_cp_part(
+    options: argparse.Namespace, model: dict, document_ids_BS: Tensor
+) -> dict[str, float]:
+    """Work only: `--pp` pipeline ranks with every slice over `--cp` ranks (pp x cp ranks,
+    more than this machine's cores, so not timed), static (equal-length slices, each dealt
+    head and tail) against document-aware (slices cut and dealt by documents): per
+    microbatch, the busiest (slice, cp rank) cell's work over the mean cell's. Work is linear
+    plus the keys each token sees within its document, the cost the cp deal balances; the
+    slices are cut by it too (the kernel's tiles, which the pipeline part counts, are left
+    out: a cp rank's queries are scattered pieces, not the sequence's tiles)."""
+    figures, rows = {}, []
+    cp = options.cp
+    for name, (cut, deal) in _PIPELINE_CP_LAYOUTS.items():
+        plan = bench_plan(
+            model, schedule="sliced", stages_per_rank=1, num_ranks=options.pp,
+            microbatches=options.microbatches, num_slices=options.slices,
+            rows=options.microbatches, slicing=cut, cp=cp, cp_balance=deal,
+            cp_balance_pieces=options.cp_pieces,
+        )  # fmt: skip
+        slices = dataclasses.replace(plan.slices, work_block=1)  # keys seen, as dealt
+        ratios = []
+        for ids_BS in document_ids_BS.tensor_split(options.microbatches):
+            bounds = slices.microbatch_bounds(ids_BS)
+            dealt = ids_BS if deal == "documents" else None
+            table_CS = context_parallel_tokens(
+                options.seq, cp, document_ids_BS=dealt, pieces_per_rank=options.cp_pieces,
+                bounds=bounds,
+            )  # fmt: skip
+            cost_S = slices.token_costs(ids_BS)
+            ratios.append(
+                max_over_mean(
+                    [
+                        float(cost_S[tokens_S[start // cp : end // cp]].sum())
+                        for start, end in itertools.pairwise(bounds)
+                        for tokens_S in table_CS
+                    ]
+                )
+            )
+        figures[f"pp_cp_work_imbalance_{name}"] = statistics.fmean(ratios)
+        rows.append([name, cut, deal, figures[f"pp_cp_work_imbalance_{name}"]])
+    print_table(["pp x cp layout", "slicing", "cp_balance", "work max/mean (slice, rank)"], rows)
     return figures
 
 

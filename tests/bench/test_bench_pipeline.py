@@ -343,6 +343,8 @@ def test_packed_documents_bench_balances_the_slices_work_by_cutting_per_microbat
     assert documents < figures["work_imbalance_equal_length"] - 0.2
     assert documents < figures["work_imbalance_equal_cost"] - 0.2
     assert figures["cp_work_imbalance_documents"] < 1.05 < figures["cp_work_imbalance_sequence"]
+    static, dealt = (figures[f"pp_cp_work_imbalance_{n}"] for n in ("static", "documents"))
+    assert dealt < 1.05 < static  # the pipeline's slices over 2 cp ranks, cut and dealt
     assert figures["dp_work_imbalance_by_work"] < figures["dp_work_imbalance_in_order"]
     assert figures["simulated_documents_vs_equal_length"] > 1.0
 
