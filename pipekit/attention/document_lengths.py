@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from pipekit.attention.work import document_spans
+
 __all__ = [
     "DocumentLengths",
     "HistogramLengths",
@@ -32,6 +34,7 @@ __all__ = [
     "corpus_histogram",
     "packed_document_ids",
     "parse_document_lengths",
+    "positions_in_documents",
 ]
 
 _BINS_PER_OCTAVE = 8
@@ -109,6 +112,13 @@ def packed_document_ids(lengths: DocumentLengths, rows: int, seq_len: int, seed:
     stream_T = torch.repeat_interleave(torch.arange(len(drawn)), torch.tensor(drawn))[:total]
     document_ids_BS = stream_T.view(rows, seq_len)
     return document_ids_BS - document_ids_BS[:, :1]
+
+
+def positions_in_documents(document_ids_BS: Tensor) -> Tensor:
+    """Each token's index within its document's part of the row: what packing gives RoPE
+    (0 at each document's first token, and at a row's first token)."""
+    first_BS, _ = document_spans(document_ids_BS)
+    return torch.arange(document_ids_BS.shape[1], device=first_BS.device) - first_BS
 
 
 def parse_document_lengths(text: str) -> DocumentLengths | None:

@@ -38,8 +38,8 @@ from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from pipekit.attention.document_lengths import positions_in_documents
 from pipekit.attention.kernels.backends import attention_work_block
-from pipekit.attention.work import document_spans
 from pipekit.config.job_config import JobConfig, ModelConfig, ParallelismConfig, TrainingConfig
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import exit_process
@@ -81,12 +81,6 @@ _SEED = 0
 
 class RankFailedError(RuntimeError):
     """A rank exited non-zero or did not finish in time; the message holds its stderr tail."""
-
-
-def positions_in_documents(document_ids_BS: torch.Tensor) -> torch.Tensor:
-    """Each token's index within its document's part of the row (what packing gives RoPE)."""
-    first_BS, _ = document_spans(document_ids_BS)
-    return torch.arange(document_ids_BS.shape[1]).expand_as(first_BS) - first_BS
 
 
 def run_ranks(

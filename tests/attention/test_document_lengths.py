@@ -15,6 +15,7 @@ from pipekit.attention.document_lengths import (
     corpus_histogram,
     packed_document_ids,
     parse_document_lengths,
+    positions_in_documents,
 )
 from pipekit.config import ConfigError, load_job_config
 from pipekit.train.data.corpus_lengths import main
@@ -83,6 +84,8 @@ def test_rows_are_drawn_reproducibly_and_packed_as_the_loader_packs() -> None:
     steps_BS = document_ids_BS[:, 1:] - document_ids_BS[:, :-1]
     assert torch.isin(steps_BS, torch.tensor([0, 1])).all()
     assert int(document_ids_BS.max()) > 3  # several documents per row
+    starts_BS = torch.cat([torch.ones(3, 1, dtype=torch.bool), steps_BS == 1], dim=1)
+    assert torch.equal(positions_in_documents(document_ids_BS) == 0, starts_BS)  # RoPE restarts
     # a document crossing a row edge continues in the next row: the stream's boundaries are
     # the rows' boundaries plus the row edges
     single = HistogramLengths((3000,), (1,))

@@ -15,9 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from pipekit.attention.document_lengths import LogNormalLengths, packed_document_ids
 from pipekit.bench import _pipeline_launch
 from pipekit.bench.__main__ import main
 from pipekit.bench._all_schedules import TORCH_SCHEDULES
@@ -25,7 +23,6 @@ from pipekit.bench._cpu_per_step import cpu_ratio
 from pipekit.bench._pipeline_launch import (
     bench_plan,
     model_spec,
-    positions_in_documents,
     rank_core_sets,
     run_ranks,
 )
@@ -361,16 +358,3 @@ def test_packed_documents_bench_times_the_three_cuts_on_the_packed_batch():
     for kind, deals in DEALS.items():  # the cp and dp ranks, both deals timed
         assert all(figures[f"{kind}_time_imbalance_{deal}"] >= 1.0 for deal in deals)
         assert figures[f"{kind}_balanced_vs_static"] > 0
-
-
-def test_the_document_mix_packs_rows_as_packing_does():
-    document_ids_BS = packed_document_ids(LogNormalLengths(median=128), 3, 2048, seed=1)
-    assert (document_ids_BS[:, 0] == 0).all()
-    assert (document_ids_BS[:, 1:] >= document_ids_BS[:, :-1]).all()
-    assert int(document_ids_BS.max()) > 3  # several documents per row
-    positions_BS = positions_in_documents(document_ids_BS)
-    starts_BS = torch.cat(
-        [torch.ones(3, 1, dtype=torch.bool), document_ids_BS[:, 1:] != document_ids_BS[:, :-1]],
-        dim=1,
-    )
-    assert torch.equal(positions_BS == 0, starts_BS)

@@ -16,6 +16,7 @@ from tensordict import TensorDict
 from tiny_models import TINY_LLAMA
 
 from pipekit.attention.across.token_shards import context_parallel_tokens
+from pipekit.attention.document_lengths import positions_in_documents
 from pipekit.distributed.context_parallel import ContextParallelRanks
 from pipekit.models import get_model_spec
 from pipekit.testing import (
@@ -49,11 +50,8 @@ def skewed_batch() -> TensorDict:
     short_first = torch.where(index_S < 40, index_S // 5, 8)
     long_first = torch.where(index_S < 36, 0, 1 + (index_S - 36) // 7)
     documents_BS = torch.stack([short_first, short_first, long_first, long_first])
-    starts_BS = torch.cat(
-        [torch.ones(ROWS, 1, dtype=torch.bool), documents_BS[:, 1:] != documents_BS[:, :-1]], 1
-    )
-    first_BS = torch.where(starts_BS, index_S, 0).cummax(dim=1).values
-    batch["document_ids"], batch["positions"] = documents_BS, index_S - first_BS
+    batch["document_ids"] = documents_BS
+    batch["positions"] = positions_in_documents(documents_BS)
     return batch
 
 

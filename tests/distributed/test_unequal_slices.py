@@ -19,6 +19,7 @@ from tensordict import TensorDict
 from tiny_models import TINY_LLAMA
 
 import examples.local_global.model as local_global
+from pipekit.attention.document_lengths import positions_in_documents
 from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.context_parallel import ContextParallelRanks
 from pipekit.models import get_model_spec
@@ -65,11 +66,8 @@ def packed_batch(vocab_size: int = LLAMA.vocab_size) -> TensorDict:
     long_first = torch.where(index_S < 150, 0, 1 + (index_S - 150) // 12)
     two_documents = (index_S >= 90).long()
     documents_BS = torch.stack([long_first, long_first, two_documents, two_documents])
-    starts_BS = torch.cat(
-        [torch.ones(ROWS, 1, dtype=torch.bool), documents_BS[:, 1:] != documents_BS[:, :-1]], 1
-    )
-    first_BS = torch.where(starts_BS, index_S, 0).cummax(dim=1).values
-    batch["document_ids"], batch["positions"] = documents_BS, index_S - first_BS
+    batch["document_ids"] = documents_BS
+    batch["positions"] = positions_in_documents(documents_BS)
     return batch
 
 

@@ -82,7 +82,8 @@ INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("patterns",),  # a layer's attention pattern
         ("chunked", "context_protocol", "work"),  # attention over K/V chunks; what a context
         # is; the attention work of a packed batch's tokens
-        ("kv_cache",),  # the sliced pipeline's chunked KV cache
+        ("kv_cache", "document_lengths"),  # the sliced pipeline's chunked KV cache; packed
+        # rows drawn from a document-length distribution
         ("across",),  # attention across ranks: context parallelism and context exchange
         ("context",),  # the contexts a model is given
     ),
