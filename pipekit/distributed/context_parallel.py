@@ -54,8 +54,14 @@ class ContextParallelRanks:
         `document_ids_BS` and share the shards (slice by slice in a pipeline), by rank: dealt
         by their attention work under `balance = "documents"`, else (or without ids) head and
         tail, the same for every batch."""
+        return self._deal(document_ids_BS, self._bounds(document_ids_BS))
+
+    def _bounds(self, document_ids_BS: Tensor | None) -> Sequence[int] | None:
+        """Where the pipeline cuts these rows (None: `num_slices` equal slices)."""
+        return None if self.slice_cut is None else self.slice_cut(document_ids_BS)
+
+    def _deal(self, document_ids_BS: Tensor | None, bounds: Sequence[int] | None) -> Tensor:
         documents = document_ids_BS if self.balance == "documents" else None
-        bounds = None if self.slice_cut is None else self.slice_cut(document_ids_BS)
         table_CS = context_parallel_tokens(
             self.seq_len, self.cp, self.num_slices, documents, self.pieces_per_rank, bounds
         )
@@ -70,12 +76,13 @@ class ContextParallelRanks:
         parts = []
         for part in batch.tensor_split(microbatches):
             document_ids_BS = part.get("document_ids", None)
-            table_CS = self.rank_tokens(document_ids_BS)
+            bounds = self._bounds(document_ids_BS)
+            table_CS = self._deal(document_ids_BS, bounds)
             local = part[:, table_CS[self.rank]]
             local["cp_tokens"] = table_CS.T.expand(*local.batch_size, self.cp).contiguous()
-            if self.slice_cut is not None:
-                bounds = torch.tensor(self.slice_cut(document_ids_BS), device=table_CS.device)
-                slice_S = torch.bucketize(table_CS[self.rank], bounds[1:], right=True)
+            if bounds is not None:
+                bounds_N = torch.tensor(bounds, device=table_CS.device)
+                slice_S = torch.bucketize(table_CS[self.rank], bounds_N[1:], right=True)
                 local["cp_slice"] = slice_S.expand(*local.batch_size).contiguous()
             parts.append(local)
         return torch.cat(parts)

@@ -169,7 +169,7 @@ def predict_step(
                 attended_slices=simulated_attention(plan, 2.0),
                 track_memory=False,
             )
-            for step in per_step_costs(cost, step_shares)
+            for step in per_step_costs(cost, step_shares) or [cost]
         ]
         accumulation = training.gradient_accumulation_steps  # one pipeline step each
         makespan = statistics.fmean(result.makespan for result in results) * accumulation

@@ -113,5 +113,5 @@ def _longest_slice(layout: SliceLayout, document_ids_BS: Tensor, unit_rows: int)
 
 
 def per_step_costs(cost: CostModel, step_shares: tuple[UnitShares, ...]) -> list[CostModel]:
-    """`cost` for each drawn step (`cost` alone without any)."""
-    return [dataclasses.replace(cost, unit_shares=shares) for shares in step_shares] or [cost]
+    """`cost` for each drawn step (none without a distribution)."""
+    return [dataclasses.replace(cost, unit_shares=shares) for shares in step_shares]

@@ -38,7 +38,6 @@ units are in flight) or gradient accumulation.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +45,11 @@ import torch
 from pipekit.attention.across import VariantRules, context_parallel_variant_entry
 from pipekit.distributed.fsdp import MIXED_PRECISION_DTYPES
 from pipekit.memory_plan.activations import ActivationProfile, TensorSplit, profile_activations
-from pipekit.memory_plan.documents import drawn_unit_shares, longest_drawn_slice
+from pipekit.memory_plan.documents import (
+    drawn_unit_shares,
+    longest_drawn_slice,
+    per_step_costs,
+)
 from pipekit.memory_plan.layout import RankLayout, rank_layouts
 from pipekit.moe.expert_parallel import set_expert_execution
 from pipekit.pipelining.features.offload_plan import resident_peak
@@ -162,18 +165,12 @@ def pipeline_units_in_flight(
     steps' `unit_shares` (`pipekit.memory_plan.documents`); the worst of them and of the
     planned shape is taken."""
     peaks: dict[int, float] = {}
-    for cost in _planned_and_drawn(
-        CostModel(activation_bytes=1.0, slice_bounds=plan.slices.fractions), step_shares
-    ):
+    planned = CostModel(activation_bytes=1.0, slice_bounds=plan.slices.fractions)
+    for cost in [planned, *per_step_costs(planned, step_shares)]:
         result = simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=cost)
         for rank, peak in result.peak_memory.items():
             peaks[rank] = max(peaks.get(rank, 0.0), peak["total"])
     return peaks
-
-
-def _planned_and_drawn(cost: CostModel, step_shares: tuple[UnitShares, ...]) -> list[CostModel]:
-    """`cost` as planned, and for each drawn step."""
-    return [cost, *(dataclasses.replace(cost, unit_shares=shares) for shares in step_shares)]
 
 
 def rank_memory(
@@ -304,7 +301,7 @@ def _pipeline_activations(
             simulate(plan.actions_by_rank, num_slices=plan.num_slices, cost=step).peak_memory[
                 layout.pipeline_rank
             ]["total"]
-            for step in _planned_and_drawn(cost, drawn_unit_shares(job))
+            for step in [cost, *per_step_costs(cost, drawn_unit_shares(job))]
         )
     else:  # activations and cache live from a unit's F to its B: one curve, scaled
         in_flight = units_in_flight[layout.pipeline_rank] * (per_token + kv_per_token) * scale
