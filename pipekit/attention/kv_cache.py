@@ -339,14 +339,32 @@ class SliceAttention:
         sinks_H: Tensor | None = None,
     ) -> Tensor:
         """Attention over the cached earlier slices that `pattern` lets the slice see (within
-        its documents) and the slice's own chunk, merged by LSE (with the sinks, if any)."""
-        visible = [earlier[index] for index in self.visible_indices(earlier, pattern)]
+        its documents) and the slice's own chunk, merged by LSE (with the sinks, if any). A
+        cached slice no row's document reaches is left out: its mask is empty, and evaluating
+        it tile by tile costs like the full causal attention the documents avoid."""
+        visible = [
+            earlier[index]
+            for index in self.visible_indices(earlier, pattern)
+            if self._shares_a_document(earlier[index])
+        ]
         chunks = [
             KVChunk(cached.k_BGSD, cached.v_BGSD, self.earlier_mask(cached, pattern))
             for cached in visible
         ]
         backend = self.cache.backend
         return attention_over_chunks(q_BHSD, [*chunks, own], scale, backend, sinks_H)[0]
+
+    def _shares_a_document(self, cached: CachedSlice) -> bool:
+        """Whether some row's first query is in the document of the cached slice's last key:
+        where ids never decrease along the row (packing's), no query sees any of its keys
+        otherwise. Ids in any other order share a document wherever: always True."""
+        q_ids_BS, kv_ids_BS = self.document_ids_BS, cached.document_ids_BS
+        if q_ids_BS is None or kv_ids_BS is None or not cached.length:
+            return True
+        ordered = torch.cat([kv_ids_BS, q_ids_BS], dim=1)
+        if not bool((ordered[:, 1:] >= ordered[:, :-1]).all()):
+            return True
+        return bool((q_ids_BS[:, 0] == kv_ids_BS[:, -1]).any())
 
     def earlier_mask(self, cached: CachedSlice, pattern: AttentionPattern | None) -> MaskMod | None:
         """This slice's queries against an earlier slice's keys."""

@@ -14,7 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from pipekit.attention import ChunkedKVCache, attention, offset_causal_mask
+from pipekit.attention import kv_cache as kv_cache_module
 from pipekit.attention.context import AttentionContext, CausalAttention
+from pipekit.attention.kv_cache import SliceAttention
 from pipekit.memory.tracker import SAVED, ActivationMemoryTracker
 from pipekit.pipelining.actions import FORWARD
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
@@ -46,15 +48,17 @@ class _TinyAttention(nn.Module):
         return context.attend(LAYER, q_BHSK, k_BGSK, v_BGSK, SCALE)
 
 
-def _microbatch(seed: int, packed: bool) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Input leaf, document ids (two documents split at a row-dependent point) and fixed random
-    weights of the output in the loss."""
+def _microbatch(
+    seed: int, packed: bool, splits: tuple[int, int] = (5, 14)
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Input leaf, document ids (two documents split at `splits`, one per row) and fixed
+    random weights of the output in the loss."""
     generator = torch.Generator().manual_seed(seed)
     x_BSD = torch.randn(BATCH, SEQ_LEN, MODEL_DIM, generator=generator, dtype=torch.float64)
     weights_BHSK = torch.randn(
         BATCH, HEADS, SEQ_LEN, HEAD_DIM, generator=generator, dtype=torch.float64
     )
-    split_B1 = torch.tensor([[5], [14]])
+    split_B1 = torch.tensor(splits)[:, None]
     document_ids_BS = (torch.arange(SEQ_LEN) >= split_B1).long() if packed else None
     return x_BSD.requires_grad_(), document_ids_BS, weights_BHSK
 
@@ -133,6 +137,32 @@ def test_interleaved_microbatches_keep_separate_caches(packed):
     assert max(differences.values()) <= TOLERANCE, differences
     assert cache.nbytes == 0
     assert cache.num_cached_slices(LAYER, 0) == cache.num_cached_slices(LAYER, 1) == 0
+
+
+def test_slices_skip_the_cached_chunks_no_document_reaches(monkeypatch):
+    """Both rows start their second document at token 12 (4 slices of 6): slices 2 and 3 hand
+    the kernel none of slices 0 and 1's chunks (their masks are empty), and the gradients still
+    equal unsliced attention; leaving out a chunk a document does reach (the ablation) breaks
+    parity."""
+    model, microbatches = _TinyAttention(), [_microbatch(1, packed=True, splits=(12, 12))]
+    reference = _reference_grads(model, microbatches)
+    order = _schedule_order(1, 1, 4, rank=0)
+    chunks_per_call = []
+    original = kv_cache_module.attention_over_chunks
+
+    def counting(q_BHSD, chunks, *args):
+        chunks_per_call.append(len(chunks))
+        return original(q_BHSD, chunks, *args)
+
+    monkeypatch.setattr(kv_cache_module, "attention_over_chunks", counting)
+    grads = _sliced_grads(model, microbatches, 4, order, ChunkedKVCache(backend="cpu"))
+    assert chunks_per_call == [1, 2, 1, 2]  # all four earlier chunks: [1, 2, 3, 4]
+    assert max(_relative_differences(grads, reference).values()) <= TOLERANCE
+    monkeypatch.setattr(
+        SliceAttention, "_shares_a_document", lambda self, cached: cached.start != 0
+    )
+    grads = _sliced_grads(model, microbatches, 4, order, ChunkedKVCache(backend="cpu"))
+    assert max(_relative_differences(grads, reference).values()) > 1e-3
 
 
 def test_dropping_kv_cache_gradients_breaks_parity():
