@@ -64,15 +64,11 @@ def _work_imbalance(
     plan_slices: SliceLayout, document_ids_BS: Tensor, microbatches: int
 ) -> tuple[float, list[tuple[int, ...]]]:
     """(mean over microbatches of the slowest slice's work over the mean slice's, the bounds
-    of each microbatch) for one cut."""
-    rows = document_ids_BS.shape[0] // microbatches
+    of each microbatch) for one cut, each slice's work as the sliced kernel computes it."""
     ratios, bounds_per_microbatch = [], []
-    for microbatch in range(microbatches):
-        ids_BS = document_ids_BS[microbatch * rows : (microbatch + 1) * rows]
+    for ids_BS in document_ids_BS.tensor_split(microbatches):
         bounds = plan_slices.microbatch_bounds(ids_BS)
-        cost_S = plan_slices.token_costs(ids_BS)
-        work = [float(cost_S[start:end].sum()) for start, end in itertools.pairwise(bounds)]
-        ratios.append(max_over_mean(work))
+        ratios.append(max_over_mean(plan_slices.slice_costs(ids_BS, bounds)))
         bounds_per_microbatch.append(bounds)
     return statistics.fmean(ratios), bounds_per_microbatch
 

@@ -8,8 +8,10 @@ import itertools
 import pytest
 import torch
 
+from pipekit.attention.kernels._tiles import iter_tiles
 from pipekit.attention.patterns import CAUSAL, AttentionPattern
 from pipekit.attention.work import (
+    SlicedTileKeys,
     attention_work,
     document_spans,
     keys_seen,
@@ -111,6 +113,57 @@ def test_tile_keys_count_the_tiles_a_tiled_kernel_computes(block):
         )
         with pytest.raises(ValueError, match="counted for causal layers only"):
             attention_work(ids_BS, [AttentionPattern(window=5)], block=block)
+
+
+def _kernel_tile_keys(document_ids_BS: torch.Tensor, bounds: list[int], block: int) -> list[int]:
+    """Per slice, the area of the tiles the tiled kernel plans (`iter_tiles`) for the slice's
+    queries against each earlier slice's chunk and its own, times the rows."""
+    rows, per_slice = document_ids_BS.shape[0], []
+    for index, (start, end) in enumerate(itertools.pairwise(bounds)):
+        total = 0
+        for chunk_start, chunk_end in list(itertools.pairwise(bounds))[: index + 1]:
+
+            def mask(b, h, q, k, chunk_start=chunk_start, start=start):
+                query, key = q + start, k + chunk_start
+                same = document_ids_BS[b, query] == document_ids_BS[b, key]
+                return same & (query >= key)
+
+            tiles = iter_tiles(mask, rows, 1, end - start, chunk_end - chunk_start, block, block,
+                               torch.device("cpu"))  # fmt: skip
+            total += sum(
+                rows * (t.q_rows.stop - t.q_rows.start) * (t.kv_cols.stop - t.kv_cols.start)
+                for t in tiles
+            )
+        per_slice.append(total)
+    return per_slice
+
+
+@pytest.mark.parametrize("block", [8, 16, 32])
+def test_sliced_tile_keys_are_the_tiles_the_sliced_kernel_plans(block):
+    """Slices on unaligned bounds, one and several rows (a tile is computed for every row when
+    any row needs it): the closed form equals the kernel's own tile plan; on tile-aligned
+    bounds of one row it is the row-aligned count, on unaligned ones it is not (the ablation:
+    the row-aligned count prices other tiles)."""
+    generator = torch.Generator().manual_seed(block)
+    misses = 0
+    for _ in range(12):
+        rows = int(torch.randint(1, 3, (1,), generator=generator))
+        starts_BS = torch.rand(rows, 192, generator=generator) < 0.04
+        ids_BS = starts_BS.long().cumsum(1)
+        inner = torch.randint(1, 24, (3,), generator=generator).unique().mul(8).tolist()
+        bounds = [0, *inner, 192]
+        counted = SlicedTileKeys(ids_BS, block).per_slice(bounds)
+        assert counted == _kernel_tile_keys(ids_BS, bounds, block), bounds
+        row_aligned_S = tile_keys_seen(ids_BS, block).sum(0)
+        by_row = [int(row_aligned_S[a:b].sum()) for a, b in itertools.pairwise(bounds)]
+        misses += by_row != counted
+    assert misses > 0
+    aligned = [0, 4 * block, 192]
+    ids_BS = (torch.rand(1, 192, generator=generator) < 0.04).long().cumsum(1)
+    row_aligned_S = tile_keys_seen(ids_BS, block)[0]
+    assert SlicedTileKeys(ids_BS, block).per_slice(aligned) == [
+        int(row_aligned_S[a:b].sum()) for a, b in itertools.pairwise(aligned)
+    ]
 
 
 def test_document_spans_and_bad_ids_name_the_fix():

@@ -331,10 +331,12 @@ def test_pipeline_bench_rejects_bad_shape_in_one_line(argv, message, capsys):
 
 
 def test_packed_documents_bench_balances_the_slices_work_by_cutting_per_microbatch():
-    """Short documents (median 256 tokens) in 4K rows: neither static cut fits them."""
+    """Short documents (median 512 tokens) in 8K rows, slices of about four of the CPU
+    kernel's 512-token tiles: neither static cut fits them."""
     figures = _run_bench(
-        "packed-documents", "--work-only", "--seq", "4096", "--slices", "4", "--median", "256"
-    )
+        "packed-documents", "--work-only", "--seq", "8192", "--slices", "4", "--median", "512",
+        "--dp-seq", "2048",
+    )  # fmt: skip
     documents = figures["work_imbalance_documents"]
     assert documents < 1.05
     assert documents < figures["work_imbalance_equal_length"] - 0.2

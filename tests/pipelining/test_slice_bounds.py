@@ -3,16 +3,22 @@ model (within one granule), the plan places them from the model's FLOPs and refu
 that need equal slices, and the simulated pipeline runs shorter than with equal-length slices."""
 
 import itertools
+import statistics
 
 import pytest
 import torch
 
+from pipekit.attention.document_lengths import LogNormalLengths, packed_document_ids
 from pipekit.config.job_config import JobConfig, ParallelismConfig
 from pipekit.models import get_model_spec
 from pipekit.pipelining.plan import plan_pipeline
 from pipekit.pipelining.schedules.document_costs import document_unit_shares
 from pipekit.pipelining.schedules.simulate import CostModel, simulate
-from pipekit.pipelining.schedules.slice_bounds import slice_bounds
+from pipekit.pipelining.schedules.slice_bounds import (
+    cost_slice_bounds,
+    minimax_slice_bounds,
+    slice_bounds,
+)
 from pipekit.pipelining.schedules.slice_layout import SliceLayout
 from pipekit.pipelining.schedules.sliced import sliced_pipeline_actions
 from pipekit.train.job import validate_job
@@ -158,6 +164,50 @@ def test_document_cuts_count_attention_in_the_kernels_tiles():
     keys_cut = by_keys.microbatch_bounds(documents_S[None])
     tiles_cut = by_tiles.microbatch_bounds(documents_S[None])
     assert tiles_cut[1] < keys_cut[1], (keys_cut, tiles_cut)
+
+
+def test_minimax_bounds_cut_any_slice_cost_and_name_bad_input():
+    """On a per-token cost the minimax cut's costliest slice is no costlier than the nearest
+    cumulative cut's; bounds are granule multiples, one granule at least per slice."""
+    cost_S = torch.rand(512, generator=torch.Generator().manual_seed(0)) ** 4
+
+    def slice_cost(start, end, earlier):
+        assert earlier[0] == 0 and earlier[-1] == start
+        return float(cost_S[start:end].sum())
+
+    bounds = minimax_slice_bounds(slice_cost, 512, 6, granularity=8)
+    costs = [slice_cost(a, b, [0, a]) for a, b in itertools.pairwise(bounds)]
+    nearest = cost_slice_bounds(cost_S, 6, 8)
+    assert max(costs) <= max(slice_cost(a, b, [0, a]) for a, b in itertools.pairwise(nearest))
+    assert bounds[0] == 0 and bounds[-1] == 512 and all(b % 8 == 0 for b in bounds)
+    spike_S = torch.zeros(64)
+    spike_S[-1] = 1.0
+    spiked = minimax_slice_bounds(lambda a, b, _: float(spike_S[a:b].sum()), 64, 4, 8)
+    assert all(b - a >= 8 for a, b in itertools.pairwise(spiked))
+    with pytest.raises(ValueError, match="granularity dividing the length"):
+        minimax_slice_bounds(slice_cost, 10, 4, granularity=4)
+
+
+def test_document_cuts_balance_the_tiles_the_sliced_kernel_computes():
+    """Six long-tailed packed rows of 16K tokens, each cut in 8 slices on 64-token bounds, the
+    kernel in 512-token tiles tiling every KV chunk from its own start (the CPU kernel): every
+    document cut's slices are within 5% of each other in those tiles; cut by the row-aligned
+    tile count (the ablation), slices that start inside a tile are priced by the wrong tiles:
+    one row ends over 20% apart, and the rows 4% further apart on average."""
+    ids_BS = packed_document_ids(LogNormalLengths(1024, 1.6), 6, 16384, seed=0)
+    layout = SliceLayout(
+        bounds=slice_bounds(16384, 8), slicing="documents", granularity=64,
+        attention_to_linear=2.6, work_block=512,
+    )  # fmt: skip
+    balanced, row_aligned = [], []
+    for ids_1S in ids_BS.split(1):
+        costs = layout.slice_costs(ids_1S, layout.microbatch_bounds(ids_1S))
+        balanced.append(max(costs) / statistics.fmean(costs))
+        by_rows = layout.slice_costs(ids_1S, cost_slice_bounds(layout.token_costs(ids_1S), 8, 64))
+        row_aligned.append(max(by_rows) / statistics.fmean(by_rows))
+    assert max(balanced) < 1.05, balanced
+    assert max(row_aligned) > 1.2, row_aligned
+    assert statistics.fmean(balanced) < statistics.fmean(row_aligned) - 0.04
 
 
 def test_the_simulator_prices_each_microbatchs_documents():

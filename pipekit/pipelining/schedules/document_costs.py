@@ -1,9 +1,10 @@
 """What the schedule simulator needs to price packed documents: every microbatch's slices, as
 the layout cuts them (each microbatch by its own documents under `slicing = "documents"`, the
 planned bounds otherwise), and each slice's share of the sequence's tokens and of one causal
-sequence's attention, counted as the layout counts it (`SliceLayout.work_block`: the kernel's
-tiles). A packed batch drawn from a corpus's document lengths, or from a named distribution,
-gives the simulator that corpus's step instead of one causal sequence per row.
+sequence's attention, counted as the layout counts it (`SliceLayout.slice_attention`: in the
+kernel's tiles, as the sliced kernel computes them). A packed batch drawn from a corpus's
+document lengths, or from a named distribution, gives the simulator that corpus's step instead
+of one causal sequence per row.
 
 Legend: B rows, S tokens per row.
 """
@@ -36,15 +37,15 @@ def document_unit_shares(
             f"rows of {seq_len} tokens for slices of a {layout.bounds[-1]}-token sequence; "
             "give the batch the layout was planned for"
         )
-    block = layout.work_block
-    causal = float(attention_work(None, [None], seq_len, block).sum())
+    causal = float(attention_work(None, [None], seq_len, layout.work_block).sum())
     shares = []
     for ids_BS in document_ids_BS.tensor_split(microbatches):
-        work_S = attention_work(ids_BS, [None], block=block).double().mean(dim=0)
+        bounds = layout.microbatch_bounds(ids_BS)
+        keys = layout.slice_attention(ids_BS, bounds)
         shares.append(
             tuple(
-                ((end - start) / seq_len, float(work_S[start:end].sum()) / causal)
-                for start, end in itertools.pairwise(layout.microbatch_bounds(ids_BS))
+                ((end - start) / seq_len, slice_keys / ids_BS.shape[0] / causal)
+                for (start, end), slice_keys in zip(itertools.pairwise(bounds), keys, strict=True)
             )
         )
     return tuple(shares)

@@ -14,12 +14,15 @@ ranks' share), so each slice is within one granule of equal cost.
 
 Packed documents break the single-sequence formula: a token's attention work is the keys its
 document lets it see. `cost_slice_bounds` cuts any per-token cost instead (a batch's
-`pipekit.attention.work.token_costs`, summed over the rows that share the slices).
+`pipekit.attention.work.token_costs`, summed over the rows that share the slices), and
+`minimax_slice_bounds` any cost of a whole slice, for a tiled kernel whose slice costs depend on
+where the earlier slices start (`pipekit.attention.work.SlicedTileKeys`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -29,6 +32,7 @@ __all__ = [
     "SLICINGS",
     "cost_slice_bounds",
     "equal_cost_fractions",
+    "minimax_slice_bounds",
     "slice_bounds",
 ]
 
@@ -134,3 +138,64 @@ def cost_slice_bounds(cost_S: Tensor, num_slices: int, granularity: int = 1) -> 
         bounds.append(min(max(nearest, lowest), highest))
     bounds.append(granules)
     return tuple(bound * granularity for bound in bounds)
+
+
+SliceCost = Callable[[int, int, Sequence[int]], float]
+"""The cost of the slice `[start, end)` when the slices before it are cut at the given bounds
+(0 up to `start`)."""
+
+
+def _cut_at_budget(
+    slice_cost: SliceCost, granules: int, num_slices: int, granularity: int, budget: float
+) -> tuple[list[int], list[float]]:
+    """Each slice but the last ends at the granule edge whose cost is nearest `budget` (at
+    least one granule, leaving one for each later slice); the bounds, in granules, and every
+    slice's cost."""
+    bounds, costs = [0], []
+    for index in range(1, num_slices):
+        start, earlier = bounds[-1] * granularity, [bound * granularity for bound in bounds]
+        low, high = bounds[-1] + 1, granules - (num_slices - index)
+        while low < high:  # the longest slice within budget (cost rises with the end)
+            middle = (low + high + 1) // 2
+            if slice_cost(start, middle * granularity, earlier) <= budget:
+                low = middle
+            else:
+                high = middle - 1
+        candidates = [(slice_cost(start, end * granularity, earlier), end)
+                      for end in {low, min(low + 1, high)}]  # fmt: skip
+        cost, end = min(candidates, key=lambda pair: (abs(pair[0] - budget), pair[1]))
+        bounds.append(end)
+        costs.append(cost)
+    earlier = [bound * granularity for bound in bounds]
+    costs.append(slice_cost(bounds[-1] * granularity, granules * granularity, earlier))
+    bounds.append(granules)
+    return bounds, costs
+
+
+def minimax_slice_bounds(
+    slice_cost: SliceCost,
+    seq_len: int,
+    num_slices: int,
+    granularity: int = 1,
+    budgets: int = 64,
+) -> tuple[int, ...]:
+    """The `num_slices + 1` token offsets, on multiples of `granularity`, of slices of about
+    equal cost: for each of `budgets` budgets from 0.95x to 1.25x the mean slice cost, every
+    slice but the last ends nearest the budget, and the cut whose costliest slice is cheapest
+    is kept. A scan, not a bisection: a slice's cost jumps with the tiles of the slices before
+    it, so the last slice's cost is not monotone in the budget. For costs that are not sums
+    over tokens; `slice_cost` must rise with a slice's end. Deterministic."""
+    if granularity < 1 or seq_len % granularity or seq_len // granularity < num_slices:
+        raise ValueError(
+            f"{seq_len} tokens do not split into num_slices={num_slices} slices of whole "
+            f"granules of {granularity} tokens; choose a granularity dividing the length and at "
+            "most length / num_slices"
+        )
+    granules = seq_len // granularity
+    unbounded, costs = _cut_at_budget(slice_cost, granules, num_slices, granularity, math.inf)
+    mean, best = sum(costs) / num_slices, (max(costs), unbounded)
+    for step in range(budgets):
+        budget = mean * (0.95 + 0.3 * step / max(budgets - 1, 1))
+        bounds, costs = _cut_at_budget(slice_cost, granules, num_slices, granularity, budget)
+        best = min(best, (max(costs), bounds))
+    return tuple(bound * granularity for bound in best[1])

@@ -9,12 +9,14 @@ bounds were cut.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from pipekit.attention.work import token_costs
-from pipekit.pipelining.schedules.slice_bounds import cost_slice_bounds
+from pipekit.attention.work import SlicedTileKeys, attention_work, token_costs
+from pipekit.pipelining.schedules.slice_bounds import cost_slice_bounds, minimax_slice_bounds
 
 __all__ = ["SliceLayout"]
 
@@ -87,24 +89,72 @@ class SliceLayout:
         """Whether each microbatch is cut by its own batch (slicing "documents")."""
         return self.slicing == "documents"
 
+    @property
+    def attention_per_key(self) -> float:
+        """One key's attention work in units of one token's linear work: a causal sequence's
+        attention, `S (S + 1) / 2` keys, is `attention_to_linear` of its `S` tokens' linear work."""
+        return 2 * self.attention_to_linear / (self.bounds[-1] + 1)
+
     def token_costs(self, document_ids_BS: Tensor | None) -> Tensor:
         """Each token position's work in one microbatch whose rows carry `document_ids_BS`
         (None: one causal sequence per row), summed over its rows (they share the slices), in
         units of one token's linear work. Every layer is counted as causal attention (windowed
         or chunked layers see fewer keys: their work is overestimated, never dropped), by the
-        keys of the tiles the kernel computes: short documents cost their whole tiles."""
+        keys of the tiles the kernel computes, aligned at the row's start: short documents cost
+        their whole tiles."""
         seq_len = self.bounds[-1]
-        attention_per_key = 2 * self.attention_to_linear / (seq_len + 1)
         costs_BS = token_costs(
-            document_ids_BS, [None], 1.0, attention_per_key, seq_len, self.work_block
+            document_ids_BS, [None], 1.0, self.attention_per_key, seq_len, self.work_block
         )
         return costs_BS.sum(0)
 
+    def _rows(self, document_ids_BS: Tensor | None) -> Tensor:
+        """The microbatch's document ids, or one row of one causal sequence."""
+        if document_ids_BS is not None:
+            return document_ids_BS
+        return torch.zeros(1, self.bounds[-1], dtype=torch.int64)
+
+    def slice_attention(
+        self, document_ids_BS: Tensor | None, bounds: tuple[int, ...]
+    ) -> list[float]:
+        """Each slice's attention keys (as `token_costs` counts them, summed over the rows) when
+        the microbatch is cut at `bounds`; in kernel tiles (`work_block` > 1) as the sliced
+        kernel computes them, each KV chunk tiled from its own first token (`SlicedTileKeys`)."""
+        ids_BS = self._rows(document_ids_BS)
+        if self.work_block > 1:
+            return [
+                float(keys) for keys in SlicedTileKeys(ids_BS, self.work_block).per_slice(bounds)
+            ]
+        keys_S = attention_work(ids_BS, [None]).sum(0).to(torch.float64)
+        return [float(keys_S[start:end].sum()) for start, end in itertools.pairwise(bounds)]
+
+    def slice_costs(self, document_ids_BS: Tensor | None, bounds: tuple[int, ...]) -> list[float]:
+        """Each slice's linear plus attention work, in units of one token's linear work."""
+        rows = self._rows(document_ids_BS).shape[0]
+        return [
+            rows * (end - start) + self.attention_per_key * keys
+            for (start, end), keys in zip(
+                itertools.pairwise(bounds),
+                self.slice_attention(document_ids_BS, bounds),
+                strict=True,
+            )
+        ]
+
     def microbatch_bounds(self, document_ids_BS: Tensor | None) -> tuple[int, ...]:
-        """The bounds of one microbatch: with "documents", equal `token_costs` per slice;
-        otherwise `bounds`."""
+        """The bounds of one microbatch: with "documents", equal work per slice (in kernel
+        tiles: the costliest slice as cheap as `minimax_slice_bounds` finds; in keys, equal
+        `token_costs`); otherwise `bounds`."""
         if not self.per_microbatch:
             return self.bounds
-        return cost_slice_bounds(
-            self.token_costs(document_ids_BS), self.num_slices, self.granularity
-        )
+        if self.work_block == 1:
+            return cost_slice_bounds(
+                self.token_costs(document_ids_BS), self.num_slices, self.granularity
+            )
+        ids_BS = self._rows(document_ids_BS)
+        tiles = SlicedTileKeys(ids_BS, self.work_block)
+        rows, per_key = ids_BS.shape[0], self.attention_per_key
+
+        def slice_cost(start: int, end: int, earlier: Sequence[int]) -> float:
+            return rows * (end - start) + per_key * tiles.slice_keys(start, end, earlier)
+
+        return minimax_slice_bounds(slice_cost, self.bounds[-1], self.num_slices, self.granularity)
