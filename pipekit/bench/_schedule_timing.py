@@ -172,7 +172,7 @@ def time_schedules(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str,
         "page_faults": page_faults,
         "cpu": cpu_seconds,
         "recorded": {
-            name: _recorded_step(runner, batch, num_label_tokens)
+            name: _recorded_step(runner, batch, num_label_tokens, spec.get("slice_steps", 1))
             for name, runner in runners.items()
             if spec.get("record", True)
         },
@@ -199,12 +199,17 @@ def _zero_gradients(runner: PipelineRunner) -> None:
         stage.submod.zero_grad(set_to_none=False)
 
 
-def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) -> dict[str, float]:
+def _recorded_step(
+    runner: PipelineRunner, batch: Any, num_label_tokens: float, slice_steps: int = 1
+) -> dict[str, float]:
     """One more step with every compute action timed (`record_schedule`): the step's time (to
     the barrier after it), the time inside this rank's actions and how many it ran, and the
     peak bytes of its activations (saved tensors, KV cache, stage inputs). What is
     left is idle: waiting for the other ranks (the bubble, which causal imbalance lengthens)
-    plus everything outside the compute, the runtime's Python, sends, receives and the loss."""
+    plus everything outside the compute, the runtime's Python, sends, receives and the loss.
+    The slice-time imbalance adds `slice_steps - 1` more recorded steps of the same batch:
+    each slice's seconds summed over them, so the machine's step-to-step jitter averages out
+    and what remains is the cut's."""
     params = [param for stage in runner.stages for param in stage.submod.parameters()]
     with ActivationMemoryTracker(exclude=params) as tracker, record_schedule(runner) as recorder:
         runner.step(batch, num_label_tokens)
@@ -213,7 +218,14 @@ def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) 
     _zero_gradients(runner)
     compute_s = sum(event.end - event.start for event in recorder.events)
     figures = {"step_s": step_s, "compute_s": compute_s, "actions": len(recorder.events)}
-    figures["slice_time_imbalance"] = _slice_time_imbalance(recorder.events, runner.num_slices)
+    events = list(recorder.events)
+    for _ in range(slice_steps - 1):
+        with record_schedule(runner) as more:
+            runner.step(batch, num_label_tokens)
+        dist.barrier()
+        _zero_gradients(runner)
+        events += more.events
+    figures["slice_time_imbalance"] = _slice_time_imbalance(events, runner.num_slices)
     figures["peak_activation_bytes"] = tracker.report().peak_total_bytes
     for extension in runner.extensions:
         figures.update(extension.step_figures())
@@ -222,8 +234,8 @@ def _recorded_step(runner: PipelineRunner, batch: Any, num_label_tokens: float) 
 
 def _slice_time_imbalance(events: list[Any], num_slices: int) -> float:
     """How unevenly a microbatch's slices took this rank's compute: per (stage, microbatch),
-    the slowest slice's forward plus backward seconds over the mean of its slices, averaged
-    (1: even; NaN without slices)."""
+    the slowest slice's forward plus backward seconds (summed over the recorded steps) over
+    the mean of its slices, averaged (1: even; NaN without slices)."""
     if num_slices < 2:
         return float("nan")
     seconds: dict[tuple[int, int], dict[int, float]] = {}

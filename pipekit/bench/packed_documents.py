@@ -12,11 +12,14 @@ cuts of the sliced pipeline (`--pp` ranks) are compared on the same batch:
 - `documents`: each microbatch cut by its own documents' work, every step.
 
 The work table gives, per cut, each slice's attention-plus-linear work over the mean of its
-microbatch's slices (the slowest slice sets the pace of a lockstep pipeline), from the cost the
-cut itself uses. Then the ranks (gloo, one thread each, the fair allocator) time the three
-cuts alternately after a warm-up step each; one recorded step of each gives the measured
-imbalance: per stage and microbatch, the slowest slice's forward-plus-backward seconds over the
-mean of its slices. `documents_vs_<cut>` is the median per-round step-time ratio;
+microbatch's slices (the slowest slice sets the pace of a lockstep pipeline), in the tiles the
+sliced kernel computes. Then the ranks (gloo, one thread each, the fair allocator) time the
+three cuts alternately after a warm-up step each; `--slice-steps` recorded steps of each give
+the measured imbalance: per stage and microbatch, the slowest slice's forward-plus-backward
+seconds over the mean of its slices, each slice's seconds summed over those steps (the same
+batch: the sum averages out the machine's jitter, not the cut's imbalance; a single step on
+this 2-core machine varies a slice by 5-10%). `documents_vs_<cut>` is the median per-round
+step-time ratio;
 `simulated_documents_vs_<cut>` the simulator's for this batch (`document_unit_shares`), and
 `prediction_error_vs_<cut>` how far it is from the measured one.
 
@@ -87,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the document draw")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each cut")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of each cut")
+    parser.add_argument("--slice-steps", type=int, default=3,
+                        help="recorded steps whose slice times are summed")  # fmt: skip
     parser.add_argument("--work-only", action="store_true", help="print the work tables only")
     parser.add_argument("--cp", type=int, default=2, help="context-parallel ranks (0: skip)")
     parser.add_argument("--cp-pieces", type=int, default=8, help="pieces per cp rank")
@@ -232,6 +237,7 @@ def _measure(options: argparse.Namespace, model: dict, document_ids_BS: Tensor) 
         "repeats": options.repeats,
         "runs": runs,
         "document_ids": document_ids_BS.tolist(),
+        "slice_steps": options.slice_steps,
     }
     ranks = time_alternately(options.pp, spec, pin=not options.no_pin, timeout=options.timeout)
     samples = ranks[0]["samples"]
