@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipekit.config.fault_tolerance import FaultToleranceConfig
+
 __all__ = [
     "CheckpointConfig",
     "CompileConfig",
     "DataConfig",
+    "FaultToleranceConfig",
     "JobConfig",
     "JobSection",
     "LRSchedulerConfig",
@@ -476,3 +479,4 @@ class JobConfig:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

@@ -24,6 +24,7 @@ from pipekit.train.activation_checkpoint import check_checkpoint_with_schedule
 from pipekit.train.checkpoint_rules import check_checkpoints
 from pipekit.train.config_values import check_values
 from pipekit.train.parallel_rules import check_parallel_layout
+from pipekit.train.replica_groups import check_fault_tolerance
 
 if TYPE_CHECKING:
     from torch import nn
@@ -57,6 +58,23 @@ class Job:
     def tensor_parallel(self) -> int:
         """The tp degree."""
         return self.dims.tp
+
+    @property
+    def replica_groups(self) -> int:
+        """Fault-tolerant replica groups the batch is split over (1 without them)."""
+        fault_tolerance = self.config.fault_tolerance
+        return fault_tolerance.groups if fault_tolerance.enabled else 1
+
+    @property
+    def data_parallel_degree(self) -> int:
+        """Ranks reading different rows of a step: every group's data-parallel ranks."""
+        return self.replica_groups * self.dims.dp_degree
+
+    def data_parallel_rank(self, group_dp_rank: int) -> int:
+        """This rank's share of the step among `data_parallel_degree`: its group's shares
+        come after the lower groups' (as dp_replicate orders them)."""
+        group = self.config.fault_tolerance.replica_group if self.replica_groups > 1 else 0
+        return group * self.dims.dp_degree + group_dp_rank
 
     @property
     def sequence_parallel(self) -> bool:
@@ -103,11 +121,13 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
         upcycling=upcycle is not None,
     )
     _check_float8(config, dims.tp)
-    per_step = dims.dp_degree * config.training.gradient_accumulation_steps
+    groups = check_fault_tolerance(config.fault_tolerance, dims.dp_replicate)
+    data_parallel = groups * dims.dp_degree
+    per_step = data_parallel * config.training.gradient_accumulation_steps
     if config.training.global_batch_size % per_step:
         raise ConfigError(
             f"[training] global_batch_size={config.training.global_batch_size} must be divisible "
-            f"by data-parallel degree {dims.dp_degree} x gradient_accumulation_steps="
+            f"by data-parallel degree {data_parallel} x gradient_accumulation_steps="
             f"{config.training.gradient_accumulation_steps} = {per_step}; try "
             f"{per_step * max(1, config.training.global_batch_size // per_step)}"
         )

@@ -32,9 +32,7 @@ from pipekit.checkpoint.dcp import (
     EXPORT_DTYPES,
     CheckpointManager,
     ModelOptimizerState,
-    capture_rng_state,
     load_checkpoint,
-    restore_rng_state,
 )
 from pipekit.config.dump import dump_toml, write_job_config
 from pipekit.config.loader import to_dict
@@ -73,6 +71,8 @@ from pipekit.train.model_setup import build_job_model
 from pipekit.train.non_finite import NonFiniteLossError, handle_non_finite
 from pipekit.train.optimizer import build_optimizer
 from pipekit.train.profiling import StepProfiler
+from pipekit.train.progress import ThroughputWindow, TrainingProgress
+from pipekit.train.replica_groups import ReplicaGroups
 from pipekit.train.stop_signals import StopSignals
 
 __all__ = ["NonFiniteLossError", "Trainer"]
@@ -124,12 +124,12 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.training.steps, config.lr_scheduler
         )
-        dp_degree = self.dims.dp_degree
+        dp_degree = job.data_parallel_degree
         self.micro_batch_size = job.local_batch_size
         data_options: dict[str, Any] = dict(
             seq_len=config.training.seq_len,
             local_batch_size=self.micro_batch_size,
-            dp_rank=self.dims.dp_rank(self.mesh),
+            dp_rank=job.data_parallel_rank(self.dims.dp_rank(self.mesh)),
             dp_world_size=dp_degree,
             seed=config.job.seed,
         )
@@ -148,6 +148,11 @@ class Trainer:
         # its share among its units itself).
         self._aux_loss_share = 1.0 / (dp_degree * config.training.gradient_accumulation_steps)
         self.step = 0
+        self.replica_groups: ReplicaGroups | None = None
+        if config.fault_tolerance.enabled:
+            self.replica_groups = ReplicaGroups(
+                config.fault_tolerance, self.device, self._checkpoint_state
+            )
         excluded = config.checkpoint.exclude_from_loading
         if initial_pipekit:  # into any layout: the model alone, or the whole training state
             model_only = config.checkpoint.initial_load_model_only
@@ -219,9 +224,11 @@ class Trainer:
             ),
             "lr_scheduler": self.lr_scheduler,
             "data": self.data,
-            "trainer": _TrainerProgress(self),
+            "trainer": TrainingProgress(self),
         }
-        parts = {"data": ("data",), "progress": ("trainer", "lr_scheduler")}
+        if self.replica_groups is not None:
+            state["replica_groups"] = self.replica_groups
+        parts = {"data": ("data",), "progress": ("trainer", "lr_scheduler", "replica_groups")}
         dropped = {key for name in excluded for key in parts.get(name, ())}
         return {key: value for key, value in state.items() if key not in dropped}
 
@@ -236,8 +243,11 @@ class Trainer:
             dist.all_reduce(value)
         return value
 
-    def train_step(self) -> tuple[float, float, int]:
-        """One optimizer step: returns (loss, grad norm, global label tokens)."""
+    def train_step(self) -> tuple[float, float, int] | None:
+        """One optimizer step: returns (loss, grad norm, global label tokens); None when a
+        replica group failed during it (nobody stepped: the next batch takes the step)."""
+        if self.replica_groups is not None:
+            self.replica_groups.start_step()
         micro_batches = [
             next(self.data) for _ in range(self.config.training.gradient_accumulation_steps)
         ]
@@ -246,6 +256,11 @@ class Trainer:
             self.pipeline, self.output_dir, enabled=trace, write=self.rank == 0
         ):
             global_loss, global_tokens = self._loss(micro_batches, backward=True)
+        if self.replica_groups is not None:
+            self.replica_groups.sum_gradients(self.model.parameters())
+            if not self.replica_groups.should_commit():  # a group failed in the step
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
         grad_norm = math.nan
         if math.isfinite(global_loss):
             max_norm = self.config.training.max_norm
@@ -281,13 +296,18 @@ class Trainer:
         same_batch = self.dims.pp * self.dims.tp
         global_tokens = self._all_reduce_sum(torch.as_tensor(local_tokens, device=self.device))
         global_tokens = global_tokens // same_batch
+        if self.replica_groups is not None and backward:  # the quorum's tokens
+            global_tokens = self.replica_groups.sum_over_groups(global_tokens.double()).long()
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro_batches:
             with aux_loss_scale(self._aux_loss_share):
                 loss = self._forward_backward(batch, global_tokens, backward)
             if loss is not None:  # pipelined: only the rank with the last stage has a loss
                 loss_sum += loss.detach()
-        return float(self._all_reduce_sum(loss_sum)) / self.dims.tp, int(global_tokens)
+        loss_sum = self._all_reduce_sum(loss_sum)
+        if self.replica_groups is not None and backward:
+            loss_sum = self.replica_groups.sum_over_groups(loss_sum)
+        return float(loss_sum) / self.dims.tp, int(global_tokens)
 
     def validation_loss(self) -> float:
         """Mean token loss over the first `validation.steps` global batches of the held-out
@@ -374,18 +394,22 @@ class Trainer:
             config.training.steps,
         )
         losses: list[float] = []
-        window = _ThroughputWindow(self.step)
+        window = ThroughputWindow(self.step)
         stop_signal = None
         with StopSignals() as stop, contextlib.closing(self.metrics), contextlib.closing(self.data):
             while self.step < config.training.steps and stop_signal is None:
                 with self.profiler.step(self.step + 1):
-                    loss, grad_norm, tokens = self.train_step()
+                    taken = self.train_step()
+                if taken is None:
+                    logger.warning("step %d dropped: a replica group failed in it", self.step + 1)
+                    continue
+                loss, grad_norm, tokens = taken
                 losses.append(loss)
                 window.tokens += tokens
                 last = self.step == config.training.steps
                 if self.step == 1 or last or self.step % config.metrics.log_interval == 0:
                     self.metrics.log(self._record(loss, grad_norm, window))
-                    window = _ThroughputWindow(self.step)
+                    window = ThroughputWindow(self.step)
                 if self.validation_data is not None and (
                     last or self.step % config.validation.interval == 0
                 ):
@@ -399,6 +423,8 @@ class Trainer:
                 ):
                     self._save(model_only=last and config.checkpoint.last_save_model_only)
         self._log_saved(self.checkpoints.finish())
+        if self.replica_groups is not None:
+            self.replica_groups.shutdown()
         if stop_signal is not None:
             logger.info(
                 "stopped on %s after step %d; run the same command to resume",
@@ -436,19 +462,21 @@ class Trainer:
             f"top-{upcycle.routed_experts})"
         )
 
-    def _record(self, loss: float, grad_norm: float, window: _ThroughputWindow) -> dict[str, Any]:
+    def _record(self, loss: float, grad_norm: float, window: ThroughputWindow) -> dict[str, Any]:
         """The metrics of the step just taken; throughput over the steps since the last one."""
         elapsed = time.perf_counter() - window.start
-        tokens_per_s = window.tokens / elapsed
+        tokens_per_s = window.tokens / elapsed  # every replica group's in the quorum
+        groups = self.replica_groups.participants if self.replica_groups is not None else 1
+        devices = self.world_size * groups
         return {
             "step": self.step,
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": float(self.lr_scheduler.get_last_lr()[0]),
             "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": tokens_per_s / self.world_size,
+            "tokens_per_s_per_device": tokens_per_s / devices,
             "step_time_s": elapsed / (self.step - window.first_step),
-            "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size),
+            "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * devices),
             **memory_stats(self.model, self.optimizer),
         }
 
@@ -460,26 +488,3 @@ class Trainer:
         row_shards = self.pipeline.row_sharded_parameters() if self.pipeline else {}
         hf.save(self.model, self.job.args, str(directory), row_shards=row_shards)
         logger.info("exported %s layout to %s", self.job.spec.name, directory)
-
-
-class _TrainerProgress:
-    """The step counter and RNG states, as a checkpointable object."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.trainer.step, "rng": capture_rng_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.step = int(state["step"])
-        restore_rng_state(state["rng"])
-
-
-class _ThroughputWindow:
-    """The steps since the last logged one: when they started and the tokens they trained."""
-
-    def __init__(self, step: int) -> None:
-        self.first_step = step
-        self.start = time.perf_counter()
-        self.tokens = 0
