@@ -16,14 +16,21 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
-from job_runs import descendants, job_command, job_env, kill_process_tree, train_job
+from job_runs import (
+    CONFIG,
+    SLICED_PP_CONFIG,
+    descendants,
+    job_command,
+    job_env,
+    kill_process_tree,
+    train_job,
+)
 from safetensors.torch import load_file
 from torchft.coordination import LighthouseServer
 
-STEPS, KILL_AFTER = 140, 8
-"""Enough steps that the survivor is still training when the restarted group is up (its
-interpreters and process group take seconds, the survivor's steps a fraction of one)."""
+STEPS, KILL_AFTER = 40, 8
 RUN = (
     "--training.seq_len", "64", "--training.global_batch_size", "4",
     "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_type", "constant",
@@ -46,6 +53,13 @@ def _wait_for_step(output_dir: Path, step: int, job: subprocess.Popen, deadline:
         time.sleep(0.05)
 
 
+def _signal_trees(jobs: list[subprocess.Popen], signum: int) -> None:
+    """Send `signum` to every process of the jobs (torchrun and its workers)."""
+    for job in jobs:
+        for pid in [job.pid, *descendants(job.pid)]:
+            os.kill(pid, signum)
+
+
 def _weights(output_dir: Path) -> dict[str, torch.Tensor]:
     return {
         name: tensor
@@ -54,78 +68,98 @@ def _weights(output_dir: Path) -> dict[str, torch.Tensor]:
     }
 
 
-def test_a_killed_replica_group_rejoins_from_a_live_peer_and_the_groups_agree(tmp_path):
-    """Two groups of 2 ranks: until the kill both log the losses of dp_replicate = 2 on 4
-    ranks (to float32 rounding: the sum over groups adds one reduction); group 1 SIGKILLed
-    after step 8 (its torchrun with it), group 0 drops the step it was in and trains on alone
-    (no restart); group 1 restarted joins at a step boundary, receives the training state
-    from group 0 (not from a checkpoint), and from then on both log the same losses bit for
-    bit and end with bitwise equal weights."""
+@pytest.mark.parametrize(
+    ("groups", "config", "layout"),
+    [(2, CONFIG, ("--parallelism.dp_shard", "2")),
+     (2, SLICED_PP_CONFIG, ("--parallelism.microbatches", "2", "--parallelism.num_slices", "2"))],
+    ids=["fsdp", "sliced_pipeline"],
+)  # fmt: skip
+def test_a_killed_replica_group_rejoins_from_a_live_peer_and_the_groups_agree(
+    tmp_path, groups, config, layout
+):
+    """`groups` groups of 2 ranks (FSDP, or a sliced pipeline of 2 stages): until the kill all
+    log the losses of dp_replicate = groups on one torchrun (to float32 rounding: the sum over
+    groups adds one reduction); the last group SIGKILLed after step 8 (its torchrun with it),
+    the others drop the step they were in and train on without it (no restart); the group
+    restarted joins at a step boundary, receives the training state from a live group (not
+    from a checkpoint), and from then on all log the same losses bit for bit and end with
+    bitwise equal weights. The rejoin time includes the seconds the others were held."""
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000
     )
     run = (
-        *RUN, "--training.steps", str(STEPS), "--checkpoint.export_hf_at_end", "true",
-        "--fault_tolerance.enabled", "true", "--fault_tolerance.lighthouse",
-        lighthouse.address(), "--fault_tolerance.timeout_s", "10",
+        *RUN, *layout, "--training.steps", str(STEPS), "--checkpoint.export_hf_at_end", "true",
+        "--fault_tolerance.enabled", "true", "--fault_tolerance.groups", str(groups),
+        "--fault_tolerance.lighthouse", lighthouse.address(), "--fault_tolerance.timeout_s", "10",
     )  # fmt: skip
-    folders = [tmp_path / f"group{group}" for group in range(2)]
-    logs = [tmp_path / f"group{group}.log" for group in range(2)] + [tmp_path / "restarted.log"]
+    folders = [tmp_path / f"group{group}" for group in range(groups)]
+    logs = [tmp_path / f"group{group}.log" for group in range(groups)]
+    victim = groups - 1
 
     def start(group: int, log: Path) -> subprocess.Popen:
-        command = job_command(folders[group], *run, "--fault_tolerance.replica_group", str(group))
+        command = job_command(folders[group], *run, "--fault_tolerance.replica_group", str(group),
+                              config=config)  # fmt: skip
         return subprocess.Popen(
             command, env=job_env(), cwd=tmp_path, stdout=log.open("w"), stderr=subprocess.STDOUT
         )
 
+    jobs = [start(group, logs[group]) for group in range(groups)]
     try:
-        jobs = [start(group, logs[group]) for group in range(2)]
         deadline = time.monotonic() + 300
-        _wait_for_step(folders[1], KILL_AFTER, jobs[1], deadline)
-        kill_process_tree(jobs[1].pid)
+        _wait_for_step(folders[victim], KILL_AFTER, jobs[victim], deadline)
+        kill_process_tree(jobs[victim].pid)
         killed = time.monotonic()
-        jobs[1].wait()
-        before_kill = {r["step"]: r["loss"] for r in _records(folders[1])}
-        restarted = start(1, logs[2])
-        _wait_for_step(folders[1], KILL_AFTER + 1, restarted, deadline)
+        jobs[victim].wait()
+        before_kill = {r["step"]: r["loss"] for r in _records(folders[victim])}
+        # the others go on without it; then they are held (SIGSTOP) while the group restarts,
+        # so that on a busy machine they cannot finish before it is up
+        _wait_for_step(folders[0], KILL_AFTER + 3, jobs[0], deadline)
+        _signal_trees(jobs[:victim], signal.SIGSTOP)
+        jobs[victim] = start(victim, tmp_path / "restarted.log")
+        while "training " not in (tmp_path / "restarted.log").read_text():
+            assert jobs[victim].poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        _signal_trees(jobs[:victim], signal.SIGCONT)
+        _wait_for_step(folders[victim], KILL_AFTER + 1, jobs[victim], deadline)
         rejoin_s = time.monotonic() - killed
-        assert jobs[0].wait(timeout=300) == 0 and restarted.wait(timeout=300) == 0
+        assert all(job.wait(timeout=300) == 0 for job in jobs)
     finally:
         lighthouse.shutdown()
-        for job in [*jobs, restarted] if "restarted" in locals() else jobs:
+        for job in jobs:
             if job.poll() is None:
                 kill_process_tree(job.pid)
 
     survivor = {r["step"]: r["loss"] for r in _records(folders[0])}
     assert sorted(survivor) == list(range(1, STEPS + 1))  # the dropped step was taken again
     reference = train_job(
-        tmp_path / "reference", *RUN, "--training.steps", str(KILL_AFTER),
-        "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", nproc=4,
+        tmp_path / "reference", *RUN, *layout, "--training.steps", str(KILL_AFTER),
+        "--parallelism.dp_replicate", str(groups), nproc=2 * groups, config=config,
     )  # fmt: skip
     for step in range(1, KILL_AFTER + 1):
         assert before_kill[step] == survivor[step]
         assert abs(survivor[step] - reference[step]) <= 1e-6 * abs(reference[step])
 
-    survivor_log, restarted_log = logs[0].read_text(), logs[2].read_text()
+    survivor_log, restarted_log = logs[0].read_text(), (tmp_path / "restarted.log").read_text()
     quorums = [
-        (int(step), int(groups))
-        for step, groups in re.findall(r"step (\d+): (\d) of 2 replica groups", survivor_log)
+        (int(step), int(size))
+        for step, size in re.findall(rf"step (\d+): (\d) of {groups} replica groups", survivor_log)
     ]
-    alone = [step for step, groups in quorums if groups == 1]
-    rejoined = [step for step, groups in quorums if groups == 2 and alone and step > alone[0]]
-    assert alone and rejoined, quorums
+    smaller = [step for step, size in quorums if size == groups - 1]
+    rejoined = [step for step, size in quorums if size == groups and smaller and step > smaller[0]]
+    assert smaller and rejoined, quorums
     recovery = re.search(r"training state of step (\d+).*: (\d+) bytes", restarted_log)
     assert recovery is not None, restarted_log[-2000:]
     recovered_at, received = int(recovery.group(1)), int(recovery.group(2))
-    rejoined_group = {r["step"]: r["loss"] for r in _records(folders[1])}
-    assert min(rejoined_group) == recovered_at + 1 > KILL_AFTER + 1
+    rejoined_group = {r["step"]: r["loss"] for r in _records(folders[victim])}
+    assert min(rejoined_group) == recovered_at + 1 >= KILL_AFTER + 1
     assert all(rejoined_group[step] == survivor[step] for step in rejoined_group)
     weights = [_weights(folder) for folder in folders]
-    assert weights[0].keys() == weights[1].keys() and weights[0]
-    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    assert weights[0] and all(each.keys() == weights[0].keys() for each in weights)
+    assert all(torch.equal(each[name], weights[0][name]) for each in weights for name in each)
     print(
-        f"\ndrill: group 0 completed steps {alone[0]}..{rejoined[0] - 1} alone "
-        f"({rejoined[0] - alone[0]} steps); group 1 logged step {recovered_at + 1} "
+        f"\ndrill ({groups} groups, {Path(config).stem}): the others completed steps "
+        f"{smaller[0]}..{rejoined[0] - 1} without group {victim} "
+        f"({rejoined[0] - smaller[0]} steps); it logged step {recovered_at + 1} "
         f"{rejoin_s:.1f} s after the kill, having received {received} bytes on rank 0"
     )
 
