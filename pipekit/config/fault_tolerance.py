@@ -34,3 +34,7 @@ class FaultToleranceConfig:
     dropped from the step and the rest go on."""
     quorum_timeout_s: float = 120.0
     """Seconds to wait for a quorum of min_replicas groups at the start of a step."""
+    sync_every: int = 1
+    """1: gradients summed over the groups every step. H > 1: LocalSGD (torchft's): each
+    group steps on its own gradients, and the groups' weights are averaged every H steps
+    (less traffic between groups, for groups on slow links)."""

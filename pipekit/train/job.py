@@ -60,6 +60,17 @@ class Job:
         return self.dims.tp
 
     @property
+    def description(self) -> str:
+        """The model in a few words, for the job's first log line."""
+        model = f"{self.config.model.name}/{self.config.model.flavor}"
+        if self.upcycle is None:
+            return model
+        return (
+            f"{model} upcycled to {self.spec.name} ({self.upcycle.total_experts} experts, "
+            f"top-{self.upcycle.routed_experts})"
+        )
+
+    @property
     def replica_groups(self) -> int:
         """Fault-tolerant replica groups the batch is split over (1 without them)."""
         fault_tolerance = self.config.fault_tolerance

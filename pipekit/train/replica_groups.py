@@ -14,11 +14,15 @@ lighthouse, which forms a quorum of the groups alive at each step. A step:
 4. `should_commit`: the groups agree whether every sum went through; if not (a group died in
    the step) nobody steps the optimizer and the step is taken again on the next batch.
 
+With `sync_every` H > 1 the groups instead train apart and average their weights every H steps
+(LocalSGD, `semi_synchronous`).
+
 torchft is imported only here and only when `[fault_tolerance] enabled = true`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -61,6 +65,7 @@ def check_fault_tolerance(config: FaultToleranceConfig, dp_replicate: int) -> in
         (bool(config.lighthouse or os.environ.get(LIGHTHOUSE_VARIABLE)),
          f"needs the lighthouse's address: set lighthouse = \"http://host:29510\" or the "
          f"{LIGHTHOUSE_VARIABLE} variable"),
+        (config.sync_every >= 1, f"sync_every={config.sync_every} must be >= 1"),
         (config.timeout_s > 0 and config.quorum_timeout_s > 0,
          f"timeout_s={config.timeout_s} and quorum_timeout_s={config.quorum_timeout_s} must "
          "be > 0"),
@@ -175,6 +180,23 @@ class ReplicaGroups:
                 return
             time.sleep(0.1)
             self.manager.start_quorum()
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether gradients are summed over the groups every step (else LocalSGD)."""
+        return self.config.sync_every == 1
+
+    def semi_synchronous(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Around the training loop: with `sync_every` H > 1, torchft's LocalSGD, which after
+        every H-th optimizer step forms a quorum and averages the groups' weights (each rank's
+        shards; kept local where the quorum fails); otherwise nothing."""
+        if self.synchronous:
+            return contextlib.nullcontext()
+        from torchft.local_sgd import LocalSGD
+
+        return LocalSGD(self.manager, model, optimizer, sync_every=self.config.sync_every)
 
     @property
     def participants(self) -> int:

@@ -232,6 +232,12 @@ class Trainer:
         dropped = {key for name in excluded for key in parts.get(name, ())}
         return {key: value for key, value in state.items() if key not in dropped}
 
+    @property
+    def _summed_groups(self) -> ReplicaGroups | None:
+        """The replica groups when gradients are summed over them every step."""
+        groups = self.replica_groups
+        return groups if groups is not None and groups.synchronous else None
+
     def _autocast(self) -> Any:
         """Mixed precision without FSDP (one rank): autocast; FSDP2 does it by itself."""
         param_dtype = MIXED_PRECISION_DTYPES[self.config.training.mixed_precision_param]
@@ -246,8 +252,9 @@ class Trainer:
     def train_step(self) -> tuple[float, float, int] | None:
         """One optimizer step: returns (loss, grad norm, global label tokens); None when a
         replica group failed during it (nobody stepped: the next batch takes the step)."""
-        if self.replica_groups is not None:
-            self.replica_groups.start_step()
+        summed = self._summed_groups
+        if summed is not None:
+            summed.start_step()
         micro_batches = [
             next(self.data) for _ in range(self.config.training.gradient_accumulation_steps)
         ]
@@ -256,9 +263,9 @@ class Trainer:
             self.pipeline, self.output_dir, enabled=trace, write=self.rank == 0
         ):
             global_loss, global_tokens = self._loss(micro_batches, backward=True)
-        if self.replica_groups is not None:
-            self.replica_groups.sum_gradients(self.model.parameters())
-            if not self.replica_groups.should_commit():  # a group failed in the step
+        if summed is not None:
+            summed.sum_gradients(self.model.parameters())
+            if not summed.should_commit():  # a group failed in the step
                 self.optimizer.zero_grad(set_to_none=True)
                 return None
         grad_norm = math.nan
@@ -296,8 +303,9 @@ class Trainer:
         same_batch = self.dims.pp * self.dims.tp
         global_tokens = self._all_reduce_sum(torch.as_tensor(local_tokens, device=self.device))
         global_tokens = global_tokens // same_batch
-        if self.replica_groups is not None and backward:  # the quorum's tokens
-            global_tokens = self.replica_groups.sum_over_groups(global_tokens.double()).long()
+        summed = self._summed_groups if backward else None
+        if summed is not None:  # the quorum's tokens
+            global_tokens = summed.sum_over_groups(global_tokens.double()).long()
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro_batches:
             with aux_loss_scale(self._aux_loss_share):
@@ -305,8 +313,8 @@ class Trainer:
             if loss is not None:  # pipelined: only the rank with the last stage has a loss
                 loss_sum += loss.detach()
         loss_sum = self._all_reduce_sum(loss_sum)
-        if self.replica_groups is not None and backward:
-            loss_sum = self.replica_groups.sum_over_groups(loss_sum)
+        if summed is not None:
+            loss_sum = summed.sum_over_groups(loss_sum)
         return float(loss_sum) / self.dims.tp, int(global_tokens)
 
     def validation_loss(self) -> float:
@@ -388,7 +396,7 @@ class Trainer:
             write_job_config(config, self.output_dir)
         logger.info(
             "training %s on %d rank(s), steps %d..%d",
-            self._model_description(),
+            self.job.description,
             self.world_size,
             self.step + 1,
             config.training.steps,
@@ -396,7 +404,17 @@ class Trainer:
         losses: list[float] = []
         window = ThroughputWindow(self.step)
         stop_signal = None
-        with StopSignals() as stop, contextlib.closing(self.metrics), contextlib.closing(self.data):
+        semi_synchronous = (
+            self.replica_groups.semi_synchronous(self.model, self.optimizer)
+            if self.replica_groups is not None
+            else contextlib.nullcontext()
+        )
+        with (
+            StopSignals() as stop,
+            contextlib.closing(self.metrics),
+            contextlib.closing(self.data),
+            semi_synchronous,
+        ):
             while self.step < config.training.steps and stop_signal is None:
                 with self.profiler.step(self.step + 1):
                     taken = self.train_step()
@@ -452,21 +470,11 @@ class Trainer:
         if path is not None:
             logger.info("saved checkpoint %s", path)
 
-    def _model_description(self) -> str:
-        model = f"{self.config.model.name}/{self.config.model.flavor}"
-        upcycle = self.job.upcycle
-        if upcycle is None:
-            return model
-        return (
-            f"{model} upcycled to {self.job.spec.name} ({upcycle.total_experts} experts, "
-            f"top-{upcycle.routed_experts})"
-        )
-
     def _record(self, loss: float, grad_norm: float, window: ThroughputWindow) -> dict[str, Any]:
         """The metrics of the step just taken; throughput over the steps since the last one."""
         elapsed = time.perf_counter() - window.start
-        tokens_per_s = window.tokens / elapsed  # every replica group's in the quorum
-        groups = self.replica_groups.participants if self.replica_groups is not None else 1
+        tokens_per_s = window.tokens / elapsed  # every replica group's in the quorum, if summed
+        groups = self._summed_groups.participants if self._summed_groups is not None else 1
         devices = self.world_size * groups
         return {
             "step": self.step,

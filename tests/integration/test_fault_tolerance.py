@@ -219,3 +219,35 @@ def test_a_hung_group_is_dropped_after_the_timeout_and_without_torchft_a_lost_on
         if job.poll() is None:
             kill_process_tree(job.pid)
     assert max(r["step"] for r in _records(single)) < steps
+
+
+def test_local_sgd_groups_train_apart_and_agree_after_each_sync(tmp_path):
+    """`sync_every = 3`: between syncs each group steps on its own rows (each logs its own
+    loss, where synchronous groups log the quorum's); after the sync that ends step 6 both hold
+    bitwise the same weights (trained apart, they would not)."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=2000)
+    run = (
+        *RUN, "--training.steps", "6", "--checkpoint.export_hf_at_end", "true",
+        "--fault_tolerance.enabled", "true", "--fault_tolerance.sync_every", "3",
+        "--fault_tolerance.lighthouse", lighthouse.address(),
+    )  # fmt: skip
+    folders = [tmp_path / f"group{group}" for group in range(2)]
+    try:
+        jobs = [
+            subprocess.Popen(
+                job_command(folder, *run, "--fault_tolerance.replica_group", str(group)),
+                env=job_env(),
+                cwd=tmp_path,
+                stdout=(tmp_path / f"group{group}.log").open("w"),
+                stderr=subprocess.STDOUT,
+            )
+            for group, folder in enumerate(folders)
+        ]
+        assert all(job.wait(timeout=300) == 0 for job in jobs)
+    finally:
+        lighthouse.shutdown()
+    losses = [{r["step"]: r["loss"] for r in _records(folder)} for folder in folders]
+    assert all(losses[0][step] != losses[1][step] for step in range(2, 7))
+    weights = [_weights(folder) for folder in folders]
+    assert weights[0] and weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
