@@ -17,6 +17,7 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --requeue
+#SBATCH --signal=TERM@300
 #SBATCH --output=slurm-ft-%j.out
 
 set -euo pipefail
@@ -24,19 +25,11 @@ set -euo pipefail
 : "${TORCHFT_LIGHTHOUSE:?set TORCHFT_LIGHTHOUSE=http://host:port of the lighthouse}"
 : "${GROUP:?set GROUP, the replica group of this allocation (0 .. NUM_GROUPS - 1)}"
 : "${NUM_GROUPS:?set NUM_GROUPS, the number of replica groups}"
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-RDZV_PORT=${RDZV_PORT:-29500}
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-export RUST_LOG=${RUST_LOG:-warn}
+export RUST_LOG=${RUST_LOG:-warn}  # torchft's quorum messages at every step otherwise
 
-srun --kill-on-bad-exit=1 python -m torch.distributed.run \
-    --nnodes "$SLURM_NNODES" \
-    --nproc-per-node "$GPUS_PER_NODE" \
-    --rdzv-backend c10d \
-    --rdzv-endpoint "$head_node:$RDZV_PORT" \
-    --rdzv-id "$SLURM_JOB_ID-group-$GROUP" \
-    train.py "$@" \
+# The allocation's torchrun world is launched as any multi-node job's (scripts/slurm_train.sh,
+# run from the repository as sbatch was), with this group's folder and place among the groups.
+exec scripts/slurm_train.sh "$@" \
     --job.output_dir "outputs/${SLURM_JOB_NAME}/group-$GROUP" \
     --fault_tolerance.enabled true --fault_tolerance.groups "$NUM_GROUPS" \
     --fault_tolerance.replica_group "$GROUP"
