@@ -291,6 +291,8 @@ class SliceAttention:
         self.document_ids_BS = document_ids_BS
         self.token_range = range(0)
         """This slice's tokens in the sequence (every cp rank's), known once it cached K/V."""
+        self._reached: dict[int, bool] = {}
+        """`_shares_a_document` by cached slice start: every layer asks the same."""
 
     def __repr__(self) -> str:
         return f"SliceAttention(microbatch={self.microbatch}, slice_index={self.slice_index})"
@@ -361,10 +363,12 @@ class SliceAttention:
         q_ids_BS, kv_ids_BS = self.document_ids_BS, cached.document_ids_BS
         if q_ids_BS is None or kv_ids_BS is None or not cached.length:
             return True
-        ordered = torch.cat([kv_ids_BS, q_ids_BS], dim=1)
-        if not bool((ordered[:, 1:] >= ordered[:, :-1]).all()):
-            return True
-        return bool((q_ids_BS[:, 0] == kv_ids_BS[:, -1]).any())
+        if cached.start not in self._reached:
+            ordered = torch.cat([kv_ids_BS, q_ids_BS], dim=1)
+            self._reached[cached.start] = not bool(
+                (ordered[:, 1:] >= ordered[:, :-1]).all()
+            ) or bool((q_ids_BS[:, 0] == kv_ids_BS[:, -1]).any())
+        return self._reached[cached.start]
 
     def earlier_mask(self, cached: CachedSlice, pattern: AttentionPattern | None) -> MaskMod | None:
         """This slice's queries against an earlier slice's keys."""

@@ -42,6 +42,7 @@ __all__ = [
     "document_spans",
     "equal_work_bins",
     "keys_seen",
+    "rows_or_one_sequence",
     "tile_keys_seen",
     "token_costs",
 ]
@@ -71,7 +72,7 @@ def document_spans(document_ids_BS: Tensor) -> tuple[Tensor, Tensor]:
     return first_BS, end_BS
 
 
-def _rows_or_one_sequence(document_ids_BS: Tensor | None, seq_len: int | None) -> Tensor:
+def rows_or_one_sequence(document_ids_BS: Tensor | None, seq_len: int | None) -> Tensor:
     """The rows' document ids, or one row of one `seq_len`-token document."""
     if document_ids_BS is not None:
         return document_ids_BS
@@ -88,7 +89,7 @@ def keys_seen(
     """How many keys each query attends to under `pattern` (None: causal), within its own
     document (ids None: the row is one sequence of `seq_len` tokens, one row). int64 [B, S]."""
     pattern = pattern or CAUSAL
-    document_ids_BS = _rows_or_one_sequence(document_ids_BS, seq_len)
+    document_ids_BS = rows_or_one_sequence(document_ids_BS, seq_len)
     first_BS, end_BS = document_spans(document_ids_BS)
     length = document_ids_BS.shape[1]
     t_BS = torch.arange(length, device=document_ids_BS.device).expand_as(first_BS)
@@ -187,7 +188,7 @@ def attention_work(
                 f"attention work in {block}-token tiles is counted for causal layers only; "
                 "count windowed or chunked layers by keys (block=1)"
             )
-        ids_BS = _rows_or_one_sequence(document_ids_BS, seq_len)
+        ids_BS = rows_or_one_sequence(document_ids_BS, seq_len)
         return counts[CAUSAL] * tile_keys_seen(ids_BS, block)
     return sum(
         layers * keys_seen(document_ids_BS, pattern, seq_len) for pattern, layers in counts.items()

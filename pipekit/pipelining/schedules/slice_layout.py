@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pipekit.attention.work import SlicedTileKeys, attention_work, token_costs
+from pipekit.attention.work import (
+    SlicedTileKeys,
+    attention_work,
+    rows_or_one_sequence,
+    token_costs,
+)
 from pipekit.pipelining.schedules.slice_bounds import cost_slice_bounds, minimax_slice_bounds
 
 __all__ = ["SliceLayout"]
@@ -108,19 +113,13 @@ class SliceLayout:
         )
         return costs_BS.sum(0)
 
-    def _rows(self, document_ids_BS: Tensor | None) -> Tensor:
-        """The microbatch's document ids, or one row of one causal sequence."""
-        if document_ids_BS is not None:
-            return document_ids_BS
-        return torch.zeros(1, self.bounds[-1], dtype=torch.int64)
-
     def slice_attention(
         self, document_ids_BS: Tensor | None, bounds: tuple[int, ...]
     ) -> list[float]:
         """Each slice's attention keys (as `token_costs` counts them, summed over the rows) when
         the microbatch is cut at `bounds`; in kernel tiles (`work_block` > 1) as the sliced
         kernel computes them, each KV chunk tiled from its own first token (`SlicedTileKeys`)."""
-        ids_BS = self._rows(document_ids_BS)
+        ids_BS = rows_or_one_sequence(document_ids_BS, self.bounds[-1])
         if self.work_block > 1:
             return [
                 float(keys) for keys in SlicedTileKeys(ids_BS, self.work_block).per_slice(bounds)
@@ -130,7 +129,7 @@ class SliceLayout:
 
     def slice_costs(self, document_ids_BS: Tensor | None, bounds: tuple[int, ...]) -> list[float]:
         """Each slice's linear plus attention work, in units of one token's linear work."""
-        rows = self._rows(document_ids_BS).shape[0]
+        rows = rows_or_one_sequence(document_ids_BS, self.bounds[-1]).shape[0]
         return [
             rows * (end - start) + self.attention_per_key * keys
             for (start, end), keys in zip(
@@ -150,7 +149,7 @@ class SliceLayout:
             return cost_slice_bounds(
                 self.token_costs(document_ids_BS), self.num_slices, self.granularity
             )
-        ids_BS = self._rows(document_ids_BS)
+        ids_BS = rows_or_one_sequence(document_ids_BS, self.bounds[-1])
         tiles = SlicedTileKeys(ids_BS, self.work_block)
         rows, per_key = ids_BS.shape[0], self.attention_per_key
 
