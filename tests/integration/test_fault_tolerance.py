@@ -30,7 +30,7 @@ from job_runs import (
 from safetensors.torch import load_file
 from torchft.coordination import LighthouseServer
 
-STEPS, KILL_AFTER = 40, 8
+STEPS, KILL_AFTER = 16, 8
 RUN = (
     "--training.seq_len", "64", "--training.global_batch_size", "4",
     "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_type", "constant",
@@ -70,9 +70,9 @@ def _weights(output_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("groups", "config", "layout"),
-    [(2, CONFIG, ("--parallelism.dp_shard", "2")),
+    [(3, CONFIG, ("--parallelism.dp_shard", "2", "--training.global_batch_size", "6")),
      (2, SLICED_PP_CONFIG, ("--parallelism.microbatches", "2", "--parallelism.num_slices", "2"))],
-    ids=["fsdp", "sliced_pipeline"],
+    ids=["3_groups_fsdp", "2_groups_sliced_pipeline"],
 )  # fmt: skip
 def test_a_killed_replica_group_rejoins_from_a_live_peer_and_the_groups_agree(
     tmp_path, groups, config, layout
@@ -83,7 +83,12 @@ def test_a_killed_replica_group_rejoins_from_a_live_peer_and_the_groups_agree(
     the others drop the step they were in and train on without it (no restart); the group
     restarted joins at a step boundary, receives the training state from a live group (not
     from a checkpoint), and from then on all log the same losses bit for bit and end with
-    bitwise equal weights. The rejoin time includes the seconds the others were held."""
+    bitwise equal weights. The rejoin time includes the seconds the others were held.
+
+    With two survivors, one may have committed the step the victim died in and the other not
+    (each group decides by its own sums): the one behind then heals from the other at the next
+    step, as a restarted group does, and skips that step in its log. Every step is logged by
+    some survivor, and survivors that logged a step logged the same loss."""
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000
     )
@@ -129,14 +134,18 @@ def test_a_killed_replica_group_rejoins_from_a_live_peer_and_the_groups_agree(
             if job.poll() is None:
                 kill_process_tree(job.pid)
 
-    survivor = {r["step"]: r["loss"] for r in _records(folders[0])}
+    survivor: dict[int, float] = {}
+    for folder in folders[:victim]:
+        records = {r["step"]: r["loss"] for r in _records(folder)}
+        assert max(records) == STEPS and sorted(records) == list(records)
+        assert all(survivor.setdefault(step, loss) == loss for step, loss in records.items())
+        assert all(records[step] == before_kill[step] for step in range(1, KILL_AFTER + 1))
     assert sorted(survivor) == list(range(1, STEPS + 1))  # the dropped step was taken again
     reference = train_job(
         tmp_path / "reference", *RUN, *layout, "--training.steps", str(KILL_AFTER),
         "--parallelism.dp_replicate", str(groups), nproc=2 * groups, config=config,
     )  # fmt: skip
     for step in range(1, KILL_AFTER + 1):
-        assert before_kill[step] == survivor[step]
         assert abs(survivor[step] - reference[step]) <= 1e-6 * abs(reference[step])
 
     survivor_log, restarted_log = logs[0].read_text(), (tmp_path / "restarted.log").read_text()
@@ -174,7 +183,7 @@ def test_a_hung_group_is_dropped_after_the_timeout_and_without_torchft_a_lost_on
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000
     )
-    steps = 30
+    steps = 12
     run = (
         *RUN, "--training.steps", str(steps), "--fault_tolerance.enabled", "true",
         "--fault_tolerance.lighthouse", lighthouse.address(), "--fault_tolerance.timeout_s", "3",

@@ -46,7 +46,8 @@ from pipekit.train.job import validate_job
 def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp_path, monkeypatch):
     """Read through Hugging Face datasets (a local JSONL file) by 2 loader workers per rank,
     which run ahead of the step, checkpoints written in the background: a job killed with
-    SIGKILL, and one stopped with SIGTERM, resume to the uninterrupted run's losses."""
+    SIGKILL resumes, is stopped with SIGTERM, resumes again, and logs the uninterrupted run's
+    losses."""
     corpus = tmp_path / "corpus.jsonl"
     texts = [path.read_text(errors="replace") for path in stdlib_files()[:200]]
     corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
@@ -56,7 +57,7 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
         "--data.hf_data_files", str(corpus), "--data.num_workers", "2",
         "--checkpoint.async_save", "true",
     )  # fmt: skip
-    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    reference_dir, interrupted_dir = tmp_path / "reference", tmp_path / "interrupted"
     reference = train_job(reference_dir, *run)  # uninterrupted, on forked ranks
     assert sorted(reference) == list(range(1, SHORT_RUN_STEPS + 1))
     assert sorted(p.name for p in (reference_dir / "checkpoints").iterdir()) == [
@@ -64,41 +65,36 @@ def test_resume_after_sigkill_or_sigterm_reproduces_the_uninterrupted_losses(tmp
         "step-24",
     ]
 
-    job = _start_until_step_8(killed_dir, run)
+    job = _start_until_checkpoint(interrupted_dir, run, 8)
     kill_process_tree(job.pid)  # torchrun starts each worker in a session of its own
     job.communicate()  # drains its pipes
-    before_kill = logged_losses(killed_dir)
-    assert max(before_kill) < SHORT_RUN_STEPS, (
-        "the job finished before it was killed; nothing was tested"
-    )
+    killed_at = max(logged_losses(interrupted_dir))
+    assert killed_at < SHORT_RUN_STEPS, "the job finished before it was killed; nothing was tested"
 
-    resumed = train_job(killed_dir, *run)  # on forked ranks: the launcher is not under test
-    assert resumed == pytest.approx(reference, rel=0, abs=0)
-    _assert_each_step_logged_once(killed_dir)
-
-    # A scheduler's preemption: SIGTERM to every worker. The step ends, a checkpoint is
-    # saved, the job exits 0, and the next start resumes from it.
-    stopped_dir = tmp_path / "stopped"
-    job = _start_until_step_8(stopped_dir, run)
+    # The resumed job is stopped as a scheduler preempts: SIGTERM to every worker. The step
+    # ends, a checkpoint is saved, the job exits 0, and the next start resumes from it.
+    job = _start_until_checkpoint(interrupted_dir, run, 12)
     for worker in descendants(job.pid):
         os.kill(worker, signal.SIGTERM)
     stdout, stderr = job.communicate(timeout=120)
     assert job.returncode == 0, stderr[-3000:]
-    stopped_at = max(logged_losses(stopped_dir))
-    assert 8 <= stopped_at < SHORT_RUN_STEPS
+    assert "(step 8)" in stdout  # "resumed from .../step-8 (step 8)" after the SIGKILL
+    stopped_at = max(logged_losses(interrupted_dir))
+    assert 12 <= stopped_at < SHORT_RUN_STEPS
     assert f"stopped on SIGTERM after step {stopped_at}" in stdout
-    assert (stopped_dir / "checkpoints" / f"step-{stopped_at}" / "COMPLETE").is_file()
+    assert (interrupted_dir / "checkpoints" / f"step-{stopped_at}" / "COMPLETE").is_file()
     resume = subprocess.run(
-        job_command(stopped_dir, *run), env=job_env(), cwd=tmp_path, capture_output=True, text=True
-    )
+        job_command(interrupted_dir, *run), env=job_env(), cwd=tmp_path, capture_output=True,
+        text=True,
+    )  # fmt: skip
     assert resume.returncode == 0, resume.stderr[-3000:]
-    assert f"(step {stopped_at})" in resume.stdout  # "resumed from .../step-N (step N)"
-    assert logged_losses(stopped_dir) == pytest.approx(reference, rel=0, abs=0)
-    _assert_each_step_logged_once(stopped_dir)
+    assert f"(step {stopped_at})" in resume.stdout
+    assert logged_losses(interrupted_dir) == pytest.approx(reference, rel=0, abs=0)
+    _assert_each_step_logged_once(interrupted_dir)
 
 
-def _start_until_step_8(output_dir: Path, run: tuple[str, ...]) -> subprocess.Popen:
-    """Start a job in the background; return once its step-8 checkpoint is published."""
+def _start_until_checkpoint(output_dir: Path, run: tuple[str, ...], step: int) -> subprocess.Popen:
+    """Start a job in the background; return once its step-`step` checkpoint is published."""
     job = subprocess.Popen(
         job_command(output_dir, *run),
         env=job_env(),
@@ -108,8 +104,8 @@ def _start_until_step_8(output_dir: Path, run: tuple[str, ...]) -> subprocess.Po
         text=True,
     )
     deadline = time.monotonic() + 120
-    while not (output_dir / "checkpoints" / "step-8").exists():
-        assert job.poll() is None and time.monotonic() < deadline, "job ended before step 8"
+    while not (output_dir / "checkpoints" / f"step-{step}").exists():
+        assert job.poll() is None and time.monotonic() < deadline, f"job ended before step {step}"
         time.sleep(0.02)
     return job
 
