@@ -133,9 +133,8 @@ class ReplicaGroups:
         """Bytes of training state this rank received from live groups, over the run."""
 
     def _peer_state(self) -> dict[str, Any]:
-        """What this group sends a recovering one (its own progress is torchft's, sent apart)."""
-        parts = self._training_state()
-        return {key: part.state_dict() for key, part in parts.items() if part is not self}
+        """What this group sends a recovering one (torchft sends its own progress apart)."""
+        return {key: part.state_dict() for key, part in self._training_state().items()}
 
     def _load_peer_state(self, state: dict[str, Any]) -> None:
         parts = self._training_state()
@@ -187,16 +186,22 @@ class ReplicaGroups:
         return self.config.sync_every == 1
 
     def semi_synchronous(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int
     ) -> contextlib.AbstractContextManager[Any]:
-        """Around the training loop: with `sync_every` H > 1, torchft's LocalSGD, which after
-        every H-th optimizer step forms a quorum and averages the groups' weights (each rank's
-        shards; kept local where the quorum fails); otherwise nothing."""
+        """Around the training loop from `step` on: with `sync_every` H > 1, torchft's
+        LocalSGD, which after every H-th optimizer step forms a quorum and averages the
+        groups' weights (each rank's shards; kept local where the quorum fails); otherwise
+        nothing. A job resumed between two syncs syncs at the steps the uninterrupted run
+        does (multiples of H)."""
         if self.synchronous:
             return contextlib.nullcontext()
         from torchft.local_sgd import LocalSGD
 
-        return LocalSGD(self.manager, model, optimizer, sync_every=self.config.sync_every)
+        local_sgd = LocalSGD(self.manager, model, optimizer, sync_every=self.config.sync_every)
+        # torchft 0.2 counts the steps to the next sync from its construction and has no
+        # setting for a start between two syncs.
+        local_sgd._local_step = step % self.config.sync_every
+        return local_sgd
 
     @property
     def participants(self) -> int:
@@ -228,13 +233,15 @@ class ReplicaGroups:
         then."""
         return bool(self.manager.should_commit())
 
-    def state_dict(self) -> dict[str, int]:
-        """torchft's own progress (its step, the batches committed): saved with checkpoints
-        so a resumed job and its manager agree."""
-        return self.manager.state_dict()
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.manager.load_state_dict(state)
+    def start_at(self, step: int) -> None:
+        """Set torchft's progress from the training step the job starts at (0, or the step it
+        resumed): torchft counts committed syncs, one per step (or per `sync_every` steps),
+        so it follows from the step, and a checkpoint need not hold it; that keeps the
+        checkpoints of jobs with and without fault tolerance interchangeable. (Its count of
+        batches committed, which nothing reads, starts over.)"""
+        self.manager.load_state_dict(
+            {"step": step // self.config.sync_every, "batches_committed": 0}
+        )
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

@@ -168,6 +168,8 @@ class Trainer:
             logger.info(
                 "resumed from %s (step %d)", self.checkpoints.path(resume_step), resume_step
             )
+        if self.replica_groups is not None:
+            self.replica_groups.start_at(self.step)
         self.metrics = MetricsLogger(
             self._metric_writers() if self.rank == 0 else [], config.training.steps
         )
@@ -226,9 +228,7 @@ class Trainer:
             "data": self.data,
             "trainer": TrainingProgress(self),
         }
-        if self.replica_groups is not None:
-            state["replica_groups"] = self.replica_groups
-        parts = {"data": ("data",), "progress": ("trainer", "lr_scheduler", "replica_groups")}
+        parts = {"data": ("data",), "progress": ("trainer", "lr_scheduler")}
         dropped = {key for name in excluded for key in parts.get(name, ())}
         return {key: value for key, value in state.items() if key not in dropped}
 
@@ -405,7 +405,7 @@ class Trainer:
         window = ThroughputWindow(self.step)
         stop_signal = None
         semi_synchronous = (
-            self.replica_groups.semi_synchronous(self.model, self.optimizer)
+            self.replica_groups.semi_synchronous(self.model, self.optimizer, self.step)
             if self.replica_groups is not None
             else contextlib.nullcontext()
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -230,33 +231,97 @@ def test_a_hung_group_is_dropped_after_the_timeout_and_without_torchft_a_lost_on
     assert max(r["step"] for r in _records(single)) < steps
 
 
-def test_local_sgd_groups_train_apart_and_agree_after_each_sync(tmp_path):
-    """`sync_every = 3`: between syncs each group steps on its own rows (each logs its own
-    loss, where synchronous groups log the quorum's); after the sync that ends step 6 both hold
-    bitwise the same weights (trained apart, they would not)."""
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=2000)
-    run = (
-        *RUN, "--training.steps", "6", "--checkpoint.export_hf_at_end", "true",
-        "--fault_tolerance.enabled", "true", "--fault_tolerance.sync_every", "3",
-        "--fault_tolerance.lighthouse", lighthouse.address(),
-    )  # fmt: skip
-    folders = [tmp_path / f"group{group}" for group in range(2)]
+def _train_groups(tmp_path: Path, folders: list[Path], *run: str) -> None:
+    """Every group of `folders` (one torchrun of 2 ranks each) through the whole run, under a
+    lighthouse that waits for all of them."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=len(folders), join_timeout_ms=2000)
+    run = (*run, "--fault_tolerance.enabled", "true", "--fault_tolerance.groups",
+           str(len(folders)), "--fault_tolerance.lighthouse", lighthouse.address())  # fmt: skip
+    jobs = []
     try:
-        jobs = [
-            subprocess.Popen(
-                job_command(folder, *run, "--fault_tolerance.replica_group", str(group)),
-                env=job_env(),
-                cwd=tmp_path,
-                stdout=(tmp_path / f"group{group}.log").open("w"),
-                stderr=subprocess.STDOUT,
-            )
-            for group, folder in enumerate(folders)
-        ]
+        for group, folder in enumerate(folders):
+            command = job_command(folder, *run, "--fault_tolerance.replica_group", str(group))
+            log = (tmp_path / f"{folder.name}.log").open("a")
+            jobs.append(subprocess.Popen(command, env=job_env(), cwd=tmp_path, stdout=log,
+                                         stderr=subprocess.STDOUT))  # fmt: skip
         assert all(job.wait(timeout=300) == 0 for job in jobs)
     finally:
         lighthouse.shutdown()
+        for job in jobs:
+            if job.poll() is None:
+                kill_process_tree(job.pid)
+
+
+def _restart_from_step(folders: list[Path], step: int) -> None:
+    """Leave each group's folder as a job stopped after its step-`step` checkpoint leaves it."""
+    for folder in folders:
+        for later in (folder / "checkpoints").glob("step-*"):
+            if int(later.name.removeprefix("step-")) > step:
+                shutil.rmtree(later)
+        shutil.rmtree(folder / "hf", ignore_errors=True)
+
+
+def test_a_whole_job_resumes_exactly_and_from_a_job_without_fault_tolerance(tmp_path):
+    """Both groups started again from their step-3 checkpoints (the later ones removed, as a
+    job killed before writing them leaves its folders): steps 4..6 and the final weights bit
+    for bit those of the run that went through. Then dp_replicate = 2 without torchft (one
+    torchrun of 4 ranks) to step 3, its checkpoint in both groups' folders: the groups go on
+    from it to the same losses (to float32 rounding: its weights went through one reduction
+    fewer); the checkpoints of jobs with and without fault tolerance are interchangeable."""
+    run = (*RUN, "--training.steps", "6", "--checkpoint.enable", "true",
+           "--checkpoint.interval", "3", "--checkpoint.export_hf_at_end", "true")  # fmt: skip
+    folders = [tmp_path / f"group{group}" for group in range(2)]
+    _train_groups(tmp_path, folders, *run)
+    through = [{r["step"]: r["loss"] for r in _records(folder)} for folder in folders]
+    assert sorted(through[0]) == list(range(1, 7)) and through[0] == through[1]
+    weights = _weights(folders[0])
+
+    _restart_from_step(folders, 3)
+    _train_groups(tmp_path, folders, *run)
+    for folder in folders:
+        assert "(step 3)" in (tmp_path / f"{folder.name}.log").read_text()
+        assert {r["step"]: r["loss"] for r in _records(folder)} == through[0]
+        resumed = _weights(folder)
+        assert resumed.keys() == weights.keys()
+        assert all(torch.equal(resumed[name], weights[name]) for name in weights)
+
+    plain = tmp_path / "plain"
+    first = train_job(
+        plain, *run, "--training.steps", "3", "--parallelism.dp_replicate", "2",
+        "--parallelism.dp_shard", "2", nproc=4,
+    )  # fmt: skip
+    assert first == pytest.approx({step: through[0][step] for step in (1, 2, 3)}, rel=1e-6)
+    continued = [tmp_path / f"continued{group}" for group in range(2)]
+    for folder in continued:
+        shutil.copytree(plain / "checkpoints" / "step-3", folder / "checkpoints" / "step-3")
+    _train_groups(tmp_path, continued, *run)
+    for folder in continued:
+        losses = {r["step"]: r["loss"] for r in _records(folder)}
+        assert sorted(losses) == [4, 5, 6]
+        assert losses == pytest.approx({step: through[0][step] for step in (4, 5, 6)}, rel=1e-5)
+
+
+def test_local_sgd_groups_train_apart_agree_after_each_sync_and_resume_between_syncs(tmp_path):
+    """`sync_every = 3`: between syncs each group steps on its own rows (each logs its own
+    loss, where synchronous groups log the quorum's); after the sync that ends step 6 both hold
+    bitwise the same weights (trained apart, they would not). Started again from step 4,
+    between two syncs, the groups sync after step 6 as before: the same losses and weights bit
+    for bit (counting 3 steps from the restart, they would not sync at all)."""
+    run = (*RUN, "--training.steps", "6", "--checkpoint.export_hf_at_end", "true",
+           "--fault_tolerance.sync_every", "3", "--checkpoint.enable", "true",
+           "--checkpoint.interval", "2")  # fmt: skip
+    folders = [tmp_path / f"group{group}" for group in range(2)]
+    _train_groups(tmp_path, folders, *run)
     losses = [{r["step"]: r["loss"] for r in _records(folder)} for folder in folders]
     assert all(losses[0][step] != losses[1][step] for step in range(2, 7))
     weights = [_weights(folder) for folder in folders]
     assert weights[0] and weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+
+    _restart_from_step(folders, 4)
+    _train_groups(tmp_path, folders, *run)
+    for folder, through in zip(folders, losses, strict=True):
+        assert "(step 4)" in (tmp_path / f"{folder.name}.log").read_text()
+        assert {r["step"]: r["loss"] for r in _records(folder)} == through
+        resumed = _weights(folder)
+        assert all(torch.equal(resumed[name], weights[0][name]) for name in weights[0])
