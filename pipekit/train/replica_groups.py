@@ -147,7 +147,7 @@ class ReplicaGroups:
         from a live one); one log line when the groups in it change, and one per recovery
         with the bytes this rank received and the seconds the quorum took."""
         started, received = time.perf_counter(), self.recovered_bytes
-        self.manager.start_quorum()
+        self._start_quorum()
         if self._participants is None:  # this process's first step: wait for every group
             self._wait_for_every_group(started + self.config.quorum_timeout_s)
         step = self.manager.current_step() + 1
@@ -178,7 +178,21 @@ class ReplicaGroups:
                 )  # fmt: skip
                 return
             time.sleep(0.1)
+            self._start_quorum()
+
+    def _start_quorum(self) -> None:
+        """torchft's quorum, or one line naming the lighthouse when none forms (torchft's own
+        error is a bare gRPC status)."""
+        try:
             self.manager.start_quorum()
+        except Exception as error:
+            lighthouse = self.config.lighthouse or os.environ.get(LIGHTHOUSE_VARIABLE)
+            raise TimeoutError(
+                f"replica group {self.config.replica_group}: no quorum from the lighthouse at "
+                f"{lighthouse} within quorum_timeout_s={self.config.quorum_timeout_s} "
+                f"({type(error).__name__}: {error}); if it is down, start it again, then the "
+                "groups: they resume from their last checkpoints"
+            ) from error
 
     @property
     def synchronous(self) -> bool:

@@ -13,7 +13,9 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -252,31 +254,71 @@ def _train_groups(tmp_path: Path, folders: list[Path], *run: str) -> None:
                 kill_process_tree(job.pid)
 
 
-def _restart_from_step(folders: list[Path], step: int) -> None:
-    """Leave each group's folder as a job stopped after its step-`step` checkpoint leaves it."""
-    for folder in folders:
-        for later in (folder / "checkpoints").glob("step-*"):
-            if int(later.name.removeprefix("step-")) > step:
-                shutil.rmtree(later)
-        shutil.rmtree(folder / "hf", ignore_errors=True)
+def _start_lighthouse(min_replicas: int) -> tuple[subprocess.Popen, str]:
+    """torchft's lighthouse command, as users run it, in a process of its own (one that can
+    be killed), and its address."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    command = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--bind", f"[::]:{port}",
+               "--min_replicas", str(min_replicas), "--join_timeout_ms", "2000"]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        with socket.socket() as client:
+            if client.connect_ex(("localhost", port)) == 0:
+                return server, f"http://localhost:{port}"
+        assert server.poll() is None and time.monotonic() < deadline, "no lighthouse"
+        time.sleep(0.05)
 
 
-def test_a_whole_job_resumes_exactly_and_from_a_job_without_fault_tolerance(tmp_path):
-    """Both groups started again from their step-3 checkpoints (the later ones removed, as a
-    job killed before writing them leaves its folders): steps 4..6 and the final weights bit
-    for bit those of the run that went through. Then dp_replicate = 2 without torchft (one
-    torchrun of 4 ranks) to step 3, its checkpoint in both groups' folders: the groups go on
-    from it to the same losses (to float32 rounding: its weights went through one reduction
+def test_a_lost_lighthouse_stops_the_groups_and_the_restarted_job_resumes_exactly(tmp_path):
+    """The lighthouse killed once both groups saved step 3: no quorum forms, and within
+    `quorum_timeout_s` each group stops with one line naming the lighthouse. Started again
+    (a new lighthouse, the same commands) they resume from step 3: steps 4..6 and the final
+    weights bit for bit those of a run that went through. Then dp_replicate = 2 without torchft
+    (one torchrun of 4 ranks) to step 3, its checkpoint in both groups' folders: the groups go
+    on from it to the same losses (to float32 rounding: its weights went through one reduction
     fewer); the checkpoints of jobs with and without fault tolerance are interchangeable."""
     run = (*RUN, "--training.steps", "6", "--checkpoint.enable", "true",
            "--checkpoint.interval", "3", "--checkpoint.export_hf_at_end", "true")  # fmt: skip
-    folders = [tmp_path / f"group{group}" for group in range(2)]
-    _train_groups(tmp_path, folders, *run)
-    through = [{r["step"]: r["loss"] for r in _records(folder)} for folder in folders]
+    through_folders = [tmp_path / f"through{group}" for group in range(2)]
+    _train_groups(tmp_path, through_folders, *run)
+    through = [{r["step"]: r["loss"] for r in _records(folder)} for folder in through_folders]
     assert sorted(through[0]) == list(range(1, 7)) and through[0] == through[1]
-    weights = _weights(folders[0])
+    weights = _weights(through_folders[0])
 
-    _restart_from_step(folders, 3)
+    folders = [tmp_path / f"group{group}" for group in range(2)]
+    lighthouse, address = _start_lighthouse(min_replicas=2)
+    logs = [tmp_path / f"{folder.name}.log" for folder in folders]
+    jobs = []
+    try:
+        for group, (folder, log) in enumerate(zip(folders, logs, strict=True)):
+            command = job_command(
+                folder, *run, "--training.steps", "40", "--fault_tolerance.enabled", "true",
+                "--fault_tolerance.groups", "2", "--fault_tolerance.lighthouse", address,
+                "--fault_tolerance.replica_group", str(group),
+                "--fault_tolerance.quorum_timeout_s", "5",
+            )  # fmt: skip
+            output = log.open("w")
+            jobs.append(subprocess.Popen(command, env=job_env(), cwd=tmp_path, stdout=output,
+                                         stderr=subprocess.STDOUT))  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not all((folder / "checkpoints" / "step-3").exists() for folder in folders):
+            assert all(job.poll() is None for job in jobs) and time.monotonic() < deadline
+            time.sleep(0.02)
+        lighthouse.kill()
+        lost = time.monotonic()
+        assert all(job.wait(timeout=120) != 0 for job in jobs)
+        stopped_s = time.monotonic() - lost
+    finally:
+        lighthouse.kill()
+        for job in jobs:
+            if job.poll() is None:
+                kill_process_tree(job.pid)
+    for folder, log in zip(folders, logs, strict=True):
+        assert max(r["step"] for r in _records(folder)) < 6
+        assert "no quorum from the lighthouse at " + address in log.read_text()
     _train_groups(tmp_path, folders, *run)
     for folder in folders:
         assert "(step 3)" in (tmp_path / f"{folder.name}.log").read_text()
@@ -284,6 +326,7 @@ def test_a_whole_job_resumes_exactly_and_from_a_job_without_fault_tolerance(tmp_
         resumed = _weights(folder)
         assert resumed.keys() == weights.keys()
         assert all(torch.equal(resumed[name], weights[name]) for name in weights)
+    print(f"\ndrill (lighthouse lost): both groups stopped {stopped_s:.1f} s after it")
 
     plain = tmp_path / "plain"
     first = train_job(
@@ -299,6 +342,15 @@ def test_a_whole_job_resumes_exactly_and_from_a_job_without_fault_tolerance(tmp_
         losses = {r["step"]: r["loss"] for r in _records(folder)}
         assert sorted(losses) == [4, 5, 6]
         assert losses == pytest.approx({step: through[0][step] for step in (4, 5, 6)}, rel=1e-5)
+
+
+def _restart_from_step(folders: list[Path], step: int) -> None:
+    """Leave each group's folder as a job stopped after its step-`step` checkpoint leaves it."""
+    for folder in folders:
+        for later in (folder / "checkpoints").glob("step-*"):
+            if int(later.name.removeprefix("step-")) > step:
+                shutil.rmtree(later)
+        shutil.rmtree(folder / "hf", ignore_errors=True)
 
 
 def test_local_sgd_groups_train_apart_agree_after_each_sync_and_resume_between_syncs(tmp_path):
