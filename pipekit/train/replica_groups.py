@@ -114,6 +114,10 @@ class ReplicaGroups:
         )
         self.config = config
         self._training_state = training_state
+        store: dict[str, Any] = {}
+        if "MASTER_ADDR" not in os.environ:  # `python train.py`: host the group's store here
+            self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            store = {"store_addr": "localhost", "store_port": self._store.port}
         self.manager = Manager(
             pg=process_group,
             load_state_dict=self._load_peer_state,
@@ -127,6 +131,7 @@ class ReplicaGroups:
             lighthouse_addr=config.lighthouse or None,
             replica_id=f"pipekit_group_{config.replica_group}",
             init_sync=False,  # every group builds the same weights from the job's seed
+            **store,
         )
         self._participants: int | None = None
         self.recovered_bytes = 0

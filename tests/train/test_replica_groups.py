@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pipekit.config import ConfigError, load_job_config
 from pipekit.train.job import validate_job
@@ -72,3 +73,29 @@ def test_torchft_is_not_imported_when_the_section_is_off():
         "assert 'torchft' not in sys.modules, 'torchft imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_one_process_without_torchrun_hosts_its_groups_store(monkeypatch):
+    """`python train.py` with the section on (no torchrun, so no MASTER_ADDR): the group's
+    store is hosted in the process, the quorum forms, and torchft's sync count follows the step
+    the job starts at."""
+    from torchft.coordination import LighthouseServer
+
+    from pipekit.config.fault_tolerance import FaultToleranceConfig
+    from pipekit.train.replica_groups import ReplicaGroups
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    config = FaultToleranceConfig(
+        enabled=True, groups=1, lighthouse=lighthouse.address(), quorum_timeout_s=2
+    )
+    groups = ReplicaGroups(config, torch.device("cpu"), dict)
+    try:
+        groups.start_step()
+        assert groups.participants == 1
+        groups.start_at(6)
+        assert groups.manager.current_step() == 6
+    finally:
+        groups.shutdown()
+        lighthouse.shutdown()
