@@ -167,6 +167,7 @@ class ModelOptimizerState:
         for part, state in (("model", model_state), ("optimizer", optimizer_state)):
             for key, _ in self._row_sharded_keys(state):
                 state[key] = self._rows[part, key]
+        weight_decays = [group.get("weight_decay") for group in self.optimizer.param_groups]
         set_state_dict(
             self.model,
             self.optimizer,
@@ -174,6 +175,11 @@ class ModelOptimizerState:
             optim_state_dict=optimizer_state,
             options=_FLAT_OPTIMIZER,
         )
+        # Which parameters decay is the loading job's choice ([optimizer] no_decay): torch
+        # gives each group the saved values of its first parameter, and the saving job may
+        # have grouped them otherwise.
+        for group, weight_decay in zip(self.optimizer.param_groups, weight_decays, strict=True):
+            group["weight_decay"] = weight_decay
 
     def _row_sharded_keys(self, state: Mapping[str, Any]) -> list[tuple[str, int]]:
         """The row-sharded parameters' entries and their optimizer state of the same shape,

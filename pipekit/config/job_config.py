@@ -145,6 +145,9 @@ class OptimizerConfig:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay."""
+    no_decay: list[str] = field(default_factory=list)
+    """Parameters weight decay leaves alone: kinds ("norm", "bias", "embedding") or fnmatch
+    patterns on parameter names ("layers.*.attention.sinks"); empty = decay every parameter."""
 
 
 @dataclass(kw_only=True)

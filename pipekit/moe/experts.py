@@ -56,6 +56,9 @@ class GroupedExperts(nn.Module):
     """E FFNs of one activation, `w2(act(w1 x) * w3 x)` or `w2(act(w1 x))` (each projection
     with its bias when `biases`), stacked on a leading expert dim."""
 
+    bias_parameter_names = ("b1_EF", "b3_EF", "b2_ED")
+    """The biases, named by their shapes: what `[optimizer] no_decay = ["bias"]` spares."""
+
     def __init__(
         self,
         dim: int,

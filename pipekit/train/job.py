@@ -25,6 +25,7 @@ from pipekit.train.checkpoint_rules import check_checkpoints
 from pipekit.train.config_values import check_values
 from pipekit.train.parallel_rules import check_parallel_layout
 from pipekit.train.replica_groups import check_fault_tolerance
+from pipekit.train.weight_decay import check_no_decay
 
 if TYPE_CHECKING:
     from torch import nn
@@ -116,6 +117,7 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
     _check_metric_writers(config)
     tokenizer_vocab = _tokenizer_vocab(config) if check_files else 0
     spec, args, upcycle, meta_model = _checked_model(config, tokenizer_vocab)
+    check_no_decay(config.optimizer.no_decay, meta_model)
     shape = spec.shape(args)
     _check_data(config, shape, tokenizer_vocab)
     check_checkpoints(config, spec, args, check_files, meta_model)

@@ -120,7 +120,7 @@ class Trainer:
         )
         self.model, self.pipeline = built.model, built.pipeline
         self._loss_fn = job_loss_fn(config.compile.enable, job.loss_parallel)
-        self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
+        self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.training.steps, config.lr_scheduler
         )
