@@ -45,6 +45,7 @@ __all__ = [
     "inductor_cache_dir",
     "is_autograd_view",
     "local_shape_and_offset",
+    "loss_parallel_once",
     "more_recompiles",
     "record_cuda_memory_history",
     "replace_grad_tensors",
@@ -219,6 +220,20 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     flattened helper.
     """
     return DeviceMesh._concatenate(meshes)
+
+
+@contextlib.contextmanager
+def loss_parallel_once() -> Iterator[None]:
+    """torch's `loss_parallel()` unless it is on already: it is not re-entrant (its exit
+    removes the DTensor loss handlers, `torch.distributed.tensor.parallel.loss`, that an
+    enclosing one still needs), and the chunked head runs inside the trainer's."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel.loss import customized_loss_ops, loss_parallel
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    active = all(op in handlers for op in customized_loss_ops)
+    with contextlib.nullcontext() if active else loss_parallel():
+        yield
 
 
 def storage_holders(tensor: torch.Tensor) -> int:

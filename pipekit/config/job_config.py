@@ -107,6 +107,9 @@ class TrainingConfig:
     """Micro-steps per optimizer step; each rank sees global_batch_size / (dp * this) sequences."""
     max_norm: float = 1.0
     """Gradient clipping threshold on the global L2 norm (0 disables clipping)."""
+    loss_chunk_tokens: int = 0
+    """Compute the output layer and loss this many tokens at a time, forward and backward, so
+    no more than one chunk's logits exist (0 = all at once); jobs without a pipeline."""
     on_nonfinite: str = "stop"
     """A non-finite loss or gradient norm (the same on every rank): "stop" before the update,
     nothing saved (exit 1), or "skip_step": no update, the step counted and logged."""

@@ -39,8 +39,18 @@ def local_storage_holder(tensor: torch.Tensor) -> torch.Tensor:
 class PeakTensorMemory(TorchDispatchMode):
     """`with PeakTensorMemory() as memory: ...`; then `memory.peak_bytes`."""
 
-    def __init__(self, *, timeline: bool = False, label: Callable[[], str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        timeline: bool = False,
+        label: Callable[[], str] | None = None,
+        meta: bool = False,
+    ) -> None:
         super().__init__()
+        self._counted = (lambda _: True) if meta else (lambda leaf: leaf.device.type != "meta")
+        """Which tensors hold memory: with `meta`, meta tensors too (their storages have sizes
+        and lifetimes, not bytes), so a size no machine here holds is counted as it would run;
+        by default they are the unallocated modules of a plan and count for nothing."""
         self._live: dict[int, tuple[StorageWeakRef, int, str]] = {}
         self._label = label
         self.current_bytes = 0
@@ -53,12 +63,11 @@ class PeakTensorMemory(TorchDispatchMode):
         inputs = {
             leaf.untyped_storage()._cdata
             for leaf in _local_leaves((args, kwargs))
-            if leaf.device.type != "meta"
+            if self._counted(leaf)
         }
         grew = False
         for leaf in _local_leaves(out):
-            allocated = leaf.device.type != "meta"
-            if allocated and leaf.untyped_storage()._cdata not in inputs:
+            if self._counted(leaf) and leaf.untyped_storage()._cdata not in inputs:
                 grew |= self._track(leaf)
         if grew or self.timeline is not None:
             self._release_freed()

@@ -22,6 +22,7 @@ from pipekit.models.spec import ModelShape, ModelSpec
 from pipekit.models.upcycling import UpcycleSpec
 from pipekit.train.activation_checkpoint import check_checkpoint_with_schedule
 from pipekit.train.checkpoint_rules import check_checkpoints
+from pipekit.train.chunked_output import check_chunked_output
 from pipekit.train.config_values import check_values
 from pipekit.train.parallel_rules import check_parallel_layout
 from pipekit.train.replica_groups import check_fault_tolerance
@@ -134,6 +135,7 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
         upcycling=upcycle is not None,
     )
     _check_float8(config, dims.tp)
+    check_chunked_output(config.training.loss_chunk_tokens, spec.structure, meta_model, dims.pp)
     groups = check_fault_tolerance(config.fault_tolerance, dims.dp_replicate)
     data_parallel = groups * dims.dp_degree
     per_step = data_parallel * config.training.gradient_accumulation_steps

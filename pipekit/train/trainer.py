@@ -49,6 +49,7 @@ from pipekit.moe.bias_balance import (
 )
 from pipekit.pipelining.tools.trace import record_pipeline_step
 from pipekit.train.checkpoint_rules import is_pipekit_checkpoint, step_to_resume
+from pipekit.train.chunked_output import ChunkedOutputLoss
 from pipekit.train.compile import job_loss_fn
 from pipekit.train.config_values import MODEL_ONLY
 from pipekit.train.data import build_data_loader
@@ -120,6 +121,12 @@ class Trainer:
         )
         self.model, self.pipeline = built.model, built.pipeline
         self._loss_fn = job_loss_fn(config.compile.enable, job.loss_parallel)
+        chunk_tokens = config.training.loss_chunk_tokens  # validated: jobs without a pipeline
+        self._chunked_loss = (
+            ChunkedOutputLoss(self.model, job.spec.structure, chunk_tokens)
+            if chunk_tokens
+            else None
+        )
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.training.steps, config.lr_scheduler
@@ -380,9 +387,12 @@ class Trainer:
         context: AttentionContext = CausalAttention(batch["document_ids"], backend=backend)
         if self._context_parallel is not None:
             context = self._context_parallel.attention(batch, backend)
+        tokens, positions, labels = batch["tokens"], batch["positions"], batch["labels"]
         with self._autocast(), statistics_group(self._statistics_group):
-            logits_BSV = self.model(batch["tokens"], batch["positions"], context)
-        loss = self._loss_fn(logits_BSV, batch["labels"], global_tokens)
+            if self._chunked_loss is not None:  # the loss, its logits never whole
+                loss = self._chunked_loss(tokens, positions, context, labels, global_tokens)
+            else:
+                loss = self._loss_fn(self.model(tokens, positions, context), labels, global_tokens)
         if backward:
             loss.backward()  # data parallelism sums gradients (pipekit.distributed.fsdp)
         return loss
@@ -444,11 +454,8 @@ class Trainer:
         if self.replica_groups is not None:
             self.replica_groups.shutdown()
         if stop_signal is not None:
-            logger.info(
-                "stopped on %s after step %d; run the same command to resume",
-                stop_signal,
-                self.step,
-            )
+            logger.info("stopped on %s after step %d; run the same command to resume",
+                        stop_signal, self.step)  # fmt: skip
         elif config.checkpoint.export_hf_at_end:
             self.export_hf(self.output_dir / "hf")
         return losses
