@@ -69,6 +69,10 @@ _BENCHMARKS = {
         "pipekit.bench.plan_accuracy",
         "the memory planner's per-rank peak against measured peaks of the debug configs",
     ),
+    "chunked-loss": (
+        "pipekit.bench.chunked_loss",
+        "the output layer and loss's peak bytes, chunked vs whole, against their formulas",
+    ),
     "upcycle": (
         "pipekit.bench.upcycle",
         "online upcycling on N ranks: peak RSS and bytes read vs owned, time vs a plain read",

@@ -126,3 +126,15 @@ def test_step_bench_compares_compiled_with_eager(capsys):
         lines[-1],
     )
     assert float(re.search(r"max_loss_rel_difference=(\S+)", lines[-1]).group(1)) < 1e-5
+
+
+def test_chunked_loss_bench_counts_both_heads_as_their_formulas(capsys):
+    """The whole head beyond this size is counted on the meta device; the small size shows the
+    meta count equal to the CPU's, and the chunked head's CPU peak is its formula's."""
+    main(["chunked-loss", "--tokens", "2048", "--vocab", "4096", "--dim", "16", "--chunk", "256",
+          "--check-tokens", "512"])  # fmt: skip
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    result = dict(part.split("=") for part in last.removeprefix("RESULT ").split())
+    assert result["meta_equals_cpu"] == "yes"
+    assert abs(float(result["chunked_vs_formula"]) - 1) < 0.1
+    assert float(result["whole_over_chunked"]) > 4
