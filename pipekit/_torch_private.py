@@ -47,6 +47,8 @@ __all__ = [
     "local_shape_and_offset",
     "loss_parallel_once",
     "more_recompiles",
+    "muon_adjusted_lr",
+    "muon_orthogonalise",
     "record_cuda_memory_history",
     "replace_grad_tensors",
     "simulated_rank",
@@ -220,6 +222,24 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     flattened helper.
     """
     return DeviceMesh._concatenate(meshes)
+
+
+def muon_orthogonalise(
+    matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """`torch.optim.Muon`'s Newton-Schulz iteration of one matrix
+    (`torch.optim._muon._zeropower_via_newtonschulz`): pipekit's Muon calls it so that its
+    update is torch's, on whatever layout the matrix was gathered from."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return _zeropower_via_newtonschulz(matrix, coefficients, steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """`torch.optim.Muon`'s learning rate for a matrix of `shape` (`_muon._adjust_lr`)."""
+    from torch.optim._muon import _adjust_lr
+
+    return _adjust_lr(lr, adjust_lr_fn, shape)
 
 
 @contextlib.contextmanager

@@ -137,7 +137,8 @@ class OptimizerConfig:
     """AdamW and its low-bit variants."""
 
     name: str = "AdamW"
-    """AdamW, or torchao's AdamW8bit / AdamW4bit (low-bit optimizer states)."""
+    """AdamW, torchao's AdamW8bit / AdamW4bit (low-bit optimizer states), or Muon (the
+    matrices; AdamW for embeddings, the output layer and 1-D parameters)."""
     lr: float = 1e-3
     """Peak learning rate."""
     beta1: float = 0.9
@@ -148,6 +149,11 @@ class OptimizerConfig:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """Muon's learning rate per matrix: match_rms_adamw (0.2 sqrt(max dim), so AdamW's rate
+    serves both) or original (sqrt(max(1, rows / cols)))."""
     no_decay: list[str] = field(default_factory=list)
     """Parameters weight decay leaves alone: kinds ("norm", "bias", "embedding") or fnmatch
     patterns on parameter names ("layers.*.attention.sinks"); empty = decay every parameter."""

@@ -28,6 +28,7 @@ from pipekit.train.activation_checkpoint import ACTIVATION_CHECKPOINT_MODES, SEL
 from pipekit.train.data.chat import DATA_FORMATS
 from pipekit.train.float8 import FLOAT8_RECIPES
 from pipekit.train.lr_schedule import DECAY_TYPES
+from pipekit.train.muon import MUON_LR_ADJUSTMENTS
 from pipekit.train.non_finite import NON_FINITE_CHOICES
 from pipekit.train.optimizer import OPTIMIZERS
 
@@ -41,6 +42,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("training", "activation_checkpoint_keep"): tuple(SELECTIVE_KEEP),
     ("training", "float8"): FLOAT8_RECIPES,
     ("optimizer", "name"): OPTIMIZERS,
+    ("optimizer", "muon_adjust_lr"): MUON_LR_ADJUSTMENTS,
     ("data", "format"): DATA_FORMATS,
     ("training", "on_nonfinite"): NON_FINITE_CHOICES,
     ("lr_scheduler", "decay_type"): DECAY_TYPES,
@@ -104,7 +106,7 @@ def _check_optimizer(config: JobConfig) -> None:
             f"[optimizer] lr={optimizer.lr} must be in (0, 1] (AdamW's step is about lr per "
             "weight; typical peaks are 1e-5 to 1e-2)"
         )
-    for key in ("beta1", "beta2"):
+    for key in ("beta1", "beta2", "muon_momentum"):
         value = getattr(optimizer, key)
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"[optimizer] {key}={value} must be in [0, 1)")

@@ -127,7 +127,7 @@ class Trainer:
             if chunk_tokens
             else None
         )
-        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.optimizer = build_optimizer(self.model, config.optimizer, job.spec.structure)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.training.steps, config.lr_scheduler
         )
