@@ -48,6 +48,7 @@ __all__ = [
     "loss_parallel_once",
     "more_recompiles",
     "muon_adjusted_lr",
+    "muon_defaults",
     "muon_orthogonalise",
     "record_cuda_memory_history",
     "replace_grad_tensors",
@@ -233,6 +234,13 @@ def muon_orthogonalise(
     from torch.optim._muon import _zeropower_via_newtonschulz
 
     return _zeropower_via_newtonschulz(matrix, coefficients, steps, eps)
+
+
+def muon_defaults() -> tuple[tuple[float, float, float], float]:
+    """`torch.optim.Muon`'s Newton-Schulz coefficients and the epsilon of its normalisation."""
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
+
+    return (DEFAULT_A, DEFAULT_B, DEFAULT_C), EPS
 
 
 def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:

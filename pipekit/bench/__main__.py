@@ -73,6 +73,10 @@ _BENCHMARKS = {
         "pipekit.bench.chunked_loss",
         "the output layer and loss's peak bytes, chunked vs whole, against their formulas",
     ),
+    "muon": (
+        "pipekit.bench.muon",
+        "Muon's step under FSDP2 against AdamW's: seconds, bytes gathered vs the formula",
+    ),
     "upcycle": (
         "pipekit.bench.upcycle",
         "online upcycling on N ranks: peak RSS and bytes read vs owned, time vs a plain read",

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pipekit.bench._collective_bytes import count_collective_bytes
 from pipekit.bench._pipeline_launch import run_ranks
 from pipekit.bench.report import machine_description, print_result, print_table
 
@@ -35,29 +36,6 @@ __all__ = ["main"]
 
 _MIB = 2**20
 _PARTS = ("norms", "attention", "feed_forward")
-
-
-def _count_collectives(sent: list[int], ranks: int) -> None:
-    """Wrap torch's functional collectives (what DTensor redistributes with) so that each call
-    adds the bytes this rank sends to `sent[0]`."""
-    from pipekit._torch_private import functional_collectives as funcol
-
-    share = (ranks - 1) / ranks
-
-    def counted(name: str, bytes_sent):
-        original = getattr(funcol, name)
-
-        def wrapper(tensor, *args, **kwargs):
-            sent[0] += int(bytes_sent(tensor))
-            return original(tensor, *args, **kwargs)
-
-        setattr(funcol, name, wrapper)
-
-    counted("all_gather_single", lambda t: t.nbytes * (ranks - 1))  # its input is one shard
-    counted("all_gather_tensor", lambda t: t.nbytes * (ranks - 1))
-    counted("reduce_scatter_single", lambda t: t.nbytes * share)
-    counted("reduce_scatter_tensor", lambda t: t.nbytes * share)
-    counted("all_reduce", lambda t: 2 * t.nbytes * share)
 
 
 def _worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +48,7 @@ def _worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     from pipekit.models.stage_module import build_stage_module
 
     sent = [0]
-    _count_collectives(sent, num_ranks)
+    count_collective_bytes(sent, num_ranks)
     mesh = init_device_mesh("cpu", (num_ranks,), mesh_dim_names=("tp",))
     llama = get_model_spec("llama")
     args = llama.flavor("debug").with_updates(

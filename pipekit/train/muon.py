@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from pipekit._torch_private import muon_adjusted_lr, muon_orthogonalise
+from pipekit._torch_private import muon_adjusted_lr, muon_defaults, muon_orthogonalise
 
 __all__ = ["MUON_LR_ADJUSTMENTS", "Muon", "muon_parameter_names"]
 
@@ -93,12 +93,11 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str = "match_rms_adamw",
     ) -> None:
-        from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
-
+        coefficients, muon_eps = muon_defaults()
         defaults = {
             "lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps, "muon": False,
             "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
-            "ns_coefficients": (DEFAULT_A, DEFAULT_B, DEFAULT_C), "muon_eps": EPS,
+            "ns_coefficients": coefficients, "muon_eps": muon_eps,
             "adjust_lr_fn": adjust_lr_fn,
         }  # fmt: skip
         super().__init__(params, defaults)

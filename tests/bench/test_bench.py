@@ -138,3 +138,14 @@ def test_chunked_loss_bench_counts_both_heads_as_their_formulas(capsys):
     assert result["meta_equals_cpu"] == "yes"
     assert abs(float(result["chunked_vs_formula"]) - 1) < 0.1
     assert float(result["whole_over_chunked"]) > 4
+
+
+def test_muon_bench_gathers_the_matrices_bytes_per_step(capsys):
+    """On 2 FSDP2 ranks Muon's step sends (t-1)/t of the matrices' bytes, AdamW's nothing."""
+    main(["muon", "--ranks", "2", "--layers", "1", "--dim", "128", "--ffn-dim", "256"])
+    out = capsys.readouterr().out
+    assert re.search(r"^AdamW +\S+ +0 ", out, re.MULTILINE)
+    last = out.strip().splitlines()[-1]
+    result = dict(part.split("=") for part in last.removeprefix("RESULT ").split())
+    assert float(result["muon_bytes_vs_formula"]) == 1
+    assert 0 < float(result["muon_bytes_over_fsdp_step"]) < 1 / 3

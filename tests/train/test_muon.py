@@ -17,6 +17,7 @@ from pipekit.models import get_model_spec
 from pipekit.moe import MoEArgs
 from pipekit.testing import build_model, data_parallel_model, run_on_ranks
 from pipekit.testing.pipeline import pipeline_layout
+from pipekit.train import muon
 from pipekit.train.muon import muon_parameter_names
 from pipekit.train.optimizer import build_optimizer
 
@@ -25,6 +26,7 @@ TINY_MOE = LlamaMoEArgs(
     **{**vars(TINY_LLAMA), "n_layers": 2}, moe=MoEArgs(num_experts=4, top_k=2), moe_every=1
 )
 CONFIG = OptimizerConfig(name="Muon", lr=LR, weight_decay=WEIGHT_DECAY)
+_WHOLE_MATRICES = muon._orthogonalised
 
 
 def _gradients(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
@@ -70,7 +72,19 @@ def _reference(model: torch.nn.Module, names: set[str]):
     return step, weights
 
 
-def _muon_against_torch(rank: int, world_size: int, layout: str) -> float:
+def _shard_by_shard(update: torch.Tensor, group: dict) -> torch.Tensor:
+    """The ablation: Newton-Schulz of each rank's shard, as a Muon unaware of FSDP/TP would."""
+    if not isinstance(update, DTensor):
+        return _WHOLE_MATRICES(update, group)
+    local = _WHOLE_MATRICES(update.to_local(), group)
+    return DTensor.from_local(
+        local, update.device_mesh, update.placements, shape=update.shape, stride=update.stride()
+    )
+
+
+def _muon_against_torch(rank: int, world_size: int, layout: str, ablate: bool = False) -> float:
+    if ablate:  # this rank is a forked child: the patch dies with it
+        muon._orthogonalised = _shard_by_shard
     moe = layout in ("ep", "etp")
     spec = get_model_spec("llama_moe" if moe else "llama")
     args = TINY_MOE if moe else TINY_LLAMA
@@ -106,6 +120,14 @@ def _muon_against_torch(rank: int, world_size: int, layout: str) -> float:
 def test_muon_updates_every_layout_as_torch_does_on_one_process_fp64(layout):
     for worst in run_on_ranks(_muon_against_torch, 2, layout, timeout=180):
         assert worst <= 1e-10
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "etp"])
+def test_muon_of_each_shard_alone_is_not_torchs_update(layout):
+    """The ablation: orthogonalising the shards FSDP2 or tensor parallelism leave on a rank,
+    instead of the whole matrix, gives another update."""
+    for worst in run_on_ranks(_muon_against_torch, 2, layout, True, timeout=180):
+        assert worst > 1e-4
 
 
 def test_muon_takes_the_matrices_and_adamw_the_rest():
