@@ -87,6 +87,10 @@ class ModelStructure:
     shared: tuple[str, ...] = ()
     """Stateless modules every stage holds (e.g. rotary embeddings): the one place a module
     may run on more than one stage."""
+    multi_token_prediction: tuple[str, ...] = ()
+    """Modules run in training on the output layer's input, with the embedding and the output
+    layer as shared weights (`pipekit.layers.multi_token_prediction`); an attribute of None is
+    a model without them. Jobs without a pipeline, context or tensor parallelism."""
 
     @property
     def placed(self) -> tuple[str, ...]:
@@ -99,6 +103,7 @@ class ModelStructure:
             *self.after_blocks,
             *self.logits_transforms,
             *self.shared,
+            *self.multi_token_prediction,
         )
 
     @property

@@ -1,10 +1,9 @@
 """Load-balancing and router z-losses, injected into the backward pass through autograd.
 
-A pipeline stage or a gradient-accumulation micro-step returns one loss tensor; an MoE layer deep
-inside cannot add its auxiliary loss to it. Instead the layer attaches the loss to its output:
-`attach_aux_loss(y, aux)` is the identity on `y` in forward, and in backward it also hands `aux`
-the gradient `scale`, so `aux` contributes `scale x aux` to the total loss's gradient wherever
-and whenever the backward runs (Megatron-Core's MoEAuxLossAutoScaler does the same).
+An MoE layer deep inside a pipeline stage or micro-step cannot add its auxiliary loss to the
+loss tensor they return; it attaches the loss to its output instead (`attach_aux_loss(y, aux)`,
+through `pipekit.layers.attached_loss`), so `aux` contributes `scale x aux` to the total loss's
+gradient wherever and whenever the backward runs.
 
 `scale` is read when the forward runs, from `aux_loss_scale(...)`: the trainer sets it to the
 share of the step's tokens that the micro-batch holds, so the auxiliary losses are averaged
@@ -29,6 +28,7 @@ from contextvars import ContextVar
 import torch
 from torch import Tensor
 
+from pipekit.layers.attached_loss import attach_loss
 from pipekit.layers.sequence_statistics import loss_of_sums
 from pipekit.moe.routing import Routing
 
@@ -184,21 +184,6 @@ def balance_loss(
     return total
 
 
-class _AttachAuxLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, output: Tensor, aux_loss: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
-        ctx.aux_dtype = aux_loss.dtype
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, Tensor, None]:
-        aux_grad = torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad_output.device)
-        return grad_output, aux_grad, None
-
-
 def attach_aux_loss(output: Tensor, aux_loss: Tensor | None) -> Tensor:
     """`output`, with `aux_loss x aux_loss_scale()` added to the loss its backward minimises."""
-    if aux_loss is None or not torch.is_grad_enabled() or not aux_loss.requires_grad:
-        return output
-    return _AttachAuxLoss.apply(output, aux_loss, _AUX_LOSS_SCALE.get())
+    return attach_loss(output, aux_loss, _AUX_LOSS_SCALE.get())

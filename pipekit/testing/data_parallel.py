@@ -36,7 +36,7 @@ from pipekit.moe.expert_parallel import (
     expert_mesh,
     expert_parallel_mesh,
 )
-from pipekit.testing.parity import Result, full_gradient
+from pipekit.testing.parity import Result, full_gradient, training_targets
 from pipekit.train.parallel_rules import check_parallel_layout
 
 __all__ = ["data_parallel_model", "data_parallel_step"]
@@ -173,10 +173,14 @@ def data_parallel_step(
         ranks = context_parallel_ranks(mesh, parallelism, seq_len)
         part = ranks.shard(part)
         context = ranks.attention(part)
+    normaliser = count_label_tokens(batch["labels"])
     with loss_parallel_context() if loss_parallel else nullcontext():
-        with aux_loss_scale(1.0 / dims.dp_degree), statistics_group(sequence_group):
+        with (
+            aux_loss_scale(1.0 / dims.dp_degree),
+            statistics_group(sequence_group),
+            training_targets(part, normaliser),
+        ):
             logits = model(part["tokens"], part["positions"], context)
-        normaliser = count_label_tokens(batch["labels"])
         loss = token_sum_cross_entropy(logits, part["labels"], normaliser)
         loss.backward()
     total = loss.detach().clone()

@@ -17,6 +17,7 @@ rows as (start, end, gradient).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 
 from pipekit.attention.context import CausalAttention
 from pipekit.layers.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
+from pipekit.layers.multi_token_prediction import MultiTokenTargets, multi_token_targets
 from pipekit.models.spec import ModelSpec
 from pipekit.moe.aux_loss import aux_loss_scale
 
@@ -41,6 +43,7 @@ __all__ = [
     "max_relative_difference",
     "parity_batch",
     "reference_step",
+    "training_targets",
 ]
 
 Result = tuple[float | None, dict[str, Any]]
@@ -95,13 +98,23 @@ def reference_step(
     normaliser = count_label_tokens(batch["labels"])
     total = torch.zeros((), dtype=torch.float64)
     for part in batch.split(batch.batch_size[0] // microbatches):
-        with aux_loss_scale(1.0 / microbatches):
+        with aux_loss_scale(1.0 / microbatches), training_targets(part, normaliser):
             logits = model(part["tokens"], part["positions"], CausalAttention(part["document_ids"]))
         loss = token_sum_cross_entropy(logits, part["labels"], normaliser)
         loss.backward()
         total += loss.detach()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     return total.item(), grads
+
+
+def training_targets(
+    part: TensorDict, normaliser: Tensor
+) -> contextlib.AbstractContextManager[MultiTokenTargets]:
+    """The targets a model's multi-token prediction trains on in a step over `part` (a no-op
+    for a model without it), weighted as the token losses: over the batch's label count."""
+    return multi_token_targets(
+        part["tokens"], part["labels"], part["document_ids"], 1.0 / float(normaliser)
+    )
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,13 @@ def check_chunked_output(
             "more slices (num_slices) or split them across the pipeline (vocab_parallel), "
             "and set loss_chunk_tokens = 0"
         )
+    extra = [name for name in structure.multi_token_prediction if getattr(model, name, None)]
+    if extra:
+        raise ConfigError(
+            f"[training] loss_chunk_tokens={chunk_tokens} replaces the output layer, which "
+            f"multi-token prediction ({', '.join(extra)}) also runs; set loss_chunk_tokens = 0 "
+            "or the model's mtp_depth = 0"
+        )
     output = getattr(model, structure.output, None)
     plain_linear = isinstance(output, nn.Linear) and type(output).forward is nn.Linear.forward
     if not plain_linear:

@@ -11,6 +11,7 @@ launching it, for the fewest ranks its degrees allow).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -216,9 +217,27 @@ def _model(config: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, Any, Upc
         if not vocab_size and model.flavor.startswith("debug") and config.data.tokenizer != "bytes":
             vocab_size = tokenizer_vocab
         spec, args = resolve_model(model.name, model.flavor, upcycle_spec, vocab_size)
+        args = _with_multi_token_prediction(args, model.mtp_depth, model.mtp_loss_weight)
     except ValueError as error:
         raise _error(f"{section}:", error) from None
     return spec, args, upcycle_spec
+
+
+def _with_multi_token_prediction(args: Any, depth: int, weight: float) -> Any:
+    """`args` with `[model] mtp_depth` and `mtp_loss_weight` where set (-1: the args')."""
+    changes = {key: value for key, value in (("mtp_depth", depth), ("mtp_loss_weight", weight))
+               if value != -1}  # fmt: skip
+    if not changes:
+        return args
+    if any(value < 0 for value in changes.values()):
+        raise ValueError(f"{changes} must be >= 0 (or -1 for the model's own)")
+    fields = {field.name for field in dataclasses.fields(args)}
+    if "mtp_depth" not in fields:
+        raise ValueError(
+            f"mtp_depth: the model's args ({type(args).__name__}) have no multi-token "
+            "prediction; leave mtp_depth and mtp_loss_weight at -1"
+        )
+    return dataclasses.replace(args, **changes)
 
 
 def _model_description(config: JobConfig) -> str:

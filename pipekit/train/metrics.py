@@ -194,6 +194,7 @@ def console_line(record: dict[str, Any], total_steps: int) -> str:
 
 _CONSOLE_FIELDS: tuple[tuple[str, Callable[[float], str]], ...] = (
     ("loss", lambda value: f"loss {value:.4f}"),
+    ("mtp_loss", lambda value: f"mtp_loss {value:.4f}"),
     ("val_loss", lambda value: f"val_loss {value:.4f}"),
     ("grad_norm", lambda value: f"grad_norm {value:.3g}"),
     ("lr", lambda value: f"lr {value:.3g}"),

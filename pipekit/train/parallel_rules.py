@@ -1,9 +1,9 @@
 """The `[parallelism]` rules that hold a layout against the model: degrees that fit the world
 size, tensor parallelism that splits whole heads (and, for an MoE, only with sequence
 parallelism), sequence and context parallelism that cut the sequence evenly, expert parallelism
-that splits whole experts; and each enabled pipeline feature's own layout rules, from its
-entry in the feature table (vocabulary parallelism's: pipeline ranks to split over, a model its
-row shards honour).
+that splits whole experts, multi-token prediction only where it runs whole; and each enabled
+pipeline feature's own layout rules, from its entry in the feature table (vocabulary
+parallelism's: pipeline ranks to split over, a model its row shards honour).
 
 `check_parallel_layout` is the one place these run: job validation calls it for a config, and
 `pipekit.testing`'s parity steps call it for the layout they are asked to build, so a layout the
@@ -60,6 +60,7 @@ def check_parallel_layout(
             meta_model = spec.build(args)
     shape = spec.shape(args)
     try:
+        _check_multi_token_prediction(dims, spec, meta_model)
         if dims.tp > 1:
             _check_tensor_parallel(parallelism, seq_len, dims, spec, args)
         if dims.ep_enabled:
@@ -73,6 +74,25 @@ def check_parallel_layout(
     except ValueError as error:
         raise ConfigError(f"[parallelism] {error}") from None
     return dims
+
+
+def _check_multi_token_prediction(
+    dims: ParallelDims, spec: ModelSpec, meta_model: nn.Module
+) -> None:
+    """Multi-token prediction runs beside the output layer on whole sequences: not yet split
+    across pipeline stages, context-parallel shards or tensor-parallel ranks."""
+    present = [
+        name
+        for name in spec.structure.multi_token_prediction
+        if getattr(meta_model, name, None) is not None
+    ]
+    split = [f"{dim}={getattr(dims, dim)}" for dim in ("pp", "cp", "tp") if getattr(dims, dim) > 1]
+    if present and split:
+        raise ValueError(
+            f"{', '.join(split)} with multi-token prediction ({', '.join(present)}), which "
+            "pipekit runs on whole sequences beside the output layer only; set mtp_depth = 0 "
+            "or use data and expert parallelism (pp = cp = tp = 1)"
+        )
 
 
 def _check_tensor_parallel(

@@ -69,6 +69,7 @@ from pipekit.train.metrics import (
     training_flops_per_token,
 )
 from pipekit.train.model_setup import build_job_model
+from pipekit.train.multi_token_loss import MultiTokenLoss
 from pipekit.train.non_finite import NonFiniteLossError, handle_non_finite
 from pipekit.train.optimizer import build_optimizer
 from pipekit.train.profiling import StepProfiler
@@ -127,6 +128,7 @@ class Trainer:
             if chunk_tokens
             else None
         )
+        self._multi_token = MultiTokenLoss(self.model, job.spec.structure)
         self.optimizer = build_optimizer(self.model, config.optimizer, job.spec.structure)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.training.steps, config.lr_scheduler
@@ -320,6 +322,7 @@ class Trainer:
             if loss is not None:  # pipelined: only the rank with the last stage has a loss
                 loss_sum += loss.detach()
         loss_sum = self._all_reduce_sum(loss_sum)
+        self._multi_token.end_step(self._all_reduce_sum, global_tokens, training=backward)
         if summed is not None:
             loss_sum = summed.sum_over_groups(loss_sum)
         return float(loss_sum) / self.dims.tp, int(global_tokens)
@@ -374,6 +377,7 @@ class Trainer:
         with (
             loss_parallel() if self.job.loss_parallel else contextlib.nullcontext(),
             torch.set_grad_enabled(gradients),
+            self._multi_token.targets(batch, global_tokens),
         ):
             return self._forward_backward_in_context(batch, global_tokens, gradients)
 
@@ -487,6 +491,7 @@ class Trainer:
             "step": self.step,
             "loss": loss,
             "grad_norm": grad_norm,
+            **self._multi_token.metrics,
             "lr": float(self.lr_scheduler.get_last_lr()[0]),
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / devices,

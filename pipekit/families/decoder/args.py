@@ -46,6 +46,10 @@ class DecoderArgs:
     """Longest context the model is meant for (recorded in exported configs)."""
     tie_embeddings: bool = False
     """Whether the output projection shares the token embedding's weight."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules after the last block (DeepSeek-V3's D); 0 = none."""
+    mtp_loss_weight: float = 0.3
+    """lambda: the extra loss is lambda / D x the depths' summed cross-entropies."""
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
@@ -61,6 +65,11 @@ class DecoderArgs:
             raise ValueError(
                 f"{kind}: dim={self.dim} is not divisible by n_heads={self.n_heads}; "
                 "set head_dim explicitly or change n_heads"
+            )
+        if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
+            raise ValueError(
+                f"{kind}: mtp_depth={self.mtp_depth} and mtp_loss_weight={self.mtp_loss_weight} "
+                "must be >= 0"
             )
         if self.per_head_dim % 2:
             raise ValueError(f"{kind}: head_dim={self.per_head_dim} must be even for RoPE")

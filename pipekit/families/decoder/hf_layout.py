@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,8 +91,16 @@ EXPERT_ACTIVATION = "swiglu"
 decoders' dense FFN: the only one the Hugging Face MoE layouts hold and upcycling copies."""
 _ROUTER = "router.gate.weight"
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+_MTP_BLOCK = "block."
+# The copies of the shared embedding and output layer each MTP layer holds (DeepSeek-V3's files).
+_MTP_SHARED = {
+    "embed_tokens.weight": "tok_embeddings.weight",
+    "shared_head.head.weight": "output.weight",
+}
 # Buffers some transformers versions saved; they are recomputed from config.json.
 _IGNORED_HF_SUFFIX = "rotary_emb.inv_freq"
+logger = logging.getLogger(__name__)
 _TIED_HEAD = TOP_LEVEL_NAMES["output.weight"]
 _EMBEDDING = TOP_LEVEL_NAMES["tok_embeddings.weight"]
 
@@ -141,12 +151,20 @@ class DecoderLayout:
     their Hugging Face names are in `layer_names`); the model's other buffers are not saved."""
     custom: tuple[CustomLayerTensor, ...] = ()
     """Tensors within `model.layers.L` holding parameters otherwise than as they are."""
+    mtp_names: Mapping[str, str] | None = None
+    """pipekit name within a multi-token prediction depth k, outside its block -> Hugging Face
+    name within `model.layers.{n_layers + k}` (DeepSeek-V3's layout: the block's tensors are
+    named as a layer's, beside them the depth's norms and projection and copies of the shared
+    embedding and output layer); None: the architecture has no MTP layers."""
 
     def hf_names(self, name: str, args: DecoderArgs) -> list[str]:
         """Hugging Face names of pipekit parameter `name`: one per expert for an expert
         weight (expert j's at index j), else one."""
         if name in TOP_LEVEL_NAMES:
             return [TOP_LEVEL_NAMES[name]]
+        mtp = _MTP.fullmatch(name)
+        if mtp is not None:
+            return self._mtp_hf_names(args.n_layers + int(mtp[1]), mtp[2], args)
         match = _LAYER.fullmatch(name)
         if match is not None:
             layer, rest = match[1], match[2]
@@ -170,6 +188,34 @@ class DecoderLayout:
             f"{self.model_type.model_type} layout"
         )
 
+    def _mtp_hf_names(self, layer: int, rest: str, args: DecoderArgs) -> list[str]:
+        """Hugging Face names of `rest` of the MTP depth stored as layer `layer`."""
+        if self.mtp_names is None:
+            raise ValueError(
+                f"mtp_depth={args.mtp_depth}, but Hugging Face's {self.model_type.model_type} "
+                "layout has no multi-token prediction layers; set mtp_depth = 0 or keep the "
+                "model in pipekit's DCP checkpoints"
+            )
+        if rest.startswith(_MTP_BLOCK):
+            return self.hf_names(f"layers.{layer}.{rest.removeprefix(_MTP_BLOCK)}", args)
+        if rest in self.mtp_names:
+            return [f"model.layers.{layer}.{self.mtp_names[rest]}"]
+        raise ValueError(f"mtp {rest!r} has no name in the {self.model_type.model_type} layout")
+
+    def mtp_copies(self, args: DecoderArgs) -> dict[str, str]:
+        """Hugging Face name of each copy of the shared embedding and output layer that the
+        MTP layers hold -> the Hugging Face name of what it copies."""
+        if self.mtp_names is None:
+            return {}
+        copied = {"tok_embeddings.weight": _EMBEDDING, "output.weight": _TIED_HEAD}
+        if args.tie_embeddings:
+            copied["output.weight"] = _EMBEDDING
+        return {
+            f"model.layers.{args.n_layers + k}.{hf}": copied[param]
+            for k in range(args.mtp_depth)
+            for hf, param in _MTP_SHARED.items()
+        }
+
     def custom_tensor(self, name: str) -> tuple[CustomLayerTensor, list[str]] | None:
         """The custom tensor holding parameter `name` and its parameters' full names; None
         if no custom tensor holds it."""
@@ -181,18 +227,15 @@ class DecoderLayout:
 
     def is_buffer(self, name: str) -> bool:
         """Whether `name` is a buffer the checkpoint holds."""
-        match = _LAYER.fullmatch(name)
-        return match is not None and match[2] in self.buffers
+        return _within_block(name) in self.buffers
 
     def is_permuted(self, name: str) -> bool:
         """Whether parameter `name` has its rows reordered per head."""
-        match = _LAYER.fullmatch(name)
-        return match is not None and match[2] in self.rope_permuted
+        return _within_block(name) in self.rope_permuted
 
     @staticmethod
     def is_expert_weight(name: str) -> bool:
-        match = _LAYER.fullmatch(name)
-        return match is not None and match[2].removeprefix("feed_forward.") in EXPERT_WEIGHTS
+        return _within_block(name).removeprefix("feed_forward.") in EXPERT_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -217,7 +260,16 @@ class DecoderHF:
     def read_args(self, directory: str | os.PathLike[str]) -> Any:
         """The model args `directory/config.json` describes, with errors naming the file."""
         config, source = read_config_json(directory)
-        return self.config_to_args(config, source)
+        args = self.config_to_args(config, source)
+        if getattr(args, "mtp_depth", 0) and not _has_layer(directory, args.n_layers):
+            # transformers writes the MTP depth into config.json but drops its layers
+            logger.warning(
+                "%s: %s says %d multi-token prediction layer(s), but no model.layers.%d tensor "
+                "is in the checkpoint; loading the main model alone", directory, CONFIG_FILE,
+                args.mtp_depth, args.n_layers,
+            )  # fmt: skip
+            args = args.with_updates(mtp_depth=0)
+        return args
 
     def comparable(self, args: Any) -> dict[str, object]:
         """What the weights compute, from `args` (defaults resolved, training choices out)."""
@@ -277,6 +329,9 @@ class DecoderHF:
                 listing += [HFTensor(hf, shape[1:], name, j) for j, hf in enumerate(hf_names)]
             else:
                 listing.append(HFTensor(hf_names[0], shape, name, None))
+        shapes = {entry.hf_name: (entry.hf_shape, entry.param_name) for entry in listing}
+        for copy_name, copied in self.layout.mtp_copies(args).items():
+            listing.append(HFTensor(copy_name, *shapes[copied], None))
         return listing
 
     def to_hf(self, name: str, tensor: torch.Tensor, args: Any) -> torch.Tensor:
@@ -339,6 +394,14 @@ class DecoderHF:
                 f"has float weights ({len(not_float)}): {', '.join(not_float[:5])}; the files "
                 "are not this model's weights (re-export them in a float dtype)"
             )
+        for copy_name, copied in self.layout.mtp_copies(args).items():
+            if not torch.equal(checkpoint.read(copy_name), checkpoint.read(copied)):
+                raise CheckpointError(
+                    f"{checkpoint.directory}: {copy_name} differs from {copied}, but pipekit's "
+                    "multi-token prediction shares the main model's embedding and output layer; "
+                    "copy the main tensor over it, or set num_nextn_predict_layers = 0 in "
+                    "config.json to load the main model alone"
+                )
         if tied_head and not torch.equal(checkpoint.read(_TIED_HEAD), checkpoint.read(_EMBEDDING)):
             raise CheckpointError(
                 f"{checkpoint.directory}: config.json says tie_word_embeddings=true but "
@@ -483,6 +546,26 @@ class DecoderHF:
                 f"{problems}"
             )
         return params
+
+
+def _has_layer(directory: str | os.PathLike[str], layer: int) -> bool:
+    """Whether the safetensors checkpoint in `directory` holds a tensor of `model.layers.L`
+    (False without safetensors files: a config alone)."""
+    if not any(Path(directory).glob("*.safetensors")):
+        return False
+    with SafetensorsCheckpoint(directory) as checkpoint:
+        return any(name.startswith(f"model.layers.{layer}.") for name in checkpoint.names)
+
+
+def _within_block(name: str) -> str:
+    """`name` within its block (of `layers`, or an MTP depth's), or "" outside blocks."""
+    match = _LAYER.fullmatch(name)
+    if match is not None:
+        return match[2]
+    mtp = _MTP.fullmatch(name)
+    if mtp is not None and mtp[2].startswith(_MTP_BLOCK):
+        return mtp[2].removeprefix(_MTP_BLOCK)
+    return ""
 
 
 def _holds(model: nn.Module, name: str) -> bool:

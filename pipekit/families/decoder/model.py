@@ -25,6 +25,7 @@ from pipekit.attention.context import AttentionContext
 from pipekit.families.decoder.args import DecoderArgs, MoEFields
 from pipekit.layers import FeedForward, GroupedQueryAttention, RMSNorm, RotaryEmbedding
 from pipekit.layers.init import seeded, trunc_normal_
+from pipekit.layers.multi_token_prediction import MTPModule, MultiTokenPrediction
 from pipekit.models.spec import ModelShape, ModelStructure
 from pipekit.moe import MoE
 
@@ -36,6 +37,7 @@ DECODER_STRUCTURE = ModelStructure(
     output="output",
     after_blocks=("norm",),
     shared=("rope",),
+    multi_token_prediction=("mtp",),
 )
 """Where pipekit finds the parts of a `DecoderLM` it splits and wraps."""
 
@@ -105,7 +107,20 @@ class DecoderLM(nn.Module):
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.mtp = self.build_multi_token_prediction() if args.mtp_depth else None
         self.tie_weights()
+
+    def build_multi_token_prediction(self) -> MultiTokenPrediction:
+        """The `mtp_depth` extra modules, each with the block layer `n_layers + k` would have
+        (DeepSeek-V3 numbers its MTP layer after the last)."""
+        args = self.args
+        depths = []
+        for layer_id in range(args.n_layers, args.n_layers + args.mtp_depth):
+            block = TransformerBlock(
+                layer_id, self.build_attention(layer_id), self.build_ffn(layer_id), args
+            )
+            depths.append(MTPModule(args.dim, args.norm_eps, block))
+        return MultiTokenPrediction(depths, args.mtp_loss_weight)
 
     def build_rope(self) -> RotaryEmbedding:
         """The rotary embedding every layer shares: over the whole head dim."""
@@ -161,6 +176,9 @@ class DecoderLM(nn.Module):
         if self.output is not None and not tied:
             with seeded(seed, "output", device):
                 trunc_normal_(self.output.weight, self.args.dim**-0.5)
+        for key, depth in (self.mtp or {}).items():
+            with seeded(seed, f"mtp.{key}", device):
+                depth.reset_parameters()
 
     def forward(
         self,
@@ -198,4 +216,12 @@ class DecoderLM(nn.Module):
             h_BSD = block(h_BSD, rope_cos_sin, attention_context)
         if self.norm is not None:
             h_BSD = self.norm(h_BSD)
-        return h_BSD if self.output is None else self.output(h_BSD)
+        if self.output is None:
+            return h_BSD
+        logits_BSV = self.output(h_BSD)
+        if self.mtp is not None:  # the extra loss, in training only (`multi_token_targets`)
+            logits_BSV = self.mtp.attach_loss(
+                logits_BSV, h_BSD, self.tok_embeddings, self.output, rope_cos_sin,
+                attention_context,
+            )  # fmt: skip
+        return logits_BSV

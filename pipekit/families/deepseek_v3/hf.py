@@ -22,6 +22,21 @@ is multi-head latent attention, and an MoE block adds shared experts and the rou
     feed_forward.experts.w3_EFD[j]    [F, D]  mlp.experts.j.up_proj.weight
     feed_forward.shared_experts.w1, w3, w2    mlp.shared_experts.gate_proj, up_proj, down_proj
 
+Multi-token prediction depth k is stored as layer n_layers + k (`num_nextn_predict_layers`
+depths): its block's tensors named as any layer's, and beside them
+
+    pipekit: mtp.k.                           Hugging Face: model.layers.{n_layers + k}.
+    block.*                                   (as a layer's)
+    enorm.weight, hnorm.weight   [D]          enorm.weight, hnorm.weight
+    eh_proj.weight               [D, 2D]      eh_proj.weight
+    norm.weight                  [D]          shared_head.norm.weight
+    (tok_embeddings.weight, output.weight)    embed_tokens.weight, shared_head.head.weight
+
+The last two are copies of the main model's embedding and output layer: written on save,
+checked equal to them on load (one weight is trained). transformers writes
+`num_nextn_predict_layers` but drops those layers: a checkpoint without them loads as the main
+model alone.
+
 No row is reordered. DeepSeek keeps each head's RoPE part in interleaved pairs, as pipekit's RoPE
 does; transformers (`rope_interleave=true`) splits q and k into even and odd channels alike
 before rotating, which leaves every q.k product as it was. A checkpoint with
@@ -103,6 +118,13 @@ _DEFAULTS: dict[str, Any] = {
     "n_shared_experts": 1,
     "routed_scaling_factor": 2.5,
     "aux_loss_alpha": _BALANCE_WEIGHT,
+    "num_nextn_predict_layers": 0,
+}
+_MTP_NAMES = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
 }
 _POSITIVE_INTS = (
     "kv_lora_rank",
@@ -159,11 +181,12 @@ def _deepseek_problems(config: Mapping[str, Any]) -> list[str]:
         for key in _POSITIVE_INTS
         if not (is_int(_value(config, key)) and _value(config, key) > 0)
     ]
-    q_rank, dense = _value(config, "q_lora_rank"), _value(config, "first_k_dense_replace")
+    q_rank = _value(config, "q_lora_rank")
     if q_rank is not None and not (is_int(q_rank) and q_rank > 0):
         problems.append(f"q_lora_rank={q_rank!r} must be a positive integer or null")
-    if not (is_int(dense) and dense >= 0):
-        problems.append(f"first_k_dense_replace={dense!r} must be a non-negative integer")
+    for key in ("first_k_dense_replace", "num_nextn_predict_layers"):
+        if not (is_int(_value(config, key)) and _value(config, key) >= 0):
+            problems.append(f"{key}={_value(config, key)!r} must be a non-negative integer")
     problems += [
         f"{key}={_value(config, key)!r} must be a number"
         for key in ("routed_scaling_factor", "aux_loss_alpha")
@@ -238,6 +261,7 @@ def deepseek_v3_config_to_args(
         "expert_ffn_dim": _value(config, "moe_intermediate_size"),
         "moe": build_args(MoEArgs, moe_fields, source),
         "attention_cache": "expanded",
+        "mtp_depth": _value(config, "num_nextn_predict_layers"),
     }
     return build_args(DeepSeekV3Args, fields | extra, source)
 
@@ -294,7 +318,7 @@ def args_to_deepseek_v3_config(
         "aux_loss_alpha": moe.load_balance_weight,
         "rope_interleave": True,
         "attention_bias": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_depth,
         "output_router_logits": False,
     }
 
@@ -307,11 +331,12 @@ DEEPSEEK_V3_HF = DecoderHF(
         moe_block="mlp",
         expert_names=_EXPERT_NAMES,
         buffers=(_ROUTER_BIAS,),
+        mtp_names=_MTP_NAMES,
     ),
     build=DeepSeekV3,
     config_to_args=lambda config, source: deepseek_v3_config_to_args(config, source=source),
     args_to_config=args_to_deepseek_v3_config,
     check_layout=check_deepseek_v3_compatible,
-    training_fields=("max_seq_len", "attention_cache"),
+    training_fields=("max_seq_len", "attention_cache", "mtp_loss_weight"),
 )
 """The DeepSeek-V3 family's Hugging Face format."""

@@ -1,0 +1,124 @@
+"""DeepSeek-V3's multi-token prediction layer in Hugging Face's layout and in a job: a
+checkpoint transformers writes, with an MTP layer added as DeepSeek publishes it (layer
+n_layers, its own norms and projection, copies of the embedding and head), loads with the main
+logits still transformers'; it exports with the MTP layer bit for bit; a copy that differs from
+the main weight is refused; a job trains it under expert parallelism with `mtp_loss` in its
+metrics; layouts that would split it are refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from job_runs import MOE_CONFIG, single_process_error, train_job
+from safetensors.torch import load_file, save_file
+
+from pipekit.checkpoint import CheckpointError
+from pipekit.families.deepseek_v3.hf import DEEPSEEK_V3_HF
+
+transformers = pytest.importorskip("transformers")
+
+HF_CONFIG = dict(
+    hidden_size=64, num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+    num_key_value_heads=4, vocab_size=100, intermediate_size=96, moe_intermediate_size=24,
+    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+    max_position_embeddings=256, num_nextn_predict_layers=1,
+)  # fmt: skip
+TOKENS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _with_mtp_layer(directory: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A transformers DeepSeek-V3 saved to `directory`, then an MTP layer added beside it as
+    DeepSeek's files hold one: layer 2, a block named as transformers names layer 1 (an MoE
+    layer), perturbed, with enorm/hnorm/eh_proj/shared_head.norm and the embedding and head
+    copied."""
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_CONFIG)).eval()
+    model.save_pretrained(directory)
+    main = load_file(directory / "model.safetensors")
+    generator = torch.Generator().manual_seed(5)
+    mtp = {
+        name.replace("model.layers.1.", "model.layers.2."): tensor
+        + 0.01 * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in main.items()
+        if name.startswith("model.layers.1.")
+    }
+    mtp |= {
+        "model.layers.2.enorm.weight": 1 + 0.1 * torch.randn(64, generator=generator),
+        "model.layers.2.hnorm.weight": 1 + 0.1 * torch.randn(64, generator=generator),
+        "model.layers.2.eh_proj.weight": 0.05 * torch.randn(64, 128, generator=generator),
+        "model.layers.2.shared_head.norm.weight": 1 + 0.1 * torch.randn(64, generator=generator),
+        "model.layers.2.embed_tokens.weight": main["model.embed_tokens.weight"].clone(),
+        "model.layers.2.shared_head.head.weight": main["lm_head.weight"].clone(),
+    }
+    save_file(mtp, directory / "model-mtp.safetensors")
+    return model, mtp
+
+
+def test_a_transformers_checkpoint_with_its_mtp_layer_loads_and_exports(tmp_path: Path):
+    hf_model, mtp = _with_mtp_layer(tmp_path / "hf")
+    model, args = DEEPSEEK_V3_HF.build_from_checkpoint(tmp_path / "hf")
+    assert args.mtp_depth == 1
+    assert torch.equal(model.mtp["0"].eh_proj.weight, mtp["model.layers.2.eh_proj.weight"])
+    assert torch.equal(
+        model.mtp["0"].block.feed_forward.experts.w1_EFD[3],
+        mtp["model.layers.2.mlp.experts.3.gate_proj.weight"],
+    )
+    with torch.no_grad():
+        difference = (model(TOKENS) - hf_model(TOKENS).logits).abs().max()
+    assert difference < 1e-4
+    DEEPSEEK_V3_HF.adapter().save(model, args, str(tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    written = {}
+    for path in (tmp_path / "out").glob("*.safetensors"):
+        written |= load_file(path)
+    assert all(torch.equal(written[name], tensor) for name, tensor in mtp.items())
+
+
+def test_an_mtp_copy_that_differs_from_the_main_weight_is_refused(tmp_path: Path):
+    _, mtp = _with_mtp_layer(tmp_path / "hf")
+    mtp["model.layers.2.shared_head.head.weight"][0, 0] += 1
+    save_file(mtp, tmp_path / "hf" / "model-mtp.safetensors")
+    with pytest.raises(CheckpointError, match=r"shared_head\.head\.weight differs from lm_head"):
+        DEEPSEEK_V3_HF.build_from_checkpoint(tmp_path / "hf")
+
+
+def test_without_its_layers_a_checkpoint_loads_as_the_main_model(tmp_path: Path, caplog):
+    """transformers writes num_nextn_predict_layers but not the layers."""
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_CONFIG)).save_pretrained(
+        tmp_path / "hf"
+    )
+    model, args = DEEPSEEK_V3_HF.build_from_checkpoint(tmp_path / "hf")
+    assert args.mtp_depth == 0 and model.mtp is None
+    assert "loading the main model alone" in caplog.text
+
+
+MTP_JOB = (
+    "--model.name", "deepseek_v3", "--model.mtp_depth", "1", "--training.steps", "3",
+    "--training.global_batch_size", "4", "--training.seq_len", "32",
+    "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "false",
+)  # fmt: skip
+
+
+def test_a_job_trains_mtp_under_expert_parallelism_and_logs_its_loss(tmp_path: Path):
+    train_job(tmp_path, *MTP_JOB, "--metrics.log_interval", "1", config=MOE_CONFIG)  # ep = 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    mtp_losses = [record["mtp_loss"] for record in records if "loss" in record]
+    assert len(mtp_losses) == 3 and all(4 < loss < 6 for loss in mtp_losses)  # ~ln(258) at init
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("--parallelism.pipeline_parallel_degree", "2"), "pp=2 with multi-token prediction"),
+        (("--training.loss_chunk_tokens", "16"), "multi-token prediction (mtp) also runs"),
+        (("--model.mtp_loss_weight", "-0.5"), "must be >= 0"),
+    ],
+    ids=["pipeline", "chunked_loss", "negative_weight"],
+)
+def test_layouts_that_would_split_mtp_are_refused_in_one_line(tmp_path, overrides, message):
+    error = single_process_error(tmp_path, *MTP_JOB, *overrides, world_size=2)
+    assert message in error and "\n" not in error.strip()
