@@ -116,7 +116,7 @@ def _train_rank(rank: int, world_size: int, argv: list[str], folder: str) -> Non
 
 def logged_losses(output_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return {record["step"]: record["loss"] for record in records}
+    return {record["step"]: record["loss"] for record in records if "loss" in record}
 
 
 SHORT_RUN_STEPS = 24  # long enough that a kill after step 8 lands mid-run

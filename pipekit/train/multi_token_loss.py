@@ -31,8 +31,9 @@ class MultiTokenLoss:
 
     @contextlib.contextmanager
     def targets(self, batch: TensorDict, global_tokens: Tensor) -> Iterator[None]:
-        """Around one micro-batch's forward: the extra loss weighted as its token losses."""
-        if not self.enabled:
+        """Around one micro-batch's forward: the extra loss weighted as its token losses (in
+        training only: a validation forward runs the main model alone)."""
+        if not self.enabled or not torch.is_grad_enabled():
             yield
             return
         with multi_token_targets(
@@ -45,11 +46,9 @@ class MultiTokenLoss:
         self, sum_over_ranks: Callable[[Tensor], Tensor], global_tokens: Tensor, training: bool
     ) -> None:
         """After the micro-batches of a step (every rank calls it): `metrics` from their
-        loss sums when `training` (an evaluation's are dropped)."""
-        if not self.enabled:
+        loss sums when `training` (a validation step ran none)."""
+        if not (self.enabled and training):
             return
         sums_D = torch.stack(self._sums).sum(0)  # every rank ran at least one forward
         self._sums = []
-        mean = float(sum_over_ranks(sums_D.double()).mean() / global_tokens)
-        if training:
-            self.metrics = {"mtp_loss": mean}
+        self.metrics = {"mtp_loss": float(sum_over_ranks(sums_D.double()).mean() / global_tokens)}

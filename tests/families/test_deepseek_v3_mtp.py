@@ -104,10 +104,15 @@ MTP_JOB = (
 
 
 def test_a_job_trains_mtp_under_expert_parallelism_and_logs_its_loss(tmp_path: Path):
-    train_job(tmp_path, *MTP_JOB, "--metrics.log_interval", "1", config=MOE_CONFIG)  # ep = 2
+    """ep = 2 (the config's); a validation step between training steps runs the main model
+    alone and leaves the training metric as it was."""
+    validation = ("--validation.enable", "true", "--validation.interval", "2",
+                  "--validation.steps", "1")  # fmt: skip
+    train_job(tmp_path, *MTP_JOB, *validation, "--metrics.log_interval", "1", config=MOE_CONFIG)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     mtp_losses = [record["mtp_loss"] for record in records if "loss" in record]
     assert len(mtp_losses) == 3 and all(4 < loss < 6 for loss in mtp_losses)  # ~ln(258) at init
+    assert len([record for record in records if "val_loss" in record]) == 2
 
 
 @pytest.mark.parametrize(
