@@ -91,7 +91,7 @@ class ModelConfig:
     flavors take the size of a [data] tokenizer.json, so a real tokenizer trains a small model."""
     mtp_depth: int = -1
     """Multi-token prediction modules after the last block (DeepSeek-V3's D; decoder families);
-    -1 = the flavor's (none), 0 = none. Jobs without pp, cp or tp."""
+    -1 = the flavor's (none), 0 = none. Not with cp or tp."""
     mtp_loss_weight: float = -1.0
     """lambda of the extra loss, lambda / D x the depths' cross-entropies; -1 = 0.3."""
     upcycle: UpcycleConfig = field(default_factory=UpcycleConfig)

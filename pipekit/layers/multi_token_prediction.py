@@ -27,7 +27,7 @@ Legend: B batch, S sequence, D model dim, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -43,18 +43,24 @@ __all__ = [
     "MTPModule",
     "MultiTokenPrediction",
     "MultiTokenTargets",
+    "current_targets",
+    "depth_targets",
     "multi_token_targets",
-    "shifted_targets",
+    "prediction_depth",
+    "sequence_targets",
 ]
 
 
 @dataclass
 class MultiTokenTargets:
-    """What the extra modules learn from in one forward, and what they report."""
+    """What the extra modules learn from in one forward of S tokens, and what they report.
+    The tensors run D positions past the forward's tokens (T = S + D): the tokens, labels and
+    document ids that follow (in the next slice of a sliced pipeline), or padding at the end
+    of the row (label ignored, document id -1)."""
 
-    tokens_BS: Tensor
-    labels_BS: Tensor
-    document_ids_BS: Tensor | None
+    tokens_BT: Tensor
+    labels_BT: Tensor
+    document_ids_BT: Tensor | None
     loss_scale: float
     """Weight of a summed token loss in the step's loss (1 / the step's label tokens)."""
     loss_sums: list[Tensor] = field(default_factory=list)
@@ -66,14 +72,14 @@ _TARGETS: ContextVar[MultiTokenTargets | None] = ContextVar("multi_token_targets
 
 @contextlib.contextmanager
 def multi_token_targets(
-    tokens_BS: Tensor,
-    labels_BS: Tensor,
-    document_ids_BS: Tensor | None,
+    tokens_BT: Tensor,
+    labels_BT: Tensor,
+    document_ids_BT: Tensor | None,
     loss_scale: float,
 ) -> Iterator[MultiTokenTargets]:
     """Within this context, a model with multi-token prediction adds its extra loss; the
     yielded object collects the per-depth loss sums."""
-    targets = MultiTokenTargets(tokens_BS, labels_BS, document_ids_BS, loss_scale)
+    targets = MultiTokenTargets(tokens_BT, labels_BT, document_ids_BT, loss_scale)
     token = _TARGETS.set(targets)
     try:
         yield targets
@@ -81,19 +87,48 @@ def multi_token_targets(
         _TARGETS.reset(token)
 
 
-def _shifted_left(x_BS: Tensor, k: int, fill: int) -> Tensor:
-    """`x_BS` moved k positions to the left along the sequence, the last k filled."""
-    out_BS = torch.full_like(x_BS, fill)
-    out_BS[:, : x_BS.shape[1] - k] = x_BS[:, k:]
-    return out_BS
+def current_targets() -> MultiTokenTargets | None:
+    """The targets `multi_token_targets` set around this point, if any."""
+    return _TARGETS.get()
 
 
-def shifted_targets(labels_BS: Tensor, document_ids_BS: Tensor | None, k: int) -> Tensor:
-    """Depth k's targets: the labels k positions on, ignored where they run past the row or
-    into another document."""
-    targets_BS = _shifted_left(labels_BS, k, IGNORE_INDEX)
-    if document_ids_BS is not None:
-        other_document = _shifted_left(document_ids_BS, k, -1) != document_ids_BS
+def prediction_depth(model: nn.Module, names: Sequence[str]) -> int:
+    """D of `model`'s multi-token prediction modules (`ModelStructure.multi_token_prediction`
+    names them); 0 without them."""
+    return sum(len(module) for name in names if (module := getattr(model, name, None)) is not None)
+
+
+def _padded(x_BS: Tensor, depth: int, fill: int) -> Tensor:
+    return torch.cat([x_BS, x_BS.new_full((x_BS.shape[0], depth), fill)], dim=1)
+
+
+def sequence_targets(
+    tokens_BS: Tensor,
+    labels_BS: Tensor,
+    document_ids_BS: Tensor | None,
+    depth: int,
+    loss_scale: float,
+) -> contextlib.AbstractContextManager[MultiTokenTargets]:
+    """`multi_token_targets` for a forward of whole rows: nothing follows them."""
+    return multi_token_targets(
+        _padded(tokens_BS, depth, 0),
+        _padded(labels_BS, depth, IGNORE_INDEX),
+        None if document_ids_BS is None else _padded(document_ids_BS, depth, -1),
+        loss_scale,
+    )
+
+
+def _ahead(x_BT: Tensor, k: int, length: int) -> Tensor:
+    """The `length` positions k on."""
+    return x_BT[:, k : k + length]
+
+
+def depth_targets(labels_BT: Tensor, document_ids_BT: Tensor | None, k: int, length: int) -> Tensor:
+    """Depth k's targets for the first `length` positions: the labels k positions on, ignored
+    where they lie in another document (or past the row: padding)."""
+    targets_BS = _ahead(labels_BT, k, length)
+    if document_ids_BT is not None:
+        other_document = _ahead(document_ids_BT, k, length) != document_ids_BT[:, :length]
         targets_BS = targets_BS.masked_fill(other_document, IGNORE_INDEX)
     return targets_BS
 
@@ -146,11 +181,18 @@ class MultiTokenPrediction(nn.ModuleDict):
         targets = _TARGETS.get()
         if targets is None:
             return logits_BSV
+        length = h_BSD.shape[1]
+        if targets.tokens_BT.shape[1] != length + len(self):
+            raise ValueError(
+                f"multi-token targets of {targets.tokens_BT.shape[1]} positions for a forward of "
+                f"{length} tokens and {len(self)} depths; give the tokens, labels and document "
+                "ids of the forward and the depth positions after it"
+            )
         sums = []
         for k, depth in enumerate(self.values(), start=1):
-            next_tokens_BS = _shifted_left(targets.tokens_BS, k, 0)
+            next_tokens_BS = _ahead(targets.tokens_BT, k, length)
             h_BSD = depth(h_BSD, embedding(next_tokens_BS), *block_args)
-            depth_targets_BS = shifted_targets(targets.labels_BS, targets.document_ids_BS, k)
+            depth_targets_BS = depth_targets(targets.labels_BT, targets.document_ids_BT, k, length)
             sums.append(token_sum_cross_entropy(head(depth.norm(h_BSD)), depth_targets_BS, 1.0))
         targets.loss_sums.append(torch.stack([loss.detach() for loss in sums]))
         extra = torch.stack(sums).sum() * (self.loss_weight / len(self))

@@ -90,7 +90,8 @@ class ModelStructure:
     multi_token_prediction: tuple[str, ...] = ()
     """Modules run in training on the output layer's input, with the embedding and the output
     layer as shared weights (`pipekit.layers.multi_token_prediction`); an attribute of None is
-    a model without them. Jobs without a pipeline, context or tensor parallelism."""
+    a model without them. A pipeline's last stage holds them; no context or tensor
+    parallelism."""
 
     @property
     def placed(self) -> tuple[str, ...]:

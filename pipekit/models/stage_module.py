@@ -49,10 +49,20 @@ def build_stage_module(
             entries = {
                 key: entry for key, entry in child.named_children() if f"{name}.{key}" in kept
             }
-            setattr(stage, name, nn.ModuleDict(entries) if entries else None)
+            setattr(stage, name, _container_of(child, entries) if entries else None)
         elif name not in kept:
             setattr(stage, name, None)
     return stage
+
+
+def _container_of(child: nn.Module, entries: dict[str, nn.Module]) -> nn.Module:
+    """A ModuleDict holding `entries`: of `child`'s own class and attributes when `child` is a
+    ModuleDict (a subclass's methods, e.g. multi-token prediction's, stay), else a plain one."""
+    if not isinstance(child, nn.ModuleDict):
+        return nn.ModuleDict(entries)
+    container = _shallow_copy(child)
+    container._modules = dict(entries)
+    return container
 
 
 def _shallow_copy(model: nn.Module) -> nn.Module:
@@ -225,7 +235,8 @@ def model_units(model: nn.Module) -> list[str]:
 
 def _expand(model: nn.Module, names: Sequence[str], where: str) -> set[str]:
     table = _name_table(model)
-    unknown = [name for name in names if name not in table]
+    # a module the structure names but this model has not (set to None) holds nothing
+    unknown = [name for name in names if name not in table and getattr(model, name, 0) is not None]
     if unknown:
         top_level = [name for name, _ in model.named_children()]
         containers = {
@@ -239,7 +250,7 @@ def _expand(model: nn.Module, names: Sequence[str], where: str) -> set[str]:
         raise ValueError(
             f"{where}: unknown module names {unknown}; valid names are {top_level}{entries}"
         )
-    return {unit for name in names for unit in table[name]}
+    return {unit for name in names for unit in table.get(name, [])}
 
 
 def _describe_keys(keys: list[str]) -> str:

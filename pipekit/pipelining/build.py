@@ -18,15 +18,22 @@ equal by `TiedWeights` (a step-level extension the schedule does not carry).
 
 from __future__ import annotations
 
+import copy
+
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipekit.distributed.process_group import new_group_between
+from pipekit.layers.multi_token_prediction import prediction_depth
 from pipekit.models.stage_module import (
     build_stage_module,
     check_structure,
     validate_stage_module_names,
+)
+from pipekit.pipelining.features.multi_token_units import (
+    MultiTokenUnits,
+    check_multi_token_stage,
 )
 from pipekit.pipelining.features.registry import FeatureBuilding, get_pipeline_feature
 from pipekit.pipelining.features.tied_weights import TiedWeights, untie_vocabulary
@@ -53,6 +60,7 @@ def build_pipeline(
     validate_stage_module_names(
         model, plan.module_names_per_stage, plan.modules_outside_stages, plan.structure.shared
     )
+    check_multi_token_stage(model, plan.structure, plan.module_names_per_stage)
     tied = plan.model.tied_embeddings
     if tied:  # the embedding's and the output's stages each get a copy
         untie_vocabulary(model, plan.structure)
@@ -61,6 +69,12 @@ def build_pipeline(
     indices = plan.stage_indices(rank)
     names = [name for index in indices for name in plan.module_names_per_stage[index]]
     rank_model = build_stage_module(model, names)
+    depth = prediction_depth(model, plan.structure.multi_token_prediction)
+    last = plan.num_stages - 1
+    embedding_name = plan.structure.embedding
+    if depth and last in indices and getattr(rank_model, embedding_name) is None:
+        # multi-token prediction embeds on the last stage: a copy of the first stage's
+        setattr(rank_model, embedding_name, copy.deepcopy(getattr(model, embedding_name)))
     shapes = _stage_shapes(plan, setup)
     extensions: list[PipelineExtension] = []
     for name in plan.features:  # in the table's order
@@ -75,14 +89,17 @@ def build_pipeline(
             plan.feature_plans[name],
         )
         extensions.append(get_pipeline_feature(name).build(building))
+    if depth:
+        extensions.append(MultiTokenUnits(last, plan.num_slices, depth))
     stage_modules = []
     for stage_index in indices:
         if len(indices) == 1 and not plan.modules_outside_stages:  # the rank model is the stage
             stage_module = rank_model
         else:
-            stage_module = build_stage_module(
-                rank_model, plan.module_names_per_stage[stage_index], share_modules=True
-            )
+            stage_names = list(plan.module_names_per_stage[stage_index])
+            if depth and stage_index == last:
+                stage_names.append(embedding_name)
+            stage_module = build_stage_module(rank_model, stage_names, share_modules=True)
         setup.parallelize(stage_module)  # on the meta device
         setup.materialize(stage_module)
         stage_modules.append(stage_module)
@@ -90,8 +107,8 @@ def build_pipeline(
         _layout(layout, stage_modules, indices, pp_mesh, setup, tuple(extensions))
         for layout in plan.layouts or (plan,)
     ]
-    if tied:  # a step-level feature: the schedule does not carry it
-        extensions.append(_tied_weights(plan, rank_model, mesh, extensions))
+    if tied or depth:  # a step-level feature: the schedule does not carry it
+        extensions.append(_tied_weights(plan, rank_model, mesh, extensions, bool(depth)))
     choice = None
     if len(layouts) > 1:  # one decision for the world: dp replicas must run alike
         choice = MeasuredChoice(
@@ -165,9 +182,12 @@ def _tied_weights(
     rank_model: nn.Module,
     mesh: DeviceMesh,
     extensions: list[PipelineExtension],
+    embedding_on_last: bool,
 ) -> TiedWeights:
-    """The tied weight's copies on this rank (after parallelization, which replaces the
-    parameters) and the group of the two ranks that hold them; every rank calls this."""
+    """The copies on this rank of the embedding's weight (after parallelization, which
+    replaces the parameters): the first stage's embedding, the last stage's output layer when
+    the model ties them, and its copy of the embedding for multi-token prediction; with the
+    group of the first and last stages' ranks. Every rank calls this."""
     held = next((copies for ext in extensions if (copies := ext.tied_copies())), None)
     if held is not None:  # a feature holds both ends of the tie on every rank
         return TiedWeights(held, None, counted_here=True)
@@ -175,9 +195,14 @@ def _tied_weights(
     group = None if first == last else new_group_between(mesh, "pp", (first, last))
     rank = mesh["pp"].get_local_rank()
     embedding_name, output_name = plan.structure.vocabulary_modules
-    copies = [
-        getattr(rank_model, name).weight
-        for name, holder in ((embedding_name, first), (output_name, last))
-        if holder == rank
-    ]
-    return TiedWeights(copies, group, counted_here=rank == first)
+    holders = [(embedding_name, first)]
+    if plan.model.tied_embeddings:
+        holders.append((output_name, last))
+    if embedding_on_last:
+        holders.append((embedding_name, last))
+    copies: dict[int, nn.Parameter] = {}  # one module may stand for two holders
+    for name, holder in holders:
+        if holder == rank:
+            weight = getattr(rank_model, name).weight
+            copies.setdefault(id(weight), weight)
+    return TiedWeights(list(copies.values()), group, counted_here=rank == first)

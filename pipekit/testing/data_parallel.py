@@ -178,7 +178,7 @@ def data_parallel_step(
         with (
             aux_loss_scale(1.0 / dims.dp_degree),
             statistics_group(sequence_group),
-            training_targets(part, normaliser),
+            training_targets(part, normaliser, model, spec.structure),
         ):
             logits = model(part["tokens"], part["positions"], context)
         loss = token_sum_cross_entropy(logits, part["labels"], normaliser)

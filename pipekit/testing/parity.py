@@ -30,8 +30,12 @@ from torch import Tensor, nn
 
 from pipekit.attention.context import CausalAttention
 from pipekit.layers.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
-from pipekit.layers.multi_token_prediction import MultiTokenTargets, multi_token_targets
-from pipekit.models.spec import ModelSpec
+from pipekit.layers.multi_token_prediction import (
+    MultiTokenTargets,
+    prediction_depth,
+    sequence_targets,
+)
+from pipekit.models.spec import ModelSpec, ModelStructure
 from pipekit.moe.aux_loss import aux_loss_scale
 
 __all__ = [
@@ -98,7 +102,8 @@ def reference_step(
     normaliser = count_label_tokens(batch["labels"])
     total = torch.zeros((), dtype=torch.float64)
     for part in batch.split(batch.batch_size[0] // microbatches):
-        with aux_loss_scale(1.0 / microbatches), training_targets(part, normaliser):
+        targets = training_targets(part, normaliser, model, spec.structure)
+        with aux_loss_scale(1.0 / microbatches), targets:
             logits = model(part["tokens"], part["positions"], CausalAttention(part["document_ids"]))
         loss = token_sum_cross_entropy(logits, part["labels"], normaliser)
         loss.backward()
@@ -108,12 +113,15 @@ def reference_step(
 
 
 def training_targets(
-    part: TensorDict, normaliser: Tensor
-) -> contextlib.AbstractContextManager[MultiTokenTargets]:
-    """The targets a model's multi-token prediction trains on in a step over `part` (a no-op
-    for a model without it), weighted as the token losses: over the batch's label count."""
-    return multi_token_targets(
-        part["tokens"], part["labels"], part["document_ids"], 1.0 / float(normaliser)
+    part: TensorDict, normaliser: Tensor, model: nn.Module, structure: ModelStructure
+) -> contextlib.AbstractContextManager[MultiTokenTargets | None]:
+    """The targets `model`'s multi-token prediction trains on in a step over `part` (none for a
+    model without it), weighted as the token losses: over the batch's label count."""
+    depth = prediction_depth(model, structure.multi_token_prediction)
+    if not depth:
+        return contextlib.nullcontext()
+    return sequence_targets(
+        part["tokens"], part["labels"], part["document_ids"], depth, 1.0 / float(normaliser)
     )
 
 

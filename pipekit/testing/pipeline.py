@@ -30,6 +30,7 @@ from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import single_rank_mesh
 from pipekit.distributed.tensor_parallel import apply_tensor_parallel
 from pipekit.layers.loss import count_label_tokens
+from pipekit.layers.multi_token_prediction import sequence_targets
 from pipekit.layers.sequence_statistics import statistics_group
 from pipekit.models.materialize import seeded_materializer
 from pipekit.models.spec import ModelSpec
@@ -45,6 +46,7 @@ from pipekit.pipelining import (
     plan_pipeline,
 )
 from pipekit.pipelining.features.context_exchange import PipelineContextExchange
+from pipekit.pipelining.features.multi_token_units import MultiTokenUnits
 from pipekit.pipelining.runtime.runner import PipelineRunner, make_schedule
 from pipekit.testing.parity import Result, full_gradient
 from pipekit.train.activation_checkpoint import apply_activation_checkpointing
@@ -221,12 +223,19 @@ def runner_step(
     cp_group = None
     if context is not None:  # this cp rank's tokens of every slice
         part, cp_group = context.shard(part, runner.num_microbatches), context.group
+    normaliser = count_label_tokens(batch["labels"])
+    units = runner.extension(MultiTokenUnits.name)  # the model's multi-token prediction
     with (
         loss_parallel_context() if loss_parallel else nullcontext(),
         aux_loss_scale(1.0 / data_ranks),
         statistics_group(sequence_group or cp_group),
+        nullcontext()
+        if not isinstance(units, MultiTokenUnits)
+        else sequence_targets(
+            part["tokens"], part["labels"], part["document_ids"], units.depth, 1 / float(normaliser)
+        ),
     ):
-        loss = runner.step(part, count_label_tokens(batch["labels"]))
+        loss = runner.step(part, normaliser)
     for group in (data_group, cp_group):
         if loss is not None and group is not None:
             dist.all_reduce(loss, group=group)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pipekit.attention.document_lengths import parse_document_lengths
 from pipekit.config.job_config import JobConfig
 from pipekit.config.loader import ConfigError
+from pipekit.layers.multi_token_prediction import prediction_depth
 from pipekit.models.registry import get_model_spec, import_model_module, resolve_model
 from pipekit.models.spec import ModelShape, ModelSpec
 from pipekit.models.upcycling import UpcycleSpec
@@ -56,6 +57,8 @@ class Job:
     """The pipeline, when pipeline_parallel_degree > 1."""
     local_batch_size: int
     """Sequences per data-parallel rank and accumulation micro-step."""
+    multi_token_depth: int = 0
+    """The model's multi-token prediction depths (`ModelStructure.multi_token_prediction`)."""
 
     @property
     def tensor_parallel(self) -> int:
@@ -156,7 +159,8 @@ def validate_job(config: JobConfig, world_size: int, *, check_files: bool = True
             f"[parallelism] pipeline_features={config.parallelism.pipeline_features} are "
             "pipeline features: set pipeline_parallel_degree >= 2, or pipeline_features = []"
         )
-    return Job(config, spec, args, shape, upcycle, dims, pipeline, local_batch)
+    depth = prediction_depth(meta_model, spec.structure.multi_token_prediction)
+    return Job(config, spec, args, shape, upcycle, dims, pipeline, local_batch, depth)
 
 
 def job_model(
@@ -340,6 +344,7 @@ def job_pipeline(
 
     from pipekit.attention.kernels.backends import attention_work_block
     from pipekit.models.stage_module import validate_stage_module_names
+    from pipekit.pipelining.features.multi_token_units import check_multi_token_stage
     from pipekit.pipelining.plan import plan_pipeline
     from pipekit.train.metrics import attention_to_linear_flops
 
@@ -363,6 +368,7 @@ def job_pipeline(
         validate_stage_module_names(
             model, plan.module_names_per_stage, plan.modules_outside_stages, spec.structure.shared
         )
+        check_multi_token_stage(model, spec.structure, plan.module_names_per_stage)
     except ValueError as error:
         raise _error("[parallelism]", error) from None
     try:

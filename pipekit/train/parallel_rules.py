@@ -60,7 +60,7 @@ def check_parallel_layout(
             meta_model = spec.build(args)
     shape = spec.shape(args)
     try:
-        _check_multi_token_prediction(dims, spec, meta_model)
+        _check_multi_token_prediction(parallelism, dims, spec, meta_model)
         if dims.tp > 1:
             _check_tensor_parallel(parallelism, seq_len, dims, spec, args)
         if dims.ep_enabled:
@@ -77,21 +77,28 @@ def check_parallel_layout(
 
 
 def _check_multi_token_prediction(
-    dims: ParallelDims, spec: ModelSpec, meta_model: nn.Module
+    parallelism: ParallelismConfig, dims: ParallelDims, spec: ModelSpec, meta_model: nn.Module
 ) -> None:
-    """Multi-token prediction runs beside the output layer on whole sequences: not yet split
-    across pipeline stages, context-parallel shards or tensor-parallel ranks."""
+    """Multi-token prediction runs beside the output layer, on whole sequences or on a
+    pipeline's last stage: not split across context-parallel shards or tensor-parallel ranks,
+    nor with the pipeline features that move the embedding, the output layer or attention."""
     present = [
         name
         for name in spec.structure.multi_token_prediction
         if getattr(meta_model, name, None) is not None
     ]
-    split = [f"{dim}={getattr(dims, dim)}" for dim in ("pp", "cp", "tp") if getattr(dims, dim) > 1]
+    split = [f"{dim}={getattr(dims, dim)}" for dim in ("cp", "tp") if getattr(dims, dim) > 1]
+    if dims.pp > 1:
+        split += [
+            f"pipeline feature {name}"
+            for name in enabled_pipeline_features(parallelism)
+            if name != "context_parallel"
+        ]
     if present and split:
         raise ValueError(
             f"{', '.join(split)} with multi-token prediction ({', '.join(present)}), which "
-            "pipekit runs on whole sequences beside the output layer only; set mtp_depth = 0 "
-            "or use data and expert parallelism (pp = cp = tp = 1)"
+            "pipekit runs beside the output layer with data, expert and plain pipeline "
+            "parallelism only; set mtp_depth = 0 or turn those off"
         )
 
 

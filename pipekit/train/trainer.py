@@ -128,7 +128,7 @@ class Trainer:
             if chunk_tokens
             else None
         )
-        self._multi_token = MultiTokenLoss(self.model, job.spec.structure)
+        self._multi_token = MultiTokenLoss(job.multi_token_depth)
         self.optimizer = build_optimizer(self.model, config.optimizer, job.spec.structure)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.training.steps, config.lr_scheduler

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from job_runs import MOE_CONFIG, single_process_error, train_job
+from job_runs import MOE_CONFIG, SLICED_PP_CONFIG, single_process_error, train_job
 from safetensors.torch import load_file, save_file
 
 from pipekit.checkpoint import CheckpointError
+from pipekit.config.job_config import JobConfig, ParallelismConfig
+from pipekit.config.loader import ConfigError
 from pipekit.families.deepseek_v3.hf import DEEPSEEK_V3_HF
+from pipekit.train.job import validate_job
 
 transformers = pytest.importorskip("transformers")
 
@@ -115,10 +118,28 @@ def test_a_job_trains_mtp_under_expert_parallelism_and_logs_its_loss(tmp_path: P
     assert len([record for record in records if "val_loss" in record]) == 2
 
 
+def test_a_sliced_pipeline_job_with_mtp_resumes_exactly(tmp_path: Path):
+    """The MTP depth on the last stage with its copy of the embedding: stopped after step 2
+    and resumed, the job logs the uninterrupted run's losses (both copies in the checkpoint
+    under the embedding's one name)."""
+    run = (*MTP_JOB[:-2], "--checkpoint.interval", "2", "--metrics.log_interval", "1")
+    whole = train_job(tmp_path / "whole", *run, "--checkpoint.enable", "false",
+                      config=SLICED_PP_CONFIG)  # fmt: skip
+    stopped = (*run, "--checkpoint.enable", "true")
+    train_job(tmp_path / "resumed", *stopped, "--training.steps", "2", config=SLICED_PP_CONFIG)
+    resumed = train_job(tmp_path / "resumed", *stopped, config=SLICED_PP_CONFIG)
+    assert resumed == whole and len(whole) == 3
+    metrics = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
+    assert all(4 < json.loads(line)["mtp_loss"] < 6 for line in metrics)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (("--parallelism.pipeline_parallel_degree", "2"), "pp=2 with multi-token prediction"),
+        (
+            ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.vocab_parallel", "true"),
+            "pipeline feature vocab_parallel with multi-token prediction",
+        ),
         (("--training.loss_chunk_tokens", "16"), "multi-token prediction (mtp) also runs"),
         (("--model.mtp_loss_weight", "-0.5"), "must be >= 0"),
     ],
@@ -127,3 +148,19 @@ def test_a_job_trains_mtp_under_expert_parallelism_and_logs_its_loss(tmp_path: P
 def test_layouts_that_would_split_mtp_are_refused_in_one_line(tmp_path, overrides, message):
     error = single_process_error(tmp_path, *MTP_JOB, *overrides, world_size=2)
     assert message in error and "\n" not in error.strip()
+
+
+def test_mtp_off_the_output_stage_is_refused_before_launch():
+    """A hand-written split that puts the MTP depths with the embedding would never run them."""
+    config = JobConfig()
+    config.model.name, config.model.mtp_depth = "deepseek_v3", 1
+    config.training.global_batch_size, config.training.seq_len = 4, 64
+    stages = ["tok_embeddings,layers.0,layers.1,mtp", "layers.2,layers.3,norm,output"]
+    config.parallelism = ParallelismConfig(
+        dp_shard=1, pipeline_parallel_degree=2, pipeline_stage_modules=stages
+    )
+    with pytest.raises(ConfigError, match="put mtp and output in the last stage's modules"):
+        validate_job(config, world_size=2)
+    config.parallelism.pipeline_stage_modules = ["tok_embeddings,layers.0,layers.1",
+                                                 "layers.2,layers.3,norm,output,mtp"]  # fmt: skip
+    assert validate_job(config, world_size=2).multi_token_depth == 1

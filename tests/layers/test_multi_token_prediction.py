@@ -1,7 +1,8 @@
 """Multi-token prediction: the loss and every gradient of a model with MTP modules equal a
 reference written out document by document (float64), for DeepSeek-V3 (MLA and MoE blocks) and a
-Llama with tied embeddings; the same under FSDP2 and expert parallelism against one process;
-ablations; what the extra modules leave alone."""
+Llama with tied embeddings; the same under FSDP2, expert parallelism and the sliced pipeline
+(with EP, and for the tied Llama) against one process; ablations (no shift; slices that do not
+look into the next one); what the extra modules leave alone."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from tensordict import TensorDict
 from pipekit.attention.context import CausalAttention
 from pipekit.layers import multi_token_prediction as mtp_module
 from pipekit.layers.loss import IGNORE_INDEX, count_label_tokens, token_sum_cross_entropy
-from pipekit.layers.multi_token_prediction import shifted_targets
+from pipekit.layers.multi_token_prediction import depth_targets, sequence_targets
 from pipekit.models import get_model_spec
+from pipekit.pipelining.features.multi_token_units import MultiTokenUnits
 from pipekit.testing import (
     build_model,
     compare,
     data_parallel_step,
     parity_batch,
+    pipeline_step,
     reference_step,
     run_on_ranks,
 )
@@ -98,17 +101,20 @@ def test_mtp_without_its_shift_is_caught(monkeypatch):
     spec, args = _deepseek(depth=1)
     batch = parity_batch(args.vocab_size, ROWS, SEQ)
     reference = _written_out(spec, args, batch)
-    monkeypatch.setattr(mtp_module, "_shifted_left", lambda x_BS, k, fill: x_BS.clone())
+    monkeypatch.setattr(mtp_module, "_ahead", lambda x_BT, k, length: x_BT[:, :length])
     assert not compare([reference_step(spec, args, batch)], reference).within(1e-3)
 
 
 def test_depth_targets_stop_at_the_row_and_the_document():
+    tokens_BS = torch.zeros(1, 6, dtype=torch.long)
     labels_BS = torch.tensor([[10, 11, 12, 13, 14, IGNORE_INDEX]])
     documents_BS = torch.tensor([[0, 0, 0, 1, 1, 1]])
-    assert shifted_targets(labels_BS, documents_BS, 1).tolist() == [
+    with sequence_targets(tokens_BS, labels_BS, documents_BS, 2, 1.0) as targets:
+        labels_BT, documents_BT = targets.labels_BT, targets.document_ids_BT
+    assert depth_targets(labels_BT, documents_BT, 1, 6).tolist() == [
         [11, 12, IGNORE_INDEX, 14, IGNORE_INDEX, IGNORE_INDEX]
     ]
-    assert shifted_targets(labels_BS, None, 2).tolist() == [
+    assert depth_targets(labels_BT, None, 2, 6).tolist() == [
         [12, 13, 14, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
     ]
 
@@ -141,3 +147,60 @@ def test_mtp_under_fsdp_and_expert_parallelism_equals_one_process_fp64():
     per_rank = run_on_ranks(_layouts, 2, spec, args, batch, timeout=180)
     for index in range(2):
         assert compare([steps[index] for steps in per_rank], reference).within(1e-10)
+
+
+SLICED = {"pipeline_schedule": "sliced", "num_slices": 4, "microbatches": 2}
+
+
+def _slices_blind_to_the_next(runner) -> None:
+    """The ablation: each slice's depth targets padded at its own end, as if it were a row."""
+    units = runner.extension(MultiTokenUnits.name)
+
+    def begin_step(units_, normaliser):
+        MultiTokenUnits.begin_step(units, units_, normaliser)
+        units._columns = [slice(c.start, c.stop - units.depth) for c in units._columns]
+
+    def unit_targets(unit):
+        batch = mtp_module.current_targets()
+        index = unit  # units run in (microbatch, slice) order
+        rows, columns = units._rows[index], units._columns[index]
+        documents = batch.document_ids_BT[rows, columns]
+        return sequence_targets(batch.tokens_BT[rows, columns], batch.labels_BT[rows, columns],
+                                documents, units.depth, batch.loss_scale)  # fmt: skip
+
+    units.begin_step = begin_step
+    units._unit_targets = unit_targets
+
+
+def _pipelines(rank: int, world: int, spec, args, batch, ablate: bool = False):
+    adjust = _slices_blind_to_the_next if ablate else None
+    return [pipeline_step(rank, world, spec, args, batch, adjust=adjust, **SLICED)]
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3", "tied_llama"])
+def test_mtp_under_the_sliced_pipeline_equals_one_process_fp64(model):
+    spec, args = _deepseek(depth=2) if model == "deepseek_v3" else _tied_llama()
+    batch = parity_batch(args.vocab_size, ROWS, SEQ)
+    reference = reference_step(spec, args, batch, microbatches=2)
+    per_rank = run_on_ranks(_pipelines, 2, spec, args, batch, timeout=180)
+    assert compare([steps[0] for steps in per_rank], reference).within(1e-10)
+
+
+def test_mtp_slices_that_do_not_look_into_the_next_are_caught():
+    spec, args = _deepseek(depth=2)
+    batch = parity_batch(args.vocab_size, ROWS, SEQ)
+    reference = reference_step(spec, args, batch, microbatches=2)
+    per_rank = run_on_ranks(_pipelines, 2, spec, args, batch, True, timeout=180)
+    assert not compare([steps[0] for steps in per_rank], reference).within(1e-3)
+
+
+def _pipeline_with_experts(rank: int, world: int, spec, args, batch):
+    return pipeline_step(rank, world, spec, args, batch, dp_shard=2, ep=2, **SLICED)
+
+
+def test_mtp_under_the_sliced_pipeline_and_expert_parallelism_equals_one_process_fp64():
+    spec, args = _deepseek(depth=1)
+    batch = parity_batch(args.vocab_size, ROWS, SEQ)
+    reference = reference_step(spec, args, batch, microbatches=2)
+    per_rank = run_on_ranks(_pipeline_with_experts, 4, spec, args, batch, timeout=300)
+    assert compare(per_rank, reference).within(1e-10)

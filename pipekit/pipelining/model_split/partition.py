@@ -101,8 +101,9 @@ def stage_module_names(
     outside: Sequence[str] = (),
 ) -> list[list[str]]:
     """Module names of each stage, its blocks split by `partition_layers`: the first stage also
-    holds the embedding and `before_blocks`, the last `after_blocks`, the output and the
-    `logits_transforms`, and every stage the `shared` modules.
+    holds the embedding and `before_blocks`, the last `after_blocks`, the output, the
+    `logits_transforms` and the multi-token prediction modules, and every stage the `shared`
+    modules.
 
     `outside`: modules a pipeline feature holds outside the stages (vocabulary parallelism's
     embedding, output and logits transforms); no stage holds them or pays for them.
@@ -116,7 +117,12 @@ def stage_module_names(
     names[0][:0] = [
         name for name in (structure.embedding, *structure.before_blocks) if name not in outside
     ]
-    ends = (*structure.after_blocks, structure.output, *structure.logits_transforms)
+    ends = (
+        *structure.after_blocks,
+        structure.output,
+        *structure.logits_transforms,
+        *structure.multi_token_prediction,
+    )
     names[-1] += [name for name in ends if name not in outside]
     return with_shared_modules(structure, names)
 
