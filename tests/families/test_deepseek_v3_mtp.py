@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from job_runs import MOE_CONFIG, SLICED_PP_CONFIG, single_process_error, train_job
+from job_runs import SLICED_PP_CONFIG, single_process_error, train_job
 from safetensors.torch import load_file, save_file
 
 from pipekit.checkpoint import CheckpointError
 from pipekit.config.job_config import JobConfig, ParallelismConfig
 from pipekit.config.loader import ConfigError
-from pipekit.families.deepseek_v3.hf import DEEPSEEK_V3_HF
+from pipekit.families.deepseek_v3.hf import DEEPSEEK_V3_HF, args_to_deepseek_v3_config
+from pipekit.models import get_model_spec
 from pipekit.train.job import validate_job
 
 transformers = pytest.importorskip("transformers")
@@ -33,28 +34,34 @@ HF_CONFIG = dict(
 TOKENS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
-def _with_mtp_layer(directory: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def _with_mtp_layer(
+    directory: Path, config: dict | None = None
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """A transformers DeepSeek-V3 saved to `directory`, then an MTP layer added beside it as
-    DeepSeek's files hold one: layer 2, a block named as transformers names layer 1 (an MoE
-    layer), perturbed, with enorm/hnorm/eh_proj/shared_head.norm and the embedding and head
-    copied."""
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_CONFIG)).eval()
+    DeepSeek's files hold one: layer L (L layers), a block named as transformers names layer
+    L-1 (an MoE layer), perturbed, with enorm/hnorm/eh_proj/shared_head.norm and copies of the
+    embedding and head."""
+    config = transformers.DeepseekV3Config(**(config or HF_CONFIG))
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
     model.save_pretrained(directory)
     main = load_file(directory / "model.safetensors")
+    mtp_layer, dim = config.num_hidden_layers, config.hidden_size
+    last = mtp_layer - 1
     generator = torch.Generator().manual_seed(5)
     mtp = {
-        name.replace("model.layers.1.", "model.layers.2."): tensor
+        name.replace(f"model.layers.{last}.", f"model.layers.{mtp_layer}."): tensor
         + 0.01 * torch.randn(tensor.shape, generator=generator)
         for name, tensor in main.items()
-        if name.startswith("model.layers.1.")
+        if name.startswith(f"model.layers.{last}.")
     }
+    prefix = f"model.layers.{mtp_layer}"
     mtp |= {
-        "model.layers.2.enorm.weight": 1 + 0.1 * torch.randn(64, generator=generator),
-        "model.layers.2.hnorm.weight": 1 + 0.1 * torch.randn(64, generator=generator),
-        "model.layers.2.eh_proj.weight": 0.05 * torch.randn(64, 128, generator=generator),
-        "model.layers.2.shared_head.norm.weight": 1 + 0.1 * torch.randn(64, generator=generator),
-        "model.layers.2.embed_tokens.weight": main["model.embed_tokens.weight"].clone(),
-        "model.layers.2.shared_head.head.weight": main["lm_head.weight"].clone(),
+        f"{prefix}.enorm.weight": 1 + 0.1 * torch.randn(dim, generator=generator),
+        f"{prefix}.hnorm.weight": 1 + 0.1 * torch.randn(dim, generator=generator),
+        f"{prefix}.eh_proj.weight": 0.05 * torch.randn(dim, 2 * dim, generator=generator),
+        f"{prefix}.shared_head.norm.weight": 1 + 0.1 * torch.randn(dim, generator=generator),
+        f"{prefix}.embed_tokens.weight": main["model.embed_tokens.weight"].clone(),
+        f"{prefix}.shared_head.head.weight": main["lm_head.weight"].clone(),
     }
     save_file(mtp, directory / "model-mtp.safetensors")
     return model, mtp
@@ -106,16 +113,35 @@ MTP_JOB = (
 )  # fmt: skip
 
 
-def test_a_job_trains_mtp_under_expert_parallelism_and_logs_its_loss(tmp_path: Path):
-    """ep = 2 (the config's); a validation step between training steps runs the main model
-    alone and leaves the training metric as it was."""
+def test_a_transformers_checkpoint_with_mtp_trains_under_the_sliced_pipeline_and_ep(tmp_path):
+    """The debug flavor's shape written by transformers with an MTP layer added; a job on 4
+    ranks (pp 2 x ep 2, sliced) starts from it, validates between steps, logs `mtp_loss`, and
+    exports a checkpoint with the MTP layer whose main logits transformers reproduces."""
+    args = get_model_spec("deepseek_v3").flavor("debug").with_updates(mtp_depth=1)
+    config = args_to_deepseek_v3_config(args) | {"num_nextn_predict_layers": 1}
+    _with_mtp_layer(tmp_path / "hf", config)
+    layout = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.num_slices", "2",
+              "--parallelism.microbatches", "2", "--parallelism.ep", "2",
+              "--parallelism.dp_shard", "2")  # fmt: skip
     validation = ("--validation.enable", "true", "--validation.interval", "2",
                   "--validation.steps", "1")  # fmt: skip
-    train_job(tmp_path, *MTP_JOB, *validation, "--metrics.log_interval", "1", config=MOE_CONFIG)
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_job(
+        tmp_path / "job", *MTP_JOB, *layout, *validation, "--metrics.log_interval", "1",
+        "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+        "--checkpoint.export_hf_at_end", "true", nproc=4, config=SLICED_PP_CONFIG,
+    )  # fmt: skip
+    records = [
+        json.loads(line) for line in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()
+    ]
     mtp_losses = [record["mtp_loss"] for record in records if "loss" in record]
-    assert len(mtp_losses) == 3 and all(4 < loss < 6 for loss in mtp_losses)  # ~ln(258) at init
+    assert len(mtp_losses) == 3 and all(4 < loss < 6 for loss in mtp_losses)  # ~ln(258)
     assert len([record for record in records if "val_loss" in record]) == 2
+    exported, exported_args = DEEPSEEK_V3_HF.build_from_checkpoint(tmp_path / "job" / "hf")
+    assert exported_args.mtp_depth == 1
+    hf_model = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "job" / "hf").eval()
+    tokens = TOKENS % args.vocab_size
+    with torch.no_grad():
+        assert (exported(tokens) - hf_model(tokens).logits).abs().max() < 1e-4
 
 
 def test_a_sliced_pipeline_job_with_mtp_resumes_exactly(tmp_path: Path):
