@@ -149,6 +149,9 @@ class ModelShape:
     max_seq_len: int
     """Longest sequence the model is built for: a job's longer `seq_len` is refused, and
     packed positions stay below `seq_len`."""
+    multi_token_depth: int = 0
+    """Depths of the model's multi-token prediction modules (0: none): a pipeline's last stage
+    holds them."""
 
 
 class HFTensor(NamedTuple):

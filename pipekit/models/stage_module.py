@@ -235,8 +235,7 @@ def model_units(model: nn.Module) -> list[str]:
 
 def _expand(model: nn.Module, names: Sequence[str], where: str) -> set[str]:
     table = _name_table(model)
-    # a module the structure names but this model has not (set to None) holds nothing
-    unknown = [name for name in names if name not in table and getattr(model, name, 0) is not None]
+    unknown = [name for name in names if name not in table]
     if unknown:
         top_level = [name for name, _ in model.named_children()]
         containers = {
@@ -250,7 +249,7 @@ def _expand(model: nn.Module, names: Sequence[str], where: str) -> set[str]:
         raise ValueError(
             f"{where}: unknown module names {unknown}; valid names are {top_level}{entries}"
         )
-    return {unit for name in names for unit in table.get(name, [])}
+    return {unit for name in names for unit in table[name]}
 
 
 def _describe_keys(keys: list[str]) -> str:

@@ -234,6 +234,7 @@ def _plan_pipeline(
             parallelism.pipeline_embedding_cost,
             parallelism.pipeline_output_cost,
             outside=outside,
+            multi_token_prediction=model.multi_token_depth > 0,
         )
     if sequence_shards > 1:
         check_sequence_parallel_split(seq_len, parallelism.tp, parallelism.cp, num_slices)

@@ -53,6 +53,7 @@ def decoder_shape(args: DecoderArgs) -> ModelShape:
         head_dim=args.per_head_dim,
         tied_embeddings=args.tie_embeddings,
         max_seq_len=args.max_seq_len,
+        multi_token_depth=args.mtp_depth,
     )
 
 

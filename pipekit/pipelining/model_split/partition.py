@@ -99,11 +99,12 @@ def stage_module_names(
     output_weight: float = 1.0,
     *,
     outside: Sequence[str] = (),
+    multi_token_prediction: bool = False,
 ) -> list[list[str]]:
     """Module names of each stage, its blocks split by `partition_layers`: the first stage also
     holds the embedding and `before_blocks`, the last `after_blocks`, the output, the
-    `logits_transforms` and the multi-token prediction modules, and every stage the `shared`
-    modules.
+    `logits_transforms` and (for a model with them) the multi-token prediction modules, and
+    every stage the `shared` modules.
 
     `outside`: modules a pipeline feature holds outside the stages (vocabulary parallelism's
     embedding, output and logits transforms); no stage holds them or pays for them.
@@ -117,12 +118,9 @@ def stage_module_names(
     names[0][:0] = [
         name for name in (structure.embedding, *structure.before_blocks) if name not in outside
     ]
-    ends = (
-        *structure.after_blocks,
-        structure.output,
-        *structure.logits_transforms,
-        *structure.multi_token_prediction,
-    )
+    ends = (*structure.after_blocks, structure.output, *structure.logits_transforms)
+    if multi_token_prediction:
+        ends += structure.multi_token_prediction
     names[-1] += [name for name in ends if name not in outside]
     return with_shared_modules(structure, names)
 
