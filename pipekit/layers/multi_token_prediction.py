@@ -8,20 +8,23 @@ t+k, and predicts token t+k+1:
     h^k  = block(h'^k)                                        one transformer block
     logits^k = head(norm(h^k))                                the model's output layer
 
-The embedding and the output layer are the main model's (shared, not copied). The extra loss
-is lambda / D x sum_k CE^k, the cross-entropy summed over depth k's targets, and it joins the
-step's loss with the main loss's normaliser (the step's label tokens). Targets of depth k are
-the labels shifted left by k: the last k positions of a row, positions whose target lies in
-another packed document, and positions whose shifted label is ignored (a chat prompt) are left
-out.
+The embedding and the output layer are the main model's (one weight; a pipeline's last stage
+holds a copy of the embedding kept equal to it). The extra loss is lambda / D x sum_k CE^k, the
+cross-entropy summed over depth k's targets, and it joins the step's loss with the main loss's
+normaliser (the step's label tokens). Targets of depth k are the labels k positions on: the
+last k positions of a row, positions whose target lies in another packed document, and
+positions whose label there is ignored (a chat prompt) are left out.
 
-The model's forward returns the main logits only; generation and evaluation never run the
-extra modules. In training the trainer states the batch's tokens, labels and document ids with
-`multi_token_targets(...)`, and the forward attaches the weighted extra loss to the logits it
-returns (as MoE auxiliary losses are: `pipekit.layers.attached_loss`), so every
-loss function and schedule that backpropagates through the logits trains the extra modules too.
+The model's forward returns the main logits only; generation never runs the extra modules. In
+training the trainer states the batch's tokens, labels and document ids, with the D positions
+after each forward's tokens (`sequence_targets` for whole rows; a pipeline's last stage takes
+each slice's part, which reaches into the next slice: `pipelining.features.multi_token_units`),
+and the forward attaches the weighted extra loss to the logits it returns (as MoE auxiliary
+losses are: `pipekit.layers.attached_loss`), so every loss function and schedule that
+backpropagates through the logits trains the extra modules too.
 
-Legend: B batch, S sequence, D model dim, V vocabulary.
+Legend (shape suffixes): B batch, S tokens of the forward, T = S + the number of depths,
+D model dim, V vocabulary; in the text, D is the number of depths (DeepSeek-V3's notation).
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def build_pipeline(
         )
         extensions.append(get_pipeline_feature(name).build(building))
     if depth:
-        extensions.append(MultiTokenUnits(last, plan.num_slices, depth))
+        extensions.append(MultiTokenUnits(last, plan.num_microbatches, depth))
     stage_modules = []
     for stage_index in indices:
         if len(indices) == 1 and not plan.modules_outside_stages:  # the rank model is the stage

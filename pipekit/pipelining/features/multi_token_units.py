@@ -52,8 +52,12 @@ class MultiTokenUnits(PipelineExtension):
 
     name = "multi_token_prediction"
 
-    def __init__(self, last_stage_index: int, num_slices: int, depth: int) -> None:
-        self.last_stage_index, self.num_slices, self.depth = last_stage_index, num_slices, depth
+    def __init__(self, last_stage_index: int, num_microbatches: int, depth: int) -> None:
+        self.last_stage_index, self.depth = last_stage_index, depth
+        self.num_microbatches = num_microbatches
+        self.num_slices = 1
+        """This step's slices per microbatch (a measured choice of slice layouts may change it
+        between steps)."""
         self._rows: list[slice] = []
         self._columns: list[slice] = []
 
@@ -62,6 +66,7 @@ class MultiTokenUnits(PipelineExtension):
     ) -> list[tuple[Tensor, ...]] | None:
         """Where each unit lies in the local batch: its microbatch's rows, its slice's tokens
         and the D positions after them."""
+        self.num_slices = len(units) // self.num_microbatches
         self._rows, self._columns = [], []
         for first in range(0, len(units), self.num_slices):
             microbatch = units[first : first + self.num_slices]
