@@ -19,30 +19,18 @@ over FSDP2's per training step), `muon_step_s`, `adamw_step_s`, `gather_s`.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any
 
 import torch
 
 from pipekit.bench._collective_bytes import count_collective_bytes
 from pipekit.bench._pipeline_launch import run_ranks
-from pipekit.bench.report import machine_description, print_result, print_table
+from pipekit.bench.report import machine_description, print_result, print_table, time_call
 
 __all__ = ["main"]
 
 _MIB = 2**20
 _REPEATS = 5
-
-
-def _median_seconds(fn: Any) -> float:
-    fn()  # warm-up: allocates the optimizer states
-    samples = []
-    for _ in range(_REPEATS):
-        started = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
 
 
 def _worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -81,12 +69,14 @@ def _worker(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     }
     for name in ("AdamW", "Muon"):
         optimizer = build_optimizer(model, OptimizerConfig(name=name), llama.structure)
-        results[f"{name}_s"] = _median_seconds(optimizer.step)
+        results[f"{name}_s"] = time_call(optimizer.step, warmup=1, repeats=_REPEATS)
         sent[0] = 0
         optimizer.step()
         results[f"{name}_bytes"] = sent[0]
     matrices = [param for name, param in model.named_parameters() if name in names]
-    results["gather_s"] = _median_seconds(lambda: [p.grad.full_tensor() for p in matrices])
+    results["gather_s"] = time_call(
+        lambda: [p.grad.full_tensor() for p in matrices], warmup=1, repeats=_REPEATS
+    )
     return results
 
 
