@@ -13,7 +13,7 @@ from pipekit.config.job_config import ParallelismConfig
 from pipekit.distributed.fsdp import data_parallel_mesh
 from pipekit.distributed.parallel_dims import ParallelDims
 from pipekit.distributed.process_group import destroy_distributed, init_distributed
-from pipekit.testing import run_on_ranks
+from pipekit.testing import RankFailedError, run_on_ranks
 
 
 def _resolve(world_size: int, **degrees: int) -> ParallelDims:
@@ -131,11 +131,23 @@ def _torchrun_like(rank: int, world_size: int, port: int) -> tuple[int, int, str
     return info.rank, info.world_size, backend
 
 
+# A free port is released before rank 0 binds it: a test running beside this one (another
+# pytest worker) may take it in between, and the ranks then meet a stranger's store or sockets.
+_PORT_TAKEN = ("Address already in use", "connectFullMesh failed", "Connection closed by peer")
+
+
 def test_init_distributed_joins_the_torchrun_group_with_gloo_on_cpu():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    assert run_on_ranks(_torchrun_like, 2, port) == [(0, 2, "gloo"), (1, 2, "gloo")]
+    for attempt in range(3):  # a fresh port when another process took the last one
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            joined = run_on_ranks(_torchrun_like, 2, port)
+            break
+        except RankFailedError as error:
+            if attempt == 2 or not any(sign in str(error) for sign in _PORT_TAKEN):
+                raise
+    assert joined == [(0, 2, "gloo"), (1, 2, "gloo")]
 
 
 def _mesh_layout(rank: int, world_size: int, degrees: dict[str, int]) -> dict:
