@@ -96,6 +96,11 @@ def _pack_corpus_here(argv: list[str]) -> None:
     data = load_job_config(argv).data
     if data.source == "stdlib" and data.tokenizer == "bytes" and not data.mix_sources:
         load_token_stream(data)
+    if data.source == "hf":
+        # Hugging Face datasets (and pandas, pyarrow) imported here, before the fork: forked
+        # ranks importing them while this process held threads of earlier tests (a progress
+        # bar's monitor, a checkpoint server) once hung in the import
+        import datasets  # noqa: F401
 
 
 def _train_rank(rank: int, world_size: int, argv: list[str], folder: str) -> None:
